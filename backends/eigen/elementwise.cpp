@@ -1,0 +1,416 @@
+// Elementwise kernels: fill, copy, cast, unary math and its derivatives, binary ops, where.
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include <Eigen/Core>
+#include <unsupported/Eigen/SpecialFunctions>
+
+#include "eigen_backend.h"
+#include "kernel_util.h"
+
+namespace ruda {
+
+using namespace kernels;
+
+namespace {
+
+template <class T>
+using ArrayMap = Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>>;
+template <class T>
+using ConstArrayMap = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>;
+
+// Values of 16-bit tensors are processed in chunks converted to f32 on the stack.
+constexpr std::int64_t kChunk = 1024;
+
+template <class S, class D>
+D convert(S s) {
+  if constexpr (std::is_same_v<S, D>) {
+    return s;
+  } else if constexpr (std::is_same_v<D, std::uint8_t>) {  // to bool: non-zero
+    return static_cast<std::uint8_t>(Num<S>::load(s) != compute_t<S>(0));
+  } else if constexpr (std::is_same_v<S, bfloat16> || std::is_same_v<S, float16>) {
+    if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
+      return Num<D>::store(Num<S>::load(s));  // f16 <-> bf16 through f32, exact for the intermediate
+    } else {
+      return static_cast<D>(Num<S>::load(s));
+    }
+  } else if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
+    if constexpr (std::is_same_v<S, double>) {
+      // Rounding f64 to f32 to nearest and then again to 16 bits can round twice the wrong way;
+      // rounding to f32 "to odd" (truncate, then set the last bit when bits were lost) cannot.
+      float f = static_cast<float>(s);
+      if (std::isfinite(s) && static_cast<double>(f) != s) {
+        std::uint32_t u;
+        std::memcpy(&u, &f, 4);
+        if (std::abs(static_cast<double>(f)) > std::abs(s)) u -= 1;  // now the truncation toward zero
+        u |= 1u;
+        std::memcpy(&f, &u, 4);
+      }
+      return Num<D>::store(f);
+    } else {
+      return Num<D>::store(static_cast<float>(s));
+    }
+  } else {
+    return static_cast<D>(s);
+  }
+}
+
+}  // namespace
+
+void EigenBackend::fill(const View& out, double value) {
+  dispatch_all(out.dtype, "fill", [&](auto tag) {
+    using T = decltype(tag);
+    const T v = convert<double, T>(value);
+    T* p = out.ptr<T>();
+    const View* views[1] = {&out};
+    Layout<1> layout(views);
+    parallel_for(out.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+      for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
+        T* q = p + off[0];
+        const std::int64_t s = layout.inner_stride(0);
+        if (s == 1) {
+          std::fill(q, q + n, v);
+        } else {
+          for (std::int64_t i = 0; i < n; ++i) q[i * s] = v;
+        }
+      });
+    });
+  });
+}
+
+namespace {
+template <class T>
+void copy_typed(const View& src, const View& dst) {
+  const View* views[2] = {&src, &dst};
+  Layout<2> layout(views);
+  const T* s = src.ptr<const T>();
+  T* d = dst.ptr<T>();
+  parallel_for(dst.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
+      const std::int64_t ss = layout.inner_stride(0), ds = layout.inner_stride(1);
+      const T* a = s + off[0];
+      T* b = d + off[1];
+      if (ss == 1 && ds == 1) {
+        std::memcpy(b, a, static_cast<std::size_t>(n) * sizeof(T));
+      } else if (ss == 0 && ds == 1) {
+        std::fill_n(b, n, *a);
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) b[i * ds] = a[i * ss];
+      }
+    });
+  });
+}
+}  // namespace
+
+void EigenBackend::copy(const View& src, const View& dst) {
+  switch (dtype_size(dst.dtype)) {
+    case 1: return copy_typed<std::uint8_t>(src, dst);
+    case 2: return copy_typed<std::uint16_t>(src, dst);
+    case 4: return copy_typed<std::uint32_t>(src, dst);
+    case 8: return copy_typed<std::uint64_t>(src, dst);
+  }
+}
+
+void EigenBackend::cast(const View& src, const View& dst) {
+  const std::int64_t n = dst.numel();
+  dispatch_all(src.dtype, "cast", [&](auto stag) {
+    using S = decltype(stag);
+    dispatch_all(dst.dtype, "cast", [&](auto dtag) {
+      using D = decltype(dtag);
+      const S* s = src.ptr<const S>();
+      D* d = dst.ptr<D>();
+      parallel_for(n, kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t i = begin; i < end; ++i) d[i] = convert<S, D>(s[i]);
+      });
+    });
+  });
+}
+
+// --- unary ---
+
+namespace {
+
+constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluCubic = 0.044715;
+
+template <class T>
+void unary_array(UnaryOp op, const T* xp, T* yp, std::int64_t n) {
+  ConstArrayMap<T> x(xp, n);
+  ArrayMap<T> y(yp, n);
+  const T half(0.5), one(1), zero(0);
+  switch (op) {
+    case UnaryOp::neg: y = -x; break;
+    case UnaryOp::abs: y = x.abs(); break;
+    case UnaryOp::exp: y = x.exp(); break;
+    case UnaryOp::log: y = x.log(); break;
+    case UnaryOp::sqrt: y = x.sqrt(); break;
+    case UnaryOp::rsqrt: y = x.rsqrt(); break;
+    case UnaryOp::tanh: y = x.tanh(); break;
+    case UnaryOp::sigmoid: y = x.logistic(); break;
+    case UnaryOp::relu: y = (x > zero).select(x, zero); break;
+    case UnaryOp::gelu_erf: y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf()); break;
+    case UnaryOp::gelu_tanh: y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh()); break;
+    case UnaryOp::silu: y = x * x.logistic(); break;
+    case UnaryOp::softplus: y = x.max(zero) + (-x.abs()).exp().log1p(); break;
+    case UnaryOp::square: y = x.square(); break;
+    case UnaryOp::reciprocal: y = x.inverse(); break;
+  }
+}
+
+// gx = gy * f'(x), reading x or y as the derivative needs.
+template <class T>
+void unary_backward_array(UnaryOp op, const T* xp, const T* yp, const T* gyp, T* gxp, std::int64_t n) {
+  ConstArrayMap<T> x(xp ? xp : gyp, n), y(yp ? yp : gyp, n), gy(gyp, n);
+  ArrayMap<T> gx(gxp, n);
+  const T half(0.5), one(1), zero(0);
+  switch (op) {
+    case UnaryOp::neg: gx = -gy; break;
+    case UnaryOp::abs: gx = gy * ((x > zero).template cast<T>() - (x < zero).template cast<T>()); break;
+    case UnaryOp::exp: gx = gy * y; break;
+    case UnaryOp::log: gx = gy / x; break;
+    case UnaryOp::sqrt: gx = gy * half / y; break;
+    case UnaryOp::rsqrt: gx = gy * T(-0.5) * y.cube(); break;
+    case UnaryOp::tanh: gx = gy * (one - y.square()); break;
+    case UnaryOp::sigmoid: gx = gy * y * (one - y); break;
+    case UnaryOp::relu: gx = (y > zero).select(gy, zero); break;
+    case UnaryOp::gelu_erf: {
+      const T inv_sqrt_2pi = T(0.3989422804014327);
+      gx = gy * (half * (one + (x * T(std::numbers::sqrt2 / 2)).erf()) + x * inv_sqrt_2pi * (-half * x.square()).exp());
+      break;
+    }
+    case UnaryOp::gelu_tanh: {
+      const auto t = (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh().eval();
+      gx = gy * (half * (one + t) +
+                 half * x * (one - t.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square()));
+      break;
+    }
+    case UnaryOp::silu: {
+      const auto s = x.logistic().eval();
+      gx = gy * s * (one + x * (one - s));
+      break;
+    }
+    case UnaryOp::softplus: gx = gy * x.logistic(); break;
+    case UnaryOp::square: gx = gy * T(2) * x; break;
+    case UnaryOp::reciprocal: gx = -gy * y.square(); break;
+  }
+}
+
+template <class T>
+void unary_i64(UnaryOp op, const T* x, T* y, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    switch (op) {
+      case UnaryOp::neg: y[i] = -x[i]; break;
+      case UnaryOp::abs: y[i] = x[i] < 0 ? -x[i] : x[i]; break;
+      case UnaryOp::square: y[i] = x[i] * x[i]; break;
+      default: fail<DTypeError>(op_name(op), "is not defined on i64");
+    }
+  }
+}
+
+}  // namespace
+
+void EigenBackend::unary(UnaryOp op, const View& x, const View& y) {
+  const std::int64_t n = x.numel();
+  if (x.dtype == DType::i64) return unary_i64(op, x.ptr<const std::int64_t>(), y.ptr<std::int64_t>(), n);
+  dispatch_float(x.dtype, op_name(op).data(), [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        unary_array<T>(op, x.ptr<const T>() + begin, y.ptr<T>() + begin, end - begin);
+      } else {
+        float xs[kChunk], ys[kChunk];
+        for (std::int64_t c = begin; c < end; c += kChunk) {
+          const std::int64_t m = std::min(kChunk, end - c);
+          const T* xp = x.ptr<const T>() + c;
+          for (std::int64_t i = 0; i < m; ++i) xs[i] = Num<T>::load(xp[i]);
+          unary_array<float>(op, xs, ys, m);
+          T* yp = y.ptr<T>() + c;
+          for (std::int64_t i = 0; i < m; ++i) yp[i] = Num<T>::store(ys[i]);
+        }
+      }
+    });
+  });
+}
+
+void EigenBackend::unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) {
+  const std::int64_t n = gy.numel();
+  dispatch_float(gy.dtype, op_name(op).data(), [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
+      const T* xp = x.data ? x.ptr<const T>() + begin : nullptr;
+      const T* yp = y.data ? y.ptr<const T>() + begin : nullptr;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        unary_backward_array<T>(op, xp, yp, gy.ptr<const T>() + begin, gx.ptr<T>() + begin, end - begin);
+      } else {
+        float xs[kChunk], ys[kChunk], gys[kChunk], gxs[kChunk];
+        for (std::int64_t c = 0; c < end - begin; c += kChunk) {
+          const std::int64_t m = std::min(kChunk, end - begin - c);
+          const T* gyp = gy.ptr<const T>() + begin + c;
+          for (std::int64_t i = 0; i < m; ++i) {
+            gys[i] = Num<T>::load(gyp[i]);
+            xs[i] = xp ? Num<T>::load(xp[c + i]) : 0.0f;
+            ys[i] = yp ? Num<T>::load(yp[c + i]) : 0.0f;
+          }
+          unary_backward_array<float>(op, xp ? xs : nullptr, yp ? ys : nullptr, gys, gxs, m);
+          T* gxp = gx.ptr<T>() + begin + c;
+          for (std::int64_t i = 0; i < m; ++i) gxp[i] = Num<T>::store(gxs[i]);
+        }
+      }
+    });
+  });
+}
+
+// --- binary ---
+
+namespace {
+
+template <class C>
+inline bool is_nan(C v) {
+  if constexpr (std::is_floating_point_v<C>) {
+    return std::isnan(v);
+  } else {
+    return false;
+  }
+}
+
+template <BinaryOp Op, class C>
+inline auto apply(C a, C b) {
+  if constexpr (Op == BinaryOp::add) return a + b;
+  if constexpr (Op == BinaryOp::sub) return a - b;
+  if constexpr (Op == BinaryOp::mul) return a * b;
+  if constexpr (Op == BinaryOp::div) return a / b;
+  if constexpr (Op == BinaryOp::pow) {
+    if constexpr (std::is_integral_v<C>) {
+      return static_cast<C>(std::pow(static_cast<double>(a), static_cast<double>(b)));
+    } else {
+      return std::pow(a, b);
+    }
+  }
+  if constexpr (Op == BinaryOp::maximum) return (a > b || is_nan(a)) ? a : b;  // NaN propagates
+  if constexpr (Op == BinaryOp::minimum) return (a < b || is_nan(a)) ? a : b;
+  if constexpr (Op == BinaryOp::eq) return std::uint8_t(a == b);
+  if constexpr (Op == BinaryOp::ne) return std::uint8_t(a != b);
+  if constexpr (Op == BinaryOp::lt) return std::uint8_t(a < b);
+  if constexpr (Op == BinaryOp::le) return std::uint8_t(a <= b);
+  if constexpr (Op == BinaryOp::gt) return std::uint8_t(a > b);
+  if constexpr (Op == BinaryOp::ge) return std::uint8_t(a >= b);
+}
+
+template <BinaryOp Op, class T>
+void binary_typed(const View& a, const View& b, const View& out) {
+  using C = compute_t<T>;
+  using O = std::conditional_t<(Op >= BinaryOp::eq), std::uint8_t, T>;
+  const View* views[3] = {&a, &b, &out};
+  Layout<3> layout(views);
+  const T* pa = a.ptr<const T>();
+  const T* pb = b.ptr<const T>();
+  O* po = out.ptr<O>();
+  auto store = [](auto v) -> O {
+    if constexpr (std::is_same_v<O, std::uint8_t>) {
+      return v;
+    } else {
+      return Num<T>::store(v);
+    }
+  };
+  const std::int64_t sa = layout.inner_stride(0), sb = layout.inner_stride(1), so = layout.inner_stride(2);
+  parallel_for(out.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
+      const T* x = pa + off[0];
+      const T* y = pb + off[1];
+      O* z = po + off[2];
+      // The common cases as separate loops so the compiler vectorizes each.
+      if (so == 1 && sa == 1 && sb == 1) {
+        for (std::int64_t i = 0; i < n; ++i) z[i] = store(apply<Op, C>(Num<T>::load(x[i]), Num<T>::load(y[i])));
+      } else if (so == 1 && sa == 1 && sb == 0) {
+        const C yv = Num<T>::load(*y);
+        for (std::int64_t i = 0; i < n; ++i) z[i] = store(apply<Op, C>(Num<T>::load(x[i]), yv));
+      } else if (so == 1 && sa == 0 && sb == 1) {
+        const C xv = Num<T>::load(*x);
+        for (std::int64_t i = 0; i < n; ++i) z[i] = store(apply<Op, C>(xv, Num<T>::load(y[i])));
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) {
+          z[i * so] = store(apply<Op, C>(Num<T>::load(x[i * sa]), Num<T>::load(y[i * sb])));
+        }
+      }
+    });
+  });
+}
+
+template <class T>
+void binary_dispatch(BinaryOp op, const View& a, const View& b, const View& out) {
+  switch (op) {
+#define RUDA_CASE(OP) \
+  case BinaryOp::OP: return binary_typed<BinaryOp::OP, T>(a, b, out);
+    RUDA_CASE(add)
+    RUDA_CASE(sub)
+    RUDA_CASE(mul)
+    RUDA_CASE(div)
+    RUDA_CASE(pow)
+    RUDA_CASE(maximum)
+    RUDA_CASE(minimum)
+    RUDA_CASE(eq)
+    RUDA_CASE(ne)
+    RUDA_CASE(lt)
+    RUDA_CASE(le)
+    RUDA_CASE(gt)
+    RUDA_CASE(ge)
+#undef RUDA_CASE
+  }
+}
+
+}  // namespace
+
+void EigenBackend::binary(BinaryOp op, const View& a, const View& b, const View& out) {
+  if (a.dtype == DType::i64 && op == BinaryOp::div) {
+    // Integer division by zero is undefined behaviour in C++; refuse it like an index error.
+    const View* views[1] = {&b};
+    Layout<1> layout(views);
+    for_each_run(layout, 0, b.numel(), [&](const std::int64_t* off, std::int64_t n) {
+      for (std::int64_t i = 0; i < n; ++i) {
+        if (b.ptr<const std::int64_t>()[off[0] + i * layout.inner_stride(0)] == 0) {
+          fail<ArgumentError>("div", "integer division by zero");
+        }
+      }
+    });
+  }
+  dispatch_all(a.dtype, op_name(op).data(), [&](auto tag) {
+    using T = decltype(tag);
+    if constexpr (std::is_same_v<T, std::uint8_t>) {
+      if (op == BinaryOp::eq) return binary_typed<BinaryOp::eq, T>(a, b, out);
+      if (op == BinaryOp::ne) return binary_typed<BinaryOp::ne, T>(a, b, out);
+      fail<DTypeError>(op_name(op), "is not defined on bool");
+    } else {
+      binary_dispatch<T>(op, a, b, out);
+    }
+  });
+}
+
+void EigenBackend::where(const View& cond, const View& a, const View& b, const View& out) {
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const View* views[4] = {&cond, &a, &b, &out};
+    Layout<4> layout(views);
+    const auto* c = cond.ptr<const std::uint8_t>();
+    const T* x = a.ptr<const T>();
+    const T* y = b.ptr<const T>();
+    T* z = out.ptr<T>();
+    const std::int64_t sc = layout.inner_stride(0), sa = layout.inner_stride(1), sb = layout.inner_stride(2),
+                       so = layout.inner_stride(3);
+    parallel_for(out.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+      for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
+        for (std::int64_t i = 0; i < n; ++i) {
+          z[off[3] + i * so] = c[off[0] + i * sc] ? x[off[1] + i * sa] : y[off[2] + i * sb];
+        }
+      });
+    });
+  };
+  switch (dtype_size(out.dtype)) {
+    case 1: return run(std::uint8_t{});
+    case 2: return run(std::uint16_t{});
+    case 4: return run(std::uint32_t{});
+    case 8: return run(std::uint64_t{});
+  }
+}
+
+}  // namespace ruda

@@ -1,0 +1,112 @@
+// Matrix products through Eigen's GEMM (f32 and f64; 16-bit floats computed in f32).
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "eigen_backend.h"
+#include "kernel_util.h"
+
+namespace ruda {
+
+using namespace kernels;
+
+namespace {
+
+template <class T>
+using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+// One product C = alpha * op(A) op(B) + beta * C (+ bias), all row-major.
+template <class T>
+void gemm_one(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
+  const Eigen::Index m = d.m, n = d.n, k = d.k;
+  Eigen::Map<const RowMatrix<T>> A(a, d.trans_a ? k : m, d.trans_a ? m : k);
+  Eigen::Map<const RowMatrix<T>> B(b, d.trans_b ? n : k, d.trans_b ? k : n);
+  Eigen::Map<RowMatrix<T>> C(c, m, n);
+  const T alpha(d.alpha), beta(d.beta);
+  auto product = [&](auto&& lhs, auto&& rhs) {
+    if (beta == T(0)) {
+      C.noalias() = alpha * (lhs * rhs);
+    } else {
+      if (beta != T(1)) C *= beta;
+      C.noalias() += alpha * (lhs * rhs);
+    }
+  };
+  if (d.trans_a && d.trans_b) {
+    product(A.transpose(), B.transpose());
+  } else if (d.trans_a) {
+    product(A.transpose(), B);
+  } else if (d.trans_b) {
+    product(A, B.transpose());
+  } else {
+    product(A, B);
+  }
+  if (bias) C.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, n);
+}
+
+template <class T>
+void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
+  // Many small products: one per thread (Eigen then stays single-threaded inside each). Few or
+  // large ones: one after another, each parallelized by Eigen.
+  const bool small = d.m * d.n * d.k < (std::int64_t{1} << 21);
+  if (d.batch > 1 && small) {
+    parallel_for(d.batch, 1, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        gemm_one<T>(d, a + i * d.batch_stride_a, b + i * d.batch_stride_b, c + i * d.batch_stride_c, bias);
+      }
+    });
+    return;
+  }
+  for (std::int64_t i = 0; i < d.batch; ++i) {
+    gemm_one<T>(d, a + i * d.batch_stride_a, b + i * d.batch_stride_b, c + i * d.batch_stride_c, bias);
+  }
+}
+
+// Elements of one operand across all batches (a stride of 0 means one matrix).
+std::int64_t operand_elements(std::int64_t rows, std::int64_t cols, std::int64_t batch, std::int64_t stride) {
+  return stride == 0 ? rows * cols : (batch - 1) * stride + rows * cols;
+}
+
+template <class T>
+std::vector<float> widen(const void* p, std::int64_t n) {
+  std::vector<float> out(static_cast<std::size_t>(n));
+  const T* src = static_cast<const T*>(p);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = Num<T>::load(src[i]);
+  return out;
+}
+
+}  // namespace
+
+void EigenBackend::gemm(const GemmDesc& d) {
+  if (d.a_dtype != d.b_dtype) fail<DTypeError>("gemm", "operand dtypes differ: ", dtype_name(d.a_dtype), " and ", dtype_name(d.b_dtype));
+  num_threads();  // applies this thread's intra-op thread count before Eigen reads it
+  if (d.a_dtype == d.c_dtype && (d.a_dtype == DType::f32 || d.a_dtype == DType::f64)) {
+    if (d.a_dtype == DType::f32) {
+      gemm_batched<float>(d, static_cast<const float*>(d.a), static_cast<const float*>(d.b), static_cast<float*>(d.c),
+                          static_cast<const float*>(d.bias));
+    } else {
+      gemm_batched<double>(d, static_cast<const double*>(d.a), static_cast<const double*>(d.b),
+                           static_cast<double*>(d.c), static_cast<const double*>(d.bias));
+    }
+    return;
+  }
+  // 16-bit operands (or a 16-bit result): compute in f32, round the result once.
+  const std::int64_t na = operand_elements(d.m, d.k, d.batch, d.batch_stride_a);
+  const std::int64_t nb = operand_elements(d.k, d.n, d.batch, d.batch_stride_b);
+  const std::int64_t nc = operand_elements(d.m, d.n, d.batch, d.batch_stride_c);
+  auto widen_any = [](DType t, const void* p, std::int64_t n) {
+    return dispatch_float(t, "gemm", [&](auto tag) { return widen<decltype(tag)>(p, n); });
+  };
+  const std::vector<float> a = widen_any(d.a_dtype, d.a, na);
+  const std::vector<float> b = widen_any(d.b_dtype, d.b, nb);
+  std::vector<float> c = d.beta != 0.0f ? widen_any(d.c_dtype, d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
+  std::vector<float> bias;
+  if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
+  gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);
+  dispatch_float(d.c_dtype, "gemm", [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(d.c);
+    for (std::int64_t i = 0; i < nc; ++i) out[i] = Num<T>::store(c[i]);
+  });
+}
+
+}  // namespace ruda

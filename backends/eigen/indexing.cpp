@@ -1,0 +1,109 @@
+// Row gathers and scatters (embedding, take_along_axis) and the fused Adam/AdamW update.
+#include <cmath>
+#include <cstring>
+
+#include "eigen_backend.h"
+#include "kernel_util.h"
+
+namespace ruda {
+
+using namespace kernels;
+
+void EigenBackend::gather_rows(const View& table, const View& index, const View& out) {
+  const std::int64_t rows = out.shape[0], features = out.shape[1];
+  const std::size_t row_bytes = static_cast<std::size_t>(features) * dtype_size(table.dtype);
+  const auto* idx = index.ptr<const std::int64_t>();
+  const auto* src = static_cast<const char*>(table.data);
+  auto* dst = static_cast<char*>(out.data);
+  parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, features)),
+               [&](std::int64_t begin, std::int64_t end) {
+                 for (std::int64_t i = begin; i < end; ++i) {
+                   std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
+                 }
+               });
+}
+
+void EigenBackend::scatter_add_rows(const View& src, const View& index, const View& table) {
+  const std::int64_t rows = src.shape[0], features = src.shape[1];
+  const auto* idx = index.ptr<const std::int64_t>();
+  dispatch_float(table.dtype, "embedding backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* s = src.ptr<const T>();
+    T* t = table.ptr<T>();
+    // Threads split the feature columns, so repeated indices never race and the order of the
+    // additions (row order) is the same for any thread count.
+    parallel_for(features, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
+                 [&](std::int64_t j0, std::int64_t j1) {
+                   for (std::int64_t i = 0; i < rows; ++i) {
+                     T* row = t + idx[i] * features;
+                     const T* from = s + i * features;
+                     for (std::int64_t j = j0; j < j1; ++j) row[j] = Num<T>::store(Num<T>::load(row[j]) + Num<T>::load(from[j]));
+                   }
+                 });
+  });
+}
+
+void EigenBackend::take_along_rows(const View& x, const View& index, const View& out) {
+  const std::int64_t rows = x.shape[0], cols = x.shape[1], picks = index.shape[1];
+  const auto* idx = index.ptr<const std::int64_t>();
+  const std::size_t elem = dtype_size(x.dtype);
+  const auto* src = static_cast<const char*>(x.data);
+  auto* dst = static_cast<char*>(out.data);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < picks; ++j) {
+      std::memcpy(dst + (r * picks + j) * elem, src + (r * cols + idx[r * picks + j]) * elem, elem);
+    }
+  }
+}
+
+void EigenBackend::put_add_along_rows(const View& src, const View& index, const View& x) {
+  const std::int64_t rows = x.shape[0], cols = x.shape[1], picks = index.shape[1];
+  const auto* idx = index.ptr<const std::int64_t>();
+  dispatch_float(x.dtype, "take_along_axis backward", [&](auto tag) {
+    using T = decltype(tag);
+    const T* s = src.ptr<const T>();
+    T* t = x.ptr<T>();
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t j = 0; j < picks; ++j) {
+        T& dst = t[r * cols + idx[r * picks + j]];
+        dst = Num<T>::store(Num<T>::load(dst) + Num<T>::load(s[r * picks + j]));
+      }
+    }
+  });
+}
+
+void EigenBackend::adam_update(const AdamDesc& d) {
+  const std::int64_t n = d.param.numel();
+  // PyTorch's formulation, so results compare with it: decay, moments, then
+  // p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps).
+  const double bc1 = 1.0 - std::pow(d.beta1, static_cast<double>(d.step));
+  const double bc2 = 1.0 - std::pow(d.beta2, static_cast<double>(d.step));
+  dispatch_float(d.param.dtype, "adam", [&](auto tag) {
+    using T = decltype(tag);
+    using C = compute_t<T>;
+    const C b1 = C(d.beta1), b2 = C(d.beta2), eps = C(d.eps), wd = C(d.weight_decay);
+    const C step_size = C(d.lr / bc1), inv_sqrt_bc2 = C(1.0 / std::sqrt(bc2));
+    const C decay = d.decoupled ? C(1.0 - d.lr * d.weight_decay) : C(1);
+    const bool l2 = !d.decoupled && d.weight_decay != 0.0;
+    T* p = d.param.ptr<T>();
+    const T* g = d.grad.ptr<const T>();
+    T* m = d.exp_avg.ptr<T>();
+    T* v = d.exp_avg_sq.ptr<T>();
+    parallel_for(n, kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) {
+        C pi = Num<T>::load(p[i]);
+        C gi = Num<T>::load(g[i]);
+        if (l2) gi += wd * pi;
+        pi *= decay;
+        const C mi = b1 * Num<T>::load(m[i]) + (C(1) - b1) * gi;
+        const C vi = b2 * Num<T>::load(v[i]) + (C(1) - b2) * gi * gi;
+        pi -= step_size * mi / (std::sqrt(vi) * inv_sqrt_bc2 + eps);
+        m[i] = Num<T>::store(mi);
+        v[i] = Num<T>::store(vi);
+        p[i] = Num<T>::store(pi);
+      }
+    });
+  });
+}
+
+}  // namespace ruda

@@ -1,0 +1,163 @@
+// Helpers for whole-buffer kernels: dtype dispatch, 16-bit load/store, strided iteration over
+// broadcast operands, and the parallel loop. Private to the backends.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include <ruda/backend.h>
+#include <ruda/dtype.h>
+#include <ruda/error.h>
+
+#ifdef RUDA_HAVE_OPENMP
+#include <omp.h>
+#endif
+
+namespace ruda::kernels {
+
+// --- element types ---
+
+template <class T>
+struct Num {
+  using Compute = T;
+  static T load(T v) { return v; }
+  static T store(T v) { return v; }
+};
+template <>
+struct Num<bfloat16> {
+  using Compute = float;
+  static float load(bfloat16 v) { return to_float(v); }
+  static bfloat16 store(float v) { return to_bfloat16(v); }
+};
+template <>
+struct Num<float16> {
+  using Compute = float;
+  static float load(float16 v) { return to_float(v); }
+  static float16 store(float v) { return to_float16(v); }
+};
+template <class T>
+using compute_t = typename Num<T>::Compute;
+
+/// Calls f(T{}) with T the storage type of a float dtype.
+template <class F>
+decltype(auto) dispatch_float(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::f32: return f(float{});
+    case DType::f64: return f(double{});
+    case DType::bf16: return f(bfloat16{});
+    case DType::f16: return f(float16{});
+    default: fail<DTypeError>(op, "has no kernel for ", dtype_name(dtype));
+  }
+}
+
+/// Calls f(T{}) for every dtype that has arithmetic (floats and i64).
+template <class F>
+decltype(auto) dispatch_arith(DType dtype, const char* op, F&& f) {
+  if (dtype == DType::i64) return f(std::int64_t{});
+  return dispatch_float(dtype, op, std::forward<F>(f));
+}
+
+/// Calls f(T{}) for every dtype (bool as std::uint8_t).
+template <class F>
+decltype(auto) dispatch_all(DType dtype, const char* op, F&& f) {
+  if (dtype == DType::boolean) return f(std::uint8_t{});
+  return dispatch_arith(dtype, op, std::forward<F>(f));
+}
+
+// --- threads ---
+
+/// Runs body(begin, end) over [0, total) split into one contiguous chunk per thread, or inline
+/// when the work is smaller than `grain` elements (small ops must not pay for a parallel region).
+template <class Body>
+void parallel_for(std::int64_t total, std::int64_t grain, Body&& body) {
+  if (total <= 0) return;
+#ifdef RUDA_HAVE_OPENMP
+  const int threads = static_cast<int>(std::min<std::int64_t>(num_threads(), (total + grain - 1) / grain));
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    {
+      const std::int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      const std::int64_t begin = total * t / n, end = total * (t + 1) / n;
+      if (begin < end) body(begin, end);
+    }
+    return;
+  }
+#endif
+  body(std::int64_t{0}, total);
+}
+
+/// Elements per thread below which elementwise kernels stay on one thread.
+inline constexpr std::int64_t kElementGrain = 32768;
+
+// --- strided iteration ---
+
+/// K operands sharing one logical shape, with dimensions of extent 1 dropped and adjacent
+/// dimensions merged wherever every operand is contiguous across them.
+template <int K>
+struct Layout {
+  int ndim = 0;
+  std::int64_t shape[kMaxDims];
+  std::int64_t strides[K][kMaxDims];
+
+  explicit Layout(const View* const (&views)[K]) {
+    const View& first = *views[0];
+    for (int d = 0; d < first.ndim; ++d) {
+      if (first.shape[d] == 1) continue;
+      const bool merge = ndim > 0 && [&] {
+        for (int k = 0; k < K; ++k) {
+          if (strides[k][ndim - 1] != views[k]->strides[d] * first.shape[d]) return false;
+        }
+        return true;
+      }();
+      if (merge) {
+        shape[ndim - 1] *= first.shape[d];
+        for (int k = 0; k < K; ++k) strides[k][ndim - 1] = views[k]->strides[d];
+      } else {
+        shape[ndim] = first.shape[d];
+        for (int k = 0; k < K; ++k) strides[k][ndim] = views[k]->strides[d];
+        ++ndim;
+      }
+    }
+    if (ndim == 0) {  // a single element
+      ndim = 1;
+      shape[0] = 1;
+      for (int k = 0; k < K; ++k) strides[k][0] = 1;
+    }
+  }
+  std::int64_t inner_stride(int k) const { return strides[k][ndim - 1]; }
+};
+
+/// Calls run(offsets[K], count) for the runs along the innermost dimension that cover logical
+/// elements [begin, end), where offsets are each operand's element offset of the run's start.
+template <int K, class Run>
+void for_each_run(const Layout<K>& layout, std::int64_t begin, std::int64_t end, Run&& run) {
+  const int nd = layout.ndim;
+  std::int64_t index[kMaxDims];
+  std::int64_t offsets[K] = {};
+  std::int64_t rest = begin;
+  for (int d = nd - 1; d >= 0; --d) {
+    index[d] = rest % layout.shape[d];
+    rest /= layout.shape[d];
+    for (int k = 0; k < K; ++k) offsets[k] += index[d] * layout.strides[k][d];
+  }
+  const std::int64_t inner = layout.shape[nd - 1];
+  std::int64_t position = begin;
+  while (position < end) {
+    const std::int64_t count = std::min(inner - index[nd - 1], end - position);
+    run(offsets, count);
+    position += count;
+    for (int k = 0; k < K; ++k) offsets[k] += count * layout.strides[k][nd - 1];
+    index[nd - 1] += count;
+    // Carry into outer dimensions.
+    for (int d = nd - 1; d > 0 && index[d] == layout.shape[d]; --d) {
+      for (int k = 0; k < K; ++k) offsets[k] -= layout.shape[d] * layout.strides[k][d];
+      index[d] = 0;
+      ++index[d - 1];
+      for (int k = 0; k < K; ++k) offsets[k] += layout.strides[k][d - 1];
+    }
+  }
+}
+
+}  // namespace ruda::kernels

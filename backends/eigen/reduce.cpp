@@ -1,0 +1,347 @@
+// Reductions over axes, and softmax / log_softmax with their backward.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include "eigen_backend.h"
+#include "kernel_util.h"
+
+namespace ruda {
+
+using namespace kernels;
+
+namespace {
+
+// x viewed as [outer, reduce, inner] (contiguous), reducing the middle axis.
+struct Block {
+  std::int64_t outer = 1, reduce = 1, inner = 1;
+};
+
+// Extents of x (extent-1 axes dropped) in runs of axes that are all reduced or all kept.
+struct Runs {
+  std::vector<std::int64_t> extent;
+  std::vector<bool> reduced;
+};
+
+Runs runs_of(const View& x, const View& out) {
+  Runs r;
+  for (int d = 0; d < x.ndim; ++d) {
+    if (x.shape[d] == 1) continue;
+    const bool red = out.shape[d] == 1;
+    if (!r.extent.empty() && r.reduced.back() == red) {
+      r.extent.back() *= x.shape[d];
+    } else {
+      r.extent.push_back(x.shape[d]);
+      r.reduced.push_back(red);
+    }
+  }
+  return r;
+}
+
+template <class T>
+using Acc = std::conditional_t<std::is_same_v<T, double>, double, std::conditional_t<std::is_same_v<T, std::int64_t>, std::int64_t, float>>;
+
+template <class T>
+bool nan_of(T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    return std::isnan(v);
+  } else {
+    return false;
+  }
+}
+
+// One reduction of n elements at p, p + stride, ...
+template <class T>
+void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T* out_value, std::int64_t* out_index) {
+  using A = Acc<T>;
+  switch (op) {
+    case ReduceOp::sum: {
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        if (stride == 1) {
+          *out_value = Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>>(p, n).sum();
+          return;
+        }
+      }
+      A acc = 0;
+      for (std::int64_t i = 0; i < n; ++i) acc += Num<T>::load(p[i * stride]);
+      *out_value = Num<T>::store(static_cast<compute_t<T>>(acc));
+      return;
+    }
+    case ReduceOp::max:
+    case ReduceOp::min: {
+      const bool is_max = op == ReduceOp::max;
+      A best = Num<T>::load(p[0]);
+      for (std::int64_t i = 1; i < n && !nan_of(best); ++i) {
+        const A v = Num<T>::load(p[i * stride]);
+        if (nan_of(v) || (is_max ? v > best : v < best)) best = v;
+      }
+      *out_value = Num<T>::store(static_cast<compute_t<T>>(best));
+      return;
+    }
+    case ReduceOp::argmax:
+    case ReduceOp::argmin: {
+      const bool is_max = op == ReduceOp::argmax;
+      A best = Num<T>::load(p[0]);
+      std::int64_t where = 0;
+      for (std::int64_t i = 1; i < n && !nan_of(best); ++i) {
+        const A v = Num<T>::load(p[i * stride]);
+        if (nan_of(v) || (is_max ? v > best : v < best)) {
+          best = v;
+          where = i;
+        }
+      }
+      *out_index = where;
+      return;
+    }
+    case ReduceOp::logsumexp: {
+      if constexpr (std::is_same_v<T, std::int64_t>) {
+        fail<DTypeError>("logsumexp", "is not defined on i64");
+      } else {
+        using C = compute_t<T>;
+        C m = -std::numeric_limits<C>::infinity();
+        for (std::int64_t i = 0; i < n; ++i) m = std::max(m, Num<T>::load(p[i * stride]));
+        if (!std::isfinite(m)) {
+          *out_value = Num<T>::store(m);
+          return;
+        }
+        C s = 0;
+        for (std::int64_t i = 0; i < n; ++i) s += std::exp(Num<T>::load(p[i * stride]) - m);
+        *out_value = Num<T>::store(m + std::log(s));
+      }
+      return;
+    }
+  }
+}
+
+// Sum/max/min over the middle axis of [outer, reduce, inner] by accumulating whole rows, which
+// keeps memory access sequential (bias gradients reduce [rows, features] over rows).
+template <class T>
+void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int64_t j0, std::int64_t j1, std::int64_t o) {
+  using A = Acc<T>;
+  std::vector<A> acc(static_cast<std::size_t>(j1 - j0));
+  const T* base = x + o * b.reduce * b.inner;
+  for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] = Num<T>::load(base[j]);
+  for (std::int64_t i = 1; i < b.reduce; ++i) {
+    const T* row = base + i * b.inner;
+    if (op == ReduceOp::sum) {
+      for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] += Num<T>::load(row[j]);
+    } else {
+      const bool is_max = op == ReduceOp::max;
+      for (std::int64_t j = j0; j < j1; ++j) {
+        const A v = Num<T>::load(row[j]);
+        A& a = acc[j - j0];
+        if (!nan_of(a) && (nan_of(v) || (is_max ? v > a : v < a))) a = v;
+      }
+    }
+  }
+  T* dst = out + o * b.inner;
+  for (std::int64_t j = j0; j < j1; ++j) dst[j] = Num<T>::store(static_cast<compute_t<T>>(acc[j - j0]));
+}
+
+template <class T>
+void reduce_block(ReduceOp op, const T* x, const Block& b, void* out) {
+  const bool arg = op == ReduceOp::argmax || op == ReduceOp::argmin;
+  T* values = arg ? nullptr : static_cast<T*>(out);
+  auto* indices = arg ? static_cast<std::int64_t*>(out) : nullptr;
+  if (b.inner == 1) {
+    // Contiguous rows. One long row (a full reduction) is summed in fixed blocks so the result
+    // does not depend on the thread count.
+    if (b.outer == 1 && op == ReduceOp::sum && b.reduce > 4 * kElementGrain) {
+      constexpr std::int64_t kBlock = 1 << 16;
+      const std::int64_t blocks = (b.reduce + kBlock - 1) / kBlock;
+      std::vector<T> partial(static_cast<std::size_t>(blocks));
+      parallel_for(blocks, 1, [&](std::int64_t begin, std::int64_t end) {
+        for (std::int64_t k = begin; k < end; ++k) {
+          reduce_line<T>(op, x + k * kBlock, std::min(kBlock, b.reduce - k * kBlock), 1, &partial[k], nullptr);
+        }
+      });
+      Acc<T> total = 0;
+      for (const T& v : partial) total += Num<T>::load(v);
+      values[0] = Num<T>::store(static_cast<compute_t<T>>(total));
+      return;
+    }
+    parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t o = begin; o < end; ++o) {
+        reduce_line<T>(op, x + o * b.reduce, b.reduce, 1, values ? values + o : nullptr, indices ? indices + o : nullptr);
+      }
+    });
+    return;
+  }
+  if (op == ReduceOp::sum || op == ReduceOp::max || op == ReduceOp::min) {
+    for (std::int64_t o = 0; o < b.outer; ++o) {
+      parallel_for(b.inner, std::max<std::int64_t>(64, kElementGrain / b.reduce), [&](std::int64_t j0, std::int64_t j1) {
+        reduce_rows_into<T>(op, x, b, values, j0, j1, o);
+      });
+    }
+    return;
+  }
+  // argmax/argmin/logsumexp across rows: one strided line per output.
+  parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t flat = begin; flat < end; ++flat) {
+      const std::int64_t o = flat / b.inner, j = flat % b.inner;
+      reduce_line<T>(op, x + o * b.reduce * b.inner + j, b.reduce, b.inner, values ? values + flat : nullptr,
+                     indices ? indices + flat : nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
+  const Runs r = runs_of(x, out);
+  std::size_t reduced_runs = 0;
+  for (bool red : r.reduced) reduced_runs += red;
+  if (reduced_runs == 0) {  // nothing to fold: a copy (or, for arg ops, index 0)
+    if (op == ReduceOp::argmax || op == ReduceOp::argmin) {
+      fill(out, 0.0);
+    } else {
+      copy(x, out);
+    }
+    return;
+  }
+  if (reduced_runs > 1) {
+    // Several separate reduced runs: fold the last one, then the rest (sum, max, min and
+    // logsumexp all compose this way; arg ops reduce one axis only).
+    View partial = x;
+    int last_reduced = -1;
+    for (int d = 0; d < x.ndim; ++d) {
+      if (x.shape[d] != 1 && out.shape[d] == 1) last_reduced = d;
+    }
+    // Reduce every axis of the last run: walk back while the axes stay reduced (or are 1).
+    int first = last_reduced;
+    while (first > 0 && (x.shape[first - 1] == 1 || out.shape[first - 1] == 1)) --first;
+    std::int64_t count = 1;
+    for (int d = first; d <= last_reduced; ++d) {
+      partial.shape[d] = 1;
+    }
+    for (int d = 0; d < x.ndim; ++d) count *= partial.shape[d];
+    const std::size_t elem = dtype_size(x.dtype);
+    std::vector<std::uint8_t> buffer(static_cast<std::size_t>(count) * elem + 64);
+    void* aligned = buffer.data() + (64 - reinterpret_cast<std::uintptr_t>(buffer.data()) % 64) % 64;
+    partial.data = aligned;
+    std::int64_t stride = 1;
+    for (int d = x.ndim - 1; d >= 0; --d) {
+      partial.strides[d] = stride;
+      stride *= partial.shape[d];
+    }
+    reduce(op, x, partial);
+    reduce(op, partial, out);
+    return;
+  }
+  Block b;
+  std::size_t i = 0;
+  for (; i < r.extent.size() && !r.reduced[i]; ++i) b.outer *= r.extent[i];
+  b.reduce = r.extent[i++];
+  for (; i < r.extent.size(); ++i) b.inner *= r.extent[i];
+  dispatch_arith(x.dtype, op_name(op).data(), [&](auto tag) {
+    using T = decltype(tag);
+    reduce_block<T>(op, x.ptr<const T>(), b, out.data);
+  });
+}
+
+// --- softmax ---
+
+namespace {
+
+Block softmax_block(const View& x, int axis) {
+  Block b;
+  for (int d = 0; d < axis; ++d) b.outer *= x.shape[d];
+  b.reduce = x.shape[axis];
+  for (int d = axis + 1; d < x.ndim; ++d) b.inner *= x.shape[d];
+  return b;
+}
+
+// One softmax line of n values with stride s, in compute type C.
+template <class T>
+void softmax_line(const T* x, T* y, std::int64_t n, std::int64_t s, bool log) {
+  using C = compute_t<T>;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    if (s == 1) {
+      Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> in(x, n);
+      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> out(y, n);
+      const T m = in.maxCoeff();
+      out = (in - m).exp();
+      const T total = out.sum();
+      if (log) {
+        out = in - (m + std::log(total));
+      } else {
+        out *= T(1) / total;
+      }
+      return;
+    }
+  }
+  C m = -std::numeric_limits<C>::infinity();
+  for (std::int64_t i = 0; i < n; ++i) m = std::max(m, Num<T>::load(x[i * s]));
+  C total = 0;
+  for (std::int64_t i = 0; i < n; ++i) total += std::exp(Num<T>::load(x[i * s]) - m);
+  if (log) {
+    const C shift = m + std::log(total);
+    for (std::int64_t i = 0; i < n; ++i) y[i * s] = Num<T>::store(Num<T>::load(x[i * s]) - shift);
+  } else {
+    const C inv = C(1) / total;
+    for (std::int64_t i = 0; i < n; ++i) y[i * s] = Num<T>::store(std::exp(Num<T>::load(x[i * s]) - m) * inv);
+  }
+}
+
+template <class T>
+void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::int64_t s, bool log) {
+  using C = compute_t<T>;
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    if (s == 1) {
+      Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> yv(y, n), g(gy, n);
+      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> out(gx, n);
+      if (log) {
+        out = g - yv.exp() * g.sum();
+      } else {
+        out = yv * (g - (g * yv).sum());
+      }
+      return;
+    }
+  }
+  C dot = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const C g = Num<T>::load(gy[i * s]);
+    dot += log ? g : g * Num<T>::load(y[i * s]);
+  }
+  for (std::int64_t i = 0; i < n; ++i) {
+    const C yv = Num<T>::load(y[i * s]), g = Num<T>::load(gy[i * s]);
+    gx[i * s] = Num<T>::store(log ? g - std::exp(yv) * dot : yv * (g - dot));
+  }
+}
+
+}  // namespace
+
+void EigenBackend::softmax(const View& x, const View& y, int axis, bool log) {
+  const Block b = softmax_block(x, axis);
+  dispatch_float(x.dtype, log ? "log_softmax" : "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.ptr<const T>();
+    T* yp = y.ptr<T>();
+    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t flat = begin; flat < end; ++flat) {
+        const std::int64_t o = flat / b.inner, j = flat % b.inner;
+        const std::int64_t start = o * b.reduce * b.inner + j;
+        softmax_line<T>(xp + start, yp + start, b.reduce, b.inner, log);
+      }
+    });
+  });
+}
+
+void EigenBackend::softmax_backward(const View& y, const View& gy, const View& gx, int axis, bool log) {
+  const Block b = softmax_block(y, axis);
+  dispatch_float(y.dtype, log ? "log_softmax backward" : "softmax backward", [&](auto tag) {
+    using T = decltype(tag);
+    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t flat = begin; flat < end; ++flat) {
+        const std::int64_t o = flat / b.inner, j = flat % b.inner;
+        const std::int64_t start = o * b.reduce * b.inner + j;
+        softmax_backward_line<T>(y.ptr<const T>() + start, gy.ptr<const T>() + start, gx.ptr<T>() + start, b.reduce,
+                                 b.inner, log);
+      }
+    });
+  });
+}
+
+}  // namespace ruda

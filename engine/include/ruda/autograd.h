@@ -1,0 +1,115 @@
+// Reverse-mode automatic differentiation: grad mode, the recording API that ops use, saved tensors
+// and their recompute policy.
+//
+// Each differentiable op records one Node on its output: the edges to its inputs, exactly the
+// tensors its backward needs (`saved`), and a closure that maps the output's gradient to the
+// inputs' gradients. backward() runs the nodes in reverse creation order (a topological order
+// that is the same on every rank running the same program) and accumulates into leaves' grad().
+//
+// Graphs belong to the thread that builds them: node numbering and the always-run list are
+// thread-local, so graphs built on different threads share no mutable state.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include <ruda/tensor.h>
+
+namespace ruda::autograd {
+
+/// Whether ops on this thread record gradients (on by default).
+bool is_grad_enabled() noexcept;
+void set_grad_enabled(bool enabled) noexcept;
+
+/// Turns gradient recording off for its lifetime on this thread.
+class NoGradGuard {
+ public:
+  NoGradGuard() noexcept : previous_(is_grad_enabled()) { set_grad_enabled(false); }
+  ~NoGradGuard() { set_grad_enabled(previous_); }
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Runs f() with gradient recording off.
+template <class F>
+decltype(auto) no_grad(F&& f) {
+  NoGradGuard guard;
+  return std::forward<F>(f)();
+}
+
+/// Attaches a recipe that reproduces t's value. A node that saves t for its backward keeps the
+/// recipe instead of the data and calls it (without grad) when its backward runs: the
+/// "recompute" checkpoint strategy. The recipe must not capture t itself.
+void set_recompute(Tensor& t, std::function<Tensor()> recipe);
+bool has_recompute(const Tensor& t);
+
+/// A tensor kept for a backward: the data (detached, so outputs do not hold their own node), or the
+/// recompute recipe of a tensor that has one.
+class SavedTensor {
+ public:
+  SavedTensor() = default;
+  explicit SavedTensor(const Tensor& tensor);
+  /// The saved value; a recomputed one is produced anew on each call.
+  Tensor get() const;
+  bool is_recomputed() const noexcept { return recipe_ != nullptr; }
+  bool defined() const noexcept { return value_.defined() || recipe_ != nullptr; }
+
+ private:
+  Tensor value_;
+  std::shared_ptr<const std::function<Tensor()>> recipe_;
+};
+
+/// Which inputs of a node need a gradient.
+class GradMask {
+ public:
+  explicit GradMask(std::uint64_t bits = 0) : bits_(bits) {}
+  bool operator[](std::size_t input) const noexcept { return (bits_ >> input) & 1u; }
+
+ private:
+  std::uint64_t bits_;
+};
+
+using Saved = std::vector<SavedTensor>;
+/// Maps the output's gradient to one gradient per input (undefined where the mask is off or the
+/// gradient is zero). Runs with grad mode off.
+using BackwardFn = std::function<std::vector<Tensor>(const Tensor& grad, const Saved& saved, GradMask needs)>;
+
+struct RecordOptions {
+  /// Run this node in every backward of its thread even when the loss does not reach it (with a
+  /// zero gradient). Collective-bearing nodes use it so that every rank runs the same collectives
+  /// in the same order. A node that saves a recomputed tensor is always-run too, because its
+  /// recompute may itself be a collective.
+  bool always_run = false;
+};
+
+/// True when grad mode is on and any input requires a gradient.
+template <class... Tensors>
+bool needs_grad(const Tensors&... inputs) {
+  return is_grad_enabled() && ((inputs.defined() && inputs.requires_grad()) || ...);
+}
+
+/// Records a node named `name` producing `output` from `inputs`, keeping `saved` for backward.
+/// Does nothing when grad mode is off or no input requires a gradient.
+void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs, const std::vector<Tensor>& saved,
+            BackwardFn backward, RecordOptions options = {});
+
+/// The op name of a node ("matmul", "add", ...).
+std::string_view node_name(const Node& node) noexcept;
+
+/// Backpropagates from `root` with gradient `grad`, accumulating into the leaves' grad(). Without
+/// retain_graph the graph's saved tensors are freed as it goes.
+void backward(const Tensor& root, const Tensor& grad, bool retain_graph = false);
+
+/// Always-run nodes recorded on this thread and not yet run by a backward.
+std::size_t pending_always_run() noexcept;
+/// Drops them (for a forward with grad mode on that will never see a backward).
+void discard_pending_always_run() noexcept;
+
+}  // namespace ruda::autograd

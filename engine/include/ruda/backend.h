@@ -1,0 +1,141 @@
+// The backend interface: whole-buffer kernels on host memory.
+//
+// The engine validates shapes and dtypes, allocates outputs and records gradients; a backend only
+// computes. Every kernel takes whole tensors as Views (pointer, dtype, shape, strides in elements),
+// so there is one virtual call per operation, never per element. Both backends use host memory,
+// so a tensor can move between backends without a copy.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <ruda/dtype.h>
+#include <ruda/shape.h>
+
+namespace ruda {
+
+/// A strided window on a buffer. Strides count elements; a stride of 0 broadcasts.
+struct View {
+  void* data = nullptr;
+  DType dtype = DType::f32;
+  int ndim = 0;
+  std::array<std::int64_t, kMaxDims> shape{};
+  std::array<std::int64_t, kMaxDims> strides{};
+
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  bool is_contiguous() const {
+    std::int64_t expected = 1;
+    for (int i = ndim - 1; i >= 0; --i) {
+      if (shape[i] != 1 && strides[i] != expected) return false;
+      expected *= shape[i];
+    }
+    return true;
+  }
+  template <class T>
+  T* ptr() const {
+    return static_cast<T*>(data);
+  }
+};
+
+enum class UnaryOp : std::uint8_t {
+  neg, abs, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu_tanh, gelu_erf, silu, softplus, square, reciprocal
+};
+enum class BinaryOp : std::uint8_t {
+  add, sub, mul, div, pow, maximum, minimum,
+  eq, ne, lt, le, gt, ge  // comparisons write bool
+};
+enum class ReduceOp : std::uint8_t { sum, max, min, logsumexp, argmax, argmin };
+
+std::string_view op_name(UnaryOp op) noexcept;
+std::string_view op_name(BinaryOp op) noexcept;
+std::string_view op_name(ReduceOp op) noexcept;
+
+/// C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias broadcast over rows), for b < batch.
+/// A is [m, k] row-major per batch ([k, m] when trans_a), B is [k, n] ([n, k] when trans_b),
+/// C is [m, n]. Batch strides count elements; 0 reuses one matrix for every batch.
+struct GemmDesc {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+  const void* bias = nullptr;  // [n] of c_dtype, or null
+  DType a_dtype = DType::f32, b_dtype = DType::f32, c_dtype = DType::f32;
+  bool trans_a = false, trans_b = false;
+  std::int64_t batch = 1, m = 0, n = 0, k = 0;
+  std::int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_c = 0;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+/// One fused Adam/AdamW step on whole buffers (param, grad, first and second moments, same
+/// length). decoupled = AdamW (weight decay on the parameter), else L2 added to the gradient.
+struct AdamDesc {
+  View param, grad, exp_avg, exp_avg_sq;
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  std::int64_t step = 1;  // 1-based, for bias correction
+  bool decoupled = true;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+
+  /// out[...] = value (converted to out's dtype).
+  virtual void fill(const View& out, double value) = 0;
+  /// dst = src elementwise, same shape and dtype, any strides (permute, slice, concat, expand).
+  virtual void copy(const View& src, const View& dst) = 0;
+  /// dst = src converted (contiguous, same element count, any dtypes; 16-bit floats round to nearest even).
+  virtual void cast(const View& src, const View& dst) = 0;
+  /// y = f(x), contiguous, same shape and dtype.
+  virtual void unary(UnaryOp op, const View& x, const View& y) = 0;
+  /// gx = gy * f'(x); y = f(x) is passed too for ops whose derivative reads it. Contiguous.
+  virtual void unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) = 0;
+  /// out = a (op) b; a and b are broadcast to out's shape through their strides (0 = broadcast).
+  /// out may alias a or b exactly (in-place updates).
+  virtual void binary(BinaryOp op, const View& a, const View& b, const View& out) = 0;
+  /// out = cond ? a : b, with cond (bool), a and b broadcast to out's shape through strides.
+  virtual void where(const View& cond, const View& a, const View& b, const View& out) = 0;
+  /// out = reduction of x over the axes where out's extent is 1 and x's is not (out keeps x's rank).
+  /// argmax/argmin write i64 and reduce exactly one axis.
+  virtual void reduce(ReduceOp op, const View& x, const View& out) = 0;
+  virtual void gemm(const GemmDesc& desc) = 0;
+  /// y = softmax (or log_softmax) of x over `axis`; x and y contiguous with the same shape.
+  virtual void softmax(const View& x, const View& y, int axis, bool log) = 0;
+  /// gx from y (the forward output) and gy over `axis`.
+  virtual void softmax_backward(const View& y, const View& gy, const View& gx, int axis, bool log) = 0;
+  /// out[i, :] = table[index[i], :]; table [V, F], index i64 [N], out [N, F]. Indices are checked by the engine.
+  virtual void gather_rows(const View& table, const View& index, const View& out) = 0;
+  /// table[index[i], :] += src[i, :] (repeated indices accumulate).
+  virtual void scatter_add_rows(const View& src, const View& index, const View& table) = 0;
+  /// out[r, j] = x[r, index[r, j]]; x [R, C], index i64 [R, K], out [R, K].
+  virtual void take_along_rows(const View& x, const View& index, const View& out) = 0;
+  /// x[r, index[r, j]] += src[r, j].
+  virtual void put_add_along_rows(const View& src, const View& index, const View& x) = 0;
+  virtual void adam_update(const AdamDesc& desc) = 0;
+};
+
+/// Makes a backend selectable by name. The factory runs once, on first use.
+void register_backend(std::string name, std::function<std::unique_ptr<Backend>()> factory);
+/// The backend of that name; throws BackendError listing the available ones otherwise.
+Backend& get_backend(std::string_view name);
+/// Names of the registered backends, in registration order.
+std::vector<std::string> available_backends();
+/// The backend new tensors get: set_default_backend, else $RUDA_BACKEND, else onednn where built, else eigen.
+Backend& default_backend();
+void set_default_backend(std::string_view name);
+
+/// Intra-op threads for kernels started from the calling thread ($RUDA_NUM_THREADS, else the cores).
+void set_num_threads(int threads);
+int num_threads();
+/// The number of hardware threads of this machine.
+int hardware_threads();
+
+}  // namespace ruda

@@ -1,0 +1,79 @@
+// The exceptions ruda raises for caller errors. Every message names the operation and the
+// offending shapes or dtypes, so a failure reads like "matmul: inner dimensions differ: [32, 784] @ [512, 10]".
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace ruda {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+/// Shapes that do not fit the operation (broadcasting, matmul dims, reshape sizes, ...).
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+/// A dtype the operation does not take, or two dtypes that differ.
+class DTypeError : public Error {
+ public:
+  using Error::Error;
+};
+/// An axis, index or range outside a tensor.
+class IndexError : public Error {
+ public:
+  using Error::Error;
+};
+/// Any other invalid argument (a negative probability, an unknown name, ...).
+class ArgumentError : public Error {
+ public:
+  using Error::Error;
+};
+/// Misuse of automatic differentiation (backward on a non-scalar without a gradient, ...).
+class AutogradError : public Error {
+ public:
+  using Error::Error;
+};
+/// A backend that is unknown, unavailable or failed.
+class BackendError : public Error {
+ public:
+  using Error::Error;
+};
+/// Reading or writing files: missing, corrupt, truncated or mismatched data.
+class IOError : public Error {
+ public:
+  using Error::Error;
+};
+
+namespace detail {
+template <class T>
+void put(std::ostream& out, const T& part) {
+  out << part;
+}
+// Shapes (and any list of extents) print as [2, 3].
+inline void put(std::ostream& out, const std::vector<std::int64_t>& extents) {
+  out << '[';
+  for (std::size_t i = 0; i < extents.size(); ++i) out << (i ? ", " : "") << extents[i];
+  out << ']';
+}
+template <class... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream out;
+  (put(out, parts), ...);
+  return out.str();
+}
+}  // namespace detail
+
+/// Throws E with the message "op: parts...". Parts are anything with operator<< (shapes print as [2, 3]).
+template <class E, class... Parts>
+[[noreturn]] void fail(std::string_view op, const Parts&... parts) {
+  throw E(detail::concat(op, ": ", parts...));
+}
+
+}  // namespace ruda

@@ -1,0 +1,32 @@
+// Finite-difference gradient check: compares backward() with central differences, for testing ops
+// and layers (use f64 inputs).
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ruda/tensor.h>
+
+namespace ruda {
+
+struct GradcheckOptions {
+  double eps = 1e-6;
+  double atol = 1e-6;
+  double rtol = 1e-5;
+  std::uint64_t seed = 1234;  // of the random projection of a non-scalar output
+};
+
+struct GradcheckResult {
+  bool ok = true;
+  double max_abs_error = 0;
+  /// The first mismatch: input, element, analytic and numeric values.
+  std::string message;
+};
+
+/// Checks d(sum(f(inputs) * r))/d(input) for a fixed random r against central differences, for
+/// every input that requires grad.
+GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
+                          GradcheckOptions options = {});
+
+}  // namespace ruda

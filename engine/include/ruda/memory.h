@@ -1,0 +1,43 @@
+// Accounting of tensor storage: live and peak bytes, per process and per rank.
+//
+// Every tensor allocation is charged to the tracker installed on the allocating thread (the
+// process tracker unless a MemoryScope is active) and to the process tracker; the bytes are
+// returned to the same trackers when the storage dies, whichever thread frees it. Emulated ranks
+// install one scope per rank thread, so each rank reads its own figures.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+namespace ruda::memory {
+
+struct Stats {
+  std::int64_t live_bytes = 0;   // bytes of tensor storage alive now
+  std::int64_t peak_bytes = 0;   // the most that was alive at once since the last reset_peak
+  std::int64_t allocations = 0;  // storages allocated since the tracker was made
+};
+
+class Tracker;
+
+/// Figures of the tracker of the calling thread (its rank's, or the process's).
+Stats stats();
+/// Figures of the whole process.
+Stats process_stats();
+/// Sets the peak of the calling thread's tracker (and of the process's) to the bytes live now.
+void reset_peak();
+
+/// While alive, allocations on this thread are charged to a fresh tracker (and the process's).
+class Scope {
+ public:
+  Scope();
+  ~Scope();
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
+  Stats stats() const;
+
+ private:
+  std::shared_ptr<Tracker> tracker_;
+  std::shared_ptr<Tracker> previous_;
+};
+
+}  // namespace ruda::memory

@@ -1,0 +1,45 @@
+// Counter-based random numbers (Philox 4x32-10): draw i of stream `seed` is a pure function of
+// (seed, i), so any element range of a tensor can be generated alone and results do not depend on
+// how work is split between threads or ranks.
+#pragma once
+
+#include <cstdint>
+
+#include <ruda/tensor.h>
+
+namespace ruda {
+
+/// A stream and a position in it. Each call takes the next numel draws.
+class Generator {
+ public:
+  explicit Generator(std::uint64_t seed = 0, std::uint64_t offset = 0) : seed_(seed), offset_(offset) {}
+  std::uint64_t seed() const noexcept { return seed_; }
+  std::uint64_t offset() const noexcept { return offset_; }
+  void set_offset(std::uint64_t offset) noexcept { offset_ = offset; }
+  /// Reserves `count` draws and returns the offset of the first.
+  std::uint64_t take(std::uint64_t count) noexcept {
+    const std::uint64_t first = offset_;
+    offset_ += count;
+    return first;
+  }
+  Tensor rand(const Shape& shape, Options options = {}) { return ruda::rand(shape, seed_, take(count(shape)), options); }
+  Tensor randn(const Shape& shape, Options options = {}) { return ruda::randn(shape, seed_, take(count(shape)), options); }
+
+ private:
+  static std::uint64_t count(const Shape& shape) { return static_cast<std::uint64_t>(shape_numel(shape)); }
+  std::uint64_t seed_;
+  std::uint64_t offset_;
+};
+
+namespace random {
+/// The four 32-bit words of Philox4x32-10 for counter `counter` and key `seed`.
+void philox4x32(std::uint64_t counter, std::uint64_t seed, std::uint32_t out[4]) noexcept;
+/// Draw `index` of stream `seed` as a uniform float in [0, 1) (24 random bits).
+float uniform_float(std::uint64_t seed, std::uint64_t index) noexcept;
+/// Draw `index` as a uniform double in [0, 1) (53 random bits).
+double uniform_double(std::uint64_t seed, std::uint64_t index) noexcept;
+/// Draw `index` as a standard normal (Box-Muller on the draw's own words).
+double normal_double(std::uint64_t seed, std::uint64_t index) noexcept;
+}  // namespace random
+
+}  // namespace ruda

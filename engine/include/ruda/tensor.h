@@ -1,0 +1,272 @@
+// Tensor: a cheap handle over shared, row-major, contiguous host storage, with a dtype, a backend
+// and optional autodiff metadata. Copying a Tensor copies the handle (like a shared_ptr); reshape
+// shares storage; permute, non-leading slices and expand copy.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <iosfwd>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ruda/backend.h>
+#include <ruda/dtype.h>
+#include <ruda/error.h>
+#include <ruda/shape.h>
+
+namespace ruda {
+
+namespace detail {
+struct TensorImpl;
+}
+namespace autograd {
+class Node;
+}
+
+using Axes = std::vector<std::int64_t>;
+
+/// Where a new tensor lives and what it holds. Converts from a DType, so zeros({2}, DType::f64) works.
+struct Options {
+  DType dtype = DType::f32;
+  Backend* backend = nullptr;  // null: default_backend()
+  bool requires_grad = false;
+  Options() = default;
+  Options(DType dtype_, Backend* backend_ = nullptr, bool requires_grad_ = false)  // NOLINT: implicit on purpose
+      : dtype(dtype_), backend(backend_), requires_grad(requires_grad_) {}
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<detail::TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  bool defined() const noexcept { return impl_ != nullptr; }
+  const Shape& shape() const;
+  std::int64_t ndim() const;
+  /// Extent of one axis (negative axes count from the end).
+  std::int64_t size(std::int64_t axis) const;
+  std::int64_t numel() const;
+  DType dtype() const;
+  Backend& backend() const;
+  std::size_t nbytes() const;
+
+  /// First element of this tensor's data (contiguous, row-major).
+  void* data_ptr() const;
+  /// Typed pointer; throws DTypeError if T does not match the dtype.
+  template <class T>
+  T* data() const;
+  /// The kernel view of this tensor (contiguous strides).
+  View view() const;
+  bool shares_storage(const Tensor& other) const;
+
+  /// All values converted to T (any dtype to float, double, int64_t, bool, bfloat16 or float16).
+  template <class T>
+  std::vector<T> to_vector() const;
+  /// The value of a one-element tensor, as double.
+  double item() const;
+  /// One element, as double; throws IndexError outside the tensor.
+  double at(std::initializer_list<std::int64_t> index) const;
+
+  // --- autodiff ---
+  bool requires_grad() const;
+  /// Marks a leaf as needing a gradient; throws AutogradError on a non-leaf or a non-float tensor.
+  Tensor& set_requires_grad(bool value = true);
+  /// True for tensors that no recorded op produced (user tensors, parameters, detached tensors).
+  bool is_leaf() const;
+  /// The accumulated gradient of a leaf (undefined until a backward reached it).
+  Tensor grad() const;
+  void set_grad(const Tensor& grad);
+  /// Drops the accumulated gradient.
+  void zero_grad();
+  /// Backpropagates from a one-element tensor.
+  void backward(bool retain_graph = false) const;
+  /// Backpropagates with an explicit gradient of this tensor's shape and dtype.
+  void backward(const Tensor& grad, bool retain_graph = false) const;
+  /// The same storage, cut from the graph.
+  Tensor detach() const;
+  const std::shared_ptr<autograd::Node>& grad_fn() const;
+
+  // --- conversions ---
+  Tensor to(DType dtype) const;
+  /// The same storage on another backend (no copy).
+  Tensor to(Backend& backend) const;
+  Tensor clone() const;
+
+  // --- in-place updates (not recorded; refused on a tensor that requires grad while grad mode is on) ---
+  Tensor& copy_(const Tensor& source);
+  Tensor& fill_(double value);
+  Tensor& add_(const Tensor& other, double alpha = 1.0);
+  Tensor& mul_(double factor);
+
+  // --- shape (free functions below hold the documentation) ---
+  Tensor reshape(Shape shape) const;
+  Tensor view(Shape shape) const { return reshape(std::move(shape)); }
+  Tensor flatten(std::int64_t start_axis = 0, std::int64_t end_axis = -1) const;
+  Tensor squeeze(std::int64_t axis) const;
+  Tensor unsqueeze(std::int64_t axis) const;
+  Tensor permute(const Axes& order) const;
+  Tensor transpose(std::int64_t axis0, std::int64_t axis1) const;
+  Tensor slice(std::int64_t axis, std::int64_t start, std::int64_t end) const;
+  Tensor expand(const Shape& shape) const;
+
+  // --- math shortcuts ---
+  Tensor sum(const Axes& axes = {}, bool keepdim = false) const;
+  Tensor mean(const Axes& axes = {}, bool keepdim = false) const;
+  Tensor max(const Axes& axes = {}, bool keepdim = false) const;
+  Tensor min(const Axes& axes = {}, bool keepdim = false) const;
+  Tensor argmax(std::int64_t axis, bool keepdim = false) const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor sqrt() const;
+  Tensor abs() const;
+  Tensor relu() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
+  Tensor matmul(const Tensor& other) const;
+
+  /// The implementation object (for op and backend authors).
+  detail::TensorImpl* impl() const noexcept { return impl_.get(); }
+  const std::shared_ptr<detail::TensorImpl>& impl_ptr() const noexcept { return impl_; }
+
+ private:
+  std::shared_ptr<detail::TensorImpl> impl_;
+};
+
+/// "tensor(f32 [2, 2], [[1, 2], [3, 4]])", long tensors abbreviated.
+std::ostream& operator<<(std::ostream& out, const Tensor& tensor);
+std::string to_string(const Tensor& tensor);
+
+// --- creation ---
+Tensor empty(const Shape& shape, Options options = {});
+Tensor zeros(const Shape& shape, Options options = {});
+Tensor ones(const Shape& shape, Options options = {});
+Tensor full(const Shape& shape, double value, Options options = {});
+Tensor zeros_like(const Tensor& like);
+Tensor ones_like(const Tensor& like);
+/// [start, start + step, ...) below end.
+Tensor arange(double start, double end, double step = 1.0, Options options = {});
+/// A copy of the values; the dtype follows T (float f32, double f64, int64_t i64, bool, bfloat16, float16).
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options options = {});
+/// A copy of the values converted to options.dtype.
+Tensor from_values(const std::vector<double>& values, const Shape& shape, Options options = {});
+/// A copy of a raw buffer holding shape_numel(shape) elements of `dtype`.
+Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Options options = {});
+/// A 0-d tensor.
+Tensor scalar(double value, Options options = {});
+
+/// Uniform [0, 1), normal(0, 1), uniform [low, high) and normal(mean, std) draws from a counter-based
+/// generator: element i is draw number offset + i of stream `seed`, whatever the shape, so any
+/// element range of a tensor can be produced alone (sharded initialization relies on it).
+Tensor rand(const Shape& shape, std::uint64_t seed, std::uint64_t offset = 0, Options options = {});
+Tensor randn(const Shape& shape, std::uint64_t seed, std::uint64_t offset = 0, Options options = {});
+Tensor uniform(const Shape& shape, double low, double high, std::uint64_t seed, std::uint64_t offset = 0,
+               Options options = {});
+Tensor normal(const Shape& shape, double mean, double std, std::uint64_t seed, std::uint64_t offset = 0,
+              Options options = {});
+/// Integers in [low, high), dtype i64 unless options say otherwise.
+Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uint64_t seed, std::uint64_t offset = 0);
+
+// --- elementwise, broadcasting (numpy rules) ---
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, double exponent);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+/// cond (bool) ? a : b, all three broadcast together.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor clamp(const Tensor& x, double low, double high);
+
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, double b);
+Tensor operator-(const Tensor& a, double b);
+Tensor operator*(const Tensor& a, double b);
+Tensor operator/(const Tensor& a, double b);
+Tensor operator+(double a, const Tensor& b);
+Tensor operator-(double a, const Tensor& b);
+Tensor operator*(double a, const Tensor& b);
+Tensor operator/(double a, const Tensor& b);
+Tensor operator-(const Tensor& a);
+
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor square(const Tensor& x);
+Tensor reciprocal(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+enum class GeluApproximation { erf, tanh };
+Tensor gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
+Tensor silu(const Tensor& x);
+Tensor softplus(const Tensor& x);
+
+/// Conversion between dtypes (float to 16-bit rounds to nearest even). Differentiable between floats.
+Tensor cast(const Tensor& x, DType dtype);
+/// Zeroes each element with probability p and scales the rest by 1/(1-p); element i's fate is draw
+/// offset + i of stream `seed`. Identity when p == 0.
+Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offset = 0);
+
+// --- reductions: over `axes` (all axes when empty), keeping reduced axes as 1 when keepdim ---
+Tensor sum(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+Tensor max(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+Tensor min(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+Tensor logsumexp(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+/// Index (i64) of the largest/smallest element along one axis (the first one on ties).
+Tensor argmax(const Tensor& x, std::int64_t axis, bool keepdim = false);
+Tensor argmin(const Tensor& x, std::int64_t axis, bool keepdim = false);
+/// Sums a broadcast result back to `shape` (the gradient of broadcasting).
+Tensor sum_to(const Tensor& x, const Shape& shape);
+
+// --- shape ---
+/// Same storage, new shape with the same element count; one extent may be -1.
+Tensor reshape(const Tensor& x, Shape shape);
+Tensor flatten(const Tensor& x, std::int64_t start_axis = 0, std::int64_t end_axis = -1);
+Tensor squeeze(const Tensor& x, std::int64_t axis);
+Tensor unsqueeze(const Tensor& x, std::int64_t axis);
+/// Reorders axes (copies).
+Tensor permute(const Tensor& x, const Axes& order);
+Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1);
+/// Elements [start, end) along an axis; negative bounds count from the end. Shares storage when
+/// the slice is one contiguous block (e.g. leading rows), copies otherwise.
+Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end);
+/// x with elements [start, end) along `axis` replaced by `value` (a new tensor; differentiable in both).
+Tensor slice_assign(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end, const Tensor& value);
+Tensor concat(const std::vector<Tensor>& tensors, std::int64_t axis = 0);
+Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis = 0);
+/// Broadcasts to a larger shape (copies).
+Tensor expand(const Tensor& x, const Shape& shape);
+
+// --- linear algebra ---
+/// Matrix product of the last two axes; leading (batch) axes broadcast. Both at least 2-D.
+Tensor matmul(const Tensor& a, const Tensor& b);
+/// x @ weight + bias over any leading axes of x; weight is [in, out], bias [out] or undefined.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+
+// --- neural-network primitives ---
+/// Rows of table [V, F] picked by i64 indices of any shape: result shape indices.shape + [F].
+/// The gradient scatter-adds into the table's rows.
+Tensor embedding(const Tensor& table, const Tensor& indices);
+/// out[..., j] = x[..., index[..., j]] along `axis` (index is i64, x's shape but for that axis).
+Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis);
+Tensor softmax(const Tensor& x, std::int64_t axis = -1);
+Tensor log_softmax(const Tensor& x, std::int64_t axis = -1);
+
+}  // namespace ruda

@@ -1,0 +1,207 @@
+// The tape: recording nodes and running backward.
+#include <algorithm>
+#include <unordered_set>
+
+#include "internal.h"
+
+namespace ruda::autograd {
+
+namespace {
+thread_local bool t_grad_enabled = true;
+// Creation order of nodes on this thread; backward runs in decreasing order, which is a
+// topological order (a consumer is always created after its inputs) that depends only on the
+// program, not on addresses, so ranks running the same program run the same sequence.
+thread_local std::uint64_t t_next_sequence = 1;
+thread_local std::vector<std::shared_ptr<Node>> t_always_run;
+}  // namespace
+
+bool is_grad_enabled() noexcept { return t_grad_enabled; }
+void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
+
+void set_recompute(Tensor& t, std::function<Tensor()> recipe) {
+  detail::require_defined("set_recompute", t);
+  t.impl()->recompute = recipe ? std::make_shared<const std::function<Tensor()>>(std::move(recipe)) : nullptr;
+}
+
+bool has_recompute(const Tensor& t) { return t.defined() && t.impl()->recompute != nullptr; }
+
+SavedTensor::SavedTensor(const Tensor& tensor) {
+  if (!tensor.defined()) return;
+  if (tensor.impl()->recompute) {
+    recipe_ = tensor.impl()->recompute;
+  } else {
+    value_ = tensor.detach();
+  }
+}
+
+Tensor SavedTensor::get() const {
+  if (!recipe_) return value_;
+  NoGradGuard guard;
+  return (*recipe_)();
+}
+
+std::string_view node_name(const Node& node) noexcept { return node.name; }
+
+void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs, const std::vector<Tensor>& saved,
+            BackwardFn backward_fn, RecordOptions options) {
+  if (!t_grad_enabled) return;
+  bool any = false;
+  for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());
+  if (!any) return;
+  if (inputs.size() > 64) fail<AutogradError>(name, "an op may have at most 64 differentiable inputs, got ", inputs.size());
+
+  auto node = std::make_shared<Node>();
+  node->name = name;
+  node->sequence = t_next_sequence++;
+  node->next.resize(inputs.size());
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const Tensor& in = inputs[i];
+    if (!in.defined() || !in.requires_grad()) continue;
+    if (in.impl()->grad_fn) {
+      node->next[i].node = in.impl()->grad_fn;
+    } else {
+      node->next[i].leaf = in.impl_ptr();
+    }
+  }
+  node->saved.reserve(saved.size());
+  bool recomputes = false;
+  for (const Tensor& s : saved) {
+    node->saved.emplace_back(s);
+    recomputes = recomputes || node->saved.back().is_recomputed();
+  }
+  node->backward = std::move(backward_fn);
+  node->always_run = options.always_run || recomputes;
+  node->out_shape = output.shape();
+  node->out_dtype = output.dtype();
+  node->out_backend = &output.backend();
+  output.impl()->grad_fn = node;
+  output.impl()->requires_grad = true;
+  if (node->always_run) t_always_run.push_back(std::move(node));
+}
+
+std::size_t pending_always_run() noexcept { return t_always_run.size(); }
+void discard_pending_always_run() noexcept { t_always_run.clear(); }
+
+namespace {
+
+// Gradients flowing into one place are summed out of place: a backward may hand the same tensor to
+// several inputs (add passes its gradient through), so no accumulator may be written in place
+// unless it is provably owned by us alone.
+void accumulate(Tensor& into, Tensor grad) {
+  if (!into.defined()) {
+    into = std::move(grad);
+  } else {
+    into = into + grad;
+  }
+}
+
+bool exclusively_owned(const Tensor& t) {
+  return t.impl_ptr().use_count() == 1 && t.impl()->storage.use_count() == 1 && !t.impl()->grad_fn;
+}
+
+void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
+  if (grad.shape() != leaf.shape || grad.dtype() != leaf.dtype) {
+    fail<AutogradError>("backward", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match leaf ",
+                        dtype_name(leaf.dtype), " ", leaf.shape);
+  }
+  if (!leaf.grad.defined()) {
+    leaf.grad = exclusively_owned(grad) ? std::move(grad) : grad.clone();
+  } else {
+    leaf.grad.add_(grad);  // the leaf's gradient buffer is its own: accumulate in place
+  }
+}
+
+}  // namespace
+
+void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
+  detail::require_defined("backward", root);
+  detail::require_defined("backward", grad);
+  if (grad.shape() != root.shape() || grad.dtype() != root.dtype()) {
+    fail<AutogradError>("backward", "output gradient ", dtype_name(grad.dtype()), " ", grad.shape(),
+                        " does not match output ", dtype_name(root.dtype()), " ", root.shape());
+  }
+  std::vector<std::shared_ptr<Node>> always_run;
+  always_run.swap(t_always_run);
+  if (!root.requires_grad() && always_run.empty()) {
+    fail<AutogradError>("backward", "the ", root.shape(), " tensor does not require grad and has no graph");
+  }
+
+  NoGradGuard no_grad;
+  // Collect every node reachable from the root and from the always-run nodes.
+  std::vector<Node*> order;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  auto visit = [&](Node* n) {
+    if (n && seen.insert(n).second) stack.push_back(n);
+  };
+  visit(root.impl()->grad_fn.get());
+  for (const auto& n : always_run) visit(n.get());
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    order.push_back(n);
+    for (const Edge& e : n->next) visit(e.node.get());
+  }
+  std::sort(order.begin(), order.end(), [](const Node* a, const Node* b) { return a->sequence > b->sequence; });
+
+  // Pending gradients must not outlive this call, even when a node throws.
+  struct ClearPending {
+    std::vector<Node*>& nodes;
+    ~ClearPending() {
+      for (Node* n : nodes) n->pending = Tensor();
+    }
+  } clear{order};
+
+  if (Node* first = root.impl()->grad_fn.get()) {
+    first->pending = grad;
+  } else if (root.requires_grad()) {
+    accumulate_leaf(*root.impl(), grad);
+  }
+
+  for (Node* node : order) {
+    if (node->released) {
+      fail<AutogradError>("backward", "the graph through ", node->name,
+                          " was freed by an earlier backward; pass retain_graph=true to keep it");
+    }
+    Tensor g = std::move(node->pending);
+    if (!g.defined()) {
+      if (!node->always_run) continue;
+      g = zeros(node->out_shape, Options(node->out_dtype, node->out_backend));
+    }
+    std::uint64_t mask = 0;
+    for (std::size_t i = 0; i < node->next.size(); ++i) {
+      if (node->next[i].connected()) mask |= std::uint64_t{1} << i;
+    }
+    std::vector<Tensor> grads = node->backward(g, node->saved, GradMask(mask));
+    g = Tensor();
+    if (grads.size() != node->next.size()) {
+      fail<AutogradError>("backward", node->name, " returned ", grads.size(), " gradients for ", node->next.size(),
+                          " inputs");
+    }
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      Edge& e = node->next[i];
+      if (!grads[i].defined() || !e.connected()) continue;
+      if (e.node && (grads[i].shape() != e.node->out_shape || grads[i].dtype() != e.node->out_dtype)) {
+        fail<AutogradError>("backward", node->name, " produced a gradient ", dtype_name(grads[i].dtype()), " ",
+                            grads[i].shape(), " for its input ", i, " of ", dtype_name(e.node->out_dtype), " ",
+                            e.node->out_shape);
+      }
+      if (e.node) {
+        accumulate(e.node->pending, std::move(grads[i]));
+      } else {
+        accumulate_leaf(*e.leaf, std::move(grads[i]));
+      }
+    }
+    if (!retain_graph) {
+      node->backward = nullptr;
+      node->saved.clear();
+      node->released = true;
+    }
+  }
+  // A retained graph may be differentiated again; its always-run nodes must run again too.
+  if (retain_graph) {
+    for (auto& n : always_run) t_always_run.push_back(std::move(n));
+  }
+}
+
+}  // namespace ruda::autograd

@@ -1,0 +1,151 @@
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include <ruda/backend.h>
+#include <ruda/error.h>
+
+#ifdef RUDA_HAVE_OPENMP
+#include <omp.h>
+#endif
+
+namespace ruda {
+
+namespace detail {
+// Defined by the backends folder: registers the backends this build contains. The engine calls it
+// once, before the first lookup, so registration does not depend on static initializers that a
+// linker may drop.
+void register_builtin_backends();
+}  // namespace detail
+
+namespace {
+
+struct Entry {
+  std::string name;
+  std::function<std::unique_ptr<Backend>()> factory;
+  std::unique_ptr<Backend> instance;
+  std::once_flag created;
+};
+
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::unique_ptr<Entry>> entries;  // stable addresses: backends live as long as the process
+  std::atomic<Backend*> default_backend{nullptr};
+};
+
+Registry& storage() {
+  static Registry r;
+  return r;
+}
+
+Registry& registry() {
+  static std::once_flag builtins;
+  std::call_once(builtins, [] { detail::register_builtin_backends(); });
+  return storage();
+}
+
+std::string names_list(const Registry& r) {
+  std::string out;
+  for (const auto& e : r.entries) out += (out.empty() ? "" : ", ") + e->name;
+  return out;
+}
+
+Backend& instance_of(Entry& e) {
+  std::call_once(e.created, [&] {
+    e.instance = e.factory();
+    if (!e.instance) fail<BackendError>("get_backend", "the factory of backend '", e.name, "' returned nothing");
+  });
+  return *e.instance;
+}
+
+}  // namespace
+
+void register_backend(std::string name, std::function<std::unique_ptr<Backend>()> factory) {
+  Registry& r = storage();
+  std::lock_guard lock(r.mutex);
+  for (const auto& e : r.entries) {
+    if (e->name == name) fail<BackendError>("register_backend", "a backend named '", name, "' is registered already");
+  }
+  auto entry = std::make_unique<Entry>();
+  entry->name = std::move(name);
+  entry->factory = std::move(factory);
+  r.entries.push_back(std::move(entry));
+}
+
+Backend& get_backend(std::string_view name) {
+  Registry& r = registry();
+  Entry* found = nullptr;
+  {
+    std::lock_guard lock(r.mutex);
+    for (const auto& e : r.entries) {
+      if (e->name == name) found = e.get();
+    }
+    if (!found) {
+      fail<BackendError>("get_backend", "unknown backend '", name, "' (available: ", names_list(r), ")");
+    }
+  }
+  return instance_of(*found);
+}
+
+std::vector<std::string> available_backends() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  std::vector<std::string> names;
+  for (const auto& e : r.entries) names.push_back(e->name);
+  return names;
+}
+
+Backend& default_backend() {
+  Registry& r = registry();
+  if (Backend* b = r.default_backend.load(std::memory_order_acquire)) return *b;
+  Backend* chosen = nullptr;
+  if (const char* env = std::getenv("RUDA_BACKEND"); env && *env) {
+    chosen = &get_backend(env);
+  } else {
+    const auto names = available_backends();
+    const bool has_onednn = std::find(names.begin(), names.end(), "onednn") != names.end();
+    chosen = &get_backend(has_onednn ? "onednn" : "eigen");
+  }
+  Backend* expected = nullptr;
+  r.default_backend.compare_exchange_strong(expected, chosen, std::memory_order_acq_rel);
+  return *r.default_backend.load(std::memory_order_acquire);
+}
+
+void set_default_backend(std::string_view name) {
+  Backend& b = get_backend(name);
+  registry().default_backend.store(&b, std::memory_order_release);
+}
+
+int hardware_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+
+namespace {
+int default_threads() {
+  if (const char* env = std::getenv("RUDA_NUM_THREADS"); env && *env) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return hardware_threads();
+}
+thread_local int t_threads = 0;  // 0: not set on this thread yet
+}  // namespace
+
+void set_num_threads(int threads) {
+  if (threads < 1) fail<ArgumentError>("set_num_threads", "thread count must be positive, got ", threads);
+  t_threads = threads;
+#ifdef RUDA_HAVE_OPENMP
+  omp_set_num_threads(threads);  // per calling thread: emulated ranks each set their own
+#endif
+}
+
+int num_threads() {
+  if (t_threads == 0) set_num_threads(default_threads());
+  return t_threads;
+}
+
+}  // namespace ruda

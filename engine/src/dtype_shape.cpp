@@ -1,0 +1,114 @@
+#include <limits>
+#include <sstream>
+
+#include <ruda/backend.h>
+#include <ruda/dtype.h>
+#include <ruda/error.h>
+#include <ruda/shape.h>
+
+namespace ruda {
+
+std::string_view dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::f32: return "f32";
+    case DType::f64: return "f64";
+    case DType::f16: return "f16";
+    case DType::bf16: return "bf16";
+    case DType::i64: return "i64";
+    case DType::boolean: return "bool";
+  }
+  return "?";
+}
+
+DType parse_dtype(std::string_view name) {
+  for (DType d : {DType::f32, DType::f64, DType::f16, DType::bf16, DType::i64, DType::boolean}) {
+    if (dtype_name(d) == name) return d;
+  }
+  fail<ArgumentError>("parse_dtype", "unknown dtype '", name, "' (expected f32, f64, f16, bf16, i64 or bool)");
+}
+
+std::int64_t shape_numel(const Shape& shape, const char* op) {
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) {
+    if (d < 0) fail<ShapeError>(op, "negative extent in shape ", shape);
+    if (d != 0 && n > std::numeric_limits<std::int64_t>::max() / d) fail<ShapeError>(op, "shape ", shape, " overflows");
+    n *= d;
+  }
+  return n;
+}
+
+std::string to_string(const Shape& shape) { return detail::concat(shape); }
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const std::size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const std::int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    if (da != db && da != 1 && db != 1) fail<ShapeError>(op, "shapes do not broadcast: ", a, " and ", b);
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+int normalize_axis(std::int64_t axis, std::int64_t ndim, const char* op) {
+  if (axis < -ndim || axis >= ndim || (ndim == 0 && axis != 0 && axis != -1)) {
+    fail<IndexError>(op, "axis ", axis, " is out of range for a tensor with ", ndim, " dimensions");
+  }
+  if (ndim == 0) return 0;
+  return static_cast<int>(axis < 0 ? axis + ndim : axis);
+}
+
+std::string_view op_name(UnaryOp op) noexcept {
+  switch (op) {
+    case UnaryOp::neg: return "neg";
+    case UnaryOp::abs: return "abs";
+    case UnaryOp::exp: return "exp";
+    case UnaryOp::log: return "log";
+    case UnaryOp::sqrt: return "sqrt";
+    case UnaryOp::rsqrt: return "rsqrt";
+    case UnaryOp::tanh: return "tanh";
+    case UnaryOp::sigmoid: return "sigmoid";
+    case UnaryOp::relu: return "relu";
+    case UnaryOp::gelu_tanh: return "gelu_tanh";
+    case UnaryOp::gelu_erf: return "gelu";
+    case UnaryOp::silu: return "silu";
+    case UnaryOp::softplus: return "softplus";
+    case UnaryOp::square: return "square";
+    case UnaryOp::reciprocal: return "reciprocal";
+  }
+  return "?";
+}
+
+std::string_view op_name(BinaryOp op) noexcept {
+  switch (op) {
+    case BinaryOp::add: return "add";
+    case BinaryOp::sub: return "sub";
+    case BinaryOp::mul: return "mul";
+    case BinaryOp::div: return "div";
+    case BinaryOp::pow: return "pow";
+    case BinaryOp::maximum: return "maximum";
+    case BinaryOp::minimum: return "minimum";
+    case BinaryOp::eq: return "eq";
+    case BinaryOp::ne: return "ne";
+    case BinaryOp::lt: return "lt";
+    case BinaryOp::le: return "le";
+    case BinaryOp::gt: return "gt";
+    case BinaryOp::ge: return "ge";
+  }
+  return "?";
+}
+
+std::string_view op_name(ReduceOp op) noexcept {
+  switch (op) {
+    case ReduceOp::sum: return "sum";
+    case ReduceOp::max: return "max";
+    case ReduceOp::min: return "min";
+    case ReduceOp::logsumexp: return "logsumexp";
+    case ReduceOp::argmax: return "argmax";
+    case ReduceOp::argmin: return "argmin";
+  }
+  return "?";
+}
+
+}  // namespace ruda

@@ -1,0 +1,56 @@
+#include <cmath>
+#include <sstream>
+
+#include <ruda/autograd.h>
+#include <ruda/gradcheck.h>
+
+#include "internal.h"
+
+namespace ruda {
+
+GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
+                          GradcheckOptions options) {
+  GradcheckResult result;
+  // Analytic: d(sum(f(x) * r))/dx through backward, for a fixed random projection r.
+  for (const Tensor& in : inputs) {
+    if (in.defined() && in.requires_grad()) const_cast<Tensor&>(in).zero_grad();
+  }
+  const Tensor out = f(inputs);
+  const Tensor r = rand(out.shape(), options.seed, 0, Options(out.dtype(), &out.backend())) + 0.5;
+  sum(out * r).backward();
+
+  auto objective = [&](const std::vector<Tensor>& xs) {
+    autograd::NoGradGuard guard;
+    return sum(cast(f(xs), DType::f64) * cast(r, DType::f64)).item();
+  };
+
+  for (std::size_t which = 0; which < inputs.size(); ++which) {
+    const Tensor& in = inputs[which];
+    if (!in.defined() || !in.requires_grad()) continue;
+    const Tensor analytic = in.grad().defined() ? in.grad().to(DType::f64) : zeros(in.shape(), DType::f64);
+    const std::vector<double> grad = analytic.to_vector<double>();
+    const std::vector<double> base = in.to_vector<double>();
+    for (std::int64_t i = 0; i < in.numel(); ++i) {
+      auto shifted = [&](double delta) {
+        std::vector<double> values = base;
+        values[static_cast<std::size_t>(i)] += delta;
+        std::vector<Tensor> xs = inputs;
+        xs[which] = from_values(values, in.shape(), Options(in.dtype(), &in.backend()));
+        return objective(xs);
+      };
+      const double numeric = (shifted(options.eps) - shifted(-options.eps)) / (2 * options.eps);
+      const double error = std::abs(numeric - grad[static_cast<std::size_t>(i)]);
+      result.max_abs_error = std::max(result.max_abs_error, error);
+      if (error > options.atol + options.rtol * std::abs(numeric) && result.ok) {
+        result.ok = false;
+        std::ostringstream msg;
+        msg << "input " << which << " " << to_string(in.shape()) << " element " << i << ": analytic "
+            << grad[static_cast<std::size_t>(i)] << ", numeric " << numeric;
+        result.message = msg.str();
+      }
+    }
+  }
+  return result;
+}
+
+}  // namespace ruda

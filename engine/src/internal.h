@@ -1,0 +1,114 @@
+// Engine internals shared by the op implementations: storage, the tensor object, view helpers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <atomic>
+#include <memory>
+
+#include <ruda/autograd.h>
+#include <ruda/backend.h>
+#include <ruda/memory.h>
+#include <ruda/tensor.h>
+
+namespace ruda::memory {
+// Counters of one tracker; storages keep their tracker alive so frees are charged correctly.
+class Tracker {
+ public:
+  void add(std::int64_t bytes) noexcept;
+  void remove(std::int64_t bytes) noexcept;
+  Stats stats() const noexcept;
+  void reset_peak() noexcept;
+
+ private:
+  std::atomic<std::int64_t> live_{0};
+  std::atomic<std::int64_t> peak_{0};
+  std::atomic<std::int64_t> allocations_{0};
+};
+const std::shared_ptr<Tracker>& current_tracker();
+Tracker& process_tracker();
+}  // namespace ruda::memory
+
+namespace ruda::detail {
+
+/// 64-byte aligned host memory, charged to the allocating thread's tracker.
+struct Storage {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<memory::Tracker> tracker;
+  explicit Storage(std::size_t bytes);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+};
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  std::int64_t offset = 0;  // in elements
+  Shape shape;
+  std::int64_t numel = 0;
+  DType dtype = DType::f32;
+  Backend* backend = nullptr;
+
+  bool requires_grad = false;
+  std::shared_ptr<autograd::Node> grad_fn;
+  Tensor grad;
+  std::shared_ptr<const std::function<Tensor()>> recompute;
+
+  void* data() const noexcept {
+    return static_cast<char*>(storage->data) + offset * static_cast<std::int64_t>(dtype_size(dtype));
+  }
+};
+
+/// A new tensor with uninitialized contents.
+Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend);
+/// A tensor sharing `source`'s storage with another shape and element offset.
+Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset = 0);
+
+/// The contiguous view of a tensor.
+View view_of(const Tensor& t);
+/// A view of t broadcast to `shape` (t's shape must broadcast to it): stride 0 on broadcast axes.
+View broadcast_view(const Tensor& t, const Shape& shape);
+/// Contiguous row-major strides of a shape.
+void contiguous_strides(const Shape& shape, std::int64_t* strides);
+
+/// Throws DTypeError unless t is a float tensor.
+void require_float(const char* op, const Tensor& t);
+/// Throws DTypeError unless a and b have the same dtype.
+void require_same_dtype(const char* op, const Tensor& a, const Tensor& b);
+void require_defined(const char* op, const Tensor& t);
+/// Throws ShapeError when a shape has more than kMaxDims axes.
+void require_rank(const char* op, const Shape& shape);
+
+/// The gradient of a non-float leaf is never needed; ops use this to skip recording.
+inline bool float_dtype(const Tensor& t) { return is_floating(t.dtype()); }
+
+}  // namespace ruda::detail
+
+namespace ruda::autograd {
+
+struct Edge {
+  std::shared_ptr<Node> node;                 // the producer's node, or
+  std::shared_ptr<detail::TensorImpl> leaf;   // the leaf to accumulate into
+  bool connected() const noexcept { return node || leaf; }
+};
+
+class Node {
+ public:
+  const char* name = "";
+  std::uint64_t sequence = 0;
+  std::vector<Edge> next;
+  Saved saved;
+  BackwardFn backward;
+  bool always_run = false;
+  bool released = false;
+  // What a zero gradient of the output looks like, for always-run nodes the loss does not reach.
+  Shape out_shape;
+  DType out_dtype = DType::f32;
+  Backend* out_backend = nullptr;
+  // The gradient accumulated for the output while a backward runs.
+  Tensor pending;
+};
+
+}  // namespace ruda::autograd

@@ -1,0 +1,115 @@
+// Neural-network primitives: embedding lookup, take_along_axis, softmax and log_softmax.
+#include <algorithm>
+
+#include "internal.h"
+
+namespace ruda {
+
+using autograd::GradMask;
+using autograd::Saved;
+using detail::make_tensor;
+using detail::view_of;
+
+namespace {
+
+void check_indices(const char* op, const Tensor& indices, std::int64_t limit, const Shape& target) {
+  if (indices.dtype() != DType::i64) {
+    fail<DTypeError>(op, "indices must be i64, got ", dtype_name(indices.dtype()), " ", indices.shape());
+  }
+  const auto* idx = indices.data<std::int64_t>();
+  const std::int64_t n = indices.numel();
+  if (n == 0) return;
+  const auto [lo, hi] = std::minmax_element(idx, idx + n);
+  if (*lo < 0 || *hi >= limit) {
+    fail<IndexError>(op, "index ", *lo < 0 ? *lo : *hi, " is out of range [0, ", limit, ") for ", target);
+  }
+}
+
+}  // namespace
+
+Tensor embedding(const Tensor& table, const Tensor& indices) {
+  detail::require_float("embedding", table);
+  detail::require_defined("embedding", indices);
+  if (table.ndim() != 2) fail<ShapeError>("embedding", "table must be [vocabulary, features], got ", table.shape());
+  const std::int64_t vocabulary = table.shape()[0], features = table.shape()[1];
+  check_indices("embedding", indices, vocabulary, table.shape());
+  Shape out_shape = indices.shape();
+  out_shape.push_back(features);
+  detail::require_rank("embedding", out_shape);
+  Tensor out = make_tensor(out_shape, table.dtype(), table.backend());
+  const Tensor flat_idx = reshape(indices, {-1});
+  if (out.numel()) {
+    table.backend().gather_rows(view_of(table), view_of(flat_idx), view_of(reshape(out, {-1, features})));
+  }
+  if (autograd::needs_grad(table)) {
+    autograd::record("embedding", out, {table}, {flat_idx},
+                     [vocabulary, features](const Tensor& g, const Saved& s, GradMask) {
+                       Tensor gt = zeros({vocabulary, features}, Options(g.dtype(), &g.backend()));
+                       if (g.numel()) {
+                         g.backend().scatter_add_rows(view_of(reshape(g, {-1, features})), view_of(s[0].get()), view_of(gt));
+                       }
+                       return std::vector<Tensor>{gt};
+                     });
+  }
+  return out;
+}
+
+Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) {
+  detail::require_defined("take_along_axis", x);
+  detail::require_defined("take_along_axis", index);
+  if (x.ndim() == 0) fail<ShapeError>("take_along_axis", "needs at least one dimension, got a scalar");
+  const int a = normalize_axis(axis, x.ndim(), "take_along_axis");
+  bool fits = index.ndim() == x.ndim();
+  for (std::int64_t i = 0; fits && i < x.ndim(); ++i) fits = i == a || index.shape()[i] == x.shape()[i];
+  if (!fits) {
+    fail<ShapeError>("take_along_axis", "index ", index.shape(), " must match ", x.shape(), " off axis ", axis);
+  }
+  const int last = static_cast<int>(x.ndim()) - 1;
+  if (a != last) {
+    // Move the axis last, take, and move it back (copies; the last axis is the fast path).
+    return transpose(take_along_axis(transpose(x, a, last), transpose(index, a, last), last), a, last);
+  }
+  check_indices("take_along_axis", index, x.shape()[last], x.shape());
+  const std::int64_t cols = x.shape()[last], picks = index.shape()[last];
+  Tensor out = make_tensor(index.shape(), x.dtype(), x.backend());
+  if (out.numel()) {
+    x.backend().take_along_rows(view_of(reshape(x.detach(), {-1, cols})), view_of(reshape(index, {-1, picks})),
+                                view_of(reshape(out, {-1, picks})));
+  }
+  if (is_floating(x.dtype()) && autograd::needs_grad(x)) {
+    autograd::record("take_along_axis", out, {x}, {index},
+                     [shape = x.shape(), cols, picks](const Tensor& g, const Saved& s, GradMask) {
+                       Tensor gx = zeros(shape, Options(g.dtype(), &g.backend()));
+                       if (g.numel()) {
+                         g.backend().put_add_along_rows(view_of(reshape(g, {-1, picks})),
+                                                        view_of(reshape(s[0].get(), {-1, picks})),
+                                                        view_of(reshape(gx, {-1, cols})));
+                       }
+                       return std::vector<Tensor>{gx};
+                     });
+  }
+  return out;
+}
+
+namespace {
+Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool log) {
+  detail::require_float(name, x);
+  if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
+  const int a = normalize_axis(axis, x.ndim(), name);
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
+  if (out.numel()) x.backend().softmax(view_of(x), view_of(out), a, log);
+  if (autograd::needs_grad(x)) {
+    autograd::record(name, out, {x}, {out}, [a, log](const Tensor& g, const Saved& s, GradMask) {
+      Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend());
+      if (g.numel()) g.backend().softmax_backward(view_of(s[0].get()), view_of(g), view_of(gx), a, log);
+      return std::vector<Tensor>{gx};
+    });
+  }
+  return out;
+}
+}  // namespace
+
+Tensor softmax(const Tensor& x, std::int64_t axis) { return softmax_impl("softmax", x, axis, false); }
+Tensor log_softmax(const Tensor& x, std::int64_t axis) { return softmax_impl("log_softmax", x, axis, true); }
+
+}  // namespace ruda

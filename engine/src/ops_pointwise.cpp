@@ -1,0 +1,287 @@
+// Elementwise ops: arithmetic with broadcasting, comparisons, where, unary math, casts, dropout.
+#include <cmath>
+
+#include "internal.h"
+
+namespace ruda {
+
+using autograd::GradMask;
+using autograd::Saved;
+using detail::broadcast_view;
+using detail::float_dtype;
+using detail::make_tensor;
+using detail::view_of;
+
+namespace {
+
+bool is_comparison(BinaryOp op) { return op >= BinaryOp::eq; }
+
+Tensor binary_forward(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  detail::require_defined(name, a);
+  detail::require_defined(name, b);
+  detail::require_same_dtype(name, a, b);
+  if (a.dtype() == DType::boolean && !(op == BinaryOp::eq || op == BinaryOp::ne)) {
+    fail<DTypeError>(name, "is not defined on bool tensors ", a.shape(), " and ", b.shape());
+  }
+  const Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_shapes(a.shape(), b.shape(), name);
+  detail::require_rank(name, shape);
+  Tensor out = make_tensor(shape, is_comparison(op) ? DType::boolean : a.dtype(), a.backend());
+  if (out.numel()) a.backend().binary(op, broadcast_view(a, shape), broadcast_view(b, shape), view_of(out));
+  return out;
+}
+
+Tensor scalar_like(double value, const Tensor& like) {
+  detail::require_defined("scalar", like);
+  return scalar(value, Options(like.dtype(), &like.backend()));
+}
+
+std::vector<Tensor> two(Tensor a, Tensor b) { return {std::move(a), std::move(b)}; }
+
+}  // namespace
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(BinaryOp::add, "add", a, b);
+  if (autograd::needs_grad(a, b)) {
+    autograd::record("add", out, {a, b}, {}, [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
+      return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(g, sb) : Tensor());
+    });
+  }
+  return out;
+}
+
+Tensor sub(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(BinaryOp::sub, "sub", a, b);
+  if (autograd::needs_grad(a, b)) {
+    autograd::record("sub", out, {a, b}, {}, [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
+      return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(neg(g), sb) : Tensor());
+    });
+  }
+  return out;
+}
+
+Tensor mul(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(BinaryOp::mul, "mul", a, b);
+  if (autograd::needs_grad(a, b)) {
+    // Each input's gradient needs only the other input.
+    const bool ga = a.requires_grad(), gb = b.requires_grad();
+    autograd::record("mul", out, {a, b}, {ga ? b : Tensor(), gb ? a : Tensor()},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
+                       return two(need[0] ? sum_to(g * s[0].get(), sa) : Tensor(),
+                                  need[1] ? sum_to(g * s[1].get(), sb) : Tensor());
+                     });
+  }
+  return out;
+}
+
+Tensor div(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(BinaryOp::div, "div", a, b);
+  if (autograd::needs_grad(a, b)) {
+    const bool gb = b.requires_grad();
+    autograd::record("div", out, {a, b}, {b, gb ? out : Tensor()},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor bv = s[0].get();
+                       const Tensor ga = g / bv;
+                       // d(a/b)/db = -(a/b)/b
+                       return two(need[0] ? sum_to(ga, sa) : Tensor(), need[1] ? sum_to(neg(ga * s[1].get()), sb) : Tensor());
+                     });
+  }
+  return out;
+}
+
+Tensor pow(const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(BinaryOp::pow, "pow", a, b);
+  if (autograd::needs_grad(a, b)) {
+    autograd::record("pow", out, {a, b}, {a, b, b.requires_grad() ? out : Tensor()},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor av = s[0].get(), bv = s[1].get();
+                       Tensor ga, gb;
+                       if (need[0]) ga = sum_to(g * bv * pow(av, bv - 1.0), sa);
+                       if (need[1]) {
+                         // d(a^b)/db = a^b * log(a), taken as 0 where a == 0 (the limit of b*log(a) paths)
+                         const Tensor safe_log = where(eq(av, zeros_like(av)), zeros_like(av), log(av));
+                         gb = sum_to(g * s[2].get() * safe_log, sb);
+                       }
+                       return two(std::move(ga), std::move(gb));
+                     });
+  }
+  return out;
+}
+
+Tensor pow(const Tensor& a, double exponent) { return pow(a, scalar_like(exponent, a)); }
+
+namespace {
+Tensor extremum(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
+  Tensor out = binary_forward(op, name, a, b);
+  if (autograd::needs_grad(a, b)) {
+    autograd::record(name, out, {a, b}, {a, b},
+                     [sa = a.shape(), sb = b.shape(), op](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor av = s[0].get(), bv = s[1].get();
+                       // The winner takes the gradient; ties split it evenly (the central difference there).
+                       const Tensor a_wins = op == BinaryOp::maximum ? gt(av, bv) : lt(av, bv);
+                       const Tensor tie = eq(av, bv);
+                       const Tensor a_share = cast(a_wins, g.dtype()) + cast(tie, g.dtype()) * 0.5;
+                       const Tensor ga = g * a_share;
+                       return two(need[0] ? sum_to(ga, sa) : Tensor(), need[1] ? sum_to(g - ga, sb) : Tensor());
+                     });
+  }
+  return out;
+}
+}  // namespace
+
+Tensor maximum(const Tensor& a, const Tensor& b) { return extremum(BinaryOp::maximum, "maximum", a, b); }
+Tensor minimum(const Tensor& a, const Tensor& b) { return extremum(BinaryOp::minimum, "minimum", a, b); }
+
+Tensor eq(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::eq, "eq", a, b); }
+Tensor ne(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::ne, "ne", a, b); }
+Tensor lt(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::lt, "lt", a, b); }
+Tensor le(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::le, "le", a, b); }
+Tensor gt(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::gt, "gt", a, b); }
+Tensor ge(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::ge, "ge", a, b); }
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  detail::require_defined("where", cond);
+  detail::require_defined("where", a);
+  detail::require_defined("where", b);
+  if (cond.dtype() != DType::boolean) {
+    fail<DTypeError>("where", "condition must be bool, got ", dtype_name(cond.dtype()), " ", cond.shape());
+  }
+  detail::require_same_dtype("where", a, b);
+  const Shape shape = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
+  detail::require_rank("where", shape);
+  Tensor out = make_tensor(shape, a.dtype(), a.backend());
+  if (out.numel()) {
+    a.backend().where(broadcast_view(cond, shape), broadcast_view(a, shape), broadcast_view(b, shape), view_of(out));
+  }
+  if (autograd::needs_grad(a, b)) {
+    autograd::record("where", out, {a, b}, {cond},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor c = s[0].get();
+                       const Tensor zero = zeros({}, Options(g.dtype(), &g.backend()));
+                       return two(need[0] ? sum_to(where(c, g, zero), sa) : Tensor(),
+                                  need[1] ? sum_to(where(c, zero, g), sb) : Tensor());
+                     });
+  }
+  return out;
+}
+
+Tensor clamp(const Tensor& x, double low, double high) {
+  if (!(low <= high)) fail<ArgumentError>("clamp", "low ", low, " exceeds high ", high);
+  return minimum(maximum(x, scalar_like(low, x)), scalar_like(high, x));
+}
+
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a)); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a)); }
+Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a)); }
+Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a)); }
+Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b), b); }
+Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b), b); }
+Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b), b); }
+Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b), b); }
+Tensor operator-(const Tensor& a) { return neg(a); }
+
+// --- unary ---
+
+namespace {
+
+// What each op's derivative reads: its input x, its output y, or neither.
+bool derivative_reads_input(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::abs:
+    case UnaryOp::log:
+    case UnaryOp::gelu_tanh:
+    case UnaryOp::gelu_erf:
+    case UnaryOp::silu:
+    case UnaryOp::softplus:
+    case UnaryOp::square: return true;
+    default: return false;
+  }
+}
+bool derivative_reads_output(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::exp:
+    case UnaryOp::sqrt:
+    case UnaryOp::rsqrt:
+    case UnaryOp::tanh:
+    case UnaryOp::sigmoid:
+    case UnaryOp::relu:
+    case UnaryOp::reciprocal: return true;
+    default: return false;
+  }
+}
+
+const char* unary_name(UnaryOp op) { return op_name(op).data(); }
+
+Tensor unary(UnaryOp op, const Tensor& x) {
+  const char* name = unary_name(op);
+  detail::require_defined(name, x);
+  if (op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::square) {
+    if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
+  } else {
+    detail::require_float(name, x);
+  }
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
+  if (out.numel()) x.backend().unary(op, view_of(x), view_of(out));
+  if (autograd::needs_grad(x)) {
+    const bool reads_x = derivative_reads_input(op), reads_y = derivative_reads_output(op);
+    autograd::record(name, out, {x}, {reads_x ? x : Tensor(), reads_y ? out : Tensor()},
+                     [op](const Tensor& g, const Saved& s, GradMask) -> std::vector<Tensor> {
+                       if (op == UnaryOp::neg) return {neg(g)};
+                       const Tensor xv = s[0].get(), yv = s[1].get();
+                       Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend());
+                       View none;
+                       none.dtype = g.dtype();
+                       g.backend().unary_backward(op, xv.defined() ? view_of(xv) : none, yv.defined() ? view_of(yv) : none,
+                                                  view_of(g), view_of(gx));
+                       return {gx};
+                     });
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor neg(const Tensor& x) { return unary(UnaryOp::neg, x); }
+Tensor abs(const Tensor& x) { return unary(UnaryOp::abs, x); }
+Tensor exp(const Tensor& x) { return unary(UnaryOp::exp, x); }
+Tensor log(const Tensor& x) { return unary(UnaryOp::log, x); }
+Tensor sqrt(const Tensor& x) { return unary(UnaryOp::sqrt, x); }
+Tensor rsqrt(const Tensor& x) { return unary(UnaryOp::rsqrt, x); }
+Tensor square(const Tensor& x) { return unary(UnaryOp::square, x); }
+Tensor reciprocal(const Tensor& x) { return unary(UnaryOp::reciprocal, x); }
+Tensor tanh(const Tensor& x) { return unary(UnaryOp::tanh, x); }
+Tensor sigmoid(const Tensor& x) { return unary(UnaryOp::sigmoid, x); }
+Tensor relu(const Tensor& x) { return unary(UnaryOp::relu, x); }
+Tensor gelu(const Tensor& x, GeluApproximation approximation) {
+  return unary(approximation == GeluApproximation::tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf, x);
+}
+Tensor silu(const Tensor& x) { return unary(UnaryOp::silu, x); }
+Tensor softplus(const Tensor& x) { return unary(UnaryOp::softplus, x); }
+
+Tensor cast(const Tensor& x, DType dtype) {
+  detail::require_defined("cast", x);
+  if (x.dtype() == dtype) return x;
+  Tensor out = make_tensor(x.shape(), dtype, x.backend());
+  if (out.numel()) x.backend().cast(view_of(x), view_of(out));
+  if (is_floating(dtype) && autograd::needs_grad(x)) {
+    autograd::record("cast", out, {x}, {}, [from = x.dtype()](const Tensor& g, const Saved&, GradMask) {
+      return std::vector<Tensor>{cast(g, from)};
+    });
+  }
+  return out;
+}
+
+Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offset) {
+  detail::require_float("dropout", x);
+  if (!(p >= 0.0 && p < 1.0)) fail<ArgumentError>("dropout", "probability must be in [0, 1), got ", p);
+  if (p == 0.0) return x;
+  // Draws in f32 whatever x's dtype: a bf16 draw has too few bits to hit p accurately.
+  const Tensor draws = rand(x.shape(), seed, offset, Options(DType::f32, &x.backend()));
+  const Tensor keep = cast(ge(draws, scalar_like(p, draws)), x.dtype()) * (1.0 / (1.0 - p));
+  return x * keep;  // mul records the scaled mask as the only saved state
+}
+
+}  // namespace ruda

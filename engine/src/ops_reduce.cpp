@@ -1,0 +1,166 @@
+// Reductions over axes, and sum_to (the gradient of broadcasting).
+#include <algorithm>
+
+#include "internal.h"
+
+namespace ruda {
+
+using autograd::GradMask;
+using autograd::Saved;
+using detail::make_tensor;
+using detail::view_of;
+
+namespace {
+
+struct Reduction {
+  std::vector<bool> reduced;  // per axis of x
+  Shape kept;                 // x's shape with reduced axes as 1
+  Shape out;                  // the result's shape (kept, or without the reduced axes)
+  std::int64_t count = 1;     // elements folded into each result
+};
+
+Reduction plan(const char* op, const Tensor& x, const Axes& axes, bool keepdim) {
+  const std::int64_t nd = x.ndim();
+  Reduction r;
+  r.reduced.assign(static_cast<std::size_t>(nd), axes.empty());
+  for (std::int64_t a : axes) {
+    const int axis = normalize_axis(a, nd, op);
+    if (nd == 0) continue;
+    if (r.reduced[axis]) fail<IndexError>(op, "axis ", a, " is listed twice for shape ", x.shape());
+    r.reduced[axis] = true;
+  }
+  for (std::int64_t i = 0; i < nd; ++i) {
+    const std::int64_t extent = x.shape()[i];
+    if (r.reduced[i]) {
+      r.kept.push_back(1);
+      r.count *= extent;
+      if (keepdim) r.out.push_back(1);
+    } else {
+      r.kept.push_back(extent);
+      r.out.push_back(extent);
+    }
+  }
+  return r;
+}
+
+Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Reduction& r, DType out_dtype) {
+  Tensor out = make_tensor(r.kept, out_dtype, x.backend());
+  if (out.numel()) {
+    if (x.numel() == 0) {
+      if (op != ReduceOp::sum) fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
+      x.backend().fill(view_of(out), 0.0);
+    } else {
+      x.backend().reduce(op, view_of(x), view_of(out));
+    }
+  }
+  return r.out == r.kept ? out : detail::alias(out, r.out);
+}
+
+// The gradient g of a reduced result, spread back over x's shape.
+Tensor spread(const Tensor& g, const Shape& kept, const Shape& x_shape) { return expand(reshape(g, kept), x_shape); }
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const Axes& axes, bool keepdim) {
+  detail::require_defined("sum", x);
+  if (x.dtype() == DType::boolean) fail<DTypeError>("sum", "is not defined on bool tensor ", x.shape(), "; cast it first");
+  const Reduction r = plan("sum", x, axes, keepdim);
+  Tensor out = reduce_forward(ReduceOp::sum, "sum", x, r, x.dtype());
+  if (autograd::needs_grad(x)) {
+    autograd::record("sum", out, {x}, {}, [kept = r.kept, shape = x.shape()](const Tensor& g, const Saved&, GradMask) {
+      return std::vector<Tensor>{spread(g, kept, shape)};
+    });
+  }
+  return out;
+}
+
+Tensor mean(const Tensor& x, const Axes& axes, bool keepdim) {
+  detail::require_float("mean", x);
+  const Reduction r = plan("mean", x, axes, keepdim);
+  if (r.count == 0) fail<ShapeError>("mean", "cannot average over zero elements of ", x.shape());
+  return sum(x, axes, keepdim) / static_cast<double>(r.count);
+}
+
+namespace {
+Tensor extremum(ReduceOp op, const char* name, const Tensor& x, const Axes& axes, bool keepdim) {
+  detail::require_defined(name, x);
+  if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
+  const Reduction r = plan(name, x, axes, keepdim);
+  Tensor out = reduce_forward(op, name, x, r, x.dtype());
+  if (autograd::needs_grad(x)) {
+    autograd::record(name, out, {x}, {x, out}, [kept = r.kept](const Tensor& g, const Saved& s, GradMask) {
+      // The gradient goes to the extreme elements, split evenly between ties.
+      const Tensor xv = s[0].get();
+      const Tensor hits = cast(eq(xv, reshape(s[1].get(), kept)), g.dtype());
+      const Tensor share = hits / sum_to(hits, kept);
+      return std::vector<Tensor>{share * reshape(g, kept)};
+    });
+  }
+  return out;
+}
+}  // namespace
+
+Tensor max(const Tensor& x, const Axes& axes, bool keepdim) { return extremum(ReduceOp::max, "max", x, axes, keepdim); }
+Tensor min(const Tensor& x, const Axes& axes, bool keepdim) { return extremum(ReduceOp::min, "min", x, axes, keepdim); }
+
+Tensor logsumexp(const Tensor& x, const Axes& axes, bool keepdim) {
+  detail::require_float("logsumexp", x);
+  const Reduction r = plan("logsumexp", x, axes, keepdim);
+  Tensor out = reduce_forward(ReduceOp::logsumexp, "logsumexp", x, r, x.dtype());
+  if (autograd::needs_grad(x)) {
+    autograd::record("logsumexp", out, {x}, {x, out}, [kept = r.kept](const Tensor& g, const Saved& s, GradMask) {
+      const Tensor soft = exp(s[0].get() - reshape(s[1].get(), kept));
+      return std::vector<Tensor>{soft * reshape(g, kept)};
+    });
+  }
+  return out;
+}
+
+namespace {
+Tensor arg_extremum(ReduceOp op, const char* name, const Tensor& x, std::int64_t axis, bool keepdim) {
+  detail::require_defined(name, x);
+  if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
+  if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
+  const Reduction r = plan(name, x, {axis}, keepdim);
+  if (r.count == 0) fail<ShapeError>(name, "cannot search an empty axis of ", x.shape());
+  return reduce_forward(op, name, x, r, DType::i64);
+}
+}  // namespace
+
+Tensor argmax(const Tensor& x, std::int64_t axis, bool keepdim) {
+  return arg_extremum(ReduceOp::argmax, "argmax", x, axis, keepdim);
+}
+Tensor argmin(const Tensor& x, std::int64_t axis, bool keepdim) {
+  return arg_extremum(ReduceOp::argmin, "argmin", x, axis, keepdim);
+}
+
+Tensor sum_to(const Tensor& x, const Shape& shape) {
+  detail::require_defined("sum_to", x);
+  if (x.shape() == shape) return x;
+  const Shape& from = x.shape();
+  if (shape.size() > from.size() || broadcast_shapes(shape, from, "sum_to") != from) {
+    fail<ShapeError>("sum_to", "cannot sum ", from, " down to ", shape);
+  }
+  const std::size_t lead = from.size() - shape.size();
+  Axes axes;
+  for (std::size_t i = 0; i < from.size(); ++i) {
+    if (i < lead || (shape[i - lead] == 1 && from[i] != 1)) axes.push_back(static_cast<std::int64_t>(i));
+  }
+  return reshape(sum(x, axes, /*keepdim=*/true), shape);
+}
+
+Tensor Tensor::sum(const Axes& axes, bool keepdim) const { return ruda::sum(*this, axes, keepdim); }
+Tensor Tensor::mean(const Axes& axes, bool keepdim) const { return ruda::mean(*this, axes, keepdim); }
+Tensor Tensor::max(const Axes& axes, bool keepdim) const { return ruda::max(*this, axes, keepdim); }
+Tensor Tensor::min(const Axes& axes, bool keepdim) const { return ruda::min(*this, axes, keepdim); }
+Tensor Tensor::argmax(std::int64_t axis, bool keepdim) const { return ruda::argmax(*this, axis, keepdim); }
+Tensor Tensor::exp() const { return ruda::exp(*this); }
+Tensor Tensor::log() const { return ruda::log(*this); }
+Tensor Tensor::sqrt() const { return ruda::sqrt(*this); }
+Tensor Tensor::abs() const { return ruda::abs(*this); }
+Tensor Tensor::relu() const { return ruda::relu(*this); }
+Tensor Tensor::tanh() const { return ruda::tanh(*this); }
+Tensor Tensor::sigmoid() const { return ruda::sigmoid(*this); }
+Tensor Tensor::matmul(const Tensor& other) const { return ruda::matmul(*this, other); }
+
+}  // namespace ruda

@@ -1,0 +1,125 @@
+// Counter-based random tensors (Philox 4x32-10, Salmon et al., SC'11).
+#include <cmath>
+#include <numbers>
+
+#include <ruda/random.h>
+
+#include "internal.h"
+
+namespace ruda {
+namespace random {
+
+void philox4x32(std::uint64_t counter, std::uint64_t seed, std::uint32_t out[4]) noexcept {
+  std::uint32_t c0 = static_cast<std::uint32_t>(counter), c1 = static_cast<std::uint32_t>(counter >> 32), c2 = 0, c3 = 0;
+  std::uint32_t k0 = static_cast<std::uint32_t>(seed), k1 = static_cast<std::uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = std::uint64_t{0xD2511F53u} * c0;
+    const std::uint64_t p1 = std::uint64_t{0xCD9E8D57u} * c2;
+    const std::uint32_t n0 = static_cast<std::uint32_t>(p1 >> 32) ^ c1 ^ k0;
+    const std::uint32_t n2 = static_cast<std::uint32_t>(p0 >> 32) ^ c3 ^ k1;
+    c1 = static_cast<std::uint32_t>(p1);
+    c3 = static_cast<std::uint32_t>(p0);
+    c0 = n0;
+    c2 = n2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  out[0] = c0;
+  out[1] = c1;
+  out[2] = c2;
+  out[3] = c3;
+}
+
+float uniform_float(std::uint64_t seed, std::uint64_t index) noexcept {
+  std::uint32_t w[4];
+  philox4x32(index, seed, w);
+  return static_cast<float>(w[0] >> 8) * 0x1p-24f;
+}
+
+double uniform_double(std::uint64_t seed, std::uint64_t index) noexcept {
+  std::uint32_t w[4];
+  philox4x32(index, seed, w);
+  return static_cast<double>(((std::uint64_t{w[0]} << 32) | w[1]) >> 11) * 0x1p-53;
+}
+
+double normal_double(std::uint64_t seed, std::uint64_t index) noexcept {
+  std::uint32_t w[4];
+  philox4x32(index, seed, w);
+  // u1 in (0, 1], so the logarithm is finite.
+  const double u1 = (static_cast<double>(((std::uint64_t{w[0]} << 32) | w[1]) >> 11) + 1.0) * 0x1p-53;
+  const double u2 = static_cast<double>(((std::uint64_t{w[2]} << 32) | w[3]) >> 11) * 0x1p-53;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2);
+}
+
+}  // namespace random
+
+namespace {
+
+enum class Draw { uniform, normal };
+
+// Fills a fresh f32 or f64 tensor with draws offset .. offset + n of stream seed, then converts.
+Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, std::uint64_t seed, std::uint64_t offset,
+            Options options) {
+  if (!is_floating(options.dtype)) {
+    fail<DTypeError>(op, "draws floating-point values, not ", dtype_name(options.dtype), " (use randint for integers)");
+  }
+  Backend& backend = options.backend ? *options.backend : default_backend();
+  const DType work = options.dtype == DType::f64 ? DType::f64 : DType::f32;
+  Tensor t = detail::make_tensor(shape, work, backend);
+  const std::int64_t n = t.numel();
+  if (work == DType::f64) {
+    double* out = t.data<double>();
+#ifdef RUDA_HAVE_OPENMP
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (n > 65536)
+#endif
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint64_t idx = offset + static_cast<std::uint64_t>(i);
+      out[i] = kind == Draw::uniform ? a + (b - a) * random::uniform_double(seed, idx)
+                                     : a + b * random::normal_double(seed, idx);
+    }
+  } else {
+    float* out = t.data<float>();
+#ifdef RUDA_HAVE_OPENMP
+#pragma omp parallel for schedule(static) num_threads(num_threads()) if (n > 65536)
+#endif
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint64_t idx = offset + static_cast<std::uint64_t>(i);
+      out[i] = kind == Draw::uniform ? static_cast<float>(a + (b - a) * random::uniform_float(seed, idx))
+                                     : static_cast<float>(a + b * random::normal_double(seed, idx));
+    }
+  }
+  if (options.dtype != work) t = t.to(options.dtype);
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+
+}  // namespace
+
+Tensor rand(const Shape& shape, std::uint64_t seed, std::uint64_t offset, Options options) {
+  return draw("rand", shape, Draw::uniform, 0.0, 1.0, seed, offset, options);
+}
+Tensor randn(const Shape& shape, std::uint64_t seed, std::uint64_t offset, Options options) {
+  return draw("randn", shape, Draw::normal, 0.0, 1.0, seed, offset, options);
+}
+Tensor uniform(const Shape& shape, double low, double high, std::uint64_t seed, std::uint64_t offset, Options options) {
+  if (!(low <= high)) fail<ArgumentError>("uniform", "low ", low, " exceeds high ", high);
+  return draw("uniform", shape, Draw::uniform, low, high, seed, offset, options);
+}
+Tensor normal(const Shape& shape, double mean, double std, std::uint64_t seed, std::uint64_t offset, Options options) {
+  if (!(std >= 0)) fail<ArgumentError>("normal", "standard deviation must be non-negative, got ", std);
+  return draw("normal", shape, Draw::normal, mean, std, seed, offset, options);
+}
+
+Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uint64_t seed, std::uint64_t offset) {
+  if (low >= high) fail<ArgumentError>("randint", "empty range [", low, ", ", high, ")");
+  Tensor t = detail::make_tensor(shape, DType::i64, default_backend());
+  auto* out = t.data<std::int64_t>();
+  const double span = static_cast<double>(high - low);
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const double u = random::uniform_double(seed, offset + static_cast<std::uint64_t>(i));
+    out[i] = std::min(high - 1, low + static_cast<std::int64_t>(u * span));
+  }
+  return t;
+}
+
+}  // namespace ruda

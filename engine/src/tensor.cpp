@@ -1,0 +1,434 @@
+// The Tensor handle: metadata, creation, element access, printing and in-place updates.
+#include <cmath>
+#include <cstring>
+#include <ostream>
+#include <sstream>
+#include <type_traits>
+
+#include "internal.h"
+
+namespace ruda {
+namespace detail {
+
+Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend) {
+  require_rank("tensor", shape);
+  auto impl = std::make_shared<TensorImpl>();
+  impl->numel = shape_numel(shape, "tensor");
+  impl->storage = std::make_shared<Storage>(static_cast<std::size_t>(impl->numel) * dtype_size(dtype));
+  impl->shape = shape;
+  impl->dtype = dtype;
+  impl->backend = &backend;
+  return Tensor(std::move(impl));
+}
+
+Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset) {
+  auto impl = std::make_shared<TensorImpl>();
+  const TensorImpl& s = *source.impl();
+  impl->storage = s.storage;
+  impl->offset = s.offset + extra_offset;
+  impl->shape = shape;
+  impl->numel = shape_numel(shape);
+  impl->dtype = s.dtype;
+  impl->backend = s.backend;
+  return Tensor(std::move(impl));
+}
+
+void contiguous_strides(const Shape& shape, std::int64_t* strides) {
+  std::int64_t stride = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    strides[i] = stride;
+    stride *= shape[i];
+  }
+}
+
+View view_of(const Tensor& t) {
+  View v;
+  const TensorImpl& impl = *t.impl();
+  v.data = impl.data();
+  v.dtype = impl.dtype;
+  v.ndim = static_cast<int>(impl.shape.size());
+  for (int i = 0; i < v.ndim; ++i) v.shape[i] = impl.shape[i];
+  contiguous_strides(impl.shape, v.strides.data());
+  return v;
+}
+
+View broadcast_view(const Tensor& t, const Shape& shape) {
+  View v;
+  const TensorImpl& impl = *t.impl();
+  v.data = impl.data();
+  v.dtype = impl.dtype;
+  v.ndim = static_cast<int>(shape.size());
+  std::int64_t own[kMaxDims];
+  contiguous_strides(impl.shape, own);
+  const int lead = v.ndim - static_cast<int>(impl.shape.size());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = shape[i];
+    const int j = i - lead;
+    v.strides[i] = (j < 0 || impl.shape[j] == 1) ? 0 : own[j];
+  }
+  return v;
+}
+
+void require_defined(const char* op, const Tensor& t) {
+  if (!t.defined()) fail<ArgumentError>(op, "got an undefined tensor");
+}
+
+void require_float(const char* op, const Tensor& t) {
+  require_defined(op, t);
+  if (!is_floating(t.dtype())) {
+    fail<DTypeError>(op, "expects a floating-point tensor, got ", dtype_name(t.dtype()), " ", t.shape());
+  }
+}
+
+void require_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) {
+    fail<DTypeError>(op, "dtypes differ: ", dtype_name(a.dtype()), " ", a.shape(), " and ", dtype_name(b.dtype()), " ",
+                     b.shape());
+  }
+}
+
+void require_rank(const char* op, const Shape& shape) {
+  if (shape.size() > static_cast<std::size_t>(kMaxDims)) {
+    fail<ShapeError>(op, "shape ", shape, " has more than ", kMaxDims, " dimensions");
+  }
+}
+
+}  // namespace detail
+
+using detail::TensorImpl;
+
+namespace {
+const TensorImpl& checked(const Tensor& t, const char* what) {
+  if (!t.defined()) fail<ArgumentError>(what, "called on an undefined tensor");
+  return *t.impl();
+}
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::f32;
+  if constexpr (std::is_same_v<T, double>) return DType::f64;
+  if constexpr (std::is_same_v<T, std::int64_t>) return DType::i64;
+  if constexpr (std::is_same_v<T, bool>) return DType::boolean;
+  if constexpr (std::is_same_v<T, bfloat16>) return DType::bf16;
+  if constexpr (std::is_same_v<T, float16>) return DType::f16;
+}
+
+double read_element(const void* data, DType dtype, std::int64_t i) {
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(data)[i];
+    case DType::f64: return static_cast<const double*>(data)[i];
+    case DType::f16: return to_float(static_cast<const float16*>(data)[i]);
+    case DType::bf16: return to_float(static_cast<const bfloat16*>(data)[i]);
+    case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(data)[i]);
+    case DType::boolean: return static_cast<const std::uint8_t*>(data)[i] ? 1.0 : 0.0;
+  }
+  return 0;
+}
+
+Backend& backend_or_default(const Options& options) { return options.backend ? *options.backend : default_backend(); }
+
+Tensor finish(Tensor t, const Options& options) {
+  if (options.requires_grad) t.set_requires_grad(true);
+  return t;
+}
+}  // namespace
+
+const Shape& Tensor::shape() const { return checked(*this, "shape").shape; }
+std::int64_t Tensor::ndim() const { return static_cast<std::int64_t>(checked(*this, "ndim").shape.size()); }
+std::int64_t Tensor::size(std::int64_t axis) const {
+  const auto& s = checked(*this, "size").shape;
+  return s[normalize_axis(axis, static_cast<std::int64_t>(s.size()), "size")];
+}
+std::int64_t Tensor::numel() const { return checked(*this, "numel").numel; }
+DType Tensor::dtype() const { return checked(*this, "dtype").dtype; }
+Backend& Tensor::backend() const { return *checked(*this, "backend").backend; }
+std::size_t Tensor::nbytes() const {
+  const auto& impl = checked(*this, "nbytes");
+  return static_cast<std::size_t>(impl.numel) * dtype_size(impl.dtype);
+}
+void* Tensor::data_ptr() const { return checked(*this, "data_ptr").data(); }
+View Tensor::view() const {
+  checked(*this, "view");
+  return detail::view_of(*this);
+}
+bool Tensor::shares_storage(const Tensor& other) const {
+  return defined() && other.defined() && impl_->storage == other.impl_->storage;
+}
+
+template <class T>
+T* Tensor::data() const {
+  const auto& impl = checked(*this, "data");
+  if (impl.dtype != dtype_of<T>()) {
+    fail<DTypeError>("data", "requested ", dtype_name(dtype_of<T>()), " elements of a ", dtype_name(impl.dtype), " tensor ",
+                     impl.shape);
+  }
+  return static_cast<T*>(impl.data());
+}
+
+template <class T>
+std::vector<T> Tensor::to_vector() const {
+  const auto& impl = checked(*this, "to_vector");
+  constexpr DType target = dtype_of<T>();
+  const Tensor source = impl.dtype == target ? *this : this->detach().to(target);
+  const auto* src = static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(source.impl()->data());
+  return std::vector<T>(src, src + impl.numel);
+}
+
+#define RUDA_INSTANTIATE(T)                          \
+  template T* Tensor::data<T>() const;               \
+  template std::vector<T> Tensor::to_vector<T>() const; \
+  template Tensor from_vector<T>(const std::vector<T>&, const Shape&, Options);
+
+double Tensor::item() const {
+  const auto& impl = checked(*this, "item");
+  if (impl.numel != 1) fail<ShapeError>("item", "expects a one-element tensor, got ", impl.shape);
+  return read_element(impl.data(), impl.dtype, 0);
+}
+
+double Tensor::at(std::initializer_list<std::int64_t> index) const {
+  const auto& impl = checked(*this, "at");
+  if (index.size() != impl.shape.size()) {
+    fail<IndexError>("at", "index has ", index.size(), " coordinates for a tensor of shape ", impl.shape);
+  }
+  std::int64_t flat = 0, axis = 0;
+  for (std::int64_t i : index) {
+    const std::int64_t extent = impl.shape[axis];
+    if (i < -extent || i >= extent) fail<IndexError>("at", "index ", i, " is out of range for axis ", axis, " of ", impl.shape);
+    flat = flat * extent + (i < 0 ? i + extent : i);
+    ++axis;
+  }
+  return read_element(impl.data(), impl.dtype, flat);
+}
+
+bool Tensor::requires_grad() const { return checked(*this, "requires_grad").requires_grad; }
+
+Tensor& Tensor::set_requires_grad(bool value) {
+  auto& impl = const_cast<TensorImpl&>(checked(*this, "set_requires_grad"));
+  if (impl.grad_fn) {
+    fail<AutogradError>("set_requires_grad", "only leaves can change requires_grad; this ", impl.shape,
+                        " tensor was produced by ", autograd::node_name(*impl.grad_fn), " (use detach() first)");
+  }
+  if (value && !is_floating(impl.dtype)) {
+    fail<DTypeError>("set_requires_grad", "only floating-point tensors can require grad, got ", dtype_name(impl.dtype), " ",
+                     impl.shape);
+  }
+  impl.requires_grad = value;
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return checked(*this, "is_leaf").grad_fn == nullptr; }
+Tensor Tensor::grad() const { return checked(*this, "grad").grad; }
+void Tensor::set_grad(const Tensor& grad) {
+  auto& impl = const_cast<TensorImpl&>(checked(*this, "set_grad"));
+  if (grad.defined() && (grad.shape() != impl.shape || grad.dtype() != impl.dtype)) {
+    fail<ShapeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
+                     dtype_name(impl.dtype), " ", impl.shape);
+  }
+  impl.grad = grad;
+}
+void Tensor::zero_grad() { const_cast<TensorImpl&>(checked(*this, "zero_grad")).grad = Tensor(); }
+
+void Tensor::backward(bool retain_graph) const {
+  const auto& impl = checked(*this, "backward");
+  if (impl.numel != 1) {
+    fail<AutogradError>("backward", "implicit gradient needs a one-element output, got ", impl.shape,
+                        "; pass the output gradient explicitly");
+  }
+  backward(ones(impl.shape, Options(impl.dtype, impl.backend)), retain_graph);
+}
+
+void Tensor::backward(const Tensor& grad, bool retain_graph) const { autograd::backward(*this, grad, retain_graph); }
+
+Tensor Tensor::detach() const {
+  const auto& impl = checked(*this, "detach");
+  return detail::alias(*this, impl.shape);
+}
+
+const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const { return checked(*this, "grad_fn").grad_fn; }
+
+Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
+
+Tensor Tensor::to(Backend& backend) const {
+  Tensor out = detail::alias(*this, shape());
+  out.impl()->backend = &backend;
+  out.impl()->requires_grad = impl_->requires_grad && is_leaf();
+  return out;
+}
+
+Tensor Tensor::clone() const {
+  const auto& impl = checked(*this, "clone");
+  Tensor out = detail::make_tensor(impl.shape, impl.dtype, *impl.backend);
+  if (impl.numel) std::memcpy(out.data_ptr(), impl.data(), nbytes());
+  return out;
+}
+
+namespace {
+void check_inplace(const Tensor& self, const char* op) {
+  if (self.requires_grad() && autograd::is_grad_enabled()) {
+    fail<AutogradError>(op, "in-place update of a ", self.shape(),
+                        " tensor that requires grad; run it under autograd::NoGradGuard");
+  }
+}
+}  // namespace
+
+Tensor& Tensor::copy_(const Tensor& source) {
+  checked(*this, "copy_");
+  detail::require_defined("copy_", source);
+  check_inplace(*this, "copy_");
+  if (broadcast_shapes(source.shape(), shape(), "copy_") != shape()) {
+    fail<ShapeError>("copy_", "source ", source.shape(), " does not broadcast to ", shape());
+  }
+  Tensor src = source.dtype() == dtype() ? source : source.detach().to(dtype());
+  if (src.shares_storage(*this) && src.data_ptr() == data_ptr() && src.shape() == shape()) return *this;
+  backend().copy(detail::broadcast_view(src, shape()), detail::view_of(*this));
+  return *this;
+}
+
+Tensor& Tensor::fill_(double value) {
+  checked(*this, "fill_");
+  check_inplace(*this, "fill_");
+  backend().fill(detail::view_of(*this), value);
+  return *this;
+}
+
+Tensor& Tensor::add_(const Tensor& other, double alpha) {
+  checked(*this, "add_");
+  detail::require_defined("add_", other);
+  check_inplace(*this, "add_");
+  if (broadcast_shapes(other.shape(), shape(), "add_") != shape()) {
+    fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
+  }
+  Tensor operand = other.dtype() == dtype() ? other : other.detach().to(dtype());
+  if (alpha != 1.0) {
+    autograd::NoGradGuard guard;
+    operand = operand.detach() * alpha;
+  }
+  const View self_view = detail::view_of(*this);
+  backend().binary(BinaryOp::add, self_view, detail::broadcast_view(operand, shape()), self_view);
+  return *this;
+}
+
+Tensor& Tensor::mul_(double factor) {
+  checked(*this, "mul_");
+  check_inplace(*this, "mul_");
+  const Tensor f = scalar(factor, Options(dtype(), &backend()));
+  const View self_view = detail::view_of(*this);
+  backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);
+  return *this;
+}
+
+// --- creation ---
+
+Tensor empty(const Shape& shape, Options options) {
+  return finish(detail::make_tensor(shape, options.dtype, backend_or_default(options)), options);
+}
+
+Tensor full(const Shape& shape, double value, Options options) {
+  Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options));
+  if (t.numel()) t.backend().fill(detail::view_of(t), value);
+  return finish(std::move(t), options);
+}
+Tensor zeros(const Shape& shape, Options options) { return full(shape, 0.0, options); }
+Tensor ones(const Shape& shape, Options options) { return full(shape, 1.0, options); }
+Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), Options(like.dtype(), &like.backend())); }
+Tensor ones_like(const Tensor& like) { return ones(like.shape(), Options(like.dtype(), &like.backend())); }
+Tensor scalar(double value, Options options) { return full({}, value, options); }
+
+Tensor arange(double start, double end, double step, Options options) {
+  if (step == 0 || !std::isfinite(start) || !std::isfinite(end) || !std::isfinite(step)) {
+    fail<ArgumentError>("arange", "needs finite bounds and a non-zero step, got start ", start, ", end ", end, ", step ", step);
+  }
+  const double count = std::ceil((end - start) / step);
+  const std::int64_t n = count > 0 ? static_cast<std::int64_t>(count) : 0;
+  std::vector<double> values(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) values[i] = start + static_cast<double>(i) * step;
+  return from_values(values, {n}, options);
+}
+
+template <class T>
+Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options options) {
+  const std::int64_t n = shape_numel(shape, "from_vector");
+  if (static_cast<std::int64_t>(values.size()) != n) {
+    fail<ShapeError>("from_vector", values.size(), " values do not fill shape ", shape, " (", n, " elements)");
+  }
+  Tensor t = detail::make_tensor(shape, dtype_of<T>(), backend_or_default(options));
+  if constexpr (std::is_same_v<T, bool>) {
+    auto* out = static_cast<std::uint8_t*>(t.data_ptr());
+    for (std::int64_t i = 0; i < n; ++i) out[i] = values[i] ? 1 : 0;
+  } else if (n) {
+    std::memcpy(t.data_ptr(), values.data(), static_cast<std::size_t>(n) * sizeof(T));
+  }
+  return finish(std::move(t), options);
+}
+
+Tensor from_values(const std::vector<double>& values, const Shape& shape, Options options) {
+  Tensor t = from_vector(values, shape, Options(DType::f64, options.backend));
+  if (options.dtype != DType::f64) t = t.to(options.dtype);
+  return finish(std::move(t), options);
+}
+
+Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Options options) {
+  Tensor t = detail::make_tensor(shape, dtype, backend_or_default(options));
+  if (t.numel()) {
+    if (!data) fail<ArgumentError>("from_buffer", "null data for shape ", shape);
+    std::memcpy(t.data_ptr(), data, t.nbytes());
+  }
+  return finish(std::move(t), options);
+}
+
+RUDA_INSTANTIATE(float)
+RUDA_INSTANTIATE(double)
+RUDA_INSTANTIATE(std::int64_t)
+RUDA_INSTANTIATE(bfloat16)
+RUDA_INSTANTIATE(float16)
+template bool* Tensor::data<bool>() const;
+template std::vector<bool> Tensor::to_vector<bool>() const;
+template Tensor from_vector<bool>(const std::vector<bool>&, const Shape&, Options);
+#undef RUDA_INSTANTIATE
+
+// --- printing ---
+
+namespace {
+void print_values(std::ostream& out, const std::vector<double>& values, const Shape& shape, std::size_t axis,
+                  std::int64_t offset, bool integral) {
+  if (axis == shape.size()) {
+    const double v = values[static_cast<std::size_t>(offset)];
+    if (integral) {
+      out << static_cast<long long>(v);
+    } else {
+      out << v;
+    }
+    return;
+  }
+  std::int64_t stride = 1;
+  for (std::size_t i = axis + 1; i < shape.size(); ++i) stride *= shape[i];
+  constexpr std::int64_t kEdge = 3;
+  out << '[';
+  for (std::int64_t i = 0; i < shape[axis]; ++i) {
+    if (shape[axis] > 2 * kEdge && i == kEdge) {
+      out << "..., ";
+      i = shape[axis] - kEdge;
+    }
+    if (i) out << ", ";
+    print_values(out, values, shape, axis + 1, offset + i * stride, integral);
+  }
+  out << ']';
+}
+}  // namespace
+
+std::ostream& operator<<(std::ostream& out, const Tensor& t) {
+  if (!t.defined()) return out << "tensor(undefined)";
+  out << "tensor(" << dtype_name(t.dtype()) << ' ' << to_string(t.shape()) << ", ";
+  const bool integral = t.dtype() == DType::i64 || t.dtype() == DType::boolean;
+  print_values(out, t.to_vector<double>(), t.shape(), 0, 0, integral);
+  if (t.requires_grad()) out << ", requires_grad";
+  return out << ')';
+}
+
+std::string to_string(const Tensor& t) {
+  std::ostringstream s;
+  s << t;
+  return s.str();
+}
+
+}  // namespace ruda
