@@ -1,0 +1,53 @@
+// Shared test helpers: building tensors from values and comparing them.
+#pragma once
+
+#include <cmath>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <doctest/doctest.h>
+#include <ruda/ruda.h>
+
+namespace ruda::test {
+
+inline Tensor values(const std::vector<double>& v, const Shape& shape, DType dtype = DType::f32) {
+  return from_values(v, shape, Options(dtype));
+}
+
+/// Checks shape and every element within atol + rtol * |expected|; reports the first mismatch.
+inline void check_close(const Tensor& actual, const std::vector<double>& expected, const Shape& shape,
+                        double atol = 1e-6, double rtol = 1e-5) {
+  REQUIRE(actual.defined());
+  CHECK_MESSAGE(actual.shape() == shape, "shape " << to_string(actual.shape()) << " != " << to_string(shape));
+  const std::vector<double> got = actual.to_vector<double>();
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const bool same_nan = std::isnan(got[i]) && std::isnan(expected[i]);
+    const bool close = same_nan || got[i] == expected[i] || std::abs(got[i] - expected[i]) <= atol + rtol * std::abs(expected[i]);
+    if (!close) {
+      FAIL_CHECK("element " << i << ": got " << got[i] << ", expected " << expected[i]);
+      return;
+    }
+  }
+}
+
+inline void check_close(const Tensor& actual, const Tensor& expected, double atol = 1e-6, double rtol = 1e-5) {
+  check_close(actual, expected.to_vector<double>(), expected.shape(), atol, rtol);
+}
+
+/// Runs f and checks that it throws E whose message contains every fragment.
+template <class E, class F>
+void check_throws(F&& f, const std::vector<std::string>& fragments) {
+  try {
+    f();
+    FAIL_CHECK("no exception thrown");
+  } catch (const E& e) {
+    const std::string message = e.what();
+    for (const auto& fragment : fragments) {
+      CHECK_MESSAGE(message.find(fragment) != std::string::npos, "message '" << message << "' lacks '" << fragment << "'");
+    }
+  }
+}
+
+}  // namespace ruda::test

@@ -1,0 +1,65 @@
+// The benchmark harness of tools/bench: suites register themselves, time their work with
+// measure(), and report medians (with min and max) as a table row or a JSON line.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ruda::bench {
+
+struct Stats {
+  double median = 0, min = 0, max = 0;
+};
+
+/// One reported figure. `peer` is the same figure for the reference implementation measured in
+/// the same run (raw Eigen, raw oneDNN, raw MPI, PyTorch); the ratio printed is value / peer.
+struct Result {
+  std::string suite, name, backend, unit;
+  Stats value;
+  std::optional<Stats> peer;
+  std::string peer_name;
+};
+
+struct Context {
+  std::string backend;  // the backend under test ("eigen", "onednn")
+  int repeats = 15;     // timed runs per figure
+  bool quick = false;   // fewer repeats and smaller sizes (smoke runs)
+  std::function<void(const Result&)> report;
+};
+
+using Suite = void (*)(Context&);
+/// Registers a suite at static-initialization time: `static bool r = register_suite("gemm", run);`
+bool register_suite(const char* name, Suite suite);
+
+/// Whether this process prints results (the MPI bench prints from rank 0 only).
+extern bool (*should_print)();
+
+/// Seconds per call of f over ctx.repeats timed runs, after `warmup` untimed ones.
+template <class F>
+Stats measure(const Context& ctx, F&& f, int warmup = 2) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> seconds;
+  const int runs = ctx.quick ? 3 : ctx.repeats;
+  for (int i = 0; i < runs; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    f();
+    seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(seconds.begin(), seconds.end());
+  const std::size_t n = seconds.size();
+  const double median = n % 2 ? seconds[n / 2] : 0.5 * (seconds[n / 2 - 1] + seconds[n / 2]);
+  return Stats{median, seconds.front(), seconds.back()};
+}
+
+/// Converts seconds per call to a rate (work / seconds): the median of a rate is the rate of the
+/// median time; min and max swap.
+inline Stats rate(const Stats& seconds, double work) {
+  return Stats{work / seconds.median, work / seconds.max, work / seconds.min};
+}
+inline Stats scaled(const Stats& s, double factor) { return Stats{s.median * factor, s.min * factor, s.max * factor}; }
+
+}  // namespace ruda::bench

@@ -1,0 +1,102 @@
+// ruda-bench: runs the registered suites and prints a table, or JSON lines with --json.
+#include <cstdio>
+#include <iostream>
+#include <map>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <ruda/backend.h>
+
+#include "bench.h"
+
+namespace ruda::bench {
+
+namespace {
+std::map<std::string, Suite>& suites() {
+  static std::map<std::string, Suite> s;
+  return s;
+}
+
+nlohmann::json stats_json(nlohmann::json j, const Stats& s, const char* prefix) {
+  j[std::string(prefix) + "median"] = s.median;
+  j[std::string(prefix) + "min"] = s.min;
+  j[std::string(prefix) + "max"] = s.max;
+  return j;
+}
+}  // namespace
+
+bool register_suite(const char* name, Suite suite) {
+  suites()[name] = suite;
+  return true;
+}
+
+/// Hook for builds whose suites must only report from one process (the MPI bench sets it).
+bool (*should_print)() = [] { return true; };
+
+}  // namespace ruda::bench
+
+int main(int argc, char** argv) {
+  using namespace ruda::bench;
+  CLI::App app{"ruda-bench: figures of ruda's kernels, collectives and training steps (medians of repeated runs)"};
+  std::vector<std::string> selected;
+  std::vector<std::string> backends;
+  bool json = false, list = false;
+  Context ctx;
+  app.add_option("--suite", selected, "Suites to run (repeatable; default: all)");
+  app.add_option("--backend", backends, "Backends to measure (repeatable; default: every built backend)");
+  app.add_flag("--json", json, "One JSON object per figure instead of a table");
+  app.add_option("--repeats", ctx.repeats, "Timed runs per figure")->check(CLI::PositiveNumber);
+  app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
+  app.add_flag("--list", list, "List the suites and exit");
+  CLI11_PARSE(app, argc, argv);
+
+  if (list) {
+    for (const auto& [name, suite] : suites()) std::cout << name << "\n";
+    return 0;
+  }
+  for (const auto& s : selected) {
+    if (!suites().count(s)) {
+      std::cerr << "ruda-bench: unknown suite '" << s << "' (see --list)\n";
+      return 2;
+    }
+  }
+  if (backends.empty()) backends = ruda::available_backends();
+
+  bool header = false;
+  ctx.report = [&](const Result& r) {
+    if (!should_print()) return;
+    if (json) {
+      nlohmann::json j = {{"suite", r.suite}, {"name", r.name}, {"backend", r.backend}, {"unit", r.unit}};
+      j = stats_json(j, r.value, "");
+      if (r.peer) {
+        j["peer"] = r.peer_name;
+        j = stats_json(j, *r.peer, "peer_");
+        j["ratio"] = r.value.median / r.peer->median;
+      }
+      std::cout << j.dump() << std::endl;
+      return;
+    }
+    if (!header) {
+      std::printf("%-12s %-40s %-8s %12s %12s %12s %-9s %12s %7s  %s\n", "suite", "name", "backend", "median", "min", "max",
+                  "unit", "peer", "ratio", "peer is");
+      header = true;
+    }
+    std::printf("%-12s %-40s %-8s %12.4g %12.4g %12.4g %-9s", r.suite.c_str(), r.name.c_str(), r.backend.c_str(),
+                r.value.median, r.value.min, r.value.max, r.unit.c_str());
+    if (r.peer) {
+      std::printf(" %12.4g %7.3f  %s", r.peer->median, r.value.median / r.peer->median, r.peer_name.c_str());
+    }
+    std::printf("\n");
+    std::fflush(stdout);
+  };
+
+  for (const auto& [name, suite] : suites()) {
+    if (!selected.empty() && std::find(selected.begin(), selected.end(), name) == selected.end()) continue;
+    for (const auto& backend : backends) {
+      ctx.backend = backend;
+      ruda::set_default_backend(backend);
+      suite(ctx);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,37 @@
+# Shared by the scripts in tools/: paths, building, and running MPI on this machine.
+# Source it: . "$(dirname "$0")/common.sh"
+
+RUDA_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export RUDA_ROOT
+
+# MPI on one machine, as root or not: traffic on loopback only, shared memory between ranks,
+# more ranks than cores allowed, no core binding (or every rank's threads share one core).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+export OMPI_MCA_rmaps_base_oversubscribe=1
+
+# ruda_mpiexec N program args...: N ranks here, each with cores/N intra-op threads.
+ruda_mpiexec() {
+  local ranks=$1
+  shift
+  local cores
+  cores=$(nproc)
+  local threads=$(( cores / ranks ))
+  [ "$threads" -ge 1 ] || threads=1
+  mpiexec -n "$ranks" --oversubscribe --bind-to none --mca btl self,vader \
+    -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}" -x RUDA_NUM_THREADS="${RUDA_NUM_THREADS:-$threads}" "$@"
+}
+
+# ruda_build PRESET: configure (once) and build a CMake preset, quietly unless it fails.
+ruda_build() {
+  local preset=$1
+  local log
+  log=$(mktemp)
+  if ! { cmake --preset "$preset" -S "$RUDA_ROOT" && cmake --build --preset "$preset"; } >"$log" 2>&1; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "ruda: the $preset build failed (output above)" >&2
+    return 1
+  fi
+  rm -f "$log"
+}
