@@ -51,3 +51,10 @@ void check_throws(F&& f, const std::vector<std::string>& fragments) {
 }
 
 }  // namespace ruda::test
+
+/// check_close that reports the caller's line on failure.
+#define CHECK_CLOSE(...)                                 \
+  do {                                                   \
+    INFO("CHECK_CLOSE at line " << __LINE__);            \
+    ::ruda::test::check_close(__VA_ARGS__);              \
+  } while (0)

@@ -1,0 +1,164 @@
+// Semantics of the tape: accumulation, retain_graph, detach, no_grad, explicit output gradients,
+// reverse creation order, always-run nodes, recompute, and independent graphs on threads.
+#include <atomic>
+#include <thread>
+
+#include "helpers.h"
+
+using namespace ruda;
+using test::values;
+
+TEST_CASE("gradients accumulate across backward calls until zero_grad") {
+  Tensor w = values({1, 2, 3}, {3}).set_requires_grad();
+  sum(w * w).backward();
+  CHECK_CLOSE(w.grad(), {2, 4, 6}, {3});
+  sum(w * 3.0).backward();
+  CHECK_CLOSE(w.grad(), {5, 7, 9}, {3});
+  w.zero_grad();
+  CHECK_FALSE(w.grad().defined());
+  sum(w).backward();
+  CHECK_CLOSE(w.grad(), {1, 1, 1}, {3});
+}
+
+TEST_CASE("a leaf used several times receives the sum of its gradients") {
+  Tensor x = values({2}, {1}).set_requires_grad();
+  Tensor y = x * x + x * 3.0 + x;  // dy/dx = 2x + 4
+  y.backward();
+  CHECK_CLOSE(x.grad(), {8}, {1});
+}
+
+TEST_CASE("retain_graph keeps saved state for a second backward") {
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Tensor y = sum(exp(x));
+  y.backward(/*retain_graph=*/true);
+  y.backward();
+  CHECK_CLOSE(x.grad(), {2 * std::exp(1.0), 2 * std::exp(2.0)}, {2}, 1e-5, 1e-5);
+  test::check_throws<AutogradError>([&] { y.backward(); }, {"backward", "retain_graph"});
+}
+
+TEST_CASE("detach and no_grad cut the graph") {
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Tensor d = x.detach();
+  CHECK_FALSE(d.requires_grad());
+  CHECK(d.shares_storage(x));
+  {
+    autograd::NoGradGuard guard;
+    Tensor y = x * 2.0;
+    CHECK_FALSE(y.requires_grad());
+    CHECK(y.is_leaf());
+  }
+  CHECK(autograd::is_grad_enabled());
+  Tensor z = autograd::no_grad([&] { return x + 1.0; });
+  CHECK_FALSE(z.requires_grad());
+  Tensor y = sum(x * d);  // d is a constant
+  y.backward();
+  CHECK_CLOSE(x.grad(), {1, 2}, {2});
+}
+
+TEST_CASE("backward with an explicit output gradient") {
+  Tensor x = values({1, 2, 3}, {3}).set_requires_grad();
+  Tensor y = x * x;
+  y.backward(values({1, 0, 2}, {3}));
+  CHECK_CLOSE(x.grad(), {2, 0, 12}, {3});
+  CHECK_FALSE(y.is_leaf());
+  CHECK(autograd::node_name(*y.grad_fn()) == "mul");
+}
+
+TEST_CASE("integer and boolean results never require grad") {
+  Tensor x = values({1, 2, 3}, {3}).set_requires_grad();
+  CHECK_FALSE(gt(x, scalar(1.0)).requires_grad());
+  CHECK_FALSE(argmax(x, 0).requires_grad());
+  CHECK(cast(x, DType::f64).requires_grad());
+  CHECK_FALSE(cast(x, DType::i64).requires_grad());
+}
+
+TEST_CASE("nodes run in reverse creation order and always-run nodes run without a gradient path") {
+  std::vector<std::string> log;
+  auto tracer = [&](const char* name, const Tensor& in, autograd::RecordOptions options = {}) {
+    Tensor out = in.detach().clone();
+    autograd::record(name, out, {in}, {}, [&log, name](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+      log.push_back(name);
+      return std::vector<Tensor>{g};
+    }, options);
+    return out;
+  };
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Tensor a = tracer("a", x);
+  Tensor unused = tracer("unused", x, {.always_run = true});
+  Tensor b = tracer("b", a);
+  Tensor c = tracer("c", x);
+  CHECK(autograd::pending_always_run() == 1);
+  sum(b + c).backward();
+  CHECK(log == std::vector<std::string>{"c", "b", "unused", "a"});
+  CHECK_CLOSE(x.grad(), {2, 2}, {2});  // the always-run node contributed zeros
+  CHECK(autograd::pending_always_run() == 0);
+  (void)unused;
+}
+
+TEST_CASE("a recomputed saved tensor is rebuilt in backward instead of kept") {
+  const Tensor a = randn({256, 256}, 1).set_requires_grad();
+  const Tensor b = randn({256, 256}, 2).set_requires_grad();
+  // Reference: keep the intermediate. (x = a * 2 saves only the scalar 2 for its own backward, so
+  // the matmul's copy is the only one of x.)
+  sum(matmul(a * 2.0, b)).backward();
+  const Tensor grad_a = a.grad().clone(), grad_b = b.grad().clone();
+  const_cast<Tensor&>(a).zero_grad();
+  const_cast<Tensor&>(b).zero_grad();
+
+  int recomputed = 0;
+  Tensor loss;
+  std::int64_t kept_bytes = 0;
+  {
+    memory::reset_peak();
+    const std::int64_t before = memory::stats().live_bytes;
+    Tensor x = a * 2.0;
+    autograd::set_recompute(x, [&recomputed, a] {
+      ++recomputed;
+      return a.detach() * 2.0;
+    });
+    loss = sum(matmul(x, b));
+    x = Tensor();  // the only handle to exp(a) outside the graph
+    kept_bytes = memory::stats().live_bytes - before;
+  }
+  CHECK(recomputed == 0);
+  // Only the loss (and nothing of x's 256 KiB) is alive between forward and backward.
+  CHECK(kept_bytes < 256 * 256 * 4);
+  loss.backward();
+  CHECK(recomputed == 1);
+  CHECK_CLOSE(a.grad(), grad_a, 1e-4, 1e-5);
+  CHECK_CLOSE(b.grad(), grad_b, 1e-4, 1e-5);
+}
+
+TEST_CASE("graphs built on different threads do not interfere") {
+  const Tensor w0 = randn({64, 32}, 5);
+  auto train = [&](int seed) {
+    Tensor w = w0.clone().set_requires_grad();
+    for (int step = 0; step < 20; ++step) {
+      const Tensor x = randn({16, 64}, static_cast<std::uint64_t>(seed * 100 + step));
+      const Tensor loss = mean(square(tanh(matmul(x, w))));
+      w.zero_grad();
+      loss.backward();
+      autograd::NoGradGuard guard;
+      w.add_(w.grad(), -0.1);
+    }
+    return w;
+  };
+  std::vector<Tensor> expected;
+  for (int i = 0; i < 4; ++i) expected.push_back(train(i));
+  std::vector<Tensor> got(4);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 4; ++i) threads.emplace_back([&, i] { got[i] = train(i); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 4; ++i) CHECK_CLOSE(got[i], expected[i], 0, 0);
+}
+
+TEST_CASE("the graph frees saved tensors after backward") {
+  const std::int64_t before = memory::stats().live_bytes;
+  {
+    Tensor w = randn({128, 128}, 1).set_requires_grad();
+    Tensor loss = sum(tanh(matmul(randn({64, 128}, 2), w)));
+    loss.backward();
+    w.zero_grad();
+  }
+  CHECK(memory::stats().live_bytes == before);
+}

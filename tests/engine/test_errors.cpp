@@ -1,0 +1,69 @@
+// Caller errors raise typed exceptions whose messages name the op, shapes and dtypes.
+#include "helpers.h"
+
+using namespace ruda;
+using test::check_throws;
+
+TEST_CASE("ShapeError") {
+  check_throws<ShapeError>([] { zeros({2, 3}) + zeros({4}); }, {"add", "broadcast", "[2, 3]", "[4]"});
+  check_throws<ShapeError>([] { matmul(zeros({32, 784}), zeros({512, 10})); },
+                           {"matmul: inner dimensions differ: [32, 784] @ [512, 10]"});
+  check_throws<ShapeError>([] { matmul(zeros({3}), zeros({3, 2})); }, {"matmul", "[3]"});
+  check_throws<ShapeError>([] { zeros({2, 3}).reshape({4, 2}); }, {"reshape", "[2, 3]", "[4, 2]"});
+  check_throws<ShapeError>([] { concat({zeros({2, 3}), zeros({2, 4})}, 0); }, {"concat", "[2, 3]", "[2, 4]"});
+  check_throws<ShapeError>([] { linear(zeros({2, 3}), zeros({4, 5})); }, {"linear", "[2, 3]", "[4, 5]"});
+  check_throws<ShapeError>([] { zeros({2}).item(); }, {"item", "[2]"});
+  check_throws<ShapeError>([] { zeros({1, 2, 1, 1, 1, 1, 1, 1, 1}); }, {"more than 8"});
+  check_throws<ShapeError>([] { from_values({1, 2, 3}, {2, 2}); }, {"from_vector", "[2, 2]"});
+}
+
+TEST_CASE("DTypeError") {
+  check_throws<DTypeError>([] { zeros({2}) + zeros({2}, DType::f64); }, {"add", "f32 [2]", "f64 [2]"});
+  check_throws<DTypeError>([] { log(zeros({2}, DType::i64)); }, {"log", "i64"});
+  check_throws<DTypeError>([] { embedding(zeros({4, 2}), zeros({3})); }, {"embedding", "i64", "f32 [3]"});
+  check_throws<DTypeError>([] { zeros({2}, DType::i64).set_requires_grad(); }, {"set_requires_grad", "i64"});
+  check_throws<DTypeError>([] { where(zeros({2}), zeros({2}), zeros({2})); }, {"where", "bool"});
+  check_throws<DTypeError>([] { zeros({2}).data<double>(); }, {"data", "f64", "f32"});
+  check_throws<DTypeError>([] { rand({2}, 1, 0, DType::i64); }, {"rand", "i64"});
+}
+
+TEST_CASE("IndexError") {
+  check_throws<IndexError>([] { sum(zeros({2, 3}), {2}); }, {"sum", "axis 2", "2 dimensions"});
+  check_throws<IndexError>([] { slice(zeros({4, 3}), 0, 2, 6); }, {"slice", "[2, 6)", "[4, 3]"});
+  check_throws<IndexError>([] { embedding(zeros({4, 2}), from_vector<std::int64_t>({1, 4}, {2})); },
+                           {"embedding", "index 4", "[0, 4)"});
+  check_throws<IndexError>([] { take_along_axis(zeros({2, 3}), from_vector<std::int64_t>({0, -1}, {2, 1}), 1); },
+                           {"take_along_axis", "-1"});
+  check_throws<IndexError>([] { zeros({2, 2}).at({0, 2}); }, {"at", "2", "[2, 2]"});
+  check_throws<IndexError>([] { permute(zeros({2, 2}), {0, 5}); }, {"permute", "axis 5"});
+}
+
+TEST_CASE("ArgumentError") {
+  check_throws<ArgumentError>([] { dropout(zeros({2}), 1.5, 1); }, {"dropout", "1.5"});
+  check_throws<ArgumentError>([] { arange(0, 1, 0); }, {"arange", "step"});
+  check_throws<ArgumentError>([] { Tensor undefined; exp(undefined); }, {"exp", "undefined"});
+  check_throws<ArgumentError>([] { concat({}); }, {"concat"});
+  check_throws<ArgumentError>([] { set_num_threads(0); }, {"set_num_threads"});
+}
+
+TEST_CASE("AutogradError") {
+  check_throws<AutogradError>([] { zeros({2}).set_requires_grad().backward(); }, {"backward", "one-element", "[2]"});
+  check_throws<AutogradError>([] { zeros({1}).backward(); }, {"backward", "does not require grad"});
+  check_throws<AutogradError>([] {
+    Tensor w = zeros({2}).set_requires_grad();
+    w.add_(ones({2}));
+  }, {"add_", "requires grad", "NoGradGuard"});
+  check_throws<AutogradError>([] {
+    Tensor w = zeros({2}).set_requires_grad();
+    (w * 2.0).set_requires_grad(false);
+  }, {"set_requires_grad", "leaves", "mul"});
+  check_throws<AutogradError>([] {
+    Tensor w = zeros({2}).set_requires_grad();
+    (w * 2.0).backward(zeros({3}));
+  }, {"backward", "[3]", "[2]"});
+}
+
+TEST_CASE("BackendError") {
+  check_throws<BackendError>([] { get_backend("cuda"); }, {"unknown backend 'cuda'", "eigen"});
+  check_throws<BackendError>([] { set_default_backend("tpu"); }, {"tpu"});
+}

@@ -1,0 +1,311 @@
+// Values of every op against hand-computed results, for each dtype that applies. Runs once per
+// backend (RUDA_BACKEND): this is the conformance suite.
+#include <cmath>
+#include <numbers>
+
+#include "helpers.h"
+
+using namespace ruda;
+using test::values;
+
+namespace {
+const DType kFloatTypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
+// Tolerances that fit a dtype's precision.
+double tol(DType d) {
+  switch (d) {
+    case DType::bf16: return 1e-2;
+    case DType::f16: return 2e-3;
+    case DType::f32: return 2e-6;
+    default: return 1e-12;
+  }
+}
+}  // namespace
+
+TEST_CASE("creation") {
+  CHECK_CLOSE(zeros({2, 2}), {0, 0, 0, 0}, {2, 2});
+  CHECK_CLOSE(ones({3}, DType::f64), {1, 1, 1}, {3});
+  CHECK_CLOSE(full({2}, 2.5, DType::bf16), {2.5, 2.5}, {2});
+  CHECK_CLOSE(arange(0, 5), {0, 1, 2, 3, 4}, {5});
+  CHECK_CLOSE(arange(1, 2, 0.25, DType::f64), {1, 1.25, 1.5, 1.75}, {4});
+  CHECK_CLOSE(arange(3, 0, -1, DType::i64), {3, 2, 1}, {3});
+  CHECK(zeros({0, 3}).numel() == 0);
+  CHECK(scalar(4.0).shape().empty());
+  CHECK(scalar(4.0).item() == 4.0);
+  const std::vector<float> raw = {1, 2, 3, 4, 5, 6};
+  CHECK_CLOSE(from_buffer(raw.data(), {3, 2}, DType::f32), {1, 2, 3, 4, 5, 6}, {3, 2});
+  CHECK(from_vector<std::int64_t>({1, 2}, {2}).dtype() == DType::i64);
+  CHECK(from_vector<bool>({true, false}, {2}).to_vector<bool>() == std::vector<bool>{true, false});
+  CHECK(values({1, 2, 3, 4}, {2, 2}).at({1, 0}) == 3);
+  CHECK(values({1, 2, 3, 4}, {2, 2}).at({-1, -1}) == 4);
+  CHECK(to_string(values({1, 2}, {2})) == "tensor(f32 [2], [1, 2])");
+}
+
+TEST_CASE("random tensors are counter-based") {
+  const Tensor a = rand({1000}, 42);
+  const auto v = a.to_vector<float>();
+  double mean = 0;
+  for (float x : v) {
+    CHECK(x >= 0.0f);
+    CHECK(x < 1.0f);
+    mean += x;
+  }
+  CHECK(mean / 1000 == doctest::Approx(0.5).epsilon(0.05));
+  // Any element range can be produced alone: elements 100..199 of the stream.
+  CHECK_CLOSE(rand({100}, 42, 100), slice(a, 0, 100, 200), 0, 0);
+  CHECK_CLOSE(randn({2, 50}, 7, 50).reshape({100}), slice(randn({200}, 7), 0, 50, 150), 0, 0);
+  const auto n = randn({20000}, 3).to_vector<double>();
+  double m = 0, s = 0;
+  for (double x : n) m += x;
+  m /= n.size();
+  for (double x : n) s += (x - m) * (x - m);
+  CHECK(m == doctest::Approx(0).epsilon(0.03).scale(1));
+  CHECK(std::sqrt(s / n.size()) == doctest::Approx(1).epsilon(0.03));
+  CHECK(rand({4}, 1).to_vector<float>() != rand({4}, 2).to_vector<float>());
+  const auto u = uniform({1000}, -2, 3, 9, 0, DType::f64).to_vector<double>();
+  for (double x : u) CHECK((x >= -2 && x < 3));
+  const auto ints = randint({1000}, 3, 7, 5).to_vector<std::int64_t>();
+  for (auto x : ints) CHECK((x >= 3 && x < 7));
+  CHECK(normal({4}, 10, 0, 1).to_vector<float>() == std::vector<float>{10, 10, 10, 10});
+}
+
+TEST_CASE("broadcasting arithmetic in every float dtype") {
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor a = values({1, 2, 3, 4, 5, 6}, {2, 3}, d);
+    const Tensor row = values({10, 20, 30}, {3}, d);
+    const Tensor col = values({2, 4}, {2, 1}, d);
+    CHECK_CLOSE(a + row, {11, 22, 33, 14, 25, 36}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(a - col, {-1, 0, 1, 0, 1, 2}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(a * col, {2, 4, 6, 16, 20, 24}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(a / col, {0.5, 1, 1.5, 1, 1.25, 1.5}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(row / a, {10, 10, 10, 2.5, 4, 5}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(pow(a, 2.0), {1, 4, 9, 16, 25, 36}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(pow(col, values({0, 1, 2}, {3}, d)), {1, 2, 4, 1, 4, 16}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(maximum(a, values({3}, {1}, d)), {3, 3, 3, 4, 5, 6}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(minimum(a, col), {1, 2, 2, 4, 4, 4}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(a * 2.0 + 1.0, {3, 5, 7, 9, 11, 13}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(1.0 - a, {0, -1, -2, -3, -4, -5}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(12.0 / a, {12, 6, 4, 3, 2.4, 2}, {2, 3}, tol(d), tol(d));
+    CHECK_CLOSE(-a, {-1, -2, -3, -4, -5, -6}, {2, 3});
+    // Broadcasting on both sides: [2, 1] with [1, 3].
+    CHECK_CLOSE(col + values({1, 2, 3}, {1, 3}, d), {3, 4, 5, 5, 6, 7}, {2, 3}, tol(d), tol(d));
+  }
+}
+
+TEST_CASE("integer and boolean elementwise ops") {
+  const Tensor a = values({1, -2, 3}, {3}, DType::i64);
+  const Tensor b = values({2, 2, 2}, {3}, DType::i64);
+  CHECK_CLOSE(a + b, {3, 0, 5}, {3});
+  CHECK_CLOSE(a * b, {2, -4, 6}, {3});
+  CHECK_CLOSE(a / b, {0, -1, 1}, {3});  // C++ integer division truncates
+  CHECK_CLOSE(abs(a), {1, 2, 3}, {3});
+  CHECK_CLOSE(eq(a, b), {0, 0, 0}, {3});
+  CHECK_CLOSE(lt(a, b), {1, 1, 0}, {3});
+  const Tensor t = values({1, 0, 1}, {3}, DType::boolean);
+  CHECK_CLOSE(eq(t, values({1, 1, 1}, {3}, DType::boolean)), {1, 0, 1}, {3});
+  test::check_throws<ArgumentError>([&] { a / values({0}, {1}, DType::i64); }, {"div", "zero"});
+}
+
+TEST_CASE("comparisons and where") {
+  const Tensor a = values({1, 2, 3, 4}, {2, 2});
+  const Tensor b = values({2}, {1});
+  CHECK_CLOSE(eq(a, b), {0, 1, 0, 0}, {2, 2});
+  CHECK_CLOSE(ne(a, b), {1, 0, 1, 1}, {2, 2});
+  CHECK_CLOSE(lt(a, b), {1, 0, 0, 0}, {2, 2});
+  CHECK_CLOSE(le(a, b), {1, 1, 0, 0}, {2, 2});
+  CHECK_CLOSE(gt(a, b), {0, 0, 1, 1}, {2, 2});
+  CHECK_CLOSE(ge(a, b), {0, 1, 1, 1}, {2, 2});
+  CHECK(gt(a, b).dtype() == DType::boolean);
+  CHECK_CLOSE(where(gt(a, b), a, zeros({1})), {0, 0, 3, 4}, {2, 2});
+  CHECK_CLOSE(where(values({1, 0}, {2, 1}, DType::boolean), a, -a), {1, 2, -3, -4}, {2, 2});
+  CHECK_CLOSE(clamp(a, 1.5, 3.5), {1.5, 2, 3, 3.5}, {2, 2});
+}
+
+TEST_CASE("unary math in every float dtype") {
+  const std::vector<double> xs = {-2, -0.5, 0, 0.5, 1, 3};
+  auto map = [&](auto f) {
+    std::vector<double> out;
+    for (double x : xs) out.push_back(f(x));
+    return out;
+  };
+  const double s2 = std::numbers::sqrt2;
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values(xs, {2, 3}, d);
+    const Tensor pos = values({0.25, 1, 4, 9, 2, 0.5}, {2, 3}, d);
+    const double t = tol(d) * 4;
+    CHECK_CLOSE(abs(x), map([](double v) { return std::abs(v); }), {2, 3}, t, t);
+    CHECK_CLOSE(exp(x), map([](double v) { return std::exp(v); }), {2, 3}, t, t);
+    CHECK_CLOSE(log(pos), {std::log(0.25), 0, std::log(4), std::log(9), std::log(2), std::log(0.5)}, {2, 3}, t, t);
+    CHECK_CLOSE(sqrt(pos), {0.5, 1, 2, 3, s2, std::sqrt(0.5)}, {2, 3}, t, t);
+    CHECK_CLOSE(rsqrt(pos), {2, 1, 0.5, 1.0 / 3, 1 / s2, s2}, {2, 3}, t, t);
+    CHECK_CLOSE(tanh(x), map([](double v) { return std::tanh(v); }), {2, 3}, t, t);
+    CHECK_CLOSE(sigmoid(x), map([](double v) { return 1 / (1 + std::exp(-v)); }), {2, 3}, t, t);
+    CHECK_CLOSE(relu(x), map([](double v) { return v > 0 ? v : 0; }), {2, 3}, t, t);
+    CHECK_CLOSE(gelu(x), map([&](double v) { return 0.5 * v * (1 + std::erf(v / s2)); }), {2, 3}, t, t);
+    CHECK_CLOSE(gelu(x, GeluApproximation::tanh), map([](double v) {
+                  return 0.5 * v * (1 + std::tanh(std::sqrt(2 / std::numbers::pi) * (v + 0.044715 * v * v * v)));
+                }),
+                {2, 3}, t, t);
+    CHECK_CLOSE(silu(x), map([](double v) { return v / (1 + std::exp(-v)); }), {2, 3}, t, t);
+    CHECK_CLOSE(softplus(x), map([](double v) { return std::log1p(std::exp(v)); }), {2, 3}, t, t);
+    CHECK_CLOSE(square(x), map([](double v) { return v * v; }), {2, 3}, t, t);
+    CHECK_CLOSE(reciprocal(pos), {4, 1, 0.25, 1.0 / 9, 0.5, 2}, {2, 3}, t, t);
+  }
+  // softplus stays finite for large inputs.
+  CHECK_CLOSE(softplus(values({100, -100}, {2})), {100, 0}, {2}, 1e-6, 1e-6);
+}
+
+TEST_CASE("reductions") {
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values({1, 2, 3, 4, 5, 6}, {2, 3}, d);
+    const double t = tol(d) * 4;
+    CHECK_CLOSE(sum(x), {21}, {});
+    CHECK_CLOSE(sum(x, {0}), {5, 7, 9}, {3}, t, t);
+    CHECK_CLOSE(sum(x, {1}), {6, 15}, {2}, t, t);
+    CHECK_CLOSE(sum(x, {-1}, true), {6, 15}, {2, 1}, t, t);
+    CHECK_CLOSE(mean(x, {0}), {2.5, 3.5, 4.5}, {3}, t, t);
+    CHECK_CLOSE(mean(x), {3.5}, {}, t, t);
+    CHECK_CLOSE(max(x, {1}), {3, 6}, {2}, t, t);
+    CHECK_CLOSE(min(x, {0}), {1, 2, 3}, {3}, t, t);
+    CHECK_CLOSE(max(x), {6}, {}, t, t);
+    CHECK_CLOSE(logsumexp(x, {1}),
+                {std::log(std::exp(1) + std::exp(2) + std::exp(3)), std::log(std::exp(4) + std::exp(5) + std::exp(6))},
+                {2}, t, t);
+    CHECK_CLOSE(argmax(x, 1), {2, 2}, {2});
+    CHECK_CLOSE(argmin(x, 0, true), {0, 0, 0}, {1, 3});
+  }
+  // Middle, several and non-adjacent axes of a 3-D tensor.
+  const Tensor y = arange(0, 24, 1, DType::f64).reshape({2, 3, 4});
+  CHECK_CLOSE(sum(y, {1}), {12, 15, 18, 21, 48, 51, 54, 57}, {2, 4});
+  CHECK_CLOSE(sum(y, {0, 2}), {60, 92, 124}, {3});
+  CHECK_CLOSE(sum(y, {0, 1}), {60, 66, 72, 78}, {4});
+  CHECK_CLOSE(max(y, {0, 2}, true), {15, 19, 23}, {1, 3, 1});
+  CHECK_CLOSE(argmax(y, 1), {2, 2, 2, 2, 2, 2, 2, 2}, {2, 4}, 0, 0);
+  CHECK_CLOSE(argmax(values({1, 5, 5, 2}, {4}), 0), {1}, {});  // the first of tied maxima
+  CHECK_CLOSE(sum(values({1, 2, 3}, {3}, DType::i64)), {6}, {});
+  // A large reduction (parallel, block-wise) is still exact enough.
+  const Tensor big = ones({1 << 20}, DType::f64);
+  CHECK(sum(big).item() == 1 << 20);
+  CHECK(sum(ones({1 << 20})).item() == 1 << 20);
+  // Empty reductions.
+  CHECK_CLOSE(sum(zeros({0, 3}), {0}), {0, 0, 0}, {3});
+  CHECK_CLOSE(sum_to(ones({2, 3, 4}), {3, 1}), {8, 8, 8}, {3, 1});
+}
+
+TEST_CASE("reshape shares storage; permute, slice and concat copy as documented") {
+  const Tensor x = arange(0, 24).reshape({2, 3, 4});
+  CHECK(x.reshape({6, 4}).shares_storage(x));
+  CHECK(x.reshape({-1, 8}).shape() == Shape{3, 8});
+  CHECK(x.flatten().shape() == Shape{24});
+  CHECK(x.flatten(1).shape() == Shape{2, 12});
+  CHECK(x.unsqueeze(0).shape() == Shape{1, 2, 3, 4});
+  CHECK(x.unsqueeze(-1).shape() == Shape{2, 3, 4, 1});
+  CHECK(x.unsqueeze(0).squeeze(0).shape() == Shape{2, 3, 4});
+  CHECK_CLOSE(transpose(values({1, 2, 3, 4, 5, 6}, {2, 3}), 0, 1), {1, 4, 2, 5, 3, 6}, {3, 2});
+  const Tensor p = permute(x, {2, 0, 1});
+  CHECK(p.shape() == Shape{4, 2, 3});
+  CHECK(p.at({1, 1, 2}) == x.at({1, 2, 1}));
+  // Leading rows are one block: shared; an inner slice is copied.
+  const Tensor rows = slice(x, 0, 1, 2);
+  CHECK(rows.shares_storage(x));
+  CHECK_CLOSE(rows.flatten(), arange(12, 24), 0, 0);
+  const Tensor inner = slice(x, 2, 1, 3);
+  CHECK_FALSE(inner.shares_storage(x));
+  CHECK(inner.shape() == Shape{2, 3, 2});
+  CHECK(inner.at({1, 2, 0}) == x.at({1, 2, 1}));
+  CHECK_CLOSE(slice(values({1, 2, 3, 4}, {4}), 0, -3, -1), {2, 3}, {2});
+  CHECK_CLOSE(slice_assign(zeros({2, 3}), 1, 1, 3, ones({2, 2})), {0, 1, 1, 0, 1, 1}, {2, 3});
+  CHECK_CLOSE(concat({values({1, 2}, {1, 2}), values({3, 4, 5, 6}, {2, 2})}, 0), {1, 2, 3, 4, 5, 6}, {3, 2});
+  CHECK_CLOSE(concat({values({1, 2}, {2, 1}), values({3, 4, 5, 6}, {2, 2})}, 1), {1, 3, 4, 2, 5, 6}, {2, 3});
+  CHECK_CLOSE(stack({values({1, 2}, {2}), values({3, 4}, {2})}, 1), {1, 3, 2, 4}, {2, 2});
+  CHECK_CLOSE(expand(values({1, 2}, {2, 1}), {2, 3}), {1, 1, 1, 2, 2, 2}, {2, 3});
+  CHECK_CLOSE(expand(values({7}, {}), {2}), {7, 7}, {2});
+}
+
+TEST_CASE("matmul: 2-D, batched, broadcast batch, in every float dtype") {
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const double t = tol(d) * 8;
+    const Tensor a = values({1, 2, 3, 4, 5, 6}, {2, 3}, d);
+    const Tensor b = values({1, 0, 0, 1, 1, 1}, {3, 2}, d);
+    CHECK_CLOSE(matmul(a, b), {4, 5, 10, 11}, {2, 2}, t, t);
+    // [2, 2, 3] @ [3, 2]: the batch folds into rows.
+    const Tensor ab = stack({a, a * 2.0});
+    CHECK_CLOSE(matmul(ab, b), {4, 5, 10, 11, 8, 10, 20, 22}, {2, 2, 2}, t, t);
+    // [2, 3] @ [2, 3, 2]: a shared left operand.
+    CHECK_CLOSE(matmul(a, stack({b, b * -1.0})), {4, 5, 10, 11, -4, -5, -10, -11}, {2, 2, 2}, t, t);
+    // [2, 1, 2, 3] @ [1, 3, 3, 2] broadcasts to [2, 3, 2, 2].
+    const Tensor lhs = stack({a, a + 1.0}).unsqueeze(1);
+    const Tensor rhs = stack({b, b * 2.0, b * 3.0}).unsqueeze(0);
+    const Tensor out = matmul(lhs, rhs);
+    CHECK(out.shape() == Shape{2, 3, 2, 2});
+    CHECK_CLOSE(slice(slice(out, 0, 1, 2), 1, 2, 3).reshape({2, 2}), matmul(a + 1.0, b * 3.0), t, t);
+  }
+  CHECK_CLOSE(matmul(zeros({2, 0}), zeros({0, 3})), {0, 0, 0, 0, 0, 0}, {2, 3});
+  // A 1-row and a 1-column case, and a larger product against a reference sum.
+  CHECK_CLOSE(matmul(values({1, 2}, {1, 2}), values({3, 4}, {2, 1})), {11}, {1, 1});
+  const Tensor x = randn({33, 17}, 1, 0, DType::f64), w = randn({17, 9}, 2, 0, DType::f64);
+  const Tensor ref = sum(x.unsqueeze(2) * w.unsqueeze(0), {1});
+  CHECK_CLOSE(matmul(x, w), ref, 1e-12, 1e-12);
+  CHECK_CLOSE(matmul(x.to(DType::f32), w.to(DType::f32)), ref, 1e-4, 1e-4);
+}
+
+TEST_CASE("linear equals matmul plus bias over leading axes") {
+  const Tensor x = randn({2, 5, 7}, 1), w = randn({7, 3}, 2), b = randn({3}, 3);
+  CHECK_CLOSE(linear(x, w, b), matmul(x, w) + b, 1e-5, 1e-5);
+  CHECK_CLOSE(linear(x, w), matmul(x, w), 1e-5, 1e-5);
+  CHECK_CLOSE(linear(x.to(DType::bf16), w.to(DType::bf16), b.to(DType::bf16)).to(DType::f32), matmul(x, w) + b, 0.1, 0.05);
+}
+
+TEST_CASE("embedding, take_along_axis, softmax") {
+  const Tensor table = values({0, 1, 10, 11, 20, 21}, {3, 2});
+  const Tensor idx = values({2, 0, 2, 1}, {2, 2}, DType::i64);
+  CHECK_CLOSE(embedding(table, idx), {20, 21, 0, 1, 20, 21, 10, 11}, {2, 2, 2});
+  const Tensor x = values({1, 2, 3, 4, 5, 6}, {2, 3});
+  CHECK_CLOSE(take_along_axis(x, values({2, 0, 1, 1}, {2, 2}, DType::i64), 1), {3, 1, 5, 5}, {2, 2});
+  CHECK_CLOSE(take_along_axis(x, values({1, 0, 1}, {1, 3}, DType::i64), 0), {4, 2, 6}, {1, 3});
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor xs = values({1, 2, 3, 1, 1, 1}, {2, 3}, d);
+    const double e1 = std::exp(1), e2 = std::exp(2), e3 = std::exp(3), z = e1 + e2 + e3;
+    const double t = tol(d) * 4;
+    CHECK_CLOSE(softmax(xs, 1), {e1 / z, e2 / z, e3 / z, 1.0 / 3, 1.0 / 3, 1.0 / 3}, {2, 3}, t, t);
+    CHECK_CLOSE(log_softmax(xs, -1), {1 - std::log(z), 2 - std::log(z), 3 - std::log(z), -std::log(3), -std::log(3), -std::log(3)},
+                {2, 3}, t, t);
+    CHECK_CLOSE(softmax(xs, 0), {0.5, 1 / (1 + 1 / e1), 1 / (1 + 1 / e2), 0.5, 1 / (1 + e1), 1 / (1 + e2)}, {2, 3}, t, t);
+  }
+  // Large logits do not overflow.
+  CHECK_CLOSE(softmax(values({1000, 1000}, {2})), {0.5, 0.5}, {2});
+}
+
+TEST_CASE("dropout keeps the expected fraction, scaled, reproducibly") {
+  const Tensor x = ones({10000});
+  const Tensor y = dropout(x, 0.25, 11);
+  const auto v = y.to_vector<float>();
+  int kept = 0;
+  for (float e : v) {
+    if (e != 0) {
+      CHECK(e == doctest::Approx(1 / 0.75));
+      ++kept;
+    }
+  }
+  CHECK(kept == doctest::Approx(7500).epsilon(0.03));
+  CHECK_CLOSE(dropout(x, 0.25, 11), y, 0, 0);
+  CHECK(dropout(x, 0.0, 1).shares_storage(x));
+}
+
+TEST_CASE("in-place updates") {
+  Tensor x = zeros({3});
+  x.fill_(2);
+  CHECK_CLOSE(x, {2, 2, 2}, {3});
+  x.add_(values({1, 2, 3}, {3}), 0.5);
+  CHECK_CLOSE(x, {2.5, 3, 3.5}, {3});
+  x.mul_(2);
+  CHECK_CLOSE(x, {5, 6, 7}, {3});
+  x.copy_(values({1}, {1}));
+  CHECK_CLOSE(x, {1, 1, 1}, {3});
+  x.copy_(values({4, 5, 6}, {3}, DType::f64));
+  CHECK_CLOSE(x, {4, 5, 6}, {3});
+}
