@@ -34,7 +34,8 @@ class CollectiveTimeoutError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
 };
-/// The order check found ranks calling different collectives (op, dtype, count or tag) at the same point.
+/// Ranks called different collectives (op, dtype, count, or with the order check the tag) at the
+/// same point, or a rank finished without calling a collective the others are in.
 class CollectiveMismatchError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
@@ -48,11 +49,13 @@ enum class Accumulate : std::uint8_t { f32, native };
 
 struct CollectiveOptions {
   /// Names the data in error messages and in the order check, e.g. "layers.2.weight".
-  std::string tag;
+  std::string tag = {};
   Accumulate accumulate = Accumulate::f32;
 };
 
 /// A non-blocking collective in flight. wait() returns its result (or throws its error).
+/// Dropping a Work without waiting is allowed: the collective still completes (every rank takes
+/// part in it), only its result is discarded.
 class Work {
  public:
   class State {
@@ -65,8 +68,9 @@ class Work {
   explicit Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
   Work(Work&&) noexcept = default;
   Work& operator=(Work&&) noexcept = default;
-  /// Blocks until the collective is done; callable once.
+  /// Blocks until the collective is done; callable once (an ArgumentError afterwards).
   Tensor wait();
+  /// Whether wait() would return at once; false once the result was taken.
   bool ready() const;
   bool valid() const noexcept { return state_ != nullptr; }
 
@@ -74,13 +78,20 @@ class Work {
   std::unique_ptr<State> state_;
 };
 
+/// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
+bool order_check_from_env();
+
 /// One of `world_size` ranks. All ranks must call the same collectives in the same order with the
 /// same dtypes and counts; turn on the order check (RUDA_CHECK_COLLECTIVES=1 or
-/// set_order_check(true)) to have a mismatch raise on every rank instead of hanging.
+/// set_order_check(true), the same on every rank) to have a mismatch raise on every rank instead
+/// of hanging. A communicator is used by one thread at a time.
 ///
-/// Data movement follows axis 0: all_gather concatenates the ranks' tensors along axis 0,
-/// reduce_scatter splits the (summed) tensor along axis 0 into world_size equal pieces.
-/// Tensors of f32, f64, bf16, f16 and i64 are supported; results are new tensors on the input's backend.
+/// Data movement follows axis 0: all_gather concatenates the ranks' tensors along axis 0 (a 0-d
+/// tensor counts as one row), reduce_scatter splits the (summed) tensor along axis 0 into
+/// world_size equal pieces. Tensors of f32, f64, bf16, f16 and i64 are supported (a bool tensor
+/// is a DTypeError, a shape that does not fit a ShapeError, both raised before any communication);
+/// results are new tensors on the input's backend. i64 sums wrap around on overflow; max
+/// propagates NaN.
 class Communicator {
  public:
   virtual ~Communicator();
@@ -103,63 +114,110 @@ class Communicator {
   Tensor broadcast(const Tensor& x, int root, const CollectiveOptions& options = {});
   void barrier(const CollectiveOptions& options = {});
 
+  /// all_gather and reduce_scatter into a caller's tensor (contiguous, of the result's shape and
+  /// dtype, not sharing storage with the input), so a buffer can be reused from step to step.
+  void all_gather_into(const Tensor& out, const Tensor& local, const CollectiveOptions& options = {});
+  void reduce_scatter_into(const Tensor& out, const Tensor& full, const CollectiveOptions& options = {});
+
   /// Non-blocking forms, for prefetching the next layer's weights while this one computes. The
   /// input must stay unchanged until wait(). Collectives started on one communicator complete in
-  /// the order they were started.
+  /// the order they were started; a blocking collective waits for the ones in flight. With the
+  /// order check on, the start itself agrees the fingerprint with the other ranks (so a mismatch
+  /// raises at the call), which makes it wait for them to start it too.
   Work all_gather_async(const Tensor& local, const CollectiveOptions& options = {});
   Work reduce_scatter_async(const Tensor& full, const CollectiveOptions& options = {});
+  /// Non-blocking *_into forms: `out` must stay untouched until wait(), which returns it.
+  Work all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options = {});
+  Work reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options = {});
 
   /// The debug check of collective order (off unless RUDA_CHECK_COLLECTIVES=1).
   void set_order_check(bool enabled) noexcept { order_check_ = enabled; }
   bool order_check() const noexcept { return order_check_; }
-  /// The last collectives of this rank, oldest first ("#17 all_gather(f32, 8192, 'layers.3.weight')").
+  /// The last collectives of this rank, oldest first ("#17 all_gather(f32, 8192, "layers.3.weight")").
   std::vector<std::string> history() const;
 
  protected:
   Communicator(int rank, int world_size);
 
+  /// The collective being run, as in history() without the number: all_gather(f32, 8192, "w").
+  /// Meaningful during a do_* call (implementations quote it in their errors); formatted on
+  /// demand, so calls that succeed build no strings.
+  std::string current_call() const;
+  /// The 1-based number of the collective being run on this communicator.
+  std::uint64_t current_sequence() const noexcept { return sequence_; }
+  /// True where every collective may return its input itself (world size 1 without copies).
+  virtual bool pass_through() const noexcept { return false; }
+
   // What an implementation provides: whole-buffer collectives on contiguous memory. `count` is
-  // the element count each rank contributes (all_gather) or receives (reduce_scatter). They throw
-  // CollectiveError (or a subclass) on failure.
+  // the element count each rank contributes (all_gather), receives (reduce_scatter) or holds
+  // (all_reduce, broadcast). Buffers never overlap. They throw CollectiveError (or a subclass) on
+  // failure; the base class adds the rank, the call and the history to the message.
   virtual void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) = 0;
   virtual void do_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype,
                                  Accumulate accumulate) = 0;
   virtual void do_all_reduce(const void* send, void* recv, std::int64_t count, DType dtype, Reduction op,
                              Accumulate accumulate) = 0;
-  virtual void do_broadcast(void* buffer, std::int64_t count, DType dtype, int root) = 0;
+  /// recv receives root's send (send is read on the root only).
+  virtual void do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int root) = 0;
   virtual void do_barrier() = 0;
   /// Non-blocking forms; the default runs the blocking one at once and returns a finished Work.
+  /// `out` is the result tensor to fill; the Work's wait() returns it.
   virtual Work start_all_gather(const Tensor& local, Tensor out, std::int64_t count);
   virtual Work start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate);
   /// Agrees `fingerprint` across ranks for the order check; returns every rank's fingerprint
-  /// (index = rank). Implementations exchange fixed-size records.
+  /// (index = rank). Implementations may exchange fixed-size records of kFingerprintBytes:
+  /// fingerprints are shorter (long tags are cut, keeping a hash of the whole tag).
   virtual std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) = 0;
+  static constexpr std::size_t kFingerprintBytes = 256;
 
  private:
   struct Call;
-  Call begin(const char* op, const Tensor* data, std::int64_t count, DType dtype, const CollectiveOptions& options);
+  // Numbers and records a call (has_data: false for a barrier), and runs the order check when enabled.
+  Call begin(const char* op, bool has_data, std::int64_t count, DType dtype, const std::string& extra,
+             const CollectiveOptions& options);
+  void check_order(const Call& call);
+  std::string error_prefix(const Call& call) const;
   [[noreturn]] void rethrow_with_context(const Call& call);
+  Tensor run_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
+  Tensor run_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
+  Work launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
+  Work launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
+
+  // One call as histories and messages show it. Kept raw and formatted only when shown: the
+  // strings reuse their buffers from call to call, so recording allocates nothing.
+  struct Record {
+    std::uint64_t sequence = 0;
+    const char* op = "";
+    bool has_data = true;
+    DType dtype = DType::f32;
+    std::int64_t count = 0;
+    std::string extra;  // what else defines the call: "max", "root 1", "native"
+    std::string tag;
+    std::string text() const;
+  };
 
   int rank_;
   int world_size_;
   bool order_check_;
   std::uint64_t sequence_ = 0;
-  std::vector<std::string> history_;  // ring of the last kHistory calls
+  std::vector<Record> history_;  // ring of the last kHistory calls; the current one is the newest
   static constexpr std::size_t kHistory = 32;
 };
 
-/// World size 1: every collective is the identity (results share the input's storage).
+/// World size 1: every collective is the identity (results share the input's storage, cut from
+/// any autodiff graph). The *_into forms copy.
 class LocalCommunicator final : public Communicator {
  public:
   LocalCommunicator();
   std::string_view kind() const noexcept override { return "local"; }
 
  protected:
+  bool pass_through() const noexcept override { return true; }
   void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) override;
   void do_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate accumulate) override;
   void do_all_reduce(const void* send, void* recv, std::int64_t count, DType dtype, Reduction op,
                      Accumulate accumulate) override;
-  void do_broadcast(void* buffer, std::int64_t count, DType dtype, int root) override;
+  void do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int root) override;
   void do_barrier() override;
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override;
 };
@@ -169,7 +227,7 @@ struct EmulatedOptions {
   /// CollectiveTimeoutError naming the collective and the missing ranks.
   std::chrono::milliseconds timeout{60000};
   /// The collective-order check (default: RUDA_CHECK_COLLECTIVES).
-  bool check_order = false;
+  bool check_order = order_check_from_env();
   /// Intra-op threads per rank (0: RUDA_NUM_THREADS, else cores / ranks, at least 1).
   int threads_per_rank = 0;
 };
@@ -177,10 +235,9 @@ struct EmulatedOptions {
 /// Runs fn(comm) on `world_size` threads, each with its own Communicator and memory tracker
 /// (ruda::memory::stats() reads the rank's own figures). Sums are taken in rank order, so
 /// results are bit-reproducible. If a rank throws, every other rank's pending or next collective
-/// raises RankFailedError naming it, and run_ranks rethrows the first rank's exception.
+/// raises RankFailedError naming it, and run_ranks rethrows the first rank's exception. A rank
+/// whose fn returns while the others wait in a collective makes them raise CollectiveMismatchError.
+/// Non-blocking collectives of emulated ranks run when started (their Work is ready at once).
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, EmulatedOptions options = {});
-
-/// Whether RUDA_CHECK_COLLECTIVES asks for the order check.
-bool order_check_from_env();
 
 }  // namespace ruda

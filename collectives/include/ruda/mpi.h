@@ -1,0 +1,110 @@
+// The MPI communicator (library ruda::mpi, built where MPI is found). <mpi.h> stays out of this
+// header, so code that uses it compiles without MPI's include paths.
+//
+//   int main(int argc, char** argv) {
+//     ruda::MpiEnvironment mpi(argc, argv);
+//     return ruda::mpi_abort_on_exception([&] {
+//       ruda::MpiCommunicator comm;
+//       train(comm);
+//       return 0;
+//     });
+//   }
+//
+// Launch: see collectives/README.md (mpiexec lines for a cluster and for one machine).
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+
+#include <ruda/collectives.h>
+
+namespace ruda {
+
+/// MPI for the life of the object: MPI_Init_thread with MPI_THREAD_MULTIPLE (the progress thread
+/// of non-blocking collectives calls MPI) and MPI_Finalize at the end. If MPI is already
+/// initialized (by the application), the object only checks the thread level and leaves
+/// finalization to whoever initialized it. Errors on MPI_COMM_WORLD return instead of aborting.
+///
+/// Destroyed by an exception (during stack unwinding), it does not finalize: MPI_Finalize waits
+/// for the other ranks, which may be blocked in a collective with this one forever. MPI stays
+/// active, so a handler can still call mpi_abort_on_exception; a process that exits without
+/// finalizing makes mpiexec end the whole job with a non-zero exit.
+class MpiEnvironment {
+ public:
+  MpiEnvironment();
+  MpiEnvironment(int& argc, char**& argv);
+  ~MpiEnvironment();
+  MpiEnvironment(const MpiEnvironment&) = delete;
+  MpiEnvironment& operator=(const MpiEnvironment&) = delete;
+
+  /// Rank and size of this process in MPI_COMM_WORLD.
+  int world_rank() const;
+  int world_size() const;
+  /// Whether MPI is initialized and not yet finalized.
+  static bool active();
+
+ private:
+  void init(int* argc, char*** argv);
+  bool owns_ = false;
+  int uncaught_ = 0;  // exceptions in flight at construction, to tell unwinding from a normal end
+};
+
+/// A communicator over MPI processes. The constructor duplicates MPI_COMM_WORLD (two
+/// duplicates: one for data, one for the order check's fingerprints, so the check never runs
+/// inside a collective on the data communicator). Creating and splitting communicators are
+/// collective: do it up front, on one thread, in the same order on every process. With the order
+/// check on, destroying one is collective too (a last fingerprint exchange, so that a rank that
+/// skipped the final collectives is reported instead of leaving the others waiting), except
+/// during stack unwinding.
+///
+/// all_gather, all_reduce and broadcast map to MPI_Allgather, MPI_Allreduce and MPI_Bcast
+/// (16-bit floats travel as raw 16-bit words; their sums accumulate in f32 unless asked for
+/// native accumulation, and max propagates NaN through ruda's own MPI operations).
+/// reduce_scatter is ruda's own pipelined ring on point-to-point messages with buffers reused
+/// from call to call (MPI_Reduce_scatter_block allocates a temporary per call and is several
+/// times slower); its sums run around the ring (deterministic, but not in rank order). Below
+/// 64 KiB in all, where latency rules, it is MPI_Reduce_scatter_block.
+/// Non-blocking collectives run in order on one progress thread per communicator; a blocking
+/// collective first waits for those in flight, so two threads are never inside a collective on
+/// the same MPI communicator. MPI errors become CollectiveError naming rank, op, dtype and count.
+class MpiCommunicator final : public Communicator {
+ public:
+  /// All processes of the job.
+  MpiCommunicator();
+  ~MpiCommunicator() override;
+
+  /// The processes of this communicator that pass the same `color` (>= 0), ranked by `key`
+  /// (ties by rank here): MPI_Comm_split. Collective over this communicator.
+  std::unique_ptr<MpiCommunicator> split(int color, int key);
+
+  std::string_view kind() const noexcept override { return "mpi"; }
+
+  /// Bytes held by the reusable buffers of reduce_scatter and 16-bit all_reduce (not counted in
+  /// ruda::memory). release_buffers() frees them; they grow again on demand.
+  std::size_t buffer_bytes() const;
+  void release_buffers();
+
+ protected:
+  void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) override;
+  void do_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate accumulate) override;
+  void do_all_reduce(const void* send, void* recv, std::int64_t count, DType dtype, Reduction op,
+                     Accumulate accumulate) override;
+  void do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int root) override;
+  void do_barrier() override;
+  Work start_all_gather(const Tensor& local, Tensor out, std::int64_t count) override;
+  Work start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate) override;
+  std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override;
+
+ private:
+  struct Impl;
+  explicit MpiCommunicator(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+/// Runs fn and returns its result. If fn throws, prints "ruda: rank R of N failed: <message>" to
+/// stderr and calls MPI_Abort, so the whole job ends with a non-zero exit instead of leaving the
+/// other ranks waiting in a collective forever. Use it around the body of main().
+int mpi_abort_on_exception(const std::function<int()>& fn);
+
+}  // namespace ruda

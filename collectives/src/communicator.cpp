@@ -1,0 +1,460 @@
+// The Communicator base: validation, result allocation, the order check, the history of calls
+// and the context every collective error carries. Implementations only move bytes.
+#include <cstdlib>
+#include <functional>
+#include <sstream>
+
+#include "internal.h"
+
+namespace ruda {
+
+namespace cd = collectives_detail;
+
+// --- Work ---
+
+Tensor Work::wait() {
+  if (!state_) {
+    fail<ArgumentError>("Work::wait", "no collective in flight (the Work is empty or wait() was already called)");
+  }
+  // The state goes whatever happens: a failed collective cannot be waited for twice either.
+  std::unique_ptr<State> state = std::move(state_);
+  return state->wait();
+}
+
+bool Work::ready() const { return state_ != nullptr && state_->ready(); }
+
+namespace {
+
+// A collective that is already complete (the default non-blocking forms, world size 1).
+class FinishedState final : public Work::State {
+ public:
+  explicit FinishedState(Tensor result) : result_(std::move(result)) {}
+  Tensor wait() override { return std::move(result_); }
+  bool ready() override { return true; }
+
+ private:
+  Tensor result_;
+};
+
+std::string history_text(int rank, const std::vector<std::string>& history) {
+  std::ostringstream out;
+  out << "\nlast " << history.size() << " collectives of rank " << rank << " (oldest first):";
+  for (const auto& line : history) out << "\n  " << line;
+  return out.str();
+}
+
+// Rethrows the exception in flight as the same CollectiveError type with `prefix` before its
+// message and the rank's history after it. Other exceptions pass unchanged.
+[[noreturn]] void rethrow_decorated(const std::string& prefix, int rank, const std::vector<std::string>& history) {
+  try {
+    throw;
+  } catch (const CollectiveMismatchError& e) {
+    // The two-sided message names the calls itself; only the rank goes in front.
+    throw CollectiveMismatchError("rank " + std::to_string(rank) + ": " + e.what() + history_text(rank, history));
+  } catch (const RankFailedError& e) {
+    throw RankFailedError(prefix + e.what() + history_text(rank, history));
+  } catch (const CollectiveTimeoutError& e) {
+    throw CollectiveTimeoutError(prefix + e.what() + history_text(rank, history));
+  } catch (const CollectiveError& e) {
+    throw CollectiveError(prefix + e.what() + history_text(rank, history));
+  }
+}
+
+// Adds the call's context to the errors of a collective that completes later.
+class ContextState final : public Work::State {
+ public:
+  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history)
+      : inner_(std::move(inner)), prefix_(std::move(prefix)), rank_(rank), history_(std::move(history)) {}
+  Tensor wait() override {
+    try {
+      return inner_.wait();
+    } catch (...) {
+      rethrow_decorated(prefix_, rank_, history_);
+    }
+  }
+  bool ready() override { return inner_.ready(); }
+
+ private:
+  Work inner_;
+  std::string prefix_;
+  int rank_;
+  std::vector<std::string> history_;
+};
+
+std::string shape_text(const Tensor& t) { return to_string(t.shape()); }
+
+// Bool tensors (and anything else that is not a number we reduce) are refused before any
+// communication, so the error is local and immediate.
+void check_input(const char* op, int rank, const Tensor& t, const char* what = "input") {
+  if (!t.defined()) fail<ArgumentError>(op, "rank ", rank, ": the ", what, " tensor is undefined");
+  const DType d = t.dtype();
+  if (d != DType::f32 && d != DType::f64 && d != DType::bf16 && d != DType::f16 && d != DType::i64) {
+    fail<DTypeError>(op, "rank ", rank, ": dtype ", dtype_name(d), " is not supported (shape ", shape_text(t), ", ",
+                     t.numel(), " elements); collectives take f32, f64, bf16, f16 and i64");
+  }
+}
+
+// A caller's output tensor for the *_into forms: the right shape and dtype, not the input's storage.
+void check_output(const char* op, int rank, int world, const Tensor& out, const Tensor& input, const Shape& shape) {
+  if (!out.defined()) fail<ArgumentError>(op, "rank ", rank, ": the output tensor is undefined");
+  if (out.dtype() != input.dtype()) {
+    fail<DTypeError>(op, "rank ", rank, ": output dtype ", dtype_name(out.dtype()), " differs from input dtype ",
+                     dtype_name(input.dtype()));
+  }
+  if (out.shape() != shape) {
+    fail<ShapeError>(op, "rank ", rank, ": output shape ", shape_text(out), " should be ", to_string(shape),
+                     " for input ", shape_text(input), " (", dtype_name(input.dtype()), ", ", input.numel(),
+                     " elements) and world size ", world);
+  }
+  if (out.shares_storage(input)) fail<ArgumentError>(op, "rank ", rank, ": the output shares the input's storage");
+  if (out.requires_grad()) {
+    fail<ArgumentError>(op, "rank ", rank,
+                        ": the output requires grad; collectives write raw memory, pass a detached tensor");
+  }
+}
+
+Tensor new_like(const Tensor& input, const Shape& shape) {
+  return empty(shape, Options(input.dtype(), &input.backend()));
+}
+
+std::string reduction_name(Reduction op) { return op == Reduction::max ? "max" : "sum"; }
+
+// How a call reads in messages and histories: all_gather(f32, 8192, "w"), barrier("step 3").
+std::string call_text(const char* op, bool has_data, DType dtype, std::int64_t count, const std::string& extra,
+                      const std::string& tag) {
+  if (has_data) return cd::describe(op, dtype, count, extra, tag);
+  std::string out = op;
+  out += tag.empty() ? "()" : "(\"" + tag + "\")";
+  return out;
+}
+
+// The tag as fingerprints carry it: long tags are cut to fit the fixed-size record, keeping a
+// hash of the whole tag so that two long tags that differ past the cut still differ.
+std::string fingerprint_tag(const std::string& tag) {
+  constexpr std::size_t kMaxTag = 128;
+  if (tag.size() <= kMaxTag) return tag;
+  std::ostringstream out;
+  out << tag.substr(0, kMaxTag - 24) << "...#" << std::hex << std::hash<std::string>{}(tag);
+  return out.str();
+}
+
+}  // namespace
+
+bool order_check_from_env() {
+  const char* env = std::getenv("RUDA_CHECK_COLLECTIVES");
+  if (!env) return false;
+  const std::string v = env;
+  return v == "1" || v == "true" || v == "on" || v == "yes" || v == "TRUE" || v == "ON" || v == "YES";
+}
+
+// --- Communicator ---
+
+struct Communicator::Call {
+  std::uint64_t sequence = 0;
+  std::string fingerprint;  // for the order check
+};
+
+Communicator::Communicator(int rank, int world_size)
+    : rank_(rank), world_size_(world_size), order_check_(order_check_from_env()) {
+  if (world_size < 1) fail<ArgumentError>("Communicator", "world size must be positive, got ", world_size);
+  if (rank < 0 || rank >= world_size) {
+    fail<ArgumentError>("Communicator", "rank ", rank, " is outside a world of ", world_size);
+  }
+  history_.reserve(kHistory);
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::Record::text() const { return call_text(op, has_data, dtype, count, extra, tag); }
+
+std::string Communicator::current_call() const {
+  return history_.empty() ? std::string() : history_[(sequence_ - 1) % kHistory].text();
+}
+
+std::vector<std::string> Communicator::history() const {
+  // history_ fills up to kHistory, then wraps: the oldest entry follows the newest.
+  std::vector<std::string> out;
+  out.reserve(history_.size());
+  const std::size_t oldest = history_.size() < kHistory ? 0 : sequence_ % kHistory;
+  for (std::size_t i = 0; i < history_.size(); ++i) {
+    const Record& r = history_[(oldest + i) % history_.size()];
+    out.push_back(cd::numbered(r.sequence, r.text()));
+  }
+  return out;
+}
+
+Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
+                                       const std::string& extra, const CollectiveOptions& options) {
+  Call call;
+  call.sequence = ++sequence_;
+  if (history_.size() < kHistory) history_.emplace_back();
+  Record& r = history_[(call.sequence - 1) % kHistory];
+  r.sequence = call.sequence;
+  r.op = op;
+  r.has_data = has_data;
+  r.dtype = dtype;
+  r.count = count;
+  r.extra.assign(extra);
+  r.tag.assign(options.tag);
+  if (order_check_) {
+    call.fingerprint =
+        cd::numbered(call.sequence, call_text(op, has_data, dtype, count, extra, fingerprint_tag(options.tag)));
+    try {
+      check_order(call);
+    } catch (...) {
+      rethrow_with_context(call);
+    }
+  }
+  return call;
+}
+
+void Communicator::check_order(const Call& call) {
+  const std::vector<std::string> all = exchange_fingerprints(call.fingerprint);
+  bool same = true;
+  for (const auto& f : all) same = same && f == call.fingerprint;
+  if (same) return;
+  std::vector<std::string> calls;
+  for (const auto& f : all) {
+    auto [n, text] = cd::split_fingerprint(f);
+    // A rank at another sequence number (it called more or fewer collectives with the check
+    // off) shows its own number.
+    calls.push_back(n == call.sequence ? text : f);
+  }
+  throw CollectiveMismatchError(cd::mismatch_message(call.sequence, calls));
+}
+
+// "rank 0: all_gather(f32, 8192, "w") #17: ", in front of error messages. Built only when needed:
+// it names the call being run, so it is valid until the next call begins.
+std::string Communicator::error_prefix(const Call& call) const {
+  return "rank " + std::to_string(rank_) + ": " + current_call() + " #" + std::to_string(call.sequence) + ": ";
+}
+
+void Communicator::rethrow_with_context(const Call& call) { rethrow_decorated(error_prefix(call), rank_, history()); }
+
+namespace {
+
+Shape gathered_shape(int world, const Tensor& local) {
+  Shape shape = local.shape();
+  if (shape.empty()) shape = {1};  // a 0-d tensor gathers as one row per rank
+  shape[0] *= world;
+  shape_numel(shape, "all_gather");  // throws ShapeError if the gathered size overflows
+  return shape;
+}
+
+Shape scattered_shape(int rank, int world, const Tensor& full) {
+  Shape shape = full.shape();
+  if (shape.empty()) {
+    fail<ShapeError>("reduce_scatter", "rank ", rank, ": a 0-d tensor (", dtype_name(full.dtype()),
+                     ") cannot be split along axis 0 into ", world, " pieces");
+  }
+  if (shape[0] % world != 0) {
+    fail<ShapeError>("reduce_scatter", "rank ", rank, ": shape ", to_string(shape), " (", dtype_name(full.dtype()),
+                     ", ", full.numel(), " elements) does not split along axis 0 into ", world, " equal pieces (",
+                     shape[0], " rows)");
+  }
+  shape[0] /= world;
+  return shape;
+}
+
+std::string accumulate_extra(DType dtype, Accumulate accumulate) {
+  return is_16bit_float(dtype) && accumulate == Accumulate::native ? "native" : "";
+}
+
+}  // namespace
+
+Tensor Communicator::run_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options) {
+  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
+  try {
+    do_all_gather(local.data_ptr(), out.data_ptr(), local.numel(), local.dtype());
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  return out;
+}
+
+Tensor Communicator::run_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options) {
+  const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
+                          accumulate_extra(full.dtype(), options.accumulate), options);
+  try {
+    do_reduce_scatter(full.data_ptr(), out.data_ptr(), out.numel(), full.dtype(), options.accumulate);
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  return out;
+}
+
+Tensor Communicator::all_gather(const Tensor& local, const CollectiveOptions& options) {
+  check_input("all_gather", rank_, local);
+  const Shape shape = gathered_shape(world_size_, local);
+  if (pass_through()) {
+    begin("all_gather", true, local.numel(), local.dtype(), "", options);
+    return local.detach().reshape(shape);
+  }
+  return run_all_gather(local, new_like(local, shape), options);
+}
+
+void Communicator::all_gather_into(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
+  check_input("all_gather_into", rank_, local);
+  check_output("all_gather_into", rank_, world_size_, out, local, gathered_shape(world_size_, local));
+  run_all_gather(local, out, options);
+}
+
+Tensor Communicator::reduce_scatter(const Tensor& full, const CollectiveOptions& options) {
+  check_input("reduce_scatter", rank_, full);
+  const Shape shape = scattered_shape(rank_, world_size_, full);
+  if (pass_through()) {
+    begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
+          options);
+    return full.detach();
+  }
+  return run_reduce_scatter(full, new_like(full, shape), options);
+}
+
+void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
+  check_input("reduce_scatter_into", rank_, full);
+  check_output("reduce_scatter_into", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
+  run_reduce_scatter(full, out, options);
+}
+
+Tensor Communicator::all_reduce(const Tensor& x, Reduction op, const CollectiveOptions& options) {
+  check_input("all_reduce", rank_, x);
+  if (op != Reduction::sum && op != Reduction::max) {
+    fail<ArgumentError>("all_reduce", "rank ", rank_, ": unknown reduction ", static_cast<int>(op));
+  }
+  std::string extra = reduction_name(op);
+  if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
+    extra += ", native";
+  }
+  if (pass_through()) {
+    begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+    return x.detach();
+  }
+  Tensor out = new_like(x, x.shape());
+  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+  try {
+    do_all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), op, options.accumulate);
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  return out;
+}
+
+Tensor Communicator::broadcast(const Tensor& x, int root, const CollectiveOptions& options) {
+  check_input("broadcast", rank_, x);
+  if (root < 0 || root >= world_size_) {
+    fail<ArgumentError>("broadcast", "rank ", rank_, ": root ", root, " is outside a world of ", world_size_,
+                        " (shape ", shape_text(x), ", ", dtype_name(x.dtype()), ")");
+  }
+  const std::string extra = "root " + std::to_string(root);
+  if (pass_through()) {
+    begin("broadcast", true, x.numel(), x.dtype(), extra, options);
+    return x.detach();
+  }
+  Tensor out = new_like(x, x.shape());
+  const Call call = begin("broadcast", true, x.numel(), x.dtype(), extra, options);
+  try {
+    do_broadcast(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), root);
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  return out;
+}
+
+void Communicator::barrier(const CollectiveOptions& options) {
+  const Call call = begin("barrier", false, 0, DType::f32, "", options);
+  if (pass_through()) return;
+  try {
+    do_barrier();
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+}
+
+Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions& options) {
+  check_input("all_gather_async", rank_, local);
+  const Shape shape = gathered_shape(world_size_, local);
+  if (pass_through()) {
+    begin("all_gather", true, local.numel(), local.dtype(), "", options);
+    return Work(std::make_unique<FinishedState>(local.detach().reshape(shape)));
+  }
+  return launch_all_gather(local, new_like(local, shape), options);
+}
+
+Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
+  check_input("all_gather_into_async", rank_, local);
+  check_output("all_gather_into_async", rank_, world_size_, out, local, gathered_shape(world_size_, local));
+  return launch_all_gather(local, out, options);
+}
+
+Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options) {
+  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
+  try {
+    Work inner = start_all_gather(local, std::move(out), local.numel());
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history()));
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+}
+
+Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOptions& options) {
+  check_input("reduce_scatter_async", rank_, full);
+  const Shape shape = scattered_shape(rank_, world_size_, full);
+  if (pass_through()) {
+    begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
+          options);
+    return Work(std::make_unique<FinishedState>(full.detach()));
+  }
+  return launch_reduce_scatter(full, new_like(full, shape), options);
+}
+
+Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
+  check_input("reduce_scatter_into_async", rank_, full);
+  check_output("reduce_scatter_into_async", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
+  return launch_reduce_scatter(full, out, options);
+}
+
+Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options) {
+  const std::int64_t count = out.numel();
+  const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
+                          accumulate_extra(full.dtype(), options.accumulate), options);
+  try {
+    Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history()));
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+}
+
+Work Communicator::start_all_gather(const Tensor& local, Tensor out, std::int64_t count) {
+  do_all_gather(local.data_ptr(), out.data_ptr(), count, local.dtype());
+  return Work(std::make_unique<FinishedState>(std::move(out)));
+}
+
+Work Communicator::start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate) {
+  do_reduce_scatter(full.data_ptr(), out.data_ptr(), count, full.dtype(), accumulate);
+  return Work(std::make_unique<FinishedState>(std::move(out)));
+}
+
+// --- LocalCommunicator ---
+
+LocalCommunicator::LocalCommunicator() : Communicator(0, 1) {}
+
+void LocalCommunicator::do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) {
+  cd::convert(send, dtype, recv, dtype, count);
+}
+void LocalCommunicator::do_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate) {
+  cd::convert(send, dtype, recv, dtype, count);
+}
+void LocalCommunicator::do_all_reduce(const void* send, void* recv, std::int64_t count, DType dtype, Reduction,
+                                      Accumulate) {
+  cd::convert(send, dtype, recv, dtype, count);
+}
+void LocalCommunicator::do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int) {
+  cd::convert(send, dtype, recv, dtype, count);
+}
+void LocalCommunicator::do_barrier() {}
+std::vector<std::string> LocalCommunicator::exchange_fingerprints(const std::string& fingerprint) {
+  return {fingerprint};
+}
+
+}  // namespace ruda

@@ -1,0 +1,310 @@
+// The collective suite on emulated ranks (world sizes 1 to 8), and what only threads can show
+// cheaply: failures, timeouts and skipped collectives turned into errors, bit-reproducible sums,
+// per-rank memory and threads.
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <stdexcept>
+#include <thread>
+
+#include <ruda/collectives.h>
+
+#include "suite.h"
+
+namespace {
+
+using namespace ruda;
+using namespace std::chrono_literals;
+using ruda::test::collectives::expect_throw;
+
+void run_emulated(void (*check)(Communicator&)) {
+  for (int n = 1; n <= 8; ++n) {
+    EmulatedOptions options;
+    // Odd worlds also run the order check's fingerprint exchange before every collective.
+    options.check_order = n % 2 == 1;
+    INFO("world size ", n);
+    run_ranks(
+        n, [&](Communicator& comm) { check(comm); }, options);
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+bool contains(const std::string& text, const std::string& fragment) { return text.find(fragment) != std::string::npos; }
+
+}  // namespace
+
+RUDA_COLLECTIVE_SUITE("emulated", run_emulated)
+
+TEST_CASE("emulated: the order check shows both sides on every rank") {
+  for (int n = 2; n <= 8; ++n) {
+    INFO("world size ", n);
+    run_ranks(n, [](Communicator& comm) { ruda::test::collectives::order_check(comm); });
+  }
+}
+
+TEST_CASE("emulated: ranks calling different collectives or counts raise even without the order check") {
+  EmulatedOptions options;
+  options.check_order = false;
+  std::vector<std::string> messages(3);
+  run_ranks(
+      3,
+      [&](Communicator& comm) {
+        comm.all_gather(zeros({8}));
+        try {
+          if (comm.rank() == 1) {
+            comm.reduce_scatter(zeros({24}));  // skipped the all_gather the others are in
+          } else {
+            comm.all_gather(zeros({8}));
+          }
+        } catch (const CollectiveMismatchError& e) {
+          messages[static_cast<std::size_t>(comm.rank())] = e.what();
+        }
+        expect_throw<CollectiveMismatchError>(
+            [&] { comm.all_gather(zeros({comm.rank() == 2 ? 9 : 8})); },
+            {"collective #3 differs: ranks 0, 1 all_gather(f32, 8), rank 2 all_gather(f32, 9)"}, "different counts");
+        // Tags are compared by the order check only.
+        CHECK(comm.all_gather(ones({2}), {comm.rank() == 0 ? "a" : "b"}).sum().item() == 6.0);
+      },
+      options);
+  for (int r = 0; r < 3; ++r) {
+    CHECK_MESSAGE(
+        contains(messages[static_cast<std::size_t>(r)],
+                 "rank " + std::to_string(r) +
+                     ": collective #2 differs: ranks 0, 2 all_gather(f32, 8), rank 1 reduce_scatter(f32, 24)"),
+        messages[static_cast<std::size_t>(r)]);
+    CHECK(contains(messages[static_cast<std::size_t>(r)], "last 2 collectives of rank " + std::to_string(r)));
+  }
+}
+
+TEST_CASE("emulated: a rank that throws fails the others' pending and next collectives, and run_ranks rethrows it") {
+  const int n = 4;
+  std::vector<std::string> pending(n), next(n);
+  std::vector<double> waited(n, 0.0);
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    run_ranks(n, [&](Communicator& comm) {
+      const auto r = static_cast<std::size_t>(comm.rank());
+      comm.all_gather(ones({16}), {"step 1"});
+      if (comm.rank() == 2) {
+        std::this_thread::sleep_for(50ms);  // the others are waiting in the next collective by now
+        throw std::logic_error("injected failure");
+      }
+      const auto entered = std::chrono::steady_clock::now();
+      try {
+        comm.all_gather(ones({16}), {"step 2"});
+      } catch (const RankFailedError& e) {
+        pending[r] = e.what();
+        waited[r] = seconds_since(entered);
+      }
+      try {
+        comm.barrier();
+      } catch (const RankFailedError& e) {
+        next[r] = e.what();
+      }
+    });
+    FAIL("run_ranks did not rethrow");
+  } catch (const std::logic_error& e) {
+    CHECK(std::string(e.what()) == "injected failure");
+  }
+  CHECK(seconds_since(start) < 10.0);  // nobody waited for the 60 s timeout
+  for (int r : {0, 1, 3}) {
+    const auto i = static_cast<std::size_t>(r);
+    INFO("rank ", r, ": ", pending[i], " / ", next[i]);
+    CHECK(contains(pending[i], "rank " + std::to_string(r) + ": all_gather(f32, 16, \"step 2\") #2: "));
+    CHECK(contains(pending[i], "rank 2 failed: injected failure"));
+    CHECK(contains(pending[i], "last 2 collectives of rank " + std::to_string(r) +
+                                   " (oldest first):\n  #1 "
+                                   "all_gather(f32, 16, \"step 1\")\n  #2 all_gather(f32, 16, \"step 2\")"));
+    CHECK(waited[i] < 5.0);
+    CHECK(contains(next[i], "barrier() #3: rank 2 failed: injected failure"));
+  }
+}
+
+TEST_CASE("emulated: a rank that fails before any collective, with a non-standard exception") {
+  std::atomic<int> failed_ranks{0};
+  try {
+    run_ranks(3, [&](Communicator& comm) {
+      if (comm.rank() == 0) throw 42;
+      try {
+        comm.broadcast(zeros({3}), 0);
+      } catch (const RankFailedError& e) {
+        if (contains(e.what(), "rank 0 failed: unknown exception")) ++failed_ranks;
+        throw;
+      }
+    });
+    FAIL("run_ranks did not rethrow");
+  } catch (int value) {
+    CHECK(value == 42);
+  }
+  CHECK(failed_ranks == 2);
+}
+
+TEST_CASE("emulated: a rank that never arrives times out the others, naming the collective and the missing rank") {
+  EmulatedOptions options;
+  options.timeout = 200ms;
+  std::vector<std::string> messages(3);
+  std::vector<double> waited(3, 0.0);
+  std::string late;
+  try {
+    run_ranks(
+        3,
+        [&](Communicator& comm) {
+          if (comm.rank() == 1) {
+            std::this_thread::sleep_for(1000ms);
+            try {
+              comm.all_gather(ones({4}), {"late"});
+            } catch (const RankFailedError& e) {
+              late = e.what();
+            }
+            return;
+          }
+          const auto entered = std::chrono::steady_clock::now();
+          try {
+            comm.all_gather(ones({4}), {"late"});
+          } catch (const CollectiveTimeoutError& e) {
+            messages[static_cast<std::size_t>(comm.rank())] = e.what();
+            waited[static_cast<std::size_t>(comm.rank())] = seconds_since(entered);
+            throw;
+          }
+        },
+        options);
+    FAIL("run_ranks did not rethrow");
+  } catch (const CollectiveTimeoutError& e) {
+    CHECK(contains(e.what(), "rank 1 did not arrive within 200 ms"));
+  }
+  for (int r : {0, 2}) {
+    const auto i = static_cast<std::size_t>(r);
+    INFO(messages[i]);
+    CHECK(contains(messages[i], "rank " + std::to_string(r) +
+                                    ": all_gather(f32, 4, \"late\") #1: rank 1 did not "
+                                    "arrive within 200 ms"));
+    CHECK(waited[i] >= 0.19);
+    CHECK(waited[i] < 0.9);  // not held until the late rank came
+  }
+  CHECK(contains(late, "an earlier collective timed out: rank 1 did not arrive within 200 ms"));
+}
+
+TEST_CASE("emulated: a rank that returns without a collective the others are in") {
+  std::vector<std::string> messages(3);
+  const auto start = std::chrono::steady_clock::now();
+  run_ranks(3, [&](Communicator& comm) {
+    comm.all_reduce(ones({2}));
+    if (comm.rank() == 1) return;  // skips the all_gather
+    try {
+      comm.all_gather(ones({5}), {"skipped"});
+    } catch (const CollectiveMismatchError& e) {
+      messages[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  CHECK(seconds_since(start) < 10.0);  // at once, not after the timeout
+  for (int r : {0, 2}) {
+    INFO(messages[static_cast<std::size_t>(r)]);
+    CHECK(contains(messages[static_cast<std::size_t>(r)],
+                   "rank 1 returned without calling collective #2 all_gather(f32, 5, \"skipped\")"));
+  }
+}
+
+TEST_CASE("emulated: sums run in rank order, bit for bit, run after run") {
+  const int n = 5;
+  const std::int64_t rows = 4099;
+  // Random inputs, so that the order of additions shows in the low bits.
+  auto data = [&](int rank, DType dtype) {
+    return cast(randn({rows * n}, 1234, std::uint64_t(rank) * rows * n), dtype);
+  };
+  for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+    for (Accumulate accumulate : {Accumulate::f32, Accumulate::native}) {
+      INFO(dtype_name(dtype), accumulate == Accumulate::native ? " native" : " f32");
+      // The single-process reference: rank 0 + rank 1 + ... in f32, rounded once or at every step.
+      std::vector<std::vector<float>> inputs;
+      for (int k = 0; k < n; ++k) inputs.push_back(data(k, dtype).to_vector<float>());
+      auto round16 = [&](float v) {
+        return dtype == DType::bf16 ? to_float(to_bfloat16(v)) : dtype == DType::f16 ? to_float(to_float16(v)) : v;
+      };
+      std::vector<float> expected(static_cast<std::size_t>(rows * n));
+      for (std::size_t i = 0; i < expected.size(); ++i) {
+        float s = inputs[0][i];
+        for (int k = 1; k < n; ++k) {
+          s = s + inputs[static_cast<std::size_t>(k)][i];
+          if (accumulate == Accumulate::native) s = round16(s);
+        }
+        expected[i] = round16(s);
+      }
+      std::vector<std::vector<float>> first(n);
+      for (int run = 0; run < 2; ++run) {
+        run_ranks(n, [&](Communicator& comm) {
+          const auto r = static_cast<std::size_t>(comm.rank());
+          CollectiveOptions options;
+          options.accumulate = accumulate;
+          const std::vector<float> piece = comm.reduce_scatter(data(comm.rank(), dtype), options).to_vector<float>();
+          const std::vector<float> whole =
+              comm.all_reduce(data(comm.rank(), dtype), Reduction::sum, options).to_vector<float>();
+          bool same = true;
+          for (std::int64_t i = 0; i < rows; ++i) {
+            same = same && piece[static_cast<std::size_t>(i)] == expected[r * rows + static_cast<std::size_t>(i)];
+          }
+          for (std::size_t i = 0; i < whole.size(); ++i) same = same && whole[i] == expected[i];
+          CHECK_MESSAGE(same, "rank ", r, " differs from the rank-order reference");
+          if (run == 0) {
+            first[r] = whole;
+          } else {
+            CHECK(first[r] == whole);
+          }
+        });
+      }
+    }
+  }
+}
+
+TEST_CASE("emulated: each rank has its own memory figures and intra-op threads") {
+  EmulatedOptions options;
+  options.threads_per_rank = 2;
+  run_ranks(
+      3,
+      [](Communicator& comm) {
+        CHECK(num_threads() == 2);
+        CHECK(memory::stats().live_bytes == 0);
+        const Tensor mine = zeros({(comm.rank() + 1) * 1000});
+        comm.barrier();  // every rank has allocated
+        CHECK(memory::stats().live_bytes == mine.nbytes());
+        const Tensor local = ones({100});
+        const Tensor gathered = comm.all_gather(local);
+        CHECK(memory::stats().live_bytes == mine.nbytes() + local.nbytes() + gathered.nbytes());
+      },
+      options);
+  run_ranks(4, [](Communicator&) {
+    const char* env = std::getenv("RUDA_NUM_THREADS");
+    const int expected = env && std::atoi(env) > 0 ? std::atoi(env) : std::max(1, hardware_threads() / 4);
+    CHECK(num_threads() == expected);
+  });
+}
+
+TEST_CASE("emulated: many small collectives in a row stay in step") {
+  run_ranks(8, [](Communicator& comm) {
+    for (int i = 0; i < 200; ++i) {
+      const Tensor x = full({3}, comm.rank() + i, Options(DType::i64));
+      const std::vector<std::int64_t> sum = comm.all_reduce(x).to_vector<std::int64_t>();
+      const std::int64_t expected = 28 + 8 * i;
+      CHECK(sum == std::vector<std::int64_t>{expected, expected, expected});
+      if (i % 50 == 0) comm.barrier();
+    }
+  });
+}
+
+TEST_CASE("emulated: run_ranks refuses bad arguments") {
+  auto nothing = [](Communicator&) {};
+  CHECK_THROWS_AS(run_ranks(0, nothing), ArgumentError);
+  CHECK_THROWS_AS(run_ranks(2, {}), ArgumentError);
+  EmulatedOptions options;
+  options.timeout = 0ms;
+  CHECK_THROWS_AS(run_ranks(2, nothing, options), ArgumentError);
+  options.timeout = 1000ms;
+  options.threads_per_rank = -1;
+  CHECK_THROWS_AS(run_ranks(2, nothing, options), ArgumentError);
+  run_ranks(1, [](Communicator& comm) {
+    CHECK(comm.kind() == "emulated");
+    CHECK(comm.world_size() == 1);
+  });
+}

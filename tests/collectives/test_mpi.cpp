@@ -1,0 +1,96 @@
+// The collective suite on MpiCommunicator, run under mpiexec (-n 2 and -n 3 from ctest), plus
+// what only MPI has: sub-communicators, the progress thread, reused buffers.
+//
+// The order check is on for the whole run: if a check fails on one rank only and the ranks fall
+// out of step, the next collective raises on every rank instead of hanging.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <chrono>
+#include <thread>
+
+#include <ruda/mpi.h>
+
+#include "suite.h"
+
+namespace {
+
+using namespace ruda;
+using namespace std::chrono_literals;
+
+MpiCommunicator* g_comm = nullptr;
+
+void run_mpi(void (*check)(Communicator&)) {
+  REQUIRE(g_comm != nullptr);
+  check(*g_comm);
+}
+
+}  // namespace
+
+RUDA_COLLECTIVE_SUITE("mpi", run_mpi)
+
+TEST_CASE("mpi: the order check shows both sides on every rank") {
+  REQUIRE(g_comm->world_size() >= 2);
+  run_mpi(&ruda::test::collectives::order_check);
+}
+
+TEST_CASE("mpi: a split communicator runs the suite's collectives on its own ranks") {
+  MpiCommunicator& world = *g_comm;
+  const int color = world.rank() % 2;
+  std::unique_ptr<MpiCommunicator> part = world.split(color, world.rank());
+  REQUIRE(part);
+  CHECK(part->world_size() == (world.world_size() + 1 - color) / 2);
+  CHECK(part->rank() == world.rank() / 2);
+  CHECK(part->order_check() == world.order_check());
+  ruda::test::collectives::all_gather(*part);
+  ruda::test::collectives::reduce_scatter(*part);
+  // The world communicator still works beside it.
+  CHECK(world.all_reduce(scalar(1.0)).item() == world.world_size());
+  CHECK_THROWS_AS(world.split(-1, 0), ArgumentError);
+}
+
+TEST_CASE("mpi: a non-blocking collective returns at once and completes on the progress thread") {
+  MpiCommunicator& comm = *g_comm;
+  // With the order check on, the start itself agrees fingerprints with the other ranks.
+  comm.set_order_check(false);
+  const Tensor local = ones({1 << 16});
+  if (comm.rank() == 0) {
+    const auto start = std::chrono::steady_clock::now();
+    Work work = comm.all_gather_async(local, {"late partner"});
+    const double started = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    CHECK(started < 0.15);  // the other ranks join 300 ms later
+    CHECK_FALSE(work.ready());
+    const Tensor gathered = work.wait();
+    CHECK(gathered.sum().item() == double(comm.world_size() << 16));
+  } else {
+    std::this_thread::sleep_for(300ms);
+    CHECK(comm.all_gather(local, {"late partner"}).numel() == comm.world_size() << 16);
+  }
+  comm.set_order_check(true);
+}
+
+TEST_CASE("mpi: reduce_scatter reuses its buffers from call to call") {
+  MpiCommunicator& comm = *g_comm;
+  const int n = comm.world_size();
+  const Tensor full = ones({(1 << 20) * n}, Options(DType::bf16));
+  comm.reduce_scatter(full);
+  const std::size_t after_first = comm.buffer_bytes();
+  CHECK(after_first > 0);
+  comm.reduce_scatter(full);
+  CHECK(comm.buffer_bytes() == after_first);
+  comm.release_buffers();
+  CHECK(comm.buffer_bytes() == 0);
+  CHECK(comm.reduce_scatter(full).sum().item() == double(n << 20));
+}
+
+int main(int argc, char** argv) {
+  ruda::MpiEnvironment mpi(argc, argv);
+  return ruda::mpi_abort_on_exception([&] {
+    ruda::MpiCommunicator comm;
+    comm.set_order_check(true);
+    g_comm = &comm;
+    doctest::Context context(argc, argv);
+    const int failed = context.run() != 0 ? 1 : 0;
+    g_comm = nullptr;
+    // Every rank exits with the job's verdict.
+    return static_cast<int>(comm.all_reduce(scalar(failed), ruda::Reduction::max).item());
+  });
+}

@@ -1,0 +1,228 @@
+// Suite "collectives-mpi" of ruda-bench-mpi (run it under mpiexec; rank 0 prints): ruda's MPI
+// all_gather and reduce_scatter against raw MPI_Allgather and MPI_Reduce_scatter_block on the
+// same buffers in the same run, f32, 4 KiB ... 64 MiB in total; and whether a non-blocking
+// all_gather / reduce_scatter really overlaps with computation.
+//
+// Bus bandwidth = (n - 1) / n * total bytes / time. ruda runs through the *_into forms, on the
+// buffers the raw calls use, so both sides move exactly the same memory.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include <ruda/backend.h>
+#include <ruda/mpi.h>
+#include <ruda/tensor.h>
+
+#include "bench.h"
+
+namespace ruda::bench {
+namespace {
+
+// MPI lives for the whole process: from static initialization (before main parses the command
+// line) until static destruction.
+MpiEnvironment& environment() {
+  static MpiEnvironment env;
+  return env;
+}
+
+bool is_rank_zero() { return environment().world_rank() == 0; }
+
+std::vector<std::int64_t> totals(const Context& ctx) {
+  if (ctx.quick) return {4 << 10, 1 << 20, 16 << 20};
+  return {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+}
+
+std::string size_name(std::int64_t bytes) {
+  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + "MiB";
+  return std::to_string(bytes >> 10) + "KiB";
+}
+
+int repeats_for(std::int64_t total) { return static_cast<int>(std::max<std::int64_t>(1, (4 << 20) / total)); }
+
+void check(int code, const char* call) {
+  if (code != MPI_SUCCESS) throw CollectiveError(std::string(call) + " failed in the benchmark");
+}
+
+// Times the same thing on every rank; each rank measures its own calls (the collectives keep
+// them in step) and rank 0's figures are reported.
+template <class F>
+Stats timed(const Context& ctx, MPI_Comm comm, F&& f) {
+  check(MPI_Barrier(comm), "MPI_Barrier");
+  return measure(ctx, f);
+}
+
+Stats summary(std::vector<double> seconds) {
+  std::sort(seconds.begin(), seconds.end());
+  const std::size_t n = seconds.size();
+  const double median = n % 2 ? seconds[n / 2] : 0.5 * (seconds[n / 2 - 1] + seconds[n / 2]);
+  return Stats{median, seconds.front(), seconds.back()};
+}
+
+// Times ruda's call and the raw MPI call alternately (f, g, f, g, ...), each run started by a
+// barrier, so that changes in the machine's load hit both sides alike.
+template <class F, class G>
+std::pair<Stats, Stats> timed_pair(const Context& ctx, MPI_Comm comm, F&& f, G&& g) {
+  auto once = [&](auto&& call) {
+    check(MPI_Barrier(comm), "MPI_Barrier");
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (int i = 0; i < 2; ++i) {
+    once(f);
+    once(g);
+  }
+  std::vector<double> fs, gs;
+  const int runs = ctx.quick ? 3 : ctx.repeats;
+  for (int i = 0; i < runs; ++i) {
+    fs.push_back(once(f));
+    gs.push_back(once(g));
+  }
+  return {summary(fs), summary(gs)};
+}
+
+// Buffers of one size, allocated (and touched) outside the timed runs.
+struct Buffers {
+  Buffers(std::int64_t total, int n)
+      : count(total / 4 / n),
+        local(ones({count})),
+        gathered(zeros({count * n})),
+        full(ones({count * n})),
+        piece(zeros({count})) {}
+  std::int64_t count;  // f32 elements per rank
+  Tensor local, gathered, full, piece;
+};
+
+void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
+  const int n = comm.world_size();
+  const std::vector<std::int64_t> sizes = totals(ctx);
+  struct Figures {
+    Stats ruda_gather, raw_gather, ruda_scatter, raw_scatter, allocating_gather;
+  };
+  std::vector<Figures> figures(sizes.size());
+  // ruda's collectives and MPI_Allgather first, alternating run by run. MPI_Reduce_scatter_block
+  // and the allocating all_gather come after all of them: they allocate and free large buffers
+  // on every call, which here slows the other process's next transfers for a while (measured:
+  // the ring took 120 ms instead of 2 ms per 16 MiB right after MPI_Reduce_scatter_block).
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    Buffers b(sizes[k], n);
+    const int repeats = repeats_for(sizes[k]);
+    const int c = static_cast<int>(b.count);
+    std::tie(figures[k].ruda_gather, figures[k].raw_gather) = timed_pair(
+        ctx, raw,
+        [&] {
+          for (int i = 0; i < repeats; ++i) comm.all_gather_into(b.gathered, b.local);
+        },
+        [&] {
+          for (int i = 0; i < repeats; ++i) {
+            check(MPI_Allgather(b.local.data_ptr(), c, MPI_FLOAT, b.gathered.data_ptr(), c, MPI_FLOAT, raw),
+                  "MPI_Allgather");
+          }
+        });
+    figures[k].ruda_scatter = timed(ctx, raw, [&] {
+      for (int i = 0; i < repeats; ++i) comm.reduce_scatter_into(b.piece, b.full);
+    });
+  }
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    Buffers b(sizes[k], n);
+    const int repeats = repeats_for(sizes[k]);
+    const int c = static_cast<int>(b.count);
+    figures[k].raw_scatter = timed(ctx, raw, [&] {
+      for (int i = 0; i < repeats; ++i) {
+        check(MPI_Reduce_scatter_block(b.full.data_ptr(), b.piece.data_ptr(), c, MPI_FLOAT, MPI_SUM, raw),
+              "MPI_Reduce_scatter_block");
+      }
+    });
+    if (sizes[k] == (16 << 20)) {
+      // The allocating form: each result is fresh memory, whose first touch costs page faults.
+      figures[k].allocating_gather = timed(ctx, raw, [&] {
+        for (int i = 0; i < repeats; ++i) (void)comm.all_gather(b.local);
+      });
+    }
+  }
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    const Figures& f = figures[k];
+    const double bus_gb = 1e-9 * static_cast<double>(sizes[k]) * (n - 1) / n * repeats_for(sizes[k]);
+    const std::string suffix = " n=" + std::to_string(n) + " " + size_name(sizes[k]);
+    ctx.report(Result{"collectives-mpi", "mpi all_gather" + suffix, ctx.backend, "GB/s", rate(f.ruda_gather, bus_gb),
+                      rate(f.raw_gather, bus_gb), "MPI_Allgather"});
+    if (sizes[k] == (16 << 20)) {
+      ctx.report(Result{"collectives-mpi", "mpi all_gather (allocating)" + suffix, ctx.backend, "GB/s",
+                        rate(f.allocating_gather, bus_gb), rate(f.raw_gather, bus_gb), "MPI_Allgather"});
+    }
+    ctx.report(Result{"collectives-mpi", "mpi reduce_scatter" + suffix, ctx.backend, "GB/s",
+                      rate(f.ruda_scatter, bus_gb), rate(f.raw_scatter, bus_gb), "MPI_Reduce_scatter_block"});
+  }
+}
+
+// A non-blocking collective started before some work and waited for after it, against the two
+// one after the other. The work lasts about as long as the collective and is either matmuls
+// (competing for this rank's cores with MPI's copies and the progress thread's polling) or a
+// sleep (work that leaves the CPU free, as an accelerator would). Ratio 1 means no overlap, 0.5
+// a perfect one.
+void overlap(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
+  const int n = comm.world_size();
+  const std::int64_t total = ctx.quick ? 4 << 20 : 16 << 20;
+  const std::int64_t count = total / 4 / n;
+  // Into buffers allocated once: fresh results would add page faults to both sides.
+  const Tensor local = ones({count}), gathered = zeros({count * n});
+  const Tensor full = ones({count * n}), piece = zeros({count});
+  const Tensor a = ones({256, 256}), b = ones({256, 256});
+  const Stats one_matmul = timed(ctx, raw, [&] { (void)matmul(a, b); });
+  for (const bool gather : {true, false}) {
+    auto start = [&] {
+      return gather ? comm.all_gather_into_async(gathered, local) : comm.reduce_scatter_into_async(piece, full);
+    };
+    const Stats alone = timed(ctx, raw, [&] { (void)start().wait(); });
+    // Every rank must run the same number of matmuls: take rank 0's calibration.
+    double calibrated = std::max(1.0, alone.median / one_matmul.median);
+    check(MPI_Bcast(&calibrated, 1, MPI_DOUBLE, 0, raw), "MPI_Bcast");
+    const int matmuls = static_cast<int>(calibrated);
+    const auto nap = std::chrono::duration<double>(alone.median);
+    const std::vector<std::pair<std::string, std::function<void()>>> works = {
+        {"matmul",
+         [&] {
+           for (int i = 0; i < matmuls; ++i) (void)matmul(a, b);
+         }},
+        {"sleep", [&] { std::this_thread::sleep_for(nap); }}};
+    for (const auto& [work_name, work] : works) {
+      const Stats work_alone = timed(ctx, raw, work);
+      const Stats both = timed(ctx, raw, [&] {
+        Work w = start();
+        work();
+        (void)w.wait();
+      });
+      const Stats serial{alone.median + work_alone.median, alone.min + work_alone.min, alone.max + work_alone.max};
+      ctx.report(Result{"collectives-mpi",
+                        std::string("overlap ") + (gather ? "all_gather" : "reduce_scatter") + " + " + work_name +
+                            " n=" + std::to_string(n) + " " + size_name(total),
+                        ctx.backend, "ms", scaled(both, 1e3), scaled(serial, 1e3), "one after the other"});
+    }
+  }
+}
+
+void run(Context& ctx) {
+  if (ctx.backend != available_backends().front()) return;  // MPI does not depend on the backend
+  MpiCommunicator comm;
+  comm.set_order_check(false);
+  MPI_Comm raw = MPI_COMM_NULL;
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &raw), "MPI_Comm_dup");
+  bandwidth(ctx, comm, raw);
+  overlap(ctx, comm, raw);
+  MPI_Comm_free(&raw);
+}
+
+const bool registered = [] {
+  environment();
+  should_print = &is_rank_zero;
+  return register_suite("collectives-mpi", run);
+}();
+
+}  // namespace
+}  // namespace ruda::bench
