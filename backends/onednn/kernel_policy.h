@@ -1,0 +1,66 @@
+// Which kernels run on Eigen although oneDNN could run them, because the Eigen kernel is faster.
+//
+// Measured with oneDNN 2.6.3 on the project machine (AMD Zen 4, AVX-512 with BF16, 2 threads),
+// 64K and 1M values, 10th-percentile times of interleaved runs (tools/bench: onednn-kernels shows
+// the same comparison through the engine). A kernel is listed when oneDNN took at least ~15% longer
+// at both sizes:
+//   f32 forward:  log 0.6x, rsqrt (pow -1/2) 0.02x, tanh 0.7-0.85x, sigmoid 0.7x, gelu 0.7-0.9x,
+//                 silu 0.4x (oneDNN's time relative to Eigen's, as a speed ratio)
+//   backward:     every *_use_dst_for_bwd algorithm (relu, tanh, sigmoid, sqrt) and log 0.25x in
+//                 f32, 0.45x in bf16; softplus 0.45x; silu 0.5-0.75x; f32 gelu (tanh) 0.8x
+//   f32 binary:   any broadcast operand 0.55-0.7x
+//   f32 sums:     over the innermost axis 0.7-0.85x
+// In bf16 Eigen widens values in scalar chunks and oneDNN's native kernels win by 1.5-16x, so
+// only the kernels slow in both dtypes are listed for bf16. Where oneDNN wins or ties (matmul,
+// softmax, exp, sqrt, relu and the other simple forwards, same-shape binaries) it runs. RUDA_ONEDNN_KERNELS=all sends
+// every kernel to oneDNN, e.g. on CPUs where oneDNN's kernels are the faster ones.
+#pragma once
+
+#include <ruda/backend.h>
+
+#include "context.h"
+
+namespace ruda::onednn::detail {
+
+inline constexpr std::string_view kEigenFasterReason =
+    "Eigen's kernel is faster here (measured against oneDNN 2.6; RUDA_ONEDNN_KERNELS=all overrides)";
+
+inline bool eigen_faster_unary(UnaryOp op, bool backward, DType dtype) {
+  if (all_kernels_requested()) return false;
+  const bool f32 = dtype == DType::f32;
+  if (!backward) {
+    switch (op) {
+      case UnaryOp::rsqrt:
+      case UnaryOp::silu:
+        return true;
+      case UnaryOp::log:
+      case UnaryOp::tanh:
+      case UnaryOp::sigmoid:
+      case UnaryOp::gelu_tanh:
+      case UnaryOp::gelu_erf:
+        return f32;
+      default:
+        return false;
+    }
+  }
+  switch (op) {
+    case UnaryOp::relu:
+    case UnaryOp::tanh:
+    case UnaryOp::sigmoid:
+    case UnaryOp::sqrt:
+    case UnaryOp::log:
+    case UnaryOp::softplus:
+      return true;
+    case UnaryOp::silu:
+    case UnaryOp::gelu_tanh:
+      return f32;
+    default:
+      return false;
+  }
+}
+
+inline bool eigen_faster_broadcast_binary(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
+
+inline bool eigen_faster_innermost_sum(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
+
+}  // namespace ruda::onednn::detail

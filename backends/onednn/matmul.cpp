@@ -1,0 +1,173 @@
+// GEMM on oneDNN's matmul primitive: 2-D or batched (batch strides from the GemmDesc, a stride of
+// 0 as a broadcast batch dimension of 1), transposes expressed as memory-descriptor strides (no
+// copies), bias fused, alpha as output scales, beta as a sum post-op. bf16 runs natively on CPUs
+// with bf16 instructions (f32 accumulation, f32 or bf16 output) and is computed in f32 elsewhere.
+#include <vector>
+
+#include "context.h"
+#include "eigen/kernel_util.h"
+#include "onednn.h"
+#include "onednn_backend.h"
+
+namespace ruda::onednn {
+
+using namespace detail;
+using dnnl::memory;
+
+namespace {
+
+// Elements of one operand across all batches (a batch stride of 0 means one shared matrix).
+std::int64_t operand_elements(std::int64_t rows, std::int64_t cols, std::int64_t batch, std::int64_t stride) {
+  return stride == 0 ? rows * cols : (batch - 1) * stride + rows * cols;
+}
+
+// A bias given with alpha != 1 goes in as a binary post-op after the scaling: oneDNN's output
+// scales multiply the fused bias too (dst = alpha * (A B + bias)), while GemmDesc adds it unscaled.
+bool bias_as_post_op(const GemmDesc& d) { return d.bias != nullptr && d.alpha != 1.0f; }
+
+int bias_arg(const GemmDesc& d) {
+  if (!bias_as_post_op(d)) return DNNL_ARG_BIAS;
+  return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
+}
+
+std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
+  const bool batched = d.batch > 1;
+  Key key;
+  key << std::int64_t{1} << static_cast<std::int64_t>(d.a_dtype) << static_cast<std::int64_t>(d.b_dtype)
+      << static_cast<std::int64_t>(d.c_dtype) << d.m << d.n << d.k << std::int64_t{d.trans_a} << std::int64_t{d.trans_b}
+      << std::int64_t{d.bias != nullptr} << d.alpha << d.beta;
+  if (batched) key << d.batch << d.batch_stride_a << d.batch_stride_b << d.batch_stride_c;
+
+  const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
+                       static_cast<double>(d.k);
+  return lookup(key, threads_for_flops(flops), [&] {
+    const auto at = *dnnl_type(d.a_dtype), bt = *dnnl_type(d.b_dtype), ct = *dnnl_type(d.c_dtype);
+    const memory::dim m = d.m, n = d.n, k = d.k;
+    // Row-major operands; a transposed one is the same buffer read with swapped strides.
+    memory::dims a_dims{m, k}, a_strides{d.trans_a ? 1 : k, d.trans_a ? m : 1};
+    memory::dims b_dims{k, n}, b_strides{d.trans_b ? 1 : n, d.trans_b ? k : 1};
+    memory::dims c_dims{m, n}, c_strides{n, 1};
+    memory::dims bias_dims{1, n}, bias_strides{n, 1};
+    if (batched) {
+      a_dims.insert(a_dims.begin(), d.batch_stride_a ? d.batch : 1);
+      a_strides.insert(a_strides.begin(), d.batch_stride_a ? d.batch_stride_a : m * k);
+      b_dims.insert(b_dims.begin(), d.batch_stride_b ? d.batch : 1);
+      b_strides.insert(b_strides.begin(), d.batch_stride_b ? d.batch_stride_b : k * n);
+      c_dims.insert(c_dims.begin(), d.batch);
+      c_strides.insert(c_strides.begin(), d.batch_stride_c);
+      bias_dims.insert(bias_dims.begin(), 1);
+      bias_strides.insert(bias_strides.begin(), n);
+    }
+    const memory::desc a_md(a_dims, at, a_strides), b_md(b_dims, bt, b_strides), c_md(c_dims, ct, c_strides);
+    const memory::desc bias_md(bias_dims, ct, bias_strides);
+
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (d.alpha != 1.0f) attr.set_output_scales(0, {d.alpha});
+    dnnl::post_ops ops;
+    if (d.beta != 0.0f) ops.append_sum(d.beta);
+    if (bias_as_post_op(d)) ops.append_binary(dnnl::algorithm::binary_add, bias_md);
+    attr.set_post_ops(ops);
+
+    const bool fused_bias = d.bias && !bias_as_post_op(d);
+    const auto desc = fused_bias ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md) : dnnl::matmul::desc(a_md, b_md, c_md);
+    const dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+    std::vector<int> args{DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+    if (d.bias) args.push_back(bias_arg(d));
+    return make_primitive(pd, args);
+  });
+}
+
+// Runs d on oneDNN; false when oneDNN refuses it (the reason is noted).
+bool run_matmul(const GemmDesc& d) {
+  const auto p = matmul_primitive(d);
+  if (p->refused()) {
+    note_fallback("gemm", d.a_dtype,
+                  p->refusal + " for " + std::to_string(d.batch) + " x [" + std::to_string(d.m) + ", " +
+                      std::to_string(d.k) + "] @ [" + std::to_string(d.k) + ", " + std::to_string(d.n) + "]" +
+                      (d.trans_a ? " (A transposed)" : "") + (d.trans_b ? " (B transposed)" : "") + " to " +
+                      std::string(dtype_name(d.c_dtype)));
+    return false;
+  }
+  if (d.bias) {
+    execute(p, {{DNNL_ARG_SRC, d.a}, {DNNL_ARG_WEIGHTS, d.b}, {DNNL_ARG_DST, d.c}, {bias_arg(d), d.bias}});
+  } else {
+    execute(p, {{DNNL_ARG_SRC, d.a}, {DNNL_ARG_WEIGHTS, d.b}, {DNNL_ARG_DST, d.c}});
+  }
+  return true;
+}
+
+std::vector<float> widen_bf16(const void* p, std::int64_t n) {
+  std::vector<float> out(static_cast<std::size_t>(n));
+  const auto* src = static_cast<const bfloat16*>(p);
+  kernels::parallel_for(n, kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) out[i] = to_float(src[i]);
+  });
+  return out;
+}
+
+void narrow_to_bf16(const std::vector<float>& src, void* p) {
+  auto* dst = static_cast<bfloat16*>(p);
+  kernels::parallel_for(static_cast<std::int64_t>(src.size()), kernels::kElementGrain,
+                        [&](std::int64_t begin, std::int64_t end) {
+                          for (std::int64_t i = begin; i < end; ++i) dst[i] = to_bfloat16(src[i]);
+                        });
+}
+
+// bf16 operands on a CPU without bf16 instructions: widen to f32 (exact), multiply in f32 on
+// oneDNN, round the result once to nearest even, which is what a native bf16 matmul with f32
+// accumulation computes up to summation order.
+void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
+  const std::int64_t na = operand_elements(d.trans_a ? d.k : d.m, d.trans_a ? d.m : d.k, d.batch, d.batch_stride_a);
+  const std::int64_t nb = operand_elements(d.trans_b ? d.n : d.k, d.trans_b ? d.k : d.n, d.batch, d.batch_stride_b);
+  const std::int64_t nc = operand_elements(d.m, d.n, d.batch, d.batch_stride_c);
+  const std::vector<float> a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
+  GemmDesc f = d;
+  f.a = a.data();
+  f.b = b.data();
+  f.a_dtype = f.b_dtype = DType::f32;
+  if (d.c_dtype == DType::f32) {
+    if (!run_matmul(f)) eigen.EigenBackend::gemm(f);
+    return;
+  }
+  std::vector<float> c = d.beta != 0.0f ? widen_bf16(d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
+  std::vector<float> bias;
+  if (d.bias) bias = widen_bf16(d.bias, d.n);
+  f.c = c.data();
+  f.c_dtype = DType::f32;
+  f.bias = d.bias ? bias.data() : nullptr;
+  if (!run_matmul(f)) eigen.EigenBackend::gemm(f);
+  narrow_to_bf16(c, d.c);
+}
+
+}  // namespace
+
+void OneDnnBackend::gemm(const GemmDesc& d) {
+  const bool known = dnnl_type(d.a_dtype) && dnnl_type(d.b_dtype) && dnnl_type(d.c_dtype);
+  if (!known || d.a_dtype != d.b_dtype) {
+    note_fallback("gemm", d.a_dtype, "oneDNN 2.6 has no CPU matmul for these dtypes");
+    return EigenBackend::gemm(d);  // also raises the error for mismatched operands
+  }
+  if (d.m == 0 || d.n == 0) return;
+  if (d.k == 0) {
+    note_fallback("gemm", d.a_dtype, "an empty inner dimension (k = 0)");
+    return EigenBackend::gemm(d);
+  }
+  if (d.batch * d.m * d.n * d.k < kMinProduct) {
+    note_fallback("gemm", d.a_dtype, kSmallReason);
+    return EigenBackend::gemm(d);
+  }
+  if (d.batch > 1 && ((d.batch_stride_a == 0 && d.batch_stride_b == 0) || d.batch_stride_c < d.m * d.n)) {
+    // Every batch the same product, or output batches that overlap: no matmul descriptor says that.
+    note_fallback("gemm", d.a_dtype,
+                  "batch strides with no oneDNN layout (both operands shared, or overlapping outputs)");
+    return EigenBackend::gemm(d);
+  }
+  if (d.a_dtype == DType::bf16 && !bf16_native()) {
+    note_fallback("gemm", d.a_dtype, "no native bf16 on this CPU ISA: computed in f32 by oneDNN");
+    return gemm_bf16_in_f32(*this, d);
+  }
+  if (!run_matmul(d)) EigenBackend::gemm(d);
+}
+
+}  // namespace ruda::onednn

@@ -1,0 +1,712 @@
+// The oneDNN backend against the Eigen backend: every kernel it runs on oneDNN gives Eigen's
+// results within dtype tolerance, runs as a oneDNN primitive where it should (counted), falls
+// back visibly where it cannot, builds no primitive again once warm, and is safe from threads.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ruda/collectives.h>
+
+#include "helpers.h"
+#include "onednn/onednn.h"
+
+using namespace ruda;
+
+namespace {
+
+Backend& dnnl() { return get_backend("onednn"); }
+Backend& eigen() { return get_backend("eigen"); }
+
+Tensor gaussian(const Shape& shape, std::uint64_t seed, DType dtype = DType::f32, double scale = 1.0) {
+  return (randn(shape, seed, 0, Options(DType::f32, &eigen())) * scale).to(dtype);
+}
+
+// oneDNN primitive executions while f runs.
+template <class F>
+std::int64_t executions_of(F&& f) {
+  const std::int64_t before = onednn::stats().executions;
+  f();
+  return onednn::stats().executions - before;
+}
+
+bool has_fallback(const std::string& op, const std::string& dtype, const std::string& reason_part = "") {
+  for (const auto& f : onednn::fallbacks()) {
+    if (f.op == op && f.dtype == dtype && f.reason.find(reason_part) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// A kernel call ran as exactly one oneDNN primitive, or on Eigen with a recorded reason.
+void check_routed(std::int64_t runs, const std::string& op, DType dtype) {
+  if (runs == 0) {
+    CHECK_MESSAGE(has_fallback(op, std::string(dtype_name(dtype))), op << " ran on Eigen without a recorded reason");
+  } else {
+    CHECK(runs == 1);
+  }
+}
+
+bool capped_to_avx2() {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  return cap && std::string(cap) == "AVX2";
+}
+
+// Tolerances for comparing two implementations of the same math: f32 differs by summation order
+// and oneDNN's polynomial approximations; bf16 results may differ by one rounding (2^-8 relative).
+double atol_of(DType t) { return t == DType::bf16 ? 1e-2 : 1e-5; }
+double rtol_of(DType t) { return t == DType::bf16 ? 1e-2 : 1e-5; }
+
+}  // namespace
+
+TEST_CASE("the onednn backend is registered and reports its ISA") {
+  const auto names = available_backends();
+  CHECK(std::find(names.begin(), names.end(), "onednn") != names.end());
+  CHECK(dnnl().name() == "onednn");
+  const std::string isa = onednn::cpu_isa();
+  MESSAGE("oneDNN ISA: " << isa << ", native bf16: " << onednn::bf16_native());
+  CHECK(isa != "unknown");
+  if (capped_to_avx2()) {
+    CHECK(isa == "avx2");
+    CHECK_FALSE(onednn::bf16_native());
+  }
+}
+
+TEST_CASE("matmul values and gradients agree with Eigen on varied shapes") {
+  struct Case {
+    Shape a, b;
+    bool native = true;  // large enough for oneDNN (tiny products stay on Eigen)
+  };
+  const std::vector<Case> cases = {
+      {{1, 512}, {512, 33}},             // one row
+      {{65, 512}, {512, 1}},             // one column
+      {{1, 1}, {1, 1}, false},           // 1x1x1
+      {{37, 129}, {129, 65}},            // non-square, odd sizes
+      {{128, 256}, {256, 64}},           // larger
+      {{4, 17, 32}, {4, 32, 9}},         // batched
+      {{4, 17, 32}, {32, 9}},            // batch folded into rows
+      {{17, 32}, {3, 32, 9}},            // left operand shared by every batch (batch stride 0)
+      {{2, 1, 20, 16}, {1, 3, 16, 24}},  // both batch axes broadcast
+  };
+  std::uint64_t seed = 100;
+  for (const Case& c : cases) {
+    CAPTURE(to_string(c.a));
+    CAPTURE(to_string(c.b));
+    const Tensor a = gaussian(c.a, ++seed), b = gaussian(c.b, ++seed);
+    const Tensor w = gaussian(matmul(a, b).shape(), ++seed);
+    Tensor ae = a.clone().set_requires_grad(), be = b.clone().set_requires_grad();
+    const Tensor ye = matmul(ae, be);
+    sum(ye * w).backward();
+
+    Tensor ad = a.clone().to(dnnl()).set_requires_grad(), bd = b.clone().to(dnnl()).set_requires_grad();
+    Tensor yd;
+    const std::int64_t runs = executions_of([&] {
+      yd = matmul(ad, bd);
+      sum(yd * w.to(dnnl())).backward();
+    });
+    if (c.native) CHECK(runs >= 3);  // forward and both gradients are oneDNN matmuls
+    const double tol = 1e-4;
+    test::check_close(yd, ye, tol, tol);
+    test::check_close(ad.grad(), ae.grad(), tol, tol);
+    test::check_close(bd.grad(), be.grad(), tol, tol);
+  }
+}
+
+TEST_CASE("linear fuses its bias and agrees with Eigen") {
+  const Tensor x = gaussian({3, 40, 96}, 1), w = gaussian({96, 72}, 2, DType::f32, 0.1), bias = gaussian({72}, 3);
+  const Tensor expected = linear(x, w, bias);
+  Tensor got;
+  // One primitive execution: the bias is part of the matmul, not a separate add.
+  CHECK(executions_of([&] { got = linear(x.to(dnnl()), w.to(dnnl()), bias.to(dnnl())); }) == 1);
+  test::check_close(got, expected, 1e-4, 1e-4);
+}
+
+TEST_CASE("gemm descriptors: transposes, batch strides, bias, alpha and beta") {
+  const std::int64_t m = 37, n = 29, k = 23, batch = 3;
+  struct Scale {
+    float alpha, beta;
+  };
+  const std::vector<Scale> scales = {{1, 0}, {0.5f, 0}, {1, 1}, {2, -0.5f}};
+  std::uint64_t seed = 300;
+  for (int ta = 0; ta < 2; ++ta) {
+    for (int tb = 0; tb < 2; ++tb) {
+      for (int layout = 0; layout < 4; ++layout) {  // 0: one matrix; 1: batched; 2: A shared; 3: B shared
+        for (int with_bias = 0; with_bias < 2; ++with_bias) {
+          for (const Scale& s : scales) {
+            CAPTURE(ta);
+            CAPTURE(tb);
+            CAPTURE(layout);
+            CAPTURE(with_bias);
+            CAPTURE(s.alpha);
+            CAPTURE(s.beta);
+            const std::int64_t nb = layout == 0 ? 1 : batch;
+            const Tensor a = gaussian({layout == 2 ? 1 : nb, ta ? k : m, ta ? m : k}, ++seed);
+            const Tensor b = gaussian({layout == 3 ? 1 : nb, tb ? n : k, tb ? k : n}, ++seed);
+            const Tensor bias = gaussian({n}, ++seed);
+            const Tensor c0 = gaussian({nb, m, n}, ++seed);
+            GemmDesc d;
+            d.a = a.data_ptr();
+            d.b = b.data_ptr();
+            d.bias = with_bias ? bias.data_ptr() : nullptr;
+            d.trans_a = ta;
+            d.trans_b = tb;
+            d.batch = nb;
+            d.m = m;
+            d.n = n;
+            d.k = k;
+            d.batch_stride_a = layout == 2 ? 0 : m * k;
+            d.batch_stride_b = layout == 3 ? 0 : k * n;
+            d.batch_stride_c = m * n;
+            d.alpha = s.alpha;
+            d.beta = s.beta;
+            const Tensor ce = c0.clone(), cd = c0.clone();
+            d.c = ce.data_ptr();
+            eigen().gemm(d);
+            d.c = cd.data_ptr();
+            CHECK(executions_of([&] { dnnl().gemm(d); }) == 1);
+            test::check_close(cd, ce, 1e-5, 1e-5);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("gemm on random shapes, layouts and dtypes agrees with Eigen") {
+  std::uint64_t state = 12345;
+  auto next = [&](std::int64_t lo, std::int64_t hi) {  // uniform in [lo, hi]
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return lo + static_cast<std::int64_t>((state >> 33) % static_cast<std::uint64_t>(hi - lo + 1));
+  };
+  int on_onednn = 0;
+  constexpr int kCases = 40;
+  for (int i = 0; i < kCases; ++i) {
+    const std::int64_t m = next(1, 160), n = next(1, 160), k = next(1, 160), batch = next(1, 4);
+    const bool ta = next(0, 1), tb = next(0, 1), with_bias = next(0, 1);
+    const int layout = static_cast<int>(next(0, 2));  // 0: all batched; 1: A shared; 2: B shared
+    const DType in = next(0, 2) == 0 ? DType::bf16 : DType::f32;
+    const DType out = in == DType::bf16 && next(0, 1) ? DType::f32 : in;
+    CAPTURE(m);
+    CAPTURE(n);
+    CAPTURE(k);
+    CAPTURE(batch);
+    CAPTURE(ta);
+    CAPTURE(tb);
+    CAPTURE(layout);
+    CAPTURE(dtype_name(in));
+    CAPTURE(dtype_name(out));
+    const Tensor a = gaussian({batch > 1 && layout == 1 ? 1 : batch, ta ? k : m, ta ? m : k}, 500 + i, in);
+    const Tensor b = gaussian({batch > 1 && layout == 2 ? 1 : batch, tb ? n : k, tb ? k : n}, 600 + i, in);
+    const Tensor bias = gaussian({n}, 700 + i, out);
+    GemmDesc d;
+    d.a = a.data_ptr();
+    d.b = b.data_ptr();
+    d.bias = with_bias ? bias.data_ptr() : nullptr;
+    d.a_dtype = d.b_dtype = in;
+    d.c_dtype = out;
+    d.trans_a = ta;
+    d.trans_b = tb;
+    d.batch = batch;
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.batch_stride_a = a.size(0) == 1 ? 0 : m * k;
+    d.batch_stride_b = b.size(0) == 1 ? 0 : k * n;
+    d.batch_stride_c = m * n;
+    const Tensor ce = empty({batch, m, n}, out), cd = empty({batch, m, n}, out);
+    d.c = ce.data_ptr();
+    eigen().gemm(d);
+    d.c = cd.data_ptr();
+    on_onednn += executions_of([&] { dnnl().gemm(d); }) > 0;
+    const double tol = out == DType::bf16 ? 8e-3 : (in == DType::bf16 ? 1e-4 : 1e-5);
+    test::check_close(cd, ce, tol * std::sqrt(static_cast<double>(k)), tol);
+  }
+  MESSAGE(on_onednn << " of " << kCases << " random products ran on oneDNN (the rest were tiny)");
+  CHECK(on_onednn > kCases / 2);
+}
+
+TEST_CASE("bf16 matmul accumulates in f32, with f32 or bf16 output") {
+  const std::int64_t m = 64, n = 80, k = 96;
+  const Tensor a = gaussian({2, m, k}, 11, DType::bf16), b = gaussian({2, k, n}, 12, DType::bf16);
+  for (DType out : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(out));
+    const Tensor bias = gaussian({n}, 13, out);
+    const Tensor c0 = gaussian({2, m, n}, 14, out);
+    GemmDesc d;
+    d.a = a.data_ptr();
+    d.b = b.data_ptr();
+    d.bias = bias.data_ptr();
+    d.a_dtype = d.b_dtype = DType::bf16;
+    d.c_dtype = out;
+    d.batch = 2;
+    d.m = m;
+    d.n = n;
+    d.k = k;
+    d.batch_stride_a = m * k;
+    d.batch_stride_b = k * n;
+    d.batch_stride_c = m * n;
+    d.beta = 0.5f;
+    const Tensor ce = c0.clone(), cd = c0.clone();
+    d.c = ce.data_ptr();
+    eigen().gemm(d);  // widens to f32, multiplies in f32, rounds once
+    d.c = cd.data_ptr();
+    // Natively one bf16 primitive; without bf16 instructions an f32 oneDNN matmul on widened copies.
+    CHECK(executions_of([&] { dnnl().gemm(d); }) == 1);
+    if (out == DType::f32) {
+      test::check_close(cd, ce, 1e-4, 1e-4);
+    } else {
+      test::check_close(cd, ce, 1e-2, 8e-3);  // at most one bf16 rounding apart
+    }
+  }
+  // Through the engine: bf16 tensors give a bf16 product.
+  const Tensor x = gaussian({3, 50, 70}, 15, DType::bf16), w = gaussian({70, 40}, 16, DType::bf16);
+  const Tensor got = matmul(x.to(dnnl()), w.to(dnnl()));
+  CHECK(got.dtype() == DType::bf16);
+  test::check_close(got, matmul(x, w), 2e-2, 8e-3);
+  if (onednn::bf16_native()) {
+    CHECK_FALSE(has_fallback("gemm", "bf16"));
+  } else {
+    CHECK(has_fallback("gemm", "bf16", "computed in f32"));
+  }
+}
+
+TEST_CASE("eltwise forward and backward agree with Eigen") {
+  const std::vector<UnaryOp> ops = {UnaryOp::neg,      UnaryOp::abs,       UnaryOp::exp,       UnaryOp::log,
+                                    UnaryOp::sqrt,     UnaryOp::rsqrt,     UnaryOp::tanh,      UnaryOp::sigmoid,
+                                    UnaryOp::relu,     UnaryOp::gelu_tanh, UnaryOp::gelu_erf,  UnaryOp::silu,
+                                    UnaryOp::softplus, UnaryOp::square,    UnaryOp::reciprocal};
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (std::int64_t n : {5000, 70000}) {  // one thread, and a team of threads
+      const bool native_dtype = dtype == DType::f32 || onednn::bf16_native();
+      for (UnaryOp op : ops) {
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(n);
+        CAPTURE(op_name(op));
+        const bool positive =
+            op == UnaryOp::log || op == UnaryOp::sqrt || op == UnaryOp::rsqrt || op == UnaryOp::reciprocal;
+        const Tensor x = positive ? (abs(gaussian({n}, 20)) + 0.05).to(dtype) : gaussian({n}, 21, dtype, 3.0);
+        const Tensor ye = empty({n}, Options(dtype, &eigen())), yd = empty({n}, Options(dtype, &dnnl()));
+        eigen().unary(op, x.view(), ye.view());
+        const std::int64_t forward_runs = executions_of([&] { dnnl().unary(op, x.view(), yd.view()); });
+        check_routed(forward_runs, std::string(op_name(op)), dtype);
+        // RUDA_ONEDNN_KERNELS=all: everything but softplus (inaccurate on oneDNN) runs there.
+        if (native_dtype && onednn::all_kernels()) CHECK(forward_runs == (op == UnaryOp::softplus ? 0 : 1));
+        test::check_close(yd, ye, atol_of(dtype), rtol_of(dtype));
+
+        // Backward with both x and y available: each backend reads what its formula needs.
+        const Tensor gy = gaussian({n}, 22, dtype);
+        const Tensor ge = empty({n}, Options(dtype, &eigen())), gd = empty({n}, Options(dtype, &dnnl()));
+        eigen().unary_backward(op, x.view(), ye.view(), gy.view(), ge.view());
+        const std::int64_t backward_runs =
+            executions_of([&] { dnnl().unary_backward(op, x.view(), ye.view(), gy.view(), gd.view()); });
+        const bool has_backward = op != UnaryOp::neg && op != UnaryOp::rsqrt && op != UnaryOp::reciprocal;
+        check_routed(backward_runs, std::string(op_name(op)) + " backward", dtype);
+        if (native_dtype && onednn::all_kernels()) CHECK(backward_runs == (has_backward ? 1 : 0));
+        // Derivatives through y = f(x) rounded to bf16 amplify its rounding (e.g. sqrt: 0.5 / y).
+        test::check_close(gd, ge, 2 * atol_of(dtype), 2 * rtol_of(dtype));
+      }
+    }
+  }
+  CHECK(has_fallback("rsqrt backward", "f32", "no oneDNN eltwise backward"));
+}
+
+TEST_CASE("eltwise special values follow IEEE evaluation of the formulas") {
+  // Against the formulas in double precision (not the Eigen backend, whose fast vectorized sqrt
+  // returns NaN for +inf). Infinities are left out where the formula evaluates inf * 0 (gelu,
+  // silu), whose limits the two implementations need not agree on.
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> finite = {0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.7,  -0.7, 3,
+                                      -3,  20,   -20,   50,     -50,  100,   -100, 1e4,  -1e4};
+  struct Case {
+    UnaryOp op;
+    double (*f)(double);
+    bool infinities;
+  };
+  const std::vector<Case> cases = {
+      {UnaryOp::neg, [](double x) { return -x; }, true},
+      {UnaryOp::abs, [](double x) { return std::abs(x); }, true},
+      {UnaryOp::exp, [](double x) { return std::exp(x); }, true},
+      {UnaryOp::log, [](double x) { return std::log(x); }, true},
+      {UnaryOp::sqrt, [](double x) { return std::sqrt(x); }, true},
+      {UnaryOp::tanh, [](double x) { return std::tanh(x); }, true},
+      {UnaryOp::sigmoid, [](double x) { return 1 / (1 + std::exp(-x)); }, true},
+      {UnaryOp::relu, [](double x) { return x > 0 ? x : 0.0; }, true},
+      {UnaryOp::gelu_tanh,
+       [](double x) { return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }, false},
+      {UnaryOp::gelu_erf, [](double x) { return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0))); }, false},
+      {UnaryOp::silu, [](double x) { return x / (1 + std::exp(-x)); }, false},
+      {UnaryOp::square, [](double x) { return x * x; }, true},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(op_name(c.op));
+    std::vector<double> values = finite;
+    if (c.infinities) values.insert(values.end(), {inf, -inf});
+    // Repeated up to kernel size (small tensors stay on Eigen), as floats, so that the reference
+    // sees the values the kernel sees.
+    std::vector<double> in;
+    while (in.size() < 4096) {
+      for (double v : values) in.push_back(static_cast<float>(v));
+    }
+    std::vector<double> want;
+    for (double v : in) want.push_back(static_cast<float>(c.f(v)));
+    const Tensor x = from_values(in, {static_cast<std::int64_t>(in.size())}, Options(DType::f32, &dnnl()));
+    const Tensor y = empty(x.shape(), Options(DType::f32, &dnnl()));
+    const std::int64_t runs = executions_of([&] { dnnl().unary(c.op, x.view(), y.view()); });
+    check_routed(runs, std::string(op_name(c.op)), DType::f32);
+    if (onednn::all_kernels()) CHECK(runs == 1);
+    test::check_close(y, want, x.shape(), 1e-6, 1e-5);
+  }
+}
+
+TEST_CASE("softmax and log_softmax forward and backward agree with Eigen") {
+  struct Case {
+    Shape shape;
+    int axis;
+    bool native;  // oneDNN 2.6 has jit kernels over the last axis only
+  };
+  const std::vector<Case> cases = {{{512, 10}, 1, true},
+                                   {{64, 1000}, 1, true},
+                                   {{30, 7, 33}, 2, true},
+                                   {{80, 60}, 0, false},
+                                   {{16, 20, 30}, 1, false}};
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (const Case& c : cases) {
+      for (bool log : {false, true}) {
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(to_string(c.shape));
+        CAPTURE(log);
+        // Large offsets: a kernel that skips the max subtraction overflows.
+        const Tensor x = (gaussian(c.shape, 30, DType::f32, 5.0) + 1000.0).to(dtype);
+        const Tensor ye = empty(c.shape, Options(dtype, &eigen())), yd = empty(c.shape, Options(dtype, &dnnl()));
+        eigen().softmax(x.view(), ye.view(), c.axis, log);
+        const std::int64_t runs = executions_of([&] { dnnl().softmax(x.view(), yd.view(), c.axis, log); });
+        const bool native = c.native && (dtype == DType::f32 || onednn::bf16_native());
+        if (native) CHECK(runs == 1);
+        // log_softmax is x - (max + log(sum)) with x near 1000: both kernels round at that scale
+        // (f32 ulp 6e-5; the bf16 inputs themselves are 4 apart).
+        const double atol = log ? (dtype == DType::bf16 ? 8e-2 : 1.5e-4) : atol_of(dtype);
+        test::check_close(yd, ye, atol, rtol_of(dtype));
+
+        const Tensor gy = gaussian(c.shape, 31, dtype);
+        const Tensor ge = empty(c.shape, Options(dtype, &eigen())), gd = empty(c.shape, Options(dtype, &dnnl()));
+        eigen().softmax_backward(ye.view(), gy.view(), ge.view(), c.axis, log);
+        const std::int64_t back =
+            executions_of([&] { dnnl().softmax_backward(ye.view(), gy.view(), gd.view(), c.axis, log); });
+        if (native && !capped_to_avx2()) CHECK(back == 1);  // oneDNN 2.6 has no AVX2 jit softmax backward
+        if (back == 0)
+          CHECK(has_fallback(log ? "log_softmax backward" : "softmax backward", std::string(dtype_name(dtype))));
+        test::check_close(gd, ge, 2 * atol_of(dtype), 2 * rtol_of(dtype));
+      }
+    }
+  }
+  CHECK(has_fallback("softmax", "f32", "reference kernel"));
+}
+
+TEST_CASE("binary ops broadcast through strides and agree with Eigen") {
+  struct Case {
+    Shape a, b;
+    bool native;  // add, sub and mul expected as one oneDNN primitive
+  };
+  const std::vector<Case> cases = {
+      {{64, 300}, {64, 300}, true},     // same shape
+      {{64, 300}, {300}, true},         // a bias row
+      {{64, 300}, {64, 1}, true},       // a column
+      {{64, 300}, {}, true},            // a scalar
+      {{300}, {64, 300}, true},         // the left operand broadcasts: the sides swap
+      {{8, 16, 32}, {8, 1, 32}, true},  // a middle axis
+      {{64, 1}, {1, 300}, false},       // both broadcast: no oneDNN form
+  };
+  using Fn = Tensor (*)(const Tensor&, const Tensor&);
+  struct Op {
+    const char* name;
+    Fn fn;
+    bool arithmetic;
+  };
+  const std::vector<Op> ops = {{"add", add, true}, {"sub", sub, true}, {"mul", mul, true}, {"div", div, true},
+                               {"eq", eq, false},  {"ne", ne, false},  {"lt", lt, false},  {"le", le, false},
+                               {"gt", gt, false},  {"ge", ge, false}};
+  // Values on a coarse grid so that comparisons meet ties, plus NaN and infinities.
+  auto grid_values = [](const Shape& shape, std::uint64_t seed, DType dtype) {
+    const std::int64_t n = shape_numel(shape);
+    std::vector<double> v(static_cast<std::size_t>(n));
+    std::uint64_t state = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (auto& x : v) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      x = static_cast<double>(static_cast<std::int64_t>(state >> 60) - 8) / 4.0;
+    }
+    if (n > 3) {
+      v[1] = std::numeric_limits<double>::quiet_NaN();
+      v[2] = std::numeric_limits<double>::infinity();
+    }
+    return from_values(v, shape, Options(dtype, &eigen()));
+  };
+  std::uint64_t seed = 40;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const bool native_dtype = dtype == DType::f32 || onednn::bf16_native();
+    for (const Case& c : cases) {
+      const Tensor a = grid_values(c.a, ++seed, dtype), b = grid_values(c.b, ++seed, dtype);
+      for (const Op& op : ops) {
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(to_string(c.a));
+        CAPTURE(to_string(c.b));
+        CAPTURE(std::string(op.name));
+        const Tensor expected = op.fn(a, b);
+        Tensor got;
+        const std::int64_t runs = executions_of([&] { got = op.fn(a.to(dnnl()), b.to(dnnl())); });
+        const bool swapped_div = std::string(op.name) == "div" && c.a.size() < c.b.size();
+        check_routed(runs, op.name, dtype);
+        // Same shapes always run on oneDNN; broadcasts do in bf16, or in f32 with RUDA_ONEDNN_KERNELS=all.
+        const bool routed = c.a == c.b || dtype == DType::bf16 || onednn::all_kernels();
+        if (native_dtype && routed && c.native && op.arithmetic && !swapped_div) CHECK(runs == 1);
+        if (native_dtype && !op.arithmetic && c.a == c.b) CHECK(runs == 1);  // comparisons, gt/ge as lt/le
+        if (!c.native) CHECK(runs == 0);
+        // The same IEEE operations rounded the same way: equal up to oneDNN flushing bf16 subnormals.
+        test::check_close(got, expected, 1e-30, 0);
+      }
+    }
+  }
+  // In place: out is a (the kernel contract allows out to alias an operand exactly).
+  const Tensor a = gaussian({64, 300}, 50), b = gaussian({64, 300}, 51);
+  const Tensor expected = a + b;
+  Tensor inplace = a.clone().to(dnnl());
+  CHECK(executions_of([&] { dnnl().binary(BinaryOp::add, inplace.view(), b.view(), inplace.view()); }) == 1);
+  test::check_close(inplace, expected, 0, 0);
+  CHECK(has_fallback("add", "f32", "both operands broadcast"));
+  CHECK(has_fallback("div", "bf16", "no mirrored oneDNN form"));
+  CHECK(has_fallback("gt", "bf16", "true for NaN"));
+}
+
+TEST_CASE("sum reductions agree with Eigen") {
+  struct Case {
+    Shape shape;
+    Axes axes;
+    bool innermost;  // a fold over the innermost axis happens (the one oneDNN runs with a jit kernel)
+  };
+  const std::vector<Case> cases = {
+      {{128, 1024}, {0}, false},    // bias gradients: a leading axis
+      {{128, 1024}, {1}, true},     // the innermost axis
+      {{1 << 20}, {}, true},        // everything
+      {{8, 64, 32}, {1}, false},    // a middle axis
+      {{8, 64, 32}, {0, 2}, true},  // two separate runs, folded one after the other
+      {{16, 20, 30}, {}, true},     // everything, from several axes
+      {{1, 4099, 1}, {1}, true},    // extent-1 axes around
+      {{4, 5, 6}, {2}, false},      // small: Eigen
+  };
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (const Case& c : cases) {
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(to_string(c.shape));
+      CAPTURE(c.axes.size());
+      const Tensor x = gaussian(c.shape, 60, dtype);
+      const Tensor expected = sum(x, c.axes, true);
+      Tensor got;
+      const std::int64_t runs = executions_of([&] { got = sum(x.to(dnnl()), c.axes, true); });
+      if (runs == 0) CHECK(has_fallback("sum", std::string(dtype_name(dtype))));
+      // Innermost sums run on oneDNN in bf16 (in f32 Eigen's kernel is faster), or with
+      // RUDA_ONEDNN_KERNELS=all; other axes only have oneDNN's reference kernel.
+      const bool routed = c.innermost && (dtype == DType::bf16 || onednn::all_kernels());
+      if (routed && (dtype == DType::f32 || onednn::bf16_native())) CHECK(runs >= 1);
+      if (!c.innermost) CHECK(runs == 0);
+      // Sums of up to 2^20 normal values (magnitude ~1000) in another order.
+      test::check_close(got, expected, dtype == DType::bf16 ? 0.1 : 1e-3, dtype == DType::bf16 ? 1e-2 : 1e-5);
+    }
+  }
+  CHECK(has_fallback("sum", "f32", "innermost"));
+}
+
+TEST_CASE("small tensors stay on Eigen, visibly") {
+  const Tensor x = gaussian({100}, 85), y = gaussian({100}, 86);
+  Tensor r, s, p;
+  CHECK(executions_of([&] {
+          r = relu(x.to(dnnl()));
+          s = x.to(dnnl()) + y.to(dnnl());
+          p = matmul(x.reshape({10, 10}).to(dnnl()), y.reshape({10, 10}).to(dnnl()));
+        }) == 0);
+  test::check_close(r, relu(x), 0, 0);
+  test::check_close(s, x + y, 0, 0);
+  test::check_close(p, matmul(x.reshape({10, 10}), y.reshape({10, 10})), 0, 0);
+  CHECK(has_fallback("relu", "f32", "small tensor"));
+  CHECK(has_fallback("add", "f32", "small tensor"));
+  CHECK(has_fallback("gemm", "f32", "small tensor"));
+}
+
+TEST_CASE("fallbacks give Eigen's results and are recorded") {
+  // i64 arithmetic, f64 products, NaN-propagating maximum, where, argmax, logsumexp, pow, casts.
+  const Tensor i = randint({50, 40}, -5, 5, 70), j = randint({50, 40}, -5, 5, 71);
+  test::check_close((i.to(dnnl()) + j.to(dnnl())), i + j, 0, 0);
+  const Tensor d1 = gaussian({30, 20}, 72, DType::f64), d2 = gaussian({20, 10}, 73, DType::f64);
+  test::check_close(matmul(d1.to(dnnl()), d2.to(dnnl())), matmul(d1, d2), 0, 0);
+  const Tensor x = gaussian({100, 50}, 74), y = gaussian({100, 50}, 75);
+  const Tensor xn = x.clone();
+  xn.data<float>()[7] = std::numeric_limits<float>::quiet_NaN();
+  test::check_close(maximum(xn.to(dnnl()), y.to(dnnl())), maximum(xn, y), 0, 0);
+  test::check_close(where(gt(x, y).to(dnnl()), x.to(dnnl()), y.to(dnnl())), where(gt(x, y), x, y), 0, 0);
+  test::check_close(argmax(x.to(dnnl()), 1), argmax(x, 1), 0, 0);
+  test::check_close(logsumexp(x.to(dnnl()), {1}), logsumexp(x, {1}), 0, 0);
+  test::check_close(pow(abs(x).to(dnnl()), y.to(dnnl())), pow(abs(x), y), 0, 0);
+  test::check_close(cast(x.to(dnnl()), DType::bf16), cast(x, DType::bf16), 0, 0);
+  CHECK(has_fallback("add", "i64"));
+  CHECK(has_fallback("gemm", "f64"));
+  CHECK(has_fallback("maximum", "f32", "NaN"));
+  CHECK(has_fallback("where", "f32"));
+  CHECK(has_fallback("argmax", "f32"));
+  CHECK(has_fallback("logsumexp", "f32"));
+  CHECK(has_fallback("pow", "f32"));
+  CHECK(has_fallback("cast", "f32"));
+  // Each distinct (op, dtype, reason) is recorded once however often it happens.
+  const auto count = onednn::fallbacks().size();
+  for (int k = 0; k < 3; ++k) (void)(i.to(dnnl()) + j.to(dnnl()));
+  CHECK(onednn::fallbacks().size() == count);
+}
+
+TEST_CASE("RUDA_LOG=debug prints each fallback once") {
+  // Run with RUDA_LOG=debug by its own ctest entry, which matches the printed line.
+  const Tensor c = gt(gaussian({10}, 80), gaussian({10}, 81));
+  (void)where(c.to(dnnl()), gaussian({10}, 82).to(dnnl()), gaussian({10}, 83).to(dnnl()));
+  CHECK(has_fallback("where", "f32"));
+}
+
+namespace {
+// A small MLP step in the shape of a training loop: linear, relu, linear, log_softmax, pick the
+// labels' log-probabilities, mean, backward, SGD update.
+double mlp_step(std::vector<Tensor>& params, const Tensor& x, const Tensor& labels) {
+  Tensor& w1 = params[0];
+  Tensor& b1 = params[1];
+  Tensor& w2 = params[2];
+  Tensor& b2 = params[3];
+  const Tensor logits = linear(gelu(linear(x, w1, b1)), w2, b2);
+  const Tensor loss = -mean(take_along_axis(log_softmax(logits, 1), labels.unsqueeze(1), 1));
+  for (Tensor& p : params) p.zero_grad();
+  loss.backward();
+  autograd::NoGradGuard guard;
+  for (Tensor& p : params) p.add_(p.grad(), -0.1);
+  return loss.item();
+}
+}  // namespace
+
+TEST_CASE("after one training step no primitive is created again") {
+  Backend& b = dnnl();
+  const Tensor x = gaussian({64, 96}, 90).to(b);
+  const Tensor labels = randint({64}, 0, 10, 91);
+  std::vector<Tensor> params = {
+      (gaussian({96, 128}, 92) * 0.1).to(b).set_requires_grad(), zeros({128}, Options(DType::f32, &b, true)),
+      (gaussian({128, 10}, 93) * 0.1).to(b).set_requires_grad(), zeros({10}, Options(DType::f32, &b, true))};
+  const std::int64_t before = onednn::primitives_created();
+  const double first = mlp_step(params, x, labels);
+  const onednn::Stats warm = onednn::stats();
+  CHECK(warm.primitives_created > before);  // the step did build primitives (unless an earlier test did)
+  double last = first;
+  for (int step = 0; step < 3; ++step) last = mlp_step(params, x, labels);
+  const onednn::Stats after = onednn::stats();
+  CHECK(after.primitives_created == warm.primitives_created);
+  CHECK(after.refusals == warm.refusals);
+  CHECK(after.cache_hits > warm.cache_hits);
+  CHECK(after.executions > warm.executions);
+  INFO("loss " << first << " -> " << last);
+  CHECK(last < first);
+}
+
+TEST_CASE("the cache keeps at most its capacity and rebuilds what it evicted") {
+  const std::size_t own = onednn::cache_capacity();
+  onednn::set_cache_capacity(4);
+  CHECK(onednn::stats().cached <= 4);
+  std::vector<Tensor> inputs;
+  for (int i = 0; i < 10; ++i) inputs.push_back(gaussian({64, 64 + i}, 120 + i));
+  for (int round = 0; round < 2; ++round) {
+    for (const Tensor& x : inputs) {
+      Tensor y;
+      CHECK(executions_of([&] { y = relu(x.to(dnnl())); }) == 1);
+      CHECK(onednn::stats().cached <= 4);
+      test::check_close(y, relu(x), 0, 0);
+    }
+  }
+  onednn::set_cache_capacity(own);
+  CHECK(onednn::cache_capacity() == own);
+  CHECK_THROWS_AS(onednn::set_cache_capacity(0), ArgumentError);
+}
+
+TEST_CASE("a primitive is built per intra-op thread count") {
+  const int own = num_threads();
+  const Tensor a = gaussian({256, 256}, 95), w = gaussian({256, 256}, 96);
+  set_num_threads(1);
+  (void)matmul(a.to(dnnl()), w.to(dnnl()));
+  const std::int64_t one = onednn::primitives_created();
+  set_num_threads(2);
+  const Tensor two_threads = matmul(a.to(dnnl()), w.to(dnnl()));
+  // brgemm matmuls fix their thread partition when built: a 2-thread primitive is another one.
+  CHECK(onednn::primitives_created() == one + 1);
+  (void)matmul(a.to(dnnl()), w.to(dnnl()));
+  CHECK(onednn::primitives_created() == one + 1);
+  set_num_threads(own);
+  test::check_close(two_threads, matmul(a, w), 1e-4, 1e-4);
+}
+
+TEST_CASE("emulated ranks run oneDNN kernels with their own intra-op thread count") {
+  // The main thread multiplies with 2 threads; ranks with 1 thread each must not reuse that
+  // primitive (its 2-thread partition would put 2 x 2 threads on the cores): they build their own.
+  const int own = num_threads();
+  set_num_threads(2);
+  const Tensor a = gaussian({320, 288}, 130), w = gaussian({288, 256}, 131);
+  const Tensor expected = matmul(a.to(dnnl()), w.to(dnnl()));
+  set_num_threads(own);
+  const std::int64_t before = onednn::primitives_created();
+  std::atomic<int> failures{0}, threads_seen{0};
+  EmulatedOptions options;
+  options.threads_per_rank = 1;
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        threads_seen += num_threads();
+        const Tensor mine = matmul(a.to(dnnl()), w.to(dnnl()));
+        const auto got = mine.to_vector<float>(), want = expected.to_vector<float>();
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          if (std::abs(got[i] - want[i]) > 1e-4f * (1 + std::abs(want[i]))) {
+            failures.fetch_add(1);
+            break;
+          }
+        }
+        comm.barrier();
+      },
+      options);
+  CHECK(threads_seen.load() == 2);
+  CHECK(failures.load() == 0);
+  CHECK(onednn::primitives_created() > before);
+}
+
+TEST_CASE("threads run primitives concurrently with correct results") {
+  // Emulated ranks: several threads, each with its own intra-op thread count, share the cache and
+  // build the same primitives at the same time.
+  const Tensor a = gaussian({96, 128}, 100), w = gaussian({128, 64}, 101), bias = gaussian({64}, 102);
+  const Tensor expected_linear = linear(a, w, bias);
+  const Tensor expected_softmax = softmax(expected_linear, 1);
+  const Tensor expected_gelu = gelu(expected_linear);
+  constexpr int kThreads = 4, kIterations = 25;
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      set_num_threads(1 + t % 2);
+      Backend& b = dnnl();
+      for (int it = 0; it < kIterations; ++it) {
+        const Tensor y = linear(a.to(b), w.to(b), bias.to(b));
+        const Tensor s = softmax(y, 1);
+        const Tensor g = gelu(y);
+        const auto close = [](const Tensor& got, const Tensor& want, double tol) {
+          const auto x = got.to_vector<float>(), e = want.to_vector<float>();
+          for (std::size_t i = 0; i < x.size(); ++i) {
+            if (std::abs(x[i] - e[i]) > tol * (1 + std::abs(e[i]))) return false;
+          }
+          return true;
+        };
+        if (!close(y, expected_linear, 1e-4) || !close(s, expected_softmax, 1e-5) || !close(g, expected_gelu, 1e-4)) {
+          failures.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  CHECK(failures.load() == 0);
+}

@@ -1,0 +1,254 @@
+// oneDNN suites (run for --backend onednn only):
+//   gemm-onednn     f32 and bf16 GEMM through ruda against a oneDNN matmul primitive called
+//                   directly (created once, executed repeatedly on preallocated buffers).
+//   onednn-ranks    two emulated ranks (long-lived threads) running GEMMs at once, with
+//                   cores / ranks and with all cores as intra-op threads each, against one rank
+//                   using the whole machine: the cost of oversubscribing the cores.
+//   onednn-kernels  elementwise, softmax and reduction kernels on oneDNN against the same ops
+//                   on the Eigen backend.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ruda/ruda.h>
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "bench.h"
+
+namespace ruda::bench {
+namespace {
+
+struct Gemm {
+  std::int64_t m, k, n;
+  std::string name(DType dtype) const {
+    return std::string(dtype_name(dtype)) + " " + std::to_string(m) + "x" + std::to_string(k) + "x" +
+           std::to_string(n) + " (MxKxN)";
+  }
+  double gflop() const { return 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n) * 1e-9; }
+};
+
+// Times f and g in alternation (f, g, f, g, ...) so that a change of machine load between the
+// two does not bias their ratio; seconds per call of each, after `warmup` untimed rounds.
+template <class F, class G>
+std::pair<Stats, Stats> measure_pair(const Context& ctx, F&& f, G&& g, int warmup = 2) {
+  for (int i = 0; i < warmup; ++i) {
+    f();
+    g();
+  }
+  std::vector<double> fs, gs;
+  const int runs = ctx.quick ? 3 : ctx.repeats;
+  auto time = [](auto&& h) {
+    const auto start = std::chrono::steady_clock::now();
+    h();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (int i = 0; i < runs; ++i) {
+    fs.push_back(time(f));
+    gs.push_back(time(g));
+  }
+  auto stats = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return Stats{n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
+  };
+  return {stats(fs), stats(gs)};
+}
+
+// A oneDNN matmul C = A B on row-major buffers of one dtype, built once: the peer of ruda's matmul.
+class DirectMatmul {
+ public:
+  DirectMatmul(const Gemm& g, DType dtype, const void* a, const void* b, void* c)
+      : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
+    using dnnl::memory;
+    const auto type = dtype == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+    const memory::desc a_md({g.m, g.k}, type, memory::dims{g.k, 1}), b_md({g.k, g.n}, type, memory::dims{g.n, 1});
+    const memory::desc c_md({g.m, g.n}, type, memory::dims{g.n, 1});
+    num_threads();  // the same OpenMP team as ruda's kernels on this thread
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), engine_);
+    matmul_ = dnnl::matmul(pd);
+    a_ = memory(a_md, engine_, const_cast<void*>(a));
+    b_ = memory(b_md, engine_, const_cast<void*>(b));
+    c_ = memory(c_md, engine_, c);
+  }
+  void operator()() {
+    matmul_.execute(stream_, {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}});
+    stream_.wait();
+  }
+
+ private:
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  dnnl::matmul matmul_;
+  dnnl::memory a_, b_, c_;
+};
+
+void gemm_suite(Context& ctx) {
+  if (ctx.backend != "onednn") return;
+  std::vector<Gemm> shapes = {
+      {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}, {128, 1024, 1024}, {1024, 128, 1024}};
+  if (ctx.quick) shapes.resize(2);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (const Gemm& g : shapes) {
+      const Tensor a = randn({g.m, g.k}, 1).to(dtype), b = randn({g.k, g.n}, 2).to(dtype);
+      Tensor c;
+      Result r;
+      r.suite = "gemm-onednn";
+      r.name = g.name(dtype);
+      r.backend = ctx.backend;
+      r.unit = "GFLOP/s";
+      const auto through_ruda = [&] { c = matmul(a, b); };
+      const Tensor out = empty({g.m, g.n}, dtype);
+      std::optional<DirectMatmul> direct;
+      try {
+        direct.emplace(g, dtype, a.data_ptr(), b.data_ptr(), out.data_ptr());
+      } catch (const dnnl::error&) {
+        // No bf16 matmul on this ISA (ruda computes it in f32 there): no direct peer to compare.
+        r.peer_name = "none: oneDNN has no bf16 matmul on this ISA";
+      }
+      if (direct) {
+        const auto [ruda_time, direct_time] = measure_pair(ctx, through_ruda, *direct);
+        r.value = rate(ruda_time, g.gflop());
+        r.peer = rate(direct_time, g.gflop());
+        r.peer_name = "oneDNN matmul direct";
+      } else {
+        r.value = rate(measure(ctx, through_ruda), g.gflop());
+      }
+      ctx.report(r);
+    }
+  }
+}
+
+// Emulated ranks: long-lived threads, each with its own intra-op thread count, that run their
+// work together on every run() (the way emulated ranks run a training step).
+class RankThreads {
+ public:
+  RankThreads(int ranks, int threads_each, std::function<void(int)> work)
+      : work_(std::move(work)), start_(ranks + 1), done_(ranks + 1) {
+    for (int r = 0; r < ranks; ++r) {
+      threads_.emplace_back([this, r, threads_each] {
+        set_num_threads(threads_each);
+        for (;;) {
+          start_.arrive_and_wait();
+          if (stop_) return;
+          work_(r);
+          done_.arrive_and_wait();
+        }
+      });
+    }
+  }
+  RankThreads(const RankThreads&) = delete;
+  RankThreads& operator=(const RankThreads&) = delete;
+  ~RankThreads() {
+    stop_ = true;
+    start_.arrive_and_wait();
+    for (auto& t : threads_) t.join();
+  }
+  void run() {
+    start_.arrive_and_wait();
+    done_.arrive_and_wait();
+  }
+
+ private:
+  std::function<void(int)> work_;
+  std::barrier<> start_, done_;
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+void ranks_suite(Context& ctx) {
+  if (ctx.backend != "onednn") return;
+  // Each rank multiplies its own 512^3 matrices, as emulated ranks do with their own shards.
+  const Gemm g{512, 512, 512};
+  const int ranks = 2, per_rank = ctx.quick ? 4 : 10;
+  std::vector<Tensor> a, b;
+  for (int r = 0; r < ranks; ++r) {
+    a.push_back(randn({g.m, g.k}, 10 + r));
+    b.push_back(randn({g.k, g.n}, 20 + r));
+  }
+  const int cores = hardware_threads();
+  const double total = g.gflop() * ranks * per_rank;
+  // The reference: the same total work from one rank that has the whole machine.
+  RankThreads whole(1, cores, [&](int) {
+    for (int i = 0; i < ranks * per_rank; ++i) Tensor c = matmul(a[i % ranks], b[i % ranks]);
+  });
+  for (int threads_each : {std::max(1, cores / ranks), cores}) {
+    RankThreads split(ranks, threads_each, [&](int r) {
+      for (int i = 0; i < per_rank; ++i) Tensor c = matmul(a[r], b[r]);
+    });
+    const auto [split_time, whole_time] = measure_pair(
+        ctx, [&] { split.run(); }, [&] { whole.run(); });
+    Result r;
+    r.suite = "onednn-ranks";
+    r.name = std::to_string(ranks) + " ranks x " + std::to_string(threads_each) + " threads, f32 512^3 each";
+    r.backend = ctx.backend;
+    r.unit = "GFLOP/s";
+    r.value = rate(split_time, total);
+    r.peer = rate(whole_time, total);
+    r.peer_name = "1 rank x " + std::to_string(cores) + " threads";
+    ctx.report(r);
+  }
+}
+
+void kernels_suite(Context& ctx) {
+  if (ctx.backend != "onednn") return;
+  Backend& eigen = get_backend("eigen");
+  Backend& dnnl = get_backend("onednn");
+  const std::int64_t n = ctx.quick ? 1 << 18 : 1 << 22;
+  struct Kernel {
+    const char* name;
+    Tensor (*run)(const Tensor&, const Tensor&);
+  };
+  const std::vector<Kernel> kernels = {
+      {"relu", [](const Tensor& t, const Tensor&) { return relu(t); }},
+      {"relu forward+backward",
+       [](const Tensor& t, const Tensor& g) {
+         Tensor leaf = t.detach().set_requires_grad();
+         relu(leaf).backward(g);
+         return leaf.grad();
+       }},
+      {"gelu forward+backward",
+       [](const Tensor& t, const Tensor& g) {
+         Tensor leaf = t.detach().set_requires_grad();
+         gelu(leaf).backward(g);
+         return leaf.grad();
+       }},
+      {"gelu (erf)", [](const Tensor& t, const Tensor&) { return gelu(t); }},
+      {"tanh", [](const Tensor& t, const Tensor&) { return tanh(t); }},
+      {"exp", [](const Tensor& t, const Tensor&) { return exp(t); }},
+      {"add", [](const Tensor& t, const Tensor& u) { return t + u; }},
+      {"mul by a row", [](const Tensor& t, const Tensor& u) { return t * u.slice(0, 0, 1); }},
+      {"softmax over 1024", [](const Tensor& t, const Tensor&) { return softmax(t, 1); }},
+      {"sum over rows (bias grad)", [](const Tensor& t, const Tensor&) { return sum(t, {0}); }},
+      {"sum over columns", [](const Tensor& t, const Tensor&) { return sum(t, {1}); }},
+  };
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const Tensor x = randn({n / 1024, 1024}, 1).to(dtype), g = randn({n / 1024, 1024}, 2).to(dtype);
+    for (const Kernel& k : kernels) {
+      const Tensor xd = x.to(dnnl), gd = g.to(dnnl), xe = x.to(eigen), ge = g.to(eigen);
+      const auto [on_onednn, on_eigen] = measure_pair(
+          ctx, [&] { Tensor y = k.run(xd, gd); }, [&] { Tensor y = k.run(xe, ge); });
+      Result r;
+      r.suite = "onednn-kernels";
+      r.name = std::string(k.name) + ", " + std::to_string(n >> 20) + "M " + std::string(dtype_name(dtype));
+      r.backend = ctx.backend;
+      r.unit = "Melem/s";
+      r.value = rate(on_onednn, static_cast<double>(n) * 1e-6);
+      r.peer = rate(on_eigen, static_cast<double>(n) * 1e-6);
+      r.peer_name = "same op on the eigen backend";
+      ctx.report(r);
+    }
+  }
+}
+
+const bool registered = register_suite("gemm-onednn", gemm_suite) && register_suite("onednn-ranks", ranks_suite) &&
+                        register_suite("onednn-kernels", kernels_suite);
+
+}  // namespace
+}  // namespace ruda::bench
