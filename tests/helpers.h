@@ -7,6 +7,7 @@
 #include <vector>
 
 #include <doctest/doctest.h>
+#include <ruda/nn.h>
 #include <ruda/ruda.h>
 
 namespace ruda::test {

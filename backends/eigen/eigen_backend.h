@@ -26,6 +26,10 @@ class EigenBackend : public Backend {
   void take_along_rows(const View& x, const View& index, const View& out) override;
   void put_add_along_rows(const View& src, const View& index, const View& x) override;
   void adam_update(const AdamDesc& desc) override;
+  void layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y, const View& mean,
+                  const View& rstd) override;
+  void layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd, const View& gy,
+                           const View& gx, const View& gweight, const View& gbias) override;
 };
 
 }  // namespace ruda

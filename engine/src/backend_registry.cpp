@@ -126,9 +126,11 @@ int hardware_threads() {
 
 namespace {
 int default_threads() {
-  if (const char* env = std::getenv("RUDA_NUM_THREADS"); env && *env) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
+  for (const char* name : {"RUDA_NUM_THREADS", "OMP_NUM_THREADS"}) {
+    if (const char* env = std::getenv(name); env && *env) {
+      const int n = std::atoi(env);
+      if (n > 0) return n;
+    }
   }
   return hardware_threads();
 }

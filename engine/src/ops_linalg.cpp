@@ -104,15 +104,16 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightLayout layout) {
   detail::require_float("linear", x);
   detail::require_float("linear", weight);
   detail::require_same_dtype("linear", x, weight);
-  if (weight.ndim() != 2 || x.ndim() < 1 || x.shape().back() != weight.shape()[0]) {
+  const bool out_in = layout == WeightLayout::out_in;
+  if (weight.ndim() != 2 || x.ndim() < 1 || x.shape().back() != weight.shape()[out_in ? 1 : 0]) {
     fail<ShapeError>("linear", "input features differ: x ", x.shape(), " @ weight ", weight.shape(),
-                     " (weight is [in, out])");
+                     out_in ? " (weight is [out, in])" : " (weight is [in, out])");
   }
-  const std::int64_t in = weight.shape()[0], out_features = weight.shape()[1];
+  const std::int64_t in = weight.shape()[out_in ? 1 : 0], out_features = weight.shape()[out_in ? 0 : 1];
   if (bias.defined()) {
     detail::require_same_dtype("linear", x, bias);
     if (bias.shape() != Shape{out_features}) {
@@ -127,10 +128,11 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (out.numel()) {
     if (in == 0) {
       x.backend().fill(detail::view_of(out), 0.0);
-      if (bias.defined()) out = out + bias;
+      if (bias.defined()) out.add_(bias.detach());
     } else {
       GemmDesc d;
       d.a_dtype = d.b_dtype = d.c_dtype = x.dtype();
+      d.trans_b = out_in;
       d.m = rows;
       d.n = out_features;
       d.k = in;
@@ -144,11 +146,14 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (autograd::needs_grad(x, weight, bias)) {
     const bool gx = x.requires_grad(), gw = weight.requires_grad();
     autograd::record("linear", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor()},
-                     [x_shape = x.shape(), in, out_features](const Tensor& g, const Saved& s, GradMask need) {
+                     [x_shape = x.shape(), in, out_features, out_in](const Tensor& g, const Saved& s, GradMask need) {
                        const Tensor g2 = reshape(g, {-1, out_features});
                        Tensor grad_x, grad_w, grad_b;
-                       if (need[0]) grad_x = reshape(product("linear", g2, false, s[1].get(), true), x_shape);
-                       if (need[1]) grad_w = product("linear", reshape(s[0].get(), {-1, in}), true, g2, false);
+                       if (need[0]) grad_x = reshape(product("linear", g2, false, s[1].get(), !out_in), x_shape);
+                       if (need[1]) {
+                         const Tensor x2 = reshape(s[0].get(), {-1, in});
+                         grad_w = out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
+                       }
                        if (need[2]) grad_b = sum(g2, {0});
                        return std::vector<Tensor>{grad_x, grad_w, grad_b};
                      });

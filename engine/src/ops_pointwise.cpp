@@ -138,6 +138,13 @@ Tensor le(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::le
 Tensor gt(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::gt, "gt", a, b); }
 Tensor ge(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::ge, "ge", a, b); }
 
+Tensor eq(const Tensor& a, double b) { return eq(a, scalar_like(b, a)); }
+Tensor ne(const Tensor& a, double b) { return ne(a, scalar_like(b, a)); }
+Tensor lt(const Tensor& a, double b) { return lt(a, scalar_like(b, a)); }
+Tensor le(const Tensor& a, double b) { return le(a, scalar_like(b, a)); }
+Tensor gt(const Tensor& a, double b) { return gt(a, scalar_like(b, a)); }
+Tensor ge(const Tensor& a, double b) { return ge(a, scalar_like(b, a)); }
+
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::require_defined("where", cond);
   detail::require_defined("where", a);

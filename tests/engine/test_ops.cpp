@@ -116,6 +116,9 @@ TEST_CASE("comparisons and where") {
   CHECK_CLOSE(gt(a, b), {0, 0, 1, 1}, {2, 2});
   CHECK_CLOSE(ge(a, b), {0, 1, 1, 1}, {2, 2});
   CHECK(gt(a, b).dtype() == DType::boolean);
+  CHECK_CLOSE(gt(a, 2.0), {0, 0, 1, 1}, {2, 2});
+  CHECK_CLOSE(le(a, 2.0), {1, 1, 0, 0}, {2, 2});
+  CHECK_CLOSE(eq(values({3, 7}, {2}, DType::i64), 7.0), {0, 1}, {2});
   CHECK_CLOSE(where(gt(a, b), a, zeros({1})), {0, 0, 3, 4}, {2, 2});
   CHECK_CLOSE(where(values({1, 0}, {2, 1}, DType::boolean), a, -a), {1, 2, -3, -4}, {2, 2});
   CHECK_CLOSE(clamp(a, 1.5, 3.5), {1.5, 2, 3, 3.5}, {2, 2});
@@ -256,6 +259,7 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
   const Tensor x = randn({2, 5, 7}, 1), w = randn({7, 3}, 2), b = randn({3}, 3);
   CHECK_CLOSE(linear(x, w, b), matmul(x, w) + b, 1e-5, 1e-5);
   CHECK_CLOSE(linear(x, w), matmul(x, w), 1e-5, 1e-5);
+  CHECK_CLOSE(linear(x, transpose(w, 0, 1), b, WeightLayout::out_in), matmul(x, w) + b, 1e-5, 1e-5);
   CHECK_CLOSE(linear(x.to(DType::bf16), w.to(DType::bf16), b.to(DType::bf16)).to(DType::f32), matmul(x, w) + b, 0.1, 0.05);
 }
 
@@ -278,6 +282,19 @@ TEST_CASE("embedding, take_along_axis, softmax") {
   }
   // Large logits do not overflow.
   CHECK_CLOSE(softmax(values({1000, 1000}, {2})), {0.5, 0.5}, {2});
+}
+
+TEST_CASE("layer_norm equals its composite definition, every float dtype") {
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = randn({3, 4, 16}, 1, 0, d) * 3.0 + 1.0, w = randn({16}, 2, 0, d), b = randn({16}, 3, 0, d);
+    const Tensor xf = x.to(DType::f64);
+    const Tensor c = xf - mean(xf, {-1}, true);
+    const Tensor ref = c * rsqrt(mean(square(c), {-1}, true) + 1e-5) * w.to(DType::f64) + b.to(DType::f64);
+    const double t = tol(d) * 30;
+    CHECK_CLOSE(layer_norm(x, w, b).to(DType::f64), ref, t, t);
+  }
+  CHECK_CLOSE(layer_norm(values({1, 2, 3}, {3}), Tensor(), Tensor(), 0), {-std::sqrt(1.5), 0, std::sqrt(1.5)}, {3}, 1e-6, 1e-6);
 }
 
 TEST_CASE("dropout keeps the expected fraction, scaled, reproducibly") {

@@ -120,6 +120,14 @@ class Backend {
   /// x[r, index[r, j]] += src[r, j].
   virtual void put_add_along_rows(const View& src, const View& index, const View& x) = 0;
   virtual void adam_update(const AdamDesc& desc) = 0;
+  /// Normalizes each row of x [rows, n]: y = (x - mean) * rstd (* weight + bias, when given: [n],
+  /// or views with null data), rstd = 1 / sqrt(var + eps). Writes mean and rstd [rows] (f32, or
+  /// f64 for f64 x) for the backward. Statistics accumulate in f32 at least.
+  virtual void layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
+                          const View& mean, const View& rstd) = 0;
+  /// gx from gy; gweight and gbias (sums over rows; null data when not wanted).
+  virtual void layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd,
+                                   const View& gy, const View& gx, const View& gweight, const View& gbias) = 0;
 };
 
 /// Makes a backend selectable by name. The factory runs once, on first use.
@@ -132,7 +140,8 @@ std::vector<std::string> available_backends();
 Backend& default_backend();
 void set_default_backend(std::string_view name);
 
-/// Intra-op threads for kernels started from the calling thread ($RUDA_NUM_THREADS, else the cores).
+/// Intra-op threads for kernels started from the calling thread ($RUDA_NUM_THREADS, else
+/// $OMP_NUM_THREADS, else the cores).
 void set_num_threads(int threads);
 int num_threads();
 /// The number of hardware threads of this machine.

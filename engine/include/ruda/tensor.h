@@ -183,6 +183,13 @@ Tensor lt(const Tensor& a, const Tensor& b);
 Tensor le(const Tensor& a, const Tensor& b);
 Tensor gt(const Tensor& a, const Tensor& b);
 Tensor ge(const Tensor& a, const Tensor& b);
+/// Comparisons with a number (converted to a's dtype).
+Tensor eq(const Tensor& a, double b);
+Tensor ne(const Tensor& a, double b);
+Tensor lt(const Tensor& a, double b);
+Tensor le(const Tensor& a, double b);
+Tensor gt(const Tensor& a, double b);
+Tensor ge(const Tensor& a, double b);
 /// cond (bool) ? a : b, all three broadcast together.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
 Tensor clamp(const Tensor& x, double low, double high);
@@ -257,8 +264,11 @@ Tensor expand(const Tensor& x, const Shape& shape);
 // --- linear algebra ---
 /// Matrix product of the last two axes; leading (batch) axes broadcast. Both at least 2-D.
 Tensor matmul(const Tensor& a, const Tensor& b);
-/// x @ weight + bias over any leading axes of x; weight is [in, out], bias [out] or undefined.
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+/// How linear reads its weight: [in, out] (ruda's layout) or [out, in] (PyTorch's, and a tied
+/// embedding table used as an output head), without copying.
+enum class WeightLayout { in_out, out_in };
+/// x @ weight + bias over any leading axes of x; bias is [out] or undefined.
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {}, WeightLayout layout = WeightLayout::in_out);
 
 // --- neural-network primitives ---
 /// Rows of table [V, F] picked by i64 indices of any shape: result shape indices.shape + [F].
@@ -267,6 +277,9 @@ Tensor embedding(const Tensor& table, const Tensor& indices);
 /// out[..., j] = x[..., index[..., j]] along `axis` (index is i64, x's shape but for that axis).
 Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis);
 Tensor softmax(const Tensor& x, std::int64_t axis = -1);
+/// Normalization over the last axis: (x - mean) / sqrt(var + eps) * weight + bias, one fused
+/// kernel forward and backward. weight and bias ([features], x's dtype) may be undefined.
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);
 Tensor log_softmax(const Tensor& x, std::int64_t axis = -1);
 
 }  // namespace ruda

@@ -1,0 +1,115 @@
+// Layer normalization over the last axis, fused: one pass for statistics and output, one for the
+// input gradient, and a column pass for the affine parameters' gradients.
+#include <cmath>
+#include <vector>
+
+#include "eigen_backend.h"
+#include "kernel_util.h"
+
+namespace ruda {
+
+using namespace kernels;
+
+namespace {
+template <class T>
+using Stat = std::conditional_t<std::is_same_v<T, double>, double, float>;
+}
+
+void EigenBackend::layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
+                              const View& mean, const View& rstd) {
+  const std::int64_t n = x.shape[x.ndim - 1], rows = x.numel() / n;
+  dispatch_float(x.dtype, "layer_norm", [&](auto tag) {
+    using T = decltype(tag);
+    using S = Stat<T>;
+    const T* xp = x.ptr<const T>();
+    const T* w = weight.data ? weight.ptr<const T>() : nullptr;
+    const T* b = bias.data ? bias.ptr<const T>() : nullptr;
+    T* yp = y.ptr<T>();
+    S* mp = mean.ptr<S>();
+    S* rp = rstd.ptr<S>();
+    parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const T* row = xp + r * n;
+        // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
+        S sum = 0;
+        for (std::int64_t j = 0; j < n; ++j) sum += static_cast<S>(Num<T>::load(row[j]));
+        const S mu = sum / static_cast<S>(n);
+        S sq = 0;
+        for (std::int64_t j = 0; j < n; ++j) {
+          const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
+          sq += d * d;
+        }
+        const S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
+        mp[r] = mu;
+        rp[r] = rs;
+        T* out = yp + r * n;
+        for (std::int64_t j = 0; j < n; ++j) {
+          S v = (static_cast<S>(Num<T>::load(row[j])) - mu) * rs;
+          if (w) v = v * static_cast<S>(Num<T>::load(w[j])) + (b ? static_cast<S>(Num<T>::load(b[j])) : S(0));
+          out[j] = Num<T>::store(static_cast<compute_t<T>>(v));
+        }
+      }
+    });
+  });
+}
+
+void EigenBackend::layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd,
+                                       const View& gy, const View& gx, const View& gweight, const View& gbias) {
+  const std::int64_t n = x.shape[x.ndim - 1], rows = x.numel() / n;
+  dispatch_float(x.dtype, "layer_norm backward", [&](auto tag) {
+    using T = decltype(tag);
+    using S = Stat<T>;
+    const T* xp = x.ptr<const T>();
+    const T* w = weight.data ? weight.ptr<const T>() : nullptr;
+    const T* g = gy.ptr<const T>();
+    const S* mp = mean.ptr<const S>();
+    const S* rp = rstd.ptr<const S>();
+    if (gx.data) {
+      T* out = gx.ptr<T>();
+      // gx = rstd * (g' - mean(g') - xhat * mean(g' * xhat)), with g' = gy * weight.
+      parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
+        std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const T* xr = xp + r * n;
+          const T* gr = g + r * n;
+          S sum_g = 0, sum_gx = 0;
+          for (std::int64_t j = 0; j < n; ++j) {
+            xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
+            gw[j] = static_cast<S>(Num<T>::load(gr[j])) * (w ? static_cast<S>(Num<T>::load(w[j])) : S(1));
+            sum_g += gw[j];
+            sum_gx += gw[j] * xhat[j];
+          }
+          const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
+          T* o = out + r * n;
+          for (std::int64_t j = 0; j < n; ++j) {
+            o[j] = Num<T>::store(static_cast<compute_t<T>>(rp[r] * (gw[j] - mean_g - xhat[j] * mean_gx)));
+          }
+        }
+      });
+    }
+    if (gweight.data || gbias.data) {
+      // Sums over rows, threads splitting the columns: the order of additions is fixed.
+      T* gwp = gweight.data ? gweight.ptr<T>() : nullptr;
+      T* gbp = gbias.data ? gbias.ptr<T>() : nullptr;
+      parallel_for(n, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
+                   [&](std::int64_t j0, std::int64_t j1) {
+                     std::vector<S> acc_w(static_cast<std::size_t>(j1 - j0)), acc_b(static_cast<std::size_t>(j1 - j0));
+                     for (std::int64_t r = 0; r < rows; ++r) {
+                       const T* xr = xp + r * n;
+                       const T* gr = g + r * n;
+                       for (std::int64_t j = j0; j < j1; ++j) {
+                         const S gv = static_cast<S>(Num<T>::load(gr[j]));
+                         acc_w[j - j0] += gv * (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
+                         acc_b[j - j0] += gv;
+                       }
+                     }
+                     for (std::int64_t j = j0; j < j1; ++j) {
+                       if (gwp) gwp[j] = Num<T>::store(static_cast<compute_t<T>>(acc_w[j - j0]));
+                       if (gbp) gbp[j] = Num<T>::store(static_cast<compute_t<T>>(acc_b[j - j0]));
+                     }
+                   });
+    }
+  });
+}
+
+}  // namespace ruda

@@ -1,0 +1,62 @@
+// Normalization ops with fused kernels.
+#include "internal.h"
+
+namespace ruda {
+
+using autograd::GradMask;
+using autograd::Saved;
+using detail::make_tensor;
+using detail::view_of;
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps) {
+  detail::require_float("layer_norm", x);
+  if (x.ndim() < 1) fail<ShapeError>("layer_norm", "needs at least one dimension, got a scalar");
+  const std::int64_t features = x.shape().back();
+  for (const Tensor* p : {&weight, &bias}) {
+    if (!p->defined()) continue;
+    detail::require_same_dtype("layer_norm", x, *p);
+    if (p->shape() != Shape{features}) {
+      fail<ShapeError>("layer_norm", "affine parameter ", p->shape(), " does not match ", x.shape(), " (expected [",
+                       features, "])");
+    }
+  }
+  if (weight.defined() != bias.defined()) fail<ArgumentError>("layer_norm", "give both weight and bias, or neither");
+  if (!(eps >= 0)) fail<ArgumentError>("layer_norm", "eps must be non-negative, got ", eps);
+  const std::int64_t rows = features == 0 ? 0 : x.numel() / features;
+  const DType stat = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
+  Tensor mean = make_tensor({rows}, stat, x.backend()), rstd = make_tensor({rows}, stat, x.backend());
+  View none;
+  none.dtype = x.dtype();
+  if (out.numel()) {
+    x.backend().layer_norm(view_of(x), weight.defined() ? view_of(weight) : none, bias.defined() ? view_of(bias) : none, eps,
+                           view_of(out), view_of(mean), view_of(rstd));
+  }
+  if (autograd::needs_grad(x, weight, bias)) {
+    autograd::record("layer_norm", out, {x, weight, bias}, {x, weight, mean, rstd},
+                     [](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor xv = s[0].get(), wv = s[1].get();
+                       View none;
+                       none.dtype = g.dtype();
+                       Tensor gx, gw, gb;
+                       if (need[0]) gx = make_tensor(g.shape(), g.dtype(), g.backend());
+                       if (need[1]) gw = make_tensor(wv.shape(), g.dtype(), g.backend());
+                       if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend());
+                       if (g.numel()) {
+                         g.backend().layer_norm_backward(view_of(xv), wv.defined() ? view_of(wv) : none,
+                                                         view_of(s[2].get()), view_of(s[3].get()), view_of(g),
+                                                         gx.defined() ? view_of(gx) : none,
+                                                         gw.defined() ? view_of(gw) : none,
+                                                         gb.defined() ? view_of(gb) : none);
+                       } else {
+                         for (Tensor* t : {&gw, &gb}) {
+                           if (t->defined()) t->fill_(0);
+                         }
+                       }
+                       return std::vector<Tensor>{gx, gw, gb};
+                     });
+  }
+  return out;
+}
+
+}  // namespace ruda
