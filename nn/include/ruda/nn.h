@@ -1,0 +1,14 @@
+// Everything of ruda's nn library: modules, layers, losses, optimizers, sharding.
+#pragma once
+
+#include <ruda/collectives.h>
+#include <ruda/nn/checkpoint.h>
+#include <ruda/nn/data.h>
+#include <ruda/nn/init.h>
+#include <ruda/nn/layers.h>
+#include <ruda/nn/losses.h>
+#include <ruda/nn/module.h>
+#include <ruda/nn/optim.h>
+#include <ruda/nn/safetensors.h>
+#include <ruda/nn/sharded.h>
+#include <ruda/ruda.h>

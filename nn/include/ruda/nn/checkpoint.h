@@ -1,0 +1,82 @@
+// Sharded checkpoints of a module and its optimizer.
+//
+// Layout of a checkpoint directory (dir/step-00001234/):
+//   rank-00000-of-00004.safetensors ... one file per rank: its unpadded slices of every parameter
+//       ("model/<name>") and of its optimizer state ("optim/<name>/<state>"), dtypes kept;
+//   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
+//       which element range of each parameter, the optimizer's scalar state (steps, lr), and the
+//       caller's extra state (step, RNG, data position, model description).
+// Writes are atomic and ordered: every rank writes its file (temporary file, flush, rename), all
+// ranks agree that every file is complete, rank 0 writes index.json the same way, and then points
+// dir/latest at the new directory. Killed at any moment, the previous checkpoint stays loadable.
+//
+// Loading reads only the bytes each rank needs: with the same world size its own file's slices;
+// with another world size the element ranges of the new slice from whichever files hold them
+// (resharding), never a full tensor per rank.
+#pragma once
+
+#include <map>
+#include <string>
+
+#include <ruda/collectives.h>
+#include <ruda/nn/module.h>
+#include <ruda/nn/optim.h>
+
+namespace ruda::nn {
+
+struct CheckpointInfo {
+  std::string directory;  // the step directory that was written or read
+  std::int64_t step = 0;
+  int world_size = 0;     // the world size it was saved with
+  std::map<std::string, std::string> extra;
+  std::uint64_t bytes_read = 0;  // by load_checkpoint on this rank: headers and the ranges it needed
+};
+
+/// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
+/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm.
+CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
+                               Communicator& comm, const std::map<std::string, std::string>& extra = {},
+                               int keep = 2);
+
+/// Loads a checkpoint into `module` (sharded at comm's world size, or dense) and `optimizer` (may
+/// be null). `path` is a step directory or a checkpoint directory (its latest complete step).
+/// Parameters are matched by name; a missing name, a shape or dtype mismatch, a missing or
+/// corrupt file raise IOError naming what is wrong. Collective over comm only in that every
+/// rank must call it.
+CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm);
+
+/// The step directory `path` designates (itself, or the latest complete step under it); IOError if none.
+std::string resolve_checkpoint(const std::string& path);
+
+struct CheckpointEntry {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  std::uint64_t id = 0;
+  bool sharded = false;
+  std::vector<std::string> optimizer_state;  // names of the per-parameter optimizer tensors
+};
+
+/// What a checkpoint holds, from its index (no tensor data is read).
+struct CheckpointSummary {
+  CheckpointInfo info;
+  std::vector<CheckpointEntry> params;
+  std::int64_t optimizer_steps = -1;  // -1 without optimizer state
+  std::vector<std::string> files;
+};
+CheckpointSummary describe_checkpoint(const std::string& path);
+
+/// Opens every file, validates its header against the index, and reads every byte of every
+/// piece; returns the bytes checked. IOError on the first problem.
+std::uint64_t verify_checkpoint(const std::string& path);
+
+/// Writes one full safetensors file with every parameter at its logical shape (names without
+/// prefix, the checkpoint's extra state as metadata): for other tools, or to change layouts.
+void consolidate_checkpoint(const std::string& path, const std::string& output_file);
+
+/// Cuts a full safetensors file (a consolidated checkpoint, or any file of float tensors) into a
+/// sharded checkpoint for `world_size` ranks at out_dir/step-<step>, without optimizer state.
+CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
+                                std::int64_t step = 0);
+
+}  // namespace ruda::nn

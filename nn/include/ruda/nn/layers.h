@@ -1,0 +1,166 @@
+// Layers: Linear, Embedding, LayerNorm, RMSNorm, Dropout, activations, and the parts of a small
+// GPT-style transformer (causal self-attention, MLP, block). Every layer computes with
+// Param::value(), so it works unchanged when its parameters are sharded (fully_shard).
+#pragma once
+
+#include <memory>
+
+#include <ruda/nn/init.h>
+#include <ruda/nn/module.h>
+#include <ruda/random.h>
+
+namespace ruda::nn {
+
+struct LinearOptions {
+  bool bias = true;
+  DType dtype = DType::f32;
+};
+
+/// y = x @ weight + bias over any leading axes; weight is [in, out] (not PyTorch's [out, in]).
+class Linear : public UnaryModule {
+ public:
+  Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
+  Tensor forward(const Tensor& x) override;
+  std::int64_t in_features() const noexcept { return in_; }
+  std::int64_t out_features() const noexcept { return out_; }
+  Param weight, bias;  // bias undefined when disabled
+
+ private:
+  std::int64_t in_, out_;
+};
+
+struct EmbeddingOptions {
+  double std = 1.0;  // weights ~ N(0, std^2)
+  DType dtype = DType::f32;
+};
+
+/// Rows of a [vocabulary, features] table by i64 indices of any shape.
+class Embedding : public UnaryModule {
+ public:
+  Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOptions options = {});
+  Tensor forward(const Tensor& indices) override;
+  Param weight;
+};
+
+/// Normalizes over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
+class LayerNorm : public UnaryModule {
+ public:
+  explicit LayerNorm(std::int64_t features, double eps = 1e-5, bool affine = true);
+  Tensor forward(const Tensor& x) override;
+  Param weight, bias;
+
+ private:
+  double eps_;
+};
+
+/// x / sqrt(mean(x^2) + eps) * weight over the last axis.
+class RMSNorm : public UnaryModule {
+ public:
+  explicit RMSNorm(std::int64_t features, double eps = 1e-6);
+  Tensor forward(const Tensor& x) override;
+  Param weight;
+
+ private:
+  double eps_;
+};
+
+/// Zeroes elements with probability p in training mode (scaling the rest by 1/(1-p)); identity in
+/// eval mode. Its draws come from its own counter-based stream, which checkpoints can save.
+class Dropout : public UnaryModule {
+ public:
+  explicit Dropout(double p, std::uint64_t seed = next_seed());
+  Tensor forward(const Tensor& x) override;
+  Generator& generator() noexcept { return generator_; }
+
+ private:
+  double p_;
+  Generator generator_;
+};
+
+class ReLU : public UnaryModule {
+ public:
+  Tensor forward(const Tensor& x) override;
+};
+class GELU : public UnaryModule {
+ public:
+  explicit GELU(GeluApproximation approximation = GeluApproximation::erf) : approximation_(approximation) {}
+  Tensor forward(const Tensor& x) override;
+
+ private:
+  GeluApproximation approximation_;
+};
+class SiLU : public UnaryModule {
+ public:
+  Tensor forward(const Tensor& x) override;
+};
+class Tanh : public UnaryModule {
+ public:
+  Tensor forward(const Tensor& x) override;
+};
+class Sigmoid : public UnaryModule {
+ public:
+  Tensor forward(const Tensor& x) override;
+};
+
+/// Multi-head self-attention with a causal mask over x [batch, time, d_model].
+class CausalSelfAttention : public UnaryModule {
+ public:
+  CausalSelfAttention(std::int64_t d_model, std::int64_t heads, double dropout = 0.0);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<Linear> qkv, proj;
+
+ private:
+  std::int64_t d_model_, heads_;
+  std::shared_ptr<Dropout> attn_dropout_, resid_dropout_;
+};
+
+/// Linear(d, hidden) -> GELU -> Linear(hidden, d).
+class MLP : public UnaryModule {
+ public:
+  MLP(std::int64_t d_model, std::int64_t hidden, double dropout = 0.0);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<Linear> fc1, fc2;
+
+ private:
+  std::shared_ptr<Dropout> dropout_;
+};
+
+/// Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+class TransformerBlock : public UnaryModule {
+ public:
+  TransformerBlock(std::int64_t d_model, std::int64_t heads, std::int64_t mlp_hidden, double dropout = 0.0);
+  Tensor forward(const Tensor& x) override;
+  std::shared_ptr<LayerNorm> ln1, ln2;
+  std::shared_ptr<CausalSelfAttention> attn;
+  std::shared_ptr<MLP> mlp;
+};
+
+struct GPTConfig {
+  std::int64_t vocabulary = 256;
+  std::int64_t context = 128;
+  std::int64_t d_model = 256;
+  std::int64_t layers = 4;
+  std::int64_t heads = 4;
+  double dropout = 0.0;
+  /// The output head reuses the token embedding ([vocabulary, d] used as [d, vocabulary]^T).
+  bool tied_head = true;
+};
+
+/// A GPT-style language model: token + position embeddings, transformer blocks, a final
+/// LayerNorm, and an output head (tied to the token embedding or its own Linear).
+/// forward: i64 tokens [batch, time] -> logits [batch, time, vocabulary].
+class GPT : public UnaryModule {
+ public:
+  explicit GPT(const GPTConfig& config);
+  Tensor forward(const Tensor& tokens) override;
+  const GPTConfig& config() const noexcept { return config_; }
+  std::shared_ptr<Embedding> token_embedding, position_embedding;
+  std::vector<std::shared_ptr<TransformerBlock>> blocks;
+  std::shared_ptr<LayerNorm> final_norm;
+  std::shared_ptr<Linear> head;  // null when tied
+
+ private:
+  GPTConfig config_;
+};
+
+}  // namespace ruda::nn

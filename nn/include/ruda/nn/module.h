@@ -1,0 +1,119 @@
+// Modules and parameters.
+//
+// A Param is a shared handle to one trainable tensor with a stable ParamId: copying the handle
+// ties weights (one id, one storage, one gradient). A Module exposes its parameters by dotted name
+// ("blocks.2.mlp.fc1.weight"), recursively; a parameter reachable twice is listed once, under the
+// first name. A parameter may be sharded (<ruda/nn/sharded.h>): then its data is this rank's 1-D
+// slice and value() gathers the full tensor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ruda/tensor.h>
+
+namespace ruda::nn {
+
+using ParamId = std::uint64_t;
+
+struct ShardInfo;  // <ruda/nn/sharded.h>
+
+class Param {
+ public:
+  Param() = default;
+  /// A new parameter (a new id) holding `value` as a leaf that requires grad (floats only).
+  explicit Param(const Tensor& value);
+  /// A parameter with a given id: how a checkpoint or a shard keeps an identity.
+  Param(const Tensor& value, ParamId id);
+
+  bool defined() const noexcept { return state_ != nullptr; }
+  ParamId id() const;
+  /// The stored leaf: the full tensor, or this rank's local slice when sharded. Optimizers update it in place.
+  Tensor& data() const;
+  Tensor grad() const;
+  void zero_grad() const;
+  /// The full logical value to compute with (differentiable): the leaf itself, or the gathered
+  /// tensor when sharded (through the bound communicator and the shard policy).
+  Tensor value() const;
+  /// The logical shape (of the full tensor even when sharded).
+  const Shape& shape() const;
+  bool is_sharded() const;
+  /// Sharding metadata, or null for a dense parameter.
+  const std::shared_ptr<ShardInfo>& shard() const;
+  void set_shard(std::shared_ptr<ShardInfo> info) const;
+  /// Replaces the stored leaf (same id), e.g. with a local slice or a loaded value.
+  void set_data(const Tensor& value) const;
+  /// Whether two handles are the same parameter.
+  bool same(const Param& other) const noexcept { return state_ == other.state_; }
+
+  struct State;
+
+ private:
+  friend class ShardedParameter;
+  explicit Param(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
+/// A fresh process-unique parameter id.
+ParamId next_param_id();
+
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// Parameters by dotted name, depth first in registration order; each parameter once.
+  std::vector<std::pair<std::string, Param>> named_parameters() const;
+  std::vector<Param> parameters() const;
+  /// Submodules by dotted name (this module first, as "").
+  std::vector<std::pair<std::string, Module*>> named_modules();
+  /// Training mode (dropout active) for this module and its children.
+  void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const noexcept { return training_; }
+  void zero_grad() const;
+  /// Total elements of the logical parameters (each tied parameter once).
+  std::int64_t parameter_count() const;
+
+ protected:
+  /// Registers a Param member under `name`. The member is read at traversal time, so assigning
+  /// another Param to it later (tying) is seen.
+  void register_parameter(std::string name, Param* param);
+  /// Registers a child module under `name`.
+  void register_module(std::string name, std::shared_ptr<Module> child);
+
+ private:
+  void collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out,
+               std::vector<const void*>& seen) const;
+  std::vector<std::pair<std::string, Param*>> params_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+/// A module mapping one tensor to one tensor: what Sequential chains.
+class UnaryModule : public Module {
+ public:
+  virtual Tensor forward(const Tensor& input) = 0;
+  Tensor operator()(const Tensor& input) { return forward(input); }
+};
+
+class Sequential : public UnaryModule {
+ public:
+  Sequential() = default;
+  explicit Sequential(std::vector<std::shared_ptr<UnaryModule>> layers);
+  /// Appends a layer, registered as its index ("0", "1", ...).
+  void push_back(std::shared_ptr<UnaryModule> layer);
+  Tensor forward(const Tensor& input) override;
+  std::size_t size() const noexcept { return layers_.size(); }
+  const std::shared_ptr<UnaryModule>& operator[](std::size_t i) const { return layers_.at(i); }
+
+ private:
+  std::vector<std::shared_ptr<UnaryModule>> layers_;
+};
+
+}  // namespace ruda::nn

@@ -1,0 +1,85 @@
+// The safetensors format: 8-byte little-endian header length, a JSON header, raw little-endian
+// data. Readable by the wider ecosystem. The reader validates the whole header before anything
+// is read and never reads outside the file, whatever the header claims.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ruda/tensor.h>
+
+namespace ruda::safetensors {
+
+/// The format's dtype names: F32, F64, F16, BF16, I64, BOOL.
+const char* format_dtype(DType dtype);
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;
+  std::uint64_t begin = 0, end = 0;  // absolute byte offsets in the file
+  std::int64_t numel() const { return shape_numel(shape); }
+};
+
+class Reader {
+ public:
+  /// Opens and validates a file; throws IOError naming the file and the problem (missing,
+  /// truncated, header too large or not JSON, unknown dtype, offsets outside the file or not
+  /// matching the shape, overlapping tensors).
+  explicit Reader(const std::string& path);
+  ~Reader();
+  Reader(const Reader&) = delete;
+  Reader& operator=(const Reader&) = delete;
+
+  const std::string& path() const noexcept { return path_; }
+  const std::vector<TensorInfo>& tensors() const noexcept { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const noexcept { return metadata_; }
+  bool contains(const std::string& name) const;
+  /// IOError if absent.
+  const TensorInfo& info(const std::string& name) const;
+  /// A whole tensor.
+  Tensor read(const std::string& name) const;
+  /// Elements [first, first + count) of the flattened tensor, as a 1-D tensor: only those bytes are read.
+  Tensor read_range(const std::string& name, std::int64_t first, std::int64_t count) const;
+  /// The same into caller memory (count elements of the tensor's dtype).
+  void read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const;
+  /// Bytes read from the file so far (header included), for tests that check partial reads.
+  std::uint64_t bytes_read() const noexcept { return bytes_read_; }
+
+ private:
+  void read_bytes(std::uint64_t offset, std::uint64_t size, void* destination) const;
+  std::string path_;
+  int fd_ = -1;
+  std::uint64_t file_size_ = 0;
+  std::vector<TensorInfo> tensors_;
+  std::map<std::string, std::size_t> index_;
+  std::map<std::string, std::string> metadata_;
+  mutable std::uint64_t bytes_read_ = 0;
+};
+
+/// Validates a header and its tensors against a file of `file_size` bytes: the reader's parser,
+/// exposed for fuzzing. Throws IOError on anything malformed.
+void parse_header(const std::string& header, std::uint64_t file_size, std::vector<TensorInfo>& tensors,
+                  std::map<std::string, std::string>& metadata);
+
+/// Writes tensors (contiguous; any dtype) and string metadata. Atomic: the data goes to a
+/// temporary file beside `path`, is flushed to disk, and then renamed over `path`, so `path`
+/// always holds either the old complete file or the new complete file.
+void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+           const std::map<std::string, std::string>& metadata = {});
+
+/// Writes a text file atomically (temporary file, flush, rename), as write() does.
+void write_text_atomically(const std::string& path, const std::string& text);
+
+namespace testing {
+/// Crash simulation for tests: when RUDA_TEST_CRASH_AFTER_BYTES=N is set in the environment, a
+/// write() that has written N bytes of its temporary file ends the process at once (_exit(86)),
+/// as a kill would. Returns N, or -1 when unset.
+std::int64_t crash_after_bytes();
+}  // namespace testing
+
+}  // namespace ruda::safetensors

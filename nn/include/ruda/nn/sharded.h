@@ -1,0 +1,147 @@
+// Fully sharded parameters (ZeRO-3 / FSDP): every rank holds 1/N of each parameter, its gradient
+// and its optimizer state, and gathers a layer's full weights only while that layer computes.
+//
+// Layout: a parameter of `numel` logical elements is flattened and cut into world_size equal
+// slices of ceil(numel / world_size) elements; rank r owns logical elements
+// [r*s, min((r+1)*s, numel)). Padding lies only after the last logical element and is zero, so
+// trailing ranks may hold padding only (numel < world_size).
+//
+// Gradients: gather's backward is a reduce-scatter SUM into the local gradient. The global loss is
+// the sum of the ranks' losses, so normalize each rank's loss by the GLOBAL sample/token count
+// before backward (see global_count) and never all-reduce these gradients again.
+//
+// Collective discipline: every rank must run the same collective-bearing layers in the same
+// order. Each gather records an always-run node, so every gathered parameter is reduce-scattered
+// once per backward (with zeros when the loss did not reach it on this rank), in reverse gather
+// order on every rank; with Recompute, every op that saved a gathered weight runs in backward too.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <ruda/collectives.h>
+#include <ruda/nn/module.h>
+
+namespace ruda::nn {
+
+class Linear;
+class Embedding;
+
+/// A sharding or shard-topology error (bad world size, rank, slice length, communicator mismatch).
+class ShardingError : public ArgumentError {
+ public:
+  using ArgumentError::ArgumentError;
+};
+
+/// What the backward of an op that used a gathered weight keeps.
+enum class CheckpointStrategy {
+  retain,     // the gathered full weight, from forward to backward (more memory, one gather fewer)
+  recompute,  // only the shard: the weight is gathered again in backward ("reshard after forward")
+};
+
+struct ShardPolicy {
+  CheckpointStrategy strategy = CheckpointStrategy::recompute;
+  /// Cast the local slice to this dtype before gathering (e.g. bf16): the gather moves the narrow
+  /// dtype and the layer computes in it; the stored parameter keeps its dtype.
+  std::optional<DType> compute_dtype = std::nullopt;
+  /// How 16-bit gradient sums accumulate in the reduce-scatter: in f32 with one rounding
+  /// (ruda's default), or in the 16-bit compute dtype itself (the reference implementation's behaviour).
+  Accumulate reduce = Accumulate::f32;
+};
+
+/// Sharding metadata of a Param (its data is the local slice).
+struct ShardInfo {
+  Shape logical_shape;
+  std::int64_t numel = 0;       // logical elements
+  std::int64_t shard_size = 0;  // ceil(numel / world_size): the local slice's length
+  int rank = 0;
+  int world_size = 1;
+  ShardPolicy policy;
+  /// The communicator Param::value() gathers through (set by fully_shard; may be null).
+  Communicator* comm = nullptr;
+  /// Names the parameter in collective tags and messages ("layers.2.weight").
+  std::string name;
+
+  /// Logical elements held by this rank (the rest of its slice is padding).
+  std::int64_t real_elements() const;
+  /// Offset of this rank's first element in the flattened logical tensor.
+  std::int64_t offset() const { return static_cast<std::int64_t>(rank) * shard_size; }
+};
+
+class ShardedParameter {
+ public:
+  /// A parameter from an already loaded local slice (no full tensor needed: how sharded
+  /// checkpoints load). Validates topology (world_size > 0, 0 <= rank < world_size), the logical
+  /// shape (non-empty, every extent > 0, element count without overflow), the slice (1-D of
+  /// length ceil(numel / world_size)) and its dtype (f32, f64, f16 or bf16), each with a
+  /// ShardingError (or DTypeError) naming what is wrong.
+  static ShardedParameter from_local(const Param& local, const Shape& logical_shape, int rank, int world_size);
+  /// This rank's slice of a loaded full value: a new leaf (no graph to the source) with the same
+  /// parameter id and requires_grad. Tied parameters share one id and so one local storage.
+  static ShardedParameter from_full(const Param& full, int rank, int world_size);
+
+  /// The full tensor, gathered through `comm` (whose rank and world size must match), in the
+  /// stored dtype. Backward: reduce-scatter SUM into the local gradient.
+  Tensor gather(Communicator& comm) const;
+  /// The same, cast to `dtype` before the gather (the gather moves the narrow dtype, its backward
+  /// reduce-scatters in it); the stored dtype does not change.
+  Tensor gather_with_compute_dtype(Communicator& comm, DType dtype) const;
+
+  const Param& param() const noexcept { return param_; }
+  const ShardInfo& info() const { return *param_.shard(); }
+  ShardInfo& info() { return *param_.shard(); }
+  const Shape& logical_shape() const { return info().logical_shape; }
+  int rank() const { return info().rank; }
+  int world_size() const { return info().world_size; }
+
+ private:
+  explicit ShardedParameter(Param param) : param_(std::move(param)) {}
+  friend Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype);
+  Param param_;
+};
+
+/// Gathers a sharded Param's full value through `comm` with its policy (and an optional compute
+/// dtype overriding the policy's). Throws ShardingError if comm's rank or world size differ.
+Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype = std::nullopt);
+
+/// Differentiable all-gather of 1-D local slices (backward: reduce-scatter SUM), an always-run node.
+Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
+
+/// Shards every parameter of `module` (recursively, tied parameters once) over `comm` in place:
+/// each Param keeps its id but holds this rank's slice, and Param::value() gathers through comm.
+/// Any module can be sharded this way; the optimizer must be created afterwards. Returns the
+/// number of parameters sharded.
+std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy = {});
+
+/// Sets the policy of every sharded parameter of `module` (strategy, compute dtype, reduce dtype).
+void set_shard_policy(Module& module, const ShardPolicy& policy);
+
+/// x @ W + b with W sharded ([input, output] layout) and an optional sharded bias [output].
+class FullyShardedLinear : public Module {
+ public:
+  /// Converts a loaded dense layer (create the optimizer after this).
+  static std::shared_ptr<FullyShardedLinear> from_full(const Linear& layer, int rank, int world_size,
+                                                       ShardPolicy policy = {});
+  /// Over any leading axes of x; gathers the weights through comm for this call.
+  Tensor forward(const Tensor& x, Communicator& comm) const;
+  const Param& weight() const { return weight_; }
+  const Param& bias() const { return bias_; }
+
+ private:
+  Param weight_, bias_;
+};
+
+/// Rows of a sharded [vocabulary, features] table by i64 indices [batch, seq] -> [batch, seq, features].
+class FullyShardedEmbedding : public Module {
+ public:
+  static std::shared_ptr<FullyShardedEmbedding> from_full(const Embedding& layer, int rank, int world_size,
+                                                          ShardPolicy policy = {});
+  Tensor forward(const Tensor& indices, Communicator& comm) const;
+  const Param& weight() const { return weight_; }
+
+ private:
+  Param weight_;
+};
+
+}  // namespace ruda::nn

@@ -1,0 +1,441 @@
+// Sharded checkpoints: each rank writes its slices, rank 0 the index; loading reshards by
+// reading only the element ranges each rank needs.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <ruda/autograd.h>
+#include <ruda/nn/checkpoint.h>
+#include <ruda/nn/safetensors.h>
+#include <ruda/nn/sharded.h>
+
+namespace ruda::nn {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kFormat = "ruda-sharded-checkpoint";
+constexpr int kVersion = 1;
+
+[[noreturn]] void ckpt_fail(const std::string& where, const std::string& what) {
+  throw IOError("checkpoint " + where + ": " + what);
+}
+
+std::string step_name(std::int64_t step) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
+  return buf;
+}
+
+std::string rank_file(int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.safetensors", rank, world);
+  return buf;
+}
+
+// The element range of a parameter this rank holds in a checkpoint: its slice without padding,
+// or the whole tensor on rank 0 for a dense parameter.
+struct Piece {
+  std::int64_t offset = 0, count = 0;
+};
+Piece piece_of(const Param& p, int rank) {
+  if (p.is_sharded()) return {p.shard()->offset(), p.shard()->real_elements()};
+  return rank == 0 ? Piece{0, p.data().numel()} : Piece{0, 0};
+}
+
+// Agrees a success flag across ranks: a failure anywhere fails everywhere (no rank left waiting).
+bool all_ok(Communicator& comm, bool ok) {
+  autograd::NoGradGuard guard;
+  return comm.all_reduce(scalar(ok ? 0.0 : 1.0, DType::f64), Reduction::max, {.tag = "checkpoint status"}).item() == 0.0;
+}
+
+json read_index(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "index.json").string();
+  std::ifstream in(path);
+  if (!in) ckpt_fail(dir, "no index.json (not a checkpoint, or an incomplete one)");
+  json index;
+  try {
+    index = json::parse(in);
+  } catch (const json::exception& e) {
+    ckpt_fail(path, std::string("index is not valid JSON: ") + e.what());
+  }
+  if (!index.is_object() || index.value("format", "") != kFormat) ckpt_fail(path, "is not a ruda checkpoint index");
+  if (index.value("version", 0) != kVersion) {
+    ckpt_fail(path, "has format version " + index.value("version", json(0)).dump() + ", this build reads " +
+                        std::to_string(kVersion));
+  }
+  return index;
+}
+
+}  // namespace
+
+std::string resolve_checkpoint(const std::string& path) {
+  if (fs::exists(fs::path(path) / "index.json")) return path;
+  if (!fs::is_directory(path)) ckpt_fail(path, "does not exist");
+  // The latest pointer, else the newest complete step directory.
+  std::ifstream latest(fs::path(path) / "latest");
+  std::string name;
+  if (latest && std::getline(latest, name) && fs::exists(fs::path(path) / name / "index.json")) {
+    return (fs::path(path) / name).string();
+  }
+  std::string best;
+  for (const auto& entry : fs::directory_iterator(path)) {
+    const std::string n = entry.path().filename().string();
+    if (n.rfind("step-", 0) == 0 && fs::exists(entry.path() / "index.json") && n > best) best = n;
+  }
+  if (best.empty()) ckpt_fail(path, "holds no complete checkpoint");
+  return (fs::path(path) / best).string();
+}
+
+CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
+                               Communicator& comm, const std::map<std::string, std::string>& extra, int keep) {
+  autograd::NoGradGuard guard;
+  const int rank = comm.rank(), world = comm.world_size();
+  const std::string step_dir = (fs::path(dir) / step_name(step)).string();
+  const auto params = module.named_parameters();
+
+  // 1. Every rank writes its file.
+  std::string error;
+  try {
+    fs::create_directories(step_dir);
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const auto& [name, p] : params) {
+      const Piece piece = piece_of(p, rank);
+      const Tensor flat = p.data().reshape({-1});
+      tensors.emplace_back("model/" + name, flat.slice(0, 0, piece.count));
+      if (optimizer) {
+        for (const auto& [state_name, t] : optimizer->state(p)) {
+          tensors.emplace_back("optim/" + name + "/" + state_name, t.reshape({-1}).slice(0, 0, piece.count));
+        }
+      }
+    }
+    safetensors::write((fs::path(step_dir) / rank_file(rank, world)).string(), tensors,
+                       {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}});
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  // 2. Only when every file is complete does rank 0 write the index, then the latest pointer.
+  if (!all_ok(comm, error.empty())) {
+    ckpt_fail(step_dir, error.empty() ? "another rank failed to write its file" : error);
+  }
+  CheckpointInfo info{step_dir, step, world, extra};
+  if (rank == 0) {
+    json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
+    json files = json::array();
+    for (int r = 0; r < world; ++r) files.push_back(rank_file(r, world));
+    index["files"] = files;
+    json jparams = json::object();
+    for (const auto& [name, p] : params) {
+      const bool sharded = p.is_sharded();
+      const std::int64_t numel = shape_numel(p.shape());
+      json pieces = json::array();
+      for (int r = 0; r < world; ++r) {
+        // Where each rank's piece lies: computed as each rank computed it.
+        std::int64_t offset = 0, count = 0;
+        if (sharded) {
+          const std::int64_t s = p.shard()->shard_size;
+          offset = std::min<std::int64_t>(numel, static_cast<std::int64_t>(r) * s);
+          count = std::max<std::int64_t>(0, std::min<std::int64_t>(numel, offset + s) - offset);
+        } else if (r == 0) {
+          count = numel;
+        }
+        if (count > 0) pieces.push_back({{"rank", r}, {"offset", offset}, {"count", count}});
+      }
+      jparams[name] = {{"id", p.id()}, {"shape", p.shape()}, {"dtype", dtype_name(p.data().dtype())},
+                       {"numel", numel}, {"sharded", sharded}, {"pieces", pieces}};
+    }
+    index["params"] = jparams;
+    if (optimizer) {
+      json states = json::array();
+      if (!params.empty()) {
+        for (const auto& [state_name, t] : optimizer->state(params.front().second)) states.push_back(state_name);
+      }
+      index["optimizer"] = {{"steps", optimizer->steps()}, {"lr", optimizer->lr()}, {"state", states}};
+    }
+    index["extra"] = extra;
+    error.clear();
+    try {
+      safetensors::write_text_atomically((fs::path(step_dir) / "index.json").string(), index.dump(1));
+      safetensors::write_text_atomically((fs::path(dir) / "latest").string(), step_name(step) + "\n");
+      if (keep > 0) {
+        std::vector<std::string> steps;
+        for (const auto& entry : fs::directory_iterator(dir)) {
+          const std::string n = entry.path().filename().string();
+          if (n.rfind("step-", 0) == 0 && entry.is_directory()) steps.push_back(n);
+        }
+        std::sort(steps.begin(), steps.end());
+        for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
+          if (steps[i] != step_name(step)) fs::remove_all(fs::path(dir) / steps[i]);
+        }
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (!all_ok(comm, error.empty())) ckpt_fail(step_dir, error.empty() ? "rank 0 failed to write the index" : error);
+  return info;
+}
+
+namespace {
+CheckpointInfo load_from(const std::string& dir, const json& index, Module& module, Optimizer* optimizer) {
+  CheckpointInfo info;
+  info.directory = dir;
+  info.step = index.at("step").get<std::int64_t>();
+  info.world_size = index.at("world_size").get<int>();
+  info.extra = index.value("extra", json::object()).get<std::map<std::string, std::string>>();
+  const json& files = index.at("files");
+  if (!files.is_array() || static_cast<int>(files.size()) != info.world_size || info.world_size <= 0) {
+    ckpt_fail(dir, "index.json lists " + std::to_string(files.size()) + " files for world size " +
+                       std::to_string(info.world_size));
+  }
+  const json& jparams = index.at("params");
+  const auto params = module.named_parameters();
+  if (jparams.size() != params.size()) {
+    ckpt_fail(dir, "holds " + std::to_string(jparams.size()) + " parameters, the model has " + std::to_string(params.size()));
+  }
+  // Files are opened (and their headers validated) only when a range is needed from them.
+  std::map<int, std::unique_ptr<safetensors::Reader>> readers;
+  auto reader = [&](int r) -> safetensors::Reader& {
+    auto& slot = readers[r];
+    if (!slot) {
+      const json& f = files.at(static_cast<std::size_t>(r));
+      if (!f.is_string()) ckpt_fail(dir, "index.json has a file name that is not a string");
+      const std::string name = f.get<std::string>();
+      if (name.find('/') != std::string::npos || name == ".." || name.empty()) ckpt_fail(dir, "index.json names file '" + name + "'");
+      slot = std::make_unique<safetensors::Reader>((fs::path(dir) / name).string());
+    }
+    return *slot;
+  };
+  // Fills [want.offset, want.offset + want.count) of a parameter's flattened tensor into `out`
+  // from the pieces that overlap it: the resharding read.
+  auto gather_range = [&](const std::string& name, const json& pieces, const std::string& tensor_prefix, Piece want,
+                          DType dtype, void* out) {
+    const std::size_t elem = dtype_size(dtype);
+    std::int64_t covered = 0;
+    for (const json& piece : pieces) {
+      const int r = piece.at("rank").get<int>();
+      const std::int64_t offset = piece.at("offset").get<std::int64_t>(), count = piece.at("count").get<std::int64_t>();
+      if (r < 0 || r >= info.world_size || offset < 0 || count < 0) ckpt_fail(dir, "index.json has a bad piece of " + name);
+      const std::int64_t lo = std::max(offset, want.offset), hi = std::min(offset + count, want.offset + want.count);
+      if (lo >= hi) continue;
+      safetensors::Reader& file = reader(r);
+      const std::string tensor = tensor_prefix;
+      const auto& t = file.info(tensor);
+      if (t.dtype != dtype || t.numel() != count) {
+        ckpt_fail(file.path(), "tensor '" + tensor + "' is " + safetensors::format_dtype(t.dtype) + " " +
+                                   to_string(t.shape) + ", the index says " + std::string(dtype_name(dtype)) + " [" +
+                                   std::to_string(count) + "]");
+      }
+      file.read_range_into(tensor, lo - offset, hi - lo, static_cast<char*>(out) + (lo - want.offset) * elem);
+      covered += hi - lo;
+    }
+    if (covered != want.count) ckpt_fail(dir, "the pieces of '" + name + "' do not cover its elements");
+  };
+
+  for (const auto& [name, p] : params) {
+    if (!jparams.contains(name)) ckpt_fail(dir, "has no parameter '" + name + "'");
+    const json& jp = jparams.at(name);
+    const Shape shape = jp.at("shape").get<Shape>();
+    if (shape != p.shape()) {
+      ckpt_fail(dir, "parameter '" + name + "' is " + to_string(shape) + " in the checkpoint but " + to_string(p.shape()) +
+                         " in the model");
+    }
+    const DType dtype = parse_dtype(jp.at("dtype").get<std::string>());
+    if (dtype != p.data().dtype()) {
+      ckpt_fail(dir, "parameter '" + name + "' is " + std::string(dtype_name(dtype)) + " in the checkpoint but " +
+                         std::string(dtype_name(p.data().dtype())) + " in the model");
+    }
+    const Piece want = p.is_sharded() ? Piece{p.shard()->offset(), p.shard()->real_elements()} : Piece{0, p.data().numel()};
+    // Padding stays zero: fill the whole local tensor, then the real part from the files.
+    Tensor& data = p.data();
+    Tensor staged = zeros({data.numel()}, Options(dtype, &data.backend()));
+    gather_range(name, jp.at("pieces"), "model/" + name, want, dtype, staged.data_ptr());
+    data.detach().reshape({-1}).copy_(staged);
+    if (optimizer && index.contains("optimizer")) {
+      for (auto& [state_name, t] : optimizer->state(p)) {
+        Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
+        gather_range(name, jp.at("pieces"), "optim/" + name + "/" + state_name, want, t.dtype(), staged_state.data_ptr());
+        t.reshape({-1}).copy_(staged_state);
+      }
+    }
+  }
+  if (optimizer && index.contains("optimizer")) {
+    optimizer->set_steps(index["optimizer"].at("steps").get<std::int64_t>());
+    optimizer->set_lr(index["optimizer"].at("lr").get<double>());
+  }
+  for (const auto& [r, file] : readers) info.bytes_read += file->bytes_read();
+  return info;
+}
+}  // namespace
+
+CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm) {
+  autograd::NoGradGuard guard;
+  (void)comm;  // every rank reads its own ranges; no communication is needed
+  const std::string dir = resolve_checkpoint(path);
+  const json index = read_index(dir);
+  try {
+    return load_from(dir, index, module, optimizer);
+  } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  } catch (const ArgumentError& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  }
+}
+
+CheckpointSummary describe_checkpoint(const std::string& path) {
+  const std::string dir = resolve_checkpoint(path);
+  const json index = read_index(dir);
+  CheckpointSummary out;
+  try {
+    out.info.directory = dir;
+    out.info.step = index.at("step").get<std::int64_t>();
+    out.info.world_size = index.at("world_size").get<int>();
+    out.info.extra = index.value("extra", json::object()).get<std::map<std::string, std::string>>();
+    out.files = index.at("files").get<std::vector<std::string>>();
+    std::vector<std::string> states;
+    if (index.contains("optimizer")) {
+      out.optimizer_steps = index["optimizer"].at("steps").get<std::int64_t>();
+      states = index["optimizer"].value("state", json::array()).get<std::vector<std::string>>();
+    }
+    for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
+      CheckpointEntry e;
+      e.name = it.key();
+      e.shape = it.value().at("shape").get<Shape>();
+      e.dtype = parse_dtype(it.value().at("dtype").get<std::string>());
+      e.id = it.value().value("id", std::uint64_t{0});
+      e.sharded = it.value().value("sharded", false);
+      e.optimizer_state = states;
+      out.params.push_back(std::move(e));
+    }
+  } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  } catch (const ArgumentError& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  }
+  return out;
+}
+
+namespace {
+// Calls visit(file, tensor name, piece offset, piece count) for every piece of every tensor
+// (parameters and optimizer state) of a checkpoint, with the files opened and validated.
+template <class Visit>
+void for_each_piece(const std::string& dir, const json& index, Visit&& visit) {
+  const auto files = index.at("files").get<std::vector<std::string>>();
+  std::vector<std::unique_ptr<safetensors::Reader>> readers(files.size());
+  std::vector<std::string> states;
+  if (index.contains("optimizer")) states = index["optimizer"].value("state", json::array()).get<std::vector<std::string>>();
+  for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
+    const DType dtype = parse_dtype(it.value().at("dtype").get<std::string>());
+    for (const json& piece : it.value().at("pieces")) {
+      const auto r = piece.at("rank").get<std::size_t>();
+      if (r >= files.size()) ckpt_fail(dir, "index.json has a piece on rank " + std::to_string(r));
+      if (files[r].find('/') != std::string::npos) ckpt_fail(dir, "index.json names file '" + files[r] + "'");
+      if (!readers[r]) readers[r] = std::make_unique<safetensors::Reader>((fs::path(dir) / files[r]).string());
+      const std::int64_t offset = piece.at("offset").get<std::int64_t>(), count = piece.at("count").get<std::int64_t>();
+      std::vector<std::string> tensors = {"model/" + it.key()};
+      for (const auto& s : states) tensors.push_back("optim/" + it.key() + "/" + s);
+      for (const auto& name : tensors) {
+        const auto& t = readers[r]->info(name);
+        if (t.numel() != count || (name.rfind("model/", 0) == 0 && t.dtype != dtype)) {
+          ckpt_fail(readers[r]->path(), "tensor '" + name + "' does not match its index entry");
+        }
+        visit(*readers[r], name, it.key(), dtype, offset, count);
+      }
+    }
+  }
+}
+}  // namespace
+
+std::uint64_t verify_checkpoint(const std::string& path) {
+  const std::string dir = resolve_checkpoint(path);
+  const json index = read_index(dir);
+  std::uint64_t bytes = 0;
+  try {
+    std::vector<char> buffer;
+    for_each_piece(dir, index, [&](safetensors::Reader& file, const std::string& tensor, const std::string&, DType,
+                                   std::int64_t, std::int64_t count) {
+      const auto& info = file.info(tensor);
+      buffer.resize(static_cast<std::size_t>(count) * dtype_size(info.dtype));
+      file.read_range_into(tensor, 0, count, buffer.data());
+      bytes += buffer.size();
+    });
+  } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  }
+  return bytes;
+}
+
+void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  autograd::NoGradGuard guard;
+  const std::string dir = resolve_checkpoint(path);
+  const json index = read_index(dir);
+  std::map<std::string, Tensor> full;
+  try {
+    for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
+      full[it.key()] = zeros(it.value().at("shape").get<Shape>(), parse_dtype(it.value().at("dtype").get<std::string>()));
+    }
+    for_each_piece(dir, index, [&](safetensors::Reader& file, const std::string& tensor, const std::string& param, DType dtype,
+                                   std::int64_t offset, std::int64_t count) {
+      if (tensor.rfind("model/", 0) != 0) return;  // optimizer state is not part of a consolidated model
+      Tensor& t = full.at(param);
+      file.read_range_into(tensor, 0, count, static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(dtype_size(dtype)));
+    });
+  } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  }
+  std::vector<std::pair<std::string, Tensor>> tensors(full.begin(), full.end());
+  std::map<std::string, std::string> metadata = index.value("extra", json::object()).get<std::map<std::string, std::string>>();
+  metadata["step"] = std::to_string(index.at("step").get<std::int64_t>());
+  metadata["source"] = dir;
+  safetensors::write(output_file, tensors, metadata);
+}
+
+CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir, std::int64_t step) {
+  autograd::NoGradGuard guard;
+  if (world_size <= 0) ckpt_fail(out_dir, "world size must be positive, got " + std::to_string(world_size));
+  safetensors::Reader input(input_file);
+  for (const auto& t : input.tensors()) {
+    if (!is_floating(t.dtype)) ckpt_fail(input_file, "tensor '" + t.name + "' is not floating-point");
+  }
+  std::map<std::string, std::string> extra = input.metadata();
+  extra.erase("step");
+  extra.erase("source");
+  const std::string step_dir = (fs::path(out_dir) / step_name(step)).string();
+  fs::create_directories(step_dir);
+  // Each rank's file holds its slice of every tensor, laid out as fully_shard lays it out; only
+  // those element ranges are read from the input.
+  json jparams = json::object();
+  for (int rank = 0; rank < world_size; ++rank) {
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    for (const auto& t : input.tensors()) {
+      const std::int64_t numel = t.numel(), s = (numel + world_size - 1) / world_size;
+      const std::int64_t offset = std::min(numel, rank * s), count = std::max<std::int64_t>(0, std::min(numel, offset + s) - offset);
+      tensors.emplace_back("model/" + t.name, input.read_range(t.name, offset, count));
+      if (rank == 0) {
+        json pieces = json::array();
+        for (int r = 0; r < world_size; ++r) {
+          const std::int64_t o = std::min(numel, r * s), c = std::max<std::int64_t>(0, std::min(numel, o + s) - o);
+          if (c > 0) pieces.push_back({{"rank", r}, {"offset", o}, {"count", c}});
+        }
+        jparams[t.name] = {{"id", 0}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"numel", numel},
+                           {"sharded", true}, {"pieces", pieces}};
+      }
+    }
+    safetensors::write((fs::path(step_dir) / rank_file(rank, world_size)).string(), tensors,
+                       {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}});
+  }
+  json files = json::array();
+  for (int r = 0; r < world_size; ++r) files.push_back(rank_file(r, world_size));
+  const json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world_size},
+                      {"files", files}, {"params", jparams}, {"extra", extra}};
+  safetensors::write_text_atomically((fs::path(step_dir) / "index.json").string(), index.dump(1));
+  safetensors::write_text_atomically((fs::path(out_dir) / "latest").string(), step_name(step) + "\n");
+  return CheckpointInfo{step_dir, step, world_size, extra};
+}
+
+}  // namespace ruda::nn

@@ -1,0 +1,192 @@
+#include <cmath>
+#include <limits>
+
+#include <ruda/autograd.h>
+#include <ruda/nn/layers.h>
+
+namespace ruda::nn {
+
+namespace {
+// Layers compute in the dtype of their (possibly gathered, possibly bf16) weights.
+Tensor as_dtype(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : cast(x, dtype); }
+}  // namespace
+
+Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options)
+    : in_(in_features), out_(out_features) {
+  if (in_features <= 0 || out_features <= 0) {
+    fail<ArgumentError>("Linear", "features must be positive, got ", in_features, " -> ", out_features);
+  }
+  weight = Param(kaiming_uniform({in_features, out_features}, in_features, next_seed(), options.dtype));
+  register_parameter("weight", &weight);
+  if (options.bias) {
+    bias = Param(kaiming_uniform({out_features}, in_features, next_seed(), options.dtype));
+    register_parameter("bias", &bias);
+  }
+}
+
+Tensor Linear::forward(const Tensor& x) {
+  const Tensor w = weight.value();
+  return linear(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor());
+}
+
+Embedding::Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOptions options) {
+  if (vocabulary <= 0 || features <= 0) {
+    fail<ArgumentError>("Embedding", "sizes must be positive, got ", vocabulary, " x ", features);
+  }
+  weight = Param(normal({vocabulary, features}, 0.0, options.std, next_seed(), 0, options.dtype));
+  register_parameter("weight", &weight);
+}
+
+Tensor Embedding::forward(const Tensor& indices) { return embedding(weight.value(), indices); }
+
+LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : eps_(eps) {
+  if (features <= 0) fail<ArgumentError>("LayerNorm", "features must be positive, got ", features);
+  if (affine) {
+    weight = Param(ones({features}));
+    bias = Param(zeros({features}));
+    register_parameter("weight", &weight);
+    register_parameter("bias", &bias);
+  }
+}
+
+Tensor LayerNorm::forward(const Tensor& input) {
+  // Normalization statistics in f32 at least, whatever the compute dtype.
+  const DType io = input.dtype();
+  const DType work = io == DType::f64 ? DType::f64 : DType::f32;
+  const Tensor x = as_dtype(input, work);
+  const Tensor y = weight.defined() ? layer_norm(x, as_dtype(weight.value(), work), as_dtype(bias.value(), work), eps_)
+                                    : layer_norm(x, Tensor(), Tensor(), eps_);
+  return as_dtype(y, io);
+}
+
+RMSNorm::RMSNorm(std::int64_t features, double eps) : eps_(eps) {
+  if (features <= 0) fail<ArgumentError>("RMSNorm", "features must be positive, got ", features);
+  weight = Param(ones({features}));
+  register_parameter("weight", &weight);
+}
+
+Tensor RMSNorm::forward(const Tensor& input) {
+  const DType io = input.dtype();
+  const DType work = io == DType::f64 ? DType::f64 : DType::f32;
+  const Tensor x = as_dtype(input, work);
+  const Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps_) * as_dtype(weight.value(), work);
+  return as_dtype(y, io);
+}
+
+Dropout::Dropout(double p, std::uint64_t seed) : p_(p), generator_(seed) {
+  if (!(p >= 0.0 && p < 1.0)) fail<ArgumentError>("Dropout", "probability must be in [0, 1), got ", p);
+}
+
+Tensor Dropout::forward(const Tensor& x) {
+  if (!is_training() || p_ == 0.0) return x;
+  const std::uint64_t offset = generator_.take(static_cast<std::uint64_t>(x.numel()));
+  return dropout(x, p_, generator_.seed(), offset);
+}
+
+Tensor ReLU::forward(const Tensor& x) { return relu(x); }
+Tensor GELU::forward(const Tensor& x) { return gelu(x, approximation_); }
+Tensor SiLU::forward(const Tensor& x) { return silu(x); }
+Tensor Tanh::forward(const Tensor& x) { return tanh(x); }
+Tensor Sigmoid::forward(const Tensor& x) { return sigmoid(x); }
+
+CausalSelfAttention::CausalSelfAttention(std::int64_t d_model, std::int64_t heads, double dropout)
+    : d_model_(d_model), heads_(heads) {
+  if (heads <= 0 || d_model % heads != 0) {
+    fail<ArgumentError>("CausalSelfAttention", "d_model ", d_model, " must be a positive multiple of heads ", heads);
+  }
+  qkv = std::make_shared<Linear>(d_model, 3 * d_model);
+  proj = std::make_shared<Linear>(d_model, d_model);
+  attn_dropout_ = std::make_shared<Dropout>(dropout);
+  resid_dropout_ = std::make_shared<Dropout>(dropout);
+  register_module("qkv", qkv);
+  register_module("proj", proj);
+  register_module("attn_dropout", attn_dropout_);
+  register_module("resid_dropout", resid_dropout_);
+}
+
+Tensor CausalSelfAttention::forward(const Tensor& x) {
+  if (x.ndim() != 3 || x.shape()[2] != d_model_) {
+    fail<ShapeError>("CausalSelfAttention", "expects [batch, time, ", d_model_, "], got ", x.shape());
+  }
+  const std::int64_t batch = x.shape()[0], time = x.shape()[1], head_dim = d_model_ / heads_;
+  const Tensor qkv_out = qkv->forward(x);  // [B, T, 3C]
+  auto heads_of = [&](std::int64_t part) {  // [B, H, T, head_dim]
+    return permute(reshape(slice(qkv_out, 2, part * d_model_, (part + 1) * d_model_), {batch, time, heads_, head_dim}),
+                   {0, 2, 1, 3});
+  };
+  const Tensor q = heads_of(0), k = heads_of(1), v = heads_of(2);
+  // Scores in f32 at least: the softmax of 16-bit scores is too coarse.
+  const DType work = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor scores = as_dtype(matmul(q, transpose(k, 2, 3)), work) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
+  // Additive causal mask: -inf above the diagonal.
+  const Tensor rows = arange(0, static_cast<double>(time), 1, DType::i64).reshape({time, 1});
+  const Tensor cols = arange(0, static_cast<double>(time), 1, DType::i64).reshape({1, time});
+  const Tensor mask = where(gt(cols, rows), full({}, -std::numeric_limits<double>::infinity(), work), zeros({}, work));
+  const Tensor attention = attn_dropout_->forward(softmax(scores + mask, -1));
+  const Tensor y = matmul(as_dtype(attention, v.dtype()), v);  // [B, H, T, head_dim]
+  return resid_dropout_->forward(proj->forward(reshape(permute(y, {0, 2, 1, 3}), {batch, time, d_model_})));
+}
+
+MLP::MLP(std::int64_t d_model, std::int64_t hidden, double dropout) {
+  fc1 = std::make_shared<Linear>(d_model, hidden);
+  fc2 = std::make_shared<Linear>(hidden, d_model);
+  dropout_ = std::make_shared<Dropout>(dropout);
+  register_module("fc1", fc1);
+  register_module("fc2", fc2);
+  register_module("dropout", dropout_);
+}
+
+Tensor MLP::forward(const Tensor& x) { return dropout_->forward(fc2->forward(gelu(fc1->forward(x)))); }
+
+TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std::int64_t mlp_hidden, double dropout) {
+  ln1 = std::make_shared<LayerNorm>(d_model);
+  attn = std::make_shared<CausalSelfAttention>(d_model, heads, dropout);
+  ln2 = std::make_shared<LayerNorm>(d_model);
+  mlp = std::make_shared<MLP>(d_model, mlp_hidden, dropout);
+  register_module("ln1", ln1);
+  register_module("attn", attn);
+  register_module("ln2", ln2);
+  register_module("mlp", mlp);
+}
+
+Tensor TransformerBlock::forward(const Tensor& x) {
+  const Tensor h = x + attn->forward(ln1->forward(x));
+  return h + mlp->forward(ln2->forward(h));
+}
+
+GPT::GPT(const GPTConfig& config) : config_(config) {
+  if (config.vocabulary <= 0 || config.context <= 0 || config.layers < 0) {
+    fail<ArgumentError>("GPT", "vocabulary, context and layers must be positive");
+  }
+  token_embedding = std::make_shared<Embedding>(config.vocabulary, config.d_model, EmbeddingOptions{.std = 0.02});
+  position_embedding = std::make_shared<Embedding>(config.context, config.d_model, EmbeddingOptions{.std = 0.02});
+  register_module("token_embedding", token_embedding);
+  register_module("position_embedding", position_embedding);
+  for (std::int64_t i = 0; i < config.layers; ++i) {
+    blocks.push_back(std::make_shared<TransformerBlock>(config.d_model, config.heads, 4 * config.d_model, config.dropout));
+    register_module("blocks." + std::to_string(i), blocks.back());
+  }
+  final_norm = std::make_shared<LayerNorm>(config.d_model);
+  register_module("final_norm", final_norm);
+  if (!config.tied_head) {
+    head = std::make_shared<Linear>(config.d_model, config.vocabulary, LinearOptions{.bias = false});
+    register_module("head", head);
+  }
+}
+
+Tensor GPT::forward(const Tensor& tokens) {
+  if (tokens.ndim() != 2 || tokens.shape()[1] > config_.context) {
+    fail<ShapeError>("GPT", "expects tokens [batch, time <= ", config_.context, "], got ", tokens.shape());
+  }
+  const std::int64_t time = tokens.shape()[1];
+  const Tensor positions = arange(0, static_cast<double>(time), 1, DType::i64);
+  Tensor x = token_embedding->forward(tokens) + position_embedding->forward(positions);
+  for (const auto& block : blocks) x = block->forward(x);
+  x = final_norm->forward(x);
+  if (head) return head->forward(x);
+  // The tied head reads the [vocabulary, d] table as an [out, in] weight: no transposed copy.
+  const Tensor table = token_embedding->weight.value();
+  return linear(as_dtype(x, table.dtype()), table, Tensor(), WeightLayout::out_in);
+}
+
+}  // namespace ruda::nn

@@ -1,0 +1,104 @@
+#include <ruda/autograd.h>
+#include <ruda/nn/losses.h>
+
+namespace ruda::nn {
+
+namespace {
+
+Tensor reduce(const Tensor& loss, LossReduction reduction) {
+  switch (reduction) {
+    case LossReduction::mean: return mean(loss);
+    case LossReduction::sum: return sum(loss);
+    case LossReduction::none: return loss;
+  }
+  return loss;
+}
+
+void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.shape() != b.shape()) fail<ShapeError>(op, "input ", a.shape(), " and target ", b.shape(), " differ");
+}
+
+}  // namespace
+
+Tensor mse_loss(const Tensor& input, const Tensor& target, LossReduction reduction) {
+  check_same_shape("mse_loss", input, target);
+  return reduce(square(input - target), reduction);
+}
+
+Tensor l1_loss(const Tensor& input, const Tensor& target, LossReduction reduction) {
+  check_same_shape("l1_loss", input, target);
+  return reduce(abs(input - target), reduction);
+}
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
+  const char* op = "nll_loss";
+  if (!log_probs.defined() || !targets.defined()) fail<ArgumentError>(op, "got an undefined tensor");
+  if (targets.dtype() != DType::i64) {
+    fail<DTypeError>(op, "targets must be i64 class indices, got ", dtype_name(targets.dtype()), " ", targets.shape());
+  }
+  if (log_probs.ndim() < 1) fail<ShapeError>(op, "log-probabilities need a class axis, got ", log_probs.shape());
+  const Shape expected(log_probs.shape().begin(), log_probs.shape().end() - 1);
+  if (targets.shape() != expected) {
+    fail<ShapeError>(op, "targets ", targets.shape(), " do not match log-probabilities ", log_probs.shape(),
+                     " (expected ", expected, ")");
+  }
+  const std::int64_t classes = log_probs.shape().back();
+  const DType dtype = log_probs.dtype();
+  Options like(dtype, &log_probs.backend());
+
+  // Ignored targets pick class 0 and are masked out.
+  const Tensor keep = ne(targets, full({}, static_cast<double>(options.ignore_index), DType::i64));
+  const Tensor safe = where(keep, targets, zeros({}, DType::i64));
+  const Tensor keep_f = cast(keep, dtype);
+  Tensor target_weight = keep_f;
+  if (options.weight.defined()) {
+    if (options.weight.shape() != Shape{classes}) {
+      fail<ShapeError>(op, "class weights ", options.weight.shape(), " do not match ", classes, " classes");
+    }
+    target_weight = reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()) * keep_f;
+  }
+  const Tensor picked = squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1);
+  Tensor loss = -(picked * target_weight);
+  if (options.label_smoothing > 0.0) {
+    if (options.label_smoothing > 1.0) fail<ArgumentError>(op, "label smoothing must be in [0, 1], got ", options.label_smoothing);
+    const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
+    const Tensor smooth = -sum(log_probs * class_weight, {-1}) * keep_f / static_cast<double>(classes);
+    loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
+  }
+  switch (options.reduction) {
+    case LossReduction::none: return loss;
+    case LossReduction::sum: return sum(loss);
+    case LossReduction::mean: return sum(loss) / sum(target_weight).detach();
+  }
+  return loss;
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& options) {
+  if (!logits.defined()) fail<ArgumentError>("cross_entropy", "got an undefined tensor");
+  if (!is_floating(logits.dtype())) {
+    fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ", logits.shape());
+  }
+  return nll_loss(log_softmax(logits, -1), targets, options);
+}
+
+Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets, LossReduction reduction,
+                                        const Tensor& pos_weight) {
+  check_same_shape("binary_cross_entropy_with_logits", logits, targets);
+  // (1 - t) x + w_t softplus(-x), with w_t = 1 + (pos_weight - 1) t: stable for any logit.
+  Tensor log_weight = ones({}, Options(logits.dtype(), &logits.backend()));
+  if (pos_weight.defined()) log_weight = (pos_weight - 1.0) * targets + 1.0;
+  const Tensor loss = (1.0 - targets) * logits + log_weight * softplus(-logits);
+  return reduce(loss, reduction);
+}
+
+double global_count(Communicator& comm, double local) {
+  autograd::NoGradGuard guard;
+  return comm.all_reduce(scalar(local, DType::f64), Reduction::sum, {.tag = "global_count"}).item();
+}
+
+std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index) {
+  autograd::NoGradGuard guard;
+  return static_cast<std::int64_t>(sum(ne(targets, full({}, static_cast<double>(ignore_index), DType::i64)).to(DType::i64)).item());
+}
+
+}  // namespace ruda::nn

@@ -1,0 +1,150 @@
+#include <atomic>
+#include <unordered_set>
+
+#include <ruda/nn/module.h>
+#include <ruda/nn/sharded.h>
+
+#include "param_state.h"
+
+namespace ruda::nn {
+
+ParamId next_param_id() {
+  static std::atomic<ParamId> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+Param::Param(const Tensor& value) : Param(value, next_param_id()) {}
+
+Param::Param(const Tensor& value, ParamId id) : state_(std::make_shared<State>()) {
+  if (!value.defined()) fail<ArgumentError>("Param", "needs a defined tensor");
+  if (!is_floating(value.dtype())) {
+    fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(value.dtype()), " ", value.shape());
+  }
+  state_->id = id;
+  set_data(value);
+}
+
+namespace {
+const Param::State& checked(const std::shared_ptr<Param::State>& s, const char* what) {
+  if (!s) fail<ArgumentError>(what, "called on an undefined Param");
+  return *s;
+}
+}  // namespace
+
+ParamId Param::id() const { return checked(state_, "Param::id").id; }
+Tensor& Param::data() const { return const_cast<State&>(checked(state_, "Param::data")).data; }
+Tensor Param::grad() const { return checked(state_, "Param::grad").data.grad(); }
+void Param::zero_grad() const { data().zero_grad(); }
+bool Param::is_sharded() const { return checked(state_, "Param::is_sharded").shard != nullptr; }
+const std::shared_ptr<ShardInfo>& Param::shard() const { return checked(state_, "Param::shard").shard; }
+void Param::set_shard(std::shared_ptr<ShardInfo> info) const {
+  const_cast<State&>(checked(state_, "Param::set_shard")).shard = std::move(info);
+}
+
+const Shape& Param::shape() const {
+  const State& s = checked(state_, "Param::shape");
+  return s.shard ? s.shard->logical_shape : s.data.shape();
+}
+
+void Param::set_data(const Tensor& value) const {
+  State& s = const_cast<State&>(checked(state_, "Param::set_data"));
+  // A parameter is a leaf of its own: no graph to wherever the value came from.
+  Tensor leaf = value.is_leaf() ? value : value.detach();
+  leaf.set_requires_grad(true);
+  s.data = leaf;
+}
+
+Tensor Param::value() const {
+  const State& s = checked(state_, "Param::value");
+  if (!s.shard) return s.data;
+  if (!s.shard->comm) {
+    fail<ShardingError>("Param::value", "parameter '", s.shard->name, "' ", s.shard->logical_shape,
+                        " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
+  }
+  return gather_param(*this, *s.shard->comm);
+}
+
+// --- Module ---
+
+void Module::register_parameter(std::string name, Param* param) {
+  for (const auto& [existing, p] : params_) {
+    if (existing == name) fail<ArgumentError>("register_parameter", "a parameter named '", name, "' exists already");
+  }
+  params_.emplace_back(std::move(name), param);
+}
+
+void Module::register_module(std::string name, std::shared_ptr<Module> child) {
+  if (!child) fail<ArgumentError>("register_module", "module '", name, "' is null");
+  children_.emplace_back(std::move(name), std::move(child));
+}
+
+void Module::collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out,
+                     std::vector<const void*>& seen) const {
+  (void)seen;
+  for (const auto& [name, p] : params_) {
+    if (!p->defined()) continue;
+    out.emplace_back(prefix + name, *p);
+  }
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out, seen);
+}
+
+std::vector<std::pair<std::string, Param>> Module::named_parameters() const {
+  std::vector<std::pair<std::string, Param>> all;
+  std::vector<const void*> seen;
+  collect("", all, seen);
+  // A tied parameter is reachable twice: keep its first name.
+  std::vector<std::pair<std::string, Param>> unique;
+  std::unordered_set<ParamId> ids;
+  for (auto& entry : all) {
+    if (ids.insert(entry.second.id()).second) unique.push_back(std::move(entry));
+  }
+  return unique;
+}
+
+std::vector<Param> Module::parameters() const {
+  std::vector<Param> out;
+  for (auto& [name, p] : named_parameters()) out.push_back(p);
+  return out;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::named_modules() {
+  std::vector<std::pair<std::string, Module*>> out = {{"", this}};
+  for (const auto& [name, child] : children_) {
+    for (auto& [sub, m] : child->named_modules()) out.emplace_back(sub.empty() ? name : name + "." + sub, m);
+  }
+  return out;
+}
+
+void Module::train(bool on) {
+  training_ = on;
+  for (const auto& [name, child] : children_) child->train(on);
+}
+
+void Module::zero_grad() const {
+  for (const auto& [name, p] : named_parameters()) p.zero_grad();
+}
+
+std::int64_t Module::parameter_count() const {
+  std::int64_t n = 0;
+  for (const auto& [name, p] : named_parameters()) n += shape_numel(p.shape());
+  return n;
+}
+
+// --- Sequential ---
+
+Sequential::Sequential(std::vector<std::shared_ptr<UnaryModule>> layers) {
+  for (auto& layer : layers) push_back(std::move(layer));
+}
+
+void Sequential::push_back(std::shared_ptr<UnaryModule> layer) {
+  register_module(std::to_string(layers_.size()), layer);
+  layers_.push_back(std::move(layer));
+}
+
+Tensor Sequential::forward(const Tensor& input) {
+  Tensor x = input;
+  for (const auto& layer : layers_) x = layer->forward(x);
+  return x;
+}
+
+}  // namespace ruda::nn

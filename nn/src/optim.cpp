@@ -1,0 +1,176 @@
+#include <cmath>
+#include <numbers>
+
+#include <ruda/autograd.h>
+#include <ruda/nn/optim.h>
+#include <ruda/nn/sharded.h>
+
+namespace ruda::nn {
+
+Optimizer::Optimizer(std::vector<Param> params, double lr) : params_(std::move(params)), lr_(lr) {
+  for (const Param& p : params_) {
+    if (!p.defined()) fail<ArgumentError>("Optimizer", "got an undefined parameter");
+  }
+  set_lr(lr);
+}
+
+void Optimizer::set_lr(double lr) {
+  if (!(lr >= 0.0)) fail<ArgumentError>("Optimizer", "learning rate must be non-negative, got ", lr);
+  lr_ = lr;
+}
+
+void Optimizer::zero_grad() {
+  for (const Param& p : params_) p.zero_grad();
+}
+
+SGD::SGD(std::vector<Param> params, SGDOptions options) : Optimizer(std::move(params), options.lr), options_(options) {
+  if (options.nesterov && (options.momentum <= 0 || options.dampening != 0)) {
+    fail<ArgumentError>("SGD", "Nesterov momentum needs momentum > 0 and no dampening");
+  }
+}
+
+void SGD::step() {
+  autograd::NoGradGuard guard;
+  for (const Param& p : params_) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    if (options_.weight_decay != 0) g = g + p.data() * options_.weight_decay;
+    if (options_.momentum != 0) {
+      Tensor& buffer = momentum_[p.id()];
+      if (!buffer.defined()) {
+        buffer = g.clone();
+      } else {
+        buffer.mul_(options_.momentum).add_(g, 1.0 - options_.dampening);
+      }
+      g = options_.nesterov ? g + buffer * options_.momentum : buffer;
+    }
+    p.data().add_(g, -lr_);
+  }
+  ++steps_;
+}
+
+std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
+  if (options_.momentum == 0) return {};
+  Tensor& buffer = momentum_[param.id()];
+  if (!buffer.defined()) buffer = zeros_like(param.data().detach());
+  return {{"momentum_buffer", buffer}};
+}
+
+Adam::Adam(std::vector<Param> params, AdamOptions options) : Optimizer(std::move(params), options.lr), options_(options) {
+  if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
+    fail<ArgumentError>("Adam", "betas must be in [0, 1), got ", options.beta1, ", ", options.beta2);
+  }
+  if (!(options.eps > 0)) fail<ArgumentError>("Adam", "eps must be positive, got ", options.eps);
+}
+
+Adam::Moments& Adam::moments(const Param& param) {
+  Moments& m = moments_[param.id()];
+  if (!m.exp_avg.defined()) {
+    m.exp_avg = zeros_like(param.data().detach());
+    m.exp_avg_sq = zeros_like(param.data().detach());
+  }
+  return m;
+}
+
+void Adam::step() {
+  ++steps_;
+  for (const Param& p : params_) {
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Moments& m = moments(p);
+    const Tensor& data = p.data();
+    AdamDesc d;
+    d.param = data.view();
+    d.grad = g.view();
+    d.exp_avg = m.exp_avg.view();
+    d.exp_avg_sq = m.exp_avg_sq.view();
+    d.lr = lr_;
+    d.beta1 = options_.beta1;
+    d.beta2 = options_.beta2;
+    d.eps = options_.eps;
+    d.weight_decay = options_.weight_decay;
+    d.step = steps_;
+    d.decoupled = options_.decoupled_weight_decay;
+    data.backend().adam_update(d);
+  }
+}
+
+std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {
+  Moments& m = moments(param);
+  return {{"exp_avg", m.exp_avg}, {"exp_avg_sq", m.exp_avg_sq}};
+}
+
+AdamW::AdamW(std::vector<Param> params, AdamWOptions o)
+    : Adam(std::move(params), AdamOptions{.lr = o.lr,
+                                          .beta1 = o.beta1,
+                                          .beta2 = o.beta2,
+                                          .eps = o.eps,
+                                          .weight_decay = o.weight_decay,
+                                          .decoupled_weight_decay = true}) {}
+
+namespace schedules {
+Schedule constant(double lr) {
+  return [lr](std::int64_t) { return lr; };
+}
+Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
+  return [lr, warmup_steps](std::int64_t step) {
+    if (warmup_steps <= 0 || step >= warmup_steps) return lr;
+    return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  };
+}
+Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, double min_lr) {
+  return [=](std::int64_t step) {
+    if (warmup_steps > 0 && step < warmup_steps) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+    const std::int64_t span = std::max<std::int64_t>(1, total_steps - warmup_steps);
+    const double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(span));
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));
+  };
+}
+}  // namespace schedules
+
+namespace {
+// Sum of squares of the gradients: sharded ones over their real elements (all-reduced), dense ones once.
+double squared_norm(const std::vector<Param>& params, Communicator* comm) {
+  autograd::NoGradGuard guard;
+  double dense = 0, sharded = 0;
+  bool any_sharded = false;
+  for (const Param& p : params) {
+    if (p.is_sharded()) {
+      any_sharded = true;
+      if (!comm) comm = p.shard()->comm;
+    }
+    const Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor values = g;
+    if (p.is_sharded()) {
+      const std::int64_t real = p.shard()->real_elements();
+      if (real == 0) continue;
+      values = g.slice(0, 0, real);  // padding excluded
+    }
+    (p.is_sharded() ? sharded : dense) += sum(square(cast(values, DType::f64))).item();
+  }
+  if (any_sharded) {
+    if (!comm) fail<ShardingError>("clip_grad_norm", "sharded parameters need a communicator to sum their norms over");
+    sharded = comm->all_reduce(scalar(sharded, DType::f64), Reduction::sum, {.tag = "grad_norm"}).item();
+  }
+  return dense + sharded;
+}
+}  // namespace
+
+double grad_norm(const std::vector<Param>& params, Communicator* comm) { return std::sqrt(squared_norm(params, comm)); }
+
+double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm) {
+  if (!(max_norm > 0)) fail<ArgumentError>("clip_grad_norm", "max_norm must be positive, got ", max_norm);
+  const double norm = grad_norm(params, comm);
+  if (norm > max_norm) {
+    autograd::NoGradGuard guard;
+    const double factor = max_norm / (norm + 1e-6);
+    for (const Param& p : params) {
+      Tensor g = p.grad();
+      if (g.defined()) g.mul_(factor);
+    }
+  }
+  return norm;
+}
+
+}  // namespace ruda::nn

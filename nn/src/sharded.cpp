@@ -1,0 +1,217 @@
+// Sharded parameters: slicing, validation, the differentiable gather and fully_shard.
+#include <limits>
+
+#include <ruda/autograd.h>
+#include <ruda/nn/layers.h>
+#include <ruda/nn/sharded.h>
+
+#include "param_state.h"
+
+namespace ruda::nn {
+
+std::int64_t ShardInfo::real_elements() const {
+  const std::int64_t start = offset();
+  return std::max<std::int64_t>(0, std::min(numel, start + shard_size) - start);
+}
+
+namespace {
+
+void check_topology(const char* op, int rank, int world_size) {
+  if (world_size <= 0) fail<ShardingError>(op, "world size must be positive, got ", world_size);
+  if (rank < 0 || rank >= world_size) fail<ShardingError>(op, "rank ", rank, " is outside world size ", world_size);
+}
+
+std::int64_t checked_numel(const char* op, const Shape& shape) {
+  if (shape.empty()) fail<ShardingError>(op, "logical shape must have at least one dimension, got []");
+  std::int64_t n = 1;
+  for (std::int64_t d : shape) {
+    if (d <= 0) fail<ShardingError>(op, "every logical extent must be positive, got ", shape);
+    if (n > std::numeric_limits<std::int64_t>::max() / d) fail<ShardingError>(op, "logical shape ", shape, " overflows");
+    n *= d;
+  }
+  return n;
+}
+
+void check_storage_dtype(const char* op, const Tensor& t) {
+  if (!is_floating(t.dtype())) {
+    fail<DTypeError>(op, "floating parameter storage required (f32, f64, f16 or bf16), got ", dtype_name(t.dtype()), " ",
+                     t.shape());
+  }
+}
+
+std::shared_ptr<ShardInfo> make_info(const Shape& shape, std::int64_t numel, int rank, int world_size) {
+  auto info = std::make_shared<ShardInfo>();
+  info->logical_shape = shape;
+  info->numel = numel;
+  info->shard_size = (numel + world_size - 1) / world_size;
+  info->rank = rank;
+  info->world_size = world_size;
+  return info;
+}
+
+// This rank's zero-padded slice of a full value, as a fresh tensor with no graph.
+Tensor local_slice(const Tensor& full, const ShardInfo& info) {
+  autograd::NoGradGuard guard;
+  Tensor local = zeros({info.shard_size}, Options(full.dtype(), &full.backend()));
+  const std::int64_t real = info.real_elements();
+  if (real > 0) local.slice(0, 0, real).copy_(full.reshape({-1}).slice(0, info.offset(), info.offset() + real));
+  return local;
+}
+
+}  // namespace
+
+ShardedParameter ShardedParameter::from_local(const Param& local, const Shape& logical_shape, int rank, int world_size) {
+  const char* op = "ShardedParameter::from_local";
+  if (!local.defined()) fail<ShardingError>(op, "local parameter is undefined");
+  check_topology(op, rank, world_size);
+  const std::int64_t numel = checked_numel(op, logical_shape);
+  const std::int64_t expected = (numel + world_size - 1) / world_size;
+  const Tensor& data = local.data();
+  if (data.shape() != Shape{expected}) {
+    fail<ShardingError>(op, "local slice ", data.shape(), " differs from the [", expected, "] that ", logical_shape,
+                        " needs at world size ", world_size);
+  }
+  check_storage_dtype(op, data);
+  auto info = make_info(logical_shape, numel, rank, world_size);
+  if (local.is_sharded()) info->name = local.shard()->name;
+  local.set_shard(std::move(info));
+  return ShardedParameter(local);
+}
+
+ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int world_size) {
+  const char* op = "ShardedParameter::from_full";
+  if (!full.defined()) fail<ShardingError>(op, "parameter is undefined");
+  check_topology(op, rank, world_size);
+  if (full.is_sharded()) fail<ShardingError>(op, "parameter '", full.shard()->name, "' is sharded already");
+  Param::State& source = *full.state_;
+  if (auto existing = source.shard_of_this.lock(); existing && source.shard_rank == rank && source.shard_world == world_size) {
+    return ShardedParameter(Param(existing));  // a tied weight converted again: the same shard
+  }
+  const Tensor& value = full.data();
+  check_storage_dtype(op, value);
+  const std::int64_t numel = checked_numel(op, value.shape());
+  auto info = make_info(value.shape(), numel, rank, world_size);
+  // The slice is a new leaf with the same id; requires_grad as the source (a Param always has it).
+  Param local(local_slice(value, *info), full.id());
+  local.data().set_requires_grad(value.requires_grad());
+  local.set_shard(std::move(info));
+  source.shard_of_this = local.state_;
+  source.shard_rank = rank;
+  source.shard_world = world_size;
+  return ShardedParameter(local);
+}
+
+Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options) {
+  Tensor full = comm.all_gather(local, options);
+  if (autograd::needs_grad(local)) {
+    Communicator* c = &comm;
+    // Always-run: every rank reduce-scatters this gradient in every backward, with zeros where
+    // its loss did not reach the gathered value, so no rank waits for a collective another skips.
+    autograd::record(
+        "all_gather", full, {local}, {},
+        [c, options](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+          return std::vector<Tensor>{c->reduce_scatter(g, options)};
+        },
+        {.always_run = true});
+  }
+  return full;
+}
+
+Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype) {
+  const char* op = "gather";
+  if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
+  const ShardInfo& info = *param.shard();
+  if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
+    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but parameter '", info.name,
+                        "' ", info.logical_shape, " is shard ", info.rank, " of ", info.world_size);
+  }
+  const Tensor& local = param.data();
+  const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
+  const CollectiveOptions options{.tag = info.name, .accumulate = info.policy.reduce};
+  const Tensor source = cast(local, dtype);
+  Tensor value = reshape(slice(all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
+  if (info.policy.strategy == CheckpointStrategy::recompute && autograd::is_grad_enabled() && local.requires_grad()) {
+    // Ops that save this value keep this recipe instead, and gather again in their backward.
+    autograd::set_recompute(value, [shard = local.detach(), c = &comm, options, dtype, numel = info.numel,
+                                    shape = info.logical_shape] {
+      return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
+    });
+  }
+  return value;
+}
+
+Tensor ShardedParameter::gather(Communicator& comm) const { return gather_param(param_, comm, param_.data().dtype()); }
+
+Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dtype) const {
+  if (!is_floating(dtype)) fail<DTypeError>("gather_with_compute_dtype", "compute dtype must be floating, got ", dtype_name(dtype));
+  return gather_param(param_, comm, dtype);
+}
+
+std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) {
+  std::size_t count = 0;
+  for (auto& [name, param] : module.named_parameters()) {
+    if (param.is_sharded()) {
+      fail<ShardingError>("fully_shard", "parameter '", name, "' is sharded already");
+    }
+    const Tensor full = param.data();
+    check_storage_dtype("fully_shard", full);
+    auto info = make_info(full.shape(), checked_numel("fully_shard", full.shape()), comm.rank(), comm.world_size());
+    info->policy = policy;
+    info->comm = &comm;
+    info->name = name;
+    // In place: the module's members (and every tied use) see the same Param, now a slice.
+    param.set_data(local_slice(full, *info));
+    param.set_shard(std::move(info));
+    ++count;
+  }
+  return count;
+}
+
+void set_shard_policy(Module& module, const ShardPolicy& policy) {
+  for (auto& [name, param] : module.named_parameters()) {
+    if (param.is_sharded()) param.shard()->policy = policy;
+  }
+}
+
+// --- seed-style layers ---
+
+namespace {
+Param shard_member(const Param& full, int rank, int world_size, const ShardPolicy& policy, const char* name) {
+  Param local = ShardedParameter::from_full(full, rank, world_size).param();
+  local.shard()->policy = policy;
+  local.shard()->name = name;
+  return local;
+}
+}  // namespace
+
+std::shared_ptr<FullyShardedLinear> FullyShardedLinear::from_full(const Linear& layer, int rank, int world_size,
+                                                                  ShardPolicy policy) {
+  auto out = std::make_shared<FullyShardedLinear>();
+  out->weight_ = shard_member(layer.weight, rank, world_size, policy, "weight");
+  out->register_parameter("weight", &out->weight_);
+  if (layer.bias.defined()) {
+    out->bias_ = shard_member(layer.bias, rank, world_size, policy, "bias");
+    out->register_parameter("bias", &out->bias_);
+  }
+  return out;
+}
+
+Tensor FullyShardedLinear::forward(const Tensor& x, Communicator& comm) const {
+  const Tensor w = gather_param(weight_, comm);
+  const Tensor b = bias_.defined() ? gather_param(bias_, comm) : Tensor();
+  return linear(x.dtype() == w.dtype() ? x : cast(x, w.dtype()), w, b);
+}
+
+std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Embedding& layer, int rank, int world_size,
+                                                                        ShardPolicy policy) {
+  auto out = std::make_shared<FullyShardedEmbedding>();
+  out->weight_ = shard_member(layer.weight, rank, world_size, policy, "weight");
+  out->register_parameter("weight", &out->weight_);
+  return out;
+}
+
+Tensor FullyShardedEmbedding::forward(const Tensor& indices, Communicator& comm) const {
+  return embedding(gather_param(weight_, comm), indices);
+}
+
+}  // namespace ruda::nn

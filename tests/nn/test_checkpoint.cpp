@@ -1,0 +1,241 @@
+// Sharded checkpoints: resume equals uninterrupted training (bitwise at the same world size),
+// resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+
+#include "helpers.h"
+#include "sharded_fixture.h"
+
+using namespace ruda;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("ruda-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  std::string str() const { return path.string(); }
+};
+
+// Trains TinyLM fully sharded over comm for steps [from, to), optionally loading a checkpoint
+// first and saving one at the end; returns every step's global loss and the final parameters.
+test::TrainResult train(Communicator& comm, int from, int to, const std::string& load_from, const std::string& save_to,
+                        std::uint64_t* bytes_read = nullptr) {
+  nn::manual_seed(7);
+  test::TinyLM model;
+  nn::fully_shard(model, comm);
+  nn::AdamW opt(model.parameters(), test::adam_options());
+  if (!load_from.empty()) {
+    const auto info = nn::load_checkpoint(load_from, model, &opt, comm);
+    if (info.step != from) throw std::runtime_error("loaded step " + std::to_string(info.step));
+    if (bytes_read) *bytes_read = info.bytes_read;
+  }
+  test::TrainResult r;
+  const int world = comm.world_size();
+  const double count = static_cast<double>(test::kBatch * test::kTime);
+  for (int step = from; step < to; ++step) {
+    const Tensor loss = model.loss_sum(test::part(test::batch_tokens(step), comm.rank(), world),
+                                       test::part(test::batch_targets(step), comm.rank(), world), true) /
+                        count;
+    r.losses.push_back(comm.all_reduce(loss.detach()).item());
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  if (!save_to.empty()) nn::save_checkpoint(save_to, to, model, &opt, comm, {{"model", "tiny"}});
+  r.params = test::snapshot(model);
+  return r;
+}
+
+template <class F>
+test::TrainResult rank0(int world, F fn) {
+  test::TrainResult out;
+  std::mutex m;
+  run_ranks(world, [&](Communicator& comm) {
+    auto r = fn(comm);
+    if (comm.rank() == 0) {
+      std::lock_guard lock(m);
+      out = std::move(r);
+    }
+  });
+  return out;
+}
+
+test::TrainResult concat(const test::TrainResult& a, const test::TrainResult& b) {
+  test::TrainResult out = b;
+  out.losses.insert(out.losses.begin(), a.losses.begin(), a.losses.end());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("resume equals uninterrupted training, bit for bit, at the same world size") {
+  TempDir dir;
+  const auto whole = rank0(3, [&](Communicator& c) { return train(c, 0, 6, "", ""); });
+  const auto first = rank0(3, [&](Communicator& c) { return train(c, 0, 3, "", dir.str()); });
+  const auto second = rank0(3, [&](Communicator& c) { return train(c, 3, 6, dir.str(), ""); });
+  const auto [score, where] = test::compare(concat(first, second), whole, 0, 0);
+  CHECK_MESSAGE(score == 0, "differs at " << where);
+}
+
+TEST_CASE("reshard: saved by 3 ranks, resumed by 2 and by 4") {
+  TempDir dir;
+  const auto whole = rank0(3, [&](Communicator& c) { return train(c, 0, 6, "", ""); });
+  const auto first = rank0(3, [&](Communicator& c) { return train(c, 0, 3, "", dir.str()); });
+  // The consolidated checkpoint is the reference for the loaded parameters.
+  const std::string full = (dir.path / "full.safetensors").string();
+  nn::consolidate_checkpoint(dir.str(), full);
+  safetensors::Reader reference(full);
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    std::vector<std::uint64_t> bytes(world);
+    std::mutex m;
+    std::vector<std::string> mismatches;
+    run_ranks(world, [&](Communicator& comm) {
+      nn::manual_seed(99);  // different initial values: everything must come from the checkpoint
+      test::TinyLM model;
+      nn::fully_shard(model, comm);
+      nn::AdamW opt(model.parameters(), test::adam_options());
+      const auto info = nn::load_checkpoint(dir.str(), model, &opt, comm);
+      bytes[comm.rank()] = info.bytes_read;
+      autograd::NoGradGuard guard;
+      for (auto& [name, p] : model.named_parameters()) {
+        const auto got = p.value().to_vector<double>(), want = reference.read(name).to_vector<double>();
+        if (got != want) {
+          std::lock_guard lock(m);
+          mismatches.push_back(name);
+        }
+      }
+    });
+    CHECK(mismatches.empty());
+    // Each rank read about its share (parameters and both Adam moments), never whole tensors.
+    std::uint64_t param_bytes = 0;
+    for (const auto& t : reference.tensors()) param_bytes += t.end - t.begin;
+    for (int r = 0; r < world; ++r) {
+      INFO("rank " << r << " read " << bytes[r] << " bytes; the model is " << param_bytes);
+      CHECK(bytes[r] < 3 * param_bytes / world + 64 * 1024);
+    }
+    // Training continues with the losses of the uninterrupted run (summation order differs: f32 tolerance).
+    const auto second = rank0(world, [&](Communicator& c) { return train(c, 3, 6, dir.str(), ""); });
+    const auto [score, where] = test::compare(concat(first, second), whole, 1e-6, 1e-5);
+    CHECK_MESSAGE(score <= 1, "differs at " << where);
+  }
+}
+
+TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
+  TempDir dir;
+  run_ranks(2, [&](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::Linear layer(4, 3);
+    nn::fully_shard(layer, comm);
+    for (int step : {10, 20, 30}) nn::save_checkpoint(dir.str(), step, layer, nullptr, comm, {}, /*keep=*/2);
+  });
+  CHECK_FALSE(fs::exists(dir.path / "step-00000010"));
+  CHECK(fs::exists(dir.path / "step-00000020"));
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+  // A step directory without its index (a crash before the index) is never chosen.
+  fs::create_directories(dir.path / "step-00000040");
+  fs::remove(dir.path / "latest");
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+}
+
+TEST_CASE("bad checkpoints raise IOError naming the problem") {
+  TempDir dir;
+  run_ranks(2, [&](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::Linear layer(4, 3);
+    nn::fully_shard(layer, comm);
+    nn::save_checkpoint(dir.str(), 1, layer, nullptr, comm);
+  });
+  const fs::path step = dir.path / "step-00000001";
+  auto load_into = [&](nn::Module& m) {
+    LocalCommunicator local;
+    nn::load_checkpoint(dir.str(), m, nullptr, local);
+  };
+  SUBCASE("a model of another shape") {
+    nn::Linear other(4, 5);
+    test::check_throws<IOError>([&] { load_into(other); }, {"weight", "[4, 3]", "[4, 5]"});
+  }
+  SUBCASE("a missing parameter") {
+    nn::Linear other(4, 3, {.bias = false});
+    test::check_throws<IOError>([&] { load_into(other); }, {"2 parameters", "1"});
+  }
+  SUBCASE("a truncated rank file") {
+    const fs::path f = step / "rank-00001-of-00002.safetensors";
+    fs::resize_file(f, fs::file_size(f) - 5);
+    nn::Linear same(4, 3);
+    test::check_throws<IOError>([&] { load_into(same); }, {"rank-00001-of-00002.safetensors", "outside"});
+  }
+  SUBCASE("a missing rank file") {
+    fs::remove(step / "rank-00000-of-00002.safetensors");
+    nn::Linear same(4, 3);
+    test::check_throws<IOError>([&] { load_into(same); }, {"rank-00000-of-00002.safetensors", "cannot open"});
+  }
+  SUBCASE("a corrupt index") {
+    std::ofstream(step / "index.json") << "{\"format\": \"ruda-sharded-checkpoint\", \"version\": 1, \"step\": ";
+    nn::Linear same(4, 3);
+    test::check_throws<IOError>([&] { load_into(same); }, {"index", "JSON"});
+  }
+  SUBCASE("no checkpoint at all") {
+    nn::Linear same(4, 3);
+    LocalCommunicator local;
+    test::check_throws<IOError>([&] { nn::load_checkpoint((dir.path / "nothing").string(), same, nullptr, local); },
+                                {"does not exist"});
+  }
+}
+
+TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
+  TempDir dir;
+  const std::string path = (dir.path / "t.safetensors").string();
+  const Tensor a = arange(0, 10, 1, DType::f64).reshape({2, 5});
+  const Tensor b = from_values({1.5, -2}, {2}, DType::bf16);
+  safetensors::write(path, {{"a", a}, {"b", b}}, {{"note", "hi"}});
+  safetensors::Reader r(path);
+  CHECK(r.metadata().at("note") == "hi");
+  test::check_close(r.read("a"), a, 0, 0);
+  test::check_close(r.read("b"), b, 0, 0);
+  const std::uint64_t before = r.bytes_read();
+  test::check_close(r.read_range("a", 3, 4), {3, 4, 5, 6}, {4});
+  CHECK(r.bytes_read() - before == 4 * 8);
+  test::check_throws<IOError>([&] { r.read_range("a", 8, 3); }, {"outside", "'a'"});
+  test::check_throws<IOError>([&] { r.read("c"); }, {"no tensor 'c'"});
+
+  auto rejects = [&](const std::string& header, std::uint64_t data_bytes, const std::string& fragment) {
+    std::vector<safetensors::TensorInfo> tensors;
+    std::map<std::string, std::string> metadata;
+    test::check_throws<IOError>([&] { safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata); },
+                                {fragment});
+  };
+  rejects("[1, 2]", 0, "not a JSON object");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 9]}}", 8, "outside");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}", 8, "8 bytes for a [3]");
+  rejects("{\"x\": {\"dtype\": \"Q8\", \"shape\": [1], \"data_offsets\": [0, 1]}}", 8, "unsupported dtype");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}", 8, "invalid extent");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 0]}}", 8, "larger than the file");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
+          " \"y\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [2, 6]}}", 8, "overlap");
+  rejects(std::string(40, '[') + std::string(40, ']'), 0, "nested too deeply");
+  rejects("{\"__metadata__\": {\"k\": 1}}", 0, "not a string");
+}
+
+TEST_CASE("an independent reader (Python) reads the files") {
+  TempDir dir;
+  const std::string path = (dir.path / "x.safetensors").string();
+  const Tensor f = from_values({0.25, -1, 3e5}, {3});
+  const Tensor d = arange(0, 6, 1, DType::f64).reshape({3, 2});
+  const Tensor i = from_values({-7, 9}, {2}, DType::i64);
+  safetensors::write(path, {{"f", f}, {"d", d}, {"i", i}}, {{"who", "ruda"}});
+  const std::string command = "python3 " RUDA_TEST_DATA "/read_safetensors.py " + path +
+                              " 'f=F32:3:0.25,-1,300000' 'd=F64:3x2:0,1,2,3,4,5' 'i=I64:2:-7,9' 'who=ruda'";
+  CHECK(std::system(command.c_str()) == 0);
+}

@@ -1,0 +1,223 @@
+// Layers, modules and losses: values against hand-derived results, gradients against finite
+// differences (f64), and the module contract (names, tying, modes).
+#include <cmath>
+
+#include "helpers.h"
+
+using namespace ruda;
+using test::values;
+
+namespace {
+// Gives every parameter of a module f64 storage, for gradient checks.
+void to_f64(nn::Module& m) {
+  for (auto& p : m.parameters()) p.set_data(p.data().to(DType::f64));
+}
+
+// Gradient check of a module's output with respect to its input and every parameter: the
+// parameters' leaves are passed as inputs, and a shifted value is written into the leaf.
+void check_module_gradients(nn::UnaryModule& m, const Tensor& input) {
+  const auto params = m.parameters();
+  std::vector<Tensor> inputs = {input};
+  for (const auto& p : params) inputs.push_back(p.data());
+  const auto r = gradcheck(
+      [&](const std::vector<Tensor>& in) {
+        std::vector<Tensor> saved;
+        autograd::NoGradGuard guard_outer;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          if (in[i + 1].shares_storage(params[i].data())) continue;
+          saved.push_back(params[i].data().clone());
+          params[i].data().copy_(in[i + 1]);
+        }
+        autograd::set_grad_enabled(true);
+        Tensor out = m.forward(in[0]);
+        autograd::set_grad_enabled(false);
+        std::size_t k = 0;
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          if (!in[i + 1].shares_storage(params[i].data())) params[i].data().copy_(saved[k++]);
+        }
+        return out;
+      },
+      inputs);
+  CHECK_MESSAGE(r.ok, r.message);
+}
+}  // namespace
+
+TEST_CASE("Linear: x @ W + b with [in, out] weights, PyTorch's default init, seeded") {
+  nn::manual_seed(1);
+  nn::Linear a(4, 3);
+  nn::manual_seed(1);
+  nn::Linear b(4, 3);
+  CHECK(a.weight.data().shape() == Shape{4, 3});
+  CHECK(a.bias.data().shape() == Shape{3});
+  CHECK(a.weight.data().to_vector<float>() == b.weight.data().to_vector<float>());
+  CHECK(a.weight.id() != b.weight.id());
+  for (float w : a.weight.data().to_vector<float>()) CHECK(std::abs(w) <= 0.5f);  // 1/sqrt(4)
+  const Tensor x = randn({2, 5, 4}, 3);
+  CHECK_CLOSE(a.forward(x), matmul(x, a.weight.data()) + a.bias.data(), 1e-6, 1e-6);
+  nn::Linear no_bias(4, 3, {.bias = false});
+  CHECK_FALSE(no_bias.bias.defined());
+  CHECK(no_bias.named_parameters().size() == 1);
+  to_f64(a);
+  check_module_gradients(a, randn({3, 4}, 4, 0, DType::f64).set_requires_grad());
+}
+
+TEST_CASE("Embedding, LayerNorm, RMSNorm values and gradients") {
+  nn::manual_seed(2);
+  nn::Embedding e(50, 40, {.std = 0.02});
+  const auto w = e.weight.data().to_vector<double>();
+  double sq = 0;
+  for (double v : w) sq += v * v;
+  CHECK(std::sqrt(sq / w.size()) == doctest::Approx(0.02).epsilon(0.1));
+  const Tensor rows = e.forward(values({49, 0}, {2}, DType::i64));
+  CHECK_CLOSE(rows.slice(0, 0, 1).reshape({40}), e.weight.data().slice(0, 49, 50).reshape({40}), 0, 0);
+
+  nn::LayerNorm ln(3);
+  const double s = std::sqrt(2.0 / 3.0 + 1e-5);
+  CHECK_CLOSE(ln.forward(values({1, 2, 3, 2, 2, 2}, {2, 3})), {-1 / s, 0, 1 / s, 0, 0, 0}, {2, 3}, 1e-5, 1e-5);
+  nn::RMSNorm rms(3);
+  const double r = std::sqrt(14.0 / 3.0 + 1e-6);
+  CHECK_CLOSE(rms.forward(values({1, 2, 3}, {1, 3})), {1 / r, 2 / r, 3 / r}, {1, 3}, 1e-5, 1e-5);
+  // bf16 input: statistics in f32, result back in bf16.
+  CHECK(ln.forward(values({1, 2, 3}, {3}, DType::bf16)).dtype() == DType::bf16);
+
+  to_f64(ln);
+  // Non-trivial affine parameters for the check.
+  {
+    autograd::NoGradGuard guard;
+    ln.weight.data().copy_(values({0.5, -1.5, 2}, {3}, DType::f64));
+    ln.bias.data().copy_(values({0.1, 0.2, -0.3}, {3}, DType::f64));
+  }
+  check_module_gradients(ln, randn({4, 3}, 5, 0, DType::f64).set_requires_grad());
+  to_f64(rms);
+  check_module_gradients(rms, randn({4, 3}, 6, 0, DType::f64).set_requires_grad());
+}
+
+TEST_CASE("activations and Dropout modes") {
+  const Tensor x = values({-1, 0, 2}, {3});
+  CHECK_CLOSE(nn::ReLU().forward(x), {0, 0, 2}, {3});
+  CHECK_CLOSE(nn::Tanh().forward(x), {std::tanh(-1.0), 0, std::tanh(2.0)}, {3}, 1e-6, 1e-6);
+  CHECK_CLOSE(nn::Sigmoid().forward(x), {1 / (1 + std::exp(1.0)), 0.5, 1 / (1 + std::exp(-2.0))}, {3}, 1e-6, 1e-6);
+  CHECK_CLOSE(nn::SiLU().forward(x), {-1 / (1 + std::exp(1.0)), 0, 2 / (1 + std::exp(-2.0))}, {3}, 1e-6, 1e-6);
+  CHECK_CLOSE(nn::GELU().forward(x), {-0.15865525, 0, 1.9544997}, {3}, 1e-6, 1e-5);
+  nn::Dropout drop(0.5, 9);
+  const Tensor ones_in = ones({1000});
+  const Tensor a = drop.forward(ones_in), b = drop.forward(ones_in);
+  CHECK(a.to_vector<float>() != b.to_vector<float>());  // fresh draws each call
+  drop.eval();
+  CHECK(drop.forward(ones_in).shares_storage(ones_in));
+  test::check_throws<ArgumentError>([] { nn::Dropout(1.0); }, {"Dropout", "1"});
+}
+
+TEST_CASE("modules: dotted names, tied parameters once, train/eval everywhere") {
+  nn::manual_seed(3);
+  nn::Sequential seq({std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(8, 2)});
+  std::vector<std::string> names;
+  for (auto& [name, p] : seq.named_parameters()) names.push_back(name);
+  CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
+  CHECK(seq.parameter_count() == 4 * 8 + 8 + 8 * 2 + 2);
+  CHECK(seq.forward(zeros({5, 4})).shape() == Shape{5, 2});
+
+  nn::GPT tied({.vocabulary = 16, .context = 8, .d_model = 8, .layers = 2, .heads = 2, .tied_head = true});
+  nn::GPT untied({.vocabulary = 16, .context = 8, .d_model = 8, .layers = 2, .heads = 2, .tied_head = false});
+  CHECK(untied.parameter_count() - tied.parameter_count() == 16 * 8);
+  bool has_block_weight = false;
+  for (auto& [name, p] : tied.named_parameters()) has_block_weight |= name == "blocks.1.attn.qkv.weight";
+  CHECK(has_block_weight);
+  const Tensor logits = tied.forward(randint({3, 5}, 0, 16, 1));
+  CHECK(logits.shape() == Shape{3, 5, 16});
+
+  // A Param assigned to two places is one parameter.
+  struct Pair : nn::Module {
+    nn::Param a, b;
+    Pair() {
+      a = nn::Param(zeros({2}));
+      b = a;
+      register_parameter("a", &a);
+      register_parameter("b", &b);
+    }
+  } pair;
+  CHECK(pair.named_parameters().size() == 1);
+
+  tied.eval();
+  CHECK_FALSE(tied.blocks[0]->attn->is_training());
+  tied.train();
+  CHECK(tied.blocks[0]->mlp->is_training());
+}
+
+TEST_CASE("causal self-attention: no information flows from the future; gradients") {
+  nn::manual_seed(4);
+  nn::CausalSelfAttention attn(8, 2);
+  const Tensor x = randn({2, 5, 8}, 1);
+  const Tensor y = attn.forward(x);
+  // Change the last time step: earlier outputs must not move.
+  const Tensor x2 = slice_assign(x, 1, 4, 5, randn({2, 1, 8}, 2));
+  const Tensor y2 = attn.forward(x2);
+  CHECK_CLOSE(y2.slice(1, 0, 4), y.slice(1, 0, 4), 0, 0);
+  CHECK(y2.slice(1, 4, 5).to_vector<float>() != y.slice(1, 4, 5).to_vector<float>());
+  // The first step attends to itself only: softmax over one score is 1.
+  const Tensor v_first = attn.qkv->forward(x).slice(2, 16, 24).slice(1, 0, 1);
+  CHECK_CLOSE(y.slice(1, 0, 1), attn.proj->forward(v_first), 1e-5, 1e-5);
+  to_f64(attn);
+  check_module_gradients(attn, randn({1, 3, 8}, 3, 0, DType::f64).set_requires_grad());
+  nn::TransformerBlock block(8, 2, 16);
+  to_f64(block);
+  check_module_gradients(block, randn({1, 3, 8}, 4, 0, DType::f64).set_requires_grad());
+}
+
+TEST_CASE("losses: values") {
+  const Tensor a = values({1, 2, 3}, {3}), b = values({2, 2, 5}, {3});
+  CHECK(nn::mse_loss(a, b).item() == doctest::Approx(5.0 / 3));
+  CHECK(nn::mse_loss(a, b, nn::LossReduction::sum).item() == doctest::Approx(5));
+  CHECK(nn::l1_loss(a, b).item() == doctest::Approx(1));
+  CHECK_CLOSE(nn::l1_loss(a, b, nn::LossReduction::none), {1, 0, 2}, {3});
+
+  const Tensor logits = values({1, 2, 3, 1, 1, 1}, {2, 3});
+  const Tensor targets = values({2, 0}, {2}, DType::i64);
+  const double lse0 = std::log(std::exp(1) + std::exp(2) + std::exp(3)), lse1 = 1 + std::log(3.0);
+  const double l0 = lse0 - 3, l1 = lse1 - 1;
+  CHECK(nn::cross_entropy(logits, targets).item() == doctest::Approx((l0 + l1) / 2));
+  CHECK(nn::cross_entropy(logits, targets, {.reduction = nn::LossReduction::sum}).item() == doctest::Approx(l0 + l1));
+  // Ignored targets count neither in the sum nor in the mean.
+  CHECK(nn::cross_entropy(logits, values({2, -100}, {2}, DType::i64)).item() == doctest::Approx(l0));
+  // Class weights: the mean divides by the targets' weights.
+  const Tensor w = values({2, 1, 0.5}, {3});
+  CHECK(nn::cross_entropy(logits, targets, {.weight = w}).item() == doctest::Approx((0.5 * l0 + 2 * l1) / 2.5));
+  // Label smoothing 0.3: 0.7 * nll + 0.3 * mean over classes of -log p.
+  const double smooth0 = (3 * lse0 - 6) / 3, smooth1 = lse1 - 1;
+  CHECK(nn::cross_entropy(logits, targets, {.label_smoothing = 0.3}).item() ==
+        doctest::Approx((0.7 * l0 + 0.3 * smooth0 + 0.7 * l1 + 0.3 * smooth1) / 2));
+  // [batch, time, classes] logits with [batch, time] targets.
+  CHECK(nn::cross_entropy(logits.reshape({1, 2, 3}), targets.reshape({1, 2})).item() == doctest::Approx((l0 + l1) / 2));
+  CHECK(nn::nll_loss(log_softmax(logits, 1), targets).item() == doctest::Approx((l0 + l1) / 2));
+  // BCE with logits: -(t log s(x) + (1 - t) log(1 - s(x))).
+  const Tensor x = values({0.5, -2, 30}, {3}), t = values({1, 0, 1}, {3});
+  auto bce = [](double x, double t) {
+    const double s = 1 / (1 + std::exp(-x));
+    return -(t * std::log(s) + (1 - t) * std::log(1 - s));
+  };
+  CHECK(nn::binary_cross_entropy_with_logits(x, t).item() == doctest::Approx((bce(0.5, 1) + bce(-2, 0) + bce(30, 1)) / 3));
+  CHECK(nn::binary_cross_entropy_with_logits(x, t, nn::LossReduction::sum, values({3, 3, 3}, {3})).item() ==
+        doctest::Approx(3 * bce(0.5, 1) + bce(-2, 0) + 3 * bce(30, 1)).epsilon(1e-5));
+  test::check_throws<ShapeError>([&] { nn::cross_entropy(logits, values({1}, {1}, DType::i64)); },
+                                 {"nll_loss", "[1]", "[2, 3]"});
+  test::check_throws<DTypeError>([&] { nn::cross_entropy(logits, values({1, 1}, {2})); }, {"i64", "f32"});
+}
+
+TEST_CASE("losses: gradients") {
+  const Tensor targets = values({2, 0, 1, -100}, {4}, DType::i64);
+  const Tensor w = values({2, 1, 0.5}, {3}, DType::f64);
+  auto check = [&](const nn::CrossEntropyOptions& o) {
+    const auto r = gradcheck([&](const std::vector<Tensor>& in) { return nn::cross_entropy(in[0], targets, o); },
+                             {randn({4, 3}, 7, 0, DType::f64).set_requires_grad()});
+    CHECK_MESSAGE(r.ok, r.message);
+  };
+  check({});
+  check({.label_smoothing = 0.2, .weight = w});
+  check({.reduction = nn::LossReduction::none});
+  const auto r = gradcheck(
+      [](const std::vector<Tensor>& in) {
+        return nn::binary_cross_entropy_with_logits(in[0], in[1], nn::LossReduction::mean, values({2, 2, 2}, {3}, DType::f64));
+      },
+      {randn({3}, 8, 0, DType::f64).set_requires_grad(), rand({3}, 9, 0, DType::f64).set_requires_grad()});
+  CHECK_MESSAGE(r.ok, r.message);
+}

@@ -1,0 +1,49 @@
+// Fully sharded training equals dense training under mpiexec (run with 2 and 3 ranks): the same
+// fixture as the emulated-rank tests, over MPI processes.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+#include <ruda/mpi.h>
+
+#include "nn/sharded_fixture.h"
+
+using namespace ruda;
+
+namespace {
+Communicator* g_comm = nullptr;
+}
+
+TEST_CASE("fully sharded TinyLM over MPI equals dense") {
+  const test::TrainResult dense = test::train_tiny_dense(g_comm->world_size(), 4);
+  const test::TrainResult sharded = test::train_tiny_sharded(*g_comm, 4);
+  const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
+  CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
+}
+
+TEST_CASE("the seed's layers over MPI equal dense") {
+  const test::TrainResult dense = test::train_seed_dense(4);
+  const test::TrainResult sharded = test::train_seed_sharded(*g_comm, 4);
+  const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
+  CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
+}
+
+TEST_CASE("Recompute over MPI with the order check on") {
+  g_comm->set_order_check(true);
+  const test::TrainResult dense = test::train_tiny_dense(g_comm->world_size(), 2);
+  const test::TrainResult sharded = test::train_tiny_sharded(*g_comm, 2, {.strategy = nn::CheckpointStrategy::retain});
+  const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
+  CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
+  g_comm->set_order_check(false);
+}
+
+int main(int argc, char** argv) {
+  MpiEnvironment mpi(argc, argv);
+  return mpi_abort_on_exception([&] {
+    MpiCommunicator comm;
+    g_comm = &comm;
+    doctest::Context context(argc, argv);
+    const int failed = context.run();
+    // Every rank must agree on the outcome, or one rank's exit would leave the others hanging.
+    const double any = comm.all_reduce(scalar(failed ? 1.0 : 0.0, DType::f64), Reduction::max).item();
+    return any > 0 ? 1 : 0;
+  });
+}
