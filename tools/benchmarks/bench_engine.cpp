@@ -1,0 +1,95 @@
+// Engine suites: GEMM through ruda against Eigen called directly on the same buffers, the
+// overhead of one small op with and without autodiff, and one forward+backward of an MLP.
+#include <string>
+
+#include <ruda/ruda.h>
+#include <Eigen/Core>
+
+#include "bench.h"
+
+namespace ruda::bench {
+namespace {
+
+void gemm_suite(Context& ctx) {
+  struct Shape3 {
+    std::int64_t m, k, n;
+  };
+  std::vector<Shape3> shapes = {
+      {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}, {128, 1024, 1024}, {1024, 128, 1024}};
+  if (ctx.quick) shapes.resize(2);
+  for (const auto& s : shapes) {
+    const Tensor a = randn({s.m, s.k}, 1), b = randn({s.k, s.n}, 2);
+    Tensor c;
+    const double flops = 2.0 * s.m * s.k * s.n;
+    const Stats ruda_time = measure(ctx, [&] { c = matmul(a, b); });
+    // The peer: Eigen's GEMM on the same row-major buffers, into a preallocated result.
+    using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+    Eigen::Map<const Matrix> ea(a.data<float>(), s.m, s.k), eb(b.data<float>(), s.k, s.n);
+    Matrix ec(s.m, s.n);
+    num_threads();  // the same intra-op thread count as ruda's kernels
+    const Stats eigen_time = measure(ctx, [&] { ec.noalias() = ea * eb; });
+    Result r;
+    r.suite = "gemm";
+    r.name = "f32 " + std::to_string(s.m) + "x" + std::to_string(s.k) + "x" + std::to_string(s.n) + " (MxKxN)";
+    r.backend = ctx.backend;
+    r.unit = "GFLOP/s";
+    r.value = rate(ruda_time, flops * 1e-9);
+    r.peer = rate(eigen_time, flops * 1e-9);
+    r.peer_name = "Eigen direct";
+    ctx.report(r);
+  }
+}
+
+void overhead_suite(Context& ctx) {
+  const Tensor a = rand({16}, 1), b = rand({16}, 2);
+  const Tensor ga = a.clone().set_requires_grad(), gb = b.clone().set_requires_grad();
+  constexpr int kOps = 10000;
+  auto run = [&](const Tensor& x, const Tensor& y) {
+    return measure(ctx, [&] {
+      for (int i = 0; i < kOps; ++i) {
+        Tensor z = x + y;
+      }
+    });
+  };
+  for (bool grad : {false, true}) {
+    Result r;
+    r.suite = "op-overhead";
+    r.name = grad ? "add 16 elements, autodiff on" : "add 16 elements, autodiff off";
+    r.backend = ctx.backend;
+    r.unit = "ns/op";
+    r.value = scaled(grad ? run(ga, gb) : run(a, b), 1e9 / kOps);
+    ctx.report(r);
+  }
+}
+
+void mlp_suite(Context& ctx) {
+  // 784-1024-1024-10 with ReLU at batch 128: forward, cross-entropy, backward.
+  const std::int64_t batch = 128;
+  const Tensor x = rand({batch, 784}, 1);
+  const Tensor labels = randint({batch}, 0, 10, 2);
+  std::vector<Tensor> params = {randn({784, 1024}, 3) * 0.03,  zeros({1024}),
+                                randn({1024, 1024}, 4) * 0.03, zeros({1024}),
+                                randn({1024, 10}, 5) * 0.03,   zeros({10})};
+  for (auto& p : params) p = p.detach().set_requires_grad();
+  auto step = [&] {
+    Tensor h = relu(linear(x, params[0], params[1]));
+    h = relu(linear(h, params[2], params[3]));
+    const Tensor logits = linear(h, params[4], params[5]);
+    const Tensor loss = -mean(take_along_axis(log_softmax(logits, 1), labels.unsqueeze(1), 1));
+    for (auto& p : params) p.zero_grad();
+    loss.backward();
+  };
+  Result r;
+  r.suite = "mlp";
+  r.name = "784-1024-1024-10 fwd+bwd, batch 128";
+  r.backend = ctx.backend;
+  r.unit = "ms";
+  r.value = scaled(measure(ctx, step, 3), 1e3);
+  ctx.report(r);
+}
+
+const bool registered = register_suite("gemm", gemm_suite) && register_suite("op-overhead", overhead_suite) &&
+                        register_suite("mlp", mlp_suite);
+
+}  // namespace
+}  // namespace ruda::bench

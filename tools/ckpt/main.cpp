@@ -1,0 +1,66 @@
+// ruda-ckpt: lists, verifies, consolidates and splits ruda's sharded safetensors checkpoints.
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <ruda/nn.h>
+
+int main(int argc, char** argv) {
+  using namespace ruda;
+  CLI::App app{"ruda-ckpt: inspect and convert ruda's sharded checkpoints"};
+  app.require_subcommand(1);
+  std::string path, output;
+  int world = 0;
+  std::int64_t step = 0;
+  auto* list = app.add_subcommand("list", "Print a checkpoint's parameters, shapes, world size and extra state");
+  list->add_option("checkpoint", path, "A checkpoint directory (its latest step) or a step directory")->required();
+  auto* verify = app.add_subcommand("verify", "Check every file and read every byte of every piece");
+  verify->add_option("checkpoint", path, "A checkpoint directory or a step directory")->required();
+  auto* consolidate = app.add_subcommand("consolidate", "Write one full safetensors file of the model's parameters");
+  consolidate->add_option("checkpoint", path, "A checkpoint directory or a step directory")->required();
+  consolidate->add_option("output", output, "The .safetensors file to write")->required();
+  auto* split = app.add_subcommand("split", "Cut a full safetensors file into a sharded checkpoint");
+  split->add_option("input", path, "A full .safetensors file (e.g. from consolidate)")->required();
+  split->add_option("--world", world, "Number of ranks")->required()->check(CLI::PositiveNumber);
+  split->add_option("--out", output, "Checkpoint directory to create")->required();
+  split->add_option("--step", step, "Step number of the new checkpoint")->check(CLI::NonNegativeNumber);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "ruda-ckpt: error: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
+  try {
+    if (list->parsed()) {
+      const nn::CheckpointSummary s = nn::describe_checkpoint(path);
+      std::cout << s.info.directory << ": step " << s.info.step << ", " << s.info.world_size << " ranks, "
+                << s.params.size() << " parameters";
+      if (s.optimizer_steps >= 0) std::cout << ", optimizer state after " << s.optimizer_steps << " steps";
+      std::cout << "\n";
+      std::int64_t total = 0;
+      for (const auto& p : s.params) {
+        std::cout << "  " << p.name << "  " << dtype_name(p.dtype) << " " << to_string(p.shape) << (p.sharded ? "" : "  (dense)");
+        for (const auto& st : p.optimizer_state) std::cout << "  +" << st;
+        std::cout << "\n";
+        total += shape_numel(p.shape);
+      }
+      std::cout << "  " << total << " elements\n";
+      for (const auto& [k, v] : s.info.extra) std::cout << "  " << k << " = " << v << "\n";
+    } else if (verify->parsed()) {
+      const std::uint64_t bytes = nn::verify_checkpoint(path);
+      std::cout << nn::resolve_checkpoint(path) << ": ok, " << bytes << " bytes of tensor data checked\n";
+    } else if (consolidate->parsed()) {
+      nn::consolidate_checkpoint(path, output);
+      std::cout << "wrote " << output << "\n";
+    } else if (split->parsed()) {
+      const nn::CheckpointInfo info = nn::split_checkpoint(path, world, output, step);
+      std::cout << "wrote " << info.directory << " for " << world << " ranks\n";
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "ruda-ckpt: error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

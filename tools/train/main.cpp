@@ -1,0 +1,561 @@
+// ruda-train: trains a fully sharded model across MPI ranks (mpiexec -n N ruda-train ...), across
+// ranks emulated as threads (--emulate N), or alone. Models: `mlp` on Fashion-MNIST, and `lm`, a
+// byte-level GPT-style language model on any text.
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <numbers>
+#include <tuple>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <ruda/nn.h>
+#ifdef RUDA_TRAIN_WITH_MPI
+#include <ruda/mpi.h>
+#endif
+
+#include "report.h"
+
+namespace {
+
+using namespace ruda;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+struct Config {
+  std::string model;
+  std::string backend;
+  std::string dtype = "f32";
+  std::string strategy = "recompute";
+  std::int64_t epochs = 10;
+  std::int64_t steps = 0;
+  std::int64_t batch = 0;
+  double lr = 1e-3;
+  double weight_decay = 0.01;
+  std::string schedule = "constant";
+  std::int64_t warmup = 0;
+  std::uint64_t seed = 1;
+  double clip = 0;
+  std::string checkpoint_dir;
+  std::int64_t checkpoint_every = 0;
+  std::string resume;
+  bool resume_latest = false;
+  std::string metrics;
+  int emulate = 0;
+  std::int64_t log_every = 100;
+  bool check_collectives = false;
+  // mlp
+  std::string data = nn::kFashionMnistDir;
+  std::vector<std::int64_t> hidden = {1024, 1024};
+  std::int64_t limit = 0, test_limit = 0;
+  // lm
+  std::string text = "/usr/share/games/fortunes";
+  std::int64_t context = 128, d_model = 256, layers = 4, heads = 4;
+  bool untied = false;
+  std::int64_t eval_every = 200, eval_batches = 8;
+  std::int64_t sample = 0;
+  std::string prompt = "\n";
+  double temperature = 0.8;
+};
+
+// An error already reported to the user: exit non-zero without printing more.
+struct Reported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+bool launched_by_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+}
+int launcher_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  }
+  return 0;
+}
+
+void print_error(const std::string& message) { std::cerr << "ruda-train: error: " << message << std::endl; }
+
+// Every rank learns whether any rank failed a setup phase; the lowest failing rank prints its
+// message, and every rank leaves with a non-zero exit instead of waiting in a collective.
+void agree(Communicator& comm, const std::string& error) {
+  autograd::NoGradGuard guard;
+  const double mine = error.empty() ? comm.world_size() : comm.rank();
+  const int first = static_cast<int>(comm.all_reduce(scalar(-mine, DType::f64), Reduction::max, {.tag = "setup"}).item() * -1);
+  if (first == comm.world_size()) return;
+  if (first == comm.rank()) print_error(error);
+  throw Reported("setup failed on rank " + std::to_string(first));
+}
+
+template <class F>
+void setup_phase(Communicator& comm, F&& f) {
+  std::string error;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  agree(comm, error);
+}
+
+// --- the two models ---
+
+struct Task {
+  virtual ~Task() = default;
+  virtual std::string description() const = 0;
+  virtual nn::Module& module() = 0;
+  virtual std::int64_t total_steps() const = 0;
+  virtual std::int64_t samples_per_step() const = 0;
+  /// This rank's loss for global step `step`, already divided by the step's global count.
+  virtual Tensor loss(std::int64_t step) = 0;
+  virtual std::string where(std::int64_t step) const = 0;
+  /// Evaluation after `step`, or an empty object when none is due.
+  virtual json evaluate(std::int64_t step, bool final) = 0;
+  virtual void after_training() {}
+};
+
+DType compute_dtype(const Config& c) { return parse_dtype(c.dtype); }
+
+// Fashion-MNIST, loaded once per process: emulated ranks share it (it is only read).
+std::pair<nn::ImageDataset, nn::ImageDataset> datasets(const Config& cfg) {
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<nn::ImageDataset, nn::ImageDataset>> cache;
+  std::lock_guard lock(mutex);
+  const std::string key = cfg.data + "|" + std::to_string(cfg.limit) + "|" + std::to_string(cfg.test_limit);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    memory::Scope untracked;  // shared data is not any one rank's memory
+    nn::ImageDataset train = nn::load_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
+    nn::ImageDataset test = nn::load_fashion_mnist(cfg.data, false, cfg.test_limit);
+    it = cache.emplace(key, std::make_pair(std::move(train), std::move(test))).first;
+  }
+  return it->second;
+}
+
+struct MlpTask : Task {
+  const Config& cfg;
+  Communicator& comm;
+  nn::ImageDataset train, test;
+  std::shared_ptr<nn::Sequential> model;
+  std::unique_ptr<nn::BatchSampler> sampler;
+
+  MlpTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
+    std::tie(train, test) = datasets(cfg);
+    nn::manual_seed(cfg.seed);
+    model = std::make_shared<nn::Sequential>();
+    std::int64_t in = train.rows * train.cols;
+    for (std::int64_t h : cfg.hidden) {
+      model->push_back(std::make_shared<nn::Linear>(in, h));
+      model->push_back(std::make_shared<nn::ReLU>());
+      in = h;
+    }
+    model->push_back(std::make_shared<nn::Linear>(in, 10));
+    sampler = std::make_unique<nn::BatchSampler>(train.size(), cfg.batch, comm.rank(), comm.world_size(), cfg.seed);
+  }
+  std::string description() const override {
+    // (built with += rather than "mlp " + ...: GCC 12 warns falsely on that form, bug 105329)
+    std::string d = "mlp ";
+    d += std::to_string(train.rows * train.cols);
+    for (auto h : cfg.hidden) {
+      d += '-';
+      d += std::to_string(h);
+    }
+    return d + "-10";
+  }
+  nn::Module& module() override { return *model; }
+  std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
+  std::int64_t samples_per_step() const override { return cfg.batch; }
+  std::string where(std::int64_t step) const override {
+    return "epoch " + std::to_string(step / sampler->batches_per_epoch() + 1) + "/" + std::to_string(cfg.epochs);
+  }
+  Tensor loss(std::int64_t step) override {
+    const std::int64_t per_epoch = sampler->batches_per_epoch();
+    const Tensor idx = sampler->indices(step / per_epoch, step % per_epoch);
+    const Tensor logits = model->forward(nn::take_rows(train.images, idx));
+    return nn::cross_entropy(cast(logits, DType::f32), nn::take_rows(train.labels, idx),
+                             {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(cfg.batch);
+  }
+  json evaluate(std::int64_t step, bool final) override {
+    const bool epoch_end = (step + 1) % sampler->batches_per_epoch() == 0;
+    if (!epoch_end && !final) return {};
+    // Each rank scores an equal share of the test set (padded; padding rows are not counted), so
+    // every rank runs the same number of forward passes and so the same collectives.
+    autograd::NoGradGuard guard;
+    const std::int64_t n = test.size(), world = comm.world_size();
+    const std::int64_t share = (n + world - 1) / world, chunk = 1000;
+    double correct = 0, loss_sum = 0;
+    for (std::int64_t first = 0; first < share; first += chunk) {
+      const std::int64_t lo = std::min(n, comm.rank() * share + first);
+      const std::int64_t hi = std::min(n, std::min(comm.rank() * share + share, comm.rank() * share + first + chunk));
+      const std::int64_t rows = std::min(chunk, share - first);
+      Tensor x = zeros({rows, test.rows * test.cols});
+      if (hi > lo) x = slice_assign(x, 0, 0, hi - lo, test.images.slice(0, lo, hi));
+      const Tensor logits = cast(model->forward(x), DType::f32);
+      if (hi > lo) {
+        const Tensor real = logits.slice(0, 0, hi - lo);
+        const Tensor labels = test.labels.slice(0, lo, hi);
+        correct += sum(eq(argmax(real, 1), labels).to(DType::f64)).item();
+        loss_sum += nn::cross_entropy(real, labels, {.reduction = nn::LossReduction::sum}).item();
+      }
+    }
+    const auto totals = comm.all_reduce(from_values({correct, loss_sum}, {2}, DType::f64)).to_vector<double>();
+    return {{"test_accuracy", totals[0] / static_cast<double>(n)}, {"test_loss", totals[1] / static_cast<double>(n)}};
+  }
+};
+
+struct LmTask : Task {
+  const Config& cfg;
+  Communicator& comm;
+  std::vector<std::uint8_t> bytes;
+  std::int64_t train_end = 0;
+  std::shared_ptr<nn::GPT> model;
+
+  LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
+    bytes = nn::load_text_bytes(cfg.text);
+    train_end = static_cast<std::int64_t>(bytes.size()) * 9 / 10;
+    if (static_cast<std::int64_t>(bytes.size()) - train_end < cfg.context + 2 || train_end < cfg.context + 2) {
+      throw IOError(cfg.text + ": " + std::to_string(bytes.size()) + " bytes are too few for context " +
+                    std::to_string(cfg.context));
+    }
+    nn::manual_seed(cfg.seed);
+    model = std::make_shared<nn::GPT>(nn::GPTConfig{.vocabulary = 256,
+                                                    .context = cfg.context,
+                                                    .d_model = cfg.d_model,
+                                                    .layers = cfg.layers,
+                                                    .heads = cfg.heads,
+                                                    .tied_head = !cfg.untied});
+  }
+  std::string description() const override {
+    return "lm vocab=256 context=" + std::to_string(cfg.context) + " d=" + std::to_string(cfg.d_model) +
+           " layers=" + std::to_string(cfg.layers) + " heads=" + std::to_string(cfg.heads) + (cfg.untied ? " untied" : " tied");
+  }
+  nn::Module& module() override { return *model; }
+  std::int64_t total_steps() const override { return cfg.steps; }
+  std::int64_t samples_per_step() const override { return cfg.batch; }
+  std::string where(std::int64_t) const override { return ""; }
+
+  // Windows [pos, pos + context + 1) of the given range, for this rank's part of a global batch
+  // of `batch` windows drawn from stream (seed, step).
+  std::pair<Tensor, Tensor> windows(std::int64_t begin, std::int64_t end, std::uint64_t stream, std::int64_t step,
+                                    std::int64_t batch) {
+    const std::int64_t local = batch / comm.world_size(), t = cfg.context;
+    std::vector<std::int64_t> x(static_cast<std::size_t>(local * t)), y(x.size());
+    for (std::int64_t i = 0; i < local; ++i) {
+      const std::int64_t sample = step * batch + comm.rank() * local + i;
+      const double u = random::uniform_double(stream, static_cast<std::uint64_t>(sample));
+      const std::int64_t pos = begin + static_cast<std::int64_t>(u * static_cast<double>(end - begin - t - 1));
+      for (std::int64_t j = 0; j < t; ++j) {
+        x[i * t + j] = bytes[pos + j];
+        y[i * t + j] = bytes[pos + j + 1];
+      }
+    }
+    return {from_vector(x, {local, t}), from_vector(y, {local, t})};
+  }
+  Tensor loss(std::int64_t step) override {
+    const auto [x, y] = windows(0, train_end, cfg.seed, step, cfg.batch);
+    const Tensor logits = model->forward(x);
+    return nn::cross_entropy(cast(logits, DType::f32), y, {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(cfg.batch * cfg.context);
+  }
+  json evaluate(std::int64_t step, bool final) override {
+    if (!final && (cfg.eval_every <= 0 || (step + 1) % cfg.eval_every != 0)) return {};
+    autograd::NoGradGuard guard;
+    double loss_sum = 0;
+    for (std::int64_t b = 0; b < cfg.eval_batches; ++b) {
+      // Fixed validation windows (their own stream), the same at every evaluation.
+      const auto [x, y] = windows(train_end, static_cast<std::int64_t>(bytes.size()), cfg.seed ^ 0x5eed, b, cfg.batch);
+      loss_sum += nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
+    }
+    const double total = comm.all_reduce(scalar(loss_sum, DType::f64)).item();
+    const double loss = total / static_cast<double>(cfg.eval_batches * cfg.batch * cfg.context);
+    return {{"val_loss", loss}, {"val_bits_per_byte", loss / std::numbers::ln2}};
+  }
+  void after_training() override {
+    if (cfg.sample <= 0) return;
+    // Every rank samples the same bytes (same logits, same draws): the model's gathers stay in step.
+    autograd::NoGradGuard guard;
+    model->eval();
+    std::vector<std::int64_t> tokens(cfg.prompt.begin(), cfg.prompt.end());
+    if (tokens.empty()) tokens.push_back('\n');
+    std::string out;
+    for (std::int64_t i = 0; i < cfg.sample; ++i) {
+      const std::int64_t from = std::max<std::int64_t>(0, static_cast<std::int64_t>(tokens.size()) - cfg.context);
+      std::vector<std::int64_t> window(tokens.begin() + from, tokens.end());
+      const std::int64_t t = static_cast<std::int64_t>(window.size());
+      const Tensor logits = cast(model->forward(from_vector(window, {1, t})), DType::f32).slice(1, t - 1, t).reshape({256});
+      std::int64_t next;
+      if (cfg.temperature <= 0) {
+        next = static_cast<std::int64_t>(argmax(logits, 0).item());
+      } else {
+        const auto p = softmax(logits / cfg.temperature, 0).to_vector<double>();
+        double u = random::uniform_double(cfg.seed ^ 0x5a3, static_cast<std::uint64_t>(i)), acc = 0;
+        next = 255;
+        for (int k = 0; k < 256; ++k) {
+          acc += p[k];
+          if (u < acc) {
+            next = k;
+            break;
+          }
+        }
+      }
+      tokens.push_back(next);
+      out.push_back(static_cast<char>(next));
+    }
+    if (comm.rank() == 0) std::cout << "--- sample ---\n" << cfg.prompt << out << "\n--------------" << std::endl;
+  }
+};
+
+// --- the training loop ---
+
+void run(const Config& cfg, Communicator& comm) {
+  // This rank's own memory figures (emulated ranks and MPI processes alike); the dataset shared
+  // by a process is loaded outside it.
+  memory::Scope rank_memory;
+  if (cfg.check_collectives) comm.set_order_check(true);
+  const bool main_rank = comm.rank() == 0;
+  std::unique_ptr<Task> task;
+  std::unique_ptr<nn::Optimizer> optimizer;
+  std::int64_t start_step = 0;
+  const auto begin = std::chrono::steady_clock::now();
+
+  setup_phase(comm, [&] {
+    if (!cfg.backend.empty()) set_default_backend(cfg.backend);
+    if (cfg.batch % comm.world_size() != 0) {
+      throw ArgumentError("--batch " + std::to_string(cfg.batch) + " does not divide over " +
+                          std::to_string(comm.world_size()) + " ranks");
+    }
+    task = cfg.model == "mlp" ? std::unique_ptr<Task>(std::make_unique<MlpTask>(cfg, comm))
+                              : std::unique_ptr<Task>(std::make_unique<LmTask>(cfg, comm));
+    nn::ShardPolicy policy;
+    policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
+    if (compute_dtype(cfg) != DType::f32) policy.compute_dtype = compute_dtype(cfg);
+    nn::fully_shard(task->module(), comm, policy);
+    optimizer = std::make_unique<nn::AdamW>(task->module().parameters(),
+                                            nn::AdamWOptions{.lr = cfg.lr, .weight_decay = cfg.weight_decay});
+    const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
+    if (!from.empty()) {
+      // The model description first: a checkpoint of another model is named as such, not as a shape mismatch.
+      const nn::CheckpointSummary found = nn::describe_checkpoint(from);
+      const auto model = found.info.extra.find("model");
+      if (model == found.info.extra.end() || model->second != task->description()) {
+        throw IOError("checkpoint " + found.info.directory + " holds model '" +
+                      (model == found.info.extra.end() ? "?" : model->second) + "', this run trains '" +
+                      task->description() + "'");
+      }
+      const nn::CheckpointInfo info = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm);
+      start_step = info.step;
+      if (main_rank) {
+        std::cout << "resumed from " << info.directory << " at step " << start_step << " (saved by "
+                  << info.world_size << " ranks, now " << comm.world_size() << ")" << std::endl;
+      }
+    }
+  });
+
+  const std::int64_t total = task->total_steps();
+  train::Metrics metrics;
+  setup_phase(comm, [&] {
+    if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
+  });
+  if (main_rank) {
+    std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
+              << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "") << ", backend "
+              << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy << ", " << total - start_step
+              << " steps" << std::endl;
+  }
+  const nn::Schedule schedule = cfg.schedule == "cosine" ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
+                                                         : nn::schedules::linear_warmup(cfg.lr, cfg.warmup);
+  train::Progress progress(main_rank, total, cfg.log_every);
+  progress.set_first_step(start_step);
+  const auto params = task->module().parameters();
+  double rate = 0, last_loss = 0;
+  json last_eval;
+  auto peaks = [&] {
+    return comm.all_gather(scalar(static_cast<double>(memory::stats().peak_bytes), DType::f64).reshape({1})).to_vector<double>();
+  };
+  auto save = [&](std::int64_t step) {
+    std::map<std::string, std::string> extra = {{"model", task->description()}, {"seed", std::to_string(cfg.seed)},
+                                                {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}};
+    const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
+    progress.line("checkpoint " + info.directory);
+  };
+
+  for (std::int64_t step = start_step; step < total; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    optimizer->set_lr(schedule(step));
+    const Tensor loss = task->loss(step);
+    optimizer->zero_grad();
+    loss.backward();
+    double norm = -1;
+    if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &comm);
+    optimizer->step();
+    last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
+    if (!std::isfinite(last_loss)) throw std::runtime_error("loss became " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double current = static_cast<double>(task->samples_per_step()) / seconds;
+    rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
+    progress.step(step, task->where(step), last_loss, rate);
+    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) save(step + 1);
+    const bool final = step + 1 == total;
+    json eval = task->evaluate(step, final);
+    const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
+    if (log) {
+      const auto peak = peaks();
+      if (main_rank) {
+        json record = {{"step", step + 1}, {"loss", last_loss}, {"lr", optimizer->lr()}, {"samples_per_s", rate},
+                       {"peak_memory_bytes", peak}};
+        if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
+        if (norm >= 0) record["grad_norm"] = norm;
+        for (auto& [k, v] : eval.items()) record[k] = v;
+        metrics.write(record);
+      }
+    }
+    if (!eval.empty()) {
+      last_eval = eval;
+      std::string text = "step " + std::to_string(step + 1) + " " + task->where(step);
+      for (auto& [k, v] : eval.items()) {
+        char buf[64];
+        std::snprintf(buf, sizeof buf, k == "test_accuracy" ? " %s %.2f%%" : " %s %.4f", k.c_str(),
+                      k == "test_accuracy" ? v.get<double>() * 100 : v.get<double>());
+        text += buf;
+      }
+      progress.line(text);
+    }
+  }
+  if (!cfg.checkpoint_dir.empty() && total > start_step && (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
+    save(total);
+  }
+  task->after_training();
+  const auto peak = peaks();
+  if (main_rank) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    std::string summary = "done: " + std::to_string(total - start_step) + " steps in " + train::duration(seconds);
+    if (total > start_step) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, ", final loss %.4f", last_loss);
+      summary += buf;
+    }
+    for (auto& [k, v] : last_eval.items()) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, k == "test_accuracy" ? ", %s %.2f%%" : ", %s %.4f", k.c_str(),
+                    k == "test_accuracy" ? v.get<double>() * 100 : v.get<double>());
+      summary += buf;
+    }
+    summary += ", peak memory per rank:";
+    for (double p : peak) summary += " " + train::megabytes(p);
+    progress.line(summary);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Config cfg;
+  CLI::App app{"ruda-train: trains a fully sharded model across MPI ranks, emulated ranks, or alone.\n"
+               "  mpiexec -n 2 ruda-train mlp          Fashion-MNIST MLP over two MPI processes\n"
+               "  ruda-train --emulate 4 lm --steps 500 a GPT-style byte model over four threads\n"};
+  app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();
+  app.add_option("--backend", cfg.backend, "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)");
+  app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--strategy", cfg.strategy, "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
+      ->check(CLI::IsMember({"retain", "recompute"}));
+  app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(CLI::PositiveNumber);
+  app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(CLI::NonNegativeNumber);
+  app.add_option("--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(CLI::PositiveNumber);
+  app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(CLI::NonNegativeNumber);
+  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")->check(CLI::IsMember({"constant", "cosine"}));
+  app.add_option("--warmup", cfg.warmup, "Linear warm-up steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", cfg.seed, "Seed of initialization, data order and sampling");
+  app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
+  app.add_option("--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")->check(CLI::NonNegativeNumber);
+  auto* resume = app.add_option("--resume", cfg.resume, "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)");
+  app.add_flag("--resume-latest", cfg.resume_latest, "Resume from the latest checkpoint in --checkpoint-dir, if there is one")->excludes(resume);
+  app.add_option("--metrics", cfg.metrics, "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
+  app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")->check(CLI::Range(1, 64));
+  app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")->check(CLI::NonNegativeNumber);
+  app.add_flag("--check-collectives", cfg.check_collectives, "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
+
+  auto* mlp = app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
+  mlp->fallthrough();
+  mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
+  mlp->add_option("--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(CLI::PositiveNumber);
+  mlp->add_option("--limit", cfg.limit, "Train on the first N training images only")->check(CLI::NonNegativeNumber);
+  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(CLI::NonNegativeNumber);
+
+  auto* lm = app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
+  lm->fallthrough();
+  lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)");
+  lm->add_option("--context", cfg.context, "Context length in bytes")->check(CLI::PositiveNumber);
+  lm->add_option("--d-model", cfg.d_model, "Model width")->check(CLI::PositiveNumber);
+  lm->add_option("--layers", cfg.layers, "Transformer blocks")->check(CLI::PositiveNumber);
+  lm->add_option("--heads", cfg.heads, "Attention heads")->check(CLI::PositiveNumber);
+  lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
+  lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(CLI::NonNegativeNumber);
+  lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(CLI::PositiveNumber);
+  lm->add_option("--sample", cfg.sample, "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
+      ->check(CLI::NonNegativeNumber);
+  lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
+  lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+
+  const bool print = launcher_rank() == 0;
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    if (print) std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    if (print) print_error(std::string(e.what()) + " (see --help)");
+    return 2;
+  }
+  cfg.model = mlp->parsed() ? "mlp" : "lm";
+  if (cfg.model == "lm") {
+    if (app.get_option("--lr")->count() == 0) cfg.lr = 1e-3;
+    if (cfg.steps == 0 && app.get_option("--steps")->count() == 0) cfg.steps = 1000;
+  }
+  if (cfg.batch == 0) cfg.batch = cfg.model == "mlp" ? 128 : 16;
+  if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
+    if (print) print_error("--resume-latest needs --checkpoint-dir");
+    return 2;
+  }
+  if (cfg.resume_latest && !fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) cfg.resume_latest = false;
+
+  try {
+    if (cfg.emulate > 0) {
+      if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
+      run_ranks(cfg.emulate, [&](Communicator& comm) { run(cfg, comm); });
+      return 0;
+    }
+    if (launched_by_mpi()) {
+#ifdef RUDA_TRAIN_WITH_MPI
+      MpiEnvironment mpi(argc, argv);
+      MpiCommunicator comm;
+      try {
+        run(cfg, comm);
+      } catch (const Reported&) {
+        return 1;  // every rank knows; each exits by itself
+      }
+      return 0;
+#else
+      throw std::runtime_error("this ruda-train was built without MPI");
+#endif
+    }
+    LocalCommunicator comm;
+    run(cfg, comm);
+    return 0;
+  } catch (const Reported&) {
+    return 1;
+  } catch (const std::exception& e) {
+    print_error(e.what());
+#ifdef RUDA_TRAIN_WITH_MPI
+    // A failure on one MPI rank in the middle of training: end the whole job, never a hang.
+    if (launched_by_mpi() && MpiEnvironment::active()) return mpi_abort_on_exception([&]() -> int { throw; });
+#endif
+    return 1;
+  }
+}

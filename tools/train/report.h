@@ -1,0 +1,104 @@
+// What ruda-train shows people: a progress bar on a terminal (plain lines otherwise), a metrics
+// file of JSON lines, and human-readable durations and sizes. Printing happens on rank 0 only.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace ruda::train {
+
+inline std::string duration(double seconds) {
+  char buf[32];
+  const long s = static_cast<long>(seconds + 0.5);
+  if (s >= 3600) {
+    std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, s / 60 % 60);
+  } else if (s >= 60) {
+    std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1fs", seconds);
+  }
+  return buf;
+}
+
+inline std::string megabytes(double bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
+  return buf;
+}
+
+class Progress {
+ public:
+  Progress(bool enabled, std::int64_t total_steps, std::int64_t log_every)
+      : enabled_(enabled), tty_(::isatty(STDERR_FILENO)), total_(total_steps), log_every_(log_every),
+        start_(std::chrono::steady_clock::now()) {}
+
+  /// After a step: the bar on a terminal (redrawn at most 10 times a second), a line every log_every steps otherwise.
+  void step(std::int64_t step, const std::string& where, double loss, double samples_per_second) {
+    if (!enabled_) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const double done = static_cast<double>(step - first_step_ + 1);
+    const double eta = done > 0 ? elapsed / done * static_cast<double>(total_ - step - 1) : 0;
+    if (tty_) {
+      if (std::chrono::duration<double>(now - last_draw_).count() < 0.1 && step + 1 < total_) return;
+      last_draw_ = now;
+      constexpr int kWidth = 24;
+      const int filled = total_ > 0 ? static_cast<int>(kWidth * static_cast<double>(step + 1) / static_cast<double>(total_)) : 0;
+      std::string bar(static_cast<std::size_t>(filled), '#');
+      bar.resize(kWidth, '.');
+      std::fprintf(stderr, "\r[%s] step %lld/%lld %s loss %.4f %.0f samples/s ETA %s   ", bar.c_str(),
+                   static_cast<long long>(step + 1), static_cast<long long>(total_), where.c_str(), loss, samples_per_second,
+                   duration(eta).c_str());
+      std::fflush(stderr);
+      drawn_ = true;
+    } else if (log_every_ > 0 && ((step + 1) % log_every_ == 0 || step + 1 == total_)) {
+      std::printf("step %lld/%lld %s loss %.4f %.0f samples/s ETA %s\n", static_cast<long long>(step + 1),
+                  static_cast<long long>(total_), where.c_str(), loss, samples_per_second, duration(eta).c_str());
+      std::fflush(stdout);
+    }
+  }
+  /// A line that must not be overwritten by the bar (evaluation results, checkpoints).
+  void line(const std::string& text) {
+    if (!enabled_) return;
+    if (drawn_) {
+      std::fprintf(stderr, "\n");
+      drawn_ = false;
+    }
+    std::printf("%s\n", text.c_str());
+    std::fflush(stdout);
+  }
+  void set_first_step(std::int64_t step) { first_step_ = step; }
+
+ private:
+  bool enabled_, tty_;
+  std::int64_t total_, log_every_, first_step_ = 0;
+  std::chrono::steady_clock::time_point start_, last_draw_{};
+  bool drawn_ = false;
+};
+
+/// JSON lines, one object per record, flushed as written (a crash keeps what was logged).
+class Metrics {
+ public:
+  Metrics() = default;
+  explicit Metrics(const std::string& path, bool append) {
+    if (path.empty()) return;
+    out_.open(path, append ? std::ios::app : std::ios::trunc);
+    if (!out_) throw std::runtime_error("cannot write metrics file " + path);
+  }
+  void write(const nlohmann::json& record) {
+    if (!out_.is_open()) return;
+    out_ << record.dump() << '\n';
+    out_.flush();
+  }
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace ruda::train
