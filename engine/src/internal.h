@@ -32,6 +32,10 @@ Tracker& process_tracker();
 
 namespace ruda::detail {
 
+class BlockCache;
+/// The process's cache of freed large blocks (memory.cpp).
+BlockCache& block_cache();
+
 /// 64-byte aligned host memory, charged to the allocating thread's tracker.
 struct Storage {
   void* data = nullptr;

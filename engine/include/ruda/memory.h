@@ -26,6 +26,13 @@ Stats process_stats();
 /// Sets the peak of the calling thread's tracker (and of the process's) to the bytes live now.
 void reset_peak();
 
+/// Freed blocks of 64 KiB and more are kept for reuse (a step allocates the same sizes every
+/// time, and fresh memory costs a page fault per 4 KiB). They count in no tracker. At most
+/// RUDA_CACHE_BYTES (default 1 GiB; 0 disables the cache) are kept; sanitizer builds keep none.
+std::int64_t cached_bytes();
+/// Returns every cached block to the system.
+void release_cached();
+
 /// While alive, allocations on this thread are charged to a fresh tracker (and the process's).
 class Scope {
  public:
