@@ -2,6 +2,8 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <vector>
 
 #include <ruda/nn/module.h>
 
@@ -11,10 +13,17 @@ struct Param::State {
   ParamId id = 0;
   Tensor data;
   std::shared_ptr<ShardInfo> shard;
-  // The shard ShardedParameter::from_full made of this dense parameter, so that converting a
-  // tied weight once per layer still yields one local storage (and one gradient).
-  std::weak_ptr<State> shard_of_this;
-  int shard_rank = -1, shard_world = 0;
+  // The shards ShardedParameter::from_full made of this dense parameter, one per (rank, world
+  // size), so that converting a tied weight once per layer still yields one local storage (and
+  // one gradient). Emulated ranks convert one shared model from several threads: guarded by
+  // shards_mutex().
+  struct Derived {
+    int rank, world_size;
+    std::weak_ptr<State> shard;
+  };
+  std::vector<Derived> shards_of_this;
 };
+
+std::mutex& shards_mutex();
 
 }  // namespace ruda::nn

@@ -211,7 +211,7 @@ void Reader::read_bytes(std::uint64_t offset, std::uint64_t size, void* destinat
     out += n;
     offset += static_cast<std::uint64_t>(n);
     size -= static_cast<std::uint64_t>(n);
-    bytes_read_ += static_cast<std::uint64_t>(n);
+    bytes_read_.fetch_add(static_cast<std::uint64_t>(n), std::memory_order_relaxed);
   }
 }
 

@@ -9,6 +9,11 @@
 
 namespace ruda::nn {
 
+std::mutex& shards_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 std::int64_t ShardInfo::real_elements() const {
   const std::int64_t start = offset();
   return std::max<std::int64_t>(0, std::min(numel, start + shard_size) - start);
@@ -84,8 +89,10 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   check_topology(op, rank, world_size);
   if (full.is_sharded()) fail<ShardingError>(op, "parameter '", full.shard()->name, "' is sharded already");
   Param::State& source = *full.state_;
-  if (auto existing = source.shard_of_this.lock(); existing && source.shard_rank == rank && source.shard_world == world_size) {
-    return ShardedParameter(Param(existing));  // a tied weight converted again: the same shard
+  std::lock_guard lock(shards_mutex());
+  for (const auto& d : source.shards_of_this) {
+    if (d.rank != rank || d.world_size != world_size) continue;
+    if (auto existing = d.shard.lock()) return ShardedParameter(Param(existing));  // a tied weight again: the same shard
   }
   const Tensor& value = full.data();
   check_storage_dtype(op, value);
@@ -95,9 +102,10 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   Param local(local_slice(value, *info), full.id());
   local.data().set_requires_grad(value.requires_grad());
   local.set_shard(std::move(info));
-  source.shard_of_this = local.state_;
-  source.shard_rank = rank;
-  source.shard_world = world_size;
+  std::erase_if(source.shards_of_this, [&](const auto& d) {
+    return d.shard.expired() || (d.rank == rank && d.world_size == world_size);
+  });
+  source.shards_of_this.push_back({rank, world_size, local.state_});
   return ShardedParameter(local);
 }
 

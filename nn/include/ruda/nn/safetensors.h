@@ -3,6 +3,7 @@
 // is read and never reads outside the file, whatever the header claims.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -48,7 +49,8 @@ class Reader {
   /// The same into caller memory (count elements of the tensor's dtype).
   void read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const;
   /// Bytes read from the file so far (header included), for tests that check partial reads.
-  std::uint64_t bytes_read() const noexcept { return bytes_read_; }
+  /// Reading is thread-safe: several threads may read from one Reader.
+  std::uint64_t bytes_read() const noexcept { return bytes_read_.load(std::memory_order_relaxed); }
 
  private:
   void read_bytes(std::uint64_t offset, std::uint64_t size, void* destination) const;
@@ -58,7 +60,7 @@ class Reader {
   std::vector<TensorInfo> tensors_;
   std::map<std::string, std::size_t> index_;
   std::map<std::string, std::string> metadata_;
-  mutable std::uint64_t bytes_read_ = 0;
+  mutable std::atomic<std::uint64_t> bytes_read_{0};
 };
 
 /// Validates a header and its tensors against a file of `file_size` bytes: the reader's parser,
