@@ -5,6 +5,8 @@ ratios ruda / PyTorch. Run through tools/compare-torch, which sets the threads b
 
 The models are the same as ruda's: the 784-1024-1024-10 ReLU MLP at batch 128 with AdamW, and
 the GPT (vocabulary 256, width 256, 4 blocks, 4 heads, context 128, tied head, batch 16) with Adam.
+PyTorch runs at its best here: OpenBLAS behind Debian's generic BLAS, its fastest kernel for the
+CPU, multi-tensor (foreach) optimizers, bf16 through autocast (oneDNN).
 """
 import json
 import math
@@ -31,7 +33,8 @@ def median_ms(step, warmup=3, runs=15):
 def mlp_step(dtype):
     model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                 torch.nn.ReLU(), torch.nn.Linear(1024, 10))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # foreach: PyTorch 1.13's default per-parameter loop takes 28 ms per step here, foreach 4 ms.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     x, y = torch.rand(128, 784), torch.randint(0, 10, (128,))
 
     def step():
@@ -78,7 +81,7 @@ class GPT(torch.nn.Module):
 
 def gpt_step(dtype):
     model = GPT()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-4, foreach=True)
     x, y = torch.randint(0, 256, (16, 128)), torch.randint(0, 256, (16, 128))
 
     def step():
@@ -98,17 +101,24 @@ def main():
         if r["suite"] == "models":
             ruda[(r["backend"], r["name"])] = r["median"]
     print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads; ruda figures from ruda-bench --suite models")
-    print(f"{'step':<16} {'backend':<8} {'ruda ms':>9} {'torch ms':>9} {'ratio':>7}  target")
+    # Targets: ruda f32 <= 0.75x PyTorch's (f32) step, ruda bf16 <= 0.5x it. The ratio to PyTorch's
+    # own bf16 (autocast) step is printed too.
+    print(f"{'step':<16} {'backend':<8} {'ruda ms':>9} {'torch ms':>9} {'ratio':>7}  target       {'torch bf16 ms':>13} {'ratio':>6}")
     targets = {"f32": 0.75, "bf16": 0.5}
     for name, make in (("mlp", mlp_step), ("gpt", gpt_step)):
+        runs = 15 if name == "mlp" else 7
+        torch_ms = {dtype: median_ms(make(dtype), runs=runs) for dtype in ("f32", "bf16")}
         for dtype in ("f32", "bf16"):
-            torch_ms = median_ms(make(dtype), runs=15 if name == "mlp" else 7)
             for (backend, rname), ms in sorted(ruda.items()):
-                if rname == f"{name} step, {dtype}":
-                    ratio = ms / torch_ms
-                    verdict = "met" if ratio <= targets[dtype] else "missed"
-                    print(f"{name + ' ' + dtype:<16} {backend:<8} {ms:9.2f} {torch_ms:9.2f} {ratio:7.3f}  <= {targets[dtype]} {verdict}")
-                    sys.stdout.flush()
+                if rname != f"{name} step, {dtype}":
+                    continue
+                ratio = ms / torch_ms["f32"]
+                verdict = "met" if ratio <= targets[dtype] else "missed"
+                line = f"{name + ' ' + dtype:<16} {backend:<8} {ms:9.2f} {torch_ms['f32']:9.2f} {ratio:7.3f}  <= {targets[dtype]:<4} {verdict:<6}"
+                if dtype == "bf16":
+                    line += f" {torch_ms['bf16']:13.2f} {ms / torch_ms['bf16']:6.3f}"
+                print(line)
+                sys.stdout.flush()
 
 
 if __name__ == "__main__":

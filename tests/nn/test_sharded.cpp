@@ -237,6 +237,46 @@ TEST_CASE("global gradient-norm clipping equals the dense norm on every rank") {
   }
 }
 
+TEST_CASE("gradient accumulation over micro-batches equals one step on the whole batch") {
+  // Each micro-batch's backward reduce-scatters into the local gradient; the normalization
+  // counts every micro-batch of the global step.
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    std::vector<std::map<std::string, std::vector<double>>> results(2);
+    std::mutex mutex;
+    for (int micro : {1, 2}) {
+      run_ranks(world, [&](Communicator& comm) {
+        nn::manual_seed(7);
+        test::TinyLM model;
+        nn::fully_shard(model, comm);
+        const Tensor tokens = test::part(test::batch_tokens(0), comm.rank(), world);
+        const Tensor targets = test::part(test::batch_targets(0), comm.rank(), world);
+        const double count = nn::global_count(comm, static_cast<double>(tokens.numel()));
+        const std::int64_t rows = tokens.shape()[0] / micro;
+        for (int m = 0; m < micro; ++m) {
+          const Tensor loss = model.loss_sum(tokens.slice(0, m * rows, (m + 1) * rows), targets.slice(0, m * rows, (m + 1) * rows),
+                                             test::uses_aux(comm.rank())) / count;
+          loss.backward();
+        }
+        autograd::NoGradGuard guard;
+        std::map<std::string, std::vector<double>> full;
+        for (auto& [name, p] : model.named_parameters()) {
+          full[name] = comm.all_gather(p.grad()).slice(0, 0, p.shard()->numel).to_vector<double>();
+        }
+        if (comm.rank() == 0) {
+          std::lock_guard lock(mutex);
+          results[micro - 1] = full;
+        }
+      });
+    }
+    for (const auto& [name, g] : results[0]) {
+      CAPTURE(name);
+      test::check_close(from_values(results[1].at(name), {static_cast<std::int64_t>(g.size())}, DType::f64),
+                        from_values(g, {static_cast<std::int64_t>(g.size())}, DType::f64), 1e-6, 1e-5);
+    }
+  }
+}
+
 TEST_CASE("tied weights: one id, one local storage, contributions of both uses summed") {
   run_ranks(3, [](Communicator& comm) {
     nn::manual_seed(1);

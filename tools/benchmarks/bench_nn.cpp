@@ -1,5 +1,6 @@
 // nn suites: one training step (forward, backward, AdamW) of the 784-1024-1024-10 MLP at batch
 // 128, dense in one process and fully sharded over emulated ranks; and the bytes each rank holds.
+#include <functional>
 #include <mutex>
 
 #include <ruda/nn.h>
@@ -10,6 +11,7 @@ namespace ruda::bench {
 namespace {
 
 constexpr std::int64_t kBatch = 128;
+using UnaryModuleFn = std::function<Tensor(const Tensor&)>;
 
 std::shared_ptr<nn::Sequential> make_mlp() {
   nn::manual_seed(1);
@@ -43,7 +45,6 @@ void train_step_suite(Context& ctx) {
   }
   for (int world : {2, 4}) {
     Stats rank0;
-    std::vector<std::int64_t> persistent(world), peak(world);
     run_ranks(world, [&](Communicator& comm) {
       auto model = make_mlp();
       nn::fully_shard(*model, comm);
@@ -53,10 +54,6 @@ void train_step_suite(Context& ctx) {
       // Every rank runs the same number of steps (collectives), rank 0 keeps the timings.
       const Stats s = measure(
           ctx, [&] { step(*model, opt, x, y, kBatch); }, 3);
-      memory::reset_peak();
-      step(*model, opt, x, y, kBatch);
-      peak[comm.rank()] = memory::stats().peak_bytes;
-      persistent[comm.rank()] = memory::stats().live_bytes;
       if (comm.rank() == 0) rank0 = s;
     });
     Result r;
@@ -98,7 +95,6 @@ void memory_suite(Context& ctx) {
       const std::int64_t rows = std::max<std::int64_t>(1, kBatch / world);
       const Tensor x = rand({rows, 784}, 10 + comm.rank()), y = randint({rows}, 0, 10, 20 + comm.rank());
       step(*model, opt, x, y, kBatch);  // creates the optimizer state
-      const Tensor keep_x = x, keep_y = y;
       const std::int64_t inputs = static_cast<std::int64_t>(x.nbytes() + y.nbytes());
       memory::reset_peak();
       step(*model, opt, x, y, kBatch);
@@ -118,50 +114,39 @@ void memory_suite(Context& ctx) {
 // a training step of the MLP (AdamW, batch 128) and of the small GPT (Adam, batch 16, context
 // 128), in f32 and with bf16 compute (parameters stay f32).
 void models_suite(Context& ctx) {
+  // One timed figure per model and dtype: a step is forward, loss (in f32), backward, update.
+  auto report_step = [&](const std::string& name, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
+                         const UnaryModuleFn& forward, int warmup) {
+    auto run = [&] {
+      const Tensor loss = nn::cross_entropy(cast(forward(x), DType::f32), y);
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+    };
+    Result r;
+    r.suite = "models";
+    r.name = name;
+    r.backend = ctx.backend;
+    r.unit = "ms";
+    r.value = scaled(measure(ctx, run, warmup), 1e3);
+    ctx.report(r);
+  };
   for (DType compute : {DType::f32, DType::bf16}) {
     const std::string dtype(dtype_name(compute));
     LocalCommunicator comm;
     nn::ShardPolicy policy;
     if (compute != DType::f32) policy.compute_dtype = compute;
-    {
-      auto model = make_mlp();
-      nn::fully_shard(*model, comm, policy);
-      nn::AdamW opt(model->parameters(), {.lr = 1e-3});
-      const Tensor x = rand({kBatch, 784}, 1), y = randint({kBatch}, 0, 10, 2);
-      auto run = [&] {
-        const Tensor loss = nn::cross_entropy(cast(model->forward(x), DType::f32), y);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-      };
-      Result r;
-      r.suite = "models";
-      r.name = "mlp step, " + dtype;
-      r.backend = ctx.backend;
-      r.unit = "ms";
-      r.value = scaled(measure(ctx, run, 3), 1e3);
-      ctx.report(r);
-    }
-    {
-      nn::manual_seed(1);
-      nn::GPT gpt({.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4});
-      nn::fully_shard(gpt, comm, policy);
-      nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
-      const Tensor tokens = randint({16, 128}, 0, 256, 3), targets = randint({16, 128}, 0, 256, 4);
-      auto run = [&] {
-        const Tensor loss = nn::cross_entropy(cast(gpt.forward(tokens), DType::f32), targets);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-      };
-      Result r;
-      r.suite = "models";
-      r.name = "gpt step, " + dtype;
-      r.backend = ctx.backend;
-      r.unit = "ms";
-      r.value = scaled(measure(ctx, run, 2), 1e3);
-      ctx.report(r);
-    }
+    auto mlp = make_mlp();
+    nn::fully_shard(*mlp, comm, policy);
+    nn::AdamW mlp_opt(mlp->parameters(), {.lr = 1e-3});
+    report_step("mlp step, " + dtype, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
+                [&](const Tensor& x) { return mlp->forward(x); }, 3);
+    nn::manual_seed(1);
+    nn::GPT gpt({.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4});
+    nn::fully_shard(gpt, comm, policy);
+    nn::Adam gpt_opt(gpt.parameters(), {.lr = 3e-4});
+    report_step("gpt step, " + dtype, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
+                [&](const Tensor& x) { return gpt.forward(x); }, 2);
   }
 }
 
