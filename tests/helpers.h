@@ -25,7 +25,8 @@ inline void check_close(const Tensor& actual, const std::vector<double>& expecte
   REQUIRE(got.size() == expected.size());
   for (std::size_t i = 0; i < got.size(); ++i) {
     const bool same_nan = std::isnan(got[i]) && std::isnan(expected[i]);
-    const bool close = same_nan || got[i] == expected[i] || std::abs(got[i] - expected[i]) <= atol + rtol * std::abs(expected[i]);
+    const bool close =
+        same_nan || got[i] == expected[i] || std::abs(got[i] - expected[i]) <= atol + rtol * std::abs(expected[i]);
     if (!close) {
       FAIL_CHECK("element " << i << ": got " << got[i] << ", expected " << expected[i]);
       return;
@@ -46,7 +47,8 @@ void check_throws(F&& f, const std::vector<std::string>& fragments) {
   } catch (const E& e) {
     const std::string message = e.what();
     for (const auto& fragment : fragments) {
-      CHECK_MESSAGE(message.find(fragment) != std::string::npos, "message '" << message << "' lacks '" << fragment << "'");
+      CHECK_MESSAGE(message.find(fragment) != std::string::npos,
+                    "message '" << message << "' lacks '" << fragment << "'");
     }
   }
 }
@@ -54,8 +56,8 @@ void check_throws(F&& f, const std::vector<std::string>& fragments) {
 }  // namespace ruda::test
 
 /// check_close that reports the caller's line on failure.
-#define CHECK_CLOSE(...)                                 \
-  do {                                                   \
-    INFO("CHECK_CLOSE at line " << __LINE__);            \
-    ::ruda::test::check_close(__VA_ARGS__);              \
+#define CHECK_CLOSE(...)                      \
+  do {                                        \
+    INFO("CHECK_CLOSE at line " << __LINE__); \
+    ::ruda::test::check_close(__VA_ARGS__);   \
   } while (0)

@@ -105,10 +105,14 @@ void copy_typed(const View& src, const View& dst) {
 
 void EigenBackend::copy(const View& src, const View& dst) {
   switch (dtype_size(dst.dtype)) {
-    case 1: return copy_typed<std::uint8_t>(src, dst);
-    case 2: return copy_typed<std::uint16_t>(src, dst);
-    case 4: return copy_typed<std::uint32_t>(src, dst);
-    case 8: return copy_typed<std::uint64_t>(src, dst);
+    case 1:
+      return copy_typed<std::uint8_t>(src, dst);
+    case 2:
+      return copy_typed<std::uint16_t>(src, dst);
+    case 4:
+      return copy_typed<std::uint32_t>(src, dst);
+    case 8:
+      return copy_typed<std::uint64_t>(src, dst);
   }
 }
 
@@ -140,21 +144,51 @@ void unary_array(UnaryOp op, const T* xp, T* yp, std::int64_t n) {
   ArrayMap<T> y(yp, n);
   const T half(0.5), one(1), zero(0);
   switch (op) {
-    case UnaryOp::neg: y = -x; break;
-    case UnaryOp::abs: y = x.abs(); break;
-    case UnaryOp::exp: y = x.exp(); break;
-    case UnaryOp::log: y = x.log(); break;
-    case UnaryOp::sqrt: y = x.sqrt(); break;
-    case UnaryOp::rsqrt: y = x.rsqrt(); break;
-    case UnaryOp::tanh: y = x.tanh(); break;
-    case UnaryOp::sigmoid: y = x.logistic(); break;
-    case UnaryOp::relu: y = (x > zero).select(x, zero); break;
-    case UnaryOp::gelu_erf: y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf()); break;
-    case UnaryOp::gelu_tanh: y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh()); break;
-    case UnaryOp::silu: y = x * x.logistic(); break;
-    case UnaryOp::softplus: y = x.max(zero) + (-x.abs()).exp().log1p(); break;
-    case UnaryOp::square: y = x.square(); break;
-    case UnaryOp::reciprocal: y = x.inverse(); break;
+    case UnaryOp::neg:
+      y = -x;
+      break;
+    case UnaryOp::abs:
+      y = x.abs();
+      break;
+    case UnaryOp::exp:
+      y = x.exp();
+      break;
+    case UnaryOp::log:
+      y = x.log();
+      break;
+    case UnaryOp::sqrt:
+      y = x.sqrt();
+      break;
+    case UnaryOp::rsqrt:
+      y = x.rsqrt();
+      break;
+    case UnaryOp::tanh:
+      y = x.tanh();
+      break;
+    case UnaryOp::sigmoid:
+      y = x.logistic();
+      break;
+    case UnaryOp::relu:
+      y = (x > zero).select(x, zero);
+      break;
+    case UnaryOp::gelu_erf:
+      y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf());
+      break;
+    case UnaryOp::gelu_tanh:
+      y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh());
+      break;
+    case UnaryOp::silu:
+      y = x * x.logistic();
+      break;
+    case UnaryOp::softplus:
+      y = x.max(zero) + (-x.abs()).exp().log1p();
+      break;
+    case UnaryOp::square:
+      y = x.square();
+      break;
+    case UnaryOp::reciprocal:
+      y = x.inverse();
+      break;
   }
 }
 
@@ -165,15 +199,33 @@ void unary_backward_array(UnaryOp op, const T* xp, const T* yp, const T* gyp, T*
   ArrayMap<T> gx(gxp, n);
   const T half(0.5), one(1), zero(0);
   switch (op) {
-    case UnaryOp::neg: gx = -gy; break;
-    case UnaryOp::abs: gx = gy * ((x > zero).template cast<T>() - (x < zero).template cast<T>()); break;
-    case UnaryOp::exp: gx = gy * y; break;
-    case UnaryOp::log: gx = gy / x; break;
-    case UnaryOp::sqrt: gx = gy * half / y; break;
-    case UnaryOp::rsqrt: gx = gy * T(-0.5) * y.cube(); break;
-    case UnaryOp::tanh: gx = gy * (one - y.square()); break;
-    case UnaryOp::sigmoid: gx = gy * y * (one - y); break;
-    case UnaryOp::relu: gx = (y > zero).select(gy, zero); break;
+    case UnaryOp::neg:
+      gx = -gy;
+      break;
+    case UnaryOp::abs:
+      gx = gy * ((x > zero).template cast<T>() - (x < zero).template cast<T>());
+      break;
+    case UnaryOp::exp:
+      gx = gy * y;
+      break;
+    case UnaryOp::log:
+      gx = gy / x;
+      break;
+    case UnaryOp::sqrt:
+      gx = gy * half / y;
+      break;
+    case UnaryOp::rsqrt:
+      gx = gy * T(-0.5) * y.cube();
+      break;
+    case UnaryOp::tanh:
+      gx = gy * (one - y.square());
+      break;
+    case UnaryOp::sigmoid:
+      gx = gy * y * (one - y);
+      break;
+    case UnaryOp::relu:
+      gx = (y > zero).select(gy, zero);
+      break;
     case UnaryOp::gelu_erf: {
       const T inv_sqrt_2pi = T(0.3989422804014327);
       gx = gy * (half * (one + (x * T(std::numbers::sqrt2 / 2)).erf()) + x * inv_sqrt_2pi * (-half * x.square()).exp());
@@ -190,9 +242,15 @@ void unary_backward_array(UnaryOp op, const T* xp, const T* yp, const T* gyp, T*
       gx = gy * s * (one + x * (one - s));
       break;
     }
-    case UnaryOp::softplus: gx = gy * x.logistic(); break;
-    case UnaryOp::square: gx = gy * T(2) * x; break;
-    case UnaryOp::reciprocal: gx = -gy * y.square(); break;
+    case UnaryOp::softplus:
+      gx = gy * x.logistic();
+      break;
+    case UnaryOp::square:
+      gx = gy * T(2) * x;
+      break;
+    case UnaryOp::reciprocal:
+      gx = -gy * y.square();
+      break;
   }
 }
 
@@ -200,10 +258,17 @@ template <class T>
 void unary_i64(UnaryOp op, const T* x, T* y, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i) {
     switch (op) {
-      case UnaryOp::neg: y[i] = -x[i]; break;
-      case UnaryOp::abs: y[i] = x[i] < 0 ? -x[i] : x[i]; break;
-      case UnaryOp::square: y[i] = x[i] * x[i]; break;
-      default: fail<DTypeError>(op_name(op), "is not defined on i64");
+      case UnaryOp::neg:
+        y[i] = -x[i];
+        break;
+      case UnaryOp::abs:
+        y[i] = x[i] < 0 ? -x[i] : x[i];
+        break;
+      case UnaryOp::square:
+        y[i] = x[i] * x[i];
+        break;
+      default:
+        fail<DTypeError>(op_name(op), "is not defined on i64");
     }
   }
 }
@@ -341,7 +406,8 @@ template <class T>
 void binary_dispatch(BinaryOp op, const View& a, const View& b, const View& out) {
   switch (op) {
 #define RUDA_CASE(OP) \
-  case BinaryOp::OP: return binary_typed<BinaryOp::OP, T>(a, b, out);
+  case BinaryOp::OP:  \
+    return binary_typed<BinaryOp::OP, T>(a, b, out);
     RUDA_CASE(add)
     RUDA_CASE(sub)
     RUDA_CASE(mul)
@@ -406,10 +472,14 @@ void EigenBackend::where(const View& cond, const View& a, const View& b, const V
     });
   };
   switch (dtype_size(out.dtype)) {
-    case 1: return run(std::uint8_t{});
-    case 2: return run(std::uint16_t{});
-    case 4: return run(std::uint32_t{});
-    case 8: return run(std::uint64_t{});
+    case 1:
+      return run(std::uint8_t{});
+    case 2:
+      return run(std::uint16_t{});
+    case 4:
+      return run(std::uint32_t{});
+    case 8:
+      return run(std::uint64_t{});
   }
 }
 

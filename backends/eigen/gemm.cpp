@@ -77,7 +77,8 @@ std::vector<float> widen(const void* p, std::int64_t n) {
 }  // namespace
 
 void EigenBackend::gemm(const GemmDesc& d) {
-  if (d.a_dtype != d.b_dtype) fail<DTypeError>("gemm", "operand dtypes differ: ", dtype_name(d.a_dtype), " and ", dtype_name(d.b_dtype));
+  if (d.a_dtype != d.b_dtype)
+    fail<DTypeError>("gemm", "operand dtypes differ: ", dtype_name(d.a_dtype), " and ", dtype_name(d.b_dtype));
   num_threads();  // applies this thread's intra-op thread count before Eigen reads it
   if (d.a_dtype == d.c_dtype && (d.a_dtype == DType::f32 || d.a_dtype == DType::f64)) {
     if (d.a_dtype == DType::f32) {
@@ -98,7 +99,8 @@ void EigenBackend::gemm(const GemmDesc& d) {
   };
   const std::vector<float> a = widen_any(d.a_dtype, d.a, na);
   const std::vector<float> b = widen_any(d.b_dtype, d.b, nb);
-  std::vector<float> c = d.beta != 0.0f ? widen_any(d.c_dtype, d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
+  std::vector<float> c =
+      d.beta != 0.0f ? widen_any(d.c_dtype, d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
   std::vector<float> bias;
   if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);

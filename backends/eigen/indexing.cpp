@@ -37,7 +37,8 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
                    for (std::int64_t i = 0; i < rows; ++i) {
                      T* row = t + idx[i] * features;
                      const T* from = s + i * features;
-                     for (std::int64_t j = j0; j < j1; ++j) row[j] = Num<T>::store(Num<T>::load(row[j]) + Num<T>::load(from[j]));
+                     for (std::int64_t j = j0; j < j1; ++j)
+                       row[j] = Num<T>::store(Num<T>::load(row[j]) + Num<T>::load(from[j]));
                    }
                  });
   });

@@ -44,11 +44,16 @@ using compute_t = typename Num<T>::Compute;
 template <class F>
 decltype(auto) dispatch_float(DType dtype, const char* op, F&& f) {
   switch (dtype) {
-    case DType::f32: return f(float{});
-    case DType::f64: return f(double{});
-    case DType::bf16: return f(bfloat16{});
-    case DType::f16: return f(float16{});
-    default: fail<DTypeError>(op, "has no kernel for ", dtype_name(dtype));
+    case DType::f32:
+      return f(float{});
+    case DType::f64:
+      return f(double{});
+    case DType::bf16:
+      return f(bfloat16{});
+    case DType::f16:
+      return f(float16{});
+    default:
+      fail<DTypeError>(op, "has no kernel for ", dtype_name(dtype));
   }
 }
 

@@ -41,7 +41,8 @@ Runs runs_of(const View& x, const View& out) {
 }
 
 template <class T>
-using Acc = std::conditional_t<std::is_same_v<T, double>, double, std::conditional_t<std::is_same_v<T, std::int64_t>, std::int64_t, float>>;
+using Acc = std::conditional_t<std::is_same_v<T, double>, double,
+                               std::conditional_t<std::is_same_v<T, std::int64_t>, std::int64_t, float>>;
 
 template <class T>
 bool nan_of(T v) {
@@ -118,7 +119,8 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
 // Sum/max/min over the middle axis of [outer, reduce, inner] by accumulating whole rows, which
 // keeps memory access sequential (bias gradients reduce [rows, features] over rows).
 template <class T>
-void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int64_t j0, std::int64_t j1, std::int64_t o) {
+void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int64_t j0, std::int64_t j1,
+                      std::int64_t o) {
   using A = Acc<T>;
   std::vector<A> acc(static_cast<std::size_t>(j1 - j0));
   const T* base = x + o * b.reduce * b.inner;
@@ -162,29 +164,31 @@ void reduce_block(ReduceOp op, const T* x, const Block& b, void* out) {
       values[0] = Num<T>::store(static_cast<compute_t<T>>(total));
       return;
     }
-    parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t o = begin; o < end; ++o) {
-        reduce_line<T>(op, x + o * b.reduce, b.reduce, 1, values ? values + o : nullptr, indices ? indices + o : nullptr);
-      }
-    });
+    parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+                 [&](std::int64_t begin, std::int64_t end) {
+                   for (std::int64_t o = begin; o < end; ++o) {
+                     reduce_line<T>(op, x + o * b.reduce, b.reduce, 1, values ? values + o : nullptr,
+                                    indices ? indices + o : nullptr);
+                   }
+                 });
     return;
   }
   if (op == ReduceOp::sum || op == ReduceOp::max || op == ReduceOp::min) {
     for (std::int64_t o = 0; o < b.outer; ++o) {
-      parallel_for(b.inner, std::max<std::int64_t>(64, kElementGrain / b.reduce), [&](std::int64_t j0, std::int64_t j1) {
-        reduce_rows_into<T>(op, x, b, values, j0, j1, o);
-      });
+      parallel_for(b.inner, std::max<std::int64_t>(64, kElementGrain / b.reduce),
+                   [&](std::int64_t j0, std::int64_t j1) { reduce_rows_into<T>(op, x, b, values, j0, j1, o); });
     }
     return;
   }
   // argmax/argmin/logsumexp across rows: one strided line per output.
-  parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t flat = begin; flat < end; ++flat) {
-      const std::int64_t o = flat / b.inner, j = flat % b.inner;
-      reduce_line<T>(op, x + o * b.reduce * b.inner + j, b.reduce, b.inner, values ? values + flat : nullptr,
-                     indices ? indices + flat : nullptr);
-    }
-  });
+  parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+               [&](std::int64_t begin, std::int64_t end) {
+                 for (std::int64_t flat = begin; flat < end; ++flat) {
+                   const std::int64_t o = flat / b.inner, j = flat % b.inner;
+                   reduce_line<T>(op, x + o * b.reduce * b.inner + j, b.reduce, b.inner,
+                                  values ? values + flat : nullptr, indices ? indices + flat : nullptr);
+                 }
+               });
 }
 
 }  // namespace
@@ -319,13 +323,14 @@ void EigenBackend::softmax(const View& x, const View& y, int axis, bool log) {
     using T = decltype(tag);
     const T* xp = x.ptr<const T>();
     T* yp = y.ptr<T>();
-    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t flat = begin; flat < end; ++flat) {
-        const std::int64_t o = flat / b.inner, j = flat % b.inner;
-        const std::int64_t start = o * b.reduce * b.inner + j;
-        softmax_line<T>(xp + start, yp + start, b.reduce, b.inner, log);
-      }
-    });
+    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+                 [&](std::int64_t begin, std::int64_t end) {
+                   for (std::int64_t flat = begin; flat < end; ++flat) {
+                     const std::int64_t o = flat / b.inner, j = flat % b.inner;
+                     const std::int64_t start = o * b.reduce * b.inner + j;
+                     softmax_line<T>(xp + start, yp + start, b.reduce, b.inner, log);
+                   }
+                 });
   });
 }
 
@@ -333,14 +338,15 @@ void EigenBackend::softmax_backward(const View& y, const View& gy, const View& g
   const Block b = softmax_block(y, axis);
   dispatch_float(y.dtype, log ? "log_softmax backward" : "softmax backward", [&](auto tag) {
     using T = decltype(tag);
-    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce), [&](std::int64_t begin, std::int64_t end) {
-      for (std::int64_t flat = begin; flat < end; ++flat) {
-        const std::int64_t o = flat / b.inner, j = flat % b.inner;
-        const std::int64_t start = o * b.reduce * b.inner + j;
-        softmax_backward_line<T>(y.ptr<const T>() + start, gy.ptr<const T>() + start, gx.ptr<T>() + start, b.reduce,
-                                 b.inner, log);
-      }
-    });
+    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+                 [&](std::int64_t begin, std::int64_t end) {
+                   for (std::int64_t flat = begin; flat < end; ++flat) {
+                     const std::int64_t o = flat / b.inner, j = flat % b.inner;
+                     const std::int64_t start = o * b.reduce * b.inner + j;
+                     softmax_backward_line<T>(y.ptr<const T>() + start, gy.ptr<const T>() + start, gx.ptr<T>() + start,
+                                              b.reduce, b.inner, log);
+                   }
+                 });
   });
 }
 

@@ -48,7 +48,8 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());
   if (!any) return;
-  if (inputs.size() > 64) fail<AutogradError>(name, "an op may have at most 64 differentiable inputs, got ", inputs.size());
+  if (inputs.size() > 64)
+    fail<AutogradError>(name, "an op may have at most 64 differentiable inputs, got ", inputs.size());
 
   auto node = std::make_shared<Node>();
   node->name = name;

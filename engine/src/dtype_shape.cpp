@@ -10,12 +10,18 @@ namespace ruda {
 
 std::string_view dtype_name(DType dtype) noexcept {
   switch (dtype) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::i64: return "i64";
-    case DType::boolean: return "bool";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::i64:
+      return "i64";
+    case DType::boolean:
+      return "bool";
   }
   return "?";
 }
@@ -61,52 +67,86 @@ int normalize_axis(std::int64_t axis, std::int64_t ndim, const char* op) {
 
 std::string_view op_name(UnaryOp op) noexcept {
   switch (op) {
-    case UnaryOp::neg: return "neg";
-    case UnaryOp::abs: return "abs";
-    case UnaryOp::exp: return "exp";
-    case UnaryOp::log: return "log";
-    case UnaryOp::sqrt: return "sqrt";
-    case UnaryOp::rsqrt: return "rsqrt";
-    case UnaryOp::tanh: return "tanh";
-    case UnaryOp::sigmoid: return "sigmoid";
-    case UnaryOp::relu: return "relu";
-    case UnaryOp::gelu_tanh: return "gelu_tanh";
-    case UnaryOp::gelu_erf: return "gelu";
-    case UnaryOp::silu: return "silu";
-    case UnaryOp::softplus: return "softplus";
-    case UnaryOp::square: return "square";
-    case UnaryOp::reciprocal: return "reciprocal";
+    case UnaryOp::neg:
+      return "neg";
+    case UnaryOp::abs:
+      return "abs";
+    case UnaryOp::exp:
+      return "exp";
+    case UnaryOp::log:
+      return "log";
+    case UnaryOp::sqrt:
+      return "sqrt";
+    case UnaryOp::rsqrt:
+      return "rsqrt";
+    case UnaryOp::tanh:
+      return "tanh";
+    case UnaryOp::sigmoid:
+      return "sigmoid";
+    case UnaryOp::relu:
+      return "relu";
+    case UnaryOp::gelu_tanh:
+      return "gelu_tanh";
+    case UnaryOp::gelu_erf:
+      return "gelu";
+    case UnaryOp::silu:
+      return "silu";
+    case UnaryOp::softplus:
+      return "softplus";
+    case UnaryOp::square:
+      return "square";
+    case UnaryOp::reciprocal:
+      return "reciprocal";
   }
   return "?";
 }
 
 std::string_view op_name(BinaryOp op) noexcept {
   switch (op) {
-    case BinaryOp::add: return "add";
-    case BinaryOp::sub: return "sub";
-    case BinaryOp::mul: return "mul";
-    case BinaryOp::div: return "div";
-    case BinaryOp::pow: return "pow";
-    case BinaryOp::maximum: return "maximum";
-    case BinaryOp::minimum: return "minimum";
-    case BinaryOp::eq: return "eq";
-    case BinaryOp::ne: return "ne";
-    case BinaryOp::lt: return "lt";
-    case BinaryOp::le: return "le";
-    case BinaryOp::gt: return "gt";
-    case BinaryOp::ge: return "ge";
+    case BinaryOp::add:
+      return "add";
+    case BinaryOp::sub:
+      return "sub";
+    case BinaryOp::mul:
+      return "mul";
+    case BinaryOp::div:
+      return "div";
+    case BinaryOp::pow:
+      return "pow";
+    case BinaryOp::maximum:
+      return "maximum";
+    case BinaryOp::minimum:
+      return "minimum";
+    case BinaryOp::eq:
+      return "eq";
+    case BinaryOp::ne:
+      return "ne";
+    case BinaryOp::lt:
+      return "lt";
+    case BinaryOp::le:
+      return "le";
+    case BinaryOp::gt:
+      return "gt";
+    case BinaryOp::ge:
+      return "ge";
   }
   return "?";
 }
 
 std::string_view op_name(ReduceOp op) noexcept {
   switch (op) {
-    case ReduceOp::sum: return "sum";
-    case ReduceOp::max: return "max";
-    case ReduceOp::min: return "min";
-    case ReduceOp::logsumexp: return "logsumexp";
-    case ReduceOp::argmax: return "argmax";
-    case ReduceOp::argmin: return "argmin";
+    case ReduceOp::sum:
+      return "sum";
+    case ReduceOp::max:
+      return "max";
+    case ReduceOp::min:
+      return "min";
+    case ReduceOp::logsumexp:
+      return "logsumexp";
+    case ReduceOp::argmax:
+      return "argmax";
+    case ReduceOp::argmin:
+      return "argmin";
   }
   return "?";
 }

@@ -1,10 +1,10 @@
 // Engine internals shared by the op implementations: storage, the tensor object, view helpers.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <atomic>
 #include <memory>
 
 #include <ruda/autograd.h>
@@ -93,8 +93,8 @@ inline bool float_dtype(const Tensor& t) { return is_floating(t.dtype()); }
 namespace ruda::autograd {
 
 struct Edge {
-  std::shared_ptr<Node> node;                 // the producer's node, or
-  std::shared_ptr<detail::TensorImpl> leaf;   // the leaf to accumulate into
+  std::shared_ptr<Node> node;                // the producer's node, or
+  std::shared_ptr<detail::TensorImpl> leaf;  // the leaf to accumulate into
   bool connected() const noexcept { return node || leaf; }
 };
 

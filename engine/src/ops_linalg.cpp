@@ -152,7 +152,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightL
                        if (need[0]) grad_x = reshape(product("linear", g2, false, s[1].get(), !out_in), x_shape);
                        if (need[1]) {
                          const Tensor x2 = reshape(s[0].get(), {-1, in});
-                         grad_w = out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
+                         grad_w =
+                             out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
                        }
                        if (need[2]) grad_b = sum(g2, {0});
                        return std::vector<Tensor>{grad_x, grad_w, grad_b};

@@ -42,14 +42,14 @@ Tensor embedding(const Tensor& table, const Tensor& indices) {
     table.backend().gather_rows(view_of(table), view_of(flat_idx), view_of(reshape(out, {-1, features})));
   }
   if (autograd::needs_grad(table)) {
-    autograd::record("embedding", out, {table}, {flat_idx},
-                     [vocabulary, features](const Tensor& g, const Saved& s, GradMask) {
-                       Tensor gt = zeros({vocabulary, features}, Options(g.dtype(), &g.backend()));
-                       if (g.numel()) {
-                         g.backend().scatter_add_rows(view_of(reshape(g, {-1, features})), view_of(s[0].get()), view_of(gt));
-                       }
-                       return std::vector<Tensor>{gt};
-                     });
+    autograd::record(
+        "embedding", out, {table}, {flat_idx}, [vocabulary, features](const Tensor& g, const Saved& s, GradMask) {
+          Tensor gt = zeros({vocabulary, features}, Options(g.dtype(), &g.backend()));
+          if (g.numel()) {
+            g.backend().scatter_add_rows(view_of(reshape(g, {-1, features})), view_of(s[0].get()), view_of(gt));
+          }
+          return std::vector<Tensor>{gt};
+        });
   }
   return out;
 }

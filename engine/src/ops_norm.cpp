@@ -29,8 +29,8 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   View none;
   none.dtype = x.dtype();
   if (out.numel()) {
-    x.backend().layer_norm(view_of(x), weight.defined() ? view_of(weight) : none, bias.defined() ? view_of(bias) : none, eps,
-                           view_of(out), view_of(mean), view_of(rstd));
+    x.backend().layer_norm(view_of(x), weight.defined() ? view_of(weight) : none, bias.defined() ? view_of(bias) : none,
+                           eps, view_of(out), view_of(mean), view_of(rstd));
   }
   if (autograd::needs_grad(x, weight, bias)) {
     autograd::record("layer_norm", out, {x, weight, bias}, {x, weight, mean, rstd},
@@ -43,11 +43,10 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
                        if (need[1]) gw = make_tensor(wv.shape(), g.dtype(), g.backend());
                        if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend());
                        if (g.numel()) {
-                         g.backend().layer_norm_backward(view_of(xv), wv.defined() ? view_of(wv) : none,
-                                                         view_of(s[2].get()), view_of(s[3].get()), view_of(g),
-                                                         gx.defined() ? view_of(gx) : none,
-                                                         gw.defined() ? view_of(gw) : none,
-                                                         gb.defined() ? view_of(gb) : none);
+                         g.backend().layer_norm_backward(
+                             view_of(xv), wv.defined() ? view_of(wv) : none, view_of(s[2].get()), view_of(s[3].get()),
+                             view_of(g), gx.defined() ? view_of(gx) : none, gw.defined() ? view_of(gw) : none,
+                             gb.defined() ? view_of(gb) : none);
                        } else {
                          for (Tensor* t : {&gw, &gb}) {
                            if (t->defined()) t->fill_(0);

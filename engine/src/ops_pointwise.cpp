@@ -42,9 +42,10 @@ std::vector<Tensor> two(Tensor a, Tensor b) { return {std::move(a), std::move(b)
 Tensor add(const Tensor& a, const Tensor& b) {
   Tensor out = binary_forward(BinaryOp::add, "add", a, b);
   if (autograd::needs_grad(a, b)) {
-    autograd::record("add", out, {a, b}, {}, [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
-      return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(g, sb) : Tensor());
-    });
+    autograd::record("add", out, {a, b}, {},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
+                       return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(g, sb) : Tensor());
+                     });
   }
   return out;
 }
@@ -52,9 +53,10 @@ Tensor add(const Tensor& a, const Tensor& b) {
 Tensor sub(const Tensor& a, const Tensor& b) {
   Tensor out = binary_forward(BinaryOp::sub, "sub", a, b);
   if (autograd::needs_grad(a, b)) {
-    autograd::record("sub", out, {a, b}, {}, [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
-      return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(neg(g), sb) : Tensor());
-    });
+    autograd::record("sub", out, {a, b}, {},
+                     [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved&, GradMask need) {
+                       return two(need[0] ? sum_to(g, sa) : Tensor(), need[1] ? sum_to(neg(g), sb) : Tensor());
+                     });
   }
   return out;
 }
@@ -82,7 +84,8 @@ Tensor div(const Tensor& a, const Tensor& b) {
                        const Tensor bv = s[0].get();
                        const Tensor ga = g / bv;
                        // d(a/b)/db = -(a/b)/b
-                       return two(need[0] ? sum_to(ga, sa) : Tensor(), need[1] ? sum_to(neg(ga * s[1].get()), sb) : Tensor());
+                       return two(need[0] ? sum_to(ga, sa) : Tensor(),
+                                  need[1] ? sum_to(neg(ga * s[1].get()), sb) : Tensor());
                      });
   }
   return out;
@@ -203,8 +206,10 @@ bool derivative_reads_input(UnaryOp op) {
     case UnaryOp::gelu_erf:
     case UnaryOp::silu:
     case UnaryOp::softplus:
-    case UnaryOp::square: return true;
-    default: return false;
+    case UnaryOp::square:
+      return true;
+    default:
+      return false;
   }
 }
 bool derivative_reads_output(UnaryOp op) {
@@ -215,8 +220,10 @@ bool derivative_reads_output(UnaryOp op) {
     case UnaryOp::tanh:
     case UnaryOp::sigmoid:
     case UnaryOp::relu:
-    case UnaryOp::reciprocal: return true;
-    default: return false;
+    case UnaryOp::reciprocal:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -241,8 +248,8 @@ Tensor unary(UnaryOp op, const Tensor& x) {
                        Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend());
                        View none;
                        none.dtype = g.dtype();
-                       g.backend().unary_backward(op, xv.defined() ? view_of(xv) : none, yv.defined() ? view_of(yv) : none,
-                                                  view_of(g), view_of(gx));
+                       g.backend().unary_backward(op, xv.defined() ? view_of(xv) : none,
+                                                  yv.defined() ? view_of(yv) : none, view_of(g), view_of(gx));
                        return {gx};
                      });
   }

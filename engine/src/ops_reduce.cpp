@@ -63,7 +63,8 @@ Tensor spread(const Tensor& g, const Shape& kept, const Shape& x_shape) { return
 
 Tensor sum(const Tensor& x, const Axes& axes, bool keepdim) {
   detail::require_defined("sum", x);
-  if (x.dtype() == DType::boolean) fail<DTypeError>("sum", "is not defined on bool tensor ", x.shape(), "; cast it first");
+  if (x.dtype() == DType::boolean)
+    fail<DTypeError>("sum", "is not defined on bool tensor ", x.shape(), "; cast it first");
   const Reduction r = plan("sum", x, axes, keepdim);
   Tensor out = reduce_forward(ReduceOp::sum, "sum", x, r, x.dtype());
   if (autograd::needs_grad(x)) {

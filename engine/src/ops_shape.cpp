@@ -78,9 +78,11 @@ Tensor flatten(const Tensor& x, std::int64_t start_axis, std::int64_t end_axis) 
   if (x.ndim() == 0) return reshape(x, {1});
   const int s = normalize_axis(start_axis, x.ndim(), "flatten");
   const int e = normalize_axis(end_axis, x.ndim(), "flatten");
-  if (s > e) fail<IndexError>("flatten", "start axis ", start_axis, " comes after end axis ", end_axis, " for ", x.shape());
+  if (s > e)
+    fail<IndexError>("flatten", "start axis ", start_axis, " comes after end axis ", end_axis, " for ", x.shape());
   Shape shape(x.shape().begin(), x.shape().begin() + s);
-  shape.push_back(std::accumulate(x.shape().begin() + s, x.shape().begin() + e + 1, std::int64_t{1}, std::multiplies<>()));
+  shape.push_back(
+      std::accumulate(x.shape().begin() + s, x.shape().begin() + e + 1, std::int64_t{1}, std::multiplies<>()));
   shape.insert(shape.end(), x.shape().begin() + e + 1, x.shape().end());
   return reshape(x, shape);
 }
@@ -186,8 +188,8 @@ Tensor slice_assign(const Tensor& x, std::int64_t axis, std::int64_t start, std:
   Shape target = x.shape();
   target[b.axis] = b.end - b.start;
   if (value.shape() != target) {
-    fail<ShapeError>("slice_assign", "value ", value.shape(), " does not fit range [", start, ", ", end, ") of axis ", axis,
-                     " of ", x.shape(), " (expected ", target, ")");
+    fail<ShapeError>("slice_assign", "value ", value.shape(), " does not fit range [", start, ", ", end, ") of axis ",
+                     axis, " of ", x.shape(), " (expected ", target, ")");
   }
   Tensor out = x.detach().clone();
   if (value.numel()) x.backend().copy(view_of(value), region(out, b.axis, b.start, b.end - b.start));

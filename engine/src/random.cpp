@@ -10,7 +10,8 @@ namespace ruda {
 namespace random {
 
 void philox4x32(std::uint64_t counter, std::uint64_t seed, std::uint32_t out[4]) noexcept {
-  std::uint32_t c0 = static_cast<std::uint32_t>(counter), c1 = static_cast<std::uint32_t>(counter >> 32), c2 = 0, c3 = 0;
+  std::uint32_t c0 = static_cast<std::uint32_t>(counter), c1 = static_cast<std::uint32_t>(counter >> 32), c2 = 0,
+                c3 = 0;
   std::uint32_t k0 = static_cast<std::uint32_t>(seed), k1 = static_cast<std::uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     const std::uint64_t p0 = std::uint64_t{0xD2511F53u} * c0;

@@ -115,12 +115,18 @@ constexpr DType dtype_of() {
 
 double read_element(const void* data, DType dtype, std::int64_t i) {
   switch (dtype) {
-    case DType::f32: return static_cast<const float*>(data)[i];
-    case DType::f64: return static_cast<const double*>(data)[i];
-    case DType::f16: return to_float(static_cast<const float16*>(data)[i]);
-    case DType::bf16: return to_float(static_cast<const bfloat16*>(data)[i]);
-    case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(data)[i]);
-    case DType::boolean: return static_cast<const std::uint8_t*>(data)[i] ? 1.0 : 0.0;
+    case DType::f32:
+      return static_cast<const float*>(data)[i];
+    case DType::f64:
+      return static_cast<const double*>(data)[i];
+    case DType::f16:
+      return to_float(static_cast<const float16*>(data)[i]);
+    case DType::bf16:
+      return to_float(static_cast<const bfloat16*>(data)[i]);
+    case DType::i64:
+      return static_cast<double>(static_cast<const std::int64_t*>(data)[i]);
+    case DType::boolean:
+      return static_cast<const std::uint8_t*>(data)[i] ? 1.0 : 0.0;
   }
   return 0;
 }
@@ -159,8 +165,8 @@ template <class T>
 T* Tensor::data() const {
   const auto& impl = checked(*this, "data");
   if (impl.dtype != dtype_of<T>()) {
-    fail<DTypeError>("data", "requested ", dtype_name(dtype_of<T>()), " elements of a ", dtype_name(impl.dtype), " tensor ",
-                     impl.shape);
+    fail<DTypeError>("data", "requested ", dtype_name(dtype_of<T>()), " elements of a ", dtype_name(impl.dtype),
+                     " tensor ", impl.shape);
   }
   return static_cast<T*>(impl.data());
 }
@@ -170,12 +176,13 @@ std::vector<T> Tensor::to_vector() const {
   const auto& impl = checked(*this, "to_vector");
   constexpr DType target = dtype_of<T>();
   const Tensor source = impl.dtype == target ? *this : this->detach().to(target);
-  const auto* src = static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(source.impl()->data());
+  const auto* src =
+      static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(source.impl()->data());
   return std::vector<T>(src, src + impl.numel);
 }
 
-#define RUDA_INSTANTIATE(T)                          \
-  template T* Tensor::data<T>() const;               \
+#define RUDA_INSTANTIATE(T)                             \
+  template T* Tensor::data<T>() const;                  \
   template std::vector<T> Tensor::to_vector<T>() const; \
   template Tensor from_vector<T>(const std::vector<T>&, const Shape&, Options);
 
@@ -193,7 +200,8 @@ double Tensor::at(std::initializer_list<std::int64_t> index) const {
   std::int64_t flat = 0, axis = 0;
   for (std::int64_t i : index) {
     const std::int64_t extent = impl.shape[axis];
-    if (i < -extent || i >= extent) fail<IndexError>("at", "index ", i, " is out of range for axis ", axis, " of ", impl.shape);
+    if (i < -extent || i >= extent)
+      fail<IndexError>("at", "index ", i, " is out of range for axis ", axis, " of ", impl.shape);
     flat = flat * extent + (i < 0 ? i + extent : i);
     ++axis;
   }
@@ -209,8 +217,8 @@ Tensor& Tensor::set_requires_grad(bool value) {
                         " tensor was produced by ", autograd::node_name(*impl.grad_fn), " (use detach() first)");
   }
   if (value && !is_floating(impl.dtype)) {
-    fail<DTypeError>("set_requires_grad", "only floating-point tensors can require grad, got ", dtype_name(impl.dtype), " ",
-                     impl.shape);
+    fail<DTypeError>("set_requires_grad", "only floating-point tensors can require grad, got ", dtype_name(impl.dtype),
+                     " ", impl.shape);
   }
   impl.requires_grad = value;
   return *this;
@@ -336,7 +344,8 @@ Tensor scalar(double value, Options options) { return full({}, value, options); 
 
 Tensor arange(double start, double end, double step, Options options) {
   if (step == 0 || !std::isfinite(start) || !std::isfinite(end) || !std::isfinite(step)) {
-    fail<ArgumentError>("arange", "needs finite bounds and a non-zero step, got start ", start, ", end ", end, ", step ", step);
+    fail<ArgumentError>("arange", "needs finite bounds and a non-zero step, got start ", start, ", end ", end,
+                        ", step ", step);
   }
   const double count = std::ceil((end - start) / step);
   const std::int64_t n = count > 0 ? static_cast<std::int64_t>(count) : 0;

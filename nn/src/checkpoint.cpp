@@ -6,11 +6,11 @@
 #include <fstream>
 #include <sstream>
 
-#include <nlohmann/json.hpp>
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
 #include <ruda/nn/safetensors.h>
 #include <ruda/nn/sharded.h>
+#include <nlohmann/json.hpp>
 
 namespace ruda::nn {
 
@@ -51,7 +51,8 @@ Piece piece_of(const Param& p, int rank) {
 // Agrees a success flag across ranks: a failure anywhere fails everywhere (no rank left waiting).
 bool all_ok(Communicator& comm, bool ok) {
   autograd::NoGradGuard guard;
-  return comm.all_reduce(scalar(ok ? 0.0 : 1.0, DType::f64), Reduction::max, {.tag = "checkpoint status"}).item() == 0.0;
+  return comm.all_reduce(scalar(ok ? 0.0 : 1.0, DType::f64), Reduction::max, {.tag = "checkpoint status"}).item() ==
+         0.0;
 }
 
 json read_index(const std::string& dir) {
@@ -146,7 +147,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
         }
         if (count > 0) pieces.push_back({{"rank", r}, {"offset", offset}, {"count", count}});
       }
-      jparams[name] = {{"id", p.id()}, {"shape", p.shape()}, {"dtype", dtype_name(p.data().dtype())},
+      jparams[name] = {{"id", p.id()},   {"shape", p.shape()}, {"dtype", dtype_name(p.data().dtype())},
                        {"numel", numel}, {"sharded", sharded}, {"pieces", pieces}};
     }
     index["params"] = jparams;
@@ -196,7 +197,8 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
   const json& jparams = index.at("params");
   const auto params = module.named_parameters();
   if (jparams.size() != params.size()) {
-    ckpt_fail(dir, "holds " + std::to_string(jparams.size()) + " parameters, the model has " + std::to_string(params.size()));
+    ckpt_fail(
+        dir, "holds " + std::to_string(jparams.size()) + " parameters, the model has " + std::to_string(params.size()));
   }
   // Files are opened (and their headers validated) only when a range is needed from them.
   std::map<int, std::unique_ptr<safetensors::Reader>> readers;
@@ -206,7 +208,8 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
       const json& f = files.at(static_cast<std::size_t>(r));
       if (!f.is_string()) ckpt_fail(dir, "index.json has a file name that is not a string");
       const std::string name = f.get<std::string>();
-      if (name.find('/') != std::string::npos || name == ".." || name.empty()) ckpt_fail(dir, "index.json names file '" + name + "'");
+      if (name.find('/') != std::string::npos || name == ".." || name.empty())
+        ckpt_fail(dir, "index.json names file '" + name + "'");
       slot = std::make_unique<safetensors::Reader>((fs::path(dir) / name).string());
     }
     return *slot;
@@ -220,7 +223,8 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
     for (const json& piece : pieces) {
       const int r = piece.at("rank").get<int>();
       const std::int64_t offset = piece.at("offset").get<std::int64_t>(), count = piece.at("count").get<std::int64_t>();
-      if (r < 0 || r >= info.world_size || offset < 0 || count < 0) ckpt_fail(dir, "index.json has a bad piece of " + name);
+      if (r < 0 || r >= info.world_size || offset < 0 || count < 0)
+        ckpt_fail(dir, "index.json has a bad piece of " + name);
       const std::int64_t lo = std::max(offset, want.offset), hi = std::min(offset + count, want.offset + want.count);
       if (lo >= hi) continue;
       safetensors::Reader& file = reader(r);
@@ -242,15 +246,16 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
     const json& jp = jparams.at(name);
     const Shape shape = jp.at("shape").get<Shape>();
     if (shape != p.shape()) {
-      ckpt_fail(dir, "parameter '" + name + "' is " + to_string(shape) + " in the checkpoint but " + to_string(p.shape()) +
-                         " in the model");
+      ckpt_fail(dir, "parameter '" + name + "' is " + to_string(shape) + " in the checkpoint but " +
+                         to_string(p.shape()) + " in the model");
     }
     const DType dtype = parse_dtype(jp.at("dtype").get<std::string>());
     if (dtype != p.data().dtype()) {
       ckpt_fail(dir, "parameter '" + name + "' is " + std::string(dtype_name(dtype)) + " in the checkpoint but " +
                          std::string(dtype_name(p.data().dtype())) + " in the model");
     }
-    const Piece want = p.is_sharded() ? Piece{p.shard()->offset(), p.shard()->real_elements()} : Piece{0, p.data().numel()};
+    const Piece want =
+        p.is_sharded() ? Piece{p.shard()->offset(), p.shard()->real_elements()} : Piece{0, p.data().numel()};
     // Padding stays zero: fill the whole local tensor, then the real part from the files.
     Tensor& data = p.data();
     Tensor staged = zeros({data.numel()}, Options(dtype, &data.backend()));
@@ -259,7 +264,8 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
     if (optimizer && index.contains("optimizer")) {
       for (auto& [state_name, t] : optimizer->state(p)) {
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
-        gather_range(name, jp.at("pieces"), "optim/" + name + "/" + state_name, want, t.dtype(), staged_state.data_ptr());
+        gather_range(name, jp.at("pieces"), "optim/" + name + "/" + state_name, want, t.dtype(),
+                     staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
       }
     }
@@ -328,7 +334,8 @@ void for_each_piece(const std::string& dir, const json& index, Visit&& visit) {
   const auto files = index.at("files").get<std::vector<std::string>>();
   std::vector<std::unique_ptr<safetensors::Reader>> readers(files.size());
   std::vector<std::string> states;
-  if (index.contains("optimizer")) states = index["optimizer"].value("state", json::array()).get<std::vector<std::string>>();
+  if (index.contains("optimizer"))
+    states = index["optimizer"].value("state", json::array()).get<std::vector<std::string>>();
   for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
     const DType dtype = parse_dtype(it.value().at("dtype").get<std::string>());
     for (const json& piece : it.value().at("pieces")) {
@@ -357,13 +364,14 @@ std::uint64_t verify_checkpoint(const std::string& path) {
   std::uint64_t bytes = 0;
   try {
     std::vector<char> buffer;
-    for_each_piece(dir, index, [&](safetensors::Reader& file, const std::string& tensor, const std::string&, DType,
-                                   std::int64_t, std::int64_t count) {
-      const auto& info = file.info(tensor);
-      buffer.resize(static_cast<std::size_t>(count) * dtype_size(info.dtype));
-      file.read_range_into(tensor, 0, count, buffer.data());
-      bytes += buffer.size();
-    });
+    for_each_piece(dir, index,
+                   [&](safetensors::Reader& file, const std::string& tensor, const std::string&, DType, std::int64_t,
+                       std::int64_t count) {
+                     const auto& info = file.info(tensor);
+                     buffer.resize(static_cast<std::size_t>(count) * dtype_size(info.dtype));
+                     file.read_range_into(tensor, 0, count, buffer.data());
+                     bytes += buffer.size();
+                   });
   } catch (const json::exception& e) {
     ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
   }
@@ -377,25 +385,31 @@ void consolidate_checkpoint(const std::string& path, const std::string& output_f
   std::map<std::string, Tensor> full;
   try {
     for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
-      full[it.key()] = zeros(it.value().at("shape").get<Shape>(), parse_dtype(it.value().at("dtype").get<std::string>()));
+      full[it.key()] =
+          zeros(it.value().at("shape").get<Shape>(), parse_dtype(it.value().at("dtype").get<std::string>()));
     }
-    for_each_piece(dir, index, [&](safetensors::Reader& file, const std::string& tensor, const std::string& param, DType dtype,
-                                   std::int64_t offset, std::int64_t count) {
-      if (tensor.rfind("model/", 0) != 0) return;  // optimizer state is not part of a consolidated model
-      Tensor& t = full.at(param);
-      file.read_range_into(tensor, 0, count, static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(dtype_size(dtype)));
-    });
+    for_each_piece(dir, index,
+                   [&](safetensors::Reader& file, const std::string& tensor, const std::string& param, DType dtype,
+                       std::int64_t offset, std::int64_t count) {
+                     if (tensor.rfind("model/", 0) != 0) return;  // optimizer state is not part of a consolidated model
+                     Tensor& t = full.at(param);
+                     file.read_range_into(
+                         tensor, 0, count,
+                         static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(dtype_size(dtype)));
+                   });
   } catch (const json::exception& e) {
     ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
   }
   std::vector<std::pair<std::string, Tensor>> tensors(full.begin(), full.end());
-  std::map<std::string, std::string> metadata = index.value("extra", json::object()).get<std::map<std::string, std::string>>();
+  std::map<std::string, std::string> metadata =
+      index.value("extra", json::object()).get<std::map<std::string, std::string>>();
   metadata["step"] = std::to_string(index.at("step").get<std::int64_t>());
   metadata["source"] = dir;
   safetensors::write(output_file, tensors, metadata);
 }
 
-CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir, std::int64_t step) {
+CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
+                                std::int64_t step) {
   autograd::NoGradGuard guard;
   if (world_size <= 0) ckpt_fail(out_dir, "world size must be positive, got " + std::to_string(world_size));
   safetensors::Reader input(input_file);
@@ -414,7 +428,8 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     std::vector<std::pair<std::string, Tensor>> tensors;
     for (const auto& t : input.tensors()) {
       const std::int64_t numel = t.numel(), s = (numel + world_size - 1) / world_size;
-      const std::int64_t offset = std::min(numel, rank * s), count = std::max<std::int64_t>(0, std::min(numel, offset + s) - offset);
+      const std::int64_t offset = std::min(numel, rank * s),
+                         count = std::max<std::int64_t>(0, std::min(numel, offset + s) - offset);
       tensors.emplace_back("model/" + t.name, input.read_range(t.name, offset, count));
       if (rank == 0) {
         json pieces = json::array();
@@ -422,17 +437,18 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
           const std::int64_t o = std::min(numel, r * s), c = std::max<std::int64_t>(0, std::min(numel, o + s) - o);
           if (c > 0) pieces.push_back({{"rank", r}, {"offset", o}, {"count", c}});
         }
-        jparams[t.name] = {{"id", 0}, {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"numel", numel},
-                           {"sharded", true}, {"pieces", pieces}};
+        jparams[t.name] = {{"id", 0},        {"shape", t.shape}, {"dtype", dtype_name(t.dtype)},
+                           {"numel", numel}, {"sharded", true},  {"pieces", pieces}};
       }
     }
-    safetensors::write((fs::path(step_dir) / rank_file(rank, world_size)).string(), tensors,
-                       {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}});
+    safetensors::write(
+        (fs::path(step_dir) / rank_file(rank, world_size)).string(), tensors,
+        {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}});
   }
   json files = json::array();
   for (int r = 0; r < world_size; ++r) files.push_back(rank_file(r, world_size));
-  const json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world_size},
-                      {"files", files}, {"params", jparams}, {"extra", extra}};
+  const json index = {{"format", kFormat}, {"version", kVersion}, {"step", step},  {"world_size", world_size},
+                      {"files", files},    {"params", jparams},   {"extra", extra}};
   safetensors::write_text_atomically((fs::path(step_dir) / "index.json").string(), index.dump(1));
   safetensors::write_text_atomically((fs::path(out_dir) / "latest").string(), step_name(step) + "\n");
   return CheckpointInfo{step_dir, step, world_size, extra};

@@ -59,7 +59,8 @@ std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& bytes, cons
   std::uint64_t count = 1;
   for (auto d : dims) count *= d;
   if (bytes.size() - header != count) {
-    data_fail(path, "holds " + std::to_string(bytes.size() - header) + " data bytes, its header says " + std::to_string(count));
+    data_fail(path, "holds " + std::to_string(bytes.size() - header) + " data bytes, its header says " +
+                        std::to_string(count));
   }
   return dims;
 }
@@ -82,7 +83,8 @@ ImageDataset load_idx(const std::string& images_path, const std::string& labels_
   const auto idims = idx_dims(images, images_path, 3, limit);
   const auto ldims = idx_dims(labels, labels_path, 1, limit);
   if (idims[0] != ldims[0]) {
-    data_fail(images_path, std::to_string(idims[0]) + " images but " + std::to_string(ldims[0]) + " labels in " + labels_path);
+    data_fail(images_path,
+              std::to_string(idims[0]) + " images but " + std::to_string(ldims[0]) + " labels in " + labels_path);
   }
   ImageDataset d;
   d.rows = idims[1];
@@ -137,13 +139,18 @@ std::vector<std::uint8_t> load_text_bytes(const std::string& path) {
 
 BatchSampler::BatchSampler(std::int64_t dataset_size, std::int64_t global_batch, int rank, int world_size,
                            std::uint64_t seed, bool shuffle)
-    : size_(dataset_size), global_batch_(global_batch), rank_(rank), world_size_(world_size), seed_(seed), shuffle_(shuffle) {
+    : size_(dataset_size),
+      global_batch_(global_batch),
+      rank_(rank),
+      world_size_(world_size),
+      seed_(seed),
+      shuffle_(shuffle) {
   if (world_size <= 0 || rank < 0 || rank >= world_size) {
     fail<ArgumentError>("BatchSampler", "rank ", rank, " of world size ", world_size);
   }
   if (global_batch <= 0 || global_batch % world_size != 0) {
-    fail<ArgumentError>("BatchSampler", "global batch ", global_batch, " must be a positive multiple of the ", world_size,
-                        " ranks");
+    fail<ArgumentError>("BatchSampler", "global batch ", global_batch, " must be a positive multiple of the ",
+                        world_size, " ranks");
   }
   if (global_batch > dataset_size) {
     fail<ArgumentError>("BatchSampler", "global batch ", global_batch, " exceeds the ", dataset_size, " samples");

@@ -109,7 +109,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
     fail<ShapeError>("CausalSelfAttention", "expects [batch, time, ", d_model_, "], got ", x.shape());
   }
   const std::int64_t batch = x.shape()[0], time = x.shape()[1], head_dim = d_model_ / heads_;
-  const Tensor qkv_out = qkv->forward(x);  // [B, T, 3C]
+  const Tensor qkv_out = qkv->forward(x);   // [B, T, 3C]
   auto heads_of = [&](std::int64_t part) {  // [B, H, T, head_dim]
     return permute(reshape(slice(qkv_out, 2, part * d_model_, (part + 1) * d_model_), {batch, time, heads_, head_dim}),
                    {0, 2, 1, 3});
@@ -163,7 +163,8 @@ GPT::GPT(const GPTConfig& config) : config_(config) {
   register_module("token_embedding", token_embedding);
   register_module("position_embedding", position_embedding);
   for (std::int64_t i = 0; i < config.layers; ++i) {
-    blocks.push_back(std::make_shared<TransformerBlock>(config.d_model, config.heads, 4 * config.d_model, config.dropout));
+    blocks.push_back(
+        std::make_shared<TransformerBlock>(config.d_model, config.heads, 4 * config.d_model, config.dropout));
     register_module("blocks." + std::to_string(i), blocks.back());
   }
   final_norm = std::make_shared<LayerNorm>(config.d_model);

@@ -7,9 +7,12 @@ namespace {
 
 Tensor reduce(const Tensor& loss, LossReduction reduction) {
   switch (reduction) {
-    case LossReduction::mean: return mean(loss);
-    case LossReduction::sum: return sum(loss);
-    case LossReduction::none: return loss;
+    case LossReduction::mean:
+      return mean(loss);
+    case LossReduction::sum:
+      return sum(loss);
+    case LossReduction::none:
+      return loss;
   }
   return loss;
 }
@@ -55,20 +58,25 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
     if (options.weight.shape() != Shape{classes}) {
       fail<ShapeError>(op, "class weights ", options.weight.shape(), " do not match ", classes, " classes");
     }
-    target_weight = reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()) * keep_f;
+    target_weight =
+        reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()) * keep_f;
   }
   const Tensor picked = squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1);
   Tensor loss = -(picked * target_weight);
   if (options.label_smoothing > 0.0) {
-    if (options.label_smoothing > 1.0) fail<ArgumentError>(op, "label smoothing must be in [0, 1], got ", options.label_smoothing);
+    if (options.label_smoothing > 1.0)
+      fail<ArgumentError>(op, "label smoothing must be in [0, 1], got ", options.label_smoothing);
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
     const Tensor smooth = -sum(log_probs * class_weight, {-1}) * keep_f / static_cast<double>(classes);
     loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
   }
   switch (options.reduction) {
-    case LossReduction::none: return loss;
-    case LossReduction::sum: return sum(loss);
-    case LossReduction::mean: return sum(loss) / sum(target_weight).detach();
+    case LossReduction::none:
+      return loss;
+    case LossReduction::sum:
+      return sum(loss);
+    case LossReduction::mean:
+      return sum(loss) / sum(target_weight).detach();
   }
   return loss;
 }
@@ -76,7 +84,8 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& options) {
   if (!logits.defined()) fail<ArgumentError>("cross_entropy", "got an undefined tensor");
   if (!is_floating(logits.dtype())) {
-    fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ", logits.shape());
+    fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ",
+                     logits.shape());
   }
   return nll_loss(log_softmax(logits, -1), targets, options);
 }
@@ -98,7 +107,8 @@ double global_count(Communicator& comm, double local) {
 
 std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index) {
   autograd::NoGradGuard guard;
-  return static_cast<std::int64_t>(sum(ne(targets, full({}, static_cast<double>(ignore_index), DType::i64)).to(DType::i64)).item());
+  return static_cast<std::int64_t>(
+      sum(ne(targets, full({}, static_cast<double>(ignore_index), DType::i64)).to(DType::i64)).item());
 }
 
 }  // namespace ruda::nn

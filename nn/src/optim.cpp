@@ -56,7 +56,8 @@ std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
   return {{"momentum_buffer", buffer}};
 }
 
-Adam::Adam(std::vector<Param> params, AdamOptions options) : Optimizer(std::move(params), options.lr), options_(options) {
+Adam::Adam(std::vector<Param> params, AdamOptions options)
+    : Optimizer(std::move(params), options.lr), options_(options) {
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
     fail<ArgumentError>("Adam", "betas must be in [0, 1), got ", options.beta1, ", ", options.beta2);
   }
@@ -120,7 +121,8 @@ Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
 }
 Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, double min_lr) {
   return [=](std::int64_t step) {
-    if (warmup_steps > 0 && step < warmup_steps) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+    if (warmup_steps > 0 && step < warmup_steps)
+      return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
     const std::int64_t span = std::max<std::int64_t>(1, total_steps - warmup_steps);
     const double progress = std::min(1.0, static_cast<double>(step - warmup_steps) / static_cast<double>(span));
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + std::cos(std::numbers::pi * progress));

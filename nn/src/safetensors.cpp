@@ -11,8 +11,8 @@
 #include <filesystem>
 #include <limits>
 
-#include <nlohmann/json.hpp>
 #include <ruda/nn/safetensors.h>
+#include <nlohmann/json.hpp>
 
 namespace ruda::safetensors {
 
@@ -27,8 +27,9 @@ constexpr int kMaxJsonDepth = 16;
 std::string os_error() { return std::strerror(errno); }
 
 bool dtype_from_format(const std::string& name, DType& out) {
-  static const std::pair<const char*, DType> names[] = {{"F32", DType::f32}, {"F64", DType::f64}, {"F16", DType::f16},
-                                                        {"BF16", DType::bf16}, {"I64", DType::i64}, {"BOOL", DType::boolean}};
+  static const std::pair<const char*, DType> names[] = {{"F32", DType::f32}, {"F64", DType::f64},
+                                                        {"F16", DType::f16}, {"BF16", DType::bf16},
+                                                        {"I64", DType::i64}, {"BOOL", DType::boolean}};
   for (const auto& [n, d] : names) {
     if (name == n) {
       out = d;
@@ -68,12 +69,18 @@ std::atomic<std::int64_t> g_bytes_written{0};
 
 const char* format_dtype(DType dtype) {
   switch (dtype) {
-    case DType::f32: return "F32";
-    case DType::f64: return "F64";
-    case DType::f16: return "F16";
-    case DType::bf16: return "BF16";
-    case DType::i64: return "I64";
-    case DType::boolean: return "BOOL";
+    case DType::f32:
+      return "F32";
+    case DType::f64:
+      return "F64";
+    case DType::f16:
+      return "F16";
+    case DType::bf16:
+      return "BF16";
+    case DType::i64:
+      return "I64";
+    case DType::boolean:
+      return "BOOL";
   }
   return "?";
 }
@@ -176,9 +183,11 @@ Reader::Reader(const std::string& path) : path_(path) {
     read_bytes(0, 8, len_bytes);
     std::uint64_t header_len = 0;
     for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
-    if (header_len > kMaxHeaderBytes) io_fail(path, "header length " + std::to_string(header_len) + " exceeds the limit");
+    if (header_len > kMaxHeaderBytes)
+      io_fail(path, "header length " + std::to_string(header_len) + " exceeds the limit");
     if (header_len > file_size_ - 8) {
-      io_fail(path, "truncated: header of " + std::to_string(header_len) + " bytes in a file of " + std::to_string(file_size_));
+      io_fail(path, "truncated: header of " + std::to_string(header_len) + " bytes in a file of " +
+                        std::to_string(file_size_));
     }
     std::string header(header_len, '\0');
     read_bytes(8, header_len, header.data());
@@ -233,11 +242,13 @@ Tensor Reader::read(const std::string& name) const {
 void Reader::read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const {
   const TensorInfo& t = info(name);
   if (first < 0 || count < 0 || first > t.numel() || count > t.numel() - first) {
-    io_fail(path_, "elements [" + std::to_string(first) + ", " + std::to_string(first + count) + ") are outside tensor '" +
-                       name + "' of " + std::to_string(t.numel()));
+    io_fail(path_, "elements [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                       ") are outside tensor '" + name + "' of " + std::to_string(t.numel()));
   }
   const std::uint64_t size = dtype_size(t.dtype);
-  if (count > 0) read_bytes(t.begin + static_cast<std::uint64_t>(first) * size, static_cast<std::uint64_t>(count) * size, destination);
+  if (count > 0)
+    read_bytes(t.begin + static_cast<std::uint64_t>(first) * size, static_cast<std::uint64_t>(count) * size,
+               destination);
 }
 
 Tensor Reader::read_range(const std::string& name, std::int64_t first, std::int64_t count) const {
@@ -322,14 +333,16 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
     if (name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
     if (header.contains(name)) io_fail(path, "tensor name '" + name + "' repeats");
     const std::uint64_t bytes = t.nbytes();
-    header[name] = {{"dtype", format_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {
+        {"dtype", format_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
   unsigned char len_bytes[8];
-  for (int i = 0; i < 8; ++i) len_bytes[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  for (int i = 0; i < 8; ++i)
+    len_bytes[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
   AtomicFile file(path);
   file.write(len_bytes, 8);
   file.write(text.data(), text.size());

@@ -31,7 +31,8 @@ std::int64_t checked_numel(const char* op, const Shape& shape) {
   std::int64_t n = 1;
   for (std::int64_t d : shape) {
     if (d <= 0) fail<ShardingError>(op, "every logical extent must be positive, got ", shape);
-    if (n > std::numeric_limits<std::int64_t>::max() / d) fail<ShardingError>(op, "logical shape ", shape, " overflows");
+    if (n > std::numeric_limits<std::int64_t>::max() / d)
+      fail<ShardingError>(op, "logical shape ", shape, " overflows");
     n *= d;
   }
   return n;
@@ -39,8 +40,8 @@ std::int64_t checked_numel(const char* op, const Shape& shape) {
 
 void check_storage_dtype(const char* op, const Tensor& t) {
   if (!is_floating(t.dtype())) {
-    fail<DTypeError>(op, "floating parameter storage required (f32, f64, f16 or bf16), got ", dtype_name(t.dtype()), " ",
-                     t.shape());
+    fail<DTypeError>(op, "floating parameter storage required (f32, f64, f16 or bf16), got ", dtype_name(t.dtype()),
+                     " ", t.shape());
   }
 }
 
@@ -65,7 +66,8 @@ Tensor local_slice(const Tensor& full, const ShardInfo& info) {
 
 }  // namespace
 
-ShardedParameter ShardedParameter::from_local(const Param& local, const Shape& logical_shape, int rank, int world_size) {
+ShardedParameter ShardedParameter::from_local(const Param& local, const Shape& logical_shape, int rank,
+                                              int world_size) {
   const char* op = "ShardedParameter::from_local";
   if (!local.defined()) fail<ShardingError>(op, "local parameter is undefined");
   check_topology(op, rank, world_size);
@@ -92,7 +94,8 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   std::lock_guard lock(shards_mutex());
   for (const auto& d : source.shards_of_this) {
     if (d.rank != rank || d.world_size != world_size) continue;
-    if (auto existing = d.shard.lock()) return ShardedParameter(Param(existing));  // a tied weight again: the same shard
+    if (auto existing = d.shard.lock())
+      return ShardedParameter(Param(existing));  // a tied weight again: the same shard
   }
   const Tensor& value = full.data();
   check_storage_dtype(op, value);
@@ -102,9 +105,8 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   Param local(local_slice(value, *info), full.id());
   local.data().set_requires_grad(value.requires_grad());
   local.set_shard(std::move(info));
-  std::erase_if(source.shards_of_this, [&](const auto& d) {
-    return d.shard.expired() || (d.rank == rank && d.world_size == world_size);
-  });
+  std::erase_if(source.shards_of_this,
+                [&](const auto& d) { return d.shard.expired() || (d.rank == rank && d.world_size == world_size); });
   source.shards_of_this.push_back({rank, world_size, local.state_});
   return ShardedParameter(local);
 }
@@ -115,12 +117,11 @@ Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptio
     Communicator* c = &comm;
     // Always-run: every rank reduce-scatters this gradient in every backward, with zeros where
     // its loss did not reach the gathered value, so no rank waits for a collective another skips.
-    autograd::record(
-        "all_gather", full, {local}, {},
-        [c, options](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-          return std::vector<Tensor>{c->reduce_scatter(g, options)};
-        },
-        {.always_run = true});
+    autograd::record("all_gather", full, {local}, {},
+                     [c, options](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       return std::vector<Tensor>{c->reduce_scatter(g, options)};
+                     },
+                     {.always_run = true});
   }
   return full;
 }
@@ -130,8 +131,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
   if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
-    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but parameter '", info.name,
-                        "' ", info.logical_shape, " is shard ", info.rank, " of ", info.world_size);
+    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but parameter '",
+                        info.name, "' ", info.logical_shape, " is shard ", info.rank, " of ", info.world_size);
   }
   const Tensor& local = param.data();
   const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
@@ -140,10 +141,10 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   Tensor value = reshape(slice(all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
   if (info.policy.strategy == CheckpointStrategy::recompute && autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.
-    autograd::set_recompute(value, [shard = local.detach(), c = &comm, options, dtype, numel = info.numel,
-                                    shape = info.logical_shape] {
-      return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
-    });
+    autograd::set_recompute(
+        value, [shard = local.detach(), c = &comm, options, dtype, numel = info.numel, shape = info.logical_shape] {
+          return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
+        });
   }
   return value;
 }
@@ -151,7 +152,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
 Tensor ShardedParameter::gather(Communicator& comm) const { return gather_param(param_, comm, param_.data().dtype()); }
 
 Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dtype) const {
-  if (!is_floating(dtype)) fail<DTypeError>("gather_with_compute_dtype", "compute dtype must be floating, got ", dtype_name(dtype));
+  if (!is_floating(dtype))
+    fail<DTypeError>("gather_with_compute_dtype", "compute dtype must be floating, got ", dtype_name(dtype));
   return gather_param(param_, comm, dtype);
 }
 
@@ -210,8 +212,8 @@ Tensor FullyShardedLinear::forward(const Tensor& x, Communicator& comm) const {
   return linear(x.dtype() == w.dtype() ? x : cast(x, w.dtype()), w, b);
 }
 
-std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Embedding& layer, int rank, int world_size,
-                                                                        ShardPolicy policy) {
+std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Embedding& layer, int rank,
+                                                                        int world_size, ShardPolicy policy) {
   auto out = std::make_shared<FullyShardedEmbedding>();
   out->weight_ = shard_member(layer.weight, rank, world_size, policy, "weight");
   out->register_parameter("weight", &out->weight_);

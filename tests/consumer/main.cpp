@@ -16,10 +16,12 @@ int main() {
   std::mutex m;
   run_ranks(2, [&](Communicator& comm) {
     nn::manual_seed(3);
-    nn::Sequential model({std::make_shared<nn::Linear>(4, 16), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(16, 2)});
+    nn::Sequential model(
+        {std::make_shared<nn::Linear>(4, 16), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(16, 2)});
     nn::fully_shard(model, comm);
     nn::AdamW opt(model.parameters(), {.lr = 0.05});
-    const Tensor xs = x.slice(0, comm.rank() * 32, comm.rank() * 32 + 32), ys = y.slice(0, comm.rank() * 32, comm.rank() * 32 + 32);
+    const Tensor xs = x.slice(0, comm.rank() * 32, comm.rank() * 32 + 32),
+                 ys = y.slice(0, comm.rank() * 32, comm.rank() * 32 + 32);
     for (int step = 0; step < 60; ++step) {
       const Tensor loss = nn::cross_entropy(model.forward(xs), ys, {.reduction = nn::LossReduction::sum}) / 64.0;
       const double global = comm.all_reduce(loss.detach()).item();
@@ -33,6 +35,7 @@ int main() {
       opt.step();
     }
   });
-  std::printf("consumer: loss %.4f -> %.4f on backend %s\n", first, last, std::string(default_backend().name()).c_str());
+  std::printf("consumer: loss %.4f -> %.4f on backend %s\n", first, last,
+              std::string(default_backend().name()).c_str());
   return last < first * 0.5 ? 0 : 1;
 }

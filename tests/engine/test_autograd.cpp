@@ -76,10 +76,13 @@ TEST_CASE("nodes run in reverse creation order and always-run nodes run without 
   std::vector<std::string> log;
   auto tracer = [&](const char* name, const Tensor& in, autograd::RecordOptions options = {}) {
     Tensor out = in.detach().clone();
-    autograd::record(name, out, {in}, {}, [&log, name](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-      log.push_back(name);
-      return std::vector<Tensor>{g};
-    }, options);
+    autograd::record(
+        name, out, {in}, {},
+        [&log, name](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+          log.push_back(name);
+          return std::vector<Tensor>{g};
+        },
+        options);
     return out;
   };
   Tensor x = values({1, 2}, {2}).set_requires_grad();

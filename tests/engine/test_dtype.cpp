@@ -21,7 +21,7 @@ std::uint16_t reference_bf16(float x) {
   const std::uint16_t hi = static_cast<std::uint16_t>(lo + 1);
   const double dx = x, dlo = to_float(bfloat16{lo});
   const double dhi = (hi & 0x7f80) == 0x7f80 && (lo & 0x7fff) == 0x7f7f ? std::copysign(std::ldexp(1.0, 128), dx)
-                                                                         : static_cast<double>(to_float(bfloat16{hi}));
+                                                                        : static_cast<double>(to_float(bfloat16{hi}));
   if ((u & 0xffff) == 0) return lo;
   const double dl = std::abs(dx - dlo), dh = std::abs(dhi - dx);
   if (dl < dh) return lo;
@@ -80,14 +80,14 @@ TEST_CASE("bf16 rounding matches an exhaustive reference") {
 TEST_CASE("f16 rounding edge values") {
   auto to = [](float f) { return to_float16(f).bits; };
   CHECK(to(1.0f) == 0x3c00);
-  CHECK(to(65504.0f) == 0x7bff);                       // largest finite
-  CHECK(to(65519.996f) == 0x7bff);                     // below the tie with infinity
-  CHECK(to(65520.0f) == 0x7c00);                       // the tie rounds to even: infinity
-  CHECK(to(std::ldexp(1.0f, -24)) == 0x0001);          // smallest subnormal
-  CHECK(to(std::ldexp(1.0f, -25)) == 0x0000);          // tie between 0 and the smallest subnormal: even
-  CHECK(to(3 * std::ldexp(1.0f, -25)) == 0x0002);      // tie between 1 and 2 ulps: even
-  CHECK(to(std::ldexp(1.0f, -14)) == 0x0400);          // smallest normal
-  CHECK(to(1.0f + std::ldexp(1.0f, -11)) == 0x3c00);   // tie to even (down)
+  CHECK(to(65504.0f) == 0x7bff);                          // largest finite
+  CHECK(to(65519.996f) == 0x7bff);                        // below the tie with infinity
+  CHECK(to(65520.0f) == 0x7c00);                          // the tie rounds to even: infinity
+  CHECK(to(std::ldexp(1.0f, -24)) == 0x0001);             // smallest subnormal
+  CHECK(to(std::ldexp(1.0f, -25)) == 0x0000);             // tie between 0 and the smallest subnormal: even
+  CHECK(to(3 * std::ldexp(1.0f, -25)) == 0x0002);         // tie between 1 and 2 ulps: even
+  CHECK(to(std::ldexp(1.0f, -14)) == 0x0400);             // smallest normal
+  CHECK(to(1.0f + std::ldexp(1.0f, -11)) == 0x3c00);      // tie to even (down)
   CHECK(to(1.0f + 3 * std::ldexp(1.0f, -11)) == 0x3c02);  // tie to even (up)
   CHECK(to(-0.0f) == 0x8000);
   CHECK(to(-std::numeric_limits<float>::infinity()) == 0xfc00);

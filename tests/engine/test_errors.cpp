@@ -6,8 +6,11 @@ using test::check_throws;
 
 TEST_CASE("ShapeError") {
   check_throws<ShapeError>([] { zeros({2, 3}) + zeros({4}); }, {"add", "broadcast", "[2, 3]", "[4]"});
-  check_throws<ShapeError>([] { matmul(zeros({32, 784}), zeros({512, 10})); },
-                           {"matmul: inner dimensions differ: [32, 784] @ [512, 10]"});
+  check_throws<ShapeError>(
+      [] {
+        matmul(zeros({32, 784}), zeros({512, 10}));
+      },
+      {"matmul: inner dimensions differ: [32, 784] @ [512, 10]"});
   check_throws<ShapeError>([] { matmul(zeros({3}), zeros({3, 2})); }, {"matmul", "[3]"});
   check_throws<ShapeError>([] { zeros({2, 3}).reshape({4, 2}); }, {"reshape", "[2, 3]", "[4, 2]"});
   check_throws<ShapeError>([] { concat({zeros({2, 3}), zeros({2, 4})}, 0); }, {"concat", "[2, 3]", "[2, 4]"});
@@ -30,10 +33,16 @@ TEST_CASE("DTypeError") {
 TEST_CASE("IndexError") {
   check_throws<IndexError>([] { sum(zeros({2, 3}), {2}); }, {"sum", "axis 2", "2 dimensions"});
   check_throws<IndexError>([] { slice(zeros({4, 3}), 0, 2, 6); }, {"slice", "[2, 6)", "[4, 3]"});
-  check_throws<IndexError>([] { embedding(zeros({4, 2}), from_vector<std::int64_t>({1, 4}, {2})); },
-                           {"embedding", "index 4", "[0, 4)"});
-  check_throws<IndexError>([] { take_along_axis(zeros({2, 3}), from_vector<std::int64_t>({0, -1}, {2, 1}), 1); },
-                           {"take_along_axis", "-1"});
+  check_throws<IndexError>(
+      [] {
+        embedding(zeros({4, 2}), from_vector<std::int64_t>({1, 4}, {2}));
+      },
+      {"embedding", "index 4", "[0, 4)"});
+  check_throws<IndexError>(
+      [] {
+        take_along_axis(zeros({2, 3}), from_vector<std::int64_t>({0, -1}, {2, 1}), 1);
+      },
+      {"take_along_axis", "-1"});
   check_throws<IndexError>([] { zeros({2, 2}).at({0, 2}); }, {"at", "2", "[2, 2]"});
   check_throws<IndexError>([] { permute(zeros({2, 2}), {0, 5}); }, {"permute", "axis 5"});
 }
@@ -41,7 +50,12 @@ TEST_CASE("IndexError") {
 TEST_CASE("ArgumentError") {
   check_throws<ArgumentError>([] { dropout(zeros({2}), 1.5, 1); }, {"dropout", "1.5"});
   check_throws<ArgumentError>([] { arange(0, 1, 0); }, {"arange", "step"});
-  check_throws<ArgumentError>([] { Tensor undefined; exp(undefined); }, {"exp", "undefined"});
+  check_throws<ArgumentError>(
+      [] {
+        Tensor undefined;
+        exp(undefined);
+      },
+      {"exp", "undefined"});
   check_throws<ArgumentError>([] { concat({}); }, {"concat"});
   check_throws<ArgumentError>([] { set_num_threads(0); }, {"set_num_threads"});
 }
@@ -49,18 +63,24 @@ TEST_CASE("ArgumentError") {
 TEST_CASE("AutogradError") {
   check_throws<AutogradError>([] { zeros({2}).set_requires_grad().backward(); }, {"backward", "one-element", "[2]"});
   check_throws<AutogradError>([] { zeros({1}).backward(); }, {"backward", "does not require grad"});
-  check_throws<AutogradError>([] {
-    Tensor w = zeros({2}).set_requires_grad();
-    w.add_(ones({2}));
-  }, {"add_", "requires grad", "NoGradGuard"});
-  check_throws<AutogradError>([] {
-    Tensor w = zeros({2}).set_requires_grad();
-    (w * 2.0).set_requires_grad(false);
-  }, {"set_requires_grad", "leaves", "mul"});
-  check_throws<AutogradError>([] {
-    Tensor w = zeros({2}).set_requires_grad();
-    (w * 2.0).backward(zeros({3}));
-  }, {"backward", "[3]", "[2]"});
+  check_throws<AutogradError>(
+      [] {
+        Tensor w = zeros({2}).set_requires_grad();
+        w.add_(ones({2}));
+      },
+      {"add_", "requires grad", "NoGradGuard"});
+  check_throws<AutogradError>(
+      [] {
+        Tensor w = zeros({2}).set_requires_grad();
+        (w * 2.0).set_requires_grad(false);
+      },
+      {"set_requires_grad", "leaves", "mul"});
+  check_throws<AutogradError>(
+      [] {
+        Tensor w = zeros({2}).set_requires_grad();
+        (w * 2.0).backward(zeros({3}));
+      },
+      {"backward", "[3]", "[2]"});
 }
 
 TEST_CASE("BackendError") {

@@ -94,7 +94,8 @@ TEST_CASE("matmul, linear, embedding, take_along_axis, softmax") {
   check("matmul 2-D x batch", [](auto& v) { return matmul(v[0], v[1]); }, {input({3, 4}, 44), input({2, 4, 2}, 45)});
   check("matmul broadcast batch", [](auto& v) { return matmul(v[0], v[1]); },
         {input({2, 1, 3, 4}, 46), input({1, 3, 4, 2}, 47)});
-  check("linear", [](auto& v) { return linear(v[0], v[1], v[2]); }, {input({2, 3, 4}, 48), input({4, 5}, 49), input({5}, 50)});
+  check("linear", [](auto& v) { return linear(v[0], v[1], v[2]); },
+        {input({2, 3, 4}, 48), input({4, 5}, 49), input({5}, 50)});
   check("linear, [out, in] weight", [](auto& v) { return linear(v[0], v[1], v[2], WeightLayout::out_in); },
         {input({2, 3, 4}, 58), input({5, 4}, 59), input({5}, 60)});
   const Tensor idx = from_vector<std::int64_t>({3, 0, 3, 1, 4, 3}, {2, 3});
@@ -107,12 +108,14 @@ TEST_CASE("matmul, linear, embedding, take_along_axis, softmax") {
   check("softmax axis 0", [](auto& v) { return softmax(v[0], 0); }, {input({3, 5}, 55)});
   check("log_softmax middle", [](auto& v) { return log_softmax(v[0], 1); }, {input({2, 3, 4}, 56)});
   // Through f32 the function is only f32-accurate: a wider step and tolerance.
-  check("cast round trip", [](auto& v) { return cast(cast(v[0], DType::f32), DType::f64); }, {input({3}, 57)},
-        GradcheckOptions{.eps = 1e-3, .atol = 1e-3, .rtol = 1e-3});
+  check(
+      "cast round trip", [](auto& v) { return cast(cast(v[0], DType::f32), DType::f64); }, {input({3}, 57)},
+      GradcheckOptions{.eps = 1e-3, .atol = 1e-3, .rtol = 1e-3});
 }
 
 TEST_CASE("fused layer_norm") {
-  check("layer_norm affine", [](auto& v) { return layer_norm(v[0], v[1], v[2]); }, {input({3, 2, 6}, 63), input({6}, 64), input({6}, 65)});
+  check("layer_norm affine", [](auto& v) { return layer_norm(v[0], v[1], v[2]); },
+        {input({3, 2, 6}, 63), input({6}, 64), input({6}, 65)});
   check("layer_norm plain", [](auto& v) { return layer_norm(v[0], Tensor(), Tensor(), 1e-3); }, {input({4, 5}, 66)});
 }
 

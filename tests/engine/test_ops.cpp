@@ -13,10 +13,14 @@ const DType kFloatTypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
 // Tolerances that fit a dtype's precision.
 double tol(DType d) {
   switch (d) {
-    case DType::bf16: return 1e-2;
-    case DType::f16: return 2e-3;
-    case DType::f32: return 2e-6;
-    default: return 1e-12;
+    case DType::bf16:
+      return 1e-2;
+    case DType::f16:
+      return 2e-3;
+    case DType::f32:
+      return 2e-6;
+    default:
+      return 1e-12;
   }
 }
 }  // namespace
@@ -260,7 +264,8 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
   CHECK_CLOSE(linear(x, w, b), matmul(x, w) + b, 1e-5, 1e-5);
   CHECK_CLOSE(linear(x, w), matmul(x, w), 1e-5, 1e-5);
   CHECK_CLOSE(linear(x, transpose(w, 0, 1), b, WeightLayout::out_in), matmul(x, w) + b, 1e-5, 1e-5);
-  CHECK_CLOSE(linear(x.to(DType::bf16), w.to(DType::bf16), b.to(DType::bf16)).to(DType::f32), matmul(x, w) + b, 0.1, 0.05);
+  CHECK_CLOSE(linear(x.to(DType::bf16), w.to(DType::bf16), b.to(DType::bf16)).to(DType::f32), matmul(x, w) + b, 0.1,
+              0.05);
 }
 
 TEST_CASE("embedding, take_along_axis, softmax") {
@@ -276,9 +281,11 @@ TEST_CASE("embedding, take_along_axis, softmax") {
     const double e1 = std::exp(1), e2 = std::exp(2), e3 = std::exp(3), z = e1 + e2 + e3;
     const double t = tol(d) * 4;
     CHECK_CLOSE(softmax(xs, 1), {e1 / z, e2 / z, e3 / z, 1.0 / 3, 1.0 / 3, 1.0 / 3}, {2, 3}, t, t);
-    CHECK_CLOSE(log_softmax(xs, -1), {1 - std::log(z), 2 - std::log(z), 3 - std::log(z), -std::log(3), -std::log(3), -std::log(3)},
-                {2, 3}, t, t);
-    CHECK_CLOSE(softmax(xs, 0), {0.5, 1 / (1 + 1 / e1), 1 / (1 + 1 / e2), 0.5, 1 / (1 + e1), 1 / (1 + e2)}, {2, 3}, t, t);
+    CHECK_CLOSE(log_softmax(xs, -1),
+                {1 - std::log(z), 2 - std::log(z), 3 - std::log(z), -std::log(3), -std::log(3), -std::log(3)}, {2, 3},
+                t, t);
+    CHECK_CLOSE(softmax(xs, 0), {0.5, 1 / (1 + 1 / e1), 1 / (1 + 1 / e2), 0.5, 1 / (1 + e1), 1 / (1 + e2)}, {2, 3}, t,
+                t);
   }
   // Large logits do not overflow.
   CHECK_CLOSE(softmax(values({1000, 1000}, {2})), {0.5, 0.5}, {2});
@@ -294,7 +301,8 @@ TEST_CASE("layer_norm equals its composite definition, every float dtype") {
     const double t = tol(d) * 30;
     CHECK_CLOSE(layer_norm(x, w, b).to(DType::f64), ref, t, t);
   }
-  CHECK_CLOSE(layer_norm(values({1, 2, 3}, {3}), Tensor(), Tensor(), 0), {-std::sqrt(1.5), 0, std::sqrt(1.5)}, {3}, 1e-6, 1e-6);
+  CHECK_CLOSE(layer_norm(values({1, 2, 3}, {3}), Tensor(), Tensor(), 0), {-std::sqrt(1.5), 0, std::sqrt(1.5)}, {3},
+              1e-6, 1e-6);
 }
 
 TEST_CASE("dropout keeps the expected fraction, scaled, reproducibly") {

@@ -16,8 +16,8 @@ TEST_CASE("two-layer MLP with SGD learns a nonlinear classification") {
   const Tensor x = uniform({n, 2}, -1, 1, 1);
   const Tensor r = (x.slice(1, 0, 1) * x.slice(1, 1, 2)).reshape({n});
   const Tensor norm = sum(square(x), {1});
-  const Tensor labels = where(gt(r, scalar(0.05)), scalar(2.0), where(gt(norm, scalar(0.6)), scalar(1.0), scalar(0.0)))
-                            .to(DType::i64);
+  const Tensor labels =
+      where(gt(r, scalar(0.05)), scalar(2.0), where(gt(norm, scalar(0.6)), scalar(1.0), scalar(0.0))).to(DType::i64);
 
   Tensor w1 = (randn({2, 64}, 2) * 0.7).set_requires_grad();
   Tensor b1 = zeros({64}, Options(DType::f32, nullptr, true));

@@ -32,7 +32,8 @@ inline Tensor part(const Tensor& t, int rank, int world) {
 /// 3 elements (fewer than 4 or 5 ranks), sizes not divisible by the world size, and an auxiliary
 /// head unused on rank 1.
 struct TinyLM : nn::Module {
-  std::shared_ptr<nn::Embedding> embedding = std::make_shared<nn::Embedding>(kVocab, 8, nn::EmbeddingOptions{.std = 0.5});
+  std::shared_ptr<nn::Embedding> embedding =
+      std::make_shared<nn::Embedding>(kVocab, 8, nn::EmbeddingOptions{.std = 0.5});
   std::shared_ptr<nn::TransformerBlock> block = std::make_shared<nn::TransformerBlock>(8, 2, 12);
   std::shared_ptr<nn::Linear> down = std::make_shared<nn::Linear>(8, 3);
   std::shared_ptr<nn::Linear> up = std::make_shared<nn::Linear>(3, 8, nn::LinearOptions{.bias = false});
@@ -49,7 +50,8 @@ struct TinyLM : nn::Module {
     Tensor h = block->forward(embedding->forward(tokens));
     h = h + up->forward(tanh(down->forward(h)));
     const Tensor table = embedding->weight.value();  // tied head: a second gather of the same table
-    const Tensor logits = linear(h.dtype() == table.dtype() ? h : cast(h, table.dtype()), table, Tensor(), WeightLayout::out_in);
+    const Tensor logits =
+        linear(h.dtype() == table.dtype() ? h : cast(h, table.dtype()), table, Tensor(), WeightLayout::out_in);
     Tensor loss = nn::cross_entropy(cast(logits, DType::f32), targets, {.reduction = nn::LossReduction::sum});
     // The auxiliary head runs on every rank, but only some ranks' losses use it.
     const Tensor extra = sum(square(cast(aux->forward(h), DType::f32)));
@@ -165,22 +167,25 @@ inline TrainResult train_seed_sharded(Communicator& comm, int steps) {
   for (int step = 0; step < steps; ++step) {
     const Tensor tokens = part(batch_tokens(step), rank, world), targets = part(batch_targets(step), rank, world);
     const Tensor h = tanh(fc1->forward(embedding->forward(tokens, comm), comm));
-    const Tensor loss = nn::cross_entropy(fc2->forward(h, comm), targets, {.reduction = nn::LossReduction::sum}) / count;
+    const Tensor loss =
+        nn::cross_entropy(fc2->forward(h, comm), targets, {.reduction = nn::LossReduction::sum}) / count;
     r.losses.push_back(comm.all_reduce(loss.detach()).item());
     opt.zero_grad();
     loss.backward();
     opt.step();
   }
   autograd::NoGradGuard guard;
-  const std::vector<std::pair<std::string, const nn::Param*>> named = {
-      {"embedding.weight", &embedding->weight()}, {"fc1.weight", &fc1->weight()}, {"fc1.bias", &fc1->bias()},
-      {"fc2.weight", &fc2->weight()}};
+  const std::vector<std::pair<std::string, const nn::Param*>> named = {{"embedding.weight", &embedding->weight()},
+                                                                       {"fc1.weight", &fc1->weight()},
+                                                                       {"fc1.bias", &fc1->bias()},
+                                                                       {"fc2.weight", &fc2->weight()}};
   for (const auto& [name, p] : named) r.params[name] = nn::gather_param(*p, comm).to_vector<double>();
   return r;
 }
 
 /// Largest |a - b| / (atol + rtol |b|) over two results (<= 1 means within tolerance), with the place.
-inline std::pair<double, std::string> compare(const TrainResult& got, const TrainResult& want, double atol, double rtol) {
+inline std::pair<double, std::string> compare(const TrainResult& got, const TrainResult& want, double atol,
+                                              double rtol) {
   double worst = 0;
   std::string where;
   auto visit = [&](const std::string& name, const std::vector<double>& a, const std::vector<double>& b) {

@@ -15,7 +15,8 @@ namespace {
 struct TempDir {
   fs::path path;
   TempDir() {
-    path = fs::temp_directory_path() / ("ruda-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    path = fs::temp_directory_path() /
+           ("ruda-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
     fs::remove_all(path);
     fs::create_directories(path);
   }
@@ -213,17 +214,20 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
   auto rejects = [&](const std::string& header, std::uint64_t data_bytes, const std::string& fragment) {
     std::vector<safetensors::TensorInfo> tensors;
     std::map<std::string, std::string> metadata;
-    test::check_throws<IOError>([&] { safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata); },
-                                {fragment});
+    test::check_throws<IOError>(
+        [&] { safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata); }, {fragment});
   };
   rejects("[1, 2]", 0, "not a JSON object");
   rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 9]}}", 8, "outside");
   rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}", 8, "8 bytes for a [3]");
   rejects("{\"x\": {\"dtype\": \"Q8\", \"shape\": [1], \"data_offsets\": [0, 1]}}", 8, "unsupported dtype");
   rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [-1], \"data_offsets\": [0, 4]}}", 8, "invalid extent");
-  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 0]}}", 8, "larger than the file");
-  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
-          " \"y\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [2, 6]}}", 8, "overlap");
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [4294967296, 4294967296], \"data_offsets\": [0, 0]}}", 8,
+          "larger than the file");
+  rejects(
+      "{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
+      " \"y\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [2, 6]}}",
+      8, "overlap");
   rejects(std::string(40, '[') + std::string(40, ']'), 0, "nested too deeply");
   rejects("{\"__metadata__\": {\"k\": 1}}", 0, "not a string");
 }

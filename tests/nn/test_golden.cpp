@@ -21,7 +21,9 @@ const nlohmann::json& golden() {
 Tensor load(const nlohmann::json& entry, DType dtype = DType::f64) {
   return from_values(entry.at("values").get<std::vector<double>>(), entry.at("shape").get<Shape>(), dtype);
 }
-Tensor load(const char* group, const char* name, DType dtype = DType::f64) { return load(golden().at(group).at(name), dtype); }
+Tensor load(const char* group, const char* name, DType dtype = DType::f64) {
+  return load(golden().at(group).at(name), dtype);
+}
 Tensor param(const char* group, const char* name) { return load(group, name).set_requires_grad(); }
 
 void check(const Tensor& got, const char* group, const char* name, double tol = 1e-10) {
@@ -73,8 +75,8 @@ TEST_CASE("activations match PyTorch") {
 TEST_CASE("cross-entropy with ignore_index, class weights and label smoothing matches PyTorch") {
   Tensor logits = param("cross_entropy", "logits");
   const Tensor targets = load("cross_entropy", "targets").to(DType::i64);
-  const Tensor loss = nn::cross_entropy(logits, targets,
-                                        {.ignore_index = -100, .label_smoothing = 0.1, .weight = load("cross_entropy", "weight")});
+  const Tensor loss = nn::cross_entropy(
+      logits, targets, {.ignore_index = -100, .label_smoothing = 0.1, .weight = load("cross_entropy", "weight")});
   check(loss.reshape({1}), "cross_entropy", "loss");
   loss.backward();
   check(logits.grad(), "cross_entropy", "grad_logits");

@@ -110,7 +110,8 @@ TEST_CASE("activations and Dropout modes") {
 
 TEST_CASE("modules: dotted names, tied parameters once, train/eval everywhere") {
   nn::manual_seed(3);
-  nn::Sequential seq({std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(8, 2)});
+  nn::Sequential seq(
+      {std::make_shared<nn::Linear>(4, 8), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(8, 2)});
   std::vector<std::string> names;
   for (auto& [name, p] : seq.named_parameters()) names.push_back(name);
   CHECK(names == std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"});
@@ -195,7 +196,8 @@ TEST_CASE("losses: values") {
     const double s = 1 / (1 + std::exp(-x));
     return -(t * std::log(s) + (1 - t) * std::log(1 - s));
   };
-  CHECK(nn::binary_cross_entropy_with_logits(x, t).item() == doctest::Approx((bce(0.5, 1) + bce(-2, 0) + bce(30, 1)) / 3));
+  CHECK(nn::binary_cross_entropy_with_logits(x, t).item() ==
+        doctest::Approx((bce(0.5, 1) + bce(-2, 0) + bce(30, 1)) / 3));
   CHECK(nn::binary_cross_entropy_with_logits(x, t, nn::LossReduction::sum, values({3, 3, 3}, {3})).item() ==
         doctest::Approx(3 * bce(0.5, 1) + bce(-2, 0) + 3 * bce(30, 1)).epsilon(1e-5));
   test::check_throws<ShapeError>([&] { nn::cross_entropy(logits, values({1}, {1}, DType::i64)); },
@@ -216,7 +218,8 @@ TEST_CASE("losses: gradients") {
   check({.reduction = nn::LossReduction::none});
   const auto r = gradcheck(
       [](const std::vector<Tensor>& in) {
-        return nn::binary_cross_entropy_with_logits(in[0], in[1], nn::LossReduction::mean, values({2, 2, 2}, {3}, DType::f64));
+        return nn::binary_cross_entropy_with_logits(in[0], in[1], nn::LossReduction::mean,
+                                                    values({2, 2, 2}, {3}, DType::f64));
       },
       {randn({3}, 8, 0, DType::f64).set_requires_grad(), rand({3}, 9, 0, DType::f64).set_requires_grad()});
   CHECK_MESSAGE(r.ok, r.message);

@@ -7,7 +7,9 @@ using namespace ruda;
 using test::values;
 
 namespace {
-nn::Param param(std::vector<double> v) { return nn::Param(from_values(v, {static_cast<std::int64_t>(v.size())}, DType::f64)); }
+nn::Param param(std::vector<double> v) {
+  return nn::Param(from_values(v, {static_cast<std::int64_t>(v.size())}, DType::f64));
+}
 void set_grad(const nn::Param& p, std::vector<double> g) {
   p.data().set_grad(from_values(g, {static_cast<std::int64_t>(g.size())}, DType::f64));
 }
@@ -55,7 +57,8 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   for (bool decoupled : {false, true}) {
     CAPTURE(decoupled);
     auto p = param({1.0});
-    nn::Adam opt({p}, {.lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .decoupled_weight_decay = decoupled});
+    nn::Adam opt(
+        {p}, {.lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .decoupled_weight_decay = decoupled});
     for (double g : {0.5, -1.5, 2.0}) {
       set_grad(p, {g});
       opt.step();

@@ -28,7 +28,8 @@ TEST_CASE("a fully sharded model trains exactly like the dense one, world sizes 
   for (int world = 1; world <= 5; ++world) {
     CAPTURE(world);
     const TrainResult dense = test::train_tiny_dense(world, kSteps);
-    const TrainResult sharded = on_ranks(world, [](Communicator& comm) { return test::train_tiny_sharded(comm, kSteps); });
+    const TrainResult sharded =
+        on_ranks(world, [](Communicator& comm) { return test::train_tiny_sharded(comm, kSteps); });
     const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
     CHECK_MESSAGE(score <= 1.0, "world " << world << ": worst at " << where);
     // The losses really moved: training happened.
@@ -40,7 +41,8 @@ TEST_CASE("the seed's layers (from_full, forward with a communicator) equal dens
   const TrainResult dense = test::train_seed_dense(kSteps);
   for (int world = 1; world <= 5; ++world) {
     CAPTURE(world);
-    const TrainResult sharded = on_ranks(world, [](Communicator& comm) { return test::train_seed_sharded(comm, kSteps); });
+    const TrainResult sharded =
+        on_ranks(world, [](Communicator& comm) { return test::train_seed_sharded(comm, kSteps); });
     const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
     CHECK_MESSAGE(score <= 1.0, "world " << world << ": worst at " << where);
   }
@@ -58,8 +60,9 @@ TEST_CASE("Retain and Recompute give identical gradients") {
         nn::manual_seed(7);
         test::TinyLM model;
         nn::fully_shard(model, comm, {.strategy = strategy});
-        const Tensor loss = model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), world),
-                                           test::part(test::batch_targets(0), comm.rank(), world), test::uses_aux(comm.rank()));
+        const Tensor loss =
+            model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), world),
+                           test::part(test::batch_targets(0), comm.rank(), world), test::uses_aux(comm.rank()));
         loss.backward();
         autograd::NoGradGuard guard;
         std::map<std::string, std::vector<double>> full;
@@ -88,7 +91,8 @@ TEST_CASE("each gathered parameter is reduce-scattered once per backward; Recomp
     std::vector<std::string> calls;
     run_ranks(2, [&](Communicator& comm) {
       nn::manual_seed(1);
-      nn::Sequential model({std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
+      nn::Sequential model(
+          {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
       nn::fully_shard(model, comm, {.strategy = strategy});
       sum(model.forward(randn({4, 6}, 2))).backward();
       if (comm.rank() == 0) calls = comm.history();
@@ -160,9 +164,8 @@ TEST_CASE("no full weight outlives a layer's forward under no_grad evaluation") 
 
 TEST_CASE("bf16 compute dtype trains within bf16 tolerance of f32") {
   const TrainResult dense = test::train_tiny_dense(2, kSteps);
-  const TrainResult bf16 = on_ranks(2, [](Communicator& comm) {
-    return test::train_tiny_sharded(comm, kSteps, {.compute_dtype = DType::bf16});
-  });
+  const TrainResult bf16 = on_ranks(
+      2, [](Communicator& comm) { return test::train_tiny_sharded(comm, kSteps, {.compute_dtype = DType::bf16}); });
   const auto [score, where] = test::compare(bf16, dense, 2e-2, 2e-2);
   CHECK_MESSAGE(score <= 1.0, "worst at " << where);
   // Storage stays f32 even though the layers computed in bf16.
@@ -214,7 +217,8 @@ TEST_CASE("global gradient-norm clipping equals the dense norm on every rank") {
     dense.zero_grad();
     Tensor loss;
     for (int r = 0; r < world; ++r) {
-      const Tensor l = dense.loss_sum(test::part(tokens, r, world), test::part(targets, r, world), test::uses_aux(r)) / count;
+      const Tensor l =
+          dense.loss_sum(test::part(tokens, r, world), test::part(targets, r, world), test::uses_aux(r)) / count;
       loss = loss.defined() ? loss + l : l;
     }
     loss.backward();
@@ -225,7 +229,8 @@ TEST_CASE("global gradient-norm clipping equals the dense norm on every rank") {
       test::TinyLM model;
       nn::fully_shard(model, comm);
       const Tensor l = model.loss_sum(test::part(tokens, comm.rank(), world), test::part(targets, comm.rank(), world),
-                                      test::uses_aux(comm.rank())) / count;
+                                      test::uses_aux(comm.rank())) /
+                       count;
       l.backward();
       norms[comm.rank()] = nn::clip_grad_norm(model.parameters(), want / 2);
       after[comm.rank()] = nn::grad_norm(model.parameters());
@@ -254,8 +259,9 @@ TEST_CASE("gradient accumulation over micro-batches equals one step on the whole
         const double count = nn::global_count(comm, static_cast<double>(tokens.numel()));
         const std::int64_t rows = tokens.shape()[0] / micro;
         for (int m = 0; m < micro; ++m) {
-          const Tensor loss = model.loss_sum(tokens.slice(0, m * rows, (m + 1) * rows), targets.slice(0, m * rows, (m + 1) * rows),
-                                             test::uses_aux(comm.rank())) / count;
+          const Tensor loss = model.loss_sum(tokens.slice(0, m * rows, (m + 1) * rows),
+                                             targets.slice(0, m * rows, (m + 1) * rows), test::uses_aux(comm.rank())) /
+                              count;
           loss.backward();
         }
         autograd::NoGradGuard guard;
@@ -327,17 +333,30 @@ TEST_CASE("layout: equal slices, padding only at the end, zero-filled, trailing 
 TEST_CASE("from_local and gather validate their input with typed errors") {
   using test::check_throws;
   const nn::Param slice2(zeros({2}));
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {4}, 0, 0); }, {"world size must be positive"});
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {4}, 2, 2); }, {"rank 2", "world size 2"});
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {}, 0, 2); }, {"at least one dimension"});
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {4, 0}, 0, 2); }, {"positive", "[4, 0]"});
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {1 << 30, 1 << 30, 1 << 30}, 0, 2); },
-                                  {"overflows"});
-  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {5}, 0, 2); }, {"[2]", "[3]", "world size 2"});
-  check_throws<DTypeError>([&] {
-    Tensor ints = zeros({2}, DType::i64);
-    nn::ShardedParameter::from_local(nn::Param(ints), {4}, 0, 2);
-  }, {"floating"});
+  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {4}, 0, 0); },
+                                  {"world size must be positive"});
+  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {4}, 2, 2); },
+                                  {"rank 2", "world size 2"});
+  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {}, 0, 2); },
+                                  {"at least one dimension"});
+  check_throws<nn::ShardingError>(
+      [&] {
+        nn::ShardedParameter::from_local(slice2, {4, 0}, 0, 2);
+      },
+      {"positive", "[4, 0]"});
+  check_throws<nn::ShardingError>(
+      [&] {
+        nn::ShardedParameter::from_local(slice2, {1 << 30, 1 << 30, 1 << 30}, 0, 2);
+      },
+      {"overflows"});
+  check_throws<nn::ShardingError>([&] { nn::ShardedParameter::from_local(slice2, {5}, 0, 2); },
+                                  {"[2]", "[3]", "world size 2"});
+  check_throws<DTypeError>(
+      [&] {
+        Tensor ints = zeros({2}, DType::i64);
+        nn::ShardedParameter::from_local(nn::Param(ints), {4}, 0, 2);
+      },
+      {"floating"});
   const auto ok = nn::ShardedParameter::from_local(nn::Param(zeros({2})), {4}, 1, 2);
   CHECK(ok.logical_shape() == Shape{4});
   LocalCommunicator local;

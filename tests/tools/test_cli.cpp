@@ -63,7 +63,8 @@ void one_error_line(const Run& r, const std::vector<std::string>& fragments) {
     }
   }
   CHECK(errors == 1);
-  for (const auto& f : fragments) CHECK_MESSAGE(error.find(f) != std::string::npos, "'" << error << "' lacks '" << f << "'");
+  for (const auto& f : fragments)
+    CHECK_MESSAGE(error.find(f) != std::string::npos, "'" << error << "' lacks '" << f << "'");
   CHECK(r.output.find("terminate called") == std::string::npos);  // no uncaught exception, no stack trace
 }
 
@@ -87,7 +88,8 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   for (const auto& entry : fs::recursive_directory_iterator(tmp.path / "a")) {
     if (entry.path().extension() == ".safetensors") fs::resize_file(entry.path(), fs::file_size(entry.path()) / 2);
   }
-  one_error_line(run(train("mlp --epochs 2 " + kSmall + " --resume " + tmp / "a")), {"rank-00000-of-00001.safetensors"});
+  one_error_line(run(train("mlp --epochs 2 " + kSmall + " --resume " + tmp / "a")),
+                 {"rank-00000-of-00001.safetensors"});
   one_error_line(run(ckpt("verify " + tmp / "a")), {"rank-00000-of-00001.safetensors"});
 }
 
@@ -98,7 +100,8 @@ TEST_CASE("killed while writing a checkpoint: the previous one stays loadable an
   const Run full = run(train(args + tmp / "ok"));
   REQUIRE_MESSAGE(full.exit_code == 0, full.output);
   std::uintmax_t first_bytes = fs::file_size(tmp.path / "ok" / "latest");
-  for (const auto& entry : fs::directory_iterator(tmp.path / "ok" / "step-00000005")) first_bytes += fs::file_size(entry.path());
+  for (const auto& entry : fs::directory_iterator(tmp.path / "ok" / "step-00000005"))
+    first_bytes += fs::file_size(entry.path());
 
   // The same run, killed halfway through writing the second checkpoint.
   const std::string crash = "RUDA_TEST_CRASH_AFTER_BYTES=" + std::to_string(first_bytes + first_bytes / 2);
@@ -127,7 +130,8 @@ TEST_CASE("killed while writing a checkpoint: the previous one stays loadable an
 TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains on") {
   TempDir tmp;
   REQUIRE(run(train("--emulate 3 mlp --epochs 1 --hidden 32 --limit 640 --test-limit 200 --batch 63 --log-every 0"
-                    " --checkpoint-dir " + tmp / "c"))
+                    " --checkpoint-dir " +
+                    tmp / "c"))
               .exit_code == 0);
   const Run list = run(ckpt("list " + tmp / "c"));
   CHECK(list.exit_code == 0);
@@ -135,7 +139,8 @@ TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains
   CHECK(list.output.find("0.weight  f32 [784, 32]") != std::string::npos);
   CHECK(list.output.find("model = mlp 784-32-10") != std::string::npos);
   REQUIRE(run(ckpt("consolidate " + tmp / "c" + " " + tmp / "full.safetensors")).exit_code == 0);
-  REQUIRE(run(ckpt("split " + tmp / "full.safetensors" + " --world 2 --out " + tmp / "s" + " --step 10")).exit_code == 0);
+  REQUIRE(run(ckpt("split " + tmp / "full.safetensors" + " --world 2 --out " + tmp / "s" + " --step 10")).exit_code ==
+          0);
   CHECK(run(ckpt("verify " + tmp / "s")).exit_code == 0);
   // The split checkpoint has no optimizer state: resuming it fails clearly...
   const Run no_state = run(train("--emulate 2 mlp --epochs 2 " + kSmall + " --resume " + tmp / "s"));
@@ -146,8 +151,10 @@ TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {
   TempDir tmp;
-  const Run r = run(train("--emulate 2 mlp --epochs 3 --hidden 256 --limit 4000 --test-limit 2000 --batch 100 --log-every 0"
-                          " --metrics " + tmp / "m.jsonl"));
+  const Run r =
+      run(train("--emulate 2 mlp --epochs 3 --hidden 256 --limit 4000 --test-limit 2000 --batch 100 --log-every 0"
+                " --metrics " +
+                tmp / "m.jsonl"));
   REQUIRE_MESSAGE(r.exit_code == 0, r.output);
   std::ifstream in(tmp / "m.jsonl");
   std::string line;

@@ -3,9 +3,9 @@
 #include <iostream>
 #include <map>
 
+#include <ruda/backend.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <ruda/backend.h>
 
 #include "bench.h"
 
@@ -77,8 +77,8 @@ int main(int argc, char** argv) {
       return;
     }
     if (!header) {
-      std::printf("%-12s %-40s %-8s %12s %12s %12s %-9s %12s %7s  %s\n", "suite", "name", "backend", "median", "min", "max",
-                  "unit", "peer", "ratio", "peer is");
+      std::printf("%-12s %-40s %-8s %12s %12s %12s %-9s %12s %7s  %s\n", "suite", "name", "backend", "median", "min",
+                  "max", "unit", "peer", "ratio", "peer is");
       header = true;
     }
     std::printf("%-12s %-40s %-8s %12.4g %12.4g %12.4g %-9s", r.suite.c_str(), r.name.c_str(), r.backend.c_str(),

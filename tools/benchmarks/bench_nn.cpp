@@ -139,14 +139,16 @@ void models_suite(Context& ctx) {
     auto mlp = make_mlp();
     nn::fully_shard(*mlp, comm, policy);
     nn::AdamW mlp_opt(mlp->parameters(), {.lr = 1e-3});
-    report_step("mlp step, " + dtype, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
-                [&](const Tensor& x) { return mlp->forward(x); }, 3);
+    report_step(
+        "mlp step, " + dtype, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
+        [&](const Tensor& x) { return mlp->forward(x); }, 3);
     nn::manual_seed(1);
     nn::GPT gpt({.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4});
     nn::fully_shard(gpt, comm, policy);
     nn::Adam gpt_opt(gpt.parameters(), {.lr = 3e-4});
-    report_step("gpt step, " + dtype, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
-                [&](const Tensor& x) { return gpt.forward(x); }, 2);
+    report_step(
+        "gpt step, " + dtype, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
+        [&](const Tensor& x) { return gpt.forward(x); }, 2);
   }
 }
 

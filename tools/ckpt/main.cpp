@@ -1,8 +1,8 @@
 // ruda-ckpt: lists, verifies, consolidates and splits ruda's sharded safetensors checkpoints.
 #include <iostream>
 
-#include <CLI/CLI.hpp>
 #include <ruda/nn.h>
+#include <CLI/CLI.hpp>
 
 int main(int argc, char** argv) {
   using namespace ruda;
@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
       std::cout << "\n";
       std::int64_t total = 0;
       for (const auto& p : s.params) {
-        std::cout << "  " << p.name << "  " << dtype_name(p.dtype) << " " << to_string(p.shape) << (p.sharded ? "" : "  (dense)");
+        std::cout << "  " << p.name << "  " << dtype_name(p.dtype) << " " << to_string(p.shape)
+                  << (p.sharded ? "" : "  (dense)");
         for (const auto& st : p.optimizer_state) std::cout << "  +" << st;
         std::cout << "\n";
         total += shape_numel(p.shape);

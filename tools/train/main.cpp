@@ -10,9 +10,9 @@
 #include <numbers>
 #include <tuple>
 
+#include <ruda/nn.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
-#include <ruda/nn.h>
 #ifdef RUDA_TRAIN_WITH_MPI
 #include <ruda/mpi.h>
 #endif
@@ -83,7 +83,8 @@ void print_error(const std::string& message) { std::cerr << "ruda-train: error: 
 void agree(Communicator& comm, const std::string& error) {
   autograd::NoGradGuard guard;
   const double mine = error.empty() ? comm.world_size() : comm.rank();
-  const int first = static_cast<int>(comm.all_reduce(scalar(-mine, DType::f64), Reduction::max, {.tag = "setup"}).item() * -1);
+  const int first =
+      static_cast<int>(comm.all_reduce(scalar(-mine, DType::f64), Reduction::max, {.tag = "setup"}).item() * -1);
   if (first == comm.world_size()) return;
   if (first == comm.rank()) print_error(error);
   throw Reported("setup failed on rank " + std::to_string(first));
@@ -230,7 +231,8 @@ struct LmTask : Task {
   }
   std::string description() const override {
     return "lm vocab=256 context=" + std::to_string(cfg.context) + " d=" + std::to_string(cfg.d_model) +
-           " layers=" + std::to_string(cfg.layers) + " heads=" + std::to_string(cfg.heads) + (cfg.untied ? " untied" : " tied");
+           " layers=" + std::to_string(cfg.layers) + " heads=" + std::to_string(cfg.heads) +
+           (cfg.untied ? " untied" : " tied");
   }
   nn::Module& module() override { return *model; }
   std::int64_t total_steps() const override { return cfg.steps; }
@@ -267,7 +269,8 @@ struct LmTask : Task {
     for (std::int64_t b = 0; b < cfg.eval_batches; ++b) {
       // Fixed validation windows (their own stream), the same at every evaluation.
       const auto [x, y] = windows(train_end, static_cast<std::int64_t>(bytes.size()), cfg.seed ^ 0x5eed, b, cfg.batch);
-      loss_sum += nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
+      loss_sum +=
+          nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
     }
     const double total = comm.all_reduce(scalar(loss_sum, DType::f64)).item();
     const double loss = total / static_cast<double>(cfg.eval_batches * cfg.batch * cfg.context);
@@ -285,7 +288,8 @@ struct LmTask : Task {
       const std::int64_t from = std::max<std::int64_t>(0, static_cast<std::int64_t>(tokens.size()) - cfg.context);
       std::vector<std::int64_t> window(tokens.begin() + from, tokens.end());
       const std::int64_t t = static_cast<std::int64_t>(window.size());
-      const Tensor logits = cast(model->forward(from_vector(window, {1, t})), DType::f32).slice(1, t - 1, t).reshape({256});
+      const Tensor logits =
+          cast(model->forward(from_vector(window, {1, t})), DType::f32).slice(1, t - 1, t).reshape({256});
       std::int64_t next;
       if (cfg.temperature <= 0) {
         next = static_cast<std::int64_t>(argmax(logits, 0).item());
@@ -348,8 +352,8 @@ void run(const Config& cfg, Communicator& comm) {
       const nn::CheckpointInfo info = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm);
       start_step = info.step;
       if (main_rank) {
-        std::cout << "resumed from " << info.directory << " at step " << start_step << " (saved by "
-                  << info.world_size << " ranks, now " << comm.world_size() << ")" << std::endl;
+        std::cout << "resumed from " << info.directory << " at step " << start_step << " (saved by " << info.world_size
+                  << " ranks, now " << comm.world_size() << ")" << std::endl;
       }
     }
   });
@@ -361,23 +365,27 @@ void run(const Config& cfg, Communicator& comm) {
   });
   if (main_rank) {
     std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
-              << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "") << ", backend "
-              << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy << ", " << total - start_step
-              << " steps" << std::endl;
+              << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "")
+              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy << ", "
+              << total - start_step << " steps" << std::endl;
   }
-  const nn::Schedule schedule = cfg.schedule == "cosine" ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
-                                                         : nn::schedules::linear_warmup(cfg.lr, cfg.warmup);
+  const nn::Schedule schedule = cfg.schedule == "cosine"
+                                    ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
+                                    : nn::schedules::linear_warmup(cfg.lr, cfg.warmup);
   train::Progress progress(main_rank, total, cfg.log_every);
   progress.set_first_step(start_step);
   const auto params = task->module().parameters();
   double rate = 0, last_loss = 0;
   json last_eval;
   auto peaks = [&] {
-    return comm.all_gather(scalar(static_cast<double>(memory::stats().peak_bytes), DType::f64).reshape({1})).to_vector<double>();
+    return comm.all_gather(scalar(static_cast<double>(memory::stats().peak_bytes), DType::f64).reshape({1}))
+        .to_vector<double>();
   };
   auto save = [&](std::int64_t step) {
-    std::map<std::string, std::string> extra = {{"model", task->description()}, {"seed", std::to_string(cfg.seed)},
-                                                {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}};
+    std::map<std::string, std::string> extra = {{"model", task->description()},
+                                                {"seed", std::to_string(cfg.seed)},
+                                                {"dtype", cfg.dtype},
+                                                {"backend", std::string(default_backend().name())}};
     const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
     progress.line("checkpoint " + info.directory);
   };
@@ -392,19 +400,24 @@ void run(const Config& cfg, Communicator& comm) {
     if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &comm);
     optimizer->step();
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
-    if (!std::isfinite(last_loss)) throw std::runtime_error("loss became " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
+    if (!std::isfinite(last_loss))
+      throw std::runtime_error("loss became " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double current = static_cast<double>(task->samples_per_step()) / seconds;
     rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
     progress.step(step, task->where(step), last_loss, rate);
-    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0) save(step + 1);
+    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0)
+      save(step + 1);
     const bool final = step + 1 == total;
     json eval = task->evaluate(step, final);
     const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
     if (log) {
       const auto peak = peaks();
       if (main_rank) {
-        json record = {{"step", step + 1}, {"loss", last_loss}, {"lr", optimizer->lr()}, {"samples_per_s", rate},
+        json record = {{"step", step + 1},
+                       {"loss", last_loss},
+                       {"lr", optimizer->lr()},
+                       {"samples_per_s", rate},
                        {"peak_memory_bytes", peak}};
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
@@ -424,7 +437,8 @@ void run(const Config& cfg, Communicator& comm) {
       progress.line(text);
     }
   }
-  if (!cfg.checkpoint_dir.empty() && total > start_step && (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
+  if (!cfg.checkpoint_dir.empty() && total > start_step &&
+      (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
     save(total);
   }
   task->after_training();
@@ -453,14 +467,18 @@ void run(const Config& cfg, Communicator& comm) {
 
 int main(int argc, char** argv) {
   Config cfg;
-  CLI::App app{"ruda-train: trains a fully sharded model across MPI ranks, emulated ranks, or alone.\n"
-               "  mpiexec -n 2 ruda-train mlp          Fashion-MNIST MLP over two MPI processes\n"
-               "  ruda-train --emulate 4 lm --steps 500 a GPT-style byte model over four threads\n"};
+  CLI::App app{
+      "ruda-train: trains a fully sharded model across MPI ranks, emulated ranks, or alone.\n"
+      "  mpiexec -n 2 ruda-train mlp          Fashion-MNIST MLP over two MPI processes\n"
+      "  ruda-train --emulate 4 lm --steps 500 a GPT-style byte model over four threads\n"};
   app.require_subcommand(1);
   app.option_defaults()->always_capture_default();
-  app.add_option("--backend", cfg.backend, "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)");
-  app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")->check(CLI::IsMember({"f32", "bf16"}));
-  app.add_option("--strategy", cfg.strategy, "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
+  app.add_option("--backend", cfg.backend,
+                 "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)");
+  app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--strategy", cfg.strategy,
+                 "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
       ->check(CLI::IsMember({"retain", "recompute"}));
   app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(CLI::PositiveNumber);
   app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(CLI::NonNegativeNumber);
@@ -468,27 +486,41 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(CLI::PositiveNumber);
   app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(CLI::NonNegativeNumber);
-  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")->check(CLI::IsMember({"constant", "cosine"}));
+  app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")
+      ->check(CLI::IsMember({"constant", "cosine"}));
   app.add_option("--warmup", cfg.warmup, "Linear warm-up steps")->check(CLI::NonNegativeNumber);
   app.add_option("--seed", cfg.seed, "Seed of initialization, data order and sampling");
-  app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")->check(CLI::NonNegativeNumber);
-  app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
-  app.add_option("--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")->check(CLI::NonNegativeNumber);
-  auto* resume = app.add_option("--resume", cfg.resume, "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)");
-  app.add_flag("--resume-latest", cfg.resume_latest, "Resume from the latest checkpoint in --checkpoint-dir, if there is one")->excludes(resume);
-  app.add_option("--metrics", cfg.metrics, "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
+  app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
+                 "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
+  app.add_option("--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")
+      ->check(CLI::NonNegativeNumber);
+  auto* resume =
+      app.add_option("--resume", cfg.resume,
+                     "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)");
+  app.add_flag("--resume-latest", cfg.resume_latest,
+               "Resume from the latest checkpoint in --checkpoint-dir, if there is one")
+      ->excludes(resume);
+  app.add_option("--metrics", cfg.metrics,
+                 "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
   app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")->check(CLI::Range(1, 64));
-  app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")->check(CLI::NonNegativeNumber);
-  app.add_flag("--check-collectives", cfg.check_collectives, "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
+  app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--check-collectives", cfg.check_collectives,
+               "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
 
-  auto* mlp = app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
+  auto* mlp =
+      app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
   mlp->fallthrough();
   mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   mlp->add_option("--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(CLI::PositiveNumber);
   mlp->add_option("--limit", cfg.limit, "Train on the first N training images only")->check(CLI::NonNegativeNumber);
-  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(CLI::NonNegativeNumber);
+  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")
+      ->check(CLI::NonNegativeNumber);
 
-  auto* lm = app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
+  auto* lm =
+      app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
   lm->fallthrough();
   lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)");
   lm->add_option("--context", cfg.context, "Context length in bytes")->check(CLI::PositiveNumber);
@@ -498,7 +530,8 @@ int main(int argc, char** argv) {
   lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
   lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(CLI::NonNegativeNumber);
   lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(CLI::PositiveNumber);
-  lm->add_option("--sample", cfg.sample, "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
+  lm->add_option("--sample", cfg.sample,
+                 "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
       ->check(CLI::NonNegativeNumber);
   lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
   lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);

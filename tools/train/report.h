@@ -35,7 +35,10 @@ inline std::string megabytes(double bytes) {
 class Progress {
  public:
   Progress(bool enabled, std::int64_t total_steps, std::int64_t log_every)
-      : enabled_(enabled), tty_(::isatty(STDERR_FILENO)), total_(total_steps), log_every_(log_every),
+      : enabled_(enabled),
+        tty_(::isatty(STDERR_FILENO)),
+        total_(total_steps),
+        log_every_(log_every),
         start_(std::chrono::steady_clock::now()) {}
 
   /// After a step: the bar on a terminal (redrawn at most 10 times a second), a line every log_every steps otherwise.
@@ -49,12 +52,13 @@ class Progress {
       if (std::chrono::duration<double>(now - last_draw_).count() < 0.1 && step + 1 < total_) return;
       last_draw_ = now;
       constexpr int kWidth = 24;
-      const int filled = total_ > 0 ? static_cast<int>(kWidth * static_cast<double>(step + 1) / static_cast<double>(total_)) : 0;
+      const int filled =
+          total_ > 0 ? static_cast<int>(kWidth * static_cast<double>(step + 1) / static_cast<double>(total_)) : 0;
       std::string bar(static_cast<std::size_t>(filled), '#');
       bar.resize(kWidth, '.');
       std::fprintf(stderr, "\r[%s] step %lld/%lld %s loss %.4f %.0f samples/s ETA %s   ", bar.c_str(),
-                   static_cast<long long>(step + 1), static_cast<long long>(total_), where.c_str(), loss, samples_per_second,
-                   duration(eta).c_str());
+                   static_cast<long long>(step + 1), static_cast<long long>(total_), where.c_str(), loss,
+                   samples_per_second, duration(eta).c_str());
       std::fflush(stderr);
       drawn_ = true;
     } else if (log_every_ > 0 && ((step + 1) % log_every_ == 0 || step + 1 == total_)) {

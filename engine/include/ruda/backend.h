@@ -47,11 +47,36 @@ struct View {
 };
 
 enum class UnaryOp : std::uint8_t {
-  neg, abs, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, gelu_tanh, gelu_erf, silu, softplus, square, reciprocal
+  neg,
+  abs,
+  exp,
+  log,
+  sqrt,
+  rsqrt,
+  tanh,
+  sigmoid,
+  relu,
+  gelu_tanh,
+  gelu_erf,
+  silu,
+  softplus,
+  square,
+  reciprocal
 };
 enum class BinaryOp : std::uint8_t {
-  add, sub, mul, div, pow, maximum, minimum,
-  eq, ne, lt, le, gt, ge  // comparisons write bool
+  add,
+  sub,
+  mul,
+  div,
+  pow,
+  maximum,
+  minimum,
+  eq,
+  ne,
+  lt,
+  le,
+  gt,
+  ge  // comparisons write bool
 };
 enum class ReduceOp : std::uint8_t { sum, max, min, logsumexp, argmax, argmin };
 

@@ -18,12 +18,17 @@ DType parse_dtype(std::string_view name);
 
 constexpr std::size_t dtype_size(DType dtype) noexcept {
   switch (dtype) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
     case DType::f16:
-    case DType::bf16: return 2;
-    case DType::i64: return 8;
-    case DType::boolean: return 1;
+    case DType::bf16:
+      return 2;
+    case DType::i64:
+      return 8;
+    case DType::boolean:
+      return 1;
   }
   return 0;
 }

@@ -22,8 +22,12 @@ class Generator {
     offset_ += count;
     return first;
   }
-  Tensor rand(const Shape& shape, Options options = {}) { return ruda::rand(shape, seed_, take(count(shape)), options); }
-  Tensor randn(const Shape& shape, Options options = {}) { return ruda::randn(shape, seed_, take(count(shape)), options); }
+  Tensor rand(const Shape& shape, Options options = {}) {
+    return ruda::rand(shape, seed_, take(count(shape)), options);
+  }
+  Tensor randn(const Shape& shape, Options options = {}) {
+    return ruda::randn(shape, seed_, take(count(shape)), options);
+  }
 
  private:
   static std::uint64_t count(const Shape& shape) { return static_cast<std::uint64_t>(shape_numel(shape)); }

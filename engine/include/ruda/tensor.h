@@ -268,7 +268,8 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 /// embedding table used as an output head), without copying.
 enum class WeightLayout { in_out, out_in };
 /// x @ weight + bias over any leading axes of x; bias is [out] or undefined.
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {}, WeightLayout layout = WeightLayout::in_out);
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
+              WeightLayout layout = WeightLayout::in_out);
 
 // --- neural-network primitives ---
 /// Rows of table [V, F] picked by i64 indices of any shape: result shape indices.shape + [F].

@@ -27,7 +27,7 @@ namespace ruda::nn {
 struct CheckpointInfo {
   std::string directory;  // the step directory that was written or read
   std::int64_t step = 0;
-  int world_size = 0;     // the world size it was saved with
+  int world_size = 0;  // the world size it was saved with
   std::map<std::string, std::string> extra;
   std::uint64_t bytes_read = 0;  // by load_checkpoint on this rank: headers and the ranges it needed
 };
@@ -35,8 +35,7 @@ struct CheckpointInfo {
 /// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
 /// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
-                               Communicator& comm, const std::map<std::string, std::string>& extra = {},
-                               int keep = 2);
+                               Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 
 /// Loads a checkpoint into `module` (sharded at comm's world size, or dense) and `optimizer` (may
 /// be null). `path` is a step directory or a checkpoint directory (its latest complete step).

@@ -33,8 +33,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options = {});
 /// Binary cross-entropy on logits (numerically stable), targets in [0, 1] of the same shape.
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
-                                        LossReduction reduction = LossReduction::mean,
-                                        const Tensor& pos_weight = {});
+                                        LossReduction reduction = LossReduction::mean, const Tensor& pos_weight = {});
 
 /// The number of samples/tokens in the whole step: `local` summed over the ranks of `comm`.
 double global_count(Communicator& comm, double local);
