@@ -1,5 +1,6 @@
 // The tape: recording nodes and running backward.
 #include <algorithm>
+#include <limits>
 #include <unordered_set>
 
 #include "internal.h"
@@ -128,21 +129,28 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   }
 
   NoGradGuard no_grad;
-  // Collect every node reachable from the root and from the always-run nodes.
+  // Every node reachable from the root, then every node reachable only from always-run nodes.
+  // The latter run with zero gradients (keeping ranks in step) but are not freed: they may belong
+  // to another graph whose own backward is still to come (two forwards, then two backwards).
   std::vector<Node*> order;
   std::unordered_set<Node*> seen;
   std::vector<Node*> stack;
   auto visit = [&](Node* n) {
     if (n && seen.insert(n).second) stack.push_back(n);
   };
+  auto drain = [&] {
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      order.push_back(n);
+      for (const Edge& e : n->next) visit(e.node.get());
+    }
+  };
   visit(root.impl()->grad_fn.get());
+  drain();
+  const std::unordered_set<Node*> from_root(order.begin(), order.end());
   for (const auto& n : always_run) visit(n.get());
-  while (!stack.empty()) {
-    Node* n = stack.back();
-    stack.pop_back();
-    order.push_back(n);
-    for (const Edge& e : n->next) visit(e.node.get());
-  }
+  drain();
   std::sort(order.begin(), order.end(), [](const Node* a, const Node* b) { return a->sequence > b->sequence; });
 
   // Pending gradients must not outlive this call, even when a node throws.
@@ -193,7 +201,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
         accumulate_leaf(*e.leaf, std::move(grads[i]));
       }
     }
-    if (!retain_graph) {
+    if (!retain_graph && from_root.count(node)) {
       node->backward = nullptr;
       node->saved.clear();
       node->released = true;

@@ -98,6 +98,29 @@ TEST_CASE("nodes run in reverse creation order and always-run nodes run without 
   (void)unused;
 }
 
+TEST_CASE("two forwards, then two backwards, with always-run nodes") {
+  int runs = 0;
+  auto always = [&](const Tensor& in) {
+    Tensor out = in.detach().clone();
+    autograd::record("always", out, {in}, {},
+                     [&runs](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       ++runs;
+                       return std::vector<Tensor>{g};
+                     },
+                     {.always_run = true});
+    return out;
+  };
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  const Tensor l1 = sum(always(x) * 2.0);
+  const Tensor l2 = sum(always(x) * 3.0);  // a second forward before the first backward
+  l1.backward();
+  CHECK(runs == 2);  // l2's always-run node ran too, with a zero gradient ...
+  CHECK(autograd::pending_always_run() == 0);
+  l2.backward();  // ... and was not freed: l2's own backward runs through it
+  CHECK(runs == 3);
+  CHECK_CLOSE(x.grad(), {5, 5}, {2});
+}
+
 TEST_CASE("a recomputed saved tensor is rebuilt in backward instead of kept") {
   const Tensor a = randn({256, 256}, 1).set_requires_grad();
   const Tensor b = randn({256, 256}, 2).set_requires_grad();

@@ -283,6 +283,31 @@ TEST_CASE("gradient accumulation over micro-batches equals one step on the whole
   }
 }
 
+TEST_CASE("two forwards, then their two backwards, on sharded layers") {
+  for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
+    std::vector<std::vector<double>> separate(2), together(2);
+    for (int mode = 0; mode < 2; ++mode) {
+      run_ranks(2, [&](Communicator& comm) {
+        nn::manual_seed(5);
+        nn::Linear layer(6, 4);
+        nn::fully_shard(layer, comm, {.strategy = strategy});
+        const Tensor l1 = sum(tanh(layer.forward(randn({3, 6}, 1 + comm.rank()).set_requires_grad())));
+        const Tensor l2 = sum(square(layer.forward(randn({3, 6}, 7 + comm.rank()))));
+        if (mode == 0) {
+          l1.backward();
+          l2.backward();
+        } else {
+          (l1 + l2).backward();
+        }
+        if (comm.rank() == 0) (mode == 0 ? separate : together)[0] = layer.weight.grad().to_vector<double>();
+      });
+    }
+    CHECK(separate[0].size() == together[0].size());
+    for (std::size_t i = 0; i < separate[0].size(); ++i)
+      CHECK(separate[0][i] == doctest::Approx(together[0][i]).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("tied weights: one id, one local storage, contributions of both uses summed") {
   run_ranks(3, [](Communicator& comm) {
     nn::manual_seed(1);

@@ -82,8 +82,9 @@ using Saved = std::vector<SavedTensor>;
 using BackwardFn = std::function<std::vector<Tensor>(const Tensor& grad, const Saved& saved, GradMask needs)>;
 
 struct RecordOptions {
-  /// Run this node in every backward of its thread even when the loss does not reach it (with a
-  /// zero gradient). Collective-bearing nodes use it so that every rank runs the same collectives
+  /// Run this node in the next backward of its thread even when the loss does not reach it (with
+  /// a zero gradient; a node reached that way is not freed, so its own graph's backward can still
+  /// run through it). Collective-bearing nodes use it so that every rank runs the same collectives
   /// in the same order. A node that saves a recomputed tensor is always-run too, because its
   /// recompute may itself be a collective.
   bool always_run = false;
