@@ -1,5 +1,8 @@
 // Sharded checkpoints: each rank writes its slices, rank 0 the index; loading reshards by
 // reading only the element ranges each rank needs.
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -48,6 +51,14 @@ Piece piece_of(const Param& p, int rank) {
   return rank == 0 ? Piece{0, p.data().numel()} : Piece{0, 0};
 }
 
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
 // Agrees a success flag across ranks: a failure anywhere fails everywhere (no rank left waiting).
 bool all_ok(Communicator& comm, bool ok) {
   autograd::NoGradGuard guard;
@@ -71,6 +82,51 @@ json read_index(const std::string& dir) {
                         std::to_string(kVersion));
   }
   return index;
+}
+
+// A piece of a parameter: elements [offset, offset + count) of the flattened tensor in `rank`'s file.
+struct IndexedPiece {
+  int rank = 0;
+  std::int64_t offset = 0, count = 0;
+};
+
+// The element count of a shape from an index, refused (IOError) when negative or overflowing.
+std::int64_t index_numel(const std::string& dir, const std::string& name, const Shape& shape) {
+  try {
+    return shape_numel(shape, "checkpoint");
+  } catch (const ShapeError&) {
+    ckpt_fail(dir, "index.json gives parameter '" + name + "' the invalid shape " + to_string(shape));
+  }
+}
+
+// A parameter's pieces as the index lists them, checked to tile [0, numel) exactly, each in a
+// file of the checkpoint: nothing an index says can send a read or a write outside a tensor.
+std::vector<IndexedPiece> checked_pieces(const std::string& dir, const std::string& name, const json& pieces,
+                                         int world_size, std::int64_t numel) {
+  std::vector<IndexedPiece> out;
+  for (const json& piece : pieces) {
+    IndexedPiece p{piece.at("rank").get<int>(), piece.at("offset").get<std::int64_t>(),
+                   piece.at("count").get<std::int64_t>()};
+    if (p.rank < 0 || p.rank >= world_size || p.offset < 0 || p.count <= 0 || p.offset > numel ||
+        p.count > numel - p.offset) {
+      ckpt_fail(dir, "index.json has a piece of '" + name + "' (rank " + std::to_string(p.rank) + ", elements [" +
+                         std::to_string(p.offset) + ", +" + std::to_string(p.count) + ")) outside its " +
+                         std::to_string(numel) + " elements or ranks");
+    }
+    out.push_back(p);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) { return a.offset < b.offset; });
+  std::int64_t next = 0;
+  for (const auto& p : out) {
+    if (p.offset != next) {
+      ckpt_fail(dir, "index.json's pieces of '" + name + "' " + (p.offset < next ? "overlap" : "leave a gap") +
+                         " at element " + std::to_string(std::min(p.offset, next)));
+    }
+    next = p.offset + p.count;
+  }
+  if (next != numel)
+    ckpt_fail(dir, "index.json's pieces of '" + name + "' do not cover its " + std::to_string(numel) + " elements");
+  return out;
 }
 
 }  // namespace
@@ -100,8 +156,23 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
 
-  // 1. Every rank writes its file.
+  // 0. A step directory written before (a run resumed from an earlier step reaches it again)
+  // stops being a checkpoint before any of its files is replaced: rank 0 removes its index, and
+  // no rank writes until that is done, so a kill from here on never leaves old and new files
+  // under a complete-looking index.
   std::string error;
+  if (rank == 0) {
+    try {
+      fs::create_directories(step_dir);
+      if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (!all_ok(comm, error.empty()))
+    ckpt_fail(step_dir, error.empty() ? "rank 0 could not prepare the directory" : error);
+
+  // 1. Every rank writes its file.
   try {
     fs::create_directories(step_dir);
     std::vector<std::pair<std::string, Tensor>> tensors;
@@ -164,10 +235,13 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
       safetensors::write_text_atomically((fs::path(step_dir) / "index.json").string(), index.dump(1));
       safetensors::write_text_atomically((fs::path(dir) / "latest").string(), step_name(step) + "\n");
       if (keep > 0) {
+        // Only complete checkpoints count: a crashed, incomplete step must not push out a good one.
         std::vector<std::string> steps;
         for (const auto& entry : fs::directory_iterator(dir)) {
           const std::string n = entry.path().filename().string();
-          if (n.rfind("step-", 0) == 0 && entry.is_directory()) steps.push_back(n);
+          if (n.rfind("step-", 0) == 0 && entry.is_directory() && fs::exists(entry.path() / "index.json")) {
+            steps.push_back(n);
+          }
         }
         std::sort(steps.begin(), steps.end());
         for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
@@ -216,15 +290,12 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
   };
   // Fills [want.offset, want.offset + want.count) of a parameter's flattened tensor into `out`
   // from the pieces that overlap it: the resharding read.
-  auto gather_range = [&](const std::string& name, const json& pieces, const std::string& tensor_prefix, Piece want,
+  auto gather_range = [&](const std::vector<IndexedPiece>& pieces, const std::string& tensor_prefix, Piece want,
                           DType dtype, void* out) {
     const std::size_t elem = dtype_size(dtype);
-    std::int64_t covered = 0;
-    for (const json& piece : pieces) {
-      const int r = piece.at("rank").get<int>();
-      const std::int64_t offset = piece.at("offset").get<std::int64_t>(), count = piece.at("count").get<std::int64_t>();
-      if (r < 0 || r >= info.world_size || offset < 0 || count < 0)
-        ckpt_fail(dir, "index.json has a bad piece of " + name);
+    for (const IndexedPiece& piece : pieces) {
+      const int r = piece.rank;
+      const std::int64_t offset = piece.offset, count = piece.count;
       const std::int64_t lo = std::max(offset, want.offset), hi = std::min(offset + count, want.offset + want.count);
       if (lo >= hi) continue;
       safetensors::Reader& file = reader(r);
@@ -236,9 +307,7 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
                                    std::to_string(count) + "]");
       }
       file.read_range_into(tensor, lo - offset, hi - lo, static_cast<char*>(out) + (lo - want.offset) * elem);
-      covered += hi - lo;
     }
-    if (covered != want.count) ckpt_fail(dir, "the pieces of '" + name + "' do not cover its elements");
   };
 
   for (const auto& [name, p] : params) {
@@ -259,13 +328,13 @@ CheckpointInfo load_from(const std::string& dir, const json& index, Module& modu
     // Padding stays zero: fill the whole local tensor, then the real part from the files.
     Tensor& data = p.data();
     Tensor staged = zeros({data.numel()}, Options(dtype, &data.backend()));
-    gather_range(name, jp.at("pieces"), "model/" + name, want, dtype, staged.data_ptr());
+    const auto pieces = checked_pieces(dir, name, jp.at("pieces"), info.world_size, index_numel(dir, name, shape));
+    gather_range(pieces, "model/" + name, want, dtype, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
     if (optimizer && index.contains("optimizer")) {
       for (auto& [state_name, t] : optimizer->state(p)) {
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
-        gather_range(name, jp.at("pieces"), "optim/" + name + "/" + state_name, want, t.dtype(),
-                     staged_state.data_ptr());
+        gather_range(pieces, "optim/" + name + "/" + state_name, want, t.dtype(), staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
       }
     }
@@ -338,12 +407,13 @@ void for_each_piece(const std::string& dir, const json& index, Visit&& visit) {
     states = index["optimizer"].value("state", json::array()).get<std::vector<std::string>>();
   for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
     const DType dtype = parse_dtype(it.value().at("dtype").get<std::string>());
-    for (const json& piece : it.value().at("pieces")) {
-      const auto r = piece.at("rank").get<std::size_t>();
-      if (r >= files.size()) ckpt_fail(dir, "index.json has a piece on rank " + std::to_string(r));
+    const std::int64_t numel = index_numel(dir, it.key(), it.value().at("shape").get<Shape>());
+    for (const IndexedPiece& piece :
+         checked_pieces(dir, it.key(), it.value().at("pieces"), static_cast<int>(files.size()), numel)) {
+      const auto r = static_cast<std::size_t>(piece.rank);
       if (files[r].find('/') != std::string::npos) ckpt_fail(dir, "index.json names file '" + files[r] + "'");
       if (!readers[r]) readers[r] = std::make_unique<safetensors::Reader>((fs::path(dir) / files[r]).string());
-      const std::int64_t offset = piece.at("offset").get<std::int64_t>(), count = piece.at("count").get<std::int64_t>();
+      const std::int64_t offset = piece.offset, count = piece.count;
       std::vector<std::string> tensors = {"model/" + it.key()};
       for (const auto& s : states) tensors.push_back("optim/" + it.key() + "/" + s);
       for (const auto& name : tensors) {
@@ -374,6 +444,8 @@ std::uint64_t verify_checkpoint(const std::string& path) {
                    });
   } catch (const json::exception& e) {
     ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  } catch (const ArgumentError& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
   }
   return bytes;
 }
@@ -398,6 +470,8 @@ void consolidate_checkpoint(const std::string& path, const std::string& output_f
                          static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(dtype_size(dtype)));
                    });
   } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  } catch (const ArgumentError& e) {
     ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
   }
   std::vector<std::pair<std::string, Tensor>> tensors(full.begin(), full.end());

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <sstream>
 
 #include "helpers.h"
 #include "sharded_fixture.h"
@@ -143,6 +144,21 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   });
   CHECK_FALSE(fs::exists(dir.path / "step-00000010"));
   CHECK(fs::exists(dir.path / "step-00000020"));
+  // An incomplete step (a crash before its index) does not count towards the two kept.
+  fs::create_directories(dir.path / "step-00000035");
+  run_ranks(2, [&](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::Linear layer(4, 3);
+    nn::fully_shard(layer, comm);
+    nn::save_checkpoint(dir.str(), 36, layer, nullptr, comm, {}, /*keep=*/2);
+    // Saving a step again (a run resumed from an earlier one) replaces it whole.
+    nn::save_checkpoint(dir.str(), 36, layer, nullptr, comm, {}, /*keep=*/2);
+  });
+  CHECK(fs::exists(dir.path / "step-00000030" / "index.json"));
+  CHECK(fs::exists(dir.path / "step-00000036" / "index.json"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000020"));
+  fs::remove_all(dir.path / "step-00000035");
+  fs::remove_all(dir.path / "step-00000036");
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
   // A step directory without its index (a crash before the index) is never chosen.
   fs::create_directories(dir.path / "step-00000040");
@@ -181,6 +197,23 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
     fs::remove(step / "rank-00000-of-00002.safetensors");
     nn::Linear same(4, 3);
     test::check_throws<IOError>([&] { load_into(same); }, {"rank-00000-of-00002.safetensors", "cannot open"});
+  }
+  SUBCASE("an index whose pieces leave their tensor") {
+    // Rank 1's piece of the [4, 3] weight moved from elements [6, 12) to [9, 15): loading,
+    // verifying and consolidating must refuse it, not read or write past the tensor.
+    const fs::path index = step / "index.json";
+    std::stringstream text;
+    text << std::ifstream(index).rdbuf();
+    std::string s = text.str();
+    const std::size_t at = s.find("\"offset\": 6");
+    REQUIRE(at != std::string::npos);
+    s.replace(at, std::string("\"offset\": 6").size(), "\"offset\": 9");
+    std::ofstream(index) << s;
+    nn::Linear same(4, 3);
+    test::check_throws<IOError>([&] { load_into(same); }, {"piece", "weight", "outside"});
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"piece", "weight"});
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "x.safetensors").string()); },
+                                {"piece", "weight"});
   }
   SUBCASE("a corrupt index") {
     std::ofstream(step / "index.json") << "{\"format\": \"ruda-sharded-checkpoint\", \"version\": 1, \"step\": ";
