@@ -414,11 +414,11 @@ void print_values(std::ostream& out, const std::vector<double>& values, const Sh
   constexpr std::int64_t kEdge = 3;
   out << '[';
   for (std::int64_t i = 0; i < shape[axis]; ++i) {
+    if (i) out << ", ";
     if (shape[axis] > 2 * kEdge && i == kEdge) {
       out << "..., ";
       i = shape[axis] - kEdge;
     }
-    if (i) out << ", ";
     print_values(out, values, shape, axis + 1, offset + i * stride, integral);
   }
   out << ']';

@@ -42,6 +42,7 @@ TEST_CASE("creation") {
   CHECK(values({1, 2, 3, 4}, {2, 2}).at({1, 0}) == 3);
   CHECK(values({1, 2, 3, 4}, {2, 2}).at({-1, -1}) == 4);
   CHECK(to_string(values({1, 2}, {2})) == "tensor(f32 [2], [1, 2])");
+  CHECK(to_string(arange(0, 10, 1, DType::i64)) == "tensor(i64 [10], [0, 1, 2, ..., 7, 8, 9])");
 }
 
 TEST_CASE("random tensors are counter-based") {
