@@ -1,7 +1,10 @@
 // Shared test helpers: building tensors from values and comparing them.
 #pragma once
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -52,6 +55,23 @@ void check_throws(F&& f, const std::vector<std::string>& fragments) {
     }
   }
 }
+
+/// A fresh directory under the system temp directory, removed with everything in it at scope end.
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    path = std::filesystem::temp_directory_path() /
+           ("ruda-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  static int& counter() {
+    static int c = 0;
+    return c;
+  }
+  std::string str() const { return path.string(); }
+};
 
 }  // namespace ruda::test
 

@@ -158,8 +158,11 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
     info.end = data_start + end;
     tensors.push_back(std::move(info));
   }
+  // Empty tensors own no bytes, so they cannot overlap anything, wherever their offsets point.
   std::vector<const TensorInfo*> by_offset;
-  for (const auto& t : tensors) by_offset.push_back(&t);
+  for (const auto& t : tensors) {
+    if (t.end > t.begin) by_offset.push_back(&t);
+  }
   std::sort(by_offset.begin(), by_offset.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   for (std::size_t i = 1; i < by_offset.size(); ++i) {
     if (by_offset[i]->begin < by_offset[i - 1]->end) {

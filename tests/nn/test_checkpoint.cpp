@@ -9,25 +9,10 @@
 #include "sharded_fixture.h"
 
 using namespace ruda;
+using test::TempDir;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("ruda-ckpt-test-" + std::to_string(::getpid()) + "-" + std::to_string(counter()++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
-  std::string str() const { return path.string(); }
-};
 
 // Trains TinyLM fully sharded over comm for steps [from, to), optionally loading a checkpoint
 // first and saving one at the end; returns every step's global loss and the final parameters.
@@ -263,6 +248,15 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
       8, "overlap");
   rejects(std::string(40, '[') + std::string(40, ']'), 0, "nested too deeply");
   rejects("{\"__metadata__\": {\"k\": 1}}", 0, "not a string");
+
+  // An empty tensor owns no bytes, so its offsets may sit inside another tensor's range.
+  std::vector<safetensors::TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  const std::string header =
+      "{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]},"
+      " \"e\": {\"dtype\": \"F32\", \"shape\": [0], \"data_offsets\": [4, 4]}}";
+  safetensors::parse_header(header, 8 + header.size() + 8, tensors, metadata);
+  CHECK(tensors.size() == 2);
 }
 
 TEST_CASE("an independent reader (Python) reads the files") {
