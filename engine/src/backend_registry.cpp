@@ -132,7 +132,16 @@ int default_threads() {
       if (n > 0) return n;
     }
   }
-  return hardware_threads();
+  // Under mpiexec, ranks on one node share its cores: an unset thread count would otherwise give
+  // every rank all of them and oversubscribe the machine N-fold.
+  int local_ranks = 1;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
+    if (const char* env = std::getenv(name); env && *env && std::atoi(env) > 0) {
+      local_ranks = std::atoi(env);
+      break;
+    }
+  }
+  return std::max(1, hardware_threads() / local_ranks);
 }
 thread_local int t_threads = 0;  // 0: not set on this thread yet
 }  // namespace
