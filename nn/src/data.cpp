@@ -1,6 +1,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -187,12 +188,27 @@ Tensor take_rows(const Tensor& data, const Tensor& indices) {
   const std::int64_t row = shape_numel(row_shape);
   Shape out_shape = indices.shape();
   out_shape.insert(out_shape.end(), row_shape.begin(), row_shape.end());
-  if (data.dtype() == DType::i64 || data.dtype() == DType::boolean) {
-    // embedding takes float tables: integer rows travel as f64 (exact below 2^53).
-    const Tensor as_float = cast(data.reshape({data.shape()[0], row}), DType::f64);
-    return cast(embedding(as_float, indices), data.dtype()).reshape(out_shape);
+  if (is_floating(data.dtype())) {
+    return embedding(data.reshape({data.shape()[0], row}), indices).reshape(out_shape);
   }
-  return embedding(data.reshape({data.shape()[0], row}), indices).reshape(out_shape);
+  // Integer and boolean rows (labels, token ids): a plain row copy. embedding takes float tables,
+  // and casting a whole table to get a few rows would cost far more than the rows themselves.
+  if (indices.dtype() != DType::i64) {
+    fail<DTypeError>("take_rows", "indices must be i64, got ", dtype_name(indices.dtype()));
+  }
+  const std::int64_t rows = data.shape()[0];
+  const std::size_t row_bytes = static_cast<std::size_t>(row) * dtype_size(data.dtype());
+  const auto picks = indices.to_vector<std::int64_t>();
+  Tensor out = empty(out_shape, data.dtype());
+  const auto* src = static_cast<const std::uint8_t*>(data.data_ptr());
+  auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
+  for (std::size_t i = 0; i < picks.size(); ++i) {
+    if (picks[i] < 0 || picks[i] >= rows) {
+      fail<IndexError>("take_rows", "index ", picks[i], " out of range for ", rows, " rows of ", data.shape());
+    }
+    std::memcpy(dst + i * row_bytes, src + static_cast<std::size_t>(picks[i]) * row_bytes, row_bytes);
+  }
+  return out;
 }
 
 }  // namespace ruda::nn
