@@ -14,6 +14,8 @@ thread_local bool t_grad_enabled = true;
 // program, not on addresses, so ranks running the same program run the same sequence.
 thread_local std::uint64_t t_next_sequence = 1;
 thread_local std::vector<std::shared_ptr<Node>> t_always_run;
+// The node whose backward is running on this thread, for error messages about its saved tensors.
+thread_local const char* t_running_node = nullptr;
 }  // namespace
 
 bool is_grad_enabled() noexcept { return t_grad_enabled; }
@@ -32,11 +34,20 @@ SavedTensor::SavedTensor(const Tensor& tensor) {
     recipe_ = tensor.impl()->recompute;
   } else {
     value_ = tensor.detach();
+    version_ = value_.version();
   }
 }
 
 Tensor SavedTensor::get() const {
-  if (!recipe_) return value_;
+  if (!recipe_) {
+    if (value_.defined() && value_.version() != version_) {
+      fail<AutogradError>("backward", "a ", dtype_name(value_.dtype()), " ", value_.shape(), " tensor saved by ",
+                          t_running_node ? t_running_node : "a node",
+                          " was modified in place after it was saved (version ", version_, ", now ", value_.version(),
+                          "); modify a clone() instead");
+    }
+    return value_;
+  }
   NoGradGuard guard;
   return (*recipe_)();
 }
@@ -181,6 +192,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     for (std::size_t i = 0; i < node->next.size(); ++i) {
       if (node->next[i].connected()) mask |= std::uint64_t{1} << i;
     }
+    t_running_node = node->name;
+    struct ClearRunning {
+      ~ClearRunning() { t_running_node = nullptr; }
+    } clear_running;
     std::vector<Tensor> grads = node->backward(g, node->saved, GradMask(mask));
     g = Tensor();
     if (grads.size() != node->next.size()) {

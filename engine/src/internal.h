@@ -40,6 +40,9 @@ BlockCache& block_cache();
 struct Storage {
   void* data = nullptr;
   std::size_t bytes = 0;
+  // Bumped by every in-place write, so a backward can tell that a tensor it saved has changed.
+  // Atomic only so that concurrent readers of a shared storage are not a data race.
+  std::atomic<std::uint64_t> version{0};
   std::shared_ptr<memory::Tracker> tracker;
   explicit Storage(std::size_t bytes);
   ~Storage();

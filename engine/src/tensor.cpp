@@ -271,18 +271,29 @@ Tensor Tensor::clone() const {
 }
 
 namespace {
-void check_inplace(const Tensor& self, const char* op) {
+// Every in-place op starts here: refuse to overwrite a tensor the graph may depend on, and mark
+// the write for saved-tensor checks.
+void begin_inplace(const Tensor& self, const char* op) {
   if (self.requires_grad() && autograd::is_grad_enabled()) {
     fail<AutogradError>(op, "in-place update of a ", self.shape(),
                         " tensor that requires grad; run it under autograd::NoGradGuard");
   }
+  self.bump_version();
 }
 }  // namespace
+
+std::uint64_t Tensor::version() const {
+  return checked(*this, "version").storage->version.load(std::memory_order_relaxed);
+}
+
+void Tensor::bump_version() const {
+  checked(*this, "bump_version").storage->version.fetch_add(1, std::memory_order_relaxed);
+}
 
 Tensor& Tensor::copy_(const Tensor& source) {
   checked(*this, "copy_");
   detail::require_defined("copy_", source);
-  check_inplace(*this, "copy_");
+  begin_inplace(*this, "copy_");
   if (broadcast_shapes(source.shape(), shape(), "copy_") != shape()) {
     fail<ShapeError>("copy_", "source ", source.shape(), " does not broadcast to ", shape());
   }
@@ -294,7 +305,7 @@ Tensor& Tensor::copy_(const Tensor& source) {
 
 Tensor& Tensor::fill_(double value) {
   checked(*this, "fill_");
-  check_inplace(*this, "fill_");
+  begin_inplace(*this, "fill_");
   backend().fill(detail::view_of(*this), value);
   return *this;
 }
@@ -302,7 +313,7 @@ Tensor& Tensor::fill_(double value) {
 Tensor& Tensor::add_(const Tensor& other, double alpha) {
   checked(*this, "add_");
   detail::require_defined("add_", other);
-  check_inplace(*this, "add_");
+  begin_inplace(*this, "add_");
   if (broadcast_shapes(other.shape(), shape(), "add_") != shape()) {
     fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
   }
@@ -318,7 +329,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
 
 Tensor& Tensor::mul_(double factor) {
   checked(*this, "mul_");
-  check_inplace(*this, "mul_");
+  begin_inplace(*this, "mul_");
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
   backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);

@@ -93,6 +93,7 @@ void Adam::step() {
     d.step = steps_;
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
+    data.bump_version();
   }
 }
 

@@ -188,3 +188,32 @@ TEST_CASE("the graph frees saved tensors after backward") {
   }
   CHECK(memory::stats().live_bytes == before);
 }
+
+TEST_CASE("a saved tensor modified in place stops backward with an error naming the node") {
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Tensor y = exp(x);  // saves its output
+  const std::uint64_t v = y.version();
+  y.detach().reshape({1, 2}).fill_(0);  // through another handle and a view: same storage
+  CHECK(y.version() == v + 1);
+  test::check_throws<AutogradError>([&] { sum(y).backward(); },
+                                    {"backward", "f32 [2]", "saved by exp", "modified in place", "version 0, now 1"});
+
+  // An optimizer-style update of a weight between forward and backward is caught the same way.
+  Tensor w = values({3, 4}, {2}).set_requires_grad();
+  Tensor u = values({5}, {1}).set_requires_grad();
+  Tensor loss = sum(u * w);  // saves w for u's gradient
+  {
+    autograd::NoGradGuard guard;
+    w.add_(values({1, 1}, {2}), -0.1);
+  }
+  test::check_throws<AutogradError>([&] { loss.backward(); }, {"saved by mul", "modified in place"});
+
+  // Writes to other storages, or before the save, are fine.
+  Tensor a = values({1, 2}, {2}).set_requires_grad();
+  Tensor b = values({2, 2}, {2});
+  b.mul_(2);
+  Tensor out = sum(a * b);
+  values({0}, {1}).fill_(3);
+  out.backward();
+  CHECK_CLOSE(a.grad(), {4, 4}, {2});
+}

@@ -56,13 +56,15 @@ class SavedTensor {
  public:
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& tensor);
-  /// The saved value; a recomputed one is produced anew on each call.
+  /// The saved value; a recomputed one is produced anew on each call. AutogradError if the data
+  /// was modified in place since it was saved (its storage's version moved on).
   Tensor get() const;
   bool is_recomputed() const noexcept { return recipe_ != nullptr; }
   bool defined() const noexcept { return value_.defined() || recipe_ != nullptr; }
 
  private:
   Tensor value_;
+  std::uint64_t version_ = 0;
   std::shared_ptr<const std::function<Tensor()>> recipe_;
 };
 

@@ -94,10 +94,16 @@ class Tensor {
   Tensor clone() const;
 
   // --- in-place updates (not recorded; refused on a tensor that requires grad while grad mode is on) ---
+  // Each bumps the storage's version: a backward that saved a tensor of this storage and finds
+  // a newer version raises AutogradError instead of computing with the changed values.
   Tensor& copy_(const Tensor& source);
   Tensor& fill_(double value);
   Tensor& add_(const Tensor& other, double alpha = 1.0);
   Tensor& mul_(double factor);
+  /// How many in-place writes this tensor's storage has seen (shared by every view of it).
+  std::uint64_t version() const;
+  /// Records an in-place write made some other way: through data_ptr() or a Backend kernel.
+  void bump_version() const;
 
   // --- shape (free functions below hold the documentation) ---
   Tensor reshape(Shape shape) const;
