@@ -119,6 +119,7 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
   }
   if (!leaf.grad.defined()) {
     leaf.grad = exclusively_owned(grad) ? std::move(grad) : grad.clone();
+    leaf.grad.impl()->backend = leaf.backend;  // a leaf's gradient lives where the leaf does
   } else {
     leaf.grad.add_(grad);  // the leaf's gradient buffer is its own: accumulate in place
   }

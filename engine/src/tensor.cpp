@@ -257,9 +257,16 @@ const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const { return checked(
 Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
 
 Tensor Tensor::to(Backend& backend) const {
+  checked(*this, "to");
   Tensor out = detail::alias(*this, shape());
   out.impl()->backend = &backend;
-  out.impl()->requires_grad = impl_->requires_grad && is_leaf();
+  out.impl()->requires_grad = false;
+  if (autograd::needs_grad(*this)) {
+    autograd::record("to_backend", out, {*this}, {},
+                     [from = &this->backend()](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       return std::vector<Tensor>{g.to(*from)};
+                     });
+  }
   return out;
 }
 
@@ -267,6 +274,11 @@ Tensor Tensor::clone() const {
   const auto& impl = checked(*this, "clone");
   Tensor out = detail::make_tensor(impl.shape, impl.dtype, *impl.backend);
   if (impl.numel) std::memcpy(out.data_ptr(), impl.data(), nbytes());
+  if (autograd::needs_grad(*this)) {
+    autograd::record("clone", out, {*this}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+      return std::vector<Tensor>{g};
+    });
+  }
   return out;
 }
 

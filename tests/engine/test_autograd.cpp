@@ -217,3 +217,16 @@ TEST_CASE("a saved tensor modified in place stops backward with an error naming 
   out.backward();
   CHECK_CLOSE(a.grad(), {4, 4}, {2});
 }
+
+TEST_CASE("clone and a move to another backend pass gradients through") {
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Backend& eigen = get_backend("eigen");
+  const Tensor moved = x.to(eigen);
+  CHECK(&moved.backend() == &eigen);
+  CHECK(moved.shares_storage(x));
+  CHECK_FALSE(moved.is_leaf());
+  sum(moved * moved + x.clone() * 3.0).backward();
+  CHECK_CLOSE(x.grad(), {5, 7}, {2});
+  CHECK(&x.grad().backend() == &x.backend());
+  CHECK_FALSE(x.detach().clone().requires_grad());
+}

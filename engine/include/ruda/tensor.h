@@ -89,8 +89,10 @@ class Tensor {
 
   // --- conversions ---
   Tensor to(DType dtype) const;
-  /// The same storage on another backend (no copy).
+  /// The same storage on another backend (no copy). Differentiable: the gradient flows back to
+  /// this tensor on its own backend.
   Tensor to(Backend& backend) const;
+  /// A copy in fresh storage. Differentiable like an identity op; detach() first for a plain copy.
   Tensor clone() const;
 
   // --- in-place updates (not recorded; refused on a tensor that requires grad while grad mode is on) ---
