@@ -84,6 +84,11 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   REQUIRE_MESSAGE(saved.exit_code == 0, saved.output);
   one_error_line(run(train("mlp --epochs 2 --hidden 16 --limit 640 --resume " + tmp / "a")),
                  {"holds model 'mlp 784-32-10'", "'mlp 784-16-10'"});
+  // The same model fed another data stream: the resume would not continue the run.
+  one_error_line(run(train("mlp --epochs 2 " + kSmall + " --seed 7 --resume " + tmp / "a")),
+                 {"--seed 7 differs from the --seed 1 of", "step-00000010"});
+  one_error_line(run(train("mlp --epochs 2 --hidden 32 --limit 640 --batch 32 --resume " + tmp / "a")),
+                 {"--batch 32 differs from the --batch 64"});
   // A corrupt checkpoint: a rank file cut short.
   for (const auto& entry : fs::recursive_directory_iterator(tmp.path / "a")) {
     if (entry.path().extension() == ".safetensors") fs::resize_file(entry.path(), fs::file_size(entry.path()) / 2);

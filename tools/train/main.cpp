@@ -112,6 +112,9 @@ struct Task {
   /// This rank's loss for global step `step`, already divided by the step's global count.
   virtual Tensor loss(std::int64_t step) = 0;
   virtual std::string where(std::int64_t step) const = 0;
+  /// The options that decide which samples step k trains on: a resumed run must keep them, or it
+  /// would not continue the same data stream.
+  virtual std::map<std::string, std::string> data_stream() const = 0;
   /// Evaluation after `step`, or an empty object when none is due.
   virtual json evaluate(std::int64_t step, bool final) = 0;
   virtual void after_training() {}
@@ -168,6 +171,11 @@ struct MlpTask : Task {
   nn::Module& module() override { return *model; }
   std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
   std::int64_t samples_per_step() const override { return cfg.batch; }
+  std::map<std::string, std::string> data_stream() const override {
+    return {{"--seed", std::to_string(cfg.seed)},
+            {"--batch", std::to_string(cfg.batch)},
+            {"--limit", std::to_string(cfg.limit)}};
+  }
   std::string where(std::int64_t step) const override {
     return "epoch " + std::to_string(step / sampler->batches_per_epoch() + 1) + "/" + std::to_string(cfg.epochs);
   }
@@ -238,6 +246,9 @@ struct LmTask : Task {
   std::int64_t total_steps() const override { return cfg.steps; }
   std::int64_t samples_per_step() const override { return cfg.batch; }
   std::string where(std::int64_t) const override { return ""; }
+  std::map<std::string, std::string> data_stream() const override {
+    return {{"--seed", std::to_string(cfg.seed)}, {"--batch", std::to_string(cfg.batch)}};
+  }
 
   // Windows [pos, pos + context + 1) of the given range, for this rank's part of a global batch
   // of `batch` windows drawn from stream (seed, step).
@@ -349,6 +360,13 @@ void run(const Config& cfg, Communicator& comm) {
                       (model == found.info.extra.end() ? "?" : model->second) + "', this run trains '" +
                       task->description() + "'");
       }
+      for (const auto& [option, value] : task->data_stream()) {
+        const auto saved = found.info.extra.find(option);
+        if (saved != found.info.extra.end() && saved->second != value) {
+          throw ArgumentError(option + " " + value + " differs from the " + option + " " + saved->second + " of " +
+                              found.info.directory + ": the resumed run would train on other samples");
+        }
+      }
       const nn::CheckpointInfo info = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm);
       start_step = info.step;
       if (main_rank) {
@@ -382,10 +400,9 @@ void run(const Config& cfg, Communicator& comm) {
         .to_vector<double>();
   };
   auto save = [&](std::int64_t step) {
-    std::map<std::string, std::string> extra = {{"model", task->description()},
-                                                {"seed", std::to_string(cfg.seed)},
-                                                {"dtype", cfg.dtype},
-                                                {"backend", std::string(default_backend().name())}};
+    std::map<std::string, std::string> extra = task->data_stream();
+    extra.insert(
+        {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
     const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
     progress.line("checkpoint " + info.directory);
   };
