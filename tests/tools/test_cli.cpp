@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -134,7 +135,7 @@ TEST_CASE("killed while writing a checkpoint: the previous one stays loadable an
 
 TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains on") {
   TempDir tmp;
-  REQUIRE(run(train("--emulate 3 mlp --epochs 1 --hidden 32 --limit 640 --test-limit 200 --batch 63 --log-every 0"
+  REQUIRE(run(train("--emulate 3 mlp --epochs 1 --hidden 32 --limit 640 --test-limit 200 --batch 66 --log-every 0"
                     " --checkpoint-dir " +
                     tmp / "c"))
               .exit_code == 0);
@@ -148,11 +149,79 @@ TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains
           0);
   CHECK(run(ckpt("verify " + tmp / "s")).exit_code == 0);
   // The split checkpoint has no optimizer state: resuming it fails clearly...
-  const Run no_state = run(train("--emulate 2 mlp --epochs 2 " + kSmall + " --resume " + tmp / "s"));
+  const Run no_state = run(
+      train("--emulate 2 mlp --epochs 2 --hidden 32 --limit 640 --test-limit 200 --batch 66 --log-every 0 --resume " +
+            tmp / "s"));
   INFO(no_state.output);
   CHECK(no_state.exit_code == 0);  // ... or, as here, starts fresh moments from the loaded weights
   CHECK(no_state.output.find("resumed from") != std::string::npos);
 }
+
+#ifdef RUDA_MPIEXEC
+namespace {
+// ruda-train under mpiexec on this machine: shared memory between ranks, one thread each.
+std::string mpi_train(int ranks, const std::string& args) {
+  return std::string(RUDA_MPIEXEC) + " -n " + std::to_string(ranks) +
+         " --oversubscribe --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 -x RUDA_NUM_THREADS=1" +
+         " -x ASAN_OPTIONS -x LSAN_OPTIONS " + train(args);
+}
+
+// step -> loss from a metrics file.
+std::map<std::int64_t, double> losses(const std::string& metrics) {
+  std::map<std::int64_t, double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out[j["step"].get<std::int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("mpiexec: saved by 3 ranks, resumed by 2 and by 4, training goes on as if uninterrupted") {
+  TempDir tmp;
+  // 768 samples in global batches of 96: 8 steps per epoch, and 96 divides over 2, 3 and 4 ranks.
+  const std::string small = "mlp --hidden 32 --limit 768 --test-limit 200 --batch 96 --log-every 1 ";
+  const Run reference =
+      run(mpi_train(3, small + "--epochs 2 --metrics " + tmp / "ref.jsonl --checkpoint-dir " + tmp / "ref"));
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+  const Run first = run(mpi_train(3, small + "--epochs 1 --checkpoint-dir " + tmp / "half"));
+  REQUIRE_MESSAGE(first.exit_code == 0, first.output);
+  const auto expected = losses(tmp / "ref.jsonl");
+  REQUIRE(expected.size() == 16);
+  REQUIRE(run(ckpt("consolidate " + tmp / "ref" + " " + tmp / "ref.safetensors")).exit_code == 0);
+  ruda::safetensors::Reader final_reference(tmp / "ref.safetensors");
+
+  for (int ranks : {2, 4}) {
+    CAPTURE(ranks);
+    const std::string n = std::to_string(ranks);
+    const Run resumed = run(mpi_train(ranks, small + "--epochs 2 --resume " + tmp / "half" + " --metrics " +
+                                                 tmp / ("r" + n + ".jsonl") + " --checkpoint-dir " + tmp / ("r" + n)));
+    REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+    CHECK(resumed.output.find("at step 8 (saved by 3 ranks, now " + n + ")") != std::string::npos);
+    const auto got = losses(tmp / ("r" + n + ".jsonl"));
+    CHECK(got.size() == 8);
+    for (const auto& [step, loss] : got) {
+      CAPTURE(step);
+      REQUIRE(expected.count(step));
+      CHECK(loss == doctest::Approx(expected.at(step)).epsilon(1e-4));  // sums in another order than at 3 ranks
+    }
+    const std::string full = tmp / ("r" + n + ".safetensors");
+    REQUIRE(run(ckpt("consolidate " + tmp / ("r" + n) + " " + full)).exit_code == 0);
+    ruda::safetensors::Reader final_resumed(full);
+    for (const auto& t : final_reference.tensors()) {
+      CAPTURE(t.name);
+      ruda::test::check_close(final_resumed.read(t.name), final_reference.read(t.name), 1e-5, 1e-3);
+    }
+  }
+}
+
+TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero exit") {
+  one_error_line(run(mpi_train(2, "mlp --data /nonexistent")), {"/nonexistent/train-images-idx3-ubyte.gz"});
+  one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
+}
+#endif
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {
   TempDir tmp;
