@@ -1,5 +1,5 @@
 #include <atomic>
-#include <unordered_set>
+#include <unordered_map>
 
 #include <ruda/nn/module.h>
 #include <ruda/nn/sharded.h>
@@ -78,25 +78,30 @@ void Module::register_module(std::string name, std::shared_ptr<Module> child) {
   children_.emplace_back(std::move(name), std::move(child));
 }
 
-void Module::collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out,
-                     std::vector<const void*>& seen) const {
-  (void)seen;
+void Module::collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out) const {
   for (const auto& [name, p] : params_) {
     if (!p->defined()) continue;
     out.emplace_back(prefix + name, *p);
   }
-  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out, seen);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out);
 }
 
 std::vector<std::pair<std::string, Param>> Module::named_parameters() const {
   std::vector<std::pair<std::string, Param>> all;
-  std::vector<const void*> seen;
-  collect("", all, seen);
-  // A tied parameter is reachable twice: keep its first name.
+  collect("", all);
+  // A tied parameter is reachable twice: keep its first name. Two different parameters with one
+  // id (a Param built with an explicit id that was already in use) would mix up optimizer state
+  // and checkpoints, so they are an error rather than being silently merged.
   std::vector<std::pair<std::string, Param>> unique;
-  std::unordered_set<ParamId> ids;
+  std::unordered_map<ParamId, std::size_t> by_id;
   for (auto& entry : all) {
-    if (ids.insert(entry.second.id()).second) unique.push_back(std::move(entry));
+    const auto [it, fresh] = by_id.try_emplace(entry.second.id(), unique.size());
+    if (fresh) {
+      unique.push_back(std::move(entry));
+    } else if (!unique[it->second].second.same(entry.second)) {
+      fail<ArgumentError>("named_parameters", "'", unique[it->second].first, "' and '", entry.first,
+                          "' are different parameters with the same id ", entry.second.id());
+    }
   }
   return unique;
 }

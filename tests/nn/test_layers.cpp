@@ -138,6 +138,10 @@ TEST_CASE("modules: dotted names, tied parameters once, train/eval everywhere") 
     }
   } pair;
   CHECK(pair.named_parameters().size() == 1);
+  // Two different parameters that claim one id would share optimizer state: an error.
+  pair.b = nn::Param(zeros({2}), pair.a.id());
+  test::check_throws<ArgumentError>([&] { pair.named_parameters(); },
+                                    {"named_parameters", "'a' and 'b'", "same id " + std::to_string(pair.a.id())});
 
   tied.eval();
   CHECK_FALSE(tied.blocks[0]->attn->is_training());

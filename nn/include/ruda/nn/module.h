@@ -88,8 +88,7 @@ class Module {
   void register_module(std::string name, std::shared_ptr<Module> child);
 
  private:
-  void collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out,
-               std::vector<const void*>& seen) const;
+  void collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out) const;
   std::vector<std::pair<std::string, Param*>> params_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
