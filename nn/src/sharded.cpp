@@ -1,5 +1,6 @@
 // Sharded parameters: slicing, validation, the differentiable gather and fully_shard.
 #include <limits>
+#include <map>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/layers.h>
@@ -222,6 +223,48 @@ std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Em
 
 Tensor FullyShardedEmbedding::forward(const Tensor& indices, Communicator& comm) const {
   return embedding(gather_param(weight_, comm), indices);
+}
+
+std::size_t broadcast_replicated(const Module& module, Communicator& comm, int root) {
+  autograd::NoGradGuard guard;
+  std::size_t count = 0;
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded()) continue;
+    p.data().copy_(comm.broadcast(p.data(), root, {.tag = name}));
+    ++count;
+  }
+  return count;
+}
+
+std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& comm) {
+  autograd::NoGradGuard guard;
+  // One all-reduce per dtype over the concatenated gradients: a model's many small replicated
+  // parameters (norms, biases) would otherwise pay a collective's latency each.
+  std::map<DType, std::vector<std::pair<std::string, Param>>> by_dtype;
+  std::size_t count = 0;
+  for (auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded()) continue;
+    by_dtype[p.data().dtype()].emplace_back(name, p);
+    ++count;
+  }
+  for (auto& [dtype, params] : by_dtype) {
+    std::vector<Tensor> flat;
+    for (const auto& [name, p] : params) {
+      const Tensor g = p.grad();
+      flat.push_back(g.defined() ? g.reshape({-1}) : zeros({p.data().numel()}, Options(dtype, &p.data().backend())));
+    }
+    const Tensor summed = comm.all_reduce(concat(flat, 0), Reduction::sum,
+                                          {.tag = "replicated gradients (" + params.front().first + ", ...)"});
+    std::int64_t offset = 0;
+    for (const auto& [name, p] : params) {
+      const std::int64_t n = p.data().numel();
+      Tensor g = summed.slice(0, offset, offset + n).reshape(p.data().shape());
+      offset += n;
+      Tensor leaf = p.data();
+      leaf.set_grad(g);
+    }
+  }
+  return count;
 }
 
 }  // namespace ruda::nn

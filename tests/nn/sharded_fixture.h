@@ -88,10 +88,10 @@ inline std::map<std::string, std::vector<double>> snapshot(const nn::Module& mod
 
 /// The dense reference in one process: the global batch, with the auxiliary loss on the parts
 /// that rank r != 1 of `world` would train.
-inline TrainResult train_tiny_dense(int world, int steps) {
+inline TrainResult train_tiny_dense(int world, int steps, nn::AdamWOptions options = adam_options()) {
   nn::manual_seed(7);
   TinyLM model;
-  nn::AdamW opt(model.parameters(), adam_options());
+  nn::AdamW opt(model.parameters(), options);
   TrainResult r;
   const double count = static_cast<double>(kBatch * kTime);
   for (int step = 0; step < steps; ++step) {
@@ -111,11 +111,12 @@ inline TrainResult train_tiny_dense(int world, int steps) {
 }
 
 /// The same training fully sharded over comm: each rank trains its part of every batch.
-inline TrainResult train_tiny_sharded(Communicator& comm, int steps, nn::ShardPolicy policy = {}) {
+inline TrainResult train_tiny_sharded(Communicator& comm, int steps, nn::ShardPolicy policy = {},
+                                      nn::AdamWOptions options = adam_options()) {
   nn::manual_seed(7);
   TinyLM model;
   nn::fully_shard(model, comm, policy);
-  nn::AdamW opt(model.parameters(), adam_options());
+  nn::AdamW opt(model.parameters(), options);
   TrainResult r;
   const double count = nn::global_count(comm, static_cast<double>(kBatch / comm.world_size() * kTime));
   for (int step = 0; step < steps; ++step) {

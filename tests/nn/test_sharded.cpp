@@ -37,6 +37,63 @@ TEST_CASE("a fully sharded model trains exactly like the dense one, world sizes 
   }
 }
 
+TEST_CASE("with Adam's usual eps = 1e-8, sharded training stays with the dense one but for zero gradients") {
+  // The other tests use eps = 1e-3 (see adam_options). With 1e-8, Adam moves a weight whose
+  // gradient is pure rounding noise by about lr * sign(noise) per step, and the noise differs with
+  // the summation order. Attention's key bias is such a weight: adding a constant to every key's
+  // score leaves the softmax unchanged, so its true gradient is exactly zero. Everything else
+  // must match as tightly as with eps = 1e-3; the key bias may only drift by lr per step.
+  nn::AdamWOptions options = test::adam_options();
+  options.eps = 1e-8;
+  TrainResult dense = test::train_tiny_dense(3, kSteps, options);
+  TrainResult sharded =
+      on_ranks(3, [&](Communicator& comm) { return test::train_tiny_sharded(comm, kSteps, {}, options); });
+  const std::int64_t d = 8;  // qkv.bias is [q | k | v], d_model each
+  auto& got = sharded.params.at("block.attn.qkv.bias");
+  auto& want = dense.params.at("block.attn.qkv.bias");
+  for (std::int64_t i = d; i < 2 * d; ++i) {
+    CHECK(std::abs(got[i] - want[i]) <= kSteps * options.lr * 1.01);
+    got[i] = want[i];
+  }
+  const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
+  CHECK_MESSAGE(score <= 1.0, "worst at " << where);
+}
+
+TEST_CASE("some layers sharded, the rest replicated: broadcast once, all-reduce their gradients") {
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    const TrainResult dense = test::train_tiny_dense(world, kSteps);
+    const TrainResult mixed = on_ranks(world, [](Communicator& comm) {
+      nn::manual_seed(7);
+      test::TinyLM model;
+      nn::fully_shard(*model.block, comm);  // the transformer block only
+      if (comm.rank() != 0) {
+        autograd::NoGradGuard guard;
+        model.down->weight.data().fill_(0.5);  // a rank that initialized differently
+      }
+      // embedding.weight, down.weight and .bias, up.weight, aux.weight and .bias
+      CHECK(nn::broadcast_replicated(model, comm) == 6);
+      nn::AdamW opt(model.parameters(), test::adam_options());
+      TrainResult r;
+      const double count = nn::global_count(comm, static_cast<double>(test::kBatch / comm.world_size() * test::kTime));
+      for (int step = 0; step < kSteps; ++step) {
+        const Tensor tokens = test::part(test::batch_tokens(step), comm.rank(), comm.world_size());
+        const Tensor targets = test::part(test::batch_targets(step), comm.rank(), comm.world_size());
+        const Tensor loss = model.loss_sum(tokens, targets, test::uses_aux(comm.rank())) / count;
+        r.losses.push_back(comm.all_reduce(loss.detach()).item());
+        opt.zero_grad();
+        loss.backward();
+        CHECK(nn::all_reduce_replicated_gradients(model, comm) == 6);
+        opt.step();
+      }
+      r.params = test::snapshot(model);
+      return r;
+    });
+    const auto [score, where] = test::compare(mixed, dense, 1e-6, 1e-5);
+    CHECK_MESSAGE(score <= 1.0, "world " << world << ": worst at " << where);
+  }
+}
+
 TEST_CASE("the seed's layers (from_full, forward with a communicator) equal dense training") {
   const TrainResult dense = test::train_seed_dense(kSteps);
   for (int world = 1; world <= 5; ++world) {

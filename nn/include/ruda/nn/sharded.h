@@ -117,6 +117,24 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy =
 /// Sets the policy of every sharded parameter of `module` (strategy, compute dtype, reduce dtype).
 void set_shard_policy(Module& module, const ShardPolicy& policy);
 
+// --- parameters left replicated (plain data parallelism) ---
+// A model may shard only some layers (say, FullyShardedLinear for the big ones) and keep the rest
+// whole on every rank. Those replicated parameters need the classic data-parallel treatment:
+// the same initial value everywhere, and gradients summed over the ranks after each backward.
+
+/// Copies rank `root`'s value of every replicated (non-sharded) parameter of `module` to all
+/// ranks, so that ranks which initialized differently start alike. Returns how many it copied.
+std::size_t broadcast_replicated(const Module& module, Communicator& comm, int root = 0);
+
+/// Sums the gradients of every replicated parameter of `module` over the ranks (all-reduce SUM,
+/// one flat buffer per dtype), in place; call it after backward and before clipping or the
+/// optimizer step. With each rank's loss divided by the GLOBAL count (global_count), the sum is
+/// the gradient of the global loss, as for sharded parameters. A parameter that got no gradient
+/// on this rank takes part with zeros, so the ranks never disagree on the collective. Sharded
+/// parameters are skipped: their gathers' backward already reduce-scattered them. Returns the
+/// number of parameters summed.
+std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& comm);
+
 /// x @ W + b with W sharded ([input, output] layout) and an optional sharded bias [output].
 class FullyShardedLinear : public Module {
  public:
