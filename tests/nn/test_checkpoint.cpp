@@ -119,6 +119,40 @@ TEST_CASE("reshard: saved by 3 ranks, resumed by 2 and by 4") {
   }
 }
 
+TEST_CASE("reshard reads each new rank's own share of the bytes, not whole tensors") {
+  // Big enough that a whole-tensor read would stand out from the headers: 1 MiB of weight, and
+  // as much again of each Adam moment.
+  TempDir dir;
+  auto make = [](Communicator& comm) {
+    nn::manual_seed(5);
+    auto layer = std::make_shared<nn::Linear>(512, 512);
+    nn::fully_shard(*layer, comm);
+    return layer;
+  };
+  run_ranks(3, [&](Communicator& comm) {
+    auto layer = make(comm);
+    nn::AdamW opt(layer->parameters(), test::adam_options());
+    sum(layer->forward(ones({2, 512}))).backward();
+    opt.step();  // creates the moments
+    nn::save_checkpoint(dir.str(), 1, *layer, &opt, comm, {});
+  });
+  for (int world : {2, 4}) {
+    CAPTURE(world);
+    std::vector<std::uint64_t> bytes(world), share(world);
+    run_ranks(world, [&](Communicator& comm) {
+      auto layer = make(comm);
+      nn::AdamW opt(layer->parameters(), test::adam_options());
+      bytes[comm.rank()] = nn::load_checkpoint(dir.str(), *layer, &opt, comm).bytes_read;
+      for (const auto& p : layer->parameters()) share[comm.rank()] += 3 * 4 * p.shard()->real_elements();
+    });
+    for (int r = 0; r < world; ++r) {
+      INFO("rank " << r << " read " << bytes[r] << " bytes for a share of " << share[r]);
+      CHECK(bytes[r] >= share[r]);
+      CHECK(bytes[r] <= share[r] + 3 * 4096);  // plus at most the three files' headers
+    }
+  }
+}
+
 TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   TempDir dir;
   run_ranks(2, [&](Communicator& comm) {
