@@ -187,21 +187,22 @@ void set_shard_policy(Module& module, const ShardPolicy& policy) {
 // --- seed-style layers ---
 
 namespace {
-Param shard_member(const Param& full, int rank, int world_size, const ShardPolicy& policy, const char* name) {
+Param shard_member(const Param& full, int rank, int world_size, const ShardPolicy& policy, const std::string& layer,
+                   const char* member) {
   Param local = ShardedParameter::from_full(full, rank, world_size).param();
   local.shard()->policy = policy;
-  local.shard()->name = name;
+  local.shard()->name = layer.empty() ? member : layer + "." + member;
   return local;
 }
 }  // namespace
 
 std::shared_ptr<FullyShardedLinear> FullyShardedLinear::from_full(const Linear& layer, int rank, int world_size,
-                                                                  ShardPolicy policy) {
+                                                                  ShardPolicy policy, const std::string& name) {
   auto out = std::make_shared<FullyShardedLinear>();
-  out->weight_ = shard_member(layer.weight, rank, world_size, policy, "weight");
+  out->weight_ = shard_member(layer.weight, rank, world_size, policy, name, "weight");
   out->register_parameter("weight", &out->weight_);
   if (layer.bias.defined()) {
-    out->bias_ = shard_member(layer.bias, rank, world_size, policy, "bias");
+    out->bias_ = shard_member(layer.bias, rank, world_size, policy, name, "bias");
     out->register_parameter("bias", &out->bias_);
   }
   return out;
@@ -214,9 +215,10 @@ Tensor FullyShardedLinear::forward(const Tensor& x, Communicator& comm) const {
 }
 
 std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Embedding& layer, int rank,
-                                                                        int world_size, ShardPolicy policy) {
+                                                                        int world_size, ShardPolicy policy,
+                                                                        const std::string& name) {
   auto out = std::make_shared<FullyShardedEmbedding>();
-  out->weight_ = shard_member(layer.weight, rank, world_size, policy, "weight");
+  out->weight_ = shard_member(layer.weight, rank, world_size, policy, name, "weight");
   out->register_parameter("weight", &out->weight_);
   return out;
 }

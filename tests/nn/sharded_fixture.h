@@ -155,9 +155,9 @@ inline TrainResult train_seed_sharded(Communicator& comm, int steps) {
   nn::manual_seed(11);
   SeedModel dense;
   const int rank = comm.rank(), world = comm.world_size();
-  auto embedding = nn::FullyShardedEmbedding::from_full(*dense.embedding, rank, world);
-  auto fc1 = nn::FullyShardedLinear::from_full(*dense.fc1, rank, world);
-  auto fc2 = nn::FullyShardedLinear::from_full(*dense.fc2, rank, world);
+  auto embedding = nn::FullyShardedEmbedding::from_full(*dense.embedding, rank, world, {}, "embedding");
+  auto fc1 = nn::FullyShardedLinear::from_full(*dense.fc1, rank, world, {}, "fc1");
+  auto fc2 = nn::FullyShardedLinear::from_full(*dense.fc2, rank, world, {}, "fc2");
   std::vector<nn::Param> params;
   for (nn::Module* m : std::initializer_list<nn::Module*>{embedding.get(), fc1.get(), fc2.get()}) {
     for (auto& p : m->parameters()) params.push_back(p);

@@ -94,6 +94,35 @@ TEST_CASE("some layers sharded, the rest replicated: broadcast once, all-reduce 
   }
 }
 
+TEST_CASE("the seed's layers name their parameters in the order check") {
+  nn::manual_seed(1);
+  nn::Linear fc1(4, 4), fc2(4, 4);
+  std::vector<std::string> errors(2);
+  std::mutex m;
+  try {
+    run_ranks(2,
+              [&](Communicator& comm) {
+                auto a = nn::FullyShardedLinear::from_full(fc1, comm.rank(), 2, {}, "blocks.0.fc1");
+                auto b = nn::FullyShardedLinear::from_full(fc2, comm.rank(), 2, {}, "blocks.0.fc2");
+                CHECK(a->weight().shard()->name == "blocks.0.fc1.weight");
+                try {
+                  (comm.rank() == 0 ? a : b)->forward(ones({1, 4}), comm);  // rank 1 runs its layers out of order
+                } catch (const CollectiveError& e) {
+                  std::lock_guard lock(m);
+                  errors[comm.rank()] = e.what();
+                  throw;
+                }
+              },
+              {.check_order = true});
+  } catch (const CollectiveError&) {
+  }
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("\"blocks.0.fc1.weight\"") != std::string::npos);
+    CHECK(e.find("\"blocks.0.fc2.weight\"") != std::string::npos);
+  }
+}
+
 TEST_CASE("the seed's layers (from_full, forward with a communicator) equal dense training") {
   const TrainResult dense = test::train_seed_dense(kSteps);
   for (int world = 1; world <= 5; ++world) {

@@ -138,9 +138,10 @@ std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& 
 /// x @ W + b with W sharded ([input, output] layout) and an optional sharded bias [output].
 class FullyShardedLinear : public Module {
  public:
-  /// Converts a loaded dense layer (create the optimizer after this).
+  /// Converts a loaded dense layer (create the optimizer after this). `name` ("blocks.2.fc1")
+  /// prefixes the parameters' names in collective tags and error messages ("blocks.2.fc1.weight").
   static std::shared_ptr<FullyShardedLinear> from_full(const Linear& layer, int rank, int world_size,
-                                                       ShardPolicy policy = {});
+                                                       ShardPolicy policy = {}, const std::string& name = {});
   /// Over any leading axes of x; gathers the weights through comm for this call.
   Tensor forward(const Tensor& x, Communicator& comm) const;
   const Param& weight() const { return weight_; }
@@ -153,8 +154,9 @@ class FullyShardedLinear : public Module {
 /// Rows of a sharded [vocabulary, features] table by i64 indices [batch, seq] -> [batch, seq, features].
 class FullyShardedEmbedding : public Module {
  public:
+  /// As FullyShardedLinear::from_full.
   static std::shared_ptr<FullyShardedEmbedding> from_full(const Embedding& layer, int rank, int world_size,
-                                                          ShardPolicy policy = {});
+                                                          ShardPolicy policy = {}, const std::string& name = {});
   Tensor forward(const Tensor& indices, Communicator& comm) const;
   const Param& weight() const { return weight_; }
 
