@@ -90,7 +90,9 @@ Tensor extremum(ReduceOp op, const char* name, const Tensor& x, const Axes& axes
   Tensor out = reduce_forward(op, name, x, r, x.dtype());
   if (autograd::needs_grad(x)) {
     autograd::record(name, out, {x}, {x, out}, [kept = r.kept](const Tensor& g, const Saved& s, GradMask) {
-      // The gradient goes to the extreme elements, split evenly between ties.
+      // The gradient goes to the extreme elements, split evenly between ties. A row whose extreme
+      // is NaN matches no element (NaN != NaN), so its share is 0/0: the whole row's gradient is
+      // NaN, which keeps the NaN visible instead of silently dropping that row's gradient.
       const Tensor xv = s[0].get();
       const Tensor hits = cast(eq(xv, reshape(s[1].get(), kept)), g.dtype());
       const Tensor share = hits / sum_to(hits, kept);
