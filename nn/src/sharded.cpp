@@ -245,7 +245,7 @@ std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& 
   std::map<DType, std::vector<std::pair<std::string, Param>>> by_dtype;
   std::size_t count = 0;
   for (auto& [name, p] : module.named_parameters()) {
-    if (p.is_sharded()) continue;
+    if (p.is_sharded() || !p.data().requires_grad()) continue;  // frozen ones must stay without a gradient
     by_dtype[p.data().dtype()].emplace_back(name, p);
     ++count;
   }

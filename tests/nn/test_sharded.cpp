@@ -94,6 +94,19 @@ TEST_CASE("some layers sharded, the rest replicated: broadcast once, all-reduce 
   }
 }
 
+TEST_CASE("replicated gradients: the sum over ranks, zeros from a rank without one, frozen ones left alone") {
+  run_ranks(3, [](Communicator& comm) {
+    nn::manual_seed(2);
+    nn::Linear layer(2, 1);
+    layer.bias.data().set_requires_grad(false);                            // frozen
+    const double x = comm.rank() + 1.0;                                    // rank r's input: [r + 1, r + 1]
+    if (comm.rank() != 2) sum(layer.forward(full({1, 2}, x))).backward();  // rank 2 has no gradient
+    CHECK(nn::all_reduce_replicated_gradients(layer, comm) == 1);
+    CHECK_CLOSE(layer.weight.grad(), {3, 3}, {2, 1});  // 1 + 2 + 0
+    CHECK_FALSE(layer.bias.grad().defined());
+  });
+}
+
 TEST_CASE("the seed's layers name their parameters in the order check") {
   nn::manual_seed(1);
   nn::Linear fc1(4, 4), fc2(4, 4);

@@ -131,8 +131,8 @@ std::size_t broadcast_replicated(const Module& module, Communicator& comm, int r
 /// optimizer step. With each rank's loss divided by the GLOBAL count (global_count), the sum is
 /// the gradient of the global loss, as for sharded parameters. A parameter that got no gradient
 /// on this rank takes part with zeros, so the ranks never disagree on the collective. Sharded
-/// parameters are skipped: their gathers' backward already reduce-scattered them. Returns the
-/// number of parameters summed.
+/// parameters are skipped (their gathers' backward already reduce-scattered them), and so are
+/// frozen ones (requires_grad off). Returns the number of parameters summed.
 std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& comm);
 
 /// x @ W + b with W sharded ([input, output] layout) and an optional sharded bias [output].
