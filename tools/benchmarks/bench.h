@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -61,5 +62,18 @@ inline Stats rate(const Stats& seconds, double work) {
   return Stats{work / seconds.median, work / seconds.max, work / seconds.min};
 }
 inline Stats scaled(const Stats& s, double factor) { return Stats{s.median * factor, s.min * factor, s.max * factor}; }
+
+// Collective sizes, shared by the emulated-rank and the MPI collective suites.
+/// The total bytes a collective moves in each measured case (4 KiB ... 64 MiB; fewer with --quick).
+inline std::vector<std::int64_t> collective_totals(const Context& ctx) {
+  if (ctx.quick) return {4 << 10, 1 << 20, 16 << 20};
+  return {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
+}
+inline std::string size_name(std::int64_t bytes) {
+  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + "MiB";
+  return std::to_string(bytes >> 10) + "KiB";
+}
+/// Small collectives repeat within one timed run, so that each run lasts long enough to time.
+inline int repeats_for(std::int64_t total) { return static_cast<int>(std::max<std::int64_t>(1, (4 << 20) / total)); }
 
 }  // namespace ruda::bench

@@ -18,19 +18,6 @@
 namespace ruda::bench {
 namespace {
 
-std::vector<std::int64_t> totals(const Context& ctx) {
-  if (ctx.quick) return {4 << 10, 1 << 20, 16 << 20};
-  return {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
-}
-
-std::string size_name(std::int64_t bytes) {
-  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + "MiB";
-  return std::to_string(bytes >> 10) + "KiB";
-}
-
-// Small collectives repeat within one timed run, so each run lasts long enough to time.
-int repeats_for(std::int64_t total) { return static_cast<int>(std::max<std::int64_t>(1, (4 << 20) / total)); }
-
 Stats memcpy_rate(const Context& ctx, std::int64_t bytes) {
   std::vector<char> src(static_cast<std::size_t>(bytes), 1), dst(static_cast<std::size_t>(bytes), 0);
   const int repeats = repeats_for(bytes);
@@ -47,7 +34,7 @@ void run(Context& ctx) {
     EmulatedOptions options;
     options.threads_per_rank = 1;  // copies run on the rank threads themselves
     options.check_order = false;
-    for (std::int64_t total : totals(ctx)) {
+    for (std::int64_t total : collective_totals(ctx)) {
       const std::int64_t count = total / 4 / n;  // f32 elements per rank
       const int repeats = repeats_for(total);
       Stats gather, scatter, gather_alloc;

@@ -33,18 +33,6 @@ MpiEnvironment& environment() {
 
 bool is_rank_zero() { return environment().world_rank() == 0; }
 
-std::vector<std::int64_t> totals(const Context& ctx) {
-  if (ctx.quick) return {4 << 10, 1 << 20, 16 << 20};
-  return {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20};
-}
-
-std::string size_name(std::int64_t bytes) {
-  if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + "MiB";
-  return std::to_string(bytes >> 10) + "KiB";
-}
-
-int repeats_for(std::int64_t total) { return static_cast<int>(std::max<std::int64_t>(1, (4 << 20) / total)); }
-
 void check(int code, const char* call) {
   if (code != MPI_SUCCESS) throw CollectiveError(std::string(call) + " failed in the benchmark");
 }
@@ -101,7 +89,7 @@ struct Buffers {
 
 void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
   const int n = comm.world_size();
-  const std::vector<std::int64_t> sizes = totals(ctx);
+  const std::vector<std::int64_t> sizes = collective_totals(ctx);
   struct Figures {
     Stats ruda_gather, raw_gather, ruda_scatter, raw_scatter, allocating_gather;
   };
