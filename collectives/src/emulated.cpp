@@ -84,15 +84,7 @@ class World {
     if (broken_ != Broken::no) throw_broken(false);
     present_[static_cast<std::size_t>(rank)] = 1;
     const std::uint64_t generation = generation_;
-    if (++arrived_ == size_) {
-      complete_episode();
-      lock.unlock();
-      cv_.notify_all();
-      return;
-    }
-    lock.unlock();
-    if (spin_until_changed(generation)) return;
-    lock.lock();
+    if (count_in(lock, generation)) return;
     const auto deadline = Clock::now() + timeout_;
     while (generation_ == generation) {
       if (broken_ != Broken::no) throw_broken(broken_generation_ == generation);
@@ -117,15 +109,7 @@ class World {
   void depart() {
     std::unique_lock lock(mutex_);
     const std::uint64_t generation = generation_;
-    if (++arrived_ == size_) {
-      complete_episode();
-      lock.unlock();
-      cv_.notify_all();
-      return;
-    }
-    lock.unlock();
-    if (spin_until_changed(generation)) return;
-    lock.lock();
+    if (count_in(lock, generation)) return;
     cv_.wait(lock, [&] { return generation_ != generation; });
   }
 
@@ -171,6 +155,22 @@ class World {
   }
 
  private:
+  // Counts the calling rank into episode `generation` (lock held). True when the episode is over:
+  // this rank was the last to come, or the others finished it while it spun (lock released).
+  // False with the lock held again: the caller must wait on cv_.
+  bool count_in(std::unique_lock<std::mutex>& lock, std::uint64_t generation) {
+    if (++arrived_ == size_) {
+      complete_episode();
+      lock.unlock();
+      cv_.notify_all();
+      return true;
+    }
+    lock.unlock();
+    if (spin_until_changed(generation)) return true;
+    lock.lock();
+    return false;
+  }
+
   void complete_episode() {
     arrived_ = 0;
     std::fill(present_.begin(), present_.end(), 0);

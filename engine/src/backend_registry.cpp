@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <initializer_list>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -125,22 +126,19 @@ int hardware_threads() {
 }
 
 namespace {
-int default_threads() {
-  for (const char* name : {"RUDA_NUM_THREADS", "OMP_NUM_THREADS"}) {
-    if (const char* env = std::getenv(name); env && *env) {
-      const int n = std::atoi(env);
-      if (n > 0) return n;
-    }
+// The first of these environment variables that holds a positive integer, or 0.
+int first_positive_env(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    if (const char* env = std::getenv(name); env && std::atoi(env) > 0) return std::atoi(env);
   }
+  return 0;
+}
+
+int default_threads() {
+  if (const int n = first_positive_env({"RUDA_NUM_THREADS", "OMP_NUM_THREADS"})) return n;
   // Under mpiexec, ranks on one node share its cores: an unset thread count would otherwise give
   // every rank all of them and oversubscribe the machine N-fold.
-  int local_ranks = 1;
-  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}) {
-    if (const char* env = std::getenv(name); env && *env && std::atoi(env) > 0) {
-      local_ranks = std::atoi(env);
-      break;
-    }
-  }
+  const int local_ranks = std::max(1, first_positive_env({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}));
   return std::max(1, hardware_threads() / local_ranks);
 }
 thread_local int t_threads = 0;  // 0: not set on this thread yet
