@@ -17,6 +17,8 @@ namespace ruda::memory {
 class Tracker {
  public:
   void add(std::int64_t bytes) noexcept;
+  /// Adds `bytes` unless that would take live bytes past `limit` (> 0); false when refused.
+  bool try_add(std::int64_t bytes, std::int64_t limit) noexcept;
   void remove(std::int64_t bytes) noexcept;
   Stats stats() const noexcept;
   void reset_peak() noexcept;
@@ -36,7 +38,8 @@ class BlockCache;
 /// The process's cache of freed large blocks (memory.cpp).
 BlockCache& block_cache();
 
-/// 64-byte aligned host memory, charged to the allocating thread's tracker.
+/// 64-byte aligned host memory, charged to the allocating thread's tracker. OutOfMemoryError
+/// (naming `op`, the shape and dtype it is for) past the rank's limit or when the system refuses.
 struct Storage {
   void* data = nullptr;
   std::size_t bytes = 0;
@@ -44,7 +47,7 @@ struct Storage {
   // Atomic only so that concurrent readers of a shared storage are not a data race.
   std::atomic<std::uint64_t> version{0};
   std::shared_ptr<memory::Tracker> tracker;
-  explicit Storage(std::size_t bytes);
+  Storage(std::size_t bytes, const char* op, const Shape& shape, DType dtype);
   ~Storage();
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
@@ -68,8 +71,8 @@ struct TensorImpl {
   }
 };
 
-/// A new tensor with uninitialized contents.
-Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend);
+/// A new tensor with uninitialized contents; `op` names the allocation in errors.
+Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op = "tensor");
 /// A tensor sharing `source`'s storage with another shape and element offset.
 Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset = 0);
 

@@ -1,4 +1,9 @@
+#include <atomic>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <unordered_map>
@@ -14,6 +19,21 @@ void Tracker::add(std::int64_t bytes) noexcept {
   std::int64_t peak = peak_.load(std::memory_order_relaxed);
   while (live > peak && !peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
   }
+}
+bool Tracker::try_add(std::int64_t bytes, std::int64_t limit) noexcept {
+  if (limit <= 0) {
+    add(bytes);
+    return true;
+  }
+  std::int64_t live = live_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit - live) return false;
+  } while (!live_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed));
+  allocations_.fetch_add(1, std::memory_order_relaxed);
+  std::int64_t peak = peak_.load(std::memory_order_relaxed);
+  while (live + bytes > peak && !peak_.compare_exchange_weak(peak, live + bytes, std::memory_order_relaxed)) {
+  }
+  return true;
 }
 void Tracker::remove(std::int64_t bytes) noexcept { live_.fetch_sub(bytes, std::memory_order_relaxed); }
 Stats Tracker::stats() const noexcept {
@@ -38,6 +58,83 @@ Stats process_stats() { return process_tracker().stats(); }
 void reset_peak() {
   if (t_current) t_current->reset_peak();
   process_tracker().reset_peak();
+}
+
+namespace {
+std::atomic<std::int64_t>& limit_bytes() {
+  static std::atomic<std::int64_t> limit{[] {
+    const char* env = std::getenv("RUDA_MEMORY_LIMIT");
+    return env && *env ? parse_size(env) : std::int64_t{0};
+  }()};
+  return limit;
+}
+}  // namespace
+
+std::int64_t limit() { return limit_bytes().load(std::memory_order_relaxed); }
+void set_limit(std::int64_t bytes) {
+  if (bytes < 0) fail<ArgumentError>("memory::set_limit", "limit must be 0 (none) or positive, got ", bytes);
+  limit_bytes().store(bytes, std::memory_order_relaxed);
+}
+
+std::int64_t parse_size(std::string_view text) {
+  const std::string s(text);
+  auto bad = [&]() -> std::int64_t {
+    fail<ArgumentError>("memory size", "'", s, "' is not a size (examples: 512MB, 2GiB, 1048576)");
+  };
+  std::size_t used = 0;
+  double number = 0;
+  try {
+    number = std::stod(s, &used);
+  } catch (const std::exception&) {
+    return bad();
+  }
+  if (!std::isdigit(static_cast<unsigned char>(s[0])) || !(number >= 0)) return bad();
+  std::string unit;
+  for (char c : s.substr(used)) {
+    if (c != ' ') unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  static const std::pair<const char*, double> units[] = {{"", 1},
+                                                         {"b", 1},
+                                                         {"k", 1e3},
+                                                         {"kb", 1e3},
+                                                         {"m", 1e6},
+                                                         {"mb", 1e6},
+                                                         {"g", 1e9},
+                                                         {"gb", 1e9},
+                                                         {"t", 1e12},
+                                                         {"tb", 1e12},
+                                                         {"kib", 1024.0},
+                                                         {"mib", 1048576.0},
+                                                         {"gib", 1073741824.0},
+                                                         {"tib", 1099511627776.0}};
+  for (const auto& [name, scale] : units) {
+    if (unit != name) continue;
+    const double bytes = std::round(number * scale);
+    if (bytes >= 9.2e18) return bad();
+    return static_cast<std::int64_t>(bytes);
+  }
+  return bad();
+}
+
+std::string format_bytes(std::int64_t bytes) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (std::abs(value) >= 1000 && unit < 5) {
+    value /= 1000;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf,
+                  std::abs(value) >= 100  ? "%.0f %s"
+                  : std::abs(value) >= 10 ? "%.1f %s"
+                                          : "%.2f %s",
+                  value, units[unit]);
+  }
+  return buf;
 }
 
 Scope::Scope() : tracker_(std::make_shared<Tracker>()), previous_(t_current) { t_current = tracker_; }
@@ -142,11 +239,37 @@ BlockCache& block_cache() {
   return *cache;
 }
 
-Storage::Storage(std::size_t size) : bytes(size), tracker(memory::current_tracker()) {
-  // 64-byte alignment suits AVX-512 loads and oneDNN.
-  data = block_cache().take(BlockCache::size_class(size));
-  memory::process_tracker().add(static_cast<std::int64_t>(size));
-  if (tracker) tracker->add(static_cast<std::int64_t>(size));
+namespace {
+[[noreturn]] void out_of_memory(const char* op, const Shape& shape, DType dtype, std::int64_t requested,
+                                const memory::Tracker& rank, std::int64_t limit, bool system) {
+  const std::int64_t live = rank.stats().live_bytes;
+  const std::string what = concat(dtype_name(dtype), " ", shape, " needs ", memory::format_bytes(requested), " (",
+                                  requested, " bytes) with ", memory::format_bytes(live), " live on this rank");
+  if (system) {
+    fail<OutOfMemoryError>(op, "out of memory: ", what, ", and the system refused it",
+                           limit > 0 ? concat(" (limit ", memory::format_bytes(limit), ")") : std::string());
+  }
+  fail<OutOfMemoryError>(op, "out of memory: ", what, ", over this rank's limit of ", memory::format_bytes(limit), " (",
+                         limit, " bytes; RUDA_MEMORY_LIMIT)");
+}
+}  // namespace
+
+Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dtype)
+    : bytes(size), tracker(memory::current_tracker()) {
+  // Charge the rank first, so that a refused allocation never touches the system allocator.
+  const auto n = static_cast<std::int64_t>(size);
+  const std::int64_t limit = memory::limit();
+  memory::Tracker& rank = tracker ? *tracker : memory::process_tracker();
+  if (!rank.try_add(n, limit)) out_of_memory(op, shape, dtype, n, rank, limit, false);
+  if (tracker) memory::process_tracker().add(n);
+  try {
+    // 64-byte alignment suits AVX-512 loads and oneDNN.
+    data = block_cache().take(BlockCache::size_class(size));
+  } catch (const std::bad_alloc&) {
+    rank.remove(n);
+    if (tracker) memory::process_tracker().remove(n);
+    out_of_memory(op, shape, dtype, n, rank, limit, true);
+  }
 }
 
 Storage::~Storage() {

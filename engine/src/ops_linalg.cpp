@@ -25,7 +25,7 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   out_shape.push_back(m);
   out_shape.push_back(n);
   detail::require_rank(op, out_shape);
-  Tensor out = make_tensor(out_shape, a.dtype(), a.backend());
+  Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
   if (out.numel() == 0) return out;
   if (k == 0) {
     a.backend().fill(detail::view_of(out), 0.0);
@@ -123,7 +123,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightL
   }
   Shape out_shape = x.shape();
   out_shape.back() = out_features;
-  Tensor out = make_tensor(out_shape, x.dtype(), x.backend());
+  Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), "linear");
   const std::int64_t rows = in == 0 ? 0 : x.numel() / in;
   if (out.numel()) {
     if (in == 0) {

@@ -36,7 +36,7 @@ Tensor embedding(const Tensor& table, const Tensor& indices) {
   Shape out_shape = indices.shape();
   out_shape.push_back(features);
   detail::require_rank("embedding", out_shape);
-  Tensor out = make_tensor(out_shape, table.dtype(), table.backend());
+  Tensor out = make_tensor(out_shape, table.dtype(), table.backend(), "embedding");
   const Tensor flat_idx = reshape(indices, {-1});
   if (out.numel()) {
     table.backend().gather_rows(view_of(table), view_of(flat_idx), view_of(reshape(out, {-1, features})));
@@ -71,7 +71,7 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
   }
   check_indices("take_along_axis", index, x.shape()[last], x.shape());
   const std::int64_t cols = x.shape()[last], picks = index.shape()[last];
-  Tensor out = make_tensor(index.shape(), x.dtype(), x.backend());
+  Tensor out = make_tensor(index.shape(), x.dtype(), x.backend(), "take_along_axis");
   if (out.numel()) {
     x.backend().take_along_rows(view_of(reshape(x.detach(), {-1, cols})), view_of(reshape(index, {-1, picks})),
                                 view_of(reshape(out, {-1, picks})));
@@ -96,11 +96,11 @@ Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool l
   detail::require_float(name, x);
   if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
   const int a = normalize_axis(axis, x.ndim(), name);
-  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
   if (out.numel()) x.backend().softmax(view_of(x), view_of(out), a, log);
   if (autograd::needs_grad(x)) {
     autograd::record(name, out, {x}, {out}, [a, log](const Tensor& g, const Saved& s, GradMask) {
-      Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend());
+      Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend(), "softmax backward");
       if (g.numel()) g.backend().softmax_backward(view_of(s[0].get()), view_of(g), view_of(gx), a, log);
       return std::vector<Tensor>{gx};
     });

@@ -24,8 +24,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   if (!(eps >= 0)) fail<ArgumentError>("layer_norm", "eps must be non-negative, got ", eps);
   const std::int64_t rows = features == 0 ? 0 : x.numel() / features;
   const DType stat = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
-  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
-  Tensor mean = make_tensor({rows}, stat, x.backend()), rstd = make_tensor({rows}, stat, x.backend());
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), "layer_norm");
+  Tensor mean = make_tensor({rows}, stat, x.backend(), "layer_norm"),
+         rstd = make_tensor({rows}, stat, x.backend(), "layer_norm");
   View none;
   none.dtype = x.dtype();
   if (out.numel()) {
@@ -39,9 +40,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
                        View none;
                        none.dtype = g.dtype();
                        Tensor gx, gw, gb;
-                       if (need[0]) gx = make_tensor(g.shape(), g.dtype(), g.backend());
-                       if (need[1]) gw = make_tensor(wv.shape(), g.dtype(), g.backend());
-                       if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend());
+                       if (need[0]) gx = make_tensor(g.shape(), g.dtype(), g.backend(), "layer_norm backward");
+                       if (need[1]) gw = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
+                       if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
                        if (g.numel()) {
                          g.backend().layer_norm_backward(
                              view_of(xv), wv.defined() ? view_of(wv) : none, view_of(s[2].get()), view_of(s[3].get()),

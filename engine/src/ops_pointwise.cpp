@@ -25,7 +25,7 @@ Tensor binary_forward(BinaryOp op, const char* name, const Tensor& a, const Tens
   }
   const Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_shapes(a.shape(), b.shape(), name);
   detail::require_rank(name, shape);
-  Tensor out = make_tensor(shape, is_comparison(op) ? DType::boolean : a.dtype(), a.backend());
+  Tensor out = make_tensor(shape, is_comparison(op) ? DType::boolean : a.dtype(), a.backend(), name);
   if (out.numel()) a.backend().binary(op, broadcast_view(a, shape), broadcast_view(b, shape), view_of(out));
   return out;
 }
@@ -158,7 +158,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::require_same_dtype("where", a, b);
   const Shape shape = broadcast_shapes(broadcast_shapes(cond.shape(), a.shape(), "where"), b.shape(), "where");
   detail::require_rank("where", shape);
-  Tensor out = make_tensor(shape, a.dtype(), a.backend());
+  Tensor out = make_tensor(shape, a.dtype(), a.backend(), "where");
   if (out.numel()) {
     a.backend().where(broadcast_view(cond, shape), broadcast_view(a, shape), broadcast_view(b, shape), view_of(out));
   }
@@ -237,7 +237,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
   } else {
     detail::require_float(name, x);
   }
-  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend());
+  Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
   if (out.numel()) x.backend().unary(op, view_of(x), view_of(out));
   if (autograd::needs_grad(x)) {
     const bool reads_x = derivative_reads_input(op), reads_y = derivative_reads_output(op);
@@ -245,7 +245,7 @@ Tensor unary(UnaryOp op, const Tensor& x) {
                      [op](const Tensor& g, const Saved& s, GradMask) -> std::vector<Tensor> {
                        if (op == UnaryOp::neg) return {neg(g)};
                        const Tensor xv = s[0].get(), yv = s[1].get();
-                       Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend());
+                       Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend(), "unary backward");
                        View none;
                        none.dtype = g.dtype();
                        g.backend().unary_backward(op, xv.defined() ? view_of(xv) : none,
@@ -278,7 +278,7 @@ Tensor softplus(const Tensor& x) { return unary(UnaryOp::softplus, x); }
 Tensor cast(const Tensor& x, DType dtype) {
   detail::require_defined("cast", x);
   if (x.dtype() == dtype) return x;
-  Tensor out = make_tensor(x.shape(), dtype, x.backend());
+  Tensor out = make_tensor(x.shape(), dtype, x.backend(), "cast");
   if (out.numel()) x.backend().cast(view_of(x), view_of(out));
   if (is_floating(dtype) && autograd::needs_grad(x)) {
     autograd::record("cast", out, {x}, {}, [from = x.dtype()](const Tensor& g, const Saved&, GradMask) {

@@ -44,7 +44,7 @@ Reduction plan(const char* op, const Tensor& x, const Axes& axes, bool keepdim) 
 }
 
 Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Reduction& r, DType out_dtype) {
-  Tensor out = make_tensor(r.kept, out_dtype, x.backend());
+  Tensor out = make_tensor(r.kept, out_dtype, x.backend(), name);
   if (out.numel()) {
     if (x.numel() == 0) {
       if (op != ReduceOp::sum) fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());

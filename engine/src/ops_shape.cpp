@@ -130,7 +130,7 @@ Tensor permute(const Tensor& x, const Axes& order) {
     permuted.strides[i] = src.strides[axes[i]];
     shape[i] = src.shape[axes[i]];
   }
-  Tensor out = make_tensor(shape, x.dtype(), x.backend());
+  Tensor out = make_tensor(shape, x.dtype(), x.backend(), "permute");
   if (out.numel()) x.backend().copy(permuted, view_of(out));
   if (autograd::needs_grad(x)) {
     Axes inverse(axes.size());
@@ -167,7 +167,7 @@ Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_
     for (std::size_t i = b.axis + 1; i < x.shape().size(); ++i) inner *= x.shape()[i];
     out = detail::alias(x, shape, b.start * inner);
   } else {
-    out = make_tensor(shape, x.dtype(), x.backend());
+    out = make_tensor(shape, x.dtype(), x.backend(), "slice");
     if (out.numel()) x.backend().copy(region(x, b.axis, b.start, b.end - b.start), view_of(out));
   }
   if (autograd::needs_grad(x)) {
@@ -222,7 +222,7 @@ Tensor concat(const std::vector<Tensor>& tensors, std::int64_t axis) {
     if (!fits) fail<ShapeError>("concat", "shapes ", first.shape(), " and ", t.shape(), " differ off axis ", axis);
     shape[a] += t.shape()[a];
   }
-  Tensor out = make_tensor(shape, first.dtype(), first.backend());
+  Tensor out = make_tensor(shape, first.dtype(), first.backend(), "concat");
   std::vector<std::int64_t> offsets;
   std::int64_t offset = 0;
   for (const Tensor& t : tensors) {
@@ -271,7 +271,7 @@ Tensor expand(const Tensor& x, const Shape& shape) {
     fail<ShapeError>("expand", "cannot expand ", x.shape(), " to ", shape);
   }
   detail::require_rank("expand", shape);
-  Tensor out = make_tensor(shape, x.dtype(), x.backend());
+  Tensor out = make_tensor(shape, x.dtype(), x.backend(), "expand");
   if (out.numel()) x.backend().copy(detail::broadcast_view(x, shape), view_of(out));
   if (autograd::needs_grad(x)) {
     autograd::record("expand", out, {x}, {}, [from = x.shape()](const Tensor& g, const Saved&, GradMask) {

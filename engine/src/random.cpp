@@ -66,7 +66,7 @@ Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, s
   }
   Backend& backend = options.backend ? *options.backend : default_backend();
   const DType work = options.dtype == DType::f64 ? DType::f64 : DType::f32;
-  Tensor t = detail::make_tensor(shape, work, backend);
+  Tensor t = detail::make_tensor(shape, work, backend, op);
   const std::int64_t n = t.numel();
   if (work == DType::f64) {
     double* out = t.data<double>();
@@ -113,7 +113,7 @@ Tensor normal(const Shape& shape, double mean, double std, std::uint64_t seed, s
 
 Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uint64_t seed, std::uint64_t offset) {
   if (low >= high) fail<ArgumentError>("randint", "empty range [", low, ", ", high, ")");
-  Tensor t = detail::make_tensor(shape, DType::i64, default_backend());
+  Tensor t = detail::make_tensor(shape, DType::i64, default_backend(), "randint");
   auto* out = t.data<std::int64_t>();
   const double span = static_cast<double>(high - low);
   for (std::int64_t i = 0; i < t.numel(); ++i) {

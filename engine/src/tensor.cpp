@@ -1,6 +1,7 @@
 // The Tensor handle: metadata, creation, element access, printing and in-place updates.
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <ostream>
 #include <sstream>
 #include <type_traits>
@@ -10,11 +11,15 @@
 namespace ruda {
 namespace detail {
 
-Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend) {
-  require_rank("tensor", shape);
+Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op) {
+  require_rank(op, shape);
   auto impl = std::make_shared<TensorImpl>();
-  impl->numel = shape_numel(shape, "tensor");
-  impl->storage = std::make_shared<Storage>(static_cast<std::size_t>(impl->numel) * dtype_size(dtype));
+  impl->numel = shape_numel(shape, op);
+  const auto item = static_cast<std::int64_t>(dtype_size(dtype));
+  if (impl->numel > std::numeric_limits<std::int64_t>::max() / item) {
+    fail<ShapeError>(op, dtype_name(dtype), " ", shape, " needs more than 2^63 bytes");
+  }
+  impl->storage = std::make_shared<Storage>(static_cast<std::size_t>(impl->numel * item), op, shape, dtype);
   impl->shape = shape;
   impl->dtype = dtype;
   impl->backend = &backend;
@@ -272,7 +277,7 @@ Tensor Tensor::to(Backend& backend) const {
 
 Tensor Tensor::clone() const {
   const auto& impl = checked(*this, "clone");
-  Tensor out = detail::make_tensor(impl.shape, impl.dtype, *impl.backend);
+  Tensor out = detail::make_tensor(impl.shape, impl.dtype, *impl.backend, "clone");
   if (impl.numel) std::memcpy(out.data_ptr(), impl.data(), nbytes());
   if (autograd::needs_grad(*this)) {
     autograd::record("clone", out, {*this}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
@@ -351,11 +356,11 @@ Tensor& Tensor::mul_(double factor) {
 // --- creation ---
 
 Tensor empty(const Shape& shape, Options options) {
-  return finish(detail::make_tensor(shape, options.dtype, backend_or_default(options)), options);
+  return finish(detail::make_tensor(shape, options.dtype, backend_or_default(options), "empty"), options);
 }
 
 Tensor full(const Shape& shape, double value, Options options) {
-  Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options));
+  Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), "full");
   if (t.numel()) t.backend().fill(detail::view_of(t), value);
   return finish(std::move(t), options);
 }
@@ -383,7 +388,7 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options opt
   if (static_cast<std::int64_t>(values.size()) != n) {
     fail<ShapeError>("from_vector", values.size(), " values do not fill shape ", shape, " (", n, " elements)");
   }
-  Tensor t = detail::make_tensor(shape, dtype_of<T>(), backend_or_default(options));
+  Tensor t = detail::make_tensor(shape, dtype_of<T>(), backend_or_default(options), "from_vector");
   if constexpr (std::is_same_v<T, bool>) {
     auto* out = static_cast<std::uint8_t*>(t.data_ptr());
     for (std::int64_t i = 0; i < n; ++i) out[i] = values[i] ? 1 : 0;
@@ -400,7 +405,7 @@ Tensor from_values(const std::vector<double>& values, const Shape& shape, Option
 }
 
 Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Options options) {
-  Tensor t = detail::make_tensor(shape, dtype, backend_or_default(options));
+  Tensor t = detail::make_tensor(shape, dtype, backend_or_default(options), "from_buffer");
   if (t.numel()) {
     if (!data) fail<ArgumentError>("from_buffer", "null data for shape ", shape);
     std::memcpy(t.data_ptr(), data, t.nbytes());

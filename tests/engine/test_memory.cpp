@@ -39,3 +39,77 @@ TEST_CASE("each thread's scope counts its own allocations; frees return to the a
   made_elsewhere = Tensor();
   CHECK(memory::process_stats().live_bytes == process_before - 2048);
 }
+
+// --- the per-rank memory limit ---
+
+namespace {
+// Restores the process's limit when a test ends, whatever it set.
+struct LimitGuard {
+  std::int64_t saved = memory::limit();
+  ~LimitGuard() { memory::set_limit(saved); }
+};
+}  // namespace
+
+TEST_CASE("sizes parse in decimal and binary units") {
+  CHECK(memory::parse_size("1048576") == 1048576);
+  CHECK(memory::parse_size("512MB") == 512'000'000);
+  CHECK(memory::parse_size("512mb") == 512'000'000);
+  CHECK(memory::parse_size("2GiB") == 2LL << 30);
+  CHECK(memory::parse_size("1.5GB") == 1'500'000'000);
+  CHECK(memory::parse_size("64k") == 64'000);
+  CHECK(memory::parse_size("256 MiB") == 256LL << 20);
+  for (const char* bad : {"", "MB", "-1MB", "12 parsecs", "1e30", "nan", "inf", " 5"}) {
+    CAPTURE(bad);
+    test::check_throws<ArgumentError>([&] { memory::parse_size(bad); }, {"is not a size"});
+  }
+  CHECK(memory::format_bytes(512'000'000) == "512 MB");
+  CHECK(memory::format_bytes(1'234'567) == "1.23 MB");
+  CHECK(memory::format_bytes(17) == "17 B");
+}
+
+TEST_CASE("an allocation past the limit raises OutOfMemoryError naming op, shape, dtype and bytes") {
+  LimitGuard restore;
+  memory::Scope rank;
+  memory::set_limit(1'000'000);
+  const Tensor kept = zeros({240'000});                   // 960 KB of the 1 MB
+  const Tensor a = ones({100, 10}), b = ones({10, 100});  // 8 KB more
+  test::check_throws<OutOfMemoryError>(
+      [&] { (void)matmul(a, b); },
+      {"matmul", "out of memory", "f32 [100, 100]", "40000 bytes", "968 KB", "limit of 1.00 MB", "RUDA_MEMORY_LIMIT"});
+  // Nothing was charged by the refused allocation, and smaller ones still fit.
+  CHECK(rank.stats().live_bytes == 968'000);
+  CHECK(zeros({1000}).numel() == 1000);
+  test::check_throws<OutOfMemoryError>([] { (void)full({100, 1000}, 2.0, DType::f64); }, {"full", "f64 [100, 1000]"});
+  memory::set_limit(0);
+  CHECK(full({100, 1000}, 2.0, DType::f64).numel() == 100'000);
+}
+
+TEST_CASE("each emulated rank's scope has its own budget under the one limit") {
+  LimitGuard restore;
+  memory::set_limit(1'000'000);
+  bool second_failed = false;
+  std::thread a([&] {
+    memory::Scope rank;
+    const Tensor big = zeros({200'000});  // 800 KB on this rank
+    std::thread b([&] {
+      memory::Scope other;
+      const Tensor also = zeros({200'000});  // fits: another rank's 800 KB
+      try {
+        (void)zeros({100'000});
+      } catch (const OutOfMemoryError&) {
+        second_failed = true;
+      }
+    });
+    b.join();
+  });
+  a.join();
+  CHECK(second_failed);
+}
+
+TEST_CASE("sizes the system cannot give become OutOfMemoryError; impossible ones ShapeError") {
+  // 2^60 bytes: a valid size no machine has. The system allocator refuses it.
+  test::check_throws<OutOfMemoryError>([] { (void)empty({1LL << 58}, DType::f32); },
+                                       {"empty", "f32 [288230376151711744]", "the system refused"});
+  test::check_throws<ShapeError>([] { (void)empty({1LL << 61}, DType::f64); }, {"empty", "2^63 bytes"});
+  test::check_throws<ShapeError>([] { (void)zeros({1LL << 62, 4}); }, {"overflows"});
+}

@@ -50,6 +50,13 @@ class IOError : public Error {
  public:
   using Error::Error;
 };
+/// An allocation that would take this rank's live tensor bytes over its memory limit
+/// (RUDA_MEMORY_LIMIT, memory::set_limit), or that the system refused. The message names the op,
+/// the shape and dtype, the bytes requested, the bytes live and the limit.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
 
 namespace detail {
 template <class T>

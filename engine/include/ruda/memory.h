@@ -1,13 +1,18 @@
 // Accounting of tensor storage: live and peak bytes, per process and per rank.
 //
 // Every tensor allocation is charged to the tracker installed on the allocating thread (the
-// process tracker unless a MemoryScope is active) and to the process tracker; the bytes are
+// process tracker unless a memory::Scope is active) and to the process tracker; the bytes are
 // returned to the same trackers when the storage dies, whichever thread frees it. Emulated ranks
 // install one scope per rank thread, so each rank reads its own figures.
+//
+// A limit caps each rank's live bytes: an allocation that would pass it (or that the system
+// refuses) raises OutOfMemoryError naming the op, shape, dtype, requested, live and limit.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 
 namespace ruda::memory {
 
@@ -25,6 +30,17 @@ Stats stats();
 Stats process_stats();
 /// Sets the peak of the calling thread's tracker (and of the process's) to the bytes live now.
 void reset_peak();
+
+/// The most live tensor bytes a rank may hold (the calling thread's tracker: its emulated rank's,
+/// or the process's), 0 for no limit. Initially RUDA_MEMORY_LIMIT (parse_size's format) or none.
+std::int64_t limit();
+/// Sets the limit for every rank of this process (0 removes it). Allocations already made stay.
+void set_limit(std::int64_t bytes);
+/// Bytes from "512MB", "2GiB", "1.5GB", "64k" or plain "1048576" (decimal units are powers of 1000,
+/// binary ones of 1024; case-insensitive). ArgumentError on anything else, negative or overflowing.
+std::int64_t parse_size(std::string_view text);
+/// "1.23 GB", "512 MB", "64.0 KB", "17 B": decimal units, three significant digits.
+std::string format_bytes(std::int64_t bytes);
 
 /// Freed blocks of 64 KiB and more are kept for reuse (a step allocates the same sizes every
 /// time, and fresh memory costs a page fault per 4 KiB). They count in no tracker. At most
