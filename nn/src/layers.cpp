@@ -16,10 +16,10 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOption
   if (in_features <= 0 || out_features <= 0) {
     fail<ArgumentError>("Linear", "features must be positive, got ", in_features, " -> ", out_features);
   }
-  weight = Param(kaiming_uniform({in_features, out_features}, in_features, next_seed(), options.dtype));
+  weight = Param({in_features, out_features}, init::kaiming_uniform(in_features), options.dtype);
   register_parameter("weight", &weight);
   if (options.bias) {
-    bias = Param(kaiming_uniform({out_features}, in_features, next_seed(), options.dtype));
+    bias = Param({out_features}, init::kaiming_uniform(in_features), options.dtype);
     register_parameter("bias", &bias);
   }
 }
@@ -33,7 +33,7 @@ Embedding::Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOp
   if (vocabulary <= 0 || features <= 0) {
     fail<ArgumentError>("Embedding", "sizes must be positive, got ", vocabulary, " x ", features);
   }
-  weight = Param(normal({vocabulary, features}, 0.0, options.std, next_seed(), 0, options.dtype));
+  weight = Param({vocabulary, features}, init::normal(0.0, options.std), options.dtype);
   register_parameter("weight", &weight);
 }
 
@@ -42,8 +42,8 @@ Tensor Embedding::forward(const Tensor& indices) { return embedding(weight.value
 LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : eps_(eps) {
   if (features <= 0) fail<ArgumentError>("LayerNorm", "features must be positive, got ", features);
   if (affine) {
-    weight = Param(ones({features}));
-    bias = Param(zeros({features}));
+    weight = Param({features}, init::ones());
+    bias = Param({features}, init::zeros());
     register_parameter("weight", &weight);
     register_parameter("bias", &bias);
   }
@@ -61,7 +61,7 @@ Tensor LayerNorm::forward(const Tensor& input) {
 
 RMSNorm::RMSNorm(std::int64_t features, double eps) : eps_(eps) {
   if (features <= 0) fail<ArgumentError>("RMSNorm", "features must be positive, got ", features);
-  weight = Param(ones({features}));
+  weight = Param({features}, init::ones());
   register_parameter("weight", &weight);
 }
 

@@ -13,7 +13,35 @@ ParamId next_param_id() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
-Param::Param(const Tensor& value) : Param(value, next_param_id()) {}
+namespace {
+thread_local bool t_deferred_init = false;
+}  // namespace
+
+DeferredInit::DeferredInit() noexcept : previous_(t_deferred_init) { t_deferred_init = true; }
+DeferredInit::~DeferredInit() { t_deferred_init = previous_; }
+bool DeferredInit::active() noexcept { return t_deferred_init; }
+
+Param::Param(const Tensor& value) : Param(value, next_param_id()) {
+  if (DeferredInit::active()) {
+    fail<ArgumentError>("Param", "a ", dtype_name(value.dtype()), " ", value.shape(),
+                        " tensor was allocated whole inside a DeferredInit scope; make the parameter with "
+                        "Param(shape, initializer) so that it can be materialized slice by slice");
+  }
+}
+
+Param::Param(const Shape& shape, Initializer init, DType dtype) : state_(std::make_shared<State>()) {
+  if (!is_floating(dtype))
+    fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(dtype), " ", shape);
+  shape_numel(shape, "Param");  // a shape that overflows fails here, not at sharding time
+  state_->id = next_param_id();
+  if (DeferredInit::active()) {
+    state_->deferred = std::make_shared<const Initializer>(std::move(init));
+    state_->deferred_shape = shape;
+    state_->deferred_dtype = dtype;
+  } else {
+    set_data(init.make(shape, dtype));
+  }
+}
 
 Param::Param(const Tensor& value, ParamId id) : state_(std::make_shared<State>()) {
   if (!value.defined()) fail<ArgumentError>("Param", "needs a defined tensor");
@@ -29,12 +57,38 @@ const Param::State& checked(const std::shared_ptr<Param::State>& s, const char* 
   if (!s) fail<ArgumentError>(what, "called on an undefined Param");
   return *s;
 }
+
+[[noreturn]] void fail_deferred(const char* op, const Param::State& s) {
+  fail<ArgumentError>(op, "the ", dtype_name(s.deferred_dtype), " ", s.deferred_shape,
+                      " parameter is deferred (built under DeferredInit) and has no values yet: shard it with "
+                      "fully_shard or call materialize() first");
+}
 }  // namespace
 
 ParamId Param::id() const { return checked(state_, "Param::id").id; }
-Tensor& Param::data() const { return const_cast<State&>(checked(state_, "Param::data")).data; }
-Tensor Param::grad() const { return checked(state_, "Param::grad").data.grad(); }
-void Param::zero_grad() const { data().zero_grad(); }
+Tensor& Param::data() const {
+  State& s = const_cast<State&>(checked(state_, "Param::data"));
+  if (s.deferred) fail_deferred("Param::data", s);
+  return s.data;
+}
+Tensor Param::grad() const { return checked(state_, "Param::grad").data.defined() ? state_->data.grad() : Tensor(); }
+void Param::zero_grad() const {
+  if (!is_deferred()) data().zero_grad();
+}
+bool Param::is_deferred() const { return checked(state_, "Param::is_deferred").deferred != nullptr; }
+const Initializer& Param::initializer() const {
+  const State& s = checked(state_, "Param::initializer");
+  if (!s.deferred) fail<ArgumentError>("Param::initializer", "the parameter is not deferred");
+  return *s.deferred;
+}
+void Param::materialize() const {
+  const State& s = checked(state_, "Param::materialize");
+  if (s.deferred) set_data(s.deferred->make(s.deferred_shape, s.deferred_dtype));
+}
+DType Param::dtype() const {
+  const State& s = checked(state_, "Param::dtype");
+  return s.deferred ? s.deferred_dtype : s.data.dtype();
+}
 bool Param::is_sharded() const { return checked(state_, "Param::is_sharded").shard != nullptr; }
 const std::shared_ptr<ShardInfo>& Param::shard() const { return checked(state_, "Param::shard").shard; }
 void Param::set_shard(std::shared_ptr<ShardInfo> info) const {
@@ -43,6 +97,7 @@ void Param::set_shard(std::shared_ptr<ShardInfo> info) const {
 
 const Shape& Param::shape() const {
   const State& s = checked(state_, "Param::shape");
+  if (s.deferred) return s.deferred_shape;
   return s.shard ? s.shard->logical_shape : s.data.shape();
 }
 
@@ -52,10 +107,12 @@ void Param::set_data(const Tensor& value) const {
   Tensor leaf = value.is_leaf() ? value : value.detach();
   leaf.set_requires_grad(true);
   s.data = leaf;
+  s.deferred = nullptr;
 }
 
 Tensor Param::value() const {
   const State& s = checked(state_, "Param::value");
+  if (s.deferred) fail_deferred("Param::value", s);
   if (!s.shard) return s.data;
   if (!s.shard->comm) {
     fail<ShardingError>("Param::value", "parameter '", s.shard->name, "' ", s.shard->logical_shape,
@@ -133,6 +190,10 @@ std::int64_t Module::parameter_count() const {
   std::int64_t n = 0;
   for (const auto& [name, p] : named_parameters()) n += shape_numel(p.shape());
   return n;
+}
+
+void Module::materialize() const {
+  for (const auto& [name, p] : named_parameters()) p.materialize();
 }
 
 // --- Sequential ---

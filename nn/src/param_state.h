@@ -12,6 +12,10 @@ namespace ruda::nn {
 struct Param::State {
   ParamId id = 0;
   Tensor data;
+  // A deferred parameter (no data yet): its initializer, logical shape and dtype.
+  std::shared_ptr<const Initializer> deferred;
+  Shape deferred_shape;
+  DType deferred_dtype = DType::f32;
   std::shared_ptr<ShardInfo> shard;
   // The shards ShardedParameter::from_full made of this dense parameter, one per (rank, world
   // size), so that converting a tied weight once per layer still yields one local storage (and

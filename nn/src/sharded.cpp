@@ -56,13 +56,30 @@ std::shared_ptr<ShardInfo> make_info(const Shape& shape, std::int64_t numel, int
   return info;
 }
 
-// This rank's zero-padded slice of a full value, as a fresh tensor with no graph.
-Tensor local_slice(const Tensor& full, const ShardInfo& info) {
+// This rank's zero-padded slice of a parameter, as a fresh tensor with no graph. A deferred
+// parameter produces only this rank's elements from its initializer: no full tensor is made.
+Tensor local_slice(const Param& param, const ShardInfo& info) {
   autograd::NoGradGuard guard;
+  const std::int64_t real = info.real_elements(), begin = info.offset();
+  if (param.is_deferred()) {
+    const Initializer& init = param.initializer();
+    const DType dtype = param.dtype();
+    if (real == info.shard_size) return init.range(info.logical_shape, begin, begin + real, dtype);
+    Tensor local = zeros({info.shard_size}, dtype);
+    if (real > 0) local.slice(0, 0, real).copy_(init.range(info.logical_shape, begin, begin + real, dtype));
+    return local;
+  }
+  const Tensor& full = param.data();
   Tensor local = zeros({info.shard_size}, Options(full.dtype(), &full.backend()));
-  const std::int64_t real = info.real_elements();
-  if (real > 0) local.slice(0, 0, real).copy_(full.reshape({-1}).slice(0, info.offset(), info.offset() + real));
+  if (real > 0) local.slice(0, 0, real).copy_(full.reshape({-1}).slice(0, begin, begin + real));
   return local;
+}
+
+void check_param_dtype(const char* op, const Param& p) {
+  if (!is_floating(p.dtype())) {
+    fail<DTypeError>(op, "floating parameter storage required (f32, f64, f16 or bf16), got ", dtype_name(p.dtype()),
+                     " ", p.shape());
+  }
 }
 
 }  // namespace
@@ -98,13 +115,12 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
     if (auto existing = d.shard.lock())
       return ShardedParameter(Param(existing));  // a tied weight again: the same shard
   }
-  const Tensor& value = full.data();
-  check_storage_dtype(op, value);
-  const std::int64_t numel = checked_numel(op, value.shape());
-  auto info = make_info(value.shape(), numel, rank, world_size);
+  check_param_dtype(op, full);
+  const std::int64_t numel = checked_numel(op, full.shape());
+  auto info = make_info(full.shape(), numel, rank, world_size);
   // The slice is a new leaf with the same id; requires_grad as the source (a Param always has it).
-  Param local(local_slice(value, *info), full.id());
-  local.data().set_requires_grad(value.requires_grad());
+  Param local(local_slice(full, *info), full.id());
+  local.data().set_requires_grad(full.is_deferred() || full.data().requires_grad());
   local.set_shard(std::move(info));
   std::erase_if(source.shards_of_this,
                 [&](const auto& d) { return d.shard.expired() || (d.rank == rank && d.world_size == world_size); });
@@ -164,14 +180,16 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) 
     if (param.is_sharded()) {
       fail<ShardingError>("fully_shard", "parameter '", name, "' is sharded already");
     }
-    const Tensor full = param.data();
-    check_storage_dtype("fully_shard", full);
-    auto info = make_info(full.shape(), checked_numel("fully_shard", full.shape()), comm.rank(), comm.world_size());
+    check_param_dtype("fully_shard", param);
+    auto info = make_info(param.shape(), checked_numel("fully_shard", param.shape()), comm.rank(), comm.world_size());
     info->policy = policy;
     info->comm = &comm;
     info->name = name;
-    // In place: the module's members (and every tied use) see the same Param, now a slice.
-    param.set_data(local_slice(full, *info));
+    // In place: the module's members (and every tied use) see the same Param, now a slice. A
+    // frozen parameter stays frozen.
+    const bool requires_grad = param.is_deferred() || param.data().requires_grad();
+    param.set_data(local_slice(param, *info));
+    param.data().set_requires_grad(requires_grad);
     param.set_shard(std::move(info));
     ++count;
   }

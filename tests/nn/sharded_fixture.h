@@ -2,6 +2,7 @@
 // two. Used by the emulated-rank tests and by the mpiexec tests.
 #pragma once
 
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -182,6 +183,36 @@ inline TrainResult train_seed_sharded(Communicator& comm, int steps) {
                                                                        {"fc2.weight", &fc2->weight()}};
   for (const auto& [name, p] : named) r.params[name] = nn::gather_param(*p, comm).to_vector<double>();
   return r;
+}
+
+/// Builds a module twice with the same seed, densely and under DeferredInit, shards both over comm
+/// and returns the first parameter whose local slices differ in any bit ("" when all are equal).
+template <class MakeModule>
+std::string deferred_shards_mismatch(Communicator& comm, MakeModule make) {
+  nn::manual_seed(21);
+  std::shared_ptr<nn::Module> dense = make();
+  nn::manual_seed(21);
+  std::shared_ptr<nn::Module> deferred;
+  {
+    nn::DeferredInit scope;
+    deferred = make();
+  }
+  for (const auto& [name, p] : deferred->named_parameters()) {
+    if (!p.is_deferred()) return name + " was allocated during deferred construction";
+  }
+  nn::fully_shard(*dense, comm);
+  nn::fully_shard(*deferred, comm);
+  const auto a = dense->named_parameters(), b = deferred->named_parameters();
+  if (a.size() != b.size()) return "the parameter lists differ";
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const Tensor& x = a[i].second.data();
+    const Tensor& y = b[i].second.data();
+    if (a[i].first != b[i].first || x.shape() != y.shape() || x.dtype() != y.dtype() || y.requires_grad() != true ||
+        std::memcmp(x.data_ptr(), y.data_ptr(), static_cast<std::size_t>(x.nbytes())) != 0) {
+      return a[i].first + " on rank " + std::to_string(comm.rank());
+    }
+  }
+  return "";
 }
 
 /// Largest |a - b| / (atol + rtol |b|) over two results (<= 1 means within tolerance), with the place.

@@ -19,6 +19,16 @@ TEST_CASE("fully sharded TinyLM over MPI equals dense") {
   CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
 }
 
+TEST_CASE("sharded construction over MPI equals the dense initialization's slices bitwise") {
+  const std::string tiny = test::deferred_shards_mismatch(*g_comm, [] { return std::make_shared<test::TinyLM>(); });
+  CHECK_MESSAGE(tiny.empty(), "differs: " << tiny);
+  const std::string gpt = test::deferred_shards_mismatch(*g_comm, [] {
+    return std::make_shared<nn::GPT>(
+        nn::GPTConfig{.vocabulary = 11, .context = 5, .d_model = 6, .layers = 2, .heads = 2});
+  });
+  CHECK_MESSAGE(gpt.empty(), "differs: " << gpt);
+}
+
 TEST_CASE("the seed's layers over MPI equal dense") {
   const test::TrainResult dense = test::train_seed_dense(4);
   const test::TrainResult sharded = test::train_seed_sharded(*g_comm, 4);

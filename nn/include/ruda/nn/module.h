@@ -5,6 +5,11 @@
 // ("blocks.2.mlp.fc1.weight"), recursively; a parameter reachable twice is listed once, under the
 // first name. A parameter may be sharded (<ruda/nn/sharded.h>): then its data is this rank's 1-D
 // slice and value() gathers the full tensor.
+//
+// A parameter made from an Initializer while a DeferredInit is alive on the thread is deferred:
+// it knows its shape, dtype and initializer but holds no values, so a model of any size can be
+// built without allocating it. fully_shard then materializes only each rank's slice; materialize()
+// makes a module dense.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include <ruda/nn/init.h>
 #include <ruda/tensor.h>
 
 namespace ruda::nn {
@@ -28,6 +34,9 @@ class Param {
   explicit Param(const Tensor& value);
   /// A parameter with a given id: how a checkpoint or a shard keeps an identity.
   Param(const Tensor& value, ParamId id);
+  /// A new parameter of `shape` and floating `dtype` initialized by `init`: deferred (no values
+  /// yet) while a DeferredInit is alive on this thread, materialized at once otherwise.
+  Param(const Shape& shape, Initializer init, DType dtype = DType::f32);
 
   bool defined() const noexcept { return state_ != nullptr; }
   ParamId id() const;
@@ -38,8 +47,15 @@ class Param {
   /// The full logical value to compute with (differentiable): the leaf itself, or the gathered
   /// tensor when sharded (through the bound communicator and the shard policy).
   Tensor value() const;
-  /// The logical shape (of the full tensor even when sharded).
+  /// The logical shape (of the full tensor even when sharded or deferred).
   const Shape& shape() const;
+  DType dtype() const;
+  /// Built under DeferredInit and not materialized yet: no data, only shape, dtype and initializer.
+  bool is_deferred() const;
+  /// The initializer of a deferred parameter (ArgumentError otherwise).
+  const Initializer& initializer() const;
+  /// Gives a deferred parameter its full dense value (same id); does nothing otherwise.
+  void materialize() const;
   bool is_sharded() const;
   /// Sharding metadata, or null for a dense parameter.
   const std::shared_ptr<ShardInfo>& shard() const;
@@ -60,6 +76,22 @@ class Param {
 /// A fresh process-unique parameter id.
 ParamId next_param_id();
 
+/// While alive, parameters made from initializers on this thread are deferred: a model built in
+/// this scope allocates none of its parameters (construct it, then fully_shard or materialize).
+/// Param(const Tensor&) in this scope is an ArgumentError, since its tensor is already whole.
+class DeferredInit {
+ public:
+  DeferredInit() noexcept;
+  ~DeferredInit();
+  DeferredInit(const DeferredInit&) = delete;
+  DeferredInit& operator=(const DeferredInit&) = delete;
+  /// Whether a DeferredInit is alive on this thread.
+  static bool active() noexcept;
+
+ private:
+  bool previous_;
+};
+
 class Module {
  public:
   Module() = default;
@@ -79,6 +111,8 @@ class Module {
   void zero_grad() const;
   /// Total elements of the logical parameters (each tied parameter once).
   std::int64_t parameter_count() const;
+  /// Gives every deferred parameter its full dense value (for a model that is not sharded).
+  void materialize() const;
 
  protected:
   /// Registers a Param member under `name`. The member is read at traversal time, so assigning
