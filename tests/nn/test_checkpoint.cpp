@@ -247,6 +247,34 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
   }
 }
 
+TEST_CASE("safetensors::Writer streams data after its header and refuses a wrong byte count") {
+  TempDir dir;
+  const std::string path = (dir.path / "w.safetensors").string();
+  const std::vector<safetensors::TensorHeader> header = {{"a", DType::f32, {2, 2}}, {"b", DType::f64, {1}}};
+  const float a[4] = {1, 2, 3, 4};
+  const double b = -0.5;
+  {
+    safetensors::Writer w(path, header, {{"k", "v"}});
+    w.write(a, 8);  // in pieces of any size
+    w.write(a + 2, 8);
+    w.write(&b, 8);
+    test::check_throws<IOError>([&] { w.write(&b, 1); }, {"w.safetensors", "past the 24 data bytes"});
+    w.commit();
+  }
+  safetensors::Reader r(path);
+  test::check_close(r.read("a"), {1, 2, 3, 4}, {2, 2});
+  test::check_close(r.read("b"), from_values({-0.5}, {1}, DType::f64), 0, 0);
+  CHECK(r.metadata().at("k") == "v");
+  {
+    safetensors::Writer short_file((dir.path / "short.safetensors").string(), header);
+    short_file.write(a, 16);
+    test::check_throws<IOError>([&] { short_file.commit(); }, {"short.safetensors", "16 of the header's 24"});
+  }
+  // Neither the short file nor its temporary is left behind.
+  CHECK_FALSE(fs::exists(dir.path / "short.safetensors"));
+  CHECK_FALSE(fs::exists(dir.path / "short.safetensors.tmp"));
+}
+
 TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
   TempDir dir;
   const std::string path = (dir.path / "t.safetensors").string();
