@@ -51,6 +51,13 @@ Piece piece_of(const Param& p, int rank) {
   return rank == 0 ? Piece{0, p.data().numel()} : Piece{0, 0};
 }
 
+// Elements [offset, offset + count) of a flattened tensor of `numel` elements that `rank` holds
+// when cut in slices of `slice_size`: fully_shard's layout (the last slices short or empty).
+Piece slice_of(std::int64_t numel, std::int64_t slice_size, int rank) {
+  const std::int64_t offset = std::min<std::int64_t>(numel, static_cast<std::int64_t>(rank) * slice_size);
+  return {offset, std::max<std::int64_t>(0, std::min<std::int64_t>(numel, offset + slice_size) - offset)};
+}
+
 void sync_directory(const std::string& dir) {
   const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd >= 0) {
@@ -127,6 +134,19 @@ std::vector<IndexedPiece> checked_pieces(const std::string& dir, const std::stri
   if (next != numel)
     ckpt_fail(dir, "index.json's pieces of '" + name + "' do not cover its " + std::to_string(numel) + " elements");
   return out;
+}
+
+// Runs fn, reporting what a malformed index.json makes it throw (a missing key, a value of the
+// wrong type, an unknown dtype) as the IOError every checkpoint problem is.
+template <class F>
+auto with_index_errors(const std::string& dir, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const json::exception& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  } catch (const ArgumentError& e) {
+    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+  }
 }
 
 }  // namespace
@@ -208,15 +228,13 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
       json pieces = json::array();
       for (int r = 0; r < world; ++r) {
         // Where each rank's piece lies: computed as each rank computed it.
-        std::int64_t offset = 0, count = 0;
+        Piece piece;
         if (sharded) {
-          const std::int64_t s = p.shard()->shard_size;
-          offset = std::min<std::int64_t>(numel, static_cast<std::int64_t>(r) * s);
-          count = std::max<std::int64_t>(0, std::min<std::int64_t>(numel, offset + s) - offset);
+          piece = slice_of(numel, p.shard()->shard_size, r);
         } else if (r == 0) {
-          count = numel;
+          piece.count = numel;
         }
-        if (count > 0) pieces.push_back({{"rank", r}, {"offset", offset}, {"count", count}});
+        if (piece.count > 0) pieces.push_back({{"rank", r}, {"offset", piece.offset}, {"count", piece.count}});
       }
       jparams[name] = {{"id", p.id()},   {"shape", p.shape()}, {"dtype", dtype_name(p.data().dtype())},
                        {"numel", numel}, {"sharded", sharded}, {"pieces", pieces}};
@@ -353,20 +371,14 @@ CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimize
   (void)comm;  // every rank reads its own ranges; no communication is needed
   const std::string dir = resolve_checkpoint(path);
   const json index = read_index(dir);
-  try {
-    return load_from(dir, index, module, optimizer);
-  } catch (const json::exception& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  } catch (const ArgumentError& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  }
+  return with_index_errors(dir, [&] { return load_from(dir, index, module, optimizer); });
 }
 
 CheckpointSummary describe_checkpoint(const std::string& path) {
   const std::string dir = resolve_checkpoint(path);
   const json index = read_index(dir);
   CheckpointSummary out;
-  try {
+  with_index_errors(dir, [&] {
     out.info.directory = dir;
     out.info.step = index.at("step").get<std::int64_t>();
     out.info.world_size = index.at("world_size").get<int>();
@@ -387,11 +399,7 @@ CheckpointSummary describe_checkpoint(const std::string& path) {
       e.optimizer_state = states;
       out.params.push_back(std::move(e));
     }
-  } catch (const json::exception& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  } catch (const ArgumentError& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  }
+  });
   return out;
 }
 
@@ -432,59 +440,91 @@ std::uint64_t verify_checkpoint(const std::string& path) {
   const std::string dir = resolve_checkpoint(path);
   const json index = read_index(dir);
   std::uint64_t bytes = 0;
-  try {
-    std::vector<char> buffer;
+  // Chunked: checking a file of any size holds at most safetensors::kChunkBytes of it.
+  with_index_errors(dir, [&] {
     for_each_piece(dir, index,
                    [&](safetensors::Reader& file, const std::string& tensor, const std::string&, DType, std::int64_t,
                        std::int64_t count) {
-                     const auto& info = file.info(tensor);
-                     buffer.resize(static_cast<std::size_t>(count) * dtype_size(info.dtype));
-                     file.read_range_into(tensor, 0, count, buffer.data());
-                     bytes += buffer.size();
+                     file.read_range_chunked(tensor, 0, count, [&](const char*, std::size_t n) { bytes += n; });
                    });
-  } catch (const json::exception& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  } catch (const ArgumentError& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  }
+  });
   return bytes;
 }
 
-void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
-  autograd::NoGradGuard guard;
-  const std::string dir = resolve_checkpoint(path);
-  const json index = read_index(dir);
-  std::map<std::string, Tensor> full;
-  try {
-    for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
-      full[it.key()] =
-          zeros(it.value().at("shape").get<Shape>(), parse_dtype(it.value().at("dtype").get<std::string>()));
-    }
-    for_each_piece(dir, index,
-                   [&](safetensors::Reader& file, const std::string& tensor, const std::string& param, DType dtype,
-                       std::int64_t offset, std::int64_t count) {
-                     if (tensor.rfind("model/", 0) != 0) return;  // optimizer state is not part of a consolidated model
-                     Tensor& t = full.at(param);
-                     file.read_range_into(
-                         tensor, 0, count,
-                         static_cast<char*>(t.data_ptr()) + offset * static_cast<std::int64_t>(dtype_size(dtype)));
-                   });
-  } catch (const json::exception& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
-  } catch (const ArgumentError& e) {
-    ckpt_fail(dir, std::string("index.json is malformed: ") + e.what());
+namespace {
+// The consolidated file's header, from the index alone: every parameter at its logical shape,
+// in the order for_each_piece visits them, so that the data can follow piece by piece.
+std::vector<safetensors::TensorHeader> consolidated_header(const std::string& dir, const json& index) {
+  std::vector<safetensors::TensorHeader> out;
+  for (auto it = index.at("params").begin(); it != index.at("params").end(); ++it) {
+    const Shape shape = it.value().at("shape").get<Shape>();
+    index_numel(dir, it.key(), shape);  // an invalid shape fails here, as an IOError naming it
+    out.push_back({it.key(), parse_dtype(it.value().at("dtype").get<std::string>()), shape});
   }
-  std::vector<std::pair<std::string, Tensor>> tensors(full.begin(), full.end());
-  std::map<std::string, std::string> metadata =
-      index.value("extra", json::object()).get<std::map<std::string, std::string>>();
+  return out;
+}
+
+std::map<std::string, std::string> consolidated_metadata(const std::string& dir, const json& index) {
+  auto metadata = index.value("extra", json::object()).get<std::map<std::string, std::string>>();
   metadata["step"] = std::to_string(index.at("step").get<std::int64_t>());
   metadata["source"] = dir;
-  safetensors::write(output_file, tensors, metadata);
+  return metadata;
 }
+}  // namespace
+
+void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  const std::string dir = resolve_checkpoint(path);
+  const json index = read_index(dir);
+  // Streamed: the header first (the index gives every shape), then each parameter's pieces in
+  // offset order, copied from the rank files through one bounded buffer. No tensor is held, so
+  // a model of any size consolidates in safetensors::kChunkBytes of memory.
+  with_index_errors(dir, [&] {
+    safetensors::Writer out(output_file, consolidated_header(dir, index), consolidated_metadata(dir, index));
+    for_each_piece(dir, index,
+                   [&](safetensors::Reader& file, const std::string& tensor, const std::string&, DType, std::int64_t,
+                       std::int64_t count) {
+                     // Optimizer state is not part of a consolidated model.
+                     if (tensor.rfind("model/", 0) == 0) file.copy_range(tensor, 0, count, out);
+                   });
+    out.commit();
+  });
+}
+
+namespace {
+// Where `rank` of `world` holds a tensor of `numel` elements in a split checkpoint: equal slices.
+Piece split_piece(std::int64_t numel, int world, int rank) {
+  return slice_of(numel, (numel + world - 1) / world, rank);
+}
+
+// A split tensor's index entry: its shape and every rank's piece.
+json split_entry(const safetensors::TensorInfo& t, int world) {
+  json pieces = json::array();
+  for (int r = 0; r < world; ++r) {
+    const Piece p = split_piece(t.numel(), world, r);
+    if (p.count > 0) pieces.push_back({{"rank", r}, {"offset", p.offset}, {"count", p.count}});
+  }
+  return {{"id", 0},         {"shape", t.shape}, {"dtype", dtype_name(t.dtype)}, {"numel", t.numel()},
+          {"sharded", true}, {"pieces", pieces}};
+}
+
+// Writes `rank`'s file of a split checkpoint: its slice of every input tensor, laid out as
+// fully_shard lays it out, streamed from the input's byte ranges (no slice is held whole).
+void write_split_rank(const safetensors::Reader& input, int rank, int world, const std::string& path) {
+  std::vector<safetensors::TensorHeader> header;
+  for (const auto& t : input.tensors())
+    header.push_back({"model/" + t.name, t.dtype, {split_piece(t.numel(), world, rank).count}});
+  safetensors::Writer out(path, header,
+                          {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world)}});
+  for (const auto& t : input.tensors()) {
+    const Piece p = split_piece(t.numel(), world, rank);
+    input.copy_range(t.name, p.offset, p.count, out);
+  }
+  out.commit();
+}
+}  // namespace
 
 CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
                                 std::int64_t step) {
-  autograd::NoGradGuard guard;
   if (world_size <= 0) ckpt_fail(out_dir, "world size must be positive, got " + std::to_string(world_size));
   safetensors::Reader input(input_file);
   for (const auto& t : input.tensors()) {
@@ -495,32 +535,12 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
   extra.erase("source");
   const std::string step_dir = (fs::path(out_dir) / step_name(step)).string();
   fs::create_directories(step_dir);
-  // Each rank's file holds its slice of every tensor, laid out as fully_shard lays it out; only
-  // those element ranges are read from the input.
-  json jparams = json::object();
-  for (int rank = 0; rank < world_size; ++rank) {
-    std::vector<std::pair<std::string, Tensor>> tensors;
-    for (const auto& t : input.tensors()) {
-      const std::int64_t numel = t.numel(), s = (numel + world_size - 1) / world_size;
-      const std::int64_t offset = std::min(numel, rank * s),
-                         count = std::max<std::int64_t>(0, std::min(numel, offset + s) - offset);
-      tensors.emplace_back("model/" + t.name, input.read_range(t.name, offset, count));
-      if (rank == 0) {
-        json pieces = json::array();
-        for (int r = 0; r < world_size; ++r) {
-          const std::int64_t o = std::min(numel, r * s), c = std::max<std::int64_t>(0, std::min(numel, o + s) - o);
-          if (c > 0) pieces.push_back({{"rank", r}, {"offset", o}, {"count", c}});
-        }
-        jparams[t.name] = {{"id", 0},        {"shape", t.shape}, {"dtype", dtype_name(t.dtype)},
-                           {"numel", numel}, {"sharded", true},  {"pieces", pieces}};
-      }
-    }
-    safetensors::write(
-        (fs::path(step_dir) / rank_file(rank, world_size)).string(), tensors,
-        {{"format", kFormat}, {"rank", std::to_string(rank)}, {"world_size", std::to_string(world_size)}});
-  }
-  json files = json::array();
+  for (int rank = 0; rank < world_size; ++rank)
+    write_split_rank(input, rank, world_size, (fs::path(step_dir) / rank_file(rank, world_size)).string());
+  // The index last, once every rank file is complete; then the latest pointer.
+  json files = json::array(), jparams = json::object();
   for (int r = 0; r < world_size; ++r) files.push_back(rank_file(r, world_size));
+  for (const auto& t : input.tensors()) jparams[t.name] = split_entry(t, world_size);
   const json index = {{"format", kFormat}, {"version", kVersion}, {"step", step},  {"world_size", world_size},
                       {"files", files},    {"params", jparams},   {"extra", extra}};
   safetensors::write_text_atomically((fs::path(step_dir) / "index.json").string(), index.dump(1));

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <vector>
 
 #include <ruda/nn/safetensors.h>
 #include <nlohmann/json.hpp>
@@ -242,16 +243,34 @@ Tensor Reader::read(const std::string& name) const {
   return out;
 }
 
-void Reader::read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const {
+std::pair<std::uint64_t, std::uint64_t> Reader::byte_range(const std::string& name, std::int64_t first,
+                                                           std::int64_t count) const {
   const TensorInfo& t = info(name);
   if (first < 0 || count < 0 || first > t.numel() || count > t.numel() - first) {
     io_fail(path_, "elements [" + std::to_string(first) + ", " + std::to_string(first + count) +
                        ") are outside tensor '" + name + "' of " + std::to_string(t.numel()));
   }
   const std::uint64_t size = dtype_size(t.dtype);
-  if (count > 0)
-    read_bytes(t.begin + static_cast<std::uint64_t>(first) * size, static_cast<std::uint64_t>(count) * size,
-               destination);
+  return {t.begin + static_cast<std::uint64_t>(first) * size, static_cast<std::uint64_t>(count) * size};
+}
+
+void Reader::read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const {
+  const auto [offset, size] = byte_range(name, first, count);
+  if (size > 0) read_bytes(offset, size, destination);
+}
+
+void Reader::read_range_chunked(const std::string& name, std::int64_t first, std::int64_t count,
+                                const std::function<void(const char*, std::size_t)>& consume) const {
+  auto [offset, size] = byte_range(name, first, count);
+  // One buffer of at most kChunkBytes, reused for every chunk: the only memory the range costs.
+  std::vector<char> buffer(static_cast<std::size_t>(std::min<std::uint64_t>(size, kChunkBytes)));
+  while (size > 0) {
+    const std::size_t chunk = static_cast<std::size_t>(std::min<std::uint64_t>(size, buffer.size()));
+    read_bytes(offset, chunk, buffer.data());
+    consume(buffer.data(), chunk);
+    offset += chunk;
+    size -= chunk;
+  }
 }
 
 Tensor Reader::read_range(const std::string& name, std::int64_t first, std::int64_t count) const {
@@ -270,7 +289,7 @@ std::int64_t crash_after_bytes() {
 }
 }  // namespace testing
 
-namespace {
+namespace detail {
 
 class AtomicFile {
  public:
@@ -326,19 +345,19 @@ class AtomicFile {
   int fd_ = -1;
 };
 
-}  // namespace
+}  // namespace detail
 
-void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
-           const std::map<std::string, std::string>& metadata) {
+Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
+               const std::map<std::string, std::string>& metadata)
+    : path_(path) {
   nlohmann::json header = nlohmann::json::object();
-  std::uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    if (name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
-    if (header.contains(name)) io_fail(path, "tensor name '" + name + "' repeats");
-    const std::uint64_t bytes = t.nbytes();
-    header[name] = {
-        {"dtype", format_dtype(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
+  for (const auto& t : tensors) {
+    if (t.name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
+    if (header.contains(t.name)) io_fail(path, "tensor name '" + t.name + "' repeats");
+    const std::uint64_t bytes = static_cast<std::uint64_t>(shape_numel(t.shape)) * dtype_size(t.dtype);
+    header[t.name] = {
+        {"dtype", format_dtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {data_bytes_, data_bytes_ + bytes}}};
+    data_bytes_ += bytes;
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string text = header.dump();
@@ -346,9 +365,41 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
   unsigned char len_bytes[8];
   for (int i = 0; i < 8; ++i)
     len_bytes[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
-  AtomicFile file(path);
-  file.write(len_bytes, 8);
-  file.write(text.data(), text.size());
+  file_ = std::make_unique<detail::AtomicFile>(path);
+  file_->write(len_bytes, 8);
+  file_->write(text.data(), text.size());
+}
+
+Writer::~Writer() = default;
+
+void Writer::write(const void* data, std::size_t size) {
+  // The header fixed every offset: more bytes than it promised would shift no tensor but
+  // leave a file other readers reject, so refuse them here.
+  if (size > data_bytes_ - written_) {
+    io_fail(path_, "write of " + std::to_string(size) + " bytes past the " + std::to_string(data_bytes_) +
+                       " data bytes of the header");
+  }
+  file_->write(data, size);
+  written_ += size;
+}
+
+void Writer::commit() {
+  if (written_ != data_bytes_) {
+    io_fail(path_, "only " + std::to_string(written_) + " of the header's " + std::to_string(data_bytes_) +
+                       " data bytes were written");
+  }
+  file_->commit();
+}
+
+void Reader::copy_range(const std::string& name, std::int64_t first, std::int64_t count, Writer& out) const {
+  read_range_chunked(name, first, count, [&](const char* data, std::size_t size) { out.write(data, size); });
+}
+
+void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
+           const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorHeader> header;
+  for (const auto& [name, t] : tensors) header.push_back({name, t.dtype(), t.shape()});
+  Writer file(path, header, metadata);
   for (const auto& [name, t] : tensors) {
     if (t.numel()) file.write(t.data_ptr(), t.nbytes());
   }
@@ -356,7 +407,7 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
 }
 
 void write_text_atomically(const std::string& path, const std::string& text) {
-  AtomicFile file(path);
+  detail::AtomicFile file(path);
   file.write(text.data(), text.size());
   file.commit();
 }

@@ -1,5 +1,6 @@
 // Sharded checkpoints: resume equals uninterrupted training (bitwise at the same world size),
 // resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -245,6 +246,119 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
     test::check_throws<IOError>([&] { nn::load_checkpoint((dir.path / "nothing").string(), same, nullptr, local); },
                                 {"does not exist"});
   }
+}
+
+namespace {
+
+// Six 256x256 f32 weights, 256 KiB each: holding the model (1.5 MiB), or two of its tensors,
+// stands out from the one-tensor bound of the streaming conversions.
+constexpr std::int64_t kSide = 256, kLayers = 6;
+std::shared_ptr<nn::Sequential> six_layers() {
+  nn::manual_seed(11);
+  auto model = std::make_shared<nn::Sequential>();
+  for (int i = 0; i < kLayers; ++i)
+    model->push_back(std::make_shared<nn::Linear>(kSide, kSide, nn::LinearOptions{.bias = false}));
+  return model;
+}
+
+// The tracked tensor bytes fn() had alive at its peak beyond those alive before it.
+template <class F>
+std::int64_t peak_during(F&& fn) {
+  memory::reset_peak();
+  const std::int64_t before = memory::stats().live_bytes;
+  fn();
+  return memory::stats().peak_bytes - before;
+}
+
+// Bitwise equality of two tensors' shapes and values.
+bool same_bits(const Tensor& a, const Tensor& b) {
+  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
+  return a.shape() == b.shape() && x.size() == y.size() &&
+         std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("consolidate and split stream: their tracked peak is at most one tensor, not the model") {
+  TempDir dir;
+  std::map<std::string, Tensor> expected;  // the dense parameters every rank starts from
+  for (const auto& [name, p] : six_layers()->named_parameters()) expected[name] = p.value();
+  run_ranks(3, [&](Communicator& comm) {
+    auto model = six_layers();
+    nn::fully_shard(*model, comm);
+    nn::save_checkpoint(dir.str(), 1, *model, nullptr, comm);
+  });
+  const std::int64_t tensor_bytes = kSide * kSide * 4, model_bytes = kLayers * tensor_bytes;
+  const std::int64_t bound = tensor_bytes + 64 * 1024;
+
+  const std::string full = (dir.path / "full.safetensors").string();
+  const std::int64_t consolidate_peak = peak_during([&] { nn::consolidate_checkpoint(dir.str(), full); });
+  INFO("consolidate peak " << consolidate_peak << ", split peak below; one tensor " << tensor_bytes << ", model "
+                           << model_bytes);
+  CHECK(consolidate_peak <= bound);
+  {
+    safetensors::Reader reader(full);
+    CHECK(reader.tensors().size() == expected.size());
+    for (const auto& [name, want] : expected) {
+      CAPTURE(name);
+      CHECK(same_bits(reader.read(name), want));
+    }
+  }
+
+  // Split for another world size: each rank file holds its equal slice of every tensor.
+  const int world = 4;
+  const fs::path split_dir = dir.path / "split";
+  const std::int64_t split_peak = peak_during([&] { nn::split_checkpoint(full, world, split_dir.string(), 2); });
+  CAPTURE(split_peak);
+  CHECK(split_peak <= bound);
+  const std::int64_t slice = (kSide * kSide + world - 1) / world;
+  for (int r = 0; r < world; ++r) {
+    char file[64];
+    std::snprintf(file, sizeof file, "rank-%05d-of-%05d.safetensors", r, world);
+    safetensors::Reader reader((split_dir / "step-00000002" / file).string());
+    for (const auto& [name, want] : expected) {
+      CAPTURE(r);
+      CAPTURE(name);
+      const std::int64_t begin = std::min(kSide * kSide, r * slice), end = std::min(kSide * kSide, begin + slice);
+      CHECK(same_bits(reader.read("model/" + name), want.reshape({-1}).slice(0, begin, end)));
+    }
+  }
+  // The split checkpoint's index puts the pieces back together: it consolidates to the same bits.
+  const std::string again = (dir.path / "again.safetensors").string();
+  nn::consolidate_checkpoint(split_dir.string(), again);
+  safetensors::Reader reader(again);
+  for (const auto& [name, want] : expected) {
+    CAPTURE(name);
+    CHECK(same_bits(reader.read(name), want));
+  }
+}
+
+TEST_CASE("safetensors::Writer streams data after its header and refuses a wrong byte count") {
+  TempDir dir;
+  const std::string path = (dir.path / "w.safetensors").string();
+  const std::vector<safetensors::TensorHeader> header = {{"a", DType::f32, {2, 2}}, {"b", DType::f64, {1}}};
+  const float a[4] = {1, 2, 3, 4};
+  const double b = -0.5;
+  {
+    safetensors::Writer w(path, header, {{"k", "v"}});
+    w.write(a, 8);  // in pieces of any size
+    w.write(a + 2, 8);
+    w.write(&b, 8);
+    test::check_throws<IOError>([&] { w.write(&b, 1); }, {"w.safetensors", "past the 24 data bytes"});
+    w.commit();
+  }
+  safetensors::Reader r(path);
+  test::check_close(r.read("a"), {1, 2, 3, 4}, {2, 2});
+  test::check_close(r.read("b"), from_values({-0.5}, {1}, DType::f64), 0, 0);
+  CHECK(r.metadata().at("k") == "v");
+  {
+    safetensors::Writer short_file((dir.path / "short.safetensors").string(), header);
+    short_file.write(a, 16);
+    test::check_throws<IOError>([&] { short_file.commit(); }, {"short.safetensors", "16 of the header's 24"});
+  }
+  // Neither the short file nor its temporary is left behind.
+  CHECK_FALSE(fs::exists(dir.path / "short.safetensors"));
+  CHECK_FALSE(fs::exists(dir.path / "short.safetensors.tmp"));
 }
 
 TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {

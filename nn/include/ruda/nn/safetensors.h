@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -17,6 +18,13 @@ namespace ruda::safetensors {
 
 /// The format's dtype names: F32, F64, F16, BF16, I64, BOOL.
 const char* format_dtype(DType dtype);
+
+/// The most file bytes a chunked read holds at once (Reader::read_range_chunked): converting a
+/// file of any size costs this much memory, outside tensor storage. A multiple of every dtype's
+/// size, so chunks hold whole elements.
+inline constexpr std::size_t kChunkBytes = std::size_t{4} << 20;
+
+class Writer;
 
 struct TensorInfo {
   std::string name;
@@ -48,12 +56,21 @@ class Reader {
   Tensor read_range(const std::string& name, std::int64_t first, std::int64_t count) const;
   /// The same into caller memory (count elements of the tensor's dtype).
   void read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const;
+  /// The same range in consecutive pieces of at most kChunkBytes, each passed to consume(data,
+  /// bytes) and then overwritten: for ranges too large to hold, whatever their size.
+  void read_range_chunked(const std::string& name, std::int64_t first, std::int64_t count,
+                          const std::function<void(const char*, std::size_t)>& consume) const;
+  /// The same range appended to `out`'s data, chunk by chunk: copies between files never hold a tensor.
+  void copy_range(const std::string& name, std::int64_t first, std::int64_t count, Writer& out) const;
   /// Bytes read from the file so far (header included), for tests that check partial reads.
   /// Reading is thread-safe: several threads may read from one Reader.
   std::uint64_t bytes_read() const noexcept { return bytes_read_.load(std::memory_order_relaxed); }
 
  private:
   void read_bytes(std::uint64_t offset, std::uint64_t size, void* destination) const;
+  /// The absolute byte offset and size of elements [first, first + count); IOError outside the tensor.
+  std::pair<std::uint64_t, std::uint64_t> byte_range(const std::string& name, std::int64_t first,
+                                                     std::int64_t count) const;
   std::string path_;
   int fd_ = -1;
   std::uint64_t file_size_ = 0;
@@ -67,6 +84,39 @@ class Reader {
 /// exposed for fuzzing. Throws IOError on anything malformed.
 void parse_header(const std::string& header, std::uint64_t file_size, std::vector<TensorInfo>& tensors,
                   std::map<std::string, std::string>& metadata);
+
+/// A tensor of a file whose header is written before its data (Writer).
+struct TensorHeader {
+  std::string name;
+  DType dtype = DType::f32;
+  Shape shape;
+};
+
+namespace detail {
+class AtomicFile;
+}
+
+/// Writes a safetensors file without holding its tensors: the header (every name, dtype, shape
+/// and offset) at construction, then the tensors' bytes in header order, in pieces of any size.
+/// Atomic as write(): nothing appears at `path` before commit(), and a Writer destroyed without
+/// commit() (an exception while streaming) leaves no temporary file behind.
+class Writer {
+ public:
+  Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
+         const std::map<std::string, std::string>& metadata = {});
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+  /// Appends the next `size` data bytes; IOError past the end of the last tensor.
+  void write(const void* data, std::size_t size);
+  /// Flushes and renames into place; IOError if fewer bytes came than the header promises.
+  void commit();
+
+ private:
+  std::string path_;
+  std::unique_ptr<detail::AtomicFile> file_;
+  std::uint64_t data_bytes_ = 0, written_ = 0;
+};
 
 /// Writes tensors (contiguous; any dtype) and string metadata. Atomic: the data goes to a
 /// temporary file beside `path`, is flushed to disk, and then renamed over `path`, so `path`
