@@ -193,10 +193,12 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     for (std::size_t i = 0; i < node->next.size(); ++i) {
       if (node->next[i].connected()) mask |= std::uint64_t{1} << i;
     }
+    // Restored, not cleared: a node's backward may run a nested backward (activation checkpointing).
+    struct RestoreRunning {
+      const char* previous = t_running_node;
+      ~RestoreRunning() { t_running_node = previous; }
+    } restore_running;
     t_running_node = node->name;
-    struct ClearRunning {
-      ~ClearRunning() { t_running_node = nullptr; }
-    } clear_running;
     std::vector<Tensor> grads = node->backward(g, node->saved, GradMask(mask));
     g = Tensor();
     if (grads.size() != node->next.size()) {

@@ -3,6 +3,7 @@
 
 #include <ruda/autograd.h>
 #include <ruda/nn/layers.h>
+#include <ruda/nn/recompute.h>
 
 namespace ruda::nn {
 
@@ -182,7 +183,7 @@ Tensor GPT::forward(const Tensor& tokens) {
   const std::int64_t time = tokens.shape()[1];
   const Tensor positions = arange(0, static_cast<double>(time), 1, DType::i64);
   Tensor x = token_embedding->forward(tokens) + position_embedding->forward(positions);
-  for (const auto& block : blocks) x = block->forward(x);
+  for (const auto& block : blocks) x = activation_checkpointing_ ? checkpoint(*block, x) : block->forward(x);
   x = final_norm->forward(x);
   if (head) return head->forward(x);
   // The tied head reads the [vocabulary, d] table as an [out, in] weight: no transposed copy.

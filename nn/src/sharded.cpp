@@ -6,9 +6,18 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/sharded.h>
 
+#include "gather_scope.h"
 #include "param_state.h"
 
 namespace ruda::nn {
+
+namespace {
+thread_local bool t_retain_gathered = false;
+}  // namespace
+
+RetainGathered::RetainGathered() noexcept : previous_(t_retain_gathered) { t_retain_gathered = true; }
+RetainGathered::~RetainGathered() { t_retain_gathered = previous_; }
+bool RetainGathered::active() noexcept { return t_retain_gathered; }
 
 std::mutex& shards_mutex() {
   static std::mutex m;
@@ -156,7 +165,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   const CollectiveOptions options{.tag = info.name, .accumulate = info.policy.reduce};
   const Tensor source = cast(local, dtype);
   Tensor value = reshape(slice(all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
-  if (info.policy.strategy == CheckpointStrategy::recompute && autograd::is_grad_enabled() && local.requires_grad()) {
+  if (info.policy.strategy == CheckpointStrategy::recompute && !RetainGathered::active() &&
+      autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.
     autograd::set_recompute(
         value, [shard = local.detach(), c = &comm, options, dtype, numel = info.numel, shape = info.logical_shape] {

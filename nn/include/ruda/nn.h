@@ -9,6 +9,7 @@
 #include <ruda/nn/losses.h>
 #include <ruda/nn/module.h>
 #include <ruda/nn/optim.h>
+#include <ruda/nn/recompute.h>
 #include <ruda/nn/safetensors.h>
 #include <ruda/nn/sharded.h>
 #include <ruda/ruda.h>

@@ -154,6 +154,10 @@ class GPT : public UnaryModule {
   explicit GPT(const GPTConfig& config);
   Tensor forward(const Tensor& tokens) override;
   const GPTConfig& config() const noexcept { return config_; }
+  /// Runs each block through checkpoint() (<ruda/nn/recompute.h>): only the blocks' inputs stay
+  /// alive between forward and backward, and each block's forward runs again in backward.
+  void set_activation_checkpointing(bool on) noexcept { activation_checkpointing_ = on; }
+  bool activation_checkpointing() const noexcept { return activation_checkpointing_; }
   std::shared_ptr<Embedding> token_embedding, position_embedding;
   std::vector<std::shared_ptr<TransformerBlock>> blocks;
   std::shared_ptr<LayerNorm> final_norm;
@@ -161,6 +165,7 @@ class GPT : public UnaryModule {
 
  private:
   GPTConfig config_;
+  bool activation_checkpointing_ = false;
 };
 
 }  // namespace ruda::nn

@@ -1,0 +1,72 @@
+#include <ruda/autograd.h>
+#include <ruda/nn/layers.h>
+#include <ruda/nn/recompute.h>
+
+#include "gather_scope.h"
+
+namespace ruda::nn {
+
+namespace {
+
+// The draw positions of every Dropout in a block: the recomputation must draw the same masks.
+std::vector<std::uint64_t> dropout_offsets(UnaryModule& block) {
+  std::vector<std::uint64_t> offsets;
+  for (auto& [name, m] : block.named_modules()) {
+    if (auto* d = dynamic_cast<Dropout*>(m)) offsets.push_back(d->generator().offset());
+  }
+  return offsets;
+}
+
+void set_dropout_offsets(UnaryModule& block, const std::vector<std::uint64_t>& offsets) {
+  std::size_t i = 0;
+  for (auto& [name, m] : block.named_modules()) {
+    if (auto* d = dynamic_cast<Dropout*>(m)) d->generator().set_offset(offsets.at(i++));
+  }
+}
+
+// Grad mode on for a scope (backward runs with it off).
+struct GradEnabled {
+  bool previous = autograd::is_grad_enabled();
+  GradEnabled() { autograd::set_grad_enabled(true); }
+  ~GradEnabled() { autograd::set_grad_enabled(previous); }
+};
+
+}  // namespace
+
+Tensor checkpoint(UnaryModule& block, const Tensor& x) {
+  if (!autograd::is_grad_enabled()) return block.forward(x);
+  // The node's inputs: x, and one parameter leaf that needs a gradient, so that the node is
+  // recorded even when x needs none (the first block after an embedding whose table is frozen).
+  // Parameter gradients are not returned through the node: the nested backward accumulates them.
+  Tensor anchor;
+  for (const auto& [name, p] : block.named_parameters()) {
+    if (p.data().requires_grad()) {
+      anchor = p.data();
+      break;
+    }
+  }
+  const std::vector<std::uint64_t> draws_before = dropout_offsets(block);
+  Tensor output = autograd::no_grad([&] { return block.forward(x); });
+  const std::vector<std::uint64_t> draws_after = dropout_offsets(block);
+  UnaryModule* target = &block;
+  autograd::record(
+      "checkpoint", output, {x, anchor}, {x},
+      [target, draws_before, draws_after](const Tensor& grad, const autograd::Saved& saved, autograd::GradMask needs) {
+        Tensor input = saved[0].get().detach();
+        if (needs[0]) input.set_requires_grad(true);
+        Tensor recomputed;
+        {
+          GradEnabled grad_on;
+          RetainGathered retain;
+          set_dropout_offsets(*target, draws_before);
+          recomputed = target->forward(input);
+          set_dropout_offsets(*target, draws_after);
+        }
+        autograd::backward(recomputed, grad);
+        return std::vector<Tensor>{needs[0] ? input.grad() : Tensor(), Tensor()};
+      },
+      {.always_run = true});
+  return output;
+}
+
+}  // namespace ruda::nn

@@ -1,0 +1,151 @@
+// Activation checkpointing: checkpoint(block, x) keeps only x, recomputes the block in backward,
+// and gives bitwise the gradients of running the block directly, dense and sharded.
+#include <cstring>
+
+#include "helpers.h"
+#include "sharded_fixture.h"
+
+using namespace ruda;
+
+namespace {
+constexpr std::int64_t kBatch = 4, kTime = 6, kVocab = 17;
+
+nn::GPTConfig small_gpt(double dropout = 0.0) {
+  return {.vocabulary = kVocab, .context = kTime, .d_model = 8, .layers = 3, .heads = 2, .dropout = dropout};
+}
+
+// Gradients of every parameter (this rank's slices when sharded) after one forward and backward.
+std::map<std::string, std::vector<std::uint8_t>> gradients(nn::GPT& model, Communicator* comm, bool checkpointing) {
+  model.set_activation_checkpointing(checkpointing);
+  const Tensor tokens = randint({kBatch, kTime}, 0, kVocab, 31), targets = randint({kBatch, kTime}, 0, kVocab, 32);
+  const std::int64_t rows = comm ? kBatch / comm->world_size() : kBatch, first = comm ? comm->rank() * rows : 0;
+  const Tensor logits = model.forward(tokens.slice(0, first, first + rows));
+  const Tensor loss =
+      nn::cross_entropy(logits, targets.slice(0, first, first + rows), {.reduction = nn::LossReduction::sum}) /
+      static_cast<double>(kBatch * kTime);
+  model.zero_grad();
+  loss.backward();
+  std::map<std::string, std::vector<std::uint8_t>> out;
+  for (const auto& [name, p] : model.named_parameters()) {
+    const Tensor g = p.grad();
+    REQUIRE_MESSAGE(g.defined(), name << " got no gradient");
+    const auto* bytes = static_cast<const std::uint8_t*>(g.data_ptr());
+    out[name].assign(bytes, bytes + g.nbytes());
+  }
+  return out;
+}
+
+void check_same(const std::map<std::string, std::vector<std::uint8_t>>& a,
+                const std::map<std::string, std::vector<std::uint8_t>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, bytes] : a) {
+    CAPTURE(name);
+    CHECK(b.at(name) == bytes);
+  }
+}
+}  // namespace
+
+TEST_CASE("checkpointed blocks give bitwise the same gradients, dense, with dropout") {
+  for (double dropout : {0.0, 0.25}) {
+    CAPTURE(dropout);
+    nn::manual_seed(3);
+    nn::GPT plain(small_gpt(dropout));
+    nn::manual_seed(3);
+    nn::GPT checkpointed(small_gpt(dropout));
+    check_same(gradients(plain, nullptr, false), gradients(checkpointed, nullptr, true));
+    // The recomputation replayed the dropout draws, and left the streams where the forward did.
+    check_same(gradients(plain, nullptr, false), gradients(checkpointed, nullptr, true));
+  }
+}
+
+TEST_CASE("the input's gradient flows through a checkpointed block; no_grad runs it plainly") {
+  nn::manual_seed(8);
+  nn::TransformerBlock block(8, 2, 16);
+  const Tensor x = randn({2, 3, 8}, 4);
+  const Tensor a = x.clone().set_requires_grad(), b = x.clone().set_requires_grad();
+  sum(square(block.forward(a))).backward();
+  sum(square(nn::checkpoint(block, b))).backward();
+  CHECK(a.grad().to_vector<double>() == b.grad().to_vector<double>());
+  autograd::NoGradGuard off;
+  CHECK_FALSE(nn::checkpoint(block, x).requires_grad());
+}
+
+TEST_CASE("sharded, retain and recompute: bitwise gradients and one collective sequence on every rank") {
+  for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
+    for (int world : {2, 3}) {
+      CAPTURE(world);
+      CAPTURE(static_cast<int>(strategy));
+      std::vector<std::vector<std::string>> histories(world);
+      run_ranks(world, [&](Communicator& comm) {
+        comm.set_order_check(true);
+        nn::manual_seed(5);
+        nn::GPT plain(small_gpt());
+        nn::fully_shard(plain, comm, {.strategy = strategy});
+        nn::manual_seed(5);
+        nn::GPT checkpointed(small_gpt());
+        nn::fully_shard(checkpointed, comm, {.strategy = strategy});
+        const auto want = gradients(plain, &comm, false);
+        const std::size_t before = comm.history().size();
+        const auto got = gradients(checkpointed, &comm, true);
+        check_same(want, got);
+        const auto all = comm.history();
+        histories[comm.rank()].assign(all.begin() + static_cast<std::ptrdiff_t>(before), all.end());
+      });
+      for (int r = 1; r < world; ++r) CHECK(histories[r] == histories[0]);
+    }
+  }
+}
+
+TEST_CASE("a checkpointed sharded block: two gathers and one reduce-scatter per parameter") {
+  for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
+    std::vector<std::string> calls;
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(1);
+      nn::Sequential block(
+          {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
+      nn::fully_shard(block, comm, {.strategy = strategy});
+      sum(nn::checkpoint(block, randn({4, 6}, 2).set_requires_grad())).backward();
+      if (comm.rank() == 0) calls = comm.history();
+    });
+    // The forward without a graph, the recomputation (its gathers kept for the backward that
+    // follows, whatever the strategy), then the reduce-scatters in reverse order.
+    const std::vector<std::string> expected = {
+        "all_gather(f32, 15, \"0.weight\")",  "all_gather(f32, 3, \"0.bias\")",
+        "all_gather(f32, 8, \"2.weight\")",   "all_gather(f32, 2, \"2.bias\")",
+        "all_gather(f32, 15, \"0.weight\")",  "all_gather(f32, 3, \"0.bias\")",
+        "all_gather(f32, 8, \"2.weight\")",   "all_gather(f32, 2, \"2.bias\")",
+        "reduce_scatter(f32, 4, \"2.bias\")", "reduce_scatter(f32, 16, \"2.weight\")",
+        "reduce_scatter(f32, 6, \"0.bias\")", "reduce_scatter(f32, 30, \"0.weight\")"};
+    REQUIRE(calls.size() == expected.size());
+    for (std::size_t i = 0; i < calls.size(); ++i) {
+      CAPTURE(i);
+      CHECK_MESSAGE(calls[i].find(expected[i]) != std::string::npos, calls[i] << " is not " << expected[i]);
+    }
+  }
+}
+
+TEST_CASE("checkpointing lowers the GPT's activation peak by about all but one block's activations") {
+  const nn::GPTConfig config{.vocabulary = 64, .context = 32, .d_model = 32, .layers = 4, .heads = 4};
+  const Tensor tokens = randint({8, 32}, 0, 64, 1);
+  auto peak = [&](bool checkpointing, std::int64_t layers) {
+    nn::manual_seed(1);
+    nn::GPTConfig c = config;
+    c.layers = layers;
+    nn::GPT model(c);
+    model.set_activation_checkpointing(checkpointing);
+    memory::Scope scope;
+    const Tensor loss = nn::cross_entropy(model.forward(tokens), randint({8, 32}, 0, 64, 2));
+    const std::int64_t kept = scope.stats().live_bytes;
+    loss.backward();
+    return std::pair{scope.stats().peak_bytes, kept};
+  };
+  // One block's activations: what a second block adds to the graph's saved tensors.
+  const std::int64_t block = peak(false, 2).second - peak(false, 1).second;
+  const auto [plain, plain_kept] = peak(false, 4);
+  const auto [checkpointed, checkpointed_kept] = peak(true, 4);
+  MESSAGE("one block's activations " << block << " B; peak " << plain << " B plain, " << checkpointed
+                                     << " B checkpointed; kept after forward " << plain_kept << " vs "
+                                     << checkpointed_kept);
+  CHECK(block > 0);
+  CHECK(plain - checkpointed >= (config.layers - 1) * block * 3 / 4);
+}
