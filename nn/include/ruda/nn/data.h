@@ -73,7 +73,8 @@ class IdxImages {
   /// Bytes one requested sample takes in memory (f32 image and i64 label): a rank's data memory is
   /// the samples it holds at once, e.g. local batch * sample_bytes() while it trains.
   std::int64_t sample_bytes() const noexcept;
-  /// Bytes read from the files so far, by this object and its copies.
+  /// Bytes read from the files so far, by this object and its copies (samples close to each
+  /// other are read in one call, with the bytes between them: a batch's labels, for one).
   std::int64_t bytes_read() const noexcept;
 
  private:
