@@ -1,9 +1,16 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
+#include <functional>
 #include <numeric>
 
 #include <ruda/autograd.h>
@@ -18,15 +25,16 @@ namespace {
 
 [[noreturn]] void data_fail(const std::string& path, const std::string& what) { throw IOError(path + ": " + what); }
 
-// The (decompressed) content of a gzip or plain file, up to max_bytes.
-std::vector<std::uint8_t> read_maybe_gzip(const std::string& path, std::uint64_t max_bytes = ~std::uint64_t{0}) {
+// Streams the (decompressed) content of a gzip or plain file, up to max_bytes, to `sink` in pieces.
+void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
+                      const std::function<void(const std::uint8_t*, std::size_t)>& sink) {
   if (!fs::exists(path)) data_fail(path, "no such file");
   gzFile f = gzopen(path.c_str(), "rb");
   if (!f) data_fail(path, "cannot open");
-  std::vector<std::uint8_t> out;
   std::uint8_t buf[1 << 16];
-  while (out.size() < max_bytes) {
-    const int n = gzread(f, buf, static_cast<unsigned>(std::min<std::uint64_t>(sizeof buf, max_bytes - out.size())));
+  std::uint64_t done = 0;
+  while (done < max_bytes) {
+    const int n = gzread(f, buf, static_cast<unsigned>(std::min<std::uint64_t>(sizeof buf, max_bytes - done)));
     if (n < 0) {
       int code = 0;
       const std::string message = gzerror(f, &code);
@@ -34,9 +42,21 @@ std::vector<std::uint8_t> read_maybe_gzip(const std::string& path, std::uint64_t
       data_fail(path, "corrupt or truncated: " + message);
     }
     if (n == 0) break;
-    out.insert(out.end(), buf, buf + n);
+    try {
+      sink(buf, static_cast<std::size_t>(n));
+    } catch (...) {
+      gzclose(f);
+      throw;
+    }
+    done += static_cast<std::uint64_t>(n);
   }
   gzclose(f);
+}
+
+// The (decompressed) content of a gzip or plain file, up to max_bytes.
+std::vector<std::uint8_t> read_maybe_gzip(const std::string& path, std::uint64_t max_bytes = ~std::uint64_t{0}) {
+  std::vector<std::uint8_t> out;
+  read_gzip_stream(path, max_bytes, [&](const std::uint8_t* p, std::size_t n) { out.insert(out.end(), p, p + n); });
   return out;
 }
 
@@ -45,25 +65,241 @@ std::uint32_t big_endian(const std::uint8_t* p) {
 }
 
 // IDX: zero, zero, type 0x08 (unsigned byte), the number of dimensions, the big-endian extents, the data.
-// With `limit`, only the first `limit` items were read: the data must hold exactly those.
-std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& bytes, const std::string& path, int expected_dims,
-                                    std::int64_t limit) {
-  if (bytes.size() < 4) data_fail(path, "truncated IDX header");
-  if (bytes[0] != 0 || bytes[1] != 0 || bytes[2] != 0x08 || bytes[3] != expected_dims) {
+// `head` holds the file's first bytes (at least the header, unless the file is shorter), `file_bytes`
+// its size. With `limit`, only the first `limit` items are used: the data must hold at least those.
+std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::uint64_t file_bytes,
+                                    const std::string& path, int expected_dims, std::int64_t limit) {
+  if (head.size() < 4) data_fail(path, "truncated IDX header");
+  if (head[0] != 0 || head[1] != 0 || head[2] != 0x08 || head[3] != expected_dims) {
     data_fail(path, "not an IDX file of unsigned bytes with " + std::to_string(expected_dims) + " dimensions");
   }
   const std::size_t header = 4 + 4 * static_cast<std::size_t>(expected_dims);
-  if (bytes.size() < header) data_fail(path, "truncated IDX header");
+  if (head.size() < header) data_fail(path, "truncated IDX header");
   std::vector<std::uint32_t> dims;
-  for (int i = 0; i < expected_dims; ++i) dims.push_back(big_endian(bytes.data() + 4 + 4 * i));
+  for (int i = 0; i < expected_dims; ++i) dims.push_back(big_endian(head.data() + 4 + 4 * i));
   if (limit > 0 && limit < static_cast<std::int64_t>(dims[0])) dims[0] = static_cast<std::uint32_t>(limit);
   std::uint64_t count = 1;
   for (auto d : dims) count *= d;
-  if (bytes.size() - header != count) {
-    data_fail(path, "holds " + std::to_string(bytes.size() - header) + " data bytes, its header says " +
-                        std::to_string(count));
+  // (With a limit, bytes past the items used are never read, so they are not counted either.)
+  const std::uint64_t data = limit > 0 ? std::min(file_bytes - header, count) : file_bytes - header;
+  if (data != count) {
+    data_fail(path, "holds " + std::to_string(data) + " data bytes, its header says " + std::to_string(count));
   }
   return dims;
+}
+
+std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& bytes, const std::string& path, int expected_dims,
+                                    std::int64_t limit) {
+  return idx_dims(bytes, bytes.size(), path, expected_dims, limit);
+}
+
+// A file open for positioned reads, closed with its last owner. pread leaves no shared file
+// position behind, so threads (emulated ranks) can read through one descriptor at once.
+class ReadFile {
+ public:
+  explicit ReadFile(const std::string& path) : path_(path) {
+    if (!fs::exists(path)) data_fail(path, "no such file");
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) data_fail(path, std::string("cannot open: ") + std::strerror(errno));
+  }
+  ~ReadFile() { ::close(fd_); }
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+
+  std::uint64_t size() const {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) data_fail(path_, std::string("cannot stat: ") + std::strerror(errno));
+    return static_cast<std::uint64_t>(st.st_size);
+  }
+  // Exactly `n` bytes at `offset`, or an IOError naming `label` (the file as the user knows it).
+  void read(std::uint64_t offset, std::size_t n, std::uint8_t* out, const std::string& label) const {
+    std::size_t done = 0;
+    while (done < n) {
+      const ssize_t got = ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + done));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) data_fail(label, std::string("read failed: ") + std::strerror(errno));
+      if (got == 0) {
+        data_fail(label,
+                  "truncated: ends before byte " + std::to_string(offset + n) + " (changed since it was opened?)");
+      }
+      done += static_cast<std::size_t>(got);
+    }
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
+// One IDX file open for reads of any item: its extents (dims[0] is the items used) and layout.
+struct IdxFile {
+  std::shared_ptr<ReadFile> file;
+  std::string label;  // the name errors give: the user's path, and the cache copy read for it
+  std::vector<std::uint32_t> dims;
+  std::uint64_t header = 0, item = 1;  // bytes before the first item, and bytes per item
+};
+
+IdxFile open_idx(const std::string& path, int expected_dims, std::int64_t limit, const std::string& cache_dir) {
+  IdxFile f;
+  const std::string raw = uncompressed_file(path, cache_dir);
+  f.label = raw == path ? path : path + " (decompressed as " + raw + ")";
+  f.file = std::make_shared<ReadFile>(raw);
+  const std::uint64_t bytes = f.file->size();
+  f.header = 4 + 4 * static_cast<std::uint64_t>(expected_dims);
+  std::vector<std::uint8_t> head(static_cast<std::size_t>(std::min(bytes, f.header)));
+  f.file->read(0, head.size(), head.data(), f.label);
+  f.dims = idx_dims(head, bytes, f.label, expected_dims, limit);
+  for (std::size_t i = 1; i < f.dims.size(); ++i) f.item *= f.dims[i];
+  return f;
+}
+
+// Items less than a page apart are read in one call, with the bytes between them: the kernel
+// copies whole pages anyway, and a call costs a few microseconds (3 us on the 2-core VM). So a
+// batch's 1-byte labels take one read, where 28x28 images take one each. A group stops at
+// kMaxGroupBytes, which bounds the transient buffer.
+constexpr std::uint64_t kMaxGapBytes = 4 << 10, kMaxGroupBytes = 256 << 10;
+
+std::vector<std::uint8_t> read_items(const IdxFile& f, const std::vector<std::int64_t>& picks, const char* op,
+                                     std::atomic<std::int64_t>& read) {
+  const std::int64_t count = f.dims[0];
+  for (const std::int64_t i : picks) {
+    if (i < 0 || i >= count) fail<IndexError>(op, "index ", i, " out of range for ", count, " samples of ", f.label);
+  }
+  std::vector<std::size_t> order(picks.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return picks[a] < picks[b]; });
+  const auto item = static_cast<std::size_t>(f.item);
+  std::vector<std::uint8_t> out(picks.size() * item), group;
+  for (std::size_t first = 0, last; first < order.size(); first = last) {
+    const std::int64_t lo = picks[order[first]];
+    for (last = first + 1; last < order.size(); ++last) {
+      const std::int64_t gap = picks[order[last]] - picks[order[last - 1]] - 1;  // -1 for a repeat
+      const std::int64_t span = picks[order[last]] - lo + 1;
+      if (gap > 0 && static_cast<std::uint64_t>(gap) * item > kMaxGapBytes) break;
+      if (static_cast<std::uint64_t>(span) * item > kMaxGroupBytes) break;
+    }
+    group.resize(static_cast<std::size_t>(picks[order[last - 1]] - lo + 1) * item);
+    f.file->read(f.header + static_cast<std::uint64_t>(lo) * item, group.size(), group.data(), f.label);
+    read += static_cast<std::int64_t>(group.size());
+    for (std::size_t k = first; k < last; ++k) {
+      std::memcpy(out.data() + order[k] * item, group.data() + static_cast<std::size_t>(picks[order[k]] - lo) * item,
+                  item);
+    }
+  }
+  return out;
+}
+
+std::vector<std::int64_t> index_values(const Tensor& indices, const char* op) {
+  if (indices.dtype() != DType::i64) fail<DTypeError>(op, "indices must be i64, got ", dtype_name(indices.dtype()));
+  return indices.to_vector<std::int64_t>();
+}
+
+std::vector<std::int64_t> index_range(std::int64_t first, std::int64_t last, const char* op) {
+  if (first < 0 || last < first) fail<IndexError>(op, "range [", first, ", ", last, ") is not a range of samples");
+  std::vector<std::int64_t> picks(static_cast<std::size_t>(last - first));
+  std::iota(picks.begin(), picks.end(), first);
+  return picks;
+}
+
+// Pixels as load_idx converts them, so that both paths give the same floats bit for bit.
+Tensor pixels_to_f32(const std::uint8_t* pixels, const Shape& shape) {
+  autograd::NoGradGuard guard;
+  Tensor out = empty(shape, DType::f32);
+  auto* dst = static_cast<float*>(out.data_ptr());
+  const std::int64_t n = out.numel();  // (an out-of-line call: in the loop's condition it kept it scalar)
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(pixels[i]) / 255.0f;
+  return out;
+}
+
+Tensor labels_to_i64(const std::vector<std::uint8_t>& labels, const Shape& shape) {
+  autograd::NoGradGuard guard;
+  return from_vector(std::vector<std::int64_t>(labels.begin(), labels.end()), shape);
+}
+
+// A 64-bit FNV-1a hash: stable across runs and builds (std::hash is not), as cache names must be.
+std::uint64_t fnv1a(const std::string& text) {
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  for (const unsigned char c : text) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
+bool is_gzip(const std::string& path) {
+  ReadFile f(path);
+  std::uint8_t magic[2] = {0, 0};
+  if (f.size() < 2) return false;
+  f.read(0, 2, magic, path);
+  return magic[0] == 0x1f && magic[1] == 0x8b;
+}
+
+// The cache copy's name: the source's name without .gz, and a hash of what identifies this version
+// of it (its absolute path, size and modification time), so an edited source gets a new copy.
+std::string cache_name(const std::string& path) {
+  const fs::path source = fs::weakly_canonical(fs::absolute(path));
+  const std::string key = source.string() + "|" + std::to_string(fs::file_size(source)) + "|" +
+                          std::to_string(fs::last_write_time(source).time_since_epoch().count());
+  char hash[17];
+  std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
+  const fs::path name = source.filename();
+  return (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hash;
+}
+
+// Decompresses `source` into `target`, a new file, flushed to disk before the caller renames it.
+void decompress_to(const std::string& source, const std::string& target) {
+  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) data_fail(target, std::string("cannot create: ") + std::strerror(errno));
+  try {
+    read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) {
+      for (std::size_t done = 0; done < n;) {
+        const ssize_t put = ::write(fd, p + done, n - done);
+        if (put < 0 && errno == EINTR) continue;
+        if (put < 0) data_fail(target, std::string("write failed: ") + std::strerror(errno));
+        done += static_cast<std::size_t>(put);
+      }
+    });
+    if (::fsync(fd) != 0) data_fail(target, std::string("fsync failed: ") + std::strerror(errno));
+  } catch (...) {
+    ::close(fd);
+    fs::remove(target);
+    throw;
+  }
+  ::close(fd);
+}
+
+std::vector<std::string> text_files(const std::string& path) {
+  std::vector<std::string> files;
+  if (fs::is_directory(path)) {
+    for (const auto& entry : fs::directory_iterator(path)) {
+      if (!entry.is_regular_file() || entry.is_symlink() || entry.path().extension() == ".dat") continue;
+      files.push_back(entry.path().string());
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    if (!fs::exists(path)) data_fail(path, "no such file or directory");
+    files.push_back(path);
+  }
+  return files;
+}
+
+std::pair<std::string, std::string> fashion_mnist_files(const std::string& directory, bool train) {
+  const std::string prefix = train ? "train" : "t10k";
+  auto find = [&](const std::string& stem) {
+    for (const char* suffix : {".gz", ""}) {
+      const fs::path p = fs::path(directory) / (stem + suffix);
+      if (fs::exists(p)) return p.string();
+    }
+    data_fail((fs::path(directory) / (stem + ".gz")).string(),
+              "no such file (install Debian's dataset-fashion-mnist, or pass the directory holding the IDX files)");
+  };
+  std::string images = find(prefix + "-images-idx3-ubyte");  // images first: errors name them first
+  return {std::move(images), find(prefix + "-labels-idx1-ubyte")};
+}
+
+void check_counts(const std::string& images_path, std::uint32_t images, const std::string& labels_path,
+                  std::uint32_t labels) {
+  if (images != labels) {
+    data_fail(images_path,
+              std::to_string(images) + " images but " + std::to_string(labels) + " labels in " + labels_path);
+  }
 }
 
 }  // namespace
@@ -83,59 +319,140 @@ ImageDataset load_idx(const std::string& images_path, const std::string& labels_
   const auto labels = read(labels_path, 1);
   const auto idims = idx_dims(images, images_path, 3, limit);
   const auto ldims = idx_dims(labels, labels_path, 1, limit);
-  if (idims[0] != ldims[0]) {
-    data_fail(images_path,
-              std::to_string(idims[0]) + " images but " + std::to_string(ldims[0]) + " labels in " + labels_path);
-  }
+  check_counts(images_path, idims[0], labels_path, ldims[0]);
   ImageDataset d;
   d.rows = idims[1];
   d.cols = idims[2];
-  const std::int64_t n = idims[0], pixels = d.rows * d.cols;
-  autograd::NoGradGuard guard;
-  std::vector<float> values(static_cast<std::size_t>(n * pixels));
-  const std::uint8_t* src = images.data() + 16;
-  for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(src[i]) / 255.0f;
-  d.images = from_vector(values, {n, pixels});
-  std::vector<std::int64_t> y(labels.begin() + 8, labels.end());
-  d.labels = from_vector(y, {n});
+  const std::int64_t n = idims[0];
+  d.images = pixels_to_f32(images.data() + 16, {n, d.rows * d.cols});
+  d.labels = labels_to_i64(std::vector<std::uint8_t>(labels.begin() + 8, labels.end()), {n});
   return d;
 }
 
 ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::int64_t limit) {
-  const std::string prefix = train ? "train" : "t10k";
-  auto find = [&](const std::string& stem) {
-    for (const char* suffix : {".gz", ""}) {
-      const fs::path p = fs::path(directory) / (stem + suffix);
-      if (fs::exists(p)) return p.string();
-    }
-    data_fail((fs::path(directory) / (stem + ".gz")).string(),
-              "no such file (install Debian's dataset-fashion-mnist, or pass the directory holding the IDX files)");
-  };
-  const std::string images = find(prefix + "-images-idx3-ubyte");  // images first: errors name them first
-  const std::string labels = find(prefix + "-labels-idx1-ubyte");
+  const auto [images, labels] = fashion_mnist_files(directory, train);
   return load_idx(images, labels, limit);
 }
 
-std::vector<std::uint8_t> load_text_bytes(const std::string& path) {
-  std::vector<std::string> files;
-  if (fs::is_directory(path)) {
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (!entry.is_regular_file() || entry.is_symlink() || entry.path().extension() == ".dat") continue;
-      files.push_back(entry.path().string());
-    }
-    std::sort(files.begin(), files.end());
-  } else {
-    if (!fs::exists(path)) data_fail(path, "no such file or directory");
-    files.push_back(path);
+std::string default_cache_dir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  if (xdg && *xdg == '/') return (fs::path(xdg) / "ruda").string();  // (the spec ignores relative ones)
+  const char* home = std::getenv("HOME");
+  if (home && *home) return (fs::path(home) / ".cache" / "ruda").string();
+  return (fs::temp_directory_path() / "ruda-cache").string();
+}
+
+std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
+  if (!is_gzip(path)) return path;
+  const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
+  const fs::path target = dir / cache_name(path);
+  // Only a rename puts a file at `target`, so one found there is complete.
+  if (fs::exists(target)) return target.string();
+  std::error_code error;
+  fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
+  if (!fs::is_directory(dir)) data_fail(dir.string(), "cannot create the cache directory: " + error.message());
+  // A temporary name no other process or thread uses; an identical copy renamed over by a racing
+  // writer replaces nothing anyone reads, since readers open the final name only once it is complete.
+  static std::atomic<std::uint64_t> counter{0};
+  const std::string temp =
+      target.string() + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
+  decompress_to(path, temp);
+  fs::rename(temp, target, error);
+  if (error) {
+    fs::remove(temp);
+    data_fail(target.string(), "cannot rename the decompressed copy into place: " + error.message());
   }
-  std::vector<std::uint8_t> out;
-  for (const auto& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    if (!in) data_fail(f, "cannot open");
-    out.insert(out.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return target.string();
+}
+
+struct IdxImages::State {
+  IdxFile images, labels;
+  std::atomic<std::int64_t> bytes_read{0};
+};
+
+IdxImages::IdxImages(const std::string& images_path, const std::string& labels_path, std::int64_t limit,
+                     const std::string& cache_dir)
+    : state_(std::make_shared<State>()) {
+  state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
+  state_->labels = open_idx(labels_path, 1, limit, cache_dir);
+  check_counts(images_path, state_->images.dims[0], labels_path, state_->labels.dims[0]);
+}
+
+std::int64_t IdxImages::size() const noexcept { return state_->images.dims[0]; }
+std::int64_t IdxImages::rows() const noexcept { return state_->images.dims[1]; }
+std::int64_t IdxImages::cols() const noexcept { return state_->images.dims[2]; }
+std::int64_t IdxImages::sample_bytes() const noexcept {
+  return rows() * cols() * static_cast<std::int64_t>(sizeof(float)) + static_cast<std::int64_t>(sizeof(std::int64_t));
+}
+std::int64_t IdxImages::bytes_read() const noexcept { return state_->bytes_read.load(); }
+
+Tensor IdxImages::images(const Tensor& indices) const {
+  const auto pixels =
+      read_items(state_->images, index_values(indices, "IdxImages::images"), "IdxImages::images", state_->bytes_read);
+  Shape shape = indices.shape();
+  shape.push_back(rows() * cols());
+  return pixels_to_f32(pixels.data(), shape);
+}
+
+Tensor IdxImages::labels(const Tensor& indices) const {
+  const auto labels =
+      read_items(state_->labels, index_values(indices, "IdxImages::labels"), "IdxImages::labels", state_->bytes_read);
+  return labels_to_i64(labels, indices.shape());
+}
+
+Tensor IdxImages::images(std::int64_t first, std::int64_t last) const {
+  const auto picks = index_range(first, last, "IdxImages::images");
+  return images(from_vector(picks, {last - first}));
+}
+
+Tensor IdxImages::labels(std::int64_t first, std::int64_t last) const {
+  const auto picks = index_range(first, last, "IdxImages::labels");
+  return labels(from_vector(picks, {last - first}));
+}
+
+IdxImages open_fashion_mnist(const std::string& directory, bool train, std::int64_t limit,
+                             const std::string& cache_dir) {
+  const auto [images, labels] = fashion_mnist_files(directory, train);
+  return IdxImages(images, labels, limit, cache_dir);
+}
+
+TextCorpus::TextCorpus(const std::string& path) {
+  for (auto& name : text_files(path)) {
+    const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
+    files_.push_back({std::move(name), size_, bytes});
+    size_ += bytes;
   }
-  if (out.empty()) data_fail(path, "holds no text");
+  if (size_ == 0) data_fail(path, "holds no text");
+}
+
+void TextCorpus::read(std::int64_t pos, std::int64_t len, std::uint8_t* out) const {
+  if (pos < 0 || len < 0 || pos + len > size_) {
+    fail<IndexError>("TextCorpus::read", "bytes [", pos, ", ", pos + len, ") outside the ", size_, " of the corpus");
+  }
+  // The last file starting at or before `pos` holds it (empty files there come before it).
+  auto file =
+      std::upper_bound(files_.begin(), files_.end(), pos, [](std::int64_t p, const File& f) { return p < f.offset; }) -
+      1;
+  for (; len > 0; ++file) {
+    const std::int64_t n = std::min(len, file->offset + file->size - pos);
+    if (n <= 0) continue;
+    ReadFile(file->path)
+        .read(static_cast<std::uint64_t>(pos - file->offset), static_cast<std::size_t>(n), out, file->path);
+    out += n;
+    pos += n;
+    len -= n;
+  }
+}
+
+std::vector<std::uint8_t> TextCorpus::read(std::int64_t pos, std::int64_t len) const {
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(std::max<std::int64_t>(len, 0)));
+  read(pos, len, out.data());
   return out;
+}
+
+std::vector<std::uint8_t> load_text_bytes(const std::string& path) {
+  const TextCorpus corpus(path);
+  return corpus.read(0, corpus.size());
 }
 
 BatchSampler::BatchSampler(std::int64_t dataset_size, std::int64_t global_batch, int rank, int world_size,

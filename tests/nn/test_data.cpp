@@ -1,9 +1,13 @@
 // Datasets and batching: IDX files written here (raw and gzip), text loading, the data-parallel
-// sampler's partition of every global batch, and row gathers.
+// sampler's partition of every global batch, and row gathers; the datasets read from their files at
+// each request (IdxImages, TextCorpus) against the ones loaded whole, their cache and their memory.
+#include <sys/stat.h>
 #include <zlib.h>
 
+#include <cstring>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "helpers.h"
 
@@ -31,6 +35,14 @@ void write_gzip(const std::string& path, const std::vector<std::uint8_t>& bytes)
   REQUIRE(f != nullptr);
   REQUIRE(gzwrite(f, bytes.data(), static_cast<unsigned>(bytes.size())) == static_cast<int>(bytes.size()));
   REQUIRE(gzclose(f) == Z_OK);
+}
+
+// A gzip file of `bytes` with one byte of its deflate stream overwritten.
+void write_corrupt_gzip(const std::string& path, const std::vector<std::uint8_t>& bytes) {
+  write_gzip(path, bytes);
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(12);
+  f.put('\xff');
 }
 
 // Three 2x2 images with pixels 0..11 and labels 7, 8, 9.
@@ -74,12 +86,7 @@ TEST_CASE("IDX files, raw or gzip, whole or the first samples; errors name the f
   write_raw(lab, idx_file({1, 3}, {1, 2, 3}));
   test::check_throws<IOError>([&] { nn::load_idx(img, lab); }, {lab, "not an IDX file", "1 dimensions"});
 
-  auto corrupt = labels();
-  write_gzip(lab, corrupt);
-  std::fstream f(lab, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekp(12);
-  f.put('\xff');  // inside the deflate stream
-  f.close();
+  write_corrupt_gzip(lab, labels());
   CHECK_THROWS_AS(nn::load_idx(img, lab), IOError);
 }
 
@@ -148,4 +155,264 @@ TEST_CASE("take_rows gathers rows of float, integer and boolean tables") {
                                  {"take_rows", "index 3", "3 rows"});
   test::check_throws<DTypeError>([&] { nn::take_rows(labels, from_values({1}, {1})); }, {"take_rows", "f32"});
   test::check_throws<ShapeError>([&] { nn::take_rows(scalar(1.0), idx); }, {"take_rows"});
+}
+
+namespace {
+
+// `count` images of rows x cols pixels and their labels, drawn from `seed` (every byte value occurs).
+std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> random_idx(std::uint32_t count, std::uint64_t seed,
+                                                                           std::uint32_t rows = 3,
+                                                                           std::uint32_t cols = 5) {
+  std::vector<std::uint8_t> pixels(count * rows * cols), labels(count);
+  for (std::size_t i = 0; i < pixels.size(); ++i) {
+    pixels[i] = static_cast<std::uint8_t>(random::uniform_double(seed, i) * 256);
+  }
+  for (std::size_t i = 0; i < labels.size(); ++i) {
+    labels[i] = static_cast<std::uint8_t>(random::uniform_double(seed + 1, i) * 10);
+  }
+  return {idx_file({count, rows, cols}, pixels), idx_file({count}, labels)};
+}
+
+// Random indices into `size` samples, with repeats and a run of consecutive ones (read in one go).
+Tensor some_indices(std::int64_t size, std::int64_t n, std::uint64_t seed) {
+  std::vector<std::int64_t> picks;
+  for (std::int64_t i = 0; i < n; ++i) {
+    picks.push_back(static_cast<std::int64_t>(random::uniform_double(seed, static_cast<std::uint64_t>(i)) * size));
+  }
+  for (std::int64_t i = 0; i < 5 && i < size; ++i) picks.push_back(size - 5 + i);
+  picks.push_back(picks.front());
+  return from_vector(picks, {static_cast<std::int64_t>(picks.size())});
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.dtype() == b.dtype() && a.shape() == b.shape() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+// The random-access dataset gives, bit for bit, the rows of the one loaded whole.
+void check_same_samples(const nn::IdxImages& files, const nn::ImageDataset& loaded, const Tensor& idx) {
+  REQUIRE(files.size() == loaded.size());
+  CHECK(files.rows() == loaded.rows);
+  CHECK(files.cols() == loaded.cols);
+  CHECK(same_bits(files.images(idx), nn::take_rows(loaded.images, idx)));
+  CHECK(same_bits(files.labels(idx), nn::take_rows(loaded.labels, idx)));
+  const std::int64_t lo = files.size() / 3, hi = files.size() - 1;
+  CHECK(same_bits(files.images(lo, hi), loaded.images.slice(0, lo, hi)));
+  CHECK(same_bits(files.labels(lo, hi), loaded.labels.slice(0, lo, hi)));
+}
+
+std::set<std::string> names_in(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
+}
+
+}  // namespace
+
+TEST_CASE("IdxImages reads the samples load_idx loads, bit for bit, from raw and gzip files") {
+  TempDir dir, cache;
+  const auto [img, lab] = random_idx(257, 3);
+  write_raw(dir.str() + "/img", img);
+  write_raw(dir.str() + "/lab", lab);
+  write_gzip(dir.str() + "/img.gz", img);
+  write_gzip(dir.str() + "/lab.gz", lab);
+  for (const std::string suffix : {"", ".gz"}) {
+    CAPTURE(suffix);
+    const std::string i = dir.str() + "/img" + suffix, l = dir.str() + "/lab" + suffix;
+    const nn::IdxImages files(i, l, 0, cache.str());
+    check_same_samples(files, nn::load_idx(i, l), some_indices(257, 300, 11));
+    // A copy shares the files; the first samples only with a limit.
+    const nn::IdxImages limited(i, l, 100, cache.str()), copy = limited;
+    check_same_samples(copy, nn::load_idx(i, l, 100), some_indices(100, 50, 12));
+    test::check_throws<IndexError>(
+        [&] {
+          copy.images(from_vector<std::int64_t>({3, 100}, {2}));
+        },
+        {"IdxImages::images", "index 100", "100 samples", "img"});
+    test::check_throws<IndexError>([&] { copy.labels(from_vector<std::int64_t>({-1}, {1})); }, {"index -1"});
+    test::check_throws<DTypeError>([&] { copy.images(from_values({1}, {1})); }, {"IdxImages::images", "i64"});
+  }
+  // An index tensor of any shape, as take_rows takes.
+  const nn::IdxImages files(dir.str() + "/img.gz", dir.str() + "/lab", 0, cache.str());
+  const Tensor grid = from_vector<std::int64_t>({4, 0, 256, 9}, {2, 2});
+  CHECK(files.images(grid).shape() == Shape{2, 2, 15});
+  CHECK(files.labels(grid).shape() == Shape{2, 2});
+  CHECK(files.images(5, 5).shape() == Shape{0, 15});
+}
+
+TEST_CASE("IdxImages checks its files as load_idx does; errors name the file") {
+  TempDir dir, cache;
+  const std::string img = dir.str() + "/img", lab = dir.str() + "/lab";
+  auto open = [&](std::int64_t limit = 0) { return nn::IdxImages(img, lab, limit, cache.str()); };
+  write_raw(lab, labels());
+  test::check_throws<IOError>([&] { open(); }, {img, "no such file"});
+
+  auto truncated = images();
+  truncated.resize(truncated.size() - 1);
+  write_raw(img, truncated);
+  test::check_throws<IOError>([&] { open(); }, {img, "11 data bytes", "says 12"});
+  CHECK(open(2).size() == 2);  // as load_idx: bytes past the samples used are not asked for
+  write_gzip(img, truncated);  // the same content compressed: named by the user's path, and the copy read
+  test::check_throws<IOError>([&] { open(); }, {img + " (decompressed as " + cache.str(), "11 data bytes"});
+
+  write_raw(img, images());
+  write_raw(lab, idx_file({2}, {1, 2}));
+  test::check_throws<IOError>([&] { open(); }, {img, "3 images but 2 labels", lab});
+  write_raw(lab, idx_file({1, 3}, {1, 2, 3}));
+  test::check_throws<IOError>([&] { open(); }, {lab, "not an IDX file", "1 dimensions"});
+  write_raw(lab, {0, 0, 8});
+  test::check_throws<IOError>([&] { open(); }, {lab, "truncated IDX header"});
+
+  write_corrupt_gzip(lab, labels());
+  test::check_throws<IOError>([&] { open(); }, {lab, "corrupt or truncated"});
+  CHECK(names_in(cache.str()).size() == 1);  // the image file's copy; none for the corrupt one
+}
+
+TEST_CASE("the uncompressed copy of a gzip file is made once, atomically, and reused") {
+  TempDir dir, cache;
+  const std::string raw = dir.str() + "/raw", gz = dir.str() + "/data.gz";
+  std::vector<std::uint8_t> content(3 << 20);  // a few MB: the racing writers below overlap
+  for (std::size_t i = 0; i < content.size(); ++i) content[i] = static_cast<std::uint8_t>(i * 7 + i / 251);
+  write_raw(raw, content);
+  write_gzip(gz, content);
+  CHECK(nn::uncompressed_file(raw, cache.str()) == raw);  // already readable anywhere
+
+  // Threads racing to make the copy all get the same, complete one, and leave no temporary file.
+  const std::string cache_dir = cache.str() + "/made/here";  // made on demand
+  std::vector<std::string> got(4);
+  std::vector<std::thread> racers;
+  for (std::size_t t = 0; t < got.size(); ++t) {
+    racers.emplace_back([&, t] { got[t] = nn::uncompressed_file(gz, cache_dir); });
+  }
+  for (auto& t : racers) t.join();
+  for (const auto& path : got) CHECK(path == got[0]);
+  CHECK(nn::load_text_bytes(got[0]) == content);
+  CHECK(names_in(cache_dir) == std::set<std::string>{std::filesystem::path(got[0]).filename().string()});
+  CHECK(std::filesystem::path(got[0]).filename().string().starts_with("data-"));
+
+  // Found again: the same file, not rewritten; a leftover temporary file of a killed writer is ignored.
+  struct stat before {
+  }, after{};
+  REQUIRE(::stat(got[0].c_str(), &before) == 0);
+  write_raw(got[0] + ".tmp-1-0", {1, 2});
+  CHECK(nn::uncompressed_file(gz, cache_dir) == got[0]);
+  REQUIRE(::stat(got[0].c_str(), &after) == 0);
+  CHECK(before.st_ino == after.st_ino);
+  CHECK(before.st_mtim.tv_nsec == after.st_mtim.tv_nsec);
+
+  // Another version of the source (size, time) gets its own copy.
+  content.resize(1000);
+  write_gzip(gz, content);
+  const std::string changed = nn::uncompressed_file(gz, cache_dir);
+  CHECK(changed != got[0]);
+  CHECK(nn::load_text_bytes(changed) == content);
+  test::check_throws<IOError>([&] { nn::uncompressed_file(dir.str() + "/none.gz", cache_dir); },
+                              {"none.gz", "no such file"});
+}
+
+TEST_CASE("IdxImages on Debian's Fashion-MNIST gives the samples load_fashion_mnist loads") {
+  // Installed by tools/setup (dataset-fashion-mnist); ruda-train's tests need it too.
+  REQUIRE_MESSAGE(std::filesystem::exists(std::string(nn::kFashionMnistDir) + "/t10k-images-idx3-ubyte.gz"),
+                  "Fashion-MNIST is missing: install Debian's dataset-fashion-mnist (tools/setup)");
+  TempDir cache;
+  for (const bool train : {false, true}) {
+    CAPTURE(train);
+    const nn::IdxImages files = nn::open_fashion_mnist(nn::kFashionMnistDir, train, 0, cache.str());
+    const nn::ImageDataset loaded = nn::load_fashion_mnist(nn::kFashionMnistDir, train);
+    CHECK(files.size() == (train ? 60000 : 10000));
+    check_same_samples(files, loaded, some_indices(files.size(), 2000, train ? 21 : 22));
+    CHECK(files.resident_bytes() == 0);
+    CHECK(loaded.resident_bytes() == files.size() * files.sample_bytes());
+  }
+}
+
+TEST_CASE("a rank of two reads, and holds, half of what one rank does") {
+  TempDir dir, cache;
+  const auto [img, lab] = random_idx(8000, 5, 32, 32);
+  write_gzip(dir.str() + "/img.gz", img);
+  write_gzip(dir.str() + "/lab.gz", lab);
+  const std::int64_t batch = 128;
+  // Per rank, as in separate MPI processes: its own files, its part of every global batch of an epoch.
+  auto rank_epoch = [&](int rank, int world) {
+    const nn::IdxImages files(dir.str() + "/img.gz", dir.str() + "/lab.gz", 0, cache.str());
+    nn::BatchSampler sampler(files.size(), batch, rank, world, 9);
+    memory::Scope scope;
+    std::int64_t held = 0;
+    for (std::int64_t b = 0; b < sampler.batches_per_epoch(); ++b) {
+      const Tensor idx = sampler.indices(0, b);
+      const Tensor x = files.images(idx), y = files.labels(idx);
+      held = std::max(held, static_cast<std::int64_t>(x.nbytes() + y.nbytes()));
+    }
+    CHECK(files.resident_bytes() == 0);
+    CHECK(held == sampler.local_batch() * files.sample_bytes());
+    return std::make_pair(files.bytes_read(), scope.stats().peak_bytes);
+  };
+  const auto [one_read, one_peak] = rank_epoch(0, 1);
+  // 62 whole batches of 1024 pixel bytes, plus what is read through between samples a page apart
+  // (the batch's labels mostly: their whole span, 8000 bytes)
+  const std::int64_t delivered = 62 * batch * 1025;
+  CHECK(one_read >= delivered);
+  CHECK(one_read <= delivered * 13 / 10);
+  for (int rank : {0, 1}) {
+    const auto [read, peak] = rank_epoch(rank, 2);
+    CHECK(read * 2 >= one_read * 9 / 10);
+    CHECK(read * 2 <= one_read * 12 / 10);
+    CHECK(peak * 2 >= one_peak * 9 / 10);  // the batch and its index tensor, halved
+    CHECK(peak * 2 <= one_peak * 11 / 10);
+  }
+}
+
+TEST_CASE("TextCorpus reads the bytes of load_text_bytes at any position, across file boundaries") {
+  TempDir dir;
+  write_raw(dir.str() + "/c", {'C', 'c'});
+  write_raw(dir.str() + "/a", {'A', '\n'});
+  write_raw(dir.str() + "/b", {});  // empty: occupies no position
+  write_raw(dir.str() + "/a.dat", {'X'});
+  write_raw(dir.str() + "/d", {'D', 'd', 'D'});
+  std::filesystem::create_symlink(dir.str() + "/a", dir.str() + "/e");  // skipped, as load_text_bytes does
+  const std::string all = "A\nCcDdD";
+  const auto loaded = nn::load_text_bytes(dir.str());
+  CHECK(std::string(loaded.begin(), loaded.end()) == all);
+
+  const nn::TextCorpus corpus(dir.str());
+  CHECK(corpus.size() == 7);
+  CHECK(corpus.files().size() == 4);
+  CHECK(corpus.resident_bytes() == 0);
+  for (std::int64_t pos = 0; pos <= corpus.size(); ++pos) {
+    for (std::int64_t len = 0; pos + len <= corpus.size(); ++len) {
+      const auto got = corpus.read(pos, len);
+      CHECK(std::string(got.begin(), got.end()) == all.substr(pos, len));
+    }
+  }
+  test::check_throws<IndexError>([&] { corpus.read(5, 3); }, {"TextCorpus::read", "[5, 8)", "7"});
+  test::check_throws<IOError>([&] { nn::TextCorpus(dir.str() + "/none"); }, {"none", "no such file"});
+  test::check_throws<IOError>([&] { nn::TextCorpus(dir.str() + "/b"); }, {"/b", "holds no text"});
+  write_raw(dir.str() + "/d", {'D'});  // shrunk since the corpus listed it
+  test::check_throws<IOError>([&] { corpus.read(4, 3); }, {dir.str() + "/d", "truncated"});
+}
+
+TEST_CASE("TextCorpus over Debian's fortunes gives the bytes of its files, concatenated in name order") {
+  const std::string fortunes = "/usr/share/games/fortunes";  // ruda-train lm's default text
+  REQUIRE_MESSAGE(std::filesystem::is_directory(fortunes),
+                  "fortunes are missing: install Debian's fortunes (tools/setup)");
+  // The reference, read independently of both: every regular file but .dat indexes and links, by name.
+  std::vector<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(fortunes)) {
+    if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat") names.push_back(e.path().string());
+  }
+  std::sort(names.begin(), names.end());
+  std::string all;
+  for (const auto& name : names) {
+    std::ifstream in(name, std::ios::binary);
+    all.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  const nn::TextCorpus corpus(fortunes);
+  REQUIRE(corpus.size() == static_cast<std::int64_t>(all.size()));
+  const auto loaded = nn::load_text_bytes(fortunes);
+  CHECK(std::string(loaded.begin(), loaded.end()) == all);
+  for (const auto& file : corpus.files()) {  // a window over every boundary
+    const std::int64_t pos = std::max<std::int64_t>(0, file.offset - 64);
+    const std::int64_t len = std::min<std::int64_t>(129, corpus.size() - pos);
+    const auto got = corpus.read(pos, len);
+    CHECK(std::string(got.begin(), got.end()) == all.substr(pos, len));
+  }
 }
