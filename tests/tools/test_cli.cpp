@@ -3,6 +3,7 @@
 // loadable; a short Fashion-MNIST run learns.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <filesystem>
@@ -217,11 +218,98 @@ TEST_CASE("mpiexec: saved by 3 ranks, resumed by 2 and by 4, training goes on as
   }
 }
 
+TEST_CASE("mpiexec: one rank over its memory limit ends every rank with one error line") {
+  // Rank 1 alone has a limit: below the sharded state (refused before any parameter exists), and
+  // below the measured step (refused by the plan after the probe). Neither hangs the other rank.
+  const std::string args = "mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1";
+  for (const char* limit : {"100kB", "406kB"}) {
+    CAPTURE(limit);
+    const std::string both =
+        std::string(RUDA_MPIEXEC) +
+        " --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 -x ASAN_OPTIONS -x LSAN_OPTIONS" + " -n 1 " +
+        train(args) + " : -n 1 -x RUDA_MEMORY_LIMIT=" + limit + " " + train(args);
+    one_error_line(run(both), {"memory plan: needs", "per rank at 2 ranks", "limit"});
+  }
+}
+
+TEST_CASE("mpiexec: each rank reads only its samples, about half of what one process reads") {
+  TempDir tmp;
+  const std::string args = "mlp --hidden 32 --limit 2048 --test-limit 1000 --batch 64 --epochs 1 --log-every 0 ";
+  REQUIRE(run(train(args + "--metrics " + tmp / "one.jsonl")).exit_code == 0);
+  const Run two = run(mpi_train(2, args + "--metrics " + tmp / "two.jsonl"));
+  REQUIRE_MESSAGE(two.exit_code == 0, two.output);
+  auto last_read = [](const std::string& metrics) {
+    std::ifstream in(metrics);
+    std::string line, last;
+    while (std::getline(in, line)) last = line;
+    return nlohmann::json::parse(last)["data_bytes_read"].get<std::vector<double>>();
+  };
+  const auto one = last_read(tmp / "one.jsonl"), per_rank = last_read(tmp / "two.jsonl");
+  REQUIRE(one.size() == 1);
+  REQUIRE(per_rank.size() == 2);
+  for (double bytes : per_rank) {
+    // Half the samples, and a page-sized neighbourhood of the labels read along with them.
+    CHECK(bytes / one[0] >= 0.45);
+    CHECK(bytes / one[0] <= 0.6);
+  }
+}
+
 TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero exit") {
   one_error_line(run(mpi_train(2, "mlp --data /nonexistent")), {"/nonexistent/train-images-idx3-ubyte.gz"});
   one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
 }
 #endif
+
+TEST_CASE("the memory plan printed before step 1 is within 10% of the measured peak, mlp and lm, 1 to 4 ranks") {
+  TempDir tmp;
+  const std::vector<std::string> models = {
+      "mlp --hidden 64,64 --limit 256 --test-limit 64 --batch 32 --epochs 1",
+      "lm --d-model 32 --layers 2 --heads 2 --context 32 --batch 8 --steps 3 --eval-every 0 --eval-batches 1"};
+  for (const auto& model : models) {
+    for (int ranks : {1, 2, 4}) {
+      CAPTURE(model);
+      CAPTURE(ranks);
+      const std::string metrics = tmp / "plan.jsonl";
+      const Run r =
+          run(train("--emulate " + std::to_string(ranks) + " --log-every 1 --metrics " + metrics + " " + model));
+      REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+      CHECK(r.output.find("memory plan per rank (" + std::to_string(ranks)) != std::string::npos);
+      CHECK(r.output.find("memory: predicted") != std::string::npos);
+      std::ifstream in(metrics);
+      std::string line;
+      bool checked = false;
+      while (std::getline(in, line)) {
+        const auto j = nlohmann::json::parse(line);
+        if (j["step"] != 2) continue;  // the plan covers the steady state: moments made, gradients alive
+        const auto peaks = j["peak_memory_bytes"].get<std::vector<double>>();
+        const double measured = *std::max_element(peaks.begin(), peaks.end());
+        const double predicted = j["predicted_peak_bytes"].get<double>();
+        CHECK(predicted >= 0.9 * measured);
+        CHECK(predicted <= 1.1 * measured);
+        checked = true;
+      }
+      CHECK(checked);
+    }
+  }
+}
+
+TEST_CASE("--memory-limit: a configuration over it is refused before step 1, saying what fits") {
+  const std::string lm = " lm --d-model 64 --layers 4 --heads 2 --context 64 --batch 16 --steps 1 --eval-every 0";
+  // The sharded state alone is over: refused before any parameter is allocated.
+  const Run state = run(train("--memory-limit 300kB" + lm));
+  one_error_line(state, {"memory plan: needs at least", "at 1 rank", "limit 300 KB", "fits at"});
+  CHECK(state.output.find("memory plan per rank") == std::string::npos);
+  // The measured step is over: the plan names the world size that fits, and the recomputing blocks.
+  const Run step = run(train("--emulate 2 --memory-limit 6MB" + lm));
+  one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "fits at 8 ranks",
+                        "or at 2 with --activation-checkpointing"});
+  // ... which then runs, within the limit.
+  const Run fits = run(train("--emulate 2 --memory-limit 6MB" + lm + " --activation-checkpointing"));
+  CHECK_MESSAGE(fits.exit_code == 0, fits.output);
+  one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
+  // The environment variable is the same limit.
+  one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});
+}
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {
   TempDir tmp;

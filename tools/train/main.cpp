@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <numbers>
+#include <optional>
 #include <tuple>
 
 #include <ruda/nn.h>
@@ -47,6 +48,8 @@ struct Config {
   int emulate = 0;
   std::int64_t log_every = 100;
   bool check_collectives = false;
+  std::int64_t memory_limit = 0;  // bytes per rank; 0: RUDA_MEMORY_LIMIT or none
+  bool activation_checkpointing = false;
   // mlp
   std::string data = nn::kFashionMnistDir;
   std::vector<std::int64_t> hidden = {1024, 1024};
@@ -118,22 +121,32 @@ struct Task {
   /// Evaluation after `step`, or an empty object when none is due.
   virtual json evaluate(std::int64_t step, bool final) = 0;
   virtual void after_training() {}
+  /// This rank's loss on `local_batch` samples of the first step, for measuring a step's memory.
+  virtual Tensor probe_loss(std::int64_t local_batch) = 0;
+  /// Whether the model can recompute its blocks in backward (--activation-checkpointing).
+  virtual bool can_checkpoint_activations() const { return false; }
+  virtual void set_activation_checkpointing(bool) {}
+  /// Bytes this process has read from the data files so far (each rank reads only its samples).
+  virtual std::int64_t data_bytes_read() const = 0;
 };
 
 DType compute_dtype(const Config& c) { return parse_dtype(c.dtype); }
 
-// Fashion-MNIST, loaded once per process: emulated ranks share it (it is only read).
-std::pair<nn::ImageDataset, nn::ImageDataset> datasets(const Config& cfg) {
+// Fashion-MNIST, opened once per process: emulated ranks share the open files (and the one
+// decompression of a gzip file into the cache). Each rank reads only the samples it uses.
+struct ImageData {
+  nn::IdxImages train, test;
+};
+ImageData datasets(const Config& cfg) {
   static std::mutex mutex;
-  static std::map<std::string, std::pair<nn::ImageDataset, nn::ImageDataset>> cache;
+  static std::map<std::string, ImageData> cache;
   std::lock_guard lock(mutex);
   const std::string key = cfg.data + "|" + std::to_string(cfg.limit) + "|" + std::to_string(cfg.test_limit);
   auto it = cache.find(key);
   if (it == cache.end()) {
-    memory::Scope untracked;  // shared data is not any one rank's memory
-    nn::ImageDataset train = nn::load_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
-    nn::ImageDataset test = nn::load_fashion_mnist(cfg.data, false, cfg.test_limit);
-    it = cache.emplace(key, std::make_pair(std::move(train), std::move(test))).first;
+    nn::IdxImages train = nn::open_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
+    nn::IdxImages test = nn::open_fashion_mnist(cfg.data, false, cfg.test_limit);
+    it = cache.emplace(key, ImageData{std::move(train), std::move(test)}).first;
   }
   return it->second;
 }
@@ -141,15 +154,17 @@ std::pair<nn::ImageDataset, nn::ImageDataset> datasets(const Config& cfg) {
 struct MlpTask : Task {
   const Config& cfg;
   Communicator& comm;
-  nn::ImageDataset train, test;
+  nn::IdxImages train, test;
   std::shared_ptr<nn::Sequential> model;
   std::unique_ptr<nn::BatchSampler> sampler;
 
-  MlpTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
-    std::tie(train, test) = datasets(cfg);
+  MlpTask(const Config& c, Communicator& comm_) : MlpTask(c, comm_, datasets(c)) {}
+  MlpTask(const Config& c, Communicator& comm_, ImageData data)
+      : cfg(c), comm(comm_), train(std::move(data.train)), test(std::move(data.test)) {
     nn::manual_seed(cfg.seed);
+    nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
     model = std::make_shared<nn::Sequential>();
-    std::int64_t in = train.rows * train.cols;
+    std::int64_t in = train.rows() * train.cols();
     for (std::int64_t h : cfg.hidden) {
       model->push_back(std::make_shared<nn::Linear>(in, h));
       model->push_back(std::make_shared<nn::ReLU>());
@@ -161,7 +176,7 @@ struct MlpTask : Task {
   std::string description() const override {
     // (built with += rather than "mlp " + ...: GCC 12 warns falsely on that form, bug 105329)
     std::string d = "mlp ";
-    d += std::to_string(train.rows * train.cols);
+    d += std::to_string(train.rows() * train.cols());
     for (auto h : cfg.hidden) {
       d += '-';
       d += std::to_string(h);
@@ -169,6 +184,7 @@ struct MlpTask : Task {
     return d + "-10";
   }
   nn::Module& module() override { return *model; }
+  std::int64_t data_bytes_read() const override { return train.bytes_read() + test.bytes_read(); }
   std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
   std::int64_t samples_per_step() const override { return cfg.batch; }
   std::map<std::string, std::string> data_stream() const override {
@@ -181,31 +197,40 @@ struct MlpTask : Task {
   }
   Tensor loss(std::int64_t step) override {
     const std::int64_t per_epoch = sampler->batches_per_epoch();
-    const Tensor idx = sampler->indices(step / per_epoch, step % per_epoch);
-    const Tensor logits = model->forward(nn::take_rows(train.images, idx));
-    return nn::cross_entropy(cast(logits, DType::f32), nn::take_rows(train.labels, idx),
-                             {.reduction = nn::LossReduction::sum}) /
+    return loss_of(sampler->indices(step / per_epoch, step % per_epoch));
+  }
+  Tensor probe_loss(std::int64_t local_batch) override {
+    return loss_of(arange(0, static_cast<double>(local_batch), 1, DType::i64));
+  }
+  Tensor loss_of(const Tensor& idx) {
+    const Tensor logits = model->forward(train.images(idx));
+    return nn::cross_entropy(cast(logits, DType::f32), train.labels(idx), {.reduction = nn::LossReduction::sum}) /
            static_cast<double>(cfg.batch);
   }
   json evaluate(std::int64_t step, bool final) override {
     const bool epoch_end = (step + 1) % sampler->batches_per_epoch() == 0;
     if (!epoch_end && !final) return {};
     // Each rank scores an equal share of the test set (padded; padding rows are not counted), so
-    // every rank runs the same number of forward passes and so the same collectives.
+    // every rank runs the same number of forward passes and so the same collectives. Chunks of the
+    // local training batch keep evaluation within the memory a training step was planned with.
     autograd::NoGradGuard guard;
     const std::int64_t n = test.size(), world = comm.world_size();
-    const std::int64_t share = (n + world - 1) / world, chunk = 1000;
+    const std::int64_t share = (n + world - 1) / world, chunk = cfg.batch / world;
     double correct = 0, loss_sum = 0;
     for (std::int64_t first = 0; first < share; first += chunk) {
       const std::int64_t lo = std::min(n, comm.rank() * share + first);
       const std::int64_t hi = std::min(n, std::min(comm.rank() * share + share, comm.rank() * share + first + chunk));
       const std::int64_t rows = std::min(chunk, share - first);
-      Tensor x = zeros({rows, test.rows * test.cols});
-      if (hi > lo) x = slice_assign(x, 0, 0, hi - lo, test.images.slice(0, lo, hi));
+      // Only a last, short chunk is padded (with zero rows that are not counted).
+      Tensor x = hi > lo ? test.images(lo, hi) : Tensor();
+      if (hi - lo < rows) {
+        const Tensor padding = zeros({rows - (hi - lo), test.rows() * test.cols()});
+        x = x.defined() ? concat({x, padding}, 0) : padding;
+      }
       const Tensor logits = cast(model->forward(x), DType::f32);
       if (hi > lo) {
         const Tensor real = logits.slice(0, 0, hi - lo);
-        const Tensor labels = test.labels.slice(0, lo, hi);
+        const Tensor labels = test.labels(lo, hi);
         correct += sum(eq(argmax(real, 1), labels).to(DType::f64)).item();
         loss_sum += nn::cross_entropy(real, labels, {.reduction = nn::LossReduction::sum}).item();
       }
@@ -218,24 +243,25 @@ struct MlpTask : Task {
 struct LmTask : Task {
   const Config& cfg;
   Communicator& comm;
-  std::vector<std::uint8_t> bytes;
-  std::int64_t train_end = 0;
+  nn::TextCorpus corpus;  // the text's files: each rank reads only its windows
+  std::int64_t train_end = 0, bytes_read = 0;
   std::shared_ptr<nn::GPT> model;
 
-  LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
-    bytes = nn::load_text_bytes(cfg.text);
-    train_end = static_cast<std::int64_t>(bytes.size()) * 9 / 10;
-    if (static_cast<std::int64_t>(bytes.size()) - train_end < cfg.context + 2 || train_end < cfg.context + 2) {
-      throw IOError(cfg.text + ": " + std::to_string(bytes.size()) + " bytes are too few for context " +
+  LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_), corpus(c.text) {
+    train_end = corpus.size() * 9 / 10;
+    if (corpus.size() - train_end < cfg.context + 2 || train_end < cfg.context + 2) {
+      throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
                     std::to_string(cfg.context));
     }
     nn::manual_seed(cfg.seed);
+    nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
     model = std::make_shared<nn::GPT>(nn::GPTConfig{.vocabulary = 256,
                                                     .context = cfg.context,
                                                     .d_model = cfg.d_model,
                                                     .layers = cfg.layers,
                                                     .heads = cfg.heads,
                                                     .tied_head = !cfg.untied});
+    model->set_activation_checkpointing(cfg.activation_checkpointing);
   }
   std::string description() const override {
     return "lm vocab=256 context=" + std::to_string(cfg.context) + " d=" + std::to_string(cfg.d_model) +
@@ -243,6 +269,7 @@ struct LmTask : Task {
            (cfg.untied ? " untied" : " tied");
   }
   nn::Module& module() override { return *model; }
+  std::int64_t data_bytes_read() const override { return bytes_read; }
   std::int64_t total_steps() const override { return cfg.steps; }
   std::int64_t samples_per_step() const override { return cfg.batch; }
   std::string where(std::int64_t) const override { return ""; }
@@ -256,30 +283,37 @@ struct LmTask : Task {
                                     std::int64_t batch) {
     const std::int64_t local = batch / comm.world_size(), t = cfg.context;
     std::vector<std::int64_t> x(static_cast<std::size_t>(local * t)), y(x.size());
+    std::vector<std::uint8_t> window(static_cast<std::size_t>(t + 1));
     for (std::int64_t i = 0; i < local; ++i) {
       const std::int64_t sample = step * batch + comm.rank() * local + i;
       const double u = random::uniform_double(stream, static_cast<std::uint64_t>(sample));
       const std::int64_t pos = begin + static_cast<std::int64_t>(u * static_cast<double>(end - begin - t - 1));
+      corpus.read(pos, t + 1, window.data());
+      bytes_read += t + 1;
       for (std::int64_t j = 0; j < t; ++j) {
-        x[i * t + j] = bytes[pos + j];
-        y[i * t + j] = bytes[pos + j + 1];
+        x[i * t + j] = window[j];
+        y[i * t + j] = window[j + 1];
       }
     }
     return {from_vector(x, {local, t}), from_vector(y, {local, t})};
   }
-  Tensor loss(std::int64_t step) override {
-    const auto [x, y] = windows(0, train_end, cfg.seed, step, cfg.batch);
+  Tensor loss(std::int64_t step) override { return loss_on(step, cfg.batch); }
+  Tensor probe_loss(std::int64_t local_batch) override { return loss_on(0, local_batch * comm.world_size()); }
+  Tensor loss_on(std::int64_t step, std::int64_t global_batch) {
+    const auto [x, y] = windows(0, train_end, cfg.seed, step, global_batch);
     const Tensor logits = model->forward(x);
     return nn::cross_entropy(cast(logits, DType::f32), y, {.reduction = nn::LossReduction::sum}) /
            static_cast<double>(cfg.batch * cfg.context);
   }
+  bool can_checkpoint_activations() const override { return true; }
+  void set_activation_checkpointing(bool on) override { model->set_activation_checkpointing(on); }
   json evaluate(std::int64_t step, bool final) override {
     if (!final && (cfg.eval_every <= 0 || (step + 1) % cfg.eval_every != 0)) return {};
     autograd::NoGradGuard guard;
     double loss_sum = 0;
     for (std::int64_t b = 0; b < cfg.eval_batches; ++b) {
       // Fixed validation windows (their own stream), the same at every evaluation.
-      const auto [x, y] = windows(train_end, static_cast<std::int64_t>(bytes.size()), cfg.seed ^ 0x5eed, b, cfg.batch);
+      const auto [x, y] = windows(train_end, corpus.size(), cfg.seed ^ 0x5eed, b, cfg.batch);
       loss_sum +=
           nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
     }
@@ -323,6 +357,63 @@ struct LmTask : Task {
   }
 };
 
+// --- the memory plan ---
+
+// "needs ~1.9 GB per rank at 1 rank; limit 256 MB; fits at 8 ranks, or at 4 with --activation-checkpointing"
+std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, std::int64_t batch,
+                    const std::optional<nn::StepProbe>& probe, const std::optional<nn::StepProbe>& checkpointed,
+                    const nn::PlanOptions& options) {
+  const int world = plan.world_size;
+  std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
+                    memory::format_bytes(plan.peak()) + " per rank at " + std::to_string(world) +
+                    (world == 1 ? " rank" : " ranks") +
+                    (plan.measured() ? "" : " before activations (parameters, gradients and optimizer state)") +
+                    "; limit " + memory::format_bytes(limit);
+  const int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
+  out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +
+                        " ranks"
+                  : "; fits at no world size with --batch " + std::to_string(batch);
+  if (checkpointed) {
+    const int with = nn::smallest_fitting_world(task.module(), batch, checkpointed, limit, options);
+    if (with > 0 && (fits == 0 || with < fits))
+      out += ", or at " + std::to_string(with) + " with --activation-checkpointing";
+  }
+  return out;
+}
+
+// Before any parameter exists: refuses a configuration whose sharded state alone exceeds the limit.
+void check_state_fits(const Config& cfg, Communicator& comm, Task& task, const nn::PlanOptions& options) {
+  const std::int64_t limit = memory::limit();
+  const nn::MemoryPlan state = nn::plan_state(task.module(), comm.world_size(), cfg.batch, options);
+  if (limit > 0 && state.peak() > limit) {
+    throw OutOfMemoryError(refusal(task, state, limit, cfg.batch, std::nullopt, std::nullopt, options));
+  }
+}
+
+// With the shards in place: measures a step on 1 and 2 samples and returns the plan, with the
+// refusal of a configuration over this rank's limit naming what would fit (probing the recomputing
+// blocks too when that could help). Collective: every rank runs the same probes whatever its own
+// limit says, and the caller agrees on the refusal.
+std::pair<nn::MemoryPlan, std::string> measure_plan(const Config& cfg, Communicator& comm, Task& task,
+                                                    const nn::PlanOptions& options) {
+  auto probe = [&] { return nn::probe_step(task.module(), comm, [&](std::int64_t b) { return task.probe_loss(b); }); };
+  const nn::StepProbe measured = probe();
+  const nn::MemoryPlan plan = nn::plan_memory(task.module(), comm.world_size(), cfg.batch, measured, options);
+  const std::int64_t limit = memory::limit();
+  const bool over = limit > 0 && plan.peak() > limit;
+  const double any_over = autograd::no_grad([&] {
+    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item();
+  });
+  if (any_over == 0) return {plan, ""};
+  std::optional<nn::StepProbe> checkpointed;
+  if (task.can_checkpoint_activations() && !cfg.activation_checkpointing) {
+    task.set_activation_checkpointing(true);
+    checkpointed = probe();
+    task.set_activation_checkpointing(false);
+  }
+  return {plan, over ? refusal(task, plan, limit, cfg.batch, measured, checkpointed, options) : ""};
+}
+
 // --- the training loop ---
 
 void run(const Config& cfg, Communicator& comm) {
@@ -334,8 +425,15 @@ void run(const Config& cfg, Communicator& comm) {
   std::unique_ptr<Task> task;
   std::unique_ptr<nn::Optimizer> optimizer;
   std::int64_t start_step = 0;
+  nn::MemoryPlan plan;
   const auto begin = std::chrono::steady_clock::now();
 
+  nn::ShardPolicy policy;
+  policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
+  if (compute_dtype(cfg) != DType::f32) policy.compute_dtype = compute_dtype(cfg);
+  const nn::PlanOptions plan_options{.optimizer_states = 2, .compute_dtype = policy.compute_dtype};
+  // Without collectives: the options, the data, the model (deferred: no parameter is allocated)
+  // and whether its sharded state alone fits the limit.
   setup_phase(comm, [&] {
     if (!cfg.backend.empty()) set_default_backend(cfg.backend);
     if (cfg.batch % comm.world_size() != 0) {
@@ -344,10 +442,15 @@ void run(const Config& cfg, Communicator& comm) {
     }
     task = cfg.model == "mlp" ? std::unique_ptr<Task>(std::make_unique<MlpTask>(cfg, comm))
                               : std::unique_ptr<Task>(std::make_unique<LmTask>(cfg, comm));
-    nn::ShardPolicy policy;
-    policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
-    if (compute_dtype(cfg) != DType::f32) policy.compute_dtype = compute_dtype(cfg);
-    nn::fully_shard(task->module(), comm, policy);
+    check_state_fits(cfg, comm, *task, plan_options);
+  });
+  // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
+  // one rank here (an allocation past the limit) ends the job rather than being agreed on.
+  nn::fully_shard(task->module(), comm, policy);
+  std::string refused;
+  std::tie(plan, refused) = measure_plan(cfg, comm, *task, plan_options);
+  setup_phase(comm, [&] {
+    if (!refused.empty()) throw OutOfMemoryError(refused);
     optimizer = std::make_unique<nn::AdamW>(task->module().parameters(),
                                             nn::AdamWOptions{.lr = cfg.lr, .weight_decay = cfg.weight_decay});
     const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
@@ -384,8 +487,10 @@ void run(const Config& cfg, Communicator& comm) {
   if (main_rank) {
     std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
               << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "")
-              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy << ", "
-              << total - start_step << " steps" << std::endl;
+              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy
+              << (cfg.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
+              << " steps" << std::endl;
+    std::cout << plan.table(memory::limit()) << std::flush;
   }
   const nn::Schedule schedule = cfg.schedule == "cosine"
                                     ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
@@ -395,10 +500,24 @@ void run(const Config& cfg, Communicator& comm) {
   const auto params = task->module().parameters();
   double rate = 0, last_loss = 0;
   json last_eval;
-  auto peaks = [&] {
-    return comm.all_gather(scalar(static_cast<double>(memory::stats().peak_bytes), DType::f64).reshape({1}))
-        .to_vector<double>();
+  // Per rank: the peak tensor bytes, and the data bytes read (one all-gather for both).
+  auto per_rank = [&] {
+    const auto both = comm.all_gather(from_values({static_cast<double>(memory::stats().peak_bytes),
+                                                   static_cast<double>(task->data_bytes_read())},
+                                                  {2}, DType::f64))
+                          .to_vector<double>();
+    std::pair<std::vector<double>, std::vector<double>> out;
+    for (std::size_t i = 0; i < both.size(); i += 2) {
+      out.first.push_back(both[i]);
+      out.second.push_back(both[i + 1]);
+    }
+    return out;
   };
+  auto peaks = [&] { return per_rank().first; };
+  // Predicted against measured once the state is complete (the optimizer's moments appear in the
+  // first step, the gradients live on into the second).
+  const std::int64_t plan_check_step = std::min(start_step + 2, total);
+  memory::reset_peak();
   auto save = [&](std::int64_t step) {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
@@ -425,17 +544,31 @@ void run(const Config& cfg, Communicator& comm) {
     progress.step(step, task->where(step), last_loss, rate);
     if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0)
       save(step + 1);
+    if (step + 1 == plan_check_step) {
+      const auto peak = peaks();
+      if (main_rank) {
+        const double measured = *std::max_element(peak.begin(), peak.end());
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "memory: predicted %s per rank, measured %s (largest rank; %.2f of predicted)",
+                      memory::format_bytes(plan.peak()).c_str(),
+                      memory::format_bytes(static_cast<std::int64_t>(measured)).c_str(),
+                      measured / static_cast<double>(plan.peak()));
+        progress.line(buf);
+      }
+    }
     const bool final = step + 1 == total;
     json eval = task->evaluate(step, final);
     const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
     if (log) {
-      const auto peak = peaks();
+      const auto [peak, data_read] = per_rank();
       if (main_rank) {
         json record = {{"step", step + 1},
                        {"loss", last_loss},
                        {"lr", optimizer->lr()},
                        {"samples_per_s", rate},
-                       {"peak_memory_bytes", peak}};
+                       {"peak_memory_bytes", peak},
+                       {"predicted_peak_bytes", plan.peak()},
+                       {"data_bytes_read", data_read}};
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
         for (auto& [k, v] : eval.items()) record[k] = v;
@@ -526,6 +659,18 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--check-collectives", cfg.check_collectives,
                "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
+  app.add_option_function<std::string>(
+         "--memory-limit",
+         [&](const std::string& text) {
+           try {
+             cfg.memory_limit = memory::parse_size(text);
+           } catch (const ArgumentError& e) {
+             throw CLI::ValidationError("--memory-limit", e.what());
+           }
+         },
+         "Tensor bytes per rank, e.g. 512MB, 2GiB (default: RUDA_MEMORY_LIMIT, else none). The plan printed "
+         "before step 1 must fit, and an allocation past it is an error")
+      ->type_name("SIZE");
 
   auto* mlp =
       app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
@@ -544,6 +689,8 @@ int main(int argc, char** argv) {
   lm->add_option("--d-model", cfg.d_model, "Model width")->check(CLI::PositiveNumber);
   lm->add_option("--layers", cfg.layers, "Transformer blocks")->check(CLI::PositiveNumber);
   lm->add_option("--heads", cfg.heads, "Attention heads")->check(CLI::PositiveNumber);
+  lm->add_flag("--activation-checkpointing", cfg.activation_checkpointing,
+               "Keep only each block's input through the forward pass and recompute the block in backward");
   lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
   lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(CLI::NonNegativeNumber);
   lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(CLI::PositiveNumber);
@@ -576,6 +723,7 @@ int main(int argc, char** argv) {
   if (cfg.resume_latest && !fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) cfg.resume_latest = false;
 
   try {
+    if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit);
     if (cfg.emulate > 0) {
       if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
       run_ranks(cfg.emulate, [&](Communicator& comm) { run(cfg, comm); });
@@ -601,7 +749,8 @@ int main(int argc, char** argv) {
   } catch (const Reported&) {
     return 1;
   } catch (const std::exception& e) {
-    print_error(e.what());
+    // Past the agreed setup only the failing rank reports: name it.
+    print_error((launched_by_mpi() ? "rank " + std::to_string(launcher_rank()) + ": " : std::string()) + e.what());
 #ifdef RUDA_TRAIN_WITH_MPI
     // A failure on one MPI rank in the middle of training: end the whole job, never a hang.
     if (launched_by_mpi() && MpiEnvironment::active()) return mpi_abort_on_exception([&]() -> int { throw; });

@@ -7,6 +7,7 @@
 #include <ruda/nn/init.h>
 #include <ruda/nn/layers.h>
 #include <ruda/nn/losses.h>
+#include <ruda/nn/memory_plan.h>
 #include <ruda/nn/module.h>
 #include <ruda/nn/optim.h>
 #include <ruda/nn/recompute.h>

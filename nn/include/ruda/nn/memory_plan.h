@@ -1,0 +1,75 @@
+// Planning a rank's memory before the first step (ZeRO-3's contract made concrete).
+//
+// Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state (AdamW: two
+// moments per element), 16 bytes per f32 element over N ranks, plus, while a step runs, the
+// weights gathered for the layer computing, their full gradients, and the activations kept for
+// backward. The state part follows from shapes alone, so it is known for a model built under
+// DeferredInit before anything is allocated. The step part depends on the model's code: it is
+// measured by running the step's forward and backward on micro-batches of 1 and 2 samples
+// (probe_step) and extrapolated linearly in the local batch, which activations are.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include <ruda/collectives.h>
+#include <ruda/nn/module.h>
+
+namespace ruda::nn {
+
+struct PlanOptions {
+  /// Optimizer tensors per parameter element, each of the parameter's dtype (AdamW: 2, SGD with
+  /// momentum: 1, SGD: 0).
+  int optimizer_states = 2;
+  /// The dtype gathers move and layers compute in (default: each parameter's own).
+  std::optional<DType> compute_dtype;
+};
+
+/// The transient bytes of a training step above the state held before it, as measured on this
+/// rank: `fixed` + `per_sample` x local batch (the largest over the ranks).
+struct StepProbe {
+  std::int64_t fixed = 0;
+  std::int64_t per_sample = 0;
+  std::int64_t at(std::int64_t local_batch) const { return fixed + per_sample * local_batch; }
+};
+
+/// Per-rank bytes at one world size.
+struct MemoryPlan {
+  int world_size = 1;
+  std::int64_t local_batch = 0;
+  std::int64_t parameters = 0;  // this rank's slices of every parameter
+  std::int64_t gradients = 0;   // their gradients (alive from the first backward on)
+  std::int64_t optimizer = 0;   // the optimizer's state
+  std::int64_t gathered = 0;    // the largest gathered weight with its full gradient: the least a step adds
+  std::int64_t step = -1;       // measured transient of a step (gathered weights + activations + batch); -1: unknown
+  /// The predicted peak: the state plus the step (or, unmeasured, plus `gathered` only: a lower bound).
+  std::int64_t peak() const { return parameters + gradients + optimizer + (step >= 0 ? step : gathered); }
+  bool measured() const { return step >= 0; }
+  /// A short table, one line per part, and the total against `limit` (0: none).
+  std::string table(std::int64_t limit = 0) const;
+};
+
+/// The state part of the plan for `world_size` ranks from shapes alone (works on deferred
+/// parameters; allocates nothing). `step` stays unknown.
+MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options = {});
+
+/// Measures a step's transient bytes: `step(b)` must compute this rank's loss on b samples and
+/// return it; probe_step runs its backward like a training step (gradients of the previous
+/// micro-batch alive during the forward, freed before backward) at b = 1 and b = 2, takes the
+/// largest figures over the ranks (a collective: every rank must call it), and leaves every
+/// gradient cleared and the peak counter reset. Parameters are not changed. The memory limit is
+/// suspended while it measures (micro-batches of 1 and 2 samples are small; the plan decides).
+StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step);
+
+/// The plan at `world_size` with the measured step at that world size's local batch.
+MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
+                       const PlanOptions& options = {});
+
+/// The smallest world size in 1..max_world that divides global_batch and whose plan fits
+/// `limit`, or 0 if none does.
+int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
+                           std::int64_t limit, const PlanOptions& options = {}, int max_world = 1024);
+
+}  // namespace ruda::nn

@@ -1,0 +1,95 @@
+#include <algorithm>
+#include <cstdio>
+
+#include <ruda/autograd.h>
+#include <ruda/memory.h>
+#include <ruda/nn/memory_plan.h>
+
+namespace ruda::nn {
+
+MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
+  if (world_size <= 0) fail<ArgumentError>("plan_state", "world size must be positive, got ", world_size);
+  MemoryPlan plan;
+  plan.world_size = world_size;
+  plan.local_batch = global_batch / world_size;
+  for (const auto& [name, p] : module.named_parameters()) {
+    const std::int64_t numel = shape_numel(p.shape());
+    const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
+    const std::int64_t shard = (numel + world_size - 1) / world_size * item;
+    plan.parameters += shard;
+    plan.gradients += shard;
+    plan.optimizer += options.optimizer_states * shard;
+    const auto compute = static_cast<std::int64_t>(dtype_size(options.compute_dtype.value_or(p.dtype())));
+    plan.gathered = std::max(plan.gathered, 2 * numel * compute);
+  }
+  return plan;
+}
+
+StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step) {
+  // The measurement decides whether the configuration fits: it must not fail on the limit itself.
+  memory::LimitSuspended measuring;
+  // The transient above what is live before the forward, with the previous micro-batch's
+  // gradients alive during it as in a training loop (loss, zero_grad, backward).
+  auto transient = [&](std::int64_t samples) {
+    memory::reset_peak();
+    const std::int64_t before = memory::stats().live_bytes;
+    const Tensor loss = step(samples);
+    module.zero_grad();
+    loss.backward();
+    return memory::stats().peak_bytes - before;
+  };
+  transient(1);  // once first, so that gradients exist as they do from the second step on
+  const std::int64_t one = transient(1), two = transient(2);
+  module.zero_grad();
+  memory::reset_peak();
+  // Every rank plans with the largest figures (ranks differ by padding and by their samples).
+  autograd::NoGradGuard guard;
+  const auto worst =
+      comm.all_reduce(from_values({static_cast<double>(one), static_cast<double>(two - one)}, {2}, DType::f64),
+                      Reduction::max, {.tag = "memory plan"})
+          .to_vector<double>();
+  const auto per_sample = std::max<std::int64_t>(0, static_cast<std::int64_t>(worst[1]));
+  return {static_cast<std::int64_t>(worst[0]) - per_sample, per_sample};
+}
+
+MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
+                       const PlanOptions& options) {
+  MemoryPlan plan = plan_state(module, world_size, global_batch, options);
+  plan.step = probe.at(plan.local_batch);
+  return plan;
+}
+
+int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
+                           std::int64_t limit, const PlanOptions& options, int max_world) {
+  for (int world = 1; world <= max_world; ++world) {
+    if (global_batch % world != 0) continue;
+    const MemoryPlan plan = probe ? plan_memory(module, world, global_batch, *probe, options)
+                                  : plan_state(module, world, global_batch, options);
+    if (limit <= 0 || plan.peak() <= limit) return world;
+  }
+  return 0;
+}
+
+std::string MemoryPlan::table(std::int64_t limit) const {
+  std::string out;
+  auto row = [&](const char* what, std::int64_t bytes, const std::string& note) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "  %-12s %10s  %s\n", what, memory::format_bytes(bytes).c_str(), note.c_str());
+    out += buf;
+  };
+  const std::string share = world_size > 1 ? "1/" + std::to_string(world_size) + " of each" : "whole";
+  out += "memory plan per rank (" + std::to_string(world_size) + (world_size > 1 ? " ranks" : " rank") +
+         ", local batch " + std::to_string(local_batch) + "):\n";
+  row("parameters", parameters, share);
+  row("gradients", gradients, share);
+  row("optimizer", optimizer, share);
+  if (measured()) {
+    row("step", step, "gathered weights, activations, batch (measured at 1 and 2 samples)");
+  } else {
+    row("step", gathered, "at least: the largest gathered weight and its gradient (activations not measured)");
+  }
+  row(measured() ? "peak" : "peak, at least", peak(), limit > 0 ? "limit " + memory::format_bytes(limit) : "no limit");
+  return out;
+}
+
+}  // namespace ruda::nn
