@@ -100,7 +100,7 @@ void memory_scale_suite(Context& ctx) {
   // Planned against measured (the peak over two training steps), for ruda-train's default GPT.
   for (int world : {1, 2, 4, 8}) {
     const Figures f = plan_gpt(256, world, false, 2);
-    report(ctx, "GPT d256 x4, batch 16: measured peak per rank, " + std::to_string(world) + " ranks (peer: plan)", "MB",
+    report(ctx, "GPT d256 x4, batch 16: measured peak per rank, world " + std::to_string(world) + " (peer: plan)", "MB",
            static_cast<double>(f.measured) / 1e6, static_cast<double>(f.predicted) / 1e6, "plan");
   }
   // The widest GPT within the budget, at 1 and at 4 ranks.
