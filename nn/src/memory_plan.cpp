@@ -25,7 +25,9 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
   return plan;
 }
 
-StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step) {
+StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
+                     std::int64_t samples) {
+  if (samples < 2) fail<ArgumentError>("probe_step", "needs a second micro-batch of at least 2 samples, got ", samples);
   // The measurement decides whether the configuration fits: it must not fail on the limit itself.
   memory::LimitSuspended measuring;
   // The transient above what is live before the forward, with the previous micro-batch's
@@ -39,23 +41,41 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
     return memory::stats().peak_bytes - before;
   };
   transient(1);  // once first, so that gradients exist as they do from the second step on
-  const std::int64_t one = transient(1), two = transient(2);
+  const std::int64_t one = transient(1), more = transient(samples);
   module.zero_grad();
   memory::reset_peak();
   // Every rank plans with the largest figures (ranks differ by padding and by their samples).
   autograd::NoGradGuard guard;
   const auto worst =
-      comm.all_reduce(from_values({static_cast<double>(one), static_cast<double>(two - one)}, {2}, DType::f64),
+      comm.all_reduce(from_values({static_cast<double>(one), static_cast<double>(more)}, {2}, DType::f64),
                       Reduction::max, {.tag = "memory plan"})
           .to_vector<double>();
-  const auto per_sample = std::max<std::int64_t>(0, static_cast<std::int64_t>(worst[1]));
-  return {static_cast<std::int64_t>(worst[0]) - per_sample, per_sample};
+  const auto at_one = static_cast<std::int64_t>(worst[0]), at_more = static_cast<std::int64_t>(worst[1]);
+  // Rounded up, so that the line is never below the measurement at `samples`.
+  const std::int64_t per_sample = std::max<std::int64_t>(0, (at_more - at_one + samples - 2) / (samples - 1));
+  return {at_one - per_sample, per_sample};
 }
 
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options) {
   MemoryPlan plan = plan_state(module, world_size, global_batch, options);
   plan.step = probe.at(plan.local_batch);
+  plan.probe = probe;
+  return plan;
+}
+
+MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
+                       const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
+                       const PlanOptions& options) {
+  const int world = comm.world_size();
+  MemoryPlan plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, 2), options);
+  const bool over = limit > 0 && plan.peak() > limit;
+  const bool any_over = autograd::no_grad([&] {
+    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
+  });
+  if (!any_over && plan.local_batch > 2) {
+    plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, plan.local_batch), options);
+  }
   return plan;
 }
 
@@ -84,7 +104,7 @@ std::string MemoryPlan::table(std::int64_t limit) const {
   row("gradients", gradients, share);
   row("optimizer", optimizer, share);
   if (measured()) {
-    row("step", step, "gathered weights, activations, batch (measured at 1 and 2 samples)");
+    row("step", step, "gathered weights, activations, batch (measured)");
   } else {
     row("step", gathered, "at least: the largest gathered weight and its gradient (activations not measured)");
   }

@@ -50,8 +50,10 @@ Figures plan_gpt(std::int64_t d_model, int world, bool checkpointing, int steps,
     }
     nn::fully_shard(model, comm);
     const std::uint64_t seed = 100 + static_cast<std::uint64_t>(comm.rank()) * 2;
-    const nn::StepProbe probe = nn::probe_step(model, comm, [&](std::int64_t b) { return loss_of(model, b, seed); });
-    f.predicted = nn::plan_memory(model, world, kBatch, probe).peak();
+    // As ruda-train plans: measured at 2 samples, then at the local batch unless already over.
+    f.predicted = nn::plan_memory(
+                      model, comm, kBatch, [&](std::int64_t b) { return loss_of(model, b, seed); }, budget)
+                      .peak();
     if (steps == 0) return;
     nn::AdamW opt(model.parameters(), {.lr = 1e-3});
     memory::reset_peak();

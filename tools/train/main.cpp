@@ -390,28 +390,27 @@ void check_state_fits(const Config& cfg, Communicator& comm, Task& task, const n
   }
 }
 
-// With the shards in place: measures a step on 1 and 2 samples and returns the plan, with the
+// With the shards in place: measures a step on micro-batches and returns the plan, with the
 // refusal of a configuration over this rank's limit naming what would fit (probing the recomputing
 // blocks too when that could help). Collective: every rank runs the same probes whatever its own
 // limit says, and the caller agrees on the refusal.
 std::pair<nn::MemoryPlan, std::string> measure_plan(const Config& cfg, Communicator& comm, Task& task,
                                                     const nn::PlanOptions& options) {
-  auto probe = [&] { return nn::probe_step(task.module(), comm, [&](std::int64_t b) { return task.probe_loss(b); }); };
-  const nn::StepProbe measured = probe();
-  const nn::MemoryPlan plan = nn::plan_memory(task.module(), comm.world_size(), cfg.batch, measured, options);
+  auto step = [&](std::int64_t b) { return task.probe_loss(b); };
   const std::int64_t limit = memory::limit();
+  const nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, cfg.batch, step, limit, options);
   const bool over = limit > 0 && plan.peak() > limit;
-  const double any_over = autograd::no_grad([&] {
-    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item();
+  const bool any_over = autograd::no_grad([&] {
+    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
   });
-  if (any_over == 0) return {plan, ""};
+  if (!any_over) return {plan, ""};
   std::optional<nn::StepProbe> checkpointed;
   if (task.can_checkpoint_activations() && !cfg.activation_checkpointing) {
     task.set_activation_checkpointing(true);
-    checkpointed = probe();
+    checkpointed = nn::probe_step(task.module(), comm, step);
     task.set_activation_checkpointing(false);
   }
-  return {plan, over ? refusal(task, plan, limit, cfg.batch, measured, checkpointed, options) : ""};
+  return {plan, over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) : ""};
 }
 
 // --- the training loop ---

@@ -5,8 +5,8 @@
 // weights gathered for the layer computing, their full gradients, and the activations kept for
 // backward. The state part follows from shapes alone, so it is known for a model built under
 // DeferredInit before anything is allocated. The step part depends on the model's code: it is
-// measured by running the step's forward and backward on micro-batches of 1 and 2 samples
-// (probe_step) and extrapolated linearly in the local batch, which activations are.
+// measured by running the step's forward and backward on micro-batches (probe_step) and
+// interpolated linearly in the local batch, which activations are.
 #pragma once
 
 #include <cstdint>
@@ -44,6 +44,7 @@ struct MemoryPlan {
   std::int64_t optimizer = 0;   // the optimizer's state
   std::int64_t gathered = 0;    // the largest gathered weight with its full gradient: the least a step adds
   std::int64_t step = -1;       // measured transient of a step (gathered weights + activations + batch); -1: unknown
+  StepProbe probe;              // what `step` was read from, when measured
   /// The predicted peak: the state plus the step (or, unmeasured, plus `gathered` only: a lower bound).
   std::int64_t peak() const { return parameters + gradients + optimizer + (step >= 0 ? step : gathered); }
   bool measured() const { return step >= 0; }
@@ -57,14 +58,28 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 
 /// Measures a step's transient bytes: `step(b)` must compute this rank's loss on b samples and
 /// return it; probe_step runs its backward like a training step (gradients of the previous
-/// micro-batch alive during the forward, freed before backward) at b = 1 and b = 2, takes the
-/// largest figures over the ranks (a collective: every rank must call it), and leaves every
+/// micro-batch alive during the forward, freed before backward) at b = 1 and b = `samples`, takes
+/// the largest figures over the ranks (a collective: every rank must call it), and leaves every
 /// gradient cleared and the peak counter reset. Parameters are not changed. The memory limit is
-/// suspended while it measures (micro-batches of 1 and 2 samples are small; the plan decides).
-StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step);
+/// suspended while it measures: the plan decides.
+///
+/// A step's peak is convex in the batch (the most, over the step's moments, of a constant plus a
+/// multiple of the batch), so the line through the two measurements is exact at both and
+/// conservative between them, but may fall short beyond `samples`: measure cheaply at 2 samples
+/// to refuse what clearly does not fit, then at the local batch itself for the plan that is used.
+StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
+                     std::int64_t samples = 2);
 
 /// The plan at `world_size` with the measured step at that world size's local batch.
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
+                       const PlanOptions& options = {});
+
+/// The plan at comm's world size, measured: a probe at 2 samples and, unless that already puts
+/// some rank over `limit`, a second at the local batch (so the plan used is exact there, and a
+/// configuration far over the limit is refused before a whole batch's activations are allocated).
+/// `step` as for probe_step. Collective.
+MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
+                       const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options = {});
 
 /// The smallest world size in 1..max_world that divides global_batch and whose plan fits

@@ -1,0 +1,111 @@
+// The memory plan: the state from shapes (nothing allocated), a step measured on micro-batches,
+// the prediction against a real step, and a rank over the limit ending every rank.
+#include "helpers.h"
+
+using namespace ruda;
+
+namespace {
+std::shared_ptr<nn::Sequential> mlp() {
+  return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::UnaryModule>>{
+      std::make_shared<nn::Linear>(64, 256), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(256, 10)});
+}
+constexpr std::int64_t kBatch = 240;  // activations, not the gathered weights, dominate the peak
+
+Tensor loss_of(nn::Module& model, std::int64_t rows, std::uint64_t seed) {
+  auto& net = dynamic_cast<nn::Sequential&>(model);
+  return nn::cross_entropy(net.forward(rand({rows, 64}, seed)), randint({rows}, 0, 10, seed + 1),
+                           {.reduction = nn::LossReduction::sum}) /
+         static_cast<double>(kBatch);
+}
+}  // namespace
+
+TEST_CASE("the state part comes from shapes alone: 16 bytes per parameter over N, nothing allocated") {
+  memory::Scope scope;
+  nn::DeferredInit deferred;
+  auto model = mlp();
+  const std::int64_t params = model->parameter_count();  // 64*256 + 256 + 256*10 + 10
+  for (int world : {1, 2, 3, 4}) {
+    CAPTURE(world);
+    const nn::MemoryPlan plan = nn::plan_state(*model, world, kBatch);
+    std::int64_t shards = 0;
+    for (std::int64_t numel : {64 * 256, 256, 256 * 10, 10}) shards += (numel + world - 1) / world * 4;
+    CHECK(plan.parameters == shards);
+    CHECK(plan.gradients == shards);
+    CHECK(plan.optimizer == 2 * shards);
+    CHECK(plan.gathered == 2 * 64 * 256 * 4);
+    CHECK(plan.local_batch == kBatch / world);
+    CHECK_FALSE(plan.measured());
+    CHECK(plan.peak() == 4 * shards + plan.gathered);
+    if (world == 1) CHECK(plan.parameters == params * 4);
+  }
+  CHECK(scope.stats().peak_bytes == 0);
+  CHECK(nn::plan_state(*model, 2, kBatch, {.compute_dtype = DType::bf16}).gathered == 2 * 64 * 256 * 2);
+  // The smallest world whose state fits.
+  const std::int64_t at1 = nn::plan_state(*model, 1, kBatch).peak();
+  CHECK(nn::smallest_fitting_world(*model, kBatch, std::nullopt, at1) == 1);
+  CHECK(nn::smallest_fitting_world(*model, kBatch, std::nullopt, at1 - 1) == 2);
+  CHECK(nn::smallest_fitting_world(*model, kBatch, std::nullopt, 1000) == 0);
+  CHECK(nn::plan_state(*model, 4, kBatch).table(1'000'000).find("limit 1.00 MB") != std::string::npos);
+}
+
+TEST_CASE("the plan predicts a sharded step's peak within 10%, world sizes 1-4") {
+  for (int world = 1; world <= 4; ++world) {
+    CAPTURE(world);
+    std::vector<std::int64_t> predicted(world), measured(world);
+    run_ranks(world, [&](Communicator& comm) {
+      nn::manual_seed(1);
+      auto model = [] {
+        nn::DeferredInit deferred;
+        return mlp();
+      }();
+      nn::fully_shard(*model, comm);
+      const auto seed = static_cast<std::uint64_t>(10 * comm.rank());
+      auto step = [&](std::int64_t b) { return loss_of(*model, b, seed); };
+      // Over a limit already at 2 samples, the plan stops there, before a batch's activations;
+      // otherwise it is measured at the local batch itself.
+      const nn::StepProbe at_two = nn::probe_step(*model, comm, step, 2);
+      const nn::StepProbe at_local = nn::probe_step(*model, comm, step, std::max<std::int64_t>(2, kBatch / world));
+      const nn::MemoryPlan refused = nn::plan_memory(*model, comm, kBatch, step, 1);
+      const nn::MemoryPlan plan = nn::plan_memory(*model, comm, kBatch, step, 0);
+      CHECK(refused.probe.fixed == at_two.fixed);
+      CHECK(refused.probe.per_sample == at_two.per_sample);
+      CHECK(plan.probe.fixed == at_local.fixed);
+      CHECK(plan.probe.per_sample == at_local.per_sample);
+      CHECK(plan.probe.per_sample > 0);
+      for (const auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());  // left cleared
+      predicted[comm.rank()] = plan.peak();
+      nn::AdamW opt(model->parameters(), {.lr = 1e-3});
+      memory::reset_peak();
+      const std::int64_t other = memory::stats().live_bytes - nn::plan_state(*model, world, kBatch).parameters;
+      for (int step = 0; step < 3; ++step) {
+        const Tensor loss = loss_of(*model, kBatch / world, seed + 2);
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+      }
+      measured[comm.rank()] = memory::stats().peak_bytes - other;
+    });
+    for (int r = 0; r < world; ++r) {
+      CAPTURE(r);
+      CHECK(predicted[r] == predicted[0]);  // every rank plans with the largest figures
+      CHECK(static_cast<double>(predicted[r]) >= 0.9 * static_cast<double>(measured[r]));
+      CHECK(static_cast<double>(predicted[r]) <= 1.1 * static_cast<double>(measured[r]));
+    }
+  }
+}
+
+TEST_CASE("one emulated rank over the limit ends every rank with an error, never a hang") {
+  const std::int64_t saved = memory::limit();
+  memory::set_limit(2'000'000);
+  try {
+    run_ranks(3, [](Communicator& comm) {
+      // Rank 1 asks for more than the limit; the others go on into a collective it never joins.
+      const Tensor mine = zeros({comm.rank() == 1 ? 1'000'000 : 1000});
+      (void)comm.all_reduce(mine.slice(0, 0, 10));
+    });
+    FAIL_CHECK("no error");
+  } catch (const OutOfMemoryError& e) {
+    CHECK(std::string(e.what()).find("out of memory: f32 [1000000]") != std::string::npos);
+  }
+  memory::set_limit(saved);
+}
