@@ -71,7 +71,9 @@ class Buffer {
     if (bytes > size_) {
       const std::size_t rounded = (bytes + 63) / 64 * 64;
       void* p = std::aligned_alloc(64, rounded);
-      if (!p) throw std::bad_alloc();
+      if (!p)
+        fail<OutOfMemoryError>("MPI collective", "out of memory: the system refused a ", rounded,
+                               "-byte scratch buffer");
       data_.reset(static_cast<std::byte*>(p));
       size_ = rounded;
     }
