@@ -1,15 +1,45 @@
-# ctest driver: install ruda into a fresh prefix, then configure, build and run the consumer.
-#   cmake -DRUDA_BUILD=<build dir> -DSOURCE=<this dir> -DWORK=<scratch dir> [-DFLAGS=...] [-DLINK_FLAGS=...] -P run.cmake
+# ctest driver: install ruda into a fresh prefix, then configure, build and run the consumers as a
+# user would, without LD_LIBRARY_PATH: README's example, a sharded training check, the MPI one
+# under mpiexec -n 2 (where ruda::mpi was built), and the installed ruda-train --help (where the
+# tools were built).
+#   cmake -DRUDA_BUILD=<build dir> -DSOURCE=<this dir> -DREADME=<README.md> -DWORK=<scratch dir>
+#         [-DFLAGS=...] [-DLINK_FLAGS=...] [-DMPIEXEC=...] -P run.cmake
 # FLAGS and LINK_FLAGS are the ruda build's own (a sanitizer build's consumer must use the sanitizer too).
 file(REMOVE_RECURSE "${WORK}")
-foreach(step
-    "${CMAKE_COMMAND};--install;${RUDA_BUILD};--prefix;${WORK}/prefix"
-    "${CMAKE_COMMAND};-S;${SOURCE};-B;${WORK}/build;-G;Ninja;-DCMAKE_BUILD_TYPE=Release;-DCMAKE_PREFIX_PATH=${WORK}/prefix;-DCMAKE_CXX_FLAGS=${FLAGS};-DCMAKE_EXE_LINKER_FLAGS=${LINK_FLAGS}"
-    "${CMAKE_COMMAND};--build;${WORK}/build"
-    "${WORK}/build/consumer")
-  execute_process(COMMAND ${step} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
+unset(ENV{LD_LIBRARY_PATH})
+
+# README's example: the first C++ block that includes <ruda/nn.h>, compiled as it stands.
+file(READ "${README}" readme)
+string(REGEX MATCH "```cpp\n(#include <ruda/nn.h>[^`]*)```" found "${readme}")
+if(NOT found)
+  message(FATAL_ERROR "${README} has no C++ example that includes <ruda/nn.h>")
+endif()
+file(WRITE "${WORK}/readme_example.cpp" "${CMAKE_MATCH_1}")
+
+set(prefix "${WORK}/prefix")
+function(run_step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT result EQUAL 0)
-    message(FATAL_ERROR "step failed (${result}): ${step}\n${out}\n${err}")
+    string(REPLACE ";" " " shown "${ARGN}")
+    message(FATAL_ERROR "step failed (${result}): ${shown}\n${out}\n${err}")
   endif()
   message("${out}")
-endforeach()
+endfunction()
+
+run_step(${CMAKE_COMMAND} --install ${RUDA_BUILD} --prefix ${prefix})
+run_step(${CMAKE_COMMAND} -S ${SOURCE} -B ${WORK}/build -G Ninja -DCMAKE_BUILD_TYPE=Release
+         -DCMAKE_PREFIX_PATH=${prefix} "-DCMAKE_CXX_FLAGS=${FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${LINK_FLAGS}"
+         -DREADME_EXAMPLE=${WORK}/readme_example.cpp)
+run_step(${CMAKE_COMMAND} --build ${WORK}/build)
+run_step(${WORK}/build/readme_example)
+run_step(${WORK}/build/consumer)
+if(EXISTS ${WORK}/build/consumer_mpi)
+  if(NOT MPIEXEC)
+    message(FATAL_ERROR "ruda::mpi was built but no mpiexec was given")
+  endif()
+  run_step(${MPIEXEC} -n 2 --oversubscribe --bind-to none --mca btl self,vader ${WORK}/build/consumer_mpi)
+endif()
+if(EXISTS ${prefix}/bin/ruda-train)
+  run_step(${prefix}/bin/ruda-train --help)
+  run_step(${prefix}/bin/ruda-ckpt --help)
+endif()
