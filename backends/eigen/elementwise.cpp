@@ -169,7 +169,7 @@ void unary_array(UnaryOp op, const T* xp, T* yp, std::int64_t n) {
       y = x.logistic();
       break;
     case UnaryOp::relu:
-      y = (x > zero).select(x, zero);
+      y = (x < zero).select(zero, x);  // NaN stays NaN (x < 0 is false for it), as in PyTorch
       break;
     case UnaryOp::gelu_erf:
       y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf());
@@ -224,7 +224,7 @@ void unary_backward_array(UnaryOp op, const T* xp, const T* yp, const T* gyp, T*
       gx = gy * y * (one - y);
       break;
     case UnaryOp::relu:
-      gx = (y > zero).select(gy, zero);
+      gx = (y <= zero).select(zero, gy);  // passes through where the output is NaN, as PyTorch's threshold_backward
       break;
     case UnaryOp::gelu_erf: {
       const T inv_sqrt_2pi = T(0.3989422804014327);

@@ -93,6 +93,10 @@ memory::desc flat(std::int64_t n, memory::data_type type) { return memory::desc(
 
 }  // namespace
 
+// oneDNN 2.6's relu (a max with zero in its JIT kernels) turns NaN into 0, and its backward drops
+// the gradient there: a NaN that should stop training would vanish. Eigen's relu propagates it.
+constexpr std::string_view kReluNanReason = "oneDNN's relu maps NaN to 0";
+
 void OneDnnBackend::unary(UnaryOp op, const View& x, const View& y) {
   const auto type = dnnl_type(x.dtype);
   if (!type) {
@@ -107,6 +111,10 @@ void OneDnnBackend::unary(UnaryOp op, const View& x, const View& y) {
     // oneDNN 2.6's soft_relu computes log(1 + exp(x)) directly: for x below about -15 its result
     // is off by ~2e-6 in absolute terms, negative where softplus is tiny and positive.
     note_fallback(op_name(op), x.dtype, "oneDNN's soft_relu is inaccurate (even negative) for negative inputs");
+    return EigenBackend::unary(op, x, y);
+  }
+  if (op == UnaryOp::relu) {
+    note_fallback(op_name(op), x.dtype, kReluNanReason);
     return EigenBackend::unary(op, x, y);
   }
   if (eigen_faster_unary(op, false, x.dtype)) {
@@ -143,6 +151,9 @@ void OneDnnBackend::unary_backward(UnaryOp op, const View& x, const View& y, con
   }
   if (gy.numel() < kMinElements) {
     return on_eigen(kSmallReason);
+  }
+  if (op == UnaryOp::relu) {
+    return on_eigen(kReluNanReason);
   }
   if (eigen_faster_unary(op, true, gy.dtype)) {
     return on_eigen(kEigenFasterReason);

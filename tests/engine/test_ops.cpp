@@ -1,6 +1,7 @@
 // Values of every op against hand-computed results, for each dtype that applies. Runs once per
 // backend (RUDA_BACKEND): this is the conformance suite.
 #include <cmath>
+#include <limits>
 #include <numbers>
 
 #include "helpers.h"
@@ -334,4 +335,44 @@ TEST_CASE("in-place updates") {
   CHECK_CLOSE(x, {1, 1, 1}, {3});
   x.copy_(values({4, 5, 6}, {3}, DType::f64));
   CHECK_CLOSE(x, {4, 5, 6}, {3});
+}
+
+TEST_CASE("NaN propagates through relu, maximum, minimum, clamp and max/min reductions; compares are false") {
+  // Large enough that the oneDNN backend runs its own kernels rather than Eigen's small-tensor path.
+  constexpr std::int64_t kN = 3 * 30000;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  std::vector<double> pattern(kN);
+  for (std::int64_t i = 0; i < kN; ++i) pattern[i] = i % 3 == 0 ? nan : i % 3 == 1 ? -1.0 : 2.0;
+  for (DType dtype : kFloatTypes) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = values(pattern, {kN}, dtype);
+    // Elements 0..2 of the result, as doubles: NaN, then the two finite ones.
+    auto head = [](const Tensor& t) {
+      const auto v = t.slice(0, 0, 3).to(DType::f64).to_vector<double>();
+      return std::vector<double>(v.begin(), v.end());
+    };
+    auto check = [&](const char* what, const Tensor& t, double second, double third) {
+      INFO(what);
+      const auto v = head(t);
+      CHECK(std::isnan(v[0]));
+      CHECK(v[1] == second);
+      CHECK(v[2] == third);
+    };
+    check("relu", relu(x), 0.0, 2.0);
+    check("maximum", maximum(x, zeros_like(x)), 0.0, 2.0);
+    check("minimum", minimum(x, zeros_like(x)), -1.0, 0.0);
+    check("clamp", clamp(x, -0.5, 0.5), -0.5, 0.5);
+    CHECK(std::isnan(max(x).item()));
+    CHECK(std::isnan(min(x).item()));
+    CHECK(std::isnan(max(x.reshape({kN / 3, 3}), {0}).to(DType::f64).to_vector<double>()[0]));
+    CHECK(argmax(x, 0).item() == 0);  // the NaN, as in PyTorch
+    // IEEE comparisons: anything compared with NaN is false, except !=.
+    CHECK(head(eq(x, x).to(DType::f64)) == std::vector<double>{0, 1, 1});
+    CHECK(head(ne(x, x).to(DType::f64)) == std::vector<double>{1, 0, 0});
+    CHECK(head(gt(x, zeros_like(x)).to(DType::f64)) == std::vector<double>{0, 0, 1});
+    // relu's gradient passes through where the input is NaN (PyTorch's threshold_backward).
+    const Tensor leaf = x.clone().set_requires_grad();
+    sum(relu(leaf)).backward();
+    CHECK(head(leaf.grad().to(DType::f64)) == std::vector<double>{1, 0, 1});
+  }
 }

@@ -261,6 +261,11 @@ TEST_CASE("mpiexec: each rank reads only its samples, about half of what one pro
   }
 }
 
+TEST_CASE("mpiexec: a non-finite loss stops every rank with one line naming the step and the rank") {
+  one_error_line(run(mpi_train(2, "--lr 1e38 mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1")),
+                 {"loss became", "nan at step 2", "first on rank"});
+}
+
 TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero exit") {
   one_error_line(run(mpi_train(2, "mlp --data /nonexistent")), {"/nonexistent/train-images-idx3-ubyte.gz"});
   one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
@@ -316,6 +321,14 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
   // The environment variable is the same limit.
   one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});
+}
+
+TEST_CASE("a non-finite loss stops training with one line naming the step and the rank") {
+  // A learning rate of 1e38 overflows the weights in the first update: the second loss is NaN.
+  for (const std::string ranks : {"", "--emulate 2 "}) {
+    CAPTURE(ranks);
+    one_error_line(run(train(ranks + "--lr 1e38 mlp " + kSmall)), {"loss became", "nan at step 2", "rank"});
+  }
 }
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <numbers>
 #include <optional>
+#include <sstream>
 #include <tuple>
 
 #include <ruda/nn.h>
@@ -415,6 +416,23 @@ std::pair<nn::MemoryPlan, std::string> measure_plan(const Config& cfg, Communica
 
 // --- the training loop ---
 
+// Every rank sees the same summed loss, so every rank stops here: rank 0 says at which step and
+// on which rank the loss first became NaN or infinite, and all leave without an MPI abort.
+[[noreturn]] void stop_on_non_finite(Communicator& comm, const Tensor& local_loss, double global, std::int64_t step) {
+  const auto locals = autograd::no_grad([&] {
+    return comm.all_gather(cast(local_loss.detach(), DType::f64).reshape({1}), {.tag = "non-finite loss"})
+        .to_vector<double>();
+  });
+  const auto first = std::find_if(locals.begin(), locals.end(), [](double l) { return !std::isfinite(l); });
+  if (comm.rank() == 0) {
+    std::ostringstream message;
+    message << "loss became " << global << " at step " << step;
+    if (first != locals.end()) message << " (first on rank " << first - locals.begin() << ": " << *first << ")";
+    print_error(message.str());
+  }
+  throw Reported("non-finite loss");
+}
+
 void run(const Config& cfg, Communicator& comm) {
   // This rank's own memory figures (emulated ranks and MPI processes alike); the dataset shared
   // by a process is loaded outside it.
@@ -535,8 +553,7 @@ void run(const Config& cfg, Communicator& comm) {
     if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &comm);
     optimizer->step();
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
-    if (!std::isfinite(last_loss))
-      throw std::runtime_error("loss became " + std::to_string(last_loss) + " at step " + std::to_string(step + 1));
+    if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double current = static_cast<double>(task->samples_per_step()) / seconds;
     rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
