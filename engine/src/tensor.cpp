@@ -233,7 +233,11 @@ bool Tensor::is_leaf() const { return checked(*this, "is_leaf").grad_fn == nullp
 Tensor Tensor::grad() const { return checked(*this, "grad").grad; }
 void Tensor::set_grad(const Tensor& grad) {
   auto& impl = const_cast<TensorImpl&>(checked(*this, "set_grad"));
-  if (grad.defined() && (grad.shape() != impl.shape || grad.dtype() != impl.dtype)) {
+  if (grad.defined() && grad.dtype() != impl.dtype) {
+    fail<DTypeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
+                     dtype_name(impl.dtype), " ", impl.shape);
+  }
+  if (grad.defined() && grad.shape() != impl.shape) {
     fail<ShapeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
                      dtype_name(impl.dtype), " ", impl.shape);
   }

@@ -33,9 +33,28 @@ Tensor l1_loss(const Tensor& input, const Tensor& target, LossReduction reductio
   return reduce(abs(input - target), reduction);
 }
 
-Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
-  const char* op = "nll_loss";
+namespace {
+// Every target is a class index in [0, classes) or the ignore_index: found here, named as the
+// caller's op, rather than as an index error deep in take_along_axis.
+void check_targets(const char* op, const Tensor& targets, std::int64_t classes, std::int64_t ignore_index) {
+  const std::int64_t* t = targets.data<std::int64_t>();
+  for (std::int64_t i = 0; i < targets.numel(); ++i) {
+    if (t[i] == ignore_index || (t[i] >= 0 && t[i] < classes)) continue;
+    Shape at(targets.shape().size());
+    for (std::int64_t rest = i, d = static_cast<std::int64_t>(at.size()) - 1; d >= 0; --d) {
+      at[d] = rest % targets.shape()[d];
+      rest /= targets.shape()[d];
+    }
+    fail<IndexError>(op, "target ", t[i], " at ", at, " of targets ", targets.shape(), " is outside the ", classes,
+                     " classes [0, ", classes, ") (ignore_index is ", ignore_index, ")");
+  }
+}
+
+Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
   if (!log_probs.defined() || !targets.defined()) fail<ArgumentError>(op, "got an undefined tensor");
+  if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
+    fail<ArgumentError>(op, "label_smoothing must be in [0, 1), got ", options.label_smoothing);
+  }
   if (targets.dtype() != DType::i64) {
     fail<DTypeError>(op, "targets must be i64 class indices, got ", dtype_name(targets.dtype()), " ", targets.shape());
   }
@@ -46,6 +65,7 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
                      " (expected ", expected, ")");
   }
   const std::int64_t classes = log_probs.shape().back();
+  check_targets(op, targets, classes, options.ignore_index);
   const DType dtype = log_probs.dtype();
   Options like(dtype, &log_probs.backend());
 
@@ -64,8 +84,6 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
   const Tensor picked = squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1);
   Tensor loss = -(picked * target_weight);
   if (options.label_smoothing > 0.0) {
-    if (options.label_smoothing > 1.0)
-      fail<ArgumentError>(op, "label smoothing must be in [0, 1], got ", options.label_smoothing);
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
     const Tensor smooth = -sum(log_probs * class_weight, {-1}) * keep_f / static_cast<double>(classes);
     loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
@@ -81,13 +99,19 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
   return loss;
 }
 
+}  // namespace
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
+  return nll("nll_loss", log_probs, targets, options);
+}
+
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& options) {
   if (!logits.defined()) fail<ArgumentError>("cross_entropy", "got an undefined tensor");
   if (!is_floating(logits.dtype())) {
     fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ",
                      logits.shape());
   }
-  return nll_loss(log_softmax(logits, -1), targets, options);
+  return nll("cross_entropy", log_softmax(logits, -1), targets, options);
 }
 
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets, LossReduction reduction,

@@ -39,7 +39,7 @@ Param::Param(const Shape& shape, Initializer init, DType dtype) : state_(std::ma
     state_->deferred_shape = shape;
     state_->deferred_dtype = dtype;
   } else {
-    set_data(init.make(shape, dtype));
+    replace_data(init.make(shape, dtype));
   }
 }
 
@@ -49,7 +49,7 @@ Param::Param(const Tensor& value, ParamId id) : state_(std::make_shared<State>()
     fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(value.dtype()), " ", value.shape());
   }
   state_->id = id;
-  set_data(value);
+  replace_data(value);
 }
 
 namespace {
@@ -83,7 +83,7 @@ const Initializer& Param::initializer() const {
 }
 void Param::materialize() const {
   const State& s = checked(state_, "Param::materialize");
-  if (s.deferred) set_data(s.deferred->make(s.deferred_shape, s.deferred_dtype));
+  if (s.deferred) replace_data(s.deferred->make(s.deferred_shape, s.deferred_dtype));
 }
 DType Param::dtype() const {
   const State& s = checked(state_, "Param::dtype");
@@ -102,9 +102,25 @@ const Shape& Param::shape() const {
 }
 
 void Param::set_data(const Tensor& value) const {
+  const State& s = checked(state_, "Param::set_data");
+  if (!value.defined()) fail<ArgumentError>("Param::set_data", "needs a defined tensor");
+  const Shape& now = s.deferred ? s.deferred_shape : s.data.shape();
+  if (value.shape() != now) {
+    fail<ShapeError>("Param::set_data", "a ", dtype_name(value.dtype()), " ", value.shape(), " value for a ",
+                     s.shard ? "sharded parameter whose local slice is " : "parameter of shape ", now);
+  }
+  replace_data(value);
+}
+
+void Param::replace_data(const Tensor& value) const {
   State& s = const_cast<State&>(checked(state_, "Param::set_data"));
-  // A parameter is a leaf of its own: no graph to wherever the value came from.
-  Tensor leaf = value.is_leaf() ? value : value.detach();
+  if (!is_floating(value.dtype())) {
+    fail<DTypeError>("Param::set_data", "parameters are floating-point, got ", dtype_name(value.dtype()), " ",
+                     value.shape());
+  }
+  // A parameter is a leaf of its own: no graph to wherever the value came from, and the caller's
+  // tensor keeps its own requires_grad.
+  Tensor leaf = value.detach();
   leaf.set_requires_grad(true);
   s.data = leaf;
   s.deferred = nullptr;
@@ -115,7 +131,7 @@ Tensor Param::value() const {
   if (s.deferred) fail_deferred("Param::value", s);
   if (!s.shard) return s.data;
   if (!s.shard->comm) {
-    fail<ShardingError>("Param::value", "parameter '", s.shard->name, "' ", s.shard->logical_shape,
+    fail<ShardingError>("Param::value", s.shard->describe(),
                         " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
   }
   return gather_param(*this, *s.shard->comm);

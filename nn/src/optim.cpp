@@ -1,5 +1,6 @@
 #include <cmath>
 #include <numbers>
+#include <unordered_map>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/optim.h>
@@ -7,15 +8,33 @@
 
 namespace ruda::nn {
 
+namespace {
+// A hyperparameter that must be a finite number at least `low` (NaN fails every comparison).
+void require_at_least(const char* op, const char* what, double value, double low) {
+  if (!(value >= low) || !std::isfinite(value))
+    fail<ArgumentError>(op, what, " must be a finite number >= ", low, ", got ", value);
+}
+}  // namespace
+
 Optimizer::Optimizer(std::vector<Param> params, double lr) : params_(std::move(params)), lr_(lr) {
-  for (const Param& p : params_) {
-    if (!p.defined()) fail<ArgumentError>("Optimizer", "got an undefined parameter");
+  if (params_.empty()) fail<ArgumentError>("Optimizer", "got no parameters to optimize");
+  // A parameter listed twice would be updated twice per step: refuse it (tied weights are one
+  // Param, listed once by Module::parameters()).
+  std::unordered_map<ParamId, std::size_t> seen;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (!p.defined()) fail<ArgumentError>("Optimizer", "got an undefined parameter (position ", i, ")");
+    const auto [it, fresh] = seen.try_emplace(p.id(), i);
+    if (!fresh) {
+      fail<ArgumentError>("Optimizer", "parameter ", p.shape(), " (id ", p.id(), ") is given twice, at positions ",
+                          it->second, " and ", i);
+    }
   }
   set_lr(lr);
 }
 
 void Optimizer::set_lr(double lr) {
-  if (!(lr >= 0.0)) fail<ArgumentError>("Optimizer", "learning rate must be non-negative, got ", lr);
+  require_at_least("Optimizer", "learning rate", lr, 0.0);
   lr_ = lr;
 }
 
@@ -24,6 +43,9 @@ void Optimizer::zero_grad() {
 }
 
 SGD::SGD(std::vector<Param> params, SGDOptions options) : Optimizer(std::move(params), options.lr), options_(options) {
+  require_at_least("SGD", "momentum", options.momentum, 0.0);
+  require_at_least("SGD", "dampening", options.dampening, 0.0);
+  require_at_least("SGD", "weight_decay", options.weight_decay, 0.0);
   if (options.nesterov && (options.momentum <= 0 || options.dampening != 0)) {
     fail<ArgumentError>("SGD", "Nesterov momentum needs momentum > 0 and no dampening");
   }
@@ -61,7 +83,10 @@ Adam::Adam(std::vector<Param> params, AdamOptions options)
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
     fail<ArgumentError>("Adam", "betas must be in [0, 1), got ", options.beta1, ", ", options.beta2);
   }
-  if (!(options.eps > 0)) fail<ArgumentError>("Adam", "eps must be positive, got ", options.eps);
+  if (!(options.eps > 0) || !std::isfinite(options.eps)) {
+    fail<ArgumentError>("Adam", "eps must be a finite positive number, got ", options.eps);
+  }
+  require_at_least("Adam", "weight_decay", options.weight_decay, 0.0);
 }
 
 Adam::Moments& Adam::moments(const Param& param) {

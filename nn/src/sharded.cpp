@@ -24,6 +24,10 @@ std::mutex& shards_mutex() {
   return m;
 }
 
+std::string ShardInfo::describe() const {
+  return (name.empty() ? std::string("an unnamed parameter ") : "parameter '" + name + "' ") + to_string(logical_shape);
+}
+
 std::int64_t ShardInfo::real_elements() const {
   const std::int64_t start = offset();
   return std::max<std::int64_t>(0, std::min(numel, start + shard_size) - start);
@@ -112,11 +116,11 @@ ShardedParameter ShardedParameter::from_local(const Param& local, const Shape& l
   return ShardedParameter(local);
 }
 
-ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int world_size) {
+ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int world_size, const std::string& name) {
   const char* op = "ShardedParameter::from_full";
   if (!full.defined()) fail<ShardingError>(op, "parameter is undefined");
   check_topology(op, rank, world_size);
-  if (full.is_sharded()) fail<ShardingError>(op, "parameter '", full.shard()->name, "' is sharded already");
+  if (full.is_sharded()) fail<ShardingError>(op, full.shard()->describe(), " is sharded already");
   Param::State& source = *full.state_;
   std::lock_guard lock(shards_mutex());
   for (const auto& d : source.shards_of_this) {
@@ -130,6 +134,7 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   // The slice is a new leaf with the same id; requires_grad as the source (a Param always has it).
   Param local(local_slice(full, *info), full.id());
   local.data().set_requires_grad(full.is_deferred() || full.data().requires_grad());
+  info->name = name;
   local.set_shard(std::move(info));
   std::erase_if(source.shards_of_this,
                 [&](const auto& d) { return d.shard.expired() || (d.rank == rank && d.world_size == world_size); });
@@ -157,8 +162,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
   if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
-    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but parameter '",
-                        info.name, "' ", info.logical_shape, " is shard ", info.rank, " of ", info.world_size);
+    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but ", info.describe(),
+                        " is shard ", info.rank, " of ", info.world_size);
   }
   const Tensor& local = param.data();
   const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
@@ -198,7 +203,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) 
     // In place: the module's members (and every tied use) see the same Param, now a slice. A
     // frozen parameter stays frozen.
     const bool requires_grad = param.is_deferred() || param.data().requires_grad();
-    param.set_data(local_slice(param, *info));
+    param.replace_data(local_slice(param, *info));
     param.data().set_requires_grad(requires_grad);
     param.set_shard(std::move(info));
     ++count;
@@ -217,9 +222,9 @@ void set_shard_policy(Module& module, const ShardPolicy& policy) {
 namespace {
 Param shard_member(const Param& full, int rank, int world_size, const ShardPolicy& policy, const std::string& layer,
                    const char* member) {
-  Param local = ShardedParameter::from_full(full, rank, world_size).param();
+  Param local =
+      ShardedParameter::from_full(full, rank, world_size, layer.empty() ? member : layer + "." + member).param();
   local.shard()->policy = policy;
-  local.shard()->name = layer.empty() ? member : layer + "." + member;
   return local;
 }
 }  // namespace

@@ -205,7 +205,28 @@ TEST_CASE("losses: values") {
   CHECK(nn::binary_cross_entropy_with_logits(x, t, nn::LossReduction::sum, values({3, 3, 3}, {3})).item() ==
         doctest::Approx(3 * bce(0.5, 1) + bce(-2, 0) + 3 * bce(30, 1)).epsilon(1e-5));
   test::check_throws<ShapeError>([&] { nn::cross_entropy(logits, values({1}, {1}, DType::i64)); },
-                                 {"nll_loss", "[1]", "[2, 3]"});
+                                 {"cross_entropy", "[1]", "[2, 3]"});
+  // Targets outside the classes are named as the loss's own error, with the target and where it is.
+  test::check_throws<IndexError>(
+      [&] {
+        nn::cross_entropy(logits, values({1, 3}, {2}, DType::i64));
+      },
+      {"cross_entropy", "target 3 at [1]", "3 classes"});
+  test::check_throws<IndexError>(
+      [&] {
+        nn::nll_loss(logits, values({-1, 0}, {2}, DType::i64));
+      },
+      {"nll_loss", "target -1 at [0]"});
+  CHECK(std::isfinite(nn::cross_entropy(logits, values({-100, 2}, {2}, DType::i64)).item()));  // ignore_index
+  // label_smoothing in [0, 1): NaN, negative and 1 are errors, not silently 0.
+  for (double bad : {-0.1, 1.0, 1.5, std::nan("")}) {
+    CAPTURE(bad);
+    test::check_throws<ArgumentError>(
+        [&] {
+          nn::cross_entropy(logits, values({1, 1}, {2}, DType::i64), {.label_smoothing = bad});
+        },
+        {"cross_entropy", "label_smoothing must be in [0, 1)"});
+  }
   test::check_throws<DTypeError>([&] { nn::cross_entropy(logits, values({1, 1}, {2})); }, {"i64", "f32"});
 }
 

@@ -105,3 +105,60 @@ TEST_CASE("clip_grad_norm on dense parameters") {
   CHECK_CLOSE(b.grad(), {0, 0.8}, {2}, 1e-6, 1e-6);
   test::check_throws<ArgumentError>([&] { nn::clip_grad_norm({a}, 0); }, {"max_norm"});
 }
+
+TEST_CASE("optimizer options are validated where they are given") {
+  const nn::Param p = param({1, 2, 3});
+  // A parameter twice would be updated twice per step; no parameter at all is a mistake too.
+  test::check_throws<ArgumentError>(
+      [&] {
+        nn::SGD({p, param({4}), p});
+      },
+      {"Optimizer", "[3]", "given twice", "positions 0 and 2"});
+  test::check_throws<ArgumentError>([] { nn::AdamW({}); }, {"Optimizer", "no parameters"});
+  const double nan = std::nan("");
+  for (double bad : {-0.5, nan, HUGE_VAL}) {
+    CAPTURE(bad);
+    test::check_throws<ArgumentError>([&] { nn::SGD({p}, {.momentum = bad}); }, {"SGD", "momentum"});
+    test::check_throws<ArgumentError>([&] { nn::SGD({p}, {.weight_decay = bad}); }, {"SGD", "weight_decay"});
+    test::check_throws<ArgumentError>([&] { nn::SGD({p}, {.dampening = bad}); }, {"SGD", "dampening"});
+    test::check_throws<ArgumentError>([&] { nn::AdamW({p}, {.weight_decay = bad}); }, {"Adam", "weight_decay"});
+    test::check_throws<ArgumentError>([&] { nn::AdamW({p}, {.lr = bad}); }, {"learning rate"});
+    test::check_throws<ArgumentError>([&] { nn::AdamW({p}, {.eps = bad}); }, {"Adam", "eps"});
+  }
+  nn::SGD sgd({p});
+  test::check_throws<ArgumentError>([&] { sgd.set_lr(nan); }, {"learning rate"});
+}
+
+TEST_CASE("Param: the caller's tensor is left alone; set_data keeps the shape; wrong grads are typed") {
+  const Tensor t = ones({2, 3});
+  const nn::Param p(t);
+  CHECK_FALSE(t.requires_grad());  // the parameter is a leaf of its own over the same storage
+  CHECK(p.data().requires_grad());
+  autograd::no_grad([&] { p.data().add_(ones({2, 3}), 1.0); });
+  CHECK(t.to_vector<double>()[0] == 2.0);
+  nn::Linear layer(5, 4);
+  test::check_throws<ShapeError>(
+      [&] {
+        layer.weight.set_data(zeros({3, 3}));
+      },
+      {"Param::set_data", "[3, 3]", "[5, 4]"});
+  CHECK(layer.in_features() == 5);
+  layer.weight.set_data(zeros({5, 4}, DType::f64));  // another floating dtype is fine
+  CHECK(layer.weight.dtype() == DType::f64);
+  test::check_throws<DTypeError>([&] { layer.bias.set_data(zeros({4}, DType::i64)); }, {"Param::set_data", "i64"});
+  Tensor leaf = layer.bias.data();
+  test::check_throws<DTypeError>([&] { leaf.set_grad(zeros({4}, DType::f64)); }, {"set_grad", "f64", "f32"});
+  test::check_throws<ShapeError>([&] { leaf.set_grad(zeros({5})); }, {"set_grad", "[5]", "[4]"});
+}
+
+TEST_CASE("a parameter sharded with from_full is named in messages, or said to be unnamed") {
+  run_ranks(2, [](Communicator& comm) {
+    const nn::Param full = param({1, 2, 3});
+    const nn::Param named = nn::ShardedParameter::from_full(full, comm.rank(), 2, "encoder.scale").param();
+    CHECK(named.shard()->name == "encoder.scale");
+    test::check_throws<nn::ShardingError>([&] { (void)named.value(); }, {"parameter 'encoder.scale' [3]"});
+    const nn::Param other = param({4, 5});
+    const nn::Param unnamed = nn::ShardedParameter::from_full(other, comm.rank(), 2).param();
+    test::check_throws<nn::ShardingError>([&] { (void)unnamed.value(); }, {"an unnamed parameter [2]"});
+  });
+}

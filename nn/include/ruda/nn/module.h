@@ -21,16 +21,23 @@
 #include <ruda/nn/init.h>
 #include <ruda/tensor.h>
 
+namespace ruda {
+class Communicator;  // <ruda/collectives.h>
+}
+
 namespace ruda::nn {
 
 using ParamId = std::uint64_t;
 
-struct ShardInfo;  // <ruda/nn/sharded.h>
+struct ShardInfo;    // <ruda/nn/sharded.h>
+struct ShardPolicy;  // <ruda/nn/sharded.h>
+class Module;
 
 class Param {
  public:
   Param() = default;
-  /// A new parameter (a new id) holding `value` as a leaf that requires grad (floats only).
+  /// A new parameter (a new id) holding `value`'s storage as a leaf of its own that requires
+  /// grad (floats only); `value` itself is left as it was.
   explicit Param(const Tensor& value);
   /// A parameter with a given id: how a checkpoint or a shard keeps an identity.
   Param(const Tensor& value, ParamId id);
@@ -60,7 +67,10 @@ class Param {
   /// Sharding metadata, or null for a dense parameter.
   const std::shared_ptr<ShardInfo>& shard() const;
   void set_shard(std::shared_ptr<ShardInfo> info) const;
-  /// Replaces the stored leaf (same id), e.g. with a local slice or a loaded value.
+  /// Replaces the stored values (same id), e.g. with loaded ones or another floating dtype: a new
+  /// leaf sharing `value`'s storage. The shape must stay what it is (the local slice's for a
+  /// sharded parameter, the declared one for a deferred one): ShapeError otherwise, since the
+  /// module that owns the parameter was built for that shape.
   void set_data(const Tensor& value) const;
   /// Whether two handles are the same parameter.
   bool same(const Param& other) const noexcept { return state_ == other.state_; }
@@ -69,6 +79,9 @@ class Param {
 
  private:
   friend class ShardedParameter;
+  friend std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy);
+  // set_data without the shape check, for sharding (full -> slice) and materialization.
+  void replace_data(const Tensor& value) const;
   explicit Param(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };

@@ -67,6 +67,8 @@ struct ShardInfo {
   std::int64_t real_elements() const;
   /// Offset of this rank's first element in the flattened logical tensor.
   std::int64_t offset() const { return static_cast<std::int64_t>(rank) * shard_size; }
+  /// "parameter 'layers.2.weight' [4, 3]", or "an unnamed parameter [4, 3]", for messages.
+  std::string describe() const;
 };
 
 class ShardedParameter {
@@ -79,7 +81,8 @@ class ShardedParameter {
   static ShardedParameter from_local(const Param& local, const Shape& logical_shape, int rank, int world_size);
   /// This rank's slice of a loaded full value: a new leaf (no graph to the source) with the same
   /// parameter id and requires_grad. Tied parameters share one id and so one local storage.
-  static ShardedParameter from_full(const Param& full, int rank, int world_size);
+  /// `name` names it in collective tags and messages (default: unnamed).
+  static ShardedParameter from_full(const Param& full, int rank, int world_size, const std::string& name = {});
 
   /// The full tensor, gathered through `comm` (whose rank and world size must match), in the
   /// stored dtype. Backward: reduce-scatter SUM into the local gradient.
