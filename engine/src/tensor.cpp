@@ -380,10 +380,17 @@ Tensor arange(double start, double end, double step, Options options) {
                         ", step ", step);
   }
   const double count = std::ceil((end - start) / step);
+  if (!(count < 0x1p62)) {
+    fail<ShapeError>("arange", "[", start, ", ", end, ") in steps of ", step, " has ", count,
+                     " elements, more than a tensor can index");
+  }
   const std::int64_t n = count > 0 ? static_cast<std::int64_t>(count) : 0;
-  std::vector<double> values(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) values[i] = start + static_cast<double>(i) * step;
-  return from_values(values, {n}, options);
+  // Made in f64 as a tensor (so a size past memory is an OutOfMemoryError), then cast.
+  Tensor t = detail::make_tensor({n}, DType::f64, backend_or_default(options), "arange");
+  double* out = t.data<double>();
+  for (std::int64_t i = 0; i < n; ++i) out[i] = start + static_cast<double>(i) * step;
+  if (options.dtype != DType::f64) t = t.to(options.dtype);
+  return finish(std::move(t), options);
 }
 
 template <class T>

@@ -87,3 +87,21 @@ TEST_CASE("BackendError") {
   check_throws<BackendError>([] { get_backend("cuda"); }, {"unknown backend 'cuda'", "eigen"});
   check_throws<BackendError>([] { set_default_backend("tpu"); }, {"tpu"});
 }
+
+TEST_CASE("impossible sizes are ShapeErrors and huge ones OutOfMemoryError, never a crash or a hang") {
+  // Bytes past 2^63 cannot be addressed: a ShapeError naming the op.
+  test::check_throws<ShapeError>([] { (void)zeros({1LL << 61}, DType::f64); },
+                                 {"full", "f64 [2305843009213693952]", "2^63 bytes"});
+  test::check_throws<ShapeError>([] { (void)full({1LL << 62}, 1.0); }, {"full", "f32 [4611686018427387904]"});
+  test::check_throws<ShapeError>([] { (void)empty({1LL << 60}, DType::f64); }, {"empty"});
+  test::check_throws<ShapeError>([] { (void)empty({1LL << 62}); }, {"empty"});
+  test::check_throws<ShapeError>([] { (void)ones({2}).expand({1LL << 61, 2}); }, {"expand"});
+  test::check_throws<ShapeError>([] { (void)zeros({1LL << 40, 1LL << 40}); }, {"overflows"});
+  // Possible sizes that no machine has: the typed out-of-memory error.
+  test::check_throws<OutOfMemoryError>([] { (void)empty({1LL << 58}); }, {"empty", "out of memory"});
+  test::check_throws<OutOfMemoryError>([] { (void)ones({1}).expand({1LL << 58}); }, {"expand", "out of memory"});
+  test::check_throws<OutOfMemoryError>([] { (void)arange(0, 1e18, 1, DType::i64); }, {"arange", "out of memory"});
+  test::check_throws<ShapeError>([] { (void)arange(0, 1e300, 1, DType::f64); }, {"arange", "more than a tensor"});
+  // The same through the public creation functions that take explicit element lists.
+  test::check_throws<ShapeError>([] { (void)from_vector(std::vector<float>{1, 2}, {1LL << 62, 4}); }, {"overflows"});
+}
