@@ -60,7 +60,8 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 /// return it; probe_step runs its backward like a training step (gradients of the previous
 /// micro-batch alive during the forward, freed before backward) at b = 1 and b = `samples`, takes
 /// the largest figures over the ranks (a collective: every rank must call it), and leaves every
-/// gradient cleared and the peak counter reset. Parameters are not changed. The memory limit is
+/// gradient cleared and the peak counter reset. Parameters are not changed (Dropout streams do
+/// advance, as a training step's would: probe before loading a checkpoint). The memory limit is
 /// suspended while it measures: the plan decides.
 ///
 /// A step's peak is convex in the batch (the most, over the step's moments, of a constant plus a
