@@ -151,22 +151,57 @@ auto with_index_errors(const std::string& dir, F&& fn) -> decltype(fn()) {
 
 }  // namespace
 
+namespace {
+// The newest step directory of `dir` that has an index ("" when none): what a checkpoint
+// directory holds when its `latest` pointer is missing or points at nothing (a kill between a
+// step's index and its pointer leaves exactly that).
+std::string newest_complete_step(const fs::path& dir) {
+  std::error_code ec;
+  std::string best;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string n = it->path().filename().string();
+    if (n.rfind("step-", 0) == 0 && fs::is_regular_file(it->path() / "index.json", ec) && n > best) best = n;
+  }
+  return best;
+}
+
+// `latest` is ruda's pointer file or absent; anything else (a directory, a FIFO, a symbolic link
+// that loops or points elsewhere) is refused by name rather than followed.
+void check_latest_pointer(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path latest = dir / "latest";
+  const fs::file_status status = fs::symlink_status(latest, ec);
+  if (ec || status.type() == fs::file_type::not_found || status.type() == fs::file_type::regular) return;
+  ckpt_fail(latest.string(), std::string("is a ") +
+                                 (status.type() == fs::file_type::directory ? "directory"
+                                  : status.type() == fs::file_type::symlink ? "symbolic link"
+                                                                            : "special file") +
+                                 ", not ruda's pointer file: remove it");
+}
+}  // namespace
+
 std::string resolve_checkpoint(const std::string& path) {
-  if (fs::exists(fs::path(path) / "index.json")) return path;
-  if (!fs::is_directory(path)) ckpt_fail(path, "does not exist");
+  std::error_code ec;
+  if (fs::is_regular_file(fs::path(path) / "index.json", ec)) return path;
+  if (!fs::is_directory(path, ec)) ckpt_fail(path, "does not exist");
   // The latest pointer, else the newest complete step directory.
+  check_latest_pointer(path);
   std::ifstream latest(fs::path(path) / "latest");
   std::string name;
-  if (latest && std::getline(latest, name) && fs::exists(fs::path(path) / name / "index.json")) {
+  if (latest && std::getline(latest, name) && !name.empty() && name.find('/') == std::string::npos &&
+      fs::is_regular_file(fs::path(path) / name / "index.json", ec)) {
     return (fs::path(path) / name).string();
   }
-  std::string best;
-  for (const auto& entry : fs::directory_iterator(path)) {
-    const std::string n = entry.path().filename().string();
-    if (n.rfind("step-", 0) == 0 && fs::exists(entry.path() / "index.json") && n > best) best = n;
-  }
+  const std::string best = newest_complete_step(path);
   if (best.empty()) ckpt_fail(path, "holds no complete checkpoint");
   return (fs::path(path) / best).string();
+}
+
+bool holds_checkpoint(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return false;
+  check_latest_pointer(dir);
+  return !newest_complete_step(dir).empty();
 }
 
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
@@ -183,6 +218,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   std::string error;
   if (rank == 0) {
     try {
+      check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
       fs::create_directories(step_dir);
       if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
     } catch (const std::exception& e) {

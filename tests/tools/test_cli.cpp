@@ -323,6 +323,32 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});
 }
 
+TEST_CASE("--resume-latest: a missing or dangling latest resumes the newest complete step; a strange one is refused") {
+  TempDir tmp;
+  const std::string dir = tmp / "c";
+  // 640 samples in batches of 64: 10 steps an epoch, checkpoints at steps 5 and 10.
+  const std::string args = "mlp " + kSmall + " --checkpoint-dir " + dir + " --checkpoint-every 5";
+  REQUIRE(run(train(args + " --epochs 1")).exit_code == 0);
+  const fs::path latest = fs::path(dir) / "latest";
+  for (const char* pointer : {"", "step-00000099\n"}) {  // removed (a kill before it was written), dangling
+    CAPTURE(pointer);
+    fs::remove(latest);
+    if (*pointer) std::ofstream(latest) << pointer;
+    const Run resumed = run(train(args + " --epochs 1 --resume-latest"));
+    CHECK_MESSAGE(resumed.output.find("resumed from " + dir + "/step-00000010 at step 10") != std::string::npos,
+                  resumed.output);
+  }
+  fs::remove(latest);
+  fs::create_symlink("latest", latest);  // a loop
+  one_error_line(run(train(args + " --epochs 2 --resume-latest")), {"latest", "symbolic link", "remove it"});
+  one_error_line(run(ckpt("verify " + dir)), {"latest", "symbolic link"});
+  fs::remove(latest);
+  fs::create_directory(latest);
+  one_error_line(run(train(args + " --epochs 2 --resume-latest")), {"latest", "is a directory"});
+  // Without --resume-latest, the first save refuses it before any file is written.
+  one_error_line(run(train(args + " --epochs 1")), {"latest", "is a directory"});
+}
+
 TEST_CASE("a non-finite loss stops training with one line naming the step and the rank") {
   // A learning rate of 1e38 overflows the weights in the first update: the second loss is NaN.
   for (const std::string ranks : {"", "--emulate 2 "}) {

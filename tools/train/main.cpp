@@ -736,7 +736,17 @@ int main(int argc, char** argv) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
     return 2;
   }
-  if (cfg.resume_latest && !fs::exists(fs::path(cfg.checkpoint_dir) / "latest")) cfg.resume_latest = false;
+  // --resume-latest resumes from the newest complete checkpoint there (its `latest` pointer, or the
+  // newest step with an index when the pointer is missing or dangling), and starts afresh only
+  // when there is none. Every rank sees the same directory, so every rank decides alike.
+  if (cfg.resume_latest) {
+    try {
+      if (!nn::holds_checkpoint(cfg.checkpoint_dir)) cfg.resume_latest = false;
+    } catch (const std::exception& e) {
+      if (print) print_error(e.what());
+      return 1;
+    }
+  }
 
   try {
     if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit);

@@ -46,6 +46,9 @@ CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimize
 
 /// The step directory `path` designates (itself, or the latest complete step under it); IOError if none.
 std::string resolve_checkpoint(const std::string& path);
+/// Whether checkpoint directory `dir` holds a complete checkpoint (a step with its index), whatever
+/// its `latest` pointer says. IOError naming it if `latest` is there but not a pointer file.
+bool holds_checkpoint(const std::string& dir);
 
 struct CheckpointEntry {
   std::string name;
