@@ -32,10 +32,10 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
   memory::LimitSuspended measuring;
   // The transient above what is live before the forward, with the previous micro-batch's
   // gradients alive during it as in a training loop (loss, zero_grad, backward).
-  auto transient = [&](std::int64_t samples) {
+  auto transient = [&](std::int64_t batch) {
     memory::reset_peak();
     const std::int64_t before = memory::stats().live_bytes;
-    const Tensor loss = step(samples);
+    const Tensor loss = step(batch);
     module.zero_grad();
     loss.backward();
     return memory::stats().peak_bytes - before;

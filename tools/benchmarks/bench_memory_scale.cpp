@@ -105,6 +105,10 @@ void memory_scale_suite(Context& ctx) {
     report(ctx, "GPT d256 x4, batch 16: measured peak per rank, world " + std::to_string(world) + " (peer: plan)", "MB",
            static_cast<double>(f.measured) / 1e6, static_cast<double>(f.predicted) / 1e6, "plan");
   }
+  // What activation checkpointing saves: the measured peak of a training step at one rank.
+  const Figures plain = plan_gpt(256, 1, false, 2), recomputed = plan_gpt(256, 1, true, 2);
+  report(ctx, "GPT d256 x4, batch 16: peak with activation checkpointing, world 1 (peer: without)", "MB",
+         static_cast<double>(recomputed.measured) / 1e6, static_cast<double>(plain.measured) / 1e6, "without");
   // The widest GPT within the budget, at 1 and at 4 ranks.
   for (bool checkpointing : {false, true}) {
     const std::string how = checkpointing ? ", activation checkpointing" : "";
