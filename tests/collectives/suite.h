@@ -507,6 +507,41 @@ inline void order_check(Communicator& c) {
   c.set_order_check(was);
 }
 
+/// all_gather_text and agree_on_failure: texts of different lengths (empty, long, with zero
+/// bytes) arrive whole and in rank order; failures name their ranks, and equal messages merge.
+inline void text_agreement(Communicator& c) {
+  const int n = c.world_size(), r = c.rank();
+  auto text_of = [](int rank) {
+    std::string t(static_cast<std::size_t>(rank * 37 % 11), static_cast<char>('a' + rank));
+    if (rank % 3 == 1) t += std::string(1, '\0') + "after a zero byte";
+    return t;
+  };
+  const auto texts = all_gather_text(c, text_of(r), "texts");
+  REQUIRE(texts.size() == static_cast<std::size_t>(n));
+  for (int k = 0; k < n; ++k)
+    CHECK_MESSAGE(texts[static_cast<std::size_t>(k)] == text_of(k),
+                  "rank " << r << " of " << n << " text of rank " << k);
+  CHECK(all_gather_text(c, "", "empty") == std::vector<std::string>(static_cast<std::size_t>(n)));
+  CHECK(agree_on_failure(c, "", "all well").empty());
+  // Every odd rank fails with the same message, the last rank with its own.
+  std::string error = r % 2 == 1 ? "disk full" : "";
+  if (r == n - 1 && n > 1) error = "cannot open /data/rank-" + std::to_string(r);
+  const auto failures = agree_on_failure(c, error, "some failed");
+  std::string expected;
+  std::vector<int> odd;
+  for (int k = 1; k < n - 1; k += 2) odd.push_back(k);
+  if (!odd.empty()) {
+    expected = odd.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < odd.size(); ++i) expected += (i ? ", " : "") + std::to_string(odd[i]);
+    expected += ": disk full";
+  }
+  if (n > 1)
+    expected += (expected.empty() ? "" : "; ") + std::string("rank ") + std::to_string(n - 1) +
+                ": cannot open /data/rank-" + std::to_string(n - 1);
+  CHECK_MESSAGE(describe(failures) == expected, "rank " << r << " of " << n << ": " << describe(failures));
+  CHECK(failures.size() == odd.size() + (n > 1 ? 1 : 0));
+}
+
 }  // namespace ruda::test::collectives
 
 /// Instantiates the suite for one implementation: RUN(check) runs check on every rank of every
@@ -519,4 +554,5 @@ inline void order_check(Communicator& c) {
   TEST_CASE(NAME ": non-blocking forms") { RUN(&ruda::test::collectives::async_forms); }              \
   TEST_CASE(NAME ": into a caller's buffer") { RUN(&ruda::test::collectives::into_forms); }           \
   TEST_CASE(NAME ": 16-bit accumulation") { RUN(&ruda::test::collectives::accumulation); }            \
-  TEST_CASE(NAME ": validation") { RUN(&ruda::test::collectives::validation); }
+  TEST_CASE(NAME ": validation") { RUN(&ruda::test::collectives::validation); }                       \
+  TEST_CASE(NAME ": text and agreement on failure") { RUN(&ruda::test::collectives::text_agreement); }

@@ -241,3 +241,27 @@ struct EmulatedOptions {
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, EmulatedOptions options = {});
 
 }  // namespace ruda
+
+namespace ruda {
+
+/// Every rank's `text`, in rank order, on every rank. Collective: two all_gathers (the lengths,
+/// then the bytes padded to the longest), tagged with `tag` for the order check.
+std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text, const std::string& tag);
+
+/// A rank's failure, as agree_on_failure reports it.
+struct RankFailure {
+  int rank = 0;
+  std::string message;
+};
+
+/// Agrees on a phase's outcome: every rank passes its error ("" when it succeeded) and learns
+/// every rank's, so a failure anywhere is seen everywhere with its root cause, and no rank goes
+/// on to a collective the others will not join. Returns the failures in rank order (empty when
+/// every rank succeeded). Collective.
+std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string& error, const std::string& tag);
+
+/// "rank 1: <message>; rank 3: <message>" (the same message from several ranks is given once, as
+/// "ranks 1, 3: <message>").
+std::string describe(const std::vector<RankFailure>& failures);
+
+}  // namespace ruda
