@@ -27,6 +27,15 @@ constexpr int kMaxJsonDepth = 16;
 }
 std::string os_error() { return std::strerror(errno); }
 
+const char* file_kind(mode_t mode) {
+  if (S_ISDIR(mode)) return "directory";
+  if (S_ISFIFO(mode)) return "FIFO";
+  if (S_ISSOCK(mode)) return "socket";
+  if (S_ISCHR(mode)) return "character device";
+  if (S_ISBLK(mode)) return "block device";
+  return "special file";
+}
+
 bool dtype_from_format(const std::string& name, DType& out) {
   static const std::pair<const char*, DType> names[] = {{"F32", DType::f32}, {"F64", DType::f64},
                                                         {"F16", DType::f16}, {"BF16", DType::bf16},
@@ -173,12 +182,18 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
 }
 
 Reader::Reader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. Only a
+  // regular file is read (the flag changes nothing for one).
+  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd_ < 0) io_fail(path, "cannot open: " + os_error());
   struct stat st {};
   if (::fstat(fd_, &st) != 0) {
     ::close(fd_);
     io_fail(path, "cannot stat: " + os_error());
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd_);
+    io_fail(path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
   }
   file_size_ = static_cast<std::uint64_t>(st.st_size);
   try {
@@ -410,6 +425,36 @@ void write_text_atomically(const std::string& path, const std::string& text) {
   detail::AtomicFile file(path);
   file.write(text.data(), text.size());
   file.commit();
+}
+
+std::string read_text_file(const std::string& path, std::size_t max_bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // see Reader: a FIFO never blocks
+  if (fd < 0) io_fail(path, "cannot open: " + os_error());
+  std::string text;
+  try {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) io_fail(path, "cannot stat: " + os_error());
+    if (!S_ISREG(st.st_mode)) io_fail(path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
+    if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
+      io_fail(path, "is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
+                        " this file may have");
+    }
+    text.resize(static_cast<std::size_t>(st.st_size));
+    std::size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) io_fail(path, "read failed: " + os_error());
+      if (n == 0) break;  // shrank while reading
+      done += static_cast<std::size_t>(n);
+    }
+    text.resize(done);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return text;
 }
 
 }  // namespace ruda::safetensors

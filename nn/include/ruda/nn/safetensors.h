@@ -126,6 +126,9 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
 
 /// Writes a text file atomically (temporary file, flush, rename), as write() does.
 void write_text_atomically(const std::string& path, const std::string& text);
+/// Reads a whole text file of at most `max_bytes`; IOError naming the path if it is missing, not a
+/// regular file (a directory, a FIFO: never blocks), or larger.
+std::string read_text_file(const std::string& path, std::size_t max_bytes);
 
 namespace testing {
 /// Crash simulation for tests: when RUDA_TEST_CRASH_AFTER_BYTES=N is set in the environment, a
