@@ -137,19 +137,26 @@ TEST_CASE("reshard reads each new rank's own share of the bytes, not whole tenso
     opt.step();  // creates the moments
     nn::save_checkpoint(dir.str(), 1, *layer, &opt, comm, {});
   });
-  for (int world : {2, 4}) {
-    CAPTURE(world);
-    std::vector<std::uint64_t> bytes(world), share(world);
-    run_ranks(world, [&](Communicator& comm) {
-      auto layer = make(comm);
-      nn::AdamW opt(layer->parameters(), test::adam_options());
-      bytes[comm.rank()] = nn::load_checkpoint(dir.str(), *layer, &opt, comm).bytes_read;
-      for (const auto& p : layer->parameters()) share[comm.rank()] += 3 * 4 * p.shard()->real_elements();
-    });
-    for (int r = 0; r < world; ++r) {
-      INFO("rank " << r << " read " << bytes[r] << " bytes for a share of " << share[r]);
-      CHECK(bytes[r] >= share[r]);
-      CHECK(bytes[r] <= share[r] + 3 * 4096);  // plus at most the three files' headers
+  for (const bool verify : {false, true}) {
+    for (int world : {2, 4}) {
+      CAPTURE(verify);
+      CAPTURE(world);
+      std::vector<std::uint64_t> bytes(world), share(world);
+      run_ranks(world, [&](Communicator& comm) {
+        auto layer = make(comm);
+        nn::AdamW opt(layer->parameters(), test::adam_options());
+        bytes[comm.rank()] =
+            nn::load_checkpoint(dir.str(), *layer, &opt, comm, {.verify_checksums = verify}).bytes_read;
+        for (const auto& p : layer->parameters()) share[comm.rank()] += 3 * 4 * p.shard()->real_elements();
+      });
+      // Plus at most the three files' headers; checking also reads the blocks the range's two ends
+      // cut, for each of the 6 tensors (weight, bias, and their two moments).
+      const std::uint64_t slack = 3 * 4096 + (verify ? 6 * 2 * nn::kChecksumBlockBytes : 0);
+      for (int r = 0; r < world; ++r) {
+        INFO("rank " << r << " read " << bytes[r] << " bytes for a share of " << share[r]);
+        CHECK(bytes[r] >= share[r]);
+        CHECK(bytes[r] <= share[r] + slack);
+      }
     }
   }
 }

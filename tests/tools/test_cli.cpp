@@ -349,6 +349,31 @@ TEST_CASE("--resume-latest: a missing or dangling latest resumes the newest comp
   one_error_line(run(train(args + " --epochs 1")), {"latest", "is a directory"});
 }
 
+TEST_CASE("resuming from a damaged file: every rank stops with the cause, nobody reports a resume") {
+  TempDir tmp;
+  const std::string dir = tmp / "d";
+  const std::string args = "--emulate 2 mlp " + kSmall + " --checkpoint-dir " + dir;
+  REQUIRE(run(train(args + " --epochs 1")).exit_code == 0);
+  // One bit of rank 1's weights flipped, in the middle of its data.
+  const fs::path file = fs::path(dir) / "step-00000010" / "rank-00001-of-00002.safetensors";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(file) / 2));
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 1);
+    f.seekp(static_cast<std::streamoff>(fs::file_size(file) / 2));
+    f.write(&c, 1);
+  }
+  const Run damaged = run(train(args + " --epochs 2 --resume-latest"));
+  one_error_line(damaged, {"rank 1", "rank-00001-of-00002.safetensors", "checksum"});
+  CHECK_MESSAGE(damaged.output.find("resumed from") == std::string::npos, damaged.output);
+  one_error_line(run(ckpt("verify " + dir)), {"rank-00001-of-00002.safetensors", "checksum", "damaged"});
+  // The documented opt-out trusts the data.
+  const Run trusted = run(train(args + " --epochs 2 --resume-latest --skip-checksums"));
+  CHECK_MESSAGE(trusted.output.find("resumed from " + dir + "/step-00000010") != std::string::npos, trusted.output);
+}
+
 TEST_CASE("a non-finite loss stops training with one line naming the step and the rank") {
   // A learning rate of 1e38 overflows the weights in the first update: the second loss is NaN.
   for (const std::string ranks : {"", "--emulate 2 "}) {

@@ -13,7 +13,8 @@ int main(int argc, char** argv) {
   std::int64_t step = 0;
   auto* list = app.add_subcommand("list", "Print a checkpoint's parameters, shapes, world size and extra state");
   list->add_option("checkpoint", path, "A checkpoint directory (its latest step) or a step directory")->required();
-  auto* verify = app.add_subcommand("verify", "Check every file and read every byte of every piece");
+  auto* verify = app.add_subcommand(
+      "verify", "Check the index, every file's header and identity, and every block of data against its checksum");
   verify->add_option("checkpoint", path, "A checkpoint directory or a step directory")->required();
   auto* consolidate = app.add_subcommand("consolidate", "Write one full safetensors file of the model's parameters");
   consolidate->add_option("checkpoint", path, "A checkpoint directory or a step directory")->required();
@@ -36,7 +37,7 @@ int main(int argc, char** argv) {
     if (list->parsed()) {
       const nn::CheckpointSummary s = nn::describe_checkpoint(path);
       std::cout << s.info.directory << ": step " << s.info.step << ", " << s.info.world_size << " ranks, "
-                << s.params.size() << " parameters";
+                << s.params.size() << " parameters" << (s.checksums ? "" : ", no checksums (format version 1)");
       if (s.optimizer_steps >= 0) std::cout << ", optimizer state after " << s.optimizer_steps << " steps";
       std::cout << "\n";
       std::int64_t total = 0;
@@ -51,7 +52,11 @@ int main(int argc, char** argv) {
       for (const auto& [k, v] : s.info.extra) std::cout << "  " << k << " = " << v << "\n";
     } else if (verify->parsed()) {
       const std::uint64_t bytes = nn::verify_checkpoint(path);
-      std::cout << nn::resolve_checkpoint(path) << ": ok, " << bytes << " bytes of tensor data checked\n";
+      const nn::CheckpointSummary s = nn::describe_checkpoint(path);
+      std::cout << s.info.directory << ": ok, " << bytes << " bytes of tensor data read, "
+                << (s.checksums ? "every block matches its checksum"
+                                : "no checksums to check (format version 1: only the structure was checked)")
+                << "\n";
     } else if (consolidate->parsed()) {
       nn::consolidate_checkpoint(path, output);
       std::cout << "wrote " << output << "\n";

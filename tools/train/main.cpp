@@ -45,6 +45,7 @@ struct Config {
   std::int64_t checkpoint_every = 0;
   std::string resume;
   bool resume_latest = false;
+  bool skip_checksums = false;
   std::string metrics;
   int emulate = 0;
   std::int64_t log_every = 100;
@@ -442,6 +443,7 @@ void run(const Config& cfg, Communicator& comm) {
   std::unique_ptr<Task> task;
   std::unique_ptr<nn::Optimizer> optimizer;
   std::int64_t start_step = 0;
+  nn::CheckpointInfo resumed;
   nn::MemoryPlan plan;
   const auto begin = std::chrono::steady_clock::now();
 
@@ -487,14 +489,16 @@ void run(const Config& cfg, Communicator& comm) {
                               found.info.directory + ": the resumed run would train on other samples");
         }
       }
-      const nn::CheckpointInfo info = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm);
-      start_step = info.step;
-      if (main_rank) {
-        std::cout << "resumed from " << info.directory << " at step " << start_step << " (saved by " << info.world_size
-                  << " ranks, now " << comm.world_size() << ")" << std::endl;
-      }
+      resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm,
+                                    {.verify_checksums = !cfg.skip_checksums});
+      start_step = resumed.step;
     }
   });
+  // Only now that every rank has loaded (the phase agreed on it) is the resume reported.
+  if (main_rank && !resumed.directory.empty()) {
+    std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
+              << resumed.world_size << " ranks, now " << comm.world_size() << ")" << std::endl;
+  }
 
   const std::int64_t total = task->total_steps();
   train::Metrics metrics;
@@ -668,6 +672,9 @@ int main(int argc, char** argv) {
   app.add_flag("--resume-latest", cfg.resume_latest,
                "Resume from the latest checkpoint in --checkpoint-dir, if there is one")
       ->excludes(resume);
+  app.add_flag("--skip-checksums", cfg.skip_checksums,
+               "Resume without checking the checkpoint's data against its checksums (faster; the files' "
+               "headers and identity are still checked)");
   app.add_option("--metrics", cfg.metrics,
                  "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
   app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")->check(CLI::Range(1, 64));

@@ -1,0 +1,127 @@
+// The on-disk format of sharded checkpoints (internal to nn): file names, the block checksums,
+// index.json parsed and validated once for every reader (load, verify, list, consolidate), and
+// the rank files, opened with their identity checked. checkpoint.cpp builds the operations on it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ruda/nn/checkpoint.h>
+#include <ruda/nn/safetensors.h>
+#include <nlohmann/json_fwd.hpp>
+
+namespace ruda::nn::ckpt {
+
+inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
+// Version 2 adds the checksums of every piece to the index and the step to every rank file.
+// Version 1 checkpoints still load and verify, with no checksums to check their data against.
+inline constexpr int kVersion = 2;
+inline constexpr std::size_t kMaxLatestBytes = 4096;
+
+// A piece's bytes are checked in blocks (kChecksumBlockBytes), each with its own XXH3-64 hash: a
+// load that reshards reads parts of pieces and checks the whole blocks around what it reads (at
+// most two blocks more than its range per tensor), instead of reading whole pieces or trusting
+// what it did not check. The hashes cost 16 bytes of index per block, 0.025 % of the data.
+inline constexpr std::size_t kChecksumBlock = kChecksumBlockBytes;
+inline constexpr std::size_t kHashDigits = 16;
+static_assert(safetensors::kChunkBytes % kChecksumBlock == 0, "chunked reads must start on block boundaries");
+
+/// IOError "checkpoint <where>: <what>".
+[[noreturn]] void fail(const std::string& where, const std::string& what);
+
+std::string step_name(std::int64_t step);
+std::string rank_file(int rank, int world);
+inline std::string model_tensor(const std::string& param) { return "model/" + param; }
+inline std::string optim_tensor(const std::string& param, const std::string& state) {
+  return "optim/" + param + "/" + state;
+}
+/// A rank file's own record of what it is: checked against the index on every read.
+std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step);
+
+/// Appends the hash of every kChecksumBlock-byte block of `data` (the last one shorter), 16 hex
+/// digits each. `data` must start on a block boundary of its piece.
+void append_block_hashes(std::string& out, const void* data, std::size_t bytes);
+
+// A piece of a parameter: elements [offset, offset + count) of the flattened tensor, in `rank`'s file.
+struct IndexPiece {
+  int rank = 0;
+  std::int64_t offset = 0, count = 0;
+  std::map<std::string, std::string> hashes;  // tensor name in the rank file -> its blocks' hashes (version 2)
+};
+
+struct IndexParam {
+  std::string name;
+  Shape shape;
+  DType dtype = DType::f32;
+  std::int64_t numel = 0;
+  std::uint64_t id = 0;
+  bool sharded = false;
+  std::vector<IndexPiece> pieces;  // by offset, tiling [0, numel) exactly
+};
+
+// index.json, validated: every value the readers use has been checked for kind and range, so
+// nothing an index says can send a read or a write outside a tensor or a file.
+struct Index {
+  std::string dir, path;  // the step directory and its index.json
+  int version = kVersion;
+  std::int64_t step = 0;
+  int world_size = 0;
+  std::vector<std::string> files;
+  std::vector<IndexParam> params;
+  bool has_optimizer = false;
+  std::int64_t optimizer_steps = 0;
+  double lr = 0;
+  std::vector<std::string> optimizer_state;
+  std::map<std::string, std::string> extra;
+
+  bool has_checksums() const { return version >= 2; }
+  // The tensors a piece of `p` has in its rank file: the parameter's values, then its optimizer state.
+  std::vector<std::string> tensors(const IndexParam& p) const {
+    std::vector<std::string> out = {model_tensor(p.name)};
+    for (const auto& s : optimizer_state) out.push_back(optim_tensor(p.name, s));
+    return out;
+  }
+};
+
+/// index.json of step directory `dir`, read (a regular file of bounded size) and validated.
+Index read_index(const std::string& dir);
+/// An index given as JSON (`path` names it in errors), validated as read_index validates.
+Index parse_index(const nlohmann::json& j, const std::string& path, const std::string& dir);
+
+// The rank files of a checkpoint, opened on first use. Each is checked as it opens: a regular file
+// with a valid header (safetensors::Reader), written for this checkpoint's rank, world size and
+// step, so that a file swapped with another rank's or left from another step is refused by name.
+class RankFiles {
+ public:
+  explicit RankFiles(const Index& index);
+  ~RankFiles();
+  safetensors::Reader& open(int rank);
+  /// Tensor `name` of `rank`'s file, checked to hold `count` elements (of `dtype`, when given)
+  /// and, with checksums, to have one hash in `piece` per block.
+  const safetensors::TensorInfo& tensor(int rank, const std::string& name, std::int64_t count,
+                                        std::optional<DType> dtype, const IndexPiece& piece);
+  std::uint64_t bytes_read() const;
+
+ private:
+  void check_identity(const safetensors::Reader& file, int rank) const;
+  const Index& index_;
+  std::vector<std::unique_ptr<safetensors::Reader>> readers_;
+};
+
+/// Elements [first, first + count) of tensor `name` (one piece, of `elem`-byte elements) of
+/// `file` into `out`. With `hashes`, every block the range touches is read whole and checked: the
+/// blocks inside the range straight into `out`, the ones at its two ends through a scratch block.
+void read_checked(const safetensors::Reader& file, const std::string& name, std::size_t elem, const std::string* hashes,
+                  std::int64_t first, std::int64_t count, char* out);
+
+/// Streams a whole piece of tensor `name` to consume(data, bytes) in chunks of at most
+/// safetensors::kChunkBytes, checking every block against `hashes` when given.
+void stream_checked(const safetensors::Reader& file, const std::string& name, std::int64_t count,
+                    const std::string* hashes, const std::function<void(const char*, std::size_t)>& consume);
+
+}  // namespace ruda::nn::ckpt

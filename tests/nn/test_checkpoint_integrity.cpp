@@ -1,0 +1,311 @@
+// Checkpoints that prove their integrity: damaged, swapped, stale and non-regular files and
+// damaged indexes are refused by load and verify alike, naming the file and the problem; saves
+// clean what killed saves left; a failure on one rank reaches every rank with its cause.
+#include <sys/stat.h>
+
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "helpers.h"
+
+using namespace ruda;
+using test::TempDir;
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+// A 256x256 weight (256 KiB: four checksum blocks) and its bias, sharded over the ranks.
+std::shared_ptr<nn::Linear> make_layer(Communicator& comm) {
+  nn::manual_seed(3);
+  auto layer = std::make_shared<nn::Linear>(256, 256);
+  nn::fully_shard(*layer, comm);
+  return layer;
+}
+
+// Saves make_layer with AdamW moments at `step` over `world` emulated ranks.
+void save_layer(const TempDir& dir, int world, std::int64_t step) {
+  run_ranks(world, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    nn::AdamW opt(layer->parameters(), nn::AdamWOptions{});
+    sum(layer->forward(ones({2, 256}))).backward();
+    opt.step();
+    nn::save_checkpoint(dir.str(), step, *layer, &opt, comm, {}, /*keep=*/0);
+  });
+}
+
+// Loads dir into make_layer over `world` emulated ranks; returns each rank's error ("" if none).
+std::vector<std::string> load_layer(const TempDir& dir, int world, nn::LoadOptions options = {}) {
+  std::vector<std::string> errors(static_cast<std::size_t>(world));
+  std::mutex m;
+  run_ranks(world, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    nn::AdamW opt(layer->parameters(), nn::AdamWOptions{});
+    try {
+      nn::load_checkpoint(dir.str(), *layer, &opt, comm, options);
+    } catch (const IOError& e) {
+      std::lock_guard lock(m);
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  return errors;
+}
+
+void check_contains(const std::string& text, const std::vector<std::string>& fragments) {
+  for (const auto& f : fragments)
+    CHECK_MESSAGE(text.find(f) != std::string::npos, "'" << text << "' lacks '" << f << "'");
+}
+
+std::string rank_file(int rank, int world) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.safetensors", rank, world);
+  return buf;
+}
+
+// Flips one bit of byte `at` (from the start of tensor `tensor`'s data) in a safetensors file.
+void flip_byte(const fs::path& file, const std::string& tensor, std::uint64_t at) {
+  std::uint64_t begin = 0;
+  {
+    safetensors::Reader reader(file.string());
+    begin = reader.info(tensor).begin;
+  }
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(begin + at));
+  char c = 0;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x10);
+  f.seekp(static_cast<std::streamoff>(begin + at));
+  f.write(&c, 1);
+}
+
+json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  return json::parse(in);
+}
+
+}  // namespace
+
+TEST_CASE("a flipped byte anywhere in the data is caught by verify and by load, at any world size") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path step = dir.path / "step-00000001";
+  CHECK(nn::describe_checkpoint(dir.str()).checksums);
+  CHECK(nn::verify_checkpoint(dir.str()) > 3 * 256 * 256 * 4);
+  // The weight's values in the last block of rank 1's piece, and a byte of an Adam moment.
+  for (const auto& [tensor, at] : std::vector<std::pair<std::string, std::uint64_t>>{
+           {"model/weight", 128 * 1024 - 1}, {"optim/weight/exp_avg_sq", 70000}, {"model/bias", 4}}) {
+    CAPTURE(tensor);
+    TempDir copy;
+    fs::copy(dir.path, copy.path, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    const fs::path damaged = copy.path / "step-00000001" / rank_file(1, 2);
+    flip_byte(damaged, tensor, at);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(copy.str()); },
+                                {rank_file(1, 2), tensor, "checksum", "damaged"});
+    // Same world size: rank 1 reads the damaged piece and says so; rank 0 learns it from rank 1.
+    const auto errors = load_layer(copy, 2);
+    check_contains(errors[1], {rank_file(1, 2), tensor, "checksum"});
+    check_contains(errors[0], {"loading failed on rank 1", tensor, "checksum"});
+    // Resharded to 3 ranks: whichever ranks read the damaged block refuse, and every rank fails.
+    for (const auto& e : load_layer(copy, 3)) CHECK_FALSE(e.empty());
+    // The documented opt-out loads the damaged value without hashing.
+    for (const auto& e : load_layer(copy, 2, {.verify_checksums = false})) CHECK(e.empty());
+    // Consolidating checks what it copies (the model, not the optimizer's state).
+    if (tensor.rfind("model/", 0) == 0) {
+      test::check_throws<IOError>(
+          [&] { nn::consolidate_checkpoint(copy.str(), (copy.path / "all.safetensors").string()); },
+          {tensor, "checksum"});
+    }
+  }
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+  for (const auto& e : load_layer(dir, 3)) CHECK(e.empty());
+}
+
+TEST_CASE("swapped rank files and a file left from another step are refused by name") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  save_layer(dir, 2, 2);
+  const fs::path step2 = dir.path / "step-00000002";
+  SUBCASE("two ranks' files swapped") {
+    fs::rename(step2 / rank_file(0, 2), dir.path / "tmp");
+    fs::rename(step2 / rank_file(1, 2), step2 / rank_file(0, 2));
+    fs::rename(dir.path / "tmp", step2 / rank_file(1, 2));
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                                {rank_file(0, 2), "written by rank 1 of 2", "expects rank 0 of 2"});
+    check_contains(load_layer(dir, 2)[0], {rank_file(0, 2), "written by rank 1"});
+  }
+  SUBCASE("one rank's file from the step before") {
+    fs::copy_file(dir.path / "step-00000001" / rank_file(1, 2), step2 / rank_file(1, 2),
+                  fs::copy_options::overwrite_existing);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {rank_file(1, 2), "at step 1", "at step 2"});
+    check_contains(load_layer(dir, 2)[1], {rank_file(1, 2), "at step 1", "expects rank 1 of 2 at step 2"});
+  }
+  SUBCASE("a file of another world size under the right name") {
+    TempDir other;
+    save_layer(other, 3, 2);
+    fs::copy_file(other.path / "step-00000002" / rank_file(1, 3), step2 / rank_file(1, 2),
+                  fs::copy_options::overwrite_existing);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {rank_file(1, 2), "rank 1 of 3"});
+  }
+}
+
+TEST_CASE("files that are not regular never block and are named") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path step = dir.path / "step-00000001";
+  SUBCASE("a rank file that is a FIFO") {
+    fs::remove(step / rank_file(1, 2));
+    REQUIRE(::mkfifo((step / rank_file(1, 2)).c_str(), 0644) == 0);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                                {rank_file(1, 2), "not a regular file", "FIFO"});
+    check_contains(load_layer(dir, 2)[1], {rank_file(1, 2), "FIFO"});
+  }
+  SUBCASE("a directory in place of index.json") {
+    fs::remove(step / "index.json");
+    fs::create_directory(step / "index.json");
+    for (const auto& fn : std::vector<std::function<void()>>{
+             [&] { nn::verify_checkpoint(step.string()); }, [&] { nn::describe_checkpoint(step.string()); },
+             [&] { nn::consolidate_checkpoint(step.string(), (dir.path / "x.safetensors").string()); }}) {
+      test::check_throws<IOError>(fn, {"index.json", "not a regular file but a directory"});
+    }
+    check_contains(load_layer(dir, 2)[0], {"index.json"});  // the directory, not a step: no complete checkpoint
+  }
+  SUBCASE("an index.json that is a FIFO") {
+    fs::remove(step / "index.json");
+    REQUIRE(::mkfifo((step / "index.json").c_str(), 0644) == 0);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(step.string()); }, {"index.json", "FIFO"});
+  }
+}
+
+TEST_CASE("verify, load, list and consolidate refuse the same index damage") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path index_path = dir.path / "step-00000001" / "index.json";
+  const json good = read_json(index_path);
+  struct Damage {
+    std::string what;
+    std::function<void(json&)> edit;
+    std::vector<std::string> fragments;  // in what verify, load and consolidate raise
+    bool in_index = true;                // index.json contradicts itself: listing refuses it too
+  };
+  const std::vector<Damage> damages = {
+      {"a world size that disagrees with the files", [](json& j) { j["world_size"] = 3; }, {"3"}},
+      {"a world size that disagrees with the files' own",
+       [](json& j) {
+         j["world_size"] = 1;
+         j["files"] = json::array({"rank-00000-of-00002.safetensors"});
+         for (auto& [name, p] : j["params"].items()) {
+           json pieces = p["pieces"];
+           p["pieces"] = json::array();
+           for (auto piece : pieces) {
+             if (piece["rank"] == 0) p["pieces"].push_back(piece);
+           }
+           p["pieces"][0]["count"] = p["numel"];
+         }
+       },
+       {rank_file(0, 2), "rank 0 of 2", "expects rank 0 of 1"},
+       false},
+      {"the step as a string", [](json& j) { j["step"] = "1"; }, {"'step' must be an integer", "\"1\""}},
+      {"a negative step", [](json& j) { j["step"] = -4; }, {"'step' is -4"}},
+      {"the optimizer's steps missing", [](json& j) { j["optimizer"].erase("steps"); }, {"'optimizer'", "no 'steps'"}},
+      {"the learning rate as a string", [](json& j) { j["optimizer"]["lr"] = "0.1"; }, {"'lr'"}},
+      {"the optimizer's state names missing", [](json& j) { j["optimizer"].erase("state"); }, {"no 'state'"}},
+      {"extra state that is not a string", [](json& j) { j["extra"]["epoch"] = 3; }, {"extra 'epoch'"}},
+      {"a piece's count as a string", [](json& j) { j["params"]["weight"]["pieces"][0]["count"] = "10"; }, {"'count'"}},
+      {"a shape extent as a fraction", [](json& j) { j["params"]["bias"]["shape"][0] = 2.5; }, {"bias", "extent"}},
+      {"a checksum cut short",
+       [](json& j) {
+         auto& h = j["params"]["weight"]["pieces"][0]["xxh3"]["model/weight"];
+         h = h.get<std::string>().substr(16);
+       },
+       {"checksums", "model/weight"},
+       false},
+      {"a checksum that is not hex",
+       [](json& j) { j["params"]["bias"]["pieces"][0]["xxh3"]["model/bias"] = "zz"; },
+       {"malformed checksums"}},
+      {"a file name with a directory in it",
+       [](json& j) { j["files"][1] = "../rank-00001-of-00002.safetensors"; },
+       {"names file"}},
+      {"an unknown version", [](json& j) { j["version"] = 99; }, {"version 99"}},
+      {"an unknown dtype", [](json& j) { j["params"]["bias"]["dtype"] = "f8"; }, {"bias", "f8"}},
+  };
+  for (const auto& d : damages) {
+    CAPTURE(d.what);
+    json j = good;
+    d.edit(j);
+    std::ofstream(index_path) << j.dump(1);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, d.fragments);
+    if (d.in_index) test::check_throws<IOError>([&] { nn::describe_checkpoint(dir.str()); }, d.fragments);
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "x.safetensors").string()); },
+                                d.fragments);
+    for (const auto& e : load_layer(dir, 2)) check_contains(e, {d.fragments.front()});
+  }
+  std::ofstream(index_path) << good.dump(1);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+}
+
+TEST_CASE("a save removes what killed saves left, and only that") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  // What kills leave: a temporary pointer, a temporary rank file in a complete step, and a step
+  // directory without an index (killed before its index) holding a temporary file.
+  std::ofstream(dir.path / "latest.tmp") << "step-00000009";
+  std::ofstream(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")) << "partial";
+  std::ofstream(dir.path / "step-00000001" / "index.json.tmp") << "{";
+  fs::create_directories(dir.path / "step-00000009");
+  std::ofstream(dir.path / "step-00000009" / (rank_file(0, 2) + ".tmp")) << "partial";
+  // Not ruda's: left alone.
+  std::ofstream(dir.path / "notes.tmp") << "mine";
+  std::ofstream(dir.path / "step-00000001" / "mine.tmp") << "mine";
+  save_layer(dir, 2, 2);
+  CHECK_FALSE(fs::exists(dir.path / "latest.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / "index.json.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000009"));
+  CHECK(fs::exists(dir.path / "notes.tmp"));
+  CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp"));
+  CHECK(nn::verify_checkpoint((dir.path / "step-00000001").string()) > 0);
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000002").string());
+}
+
+TEST_CASE("a failed save names the failing rank and its cause on every rank") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  // Rank 1 cannot create its temporary file: a directory is in the way.
+  fs::create_directories(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp"));
+  std::vector<std::string> errors(2);
+  std::mutex m;
+  run_ranks(2, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    try {
+      nn::save_checkpoint(dir.str(), 2, *layer, nullptr, comm);
+    } catch (const IOError& e) {
+      std::lock_guard lock(m);
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors)
+    check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "cannot create"});
+  // Nothing was published: the previous checkpoint is still the latest.
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000001").string());
+}
+
+TEST_CASE("a version 1 checkpoint (before checksums) still loads and verifies") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path index_path = dir.path / "step-00000001" / "index.json";
+  json j = read_json(index_path);
+  j["version"] = 1;
+  for (auto& [name, p] : j["params"].items()) {
+    for (auto& piece : p["pieces"]) piece.erase("xxh3");
+  }
+  std::ofstream(index_path) << j.dump(1);
+  const auto summary = nn::describe_checkpoint(dir.str());
+  CHECK(summary.version == 1);
+  CHECK_FALSE(summary.checksums);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 3)) CHECK(e.empty());
+}
