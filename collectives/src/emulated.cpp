@@ -251,12 +251,41 @@ class World {
   int first_failure_ = -1;
 };
 
+// A non-blocking collective under a link model: its data moved at the start, it is done when
+// the modeled link time has passed.
+class LinkedState final : public Work::State {
+ public:
+  LinkedState(Tensor out, Clock::time_point done) : out_(std::move(out)), done_(done) {}
+  Tensor wait() override {
+    std::this_thread::sleep_until(done_);
+    return std::move(out_);
+  }
+  bool ready() override { return Clock::now() >= done_; }
+
+ private:
+  Tensor out_;
+  Clock::time_point done_;
+};
+
 class EmulatedCommunicator final : public Communicator {
  public:
-  EmulatedCommunicator(World& world, int rank) : Communicator(rank, world.size()), world_(world) {}
+  EmulatedCommunicator(World& world, int rank, LinkModel link)
+      : Communicator(rank, world.size()), world_(world), link_(link) {}
   std::string_view kind() const noexcept override { return "emulated"; }
 
  protected:
+  // With a link model, the non-blocking forms return at once and complete at the modeled time.
+  Work start_all_gather(const Tensor& local, Tensor out, std::int64_t count) override {
+    const Clock::time_point done =
+        deferred([&] { do_all_gather(local.data_ptr(), out.data_ptr(), count, local.dtype()); });
+    return Work(std::make_unique<LinkedState>(std::move(out), done));
+  }
+  Work start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate) override {
+    const Clock::time_point done =
+        deferred([&] { do_reduce_scatter(full.data_ptr(), out.data_ptr(), count, full.dtype(), accumulate); });
+    return Work(std::make_unique<LinkedState>(std::move(out), done));
+  }
+
   void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) override {
     Slot s = slot(Kind::all_gather, dtype, count);
     s.send = send;
@@ -373,6 +402,52 @@ class EmulatedCommunicator final : public Communicator {
     world_.depart();
     if (error) std::rethrow_exception(error);
     if (!mismatch.empty()) throw CollectiveMismatchError(mismatch);
+    occupy_link(mine);
+  }
+
+  // The link model: the collective occupies this rank's link for its modeled time, after the
+  // collectives before it. A blocking collective sleeps until it is done; a non-blocking one
+  // (deferred) leaves the time to its Work.
+  void occupy_link(const Slot& s) {
+    if (!link_.enabled() || s.kind == Kind::fingerprint) return;  // the order check is a debugging aid, not traffic
+    const auto bytes = static_cast<std::uint64_t>(s.count) * dtype_size(s.dtype);
+    const int n = world_size();
+    std::chrono::nanoseconds time{0};
+    switch (s.kind) {
+      case Kind::all_gather:
+        time = link_.all_gather_time(n, bytes);
+        break;
+      case Kind::reduce_scatter:
+        time = link_.reduce_scatter_time(n, bytes);
+        break;
+      case Kind::all_reduce:
+        time = link_.all_reduce_time(n, bytes);
+        break;
+      case Kind::broadcast:
+        time = link_.broadcast_time(n, bytes);
+        break;
+      case Kind::barrier:
+        time = link_.barrier_time(n);
+        break;
+      case Kind::fingerprint:
+        break;
+    }
+    link_free_ = std::max(link_free_, Clock::now()) + std::chrono::duration_cast<Clock::duration>(time);
+    if (!deferring_) std::this_thread::sleep_until(link_free_);
+  }
+
+  // Runs a collective without waiting for its link time; returns when it will be done.
+  template <class F>
+  Clock::time_point deferred(F&& collective) {
+    deferring_ = true;
+    try {
+      collective();
+    } catch (...) {
+      deferring_ = false;
+      throw;
+    }
+    deferring_ = false;
+    return link_.enabled() ? link_free_ : Clock::now();
   }
 
   std::string compare_slots() {
@@ -395,6 +470,9 @@ class EmulatedCommunicator final : public Communicator {
 
   World& world_;
   std::vector<const void*> sources_;
+  LinkModel link_;
+  Clock::time_point link_free_{};  // when this rank's link has sent everything started so far
+  bool deferring_ = false;
 };
 
 int threads_per_rank(int world_size, int requested) {
@@ -423,7 +501,7 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     try {
       memory::Scope scope;  // this rank's memory figures
       set_num_threads(threads);
-      EmulatedCommunicator comm(world, rank);
+      EmulatedCommunicator comm(world, rank, options.link);
       comm.set_order_check(options.check_order);
       fn(comm);
       world.finish(rank);

@@ -308,3 +308,64 @@ TEST_CASE("emulated: run_ranks refuses bad arguments") {
     CHECK(comm.world_size() == 1);
   });
 }
+
+TEST_CASE("emulated: a link model is parsed from text and names its source when wrong") {
+  CHECK(LinkModel::parse("1GB/s").bytes_per_second == 1e9);
+  CHECK(LinkModel::parse("10Gbit/s").bytes_per_second == 1.25e9);
+  CHECK(LinkModel::parse("512MiB/s").bytes_per_second == 512.0 * 1048576);
+  const LinkModel both = LinkModel::parse("100MB/s,20us");
+  CHECK(both.bytes_per_second == 1e8);
+  CHECK(both.latency == 20us);
+  for (const char* off : {"", "off", "0"}) CHECK_FALSE(LinkModel::parse(off).enabled());
+  for (const char* bad : {"fast", "1GB", "1 furlongs/s", "-1GB/s", "0GB/s", "1GB/s,20", "1GB/s,x"}) {
+    CAPTURE(bad);
+    expect_throw<ArgumentError>([&] { LinkModel::parse(bad, "RUDA_EMULATE_LINK"); },
+                                {"RUDA_EMULATE_LINK", std::string("'") + bad + "'"}, bad);
+  }
+  // A ring over 4 ranks: all_gather sends 3 messages of the contribution, all_reduce 6 of a quarter.
+  const LinkModel link = LinkModel::parse("1GB/s,10us");
+  CHECK(link.all_gather_time(4, 1000000) == 3ms + 30us);
+  CHECK(link.all_reduce_time(4, 4000000) == 6ms + 60us);
+  CHECK(link.all_gather_time(1, 1000000) == 0ns);
+}
+
+TEST_CASE("emulated: under a link model a collective takes its modeled time, and compute hides a non-blocking one") {
+  EmulatedOptions options;
+  options.link = LinkModel::parse("100MB/s");  // 4 MB per rank over 2 ranks: 40 ms
+  const std::int64_t count = 1000000;          // f32: 4 MB
+  const auto modeled = options.link.all_gather_time(2, 4 * count);
+  REQUIRE(modeled == 40ms);
+  std::vector<double> blocking(2), waited(2), queued(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const Tensor mine = full({count}, static_cast<double>(comm.rank()));
+        auto start = std::chrono::steady_clock::now();
+        const Tensor gathered = comm.all_gather(mine);
+        blocking[r] = seconds_since(start);
+        CHECK(gathered.slice(0, count, 2 * count).to_vector<float>()[0] == 1.0f);
+        // Non-blocking: the start returns at once; compute that lasts the modeled time hides it,
+        // so wait() returns at once (the link was done by the time compute ended).
+        Work work = comm.all_gather_async(mine);
+        std::this_thread::sleep_for(modeled);
+        start = std::chrono::steady_clock::now();
+        CHECK(work.wait().numel() == 2 * count);
+        waited[r] = seconds_since(start);
+        // Two started back to back share the link: the second is done only after both times.
+        start = std::chrono::steady_clock::now();
+        Work first = comm.all_gather_async(mine), second = comm.all_gather_async(mine);
+        second.wait();
+        queued[r] = seconds_since(start);
+        first.wait();
+      },
+      options);
+  const double t = std::chrono::duration<double>(modeled).count();
+  for (int r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(blocking[r] >= t);
+    CHECK(blocking[r] < t + 2.0);  // generous: the copy itself, and a loaded machine
+    CHECK(waited[r] < t / 2);
+    CHECK(queued[r] >= 2 * t);
+  }
+}

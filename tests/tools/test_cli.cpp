@@ -374,6 +374,21 @@ TEST_CASE("resuming from a damaged file: every rank stops with the cause, nobody
   CHECK_MESSAGE(trusted.output.find("resumed from " + dir + "/step-00000010") != std::string::npos, trusted.output);
 }
 
+TEST_CASE("--emulate-link slows the collectives, not the arithmetic: the same losses") {
+  const std::string args = "mlp " + kSmall + " --epochs 1";
+  const Run plain = run(train("--emulate 2 " + args));
+  const Run linked = run(train("--emulate 2 --emulate-link 200MB/s,50us " + args));
+  REQUIRE_MESSAGE(plain.exit_code == 0, plain.output);
+  REQUIRE_MESSAGE(linked.exit_code == 0, linked.output);
+  auto final_line = [](const std::string& out) {
+    const std::size_t at = out.find("final loss");
+    return at == std::string::npos ? std::string("none") : out.substr(at, out.find('\n', at) - at);
+  };
+  CHECK(final_line(plain.output) == final_line(linked.output));
+  one_error_line(run(train("--emulate 2 --emulate-link fast " + args)), {"--emulate-link", "'fast'"});
+  one_error_line(run(train("--emulate 2 " + args), "RUDA_EMULATE_LINK=1GB"), {"RUDA_EMULATE_LINK", "'1GB'"});
+}
+
 TEST_CASE("a non-finite loss stops training with one line naming the step and the rank") {
   // A learning rate of 1e38 overflows the weights in the first update: the second loss is NaN.
   for (const std::string ranks : {"", "--emulate 2 "}) {

@@ -46,6 +46,7 @@ struct Config {
   std::string resume;
   bool resume_latest = false;
   bool skip_checksums = false;
+  std::string emulate_link;
   std::string metrics;
   int emulate = 0;
   std::int64_t log_every = 100;
@@ -677,7 +678,12 @@ int main(int argc, char** argv) {
                "headers and identity are still checked)");
   app.add_option("--metrics", cfg.metrics,
                  "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
-  app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")->check(CLI::Range(1, 64));
+  auto* emulate = app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
+                      ->check(CLI::Range(1, 64));
+  app.add_option("--emulate-link", cfg.emulate_link,
+                 "Give the emulated ranks a simulated link, e.g. 1GB/s or 10Gbit/s,20us: each collective takes "
+                 "the time a ring over it would (default: RUDA_EMULATE_LINK, else none)")
+      ->needs(emulate);
   app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--check-collectives", cfg.check_collectives,
@@ -759,7 +765,10 @@ int main(int argc, char** argv) {
     if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit);
     if (cfg.emulate > 0) {
       if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
-      run_ranks(cfg.emulate, [&](Communicator& comm) { run(cfg, comm); });
+      EmulatedOptions options;
+      if (!cfg.emulate_link.empty()) options.link = LinkModel::parse(cfg.emulate_link, "--emulate-link");
+      run_ranks(
+          cfg.emulate, [&](Communicator& comm) { run(cfg, comm); }, options);
       return 0;
     }
     if (launched_by_mpi()) {

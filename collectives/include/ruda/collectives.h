@@ -222,6 +222,35 @@ class LocalCommunicator final : public Communicator {
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override;
 };
 
+/// A simulated network link for emulated ranks, so that prefetch and overlap can be tested
+/// quickly and deterministically on one machine: each collective then takes the time a ring over
+/// links of this bandwidth would need, with `latency` per ring step, as a sleeping wait (no core
+/// is spun). Collectives of one rank share its link in order; a non-blocking one completes that
+/// long after it starts (its Work's wait() sleeps until then), so compute in between hides it.
+struct LinkModel {
+  double bytes_per_second = 0;          // 0: no model (collectives take only the copying time)
+  std::chrono::nanoseconds latency{0};  // per message step of the ring
+  bool enabled() const noexcept { return bytes_per_second > 0; }
+
+  /// "1GB/s", "10Gbit/s", "512MiB/s", "100MB/s,20us" (bandwidth, then an optional latency in ns,
+  /// us, ms or s), or "off" / "0" / "". ArgumentError naming `source` and the text otherwise.
+  static LinkModel parse(const std::string& text, const std::string& source = "link model");
+  /// RUDA_EMULATE_LINK (off when unset).
+  static LinkModel from_env();
+
+  /// The modeled time of a collective over `world` ranks: all_gather moves `bytes` (one rank's
+  /// contribution) to every other rank, reduce_scatter the same per rank's result,
+  /// all_reduce 2 (world - 1) / world of `bytes`, broadcast `bytes` once (pipelined), barrier
+  /// only latencies.
+  std::chrono::nanoseconds all_gather_time(int world, std::uint64_t bytes) const;
+  std::chrono::nanoseconds reduce_scatter_time(int world, std::uint64_t bytes) const;
+  std::chrono::nanoseconds all_reduce_time(int world, std::uint64_t bytes) const;
+  std::chrono::nanoseconds broadcast_time(int world, std::uint64_t bytes) const;
+  std::chrono::nanoseconds barrier_time(int world) const;
+  /// "1.00 GB/s" or "1.00 GB/s, 20 us latency"; "off".
+  std::string describe() const;
+};
+
 struct EmulatedOptions {
   /// A rank that does not arrive at a collective within this time makes the others raise
   /// CollectiveTimeoutError naming the collective and the missing ranks.
@@ -230,6 +259,8 @@ struct EmulatedOptions {
   bool check_order = order_check_from_env();
   /// Intra-op threads per rank (0: RUDA_NUM_THREADS, else cores / ranks, at least 1).
   int threads_per_rank = 0;
+  /// The simulated link between the ranks (default: RUDA_EMULATE_LINK, else none).
+  LinkModel link = LinkModel::from_env();
 };
 
 /// Runs fn(comm) on `world_size` threads, each with its own Communicator and memory tracker

@@ -1,0 +1,123 @@
+// The simulated link of emulated ranks: parsing "1GB/s,20us" and the ring's time per collective.
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
+#include <ruda/collectives.h>
+
+namespace ruda {
+
+namespace {
+
+[[noreturn]] void bad_link(const std::string& source, const std::string& text, const std::string& why) {
+  throw ArgumentError(source + ": '" + text + "' is not a link model (" + why +
+                      "; e.g. 1GB/s, 10Gbit/s, 512MiB/s, 100MB/s,20us, or off)");
+}
+
+// A number and its unit: "10Gbit/s" -> {10, "Gbit/s"}.
+std::pair<double, std::string> number_and_unit(const std::string& text, const std::string& source,
+                                               const std::string& whole) {
+  const char* begin = text.c_str();
+  char* end = nullptr;
+  const double value = std::strtod(begin, &end);
+  if (end == begin || !std::isfinite(value) || value < 0) bad_link(source, whole, "no non-negative number");
+  std::string unit(end);
+  while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
+  return {value, unit};
+}
+
+double bandwidth_unit(const std::string& unit) {
+  struct Unit {
+    const char* name;
+    double bytes_per_second;
+  };
+  static constexpr Unit units[] = {
+      {"B/s", 1},          {"kB/s", 1e3},        {"KB/s", 1e3},           {"MB/s", 1e6},      {"GB/s", 1e9},
+      {"KiB/s", 1024.0},   {"MiB/s", 1048576.0}, {"GiB/s", 1073741824.0}, {"bit/s", 1.0 / 8}, {"kbit/s", 1e3 / 8},
+      {"Kbit/s", 1e3 / 8}, {"Mbit/s", 1e6 / 8},  {"Gbit/s", 1e9 / 8},
+  };
+  for (const auto& u : units) {
+    if (unit == u.name) return u.bytes_per_second;
+  }
+  return 0;
+}
+
+double latency_unit(const std::string& unit) {
+  if (unit == "ns") return 1;
+  if (unit == "us") return 1e3;
+  if (unit == "ms") return 1e6;
+  if (unit == "s") return 1e9;
+  return 0;
+}
+
+std::chrono::nanoseconds nanoseconds(double seconds) {
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(seconds * 1e9)));
+}
+
+}  // namespace
+
+LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
+  if (text.empty() || text == "off" || text == "0") return {};
+  const std::size_t comma = text.find(',');
+  const auto [rate, rate_unit] = number_and_unit(text.substr(0, comma), source, text);
+  const double scale = bandwidth_unit(rate_unit);
+  if (scale == 0) bad_link(source, text, "unknown bandwidth unit '" + rate_unit + "'");
+  if (rate == 0) bad_link(source, text, "a bandwidth of 0 (say 'off' for no link model)");
+  LinkModel link;
+  link.bytes_per_second = rate * scale;
+  if (comma != std::string::npos) {
+    const auto [lat, lat_unit] = number_and_unit(text.substr(comma + 1), source, text);
+    const double ns = latency_unit(lat_unit);
+    if (ns == 0) bad_link(source, text, "unknown latency unit '" + lat_unit + "' (ns, us, ms or s)");
+    link.latency = nanoseconds(lat * ns * 1e-9);
+  }
+  return link;
+}
+
+LinkModel LinkModel::from_env() {
+  const char* env = std::getenv("RUDA_EMULATE_LINK");
+  return env ? parse(env, "RUDA_EMULATE_LINK") : LinkModel{};
+}
+
+// A ring of `world` ranks: each of the world - 1 steps sends one message of `step_bytes` per
+// link, all links at once.
+static std::chrono::nanoseconds ring(const LinkModel& link, int world, int steps_per_rank, double step_bytes) {
+  if (!link.enabled() || world <= 1) return std::chrono::nanoseconds(0);
+  const double steps = static_cast<double>(steps_per_rank) * (world - 1);
+  return nanoseconds(steps * step_bytes / link.bytes_per_second) + link.latency * static_cast<std::int64_t>(steps);
+}
+
+std::chrono::nanoseconds LinkModel::all_gather_time(int world, std::uint64_t bytes) const {
+  return ring(*this, world, 1, static_cast<double>(bytes));
+}
+std::chrono::nanoseconds LinkModel::reduce_scatter_time(int world, std::uint64_t bytes) const {
+  return ring(*this, world, 1, static_cast<double>(bytes));
+}
+std::chrono::nanoseconds LinkModel::all_reduce_time(int world, std::uint64_t bytes) const {
+  return ring(*this, world, 2, static_cast<double>(bytes) / std::max(world, 1));
+}
+std::chrono::nanoseconds LinkModel::broadcast_time(int world, std::uint64_t bytes) const {
+  if (!enabled() || world <= 1) return std::chrono::nanoseconds(0);
+  return nanoseconds(static_cast<double>(bytes) / bytes_per_second) + latency * (world - 1);
+}
+std::chrono::nanoseconds LinkModel::barrier_time(int world) const { return ring(*this, world, 1, 0); }
+
+std::string LinkModel::describe() const {
+  if (!enabled()) return "off";
+  char buf[96];
+  const double gb = bytes_per_second / 1e9;
+  if (gb >= 1) {
+    std::snprintf(buf, sizeof buf, "%.2f GB/s", gb);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MB/s", bytes_per_second / 1e6);
+  }
+  std::string out = buf;
+  if (latency.count() > 0) {
+    std::snprintf(buf, sizeof buf, ", %.1f us latency", static_cast<double>(latency.count()) / 1e3);
+    out += buf;
+  }
+  return out;
+}
+
+}  // namespace ruda
