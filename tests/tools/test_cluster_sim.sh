@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# tools/cluster-sim, end to end (registered with ctest by tests/tools/CMakeLists.txt):
+#   test_cluster_sim.sh CLUSTER_SIM RUDA_TRAIN MPIEXEC
+# - a failing `up` leaves nothing behind;
+# - `up` makes 2 nodes with their own hostnames, `run` starts one rank on each;
+# - the sharded MLP trained over the two nodes (TCP through the throttled links) gives exactly the
+#   losses of the same job as 2 ranks on one host (shared memory);
+# - `down` leaves no namespace, interface or file behind, and is idempotent.
+# Exit 77 (ctest's SKIP_RETURN_CODE) where network namespaces cannot be made, with the reason.
+set -euo pipefail
+
+sim=$1 train=$2 mpiexec=$3
+skip() {
+  echo "SKIP: $*"
+  exit 77
+}
+fail() {
+  echo "FAIL: $*" >&2
+  exit 1
+}
+leftovers() {  # anything of cluster-sim's still on this machine, one per line
+  ip netns list | awk '{print $1}' | grep -E '^ruda-(n[0-9]|sw)$' || true
+  ip -o link show | awk -F': ' '{print $2}' | grep -E '^ruda-' || true
+  [ ! -e /run/ruda-cluster-sim ] || echo /run/ruda-cluster-sim
+}
+
+[ "$(id -u)" -eq 0 ] || skip "not root: network namespaces need root"
+# What `up` needs, tried in a throwaway namespace that vanishes with the process.
+if ! why=$(unshare --net --uts sh -c 'hostname ruda-probe && ip link add ruda-probe0 type veth peer name ruda-probe1 &&
+          ip link add ruda-probe2 type bridge && tc qdisc add dev ruda-probe0 root tbf rate 1gbit burst 64kb limit 128kb' 2>&1); then
+  skip "cannot make network namespaces, veths, bridges or tbf here: $why"
+fi
+# One simulated cluster per machine: never take down one that someone else brought up.
+[ -z "$(leftovers)" ] || skip "a cluster-sim cluster (or its leftovers) exists already: $(leftovers | tr '\n' ' ')(tools/cluster-sim down removes it)"
+
+tmp=$(mktemp -d)
+trap '"$sim" down; rm -rf "$tmp"' EXIT
+
+echo "--- a failing up (a stale node namespace in the way) removes what it made"
+ip netns add ruda-n1
+if "$sim" up --nodes 2 >"$tmp/up.log" 2>&1; then
+  cat "$tmp/up.log"
+  fail "up succeeded over a stale ruda-n1"
+fi
+[ -z "$(leftovers)" ] || fail "a failed up left: $(leftovers | tr '\n' ' ')"
+
+echo "--- up, status, run"
+"$sim" up --nodes 2 --rate 1gbit
+for ns in ruda-sw ruda-n0 ruda-n1; do ip netns list | grep -q "^$ns\b" || fail "no namespace $ns"; done
+hosts=$("$sim" run 1 hostname | sort | tr '\n' ' ')
+[ "$hosts" = "ruda-n0 ruda-n1 " ] || fail "run 1 hostname printed '$hosts', not one rank on each node"
+if "$sim" run 1 false 2>/dev/null; then fail "run did not pass on a failing job's exit status"; fi
+
+echo "--- the sharded MLP across the two nodes and on one host"
+args=(mlp --hidden 32 --limit 512 --test-limit 200 --batch 64 --epochs 1 --seed 5 --log-every 1)
+sent() { tc -n ruda-n0 -s qdisc show dev ruda-eth0 | awk '/Sent/ {print $2; exit}'; }
+before=$(sent)
+OMP_NUM_THREADS=1 RUDA_NUM_THREADS=1 "$sim" run 1 "$train" --metrics "$tmp/cluster.jsonl" "${args[@]}"
+after=$(sent)
+# A job that silently ran both ranks on one node, or over anything but the link, would not load it:
+# the MLP's gathers and reduce-scatters move about 200 kB per step.
+[ $((after - before)) -gt 500000 ] || fail "only $((after - before)) bytes crossed node 0's link"
+"$mpiexec" -n 2 --oversubscribe --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 -x RUDA_NUM_THREADS=1 \
+  "$train" --metrics "$tmp/host.jsonl" "${args[@]}"
+losses() { grep -o '"loss":[^,}]*\|"step":[0-9]*' "$1" | paste -d' ' - -; }
+losses "$tmp/cluster.jsonl" >"$tmp/cluster.loss"
+losses "$tmp/host.jsonl" >"$tmp/host.loss"
+[ "$(wc -l <"$tmp/host.loss")" -eq 8 ] || fail "expected 8 steps of losses, got: $(cat "$tmp/host.loss")"
+diff "$tmp/host.loss" "$tmp/cluster.loss" || fail "the losses across the nodes differ from one host's"
+
+echo "--- down leaves nothing, twice"
+"$sim" down
+[ -z "$(leftovers)" ] || fail "down left: $(leftovers | tr '\n' ' ')"
+"$sim" down
+echo "PASS"
