@@ -8,6 +8,8 @@
 
 namespace ruda {
 
+using Clock = std::chrono::steady_clock;
+
 namespace cd = collectives_detail;
 
 // --- Work ---
@@ -18,7 +20,9 @@ Tensor Work::wait() {
   }
   // The state goes whatever happens: a failed collective cannot be waited for twice either.
   std::unique_ptr<State> state = std::move(state_);
-  return state->wait();
+  Tensor result = state->wait();
+  completed_ = state->completed_at();
+  return result;
 }
 
 bool Work::ready() const { return state_ != nullptr && state_->ready(); }
@@ -31,9 +35,11 @@ class FinishedState final : public Work::State {
   explicit FinishedState(Tensor result) : result_(std::move(result)) {}
   Tensor wait() override { return std::move(result_); }
   bool ready() override { return true; }
+  std::optional<Clock::time_point> completed_at() const override { return done_; }
 
  private:
   Tensor result_;
+  Clock::time_point done_ = Clock::now();
 };
 
 std::string history_text(int rank, const std::vector<std::string>& history) {
@@ -63,11 +69,32 @@ std::string history_text(int rank, const std::vector<std::string>& history) {
 // Adds the call's context to the errors of a collective that completes later.
 class ContextState final : public Work::State {
  public:
-  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history)
-      : inner_(std::move(inner)), prefix_(std::move(prefix)), rank_(rank), history_(std::move(history)) {}
+  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history,
+               std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes)
+      : ContextState(std::move(inner), std::move(prefix), rank, std::move(history), std::move(traffic), start, bytes,
+                     std::chrono::duration<double>(Clock::now() - start).count()) {}
+  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history,
+               std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes, double starting)
+      : inner_(std::move(inner)),
+        prefix_(std::move(prefix)),
+        rank_(rank),
+        history_(std::move(history)),
+        traffic_(std::move(traffic)),
+        start_(start),
+        bytes_(bytes),
+        starting_(starting) {}
   Tensor wait() override {
     try {
-      return inner_.wait();
+      const auto waiting = Clock::now();
+      Tensor result = inner_.wait();
+      const auto now = Clock::now();
+      const auto done = inner_.completed_at().value_or(now);
+      traffic_->collectives += 1;
+      traffic_->bytes += bytes_;
+      traffic_->seconds += std::chrono::duration<double>(done - start_).count();
+      // The caller waited while starting it (the order check; a start that runs it at once) and in here.
+      traffic_->exposed_seconds += starting_ + std::chrono::duration<double>(now - waiting).count();
+      return result;
     } catch (...) {
       rethrow_decorated(prefix_, rank_, history_);
     }
@@ -79,6 +106,10 @@ class ContextState final : public Work::State {
   std::string prefix_;
   int rank_;
   std::vector<std::string> history_;
+  std::shared_ptr<Traffic> traffic_;
+  Clock::time_point start_;
+  std::uint64_t bytes_;
+  double starting_;  // seconds the caller spent starting it
 };
 
 std::string shape_text(const Tensor& t) { return to_string(t.shape()); }
@@ -152,7 +183,34 @@ bool order_check_from_env() {
 struct Communicator::Call {
   std::uint64_t sequence = 0;
   std::string fingerprint;  // for the order check
+  Clock::time_point start;
+  std::uint64_t bytes = 0;  // bus bytes (Traffic::bytes)
 };
+
+namespace {
+// What a ring implementation of the collective sends per rank (Traffic::bytes). `count` is as
+// begin() receives it: the contribution (all_gather), the full tensor (reduce_scatter), the
+// tensor (all_reduce, broadcast).
+std::uint64_t bus_bytes(const char* op, std::int64_t count, DType dtype, int world) {
+  const double n = world, bytes = static_cast<double>(count) * static_cast<double>(dtype_size(dtype));
+  const std::string_view o = op;
+  double out = 0;
+  if (o == "all_gather") out = (n - 1) * bytes;
+  if (o == "reduce_scatter") out = (n - 1) / n * bytes;
+  if (o == "all_reduce") out = 2 * (n - 1) / n * bytes;
+  if (o == "broadcast") out = bytes;
+  return world > 1 ? static_cast<std::uint64_t>(out) : 0;
+}
+}  // namespace
+
+void Communicator::finish(const Call& call) {
+  const auto now = Clock::now();
+  traffic_->collectives += 1;
+  traffic_->bytes += call.bytes;
+  const double seconds = std::chrono::duration<double>(now - call.start).count();
+  traffic_->seconds += seconds;
+  traffic_->exposed_seconds += seconds;
+}
 
 Communicator::Communicator(int rank, int world_size)
     : rank_(rank), world_size_(world_size), order_check_(order_check_from_env()) {
@@ -186,6 +244,8 @@ std::vector<std::string> Communicator::history() const {
 Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
                                        const std::string& extra, const CollectiveOptions& options) {
   Call call;
+  call.start = Clock::now();
+  call.bytes = has_data ? bus_bytes(op, count, dtype, world_size_) : 0;
   call.sequence = ++sequence_;
   if (history_.size() < kHistory) history_.emplace_back();
   Record& r = history_[(call.sequence - 1) % kHistory];
@@ -269,6 +329,7 @@ Tensor Communicator::run_all_gather(const Tensor& local, Tensor out, const Colle
   } catch (...) {
     rethrow_with_context(call);
   }
+  finish(call);
   return out;
 }
 
@@ -280,6 +341,7 @@ Tensor Communicator::run_reduce_scatter(const Tensor& full, Tensor out, const Co
   } catch (...) {
     rethrow_with_context(call);
   }
+  finish(call);
   return out;
 }
 
@@ -336,6 +398,7 @@ Tensor Communicator::all_reduce(const Tensor& x, Reduction op, const CollectiveO
   } catch (...) {
     rethrow_with_context(call);
   }
+  finish(call);
   return out;
 }
 
@@ -357,6 +420,7 @@ Tensor Communicator::broadcast(const Tensor& x, int root, const CollectiveOption
   } catch (...) {
     rethrow_with_context(call);
   }
+  finish(call);
   return out;
 }
 
@@ -368,6 +432,7 @@ void Communicator::barrier(const CollectiveOptions& options) {
   } catch (...) {
     rethrow_with_context(call);
   }
+  finish(call);
 }
 
 Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions& options) {
@@ -390,7 +455,8 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
   const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history()));
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+                                               call.start, call.bytes));
   } catch (...) {
     rethrow_with_context(call);
   }
@@ -419,7 +485,8 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
                           accumulate_extra(full.dtype(), options.accumulate), options);
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history()));
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+                                               call.start, call.bytes));
   } catch (...) {
     rethrow_with_context(call);
   }

@@ -261,6 +261,7 @@ class LinkedState final : public Work::State {
     return std::move(out_);
   }
   bool ready() override { return Clock::now() >= done_; }
+  std::optional<Clock::time_point> completed_at() const override { return done_; }
 
  private:
   Tensor out_;

@@ -369,3 +369,41 @@ TEST_CASE("emulated: under a link model a collective takes its modeled time, and
     CHECK(queued[r] >= 2 * t);
   }
 }
+
+TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and the part the caller waited") {
+  EmulatedOptions options;
+  options.link = LinkModel::parse("200MB/s");
+  const std::int64_t count = 1000000;  // f32: 4 MB, 20 ms a message over the link
+  std::vector<Traffic> blocking(3), hidden(3);
+  run_ranks(
+      3,
+      [&](Communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        comm.reset_traffic();
+        comm.all_gather(ones({count}));          // 2 messages of 4 MB
+        comm.reduce_scatter(ones({3 * count}));  // 2 messages of 4 MB
+        comm.all_reduce(ones({3 * count}));      // 4 messages of 4 MB
+        comm.broadcast(ones({count}), 0);        // 4 MB
+        comm.barrier();
+        blocking[r] = comm.traffic();
+        comm.reset_traffic();
+        Work work = comm.all_gather_async(ones({count}));
+        std::this_thread::sleep_for(options.link.all_gather_time(3, 4 * count));  // compute that hides it
+        work.wait();
+        hidden[r] = comm.traffic();
+      },
+      options);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    const Traffic& b = blocking[static_cast<std::size_t>(r)];
+    CHECK(b.collectives == 5);
+    CHECK(b.bytes == 2 * 4000000 + 2 * 4000000 + 4 * 4000000 + 4000000);
+    CHECK(b.seconds >= 0.020 * 9);  // the modeled link time of 9 messages
+    CHECK(b.exposed_seconds == b.seconds);
+    const Traffic& h = hidden[static_cast<std::size_t>(r)];
+    CHECK(h.collectives == 1);
+    CHECK(h.bytes == 2 * 4000000);
+    CHECK(h.seconds >= 0.040);
+    CHECK(h.exposed_seconds < h.seconds / 2);
+  }
+}

@@ -385,6 +385,16 @@ TEST_CASE("--emulate-link slows the collectives, not the arithmetic: the same lo
     return at == std::string::npos ? std::string("none") : out.substr(at, out.find('\n', at) - at);
   };
   CHECK(final_line(plain.output) == final_line(linked.output));
+  // The summary says what the collectives cost per step, and how much of it the step waited for.
+  const std::size_t at = linked.output.find("communication: ");
+  REQUIRE_MESSAGE(at != std::string::npos, linked.output);
+  double collectives = 0, ms = 0, exposed = 0;
+  char size[32] = {0};
+  REQUIRE(std::sscanf(linked.output.c_str() + at, "communication: %lf collectives, %31[^,], %lf ms per step; %lf ms",
+                      &collectives, size, &ms, &exposed) == 4);
+  CHECK(collectives > 0);
+  CHECK(ms > 0);
+  CHECK(exposed <= ms);
   one_error_line(run(train("--emulate 2 --emulate-link fast " + args)), {"--emulate-link", "'fast'"});
   one_error_line(run(train("--emulate 2 " + args), "RUDA_EMULATE_LINK=1GB"), {"RUDA_EMULATE_LINK", "'1GB'"});
 }

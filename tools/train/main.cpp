@@ -548,8 +548,10 @@ void run(const Config& cfg, Communicator& comm) {
     progress.line("checkpoint " + info.directory);
   };
 
+  Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    const Traffic traffic_before = comm.traffic();
     optimizer->set_lr(schedule(step));
     const Tensor loss = task->loss(step);
     optimizer->zero_grad();
@@ -560,6 +562,14 @@ void run(const Config& cfg, Communicator& comm) {
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
     if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const Traffic traffic_after = comm.traffic();
+    const Traffic step_traffic{
+        traffic_after.collectives - traffic_before.collectives, traffic_after.bytes - traffic_before.bytes,
+        traffic_after.seconds - traffic_before.seconds, traffic_after.exposed_seconds - traffic_before.exposed_seconds};
+    comm_total.collectives += step_traffic.collectives;
+    comm_total.bytes += step_traffic.bytes;
+    comm_total.seconds += step_traffic.seconds;
+    comm_total.exposed_seconds += step_traffic.exposed_seconds;
     const double current = static_cast<double>(task->samples_per_step()) / seconds;
     rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
     progress.step(step, task->where(step), last_loss, rate);
@@ -589,7 +599,11 @@ void run(const Config& cfg, Communicator& comm) {
                        {"samples_per_s", rate},
                        {"peak_memory_bytes", peak},
                        {"predicted_peak_bytes", plan.peak()},
-                       {"data_bytes_read", data_read}};
+                       {"data_bytes_read", data_read},
+                       {"comm_collectives", step_traffic.collectives},
+                       {"comm_bytes", step_traffic.bytes},
+                       {"comm_seconds", step_traffic.seconds},
+                       {"comm_exposed_seconds", step_traffic.exposed_seconds}};
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
         for (auto& [k, v] : eval.items()) record[k] = v;
@@ -631,6 +645,18 @@ void run(const Config& cfg, Communicator& comm) {
     summary += ", peak memory per rank:";
     for (double p : peak) summary += " " + train::megabytes(p);
     progress.line(summary);
+    if (comm_total.bytes > 0) {
+      // Rank 0's view: what its collectives took per step, and how much of it the step waited for.
+      const double steps = static_cast<double>(total - start_step);
+      char buf[200];
+      std::snprintf(
+          buf, sizeof buf,
+          "communication: %.1f collectives, %s, %.1f ms per step; %.1f ms of it exposed (the step waited)",
+          static_cast<double>(comm_total.collectives) / steps,
+          memory::format_bytes(static_cast<std::int64_t>(static_cast<double>(comm_total.bytes) / steps)).c_str(),
+          1e3 * comm_total.seconds / steps, 1e3 * comm_total.exposed_seconds / steps);
+      progress.line(buf);
+    }
   }
 }
 
@@ -676,8 +702,9 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-checksums", cfg.skip_checksums,
                "Resume without checking the checkpoint's data against its checksums (faster; the files' "
                "headers and identity are still checked)");
-  app.add_option("--metrics", cfg.metrics,
-                 "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank) to FILE");
+  app.add_option(
+      "--metrics", cfg.metrics,
+      "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank, communication) to FILE");
   auto* emulate = app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
                       ->check(CLI::Range(1, 64));
   app.add_option("--emulate-link", cfg.emulate_link,

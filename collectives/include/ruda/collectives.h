@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,6 +64,7 @@ class Work {
     virtual ~State() = default;
     virtual Tensor wait() = 0;
     virtual bool ready() = 0;
+    virtual std::optional<std::chrono::steady_clock::time_point> completed_at() const { return std::nullopt; }
   };
   Work() = default;
   explicit Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
@@ -73,9 +75,27 @@ class Work {
   /// Whether wait() would return at once; false once the result was taken.
   bool ready() const;
   bool valid() const noexcept { return state_ != nullptr; }
+  /// After wait(): when the collective completed, where the implementation knows it.
+  std::optional<std::chrono::steady_clock::time_point> completed_at() const noexcept { return completed_; }
 
  private:
   std::unique_ptr<State> state_;
+  std::optional<std::chrono::steady_clock::time_point> completed_;
+};
+
+/// What a communicator's collectives cost this rank (Communicator::traffic()).
+struct Traffic {
+  std::uint64_t collectives = 0;  // completed (a non-blocking one once waited for)
+  /// Bytes this rank sends in a ring implementation ("bus bytes"): all_gather and reduce_scatter
+  /// (world - 1) x one rank's part, all_reduce 2 (world - 1) / world x the tensor, broadcast the
+  /// tensor. What a link carries, whatever the implementation does on one machine.
+  std::uint64_t bytes = 0;
+  /// From each collective's start to its completion: blocking ones whole, non-blocking ones to
+  /// when they completed (where the implementation knows it, else to the end of wait()).
+  double seconds = 0;
+  /// The part the calling thread spent waiting: blocking collectives whole, non-blocking ones
+  /// inside wait(). seconds - exposed_seconds is communication hidden behind compute.
+  double exposed_seconds = 0;
 };
 
 /// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
@@ -135,6 +155,10 @@ class Communicator {
   bool order_check() const noexcept { return order_check_; }
   /// The last collectives of this rank, oldest first ("#17 all_gather(f32, 8192, "layers.3.weight")").
   std::vector<std::string> history() const;
+  /// What the collectives completed since construction or reset_traffic() cost this rank
+  /// (world size 1 moves nothing and counts nothing).
+  Traffic traffic() const noexcept { return *traffic_; }
+  void reset_traffic() noexcept { *traffic_ = {}; }
 
  protected:
   Communicator(int rank, int world_size);
@@ -176,6 +200,8 @@ class Communicator {
   Call begin(const char* op, bool has_data, std::int64_t count, DType dtype, const std::string& extra,
              const CollectiveOptions& options);
   void check_order(const Call& call);
+  // Accounts a blocking collective that completed (traffic()).
+  void finish(const Call& call);
   std::string error_prefix(const Call& call) const;
   [[noreturn]] void rethrow_with_context(const Call& call);
   Tensor run_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
@@ -200,6 +226,9 @@ class Communicator {
   int world_size_;
   bool order_check_;
   std::uint64_t sequence_ = 0;
+  // Shared with the Works of non-blocking collectives, which account for themselves when waited
+  // for (even after the communicator is gone).
+  std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
   std::vector<Record> history_;  // ring of the last kHistory calls; the current one is the newest
   static constexpr std::size_t kHistory = 32;
 };
