@@ -331,8 +331,9 @@ TEST_CASE("emulated: a link model is parsed from text and names its source when 
 
 TEST_CASE("emulated: under a link model a collective takes its modeled time, and compute hides a non-blocking one") {
   EmulatedOptions options;
-  options.link = LinkModel::parse("100MB/s");  // 4 MB per rank over 2 ranks: 40 ms
-  const std::int64_t count = 1000000;          // f32: 4 MB
+  // Small data on a slow link: the modeled time dwarfs the copying, even under sanitizers.
+  options.link = LinkModel::parse("10MB/s");  // 400 kB per rank over 2 ranks: 40 ms
+  const std::int64_t count = 100000;          // f32: 400 kB
   const auto modeled = options.link.all_gather_time(2, 4 * count);
   REQUIRE(modeled == 40ms);
   std::vector<double> blocking(2), waited(2), queued(2);
@@ -372,18 +373,19 @@ TEST_CASE("emulated: under a link model a collective takes its modeled time, and
 
 TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and the part the caller waited") {
   EmulatedOptions options;
-  options.link = LinkModel::parse("200MB/s");
-  const std::int64_t count = 1000000;  // f32: 4 MB, 20 ms a message over the link
+  // Small data on a slow link: the modeled time dwarfs the copying, even under sanitizers.
+  options.link = LinkModel::parse("4MB/s");
+  const std::int64_t count = 100000;  // f32: 400 kB, 100 ms a message over the link
   std::vector<Traffic> blocking(3), hidden(3);
   run_ranks(
       3,
       [&](Communicator& comm) {
         const auto r = static_cast<std::size_t>(comm.rank());
         comm.reset_traffic();
-        comm.all_gather(ones({count}));          // 2 messages of 4 MB
-        comm.reduce_scatter(ones({3 * count}));  // 2 messages of 4 MB
-        comm.all_reduce(ones({3 * count}));      // 4 messages of 4 MB
-        comm.broadcast(ones({count}), 0);        // 4 MB
+        comm.all_gather(ones({count}));          // 2 messages of 400 kB
+        comm.reduce_scatter(ones({3 * count}));  // 2 messages of 400 kB
+        comm.all_reduce(ones({3 * count}));      // 4 messages of 400 kB
+        comm.broadcast(ones({count}), 0);        // 400 kB
         comm.barrier();
         blocking[r] = comm.traffic();
         comm.reset_traffic();
@@ -397,13 +399,13 @@ TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and 
     CAPTURE(r);
     const Traffic& b = blocking[static_cast<std::size_t>(r)];
     CHECK(b.collectives == 5);
-    CHECK(b.bytes == 2 * 4000000 + 2 * 4000000 + 4 * 4000000 + 4000000);
-    CHECK(b.seconds >= 0.020 * 9);  // the modeled link time of 9 messages
+    CHECK(b.bytes == 2 * 400000 + 2 * 400000 + 4 * 400000 + 400000);
+    CHECK(b.seconds >= 0.100 * 9);  // the modeled link time of 9 messages
     CHECK(b.exposed_seconds == b.seconds);
     const Traffic& h = hidden[static_cast<std::size_t>(r)];
     CHECK(h.collectives == 1);
-    CHECK(h.bytes == 2 * 4000000);
-    CHECK(h.seconds >= 0.040);
+    CHECK(h.bytes == 2 * 400000);
+    CHECK(h.seconds >= 0.200);
     CHECK(h.exposed_seconds < h.seconds / 2);
   }
 }
