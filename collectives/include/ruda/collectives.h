@@ -29,7 +29,10 @@ class RankFailedError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
 };
-/// Some ranks did not arrive at a collective within the timeout (emulated ranks).
+/// Some ranks did not arrive at a collective within the timeout (EmulatedOptions::timeout for
+/// emulated ranks; RUDA_COLLECTIVE_TIMEOUT or MpiCommunicator::set_timeout under MPI). The message
+/// names the collective (op, dtype, count, tag), its sequence number, this rank and the ranks that
+/// did not arrive.
 class CollectiveTimeoutError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
@@ -80,6 +83,20 @@ class Work {
 
 /// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
 bool order_check_from_env();
+
+/// How long an MPI collective waits for the other ranks by default: long enough for a healthy gap
+/// between ranks (one rank writing a checkpoint or evaluating while the others already wait in
+/// the next collective), short enough that a stalled job ends the same hour.
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout = std::chrono::minutes(10);
+/// A collective timeout as written in a variable or option: a number with an optional unit, "ms",
+/// "s" (the default), "m"/"min" or "h" ("300", "300s", "5m", "500ms", "1.5h"); "off" or "0" for
+/// none, which returns 0. At least 1 ms, at most 365 days. Anything else is an ArgumentError
+/// naming `what` (the variable or option) and the text.
+std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::string_view what);
+/// RUDA_COLLECTIVE_TIMEOUT parsed (0: off), kDefaultCollectiveTimeout when it is unset or empty.
+std::chrono::milliseconds collective_timeout_from_env();
+/// A timeout as messages show it: "2 s", "500 ms", "10 min", "off".
+std::string format_collective_timeout(std::chrono::milliseconds timeout);
 
 /// One of `world_size` ranks. All ranks must call the same collectives in the same order with the
 /// same dtypes and counts; turn on the order check (RUDA_CHECK_COLLECTIVES=1 or
