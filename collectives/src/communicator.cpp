@@ -1,5 +1,7 @@
 // The Communicator base: validation, result allocation, the order check, the history of calls
 // and the context every collective error carries. Implementations only move bytes.
+#include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <sstream>
@@ -176,6 +178,61 @@ bool order_check_from_env() {
   if (!env) return false;
   const std::string v = env;
   return v == "1" || v == "true" || v == "on" || v == "yes" || v == "TRUE" || v == "ON" || v == "YES";
+}
+
+std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::string_view what) {
+  const std::string original(text);
+  auto bad = [&](const char* why) -> std::chrono::milliseconds {
+    fail<ArgumentError>(what, "'", original, "' is not a collective timeout (", why,
+                        "; examples: 300, 300s, 5m, 500ms, off)");
+  };
+  std::string s;
+  for (char c : text) {
+    if (c != ' ' && c != '\t') s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  if (s == "off" || s == "none") return std::chrono::milliseconds(0);
+  if (s.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.')) return bad("not a number");
+  std::size_t used = 0;
+  double number = 0;
+  try {
+    number = std::stod(s, &used);
+  } catch (const std::exception&) {
+    return bad("not a number");
+  }
+  const std::string unit = s.substr(used);
+  double scale = 0;  // milliseconds per unit
+  if (unit.empty() || unit == "s" || unit == "sec") {
+    scale = 1e3;
+  } else if (unit == "ms") {
+    scale = 1;
+  } else if (unit == "m" || unit == "min") {
+    scale = 60e3;
+  } else if (unit == "h") {
+    scale = 3600e3;
+  } else {
+    return bad("unknown unit");
+  }
+  if (!std::isfinite(number)) return bad("not a number");
+  const double ms = std::round(number * scale);
+  if (number == 0) return std::chrono::milliseconds(0);
+  if (ms < 1) return bad("shorter than 1 ms");
+  if (ms > 365.0 * 24 * 3600e3) return bad("longer than 365 days; use off for none");
+  return std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+}
+
+std::chrono::milliseconds collective_timeout_from_env() {
+  const char* env = std::getenv("RUDA_COLLECTIVE_TIMEOUT");
+  if (!env || !*env) return kDefaultCollectiveTimeout;
+  return parse_collective_timeout(env, "RUDA_COLLECTIVE_TIMEOUT");
+}
+
+std::string format_collective_timeout(std::chrono::milliseconds timeout) {
+  const std::int64_t ms = timeout.count();
+  if (ms <= 0) return "off";
+  if (ms % 3600000 == 0) return std::to_string(ms / 3600000) + " h";
+  if (ms % 60000 == 0) return std::to_string(ms / 60000) + " min";
+  if (ms % 1000 == 0) return std::to_string(ms / 1000) + " s";
+  return std::to_string(ms) + " ms";
 }
 
 // --- Communicator ---

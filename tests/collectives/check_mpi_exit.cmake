@@ -1,10 +1,15 @@
 # Runs an MPI job and checks how it ends: cmake -DMPIEXEC=... -DRANKS=n -DPROGRAM=... -DMODE=...
-#   -DEXPECT_EXIT=zero|nonzero [-DEXPECT_OUTPUT=fragment]
-# A job that hangs is killed after 60 s and fails the check, as does a job that exits the wrong way.
+#   -DEXPECT_EXIT=zero|nonzero [-DEXPECT_OUTPUT=fragment] [-DEXPECT_OUTPUT_2=fragment]
+#   [-DMAX_SECONDS=s]
+# A job that hangs is killed after 60 s and fails the check, as does a job that exits the wrong way
+# or, with MAX_SECONDS, one that takes longer than that.
+string(TIMESTAMP started "%s")
 execute_process(
   COMMAND ${MPIEXEC} -n ${RANKS} --oversubscribe --bind-to none --mca btl self,vader ${PROGRAM} ${MODE}
   RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err TIMEOUT 60)
-message(STATUS "exit: ${result}\n--- stdout\n${out}--- stderr\n${err}")
+string(TIMESTAMP ended "%s")
+math(EXPR seconds "${ended} - ${started}")
+message(STATUS "exit: ${result} after ${seconds} s\n--- stdout\n${out}--- stderr\n${err}")
 if(NOT result MATCHES "^[0-9]+$")
   message(FATAL_ERROR "the job did not end by itself: ${result}")
 endif()
@@ -14,9 +19,14 @@ endif()
 if(EXPECT_EXIT STREQUAL "nonzero" AND result EQUAL 0)
   message(FATAL_ERROR "expected a non-zero exit, got 0")
 endif()
-if(DEFINED EXPECT_OUTPUT)
-  string(FIND "${out}${err}" "${EXPECT_OUTPUT}" at)
-  if(at EQUAL -1)
-    message(FATAL_ERROR "the output lacks '${EXPECT_OUTPUT}'")
+foreach(expected EXPECT_OUTPUT EXPECT_OUTPUT_2)
+  if(DEFINED ${expected})
+    string(FIND "${out}${err}" "${${expected}}" at)
+    if(at EQUAL -1)
+      message(FATAL_ERROR "the output lacks '${${expected}}'")
+    endif()
   endif()
+endforeach()
+if(DEFINED MAX_SECONDS AND seconds GREATER MAX_SECONDS)
+  message(FATAL_ERROR "the job took ${seconds} s, more than ${MAX_SECONDS} s")
 endif()

@@ -6,7 +6,17 @@
 //   unwind  the same, but the exception unwinds through the MpiEnvironment to a handler that
 //           just returns 1 (the environment must not finalize, which would wait for rank 0)
 //   skip    rank 1 skips the last all_gather (with the order check on) and ends normally
+// The collective timeout (RUDA_COLLECTIVE_TIMEOUT set by the test): the last rank stops itself
+// with SIGSTOP (or deadlocks) before its third collective, and the others must end the job:
+//   stall        in a blocking all_gather
+//   stall-async  in an all_gather_async waited for with Work::wait() (the progress thread)
+//   stall-ring   in a reduce_scatter_async large enough for ruda's ring (point-to-point)
+//   stall-check  in the order check's exchange before the all_gather
+//   deadlock     the last rank blocks forever outside any collective (it still answers queries)
+#include <condition_variable>
+#include <csignal>
 #include <cstdio>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -14,17 +24,38 @@
 
 namespace {
 
+// Blocks the calling thread forever, as a deadlocked rank does.
+[[noreturn]] void deadlock() {
+  std::mutex m;
+  std::condition_variable never;
+  std::unique_lock lock(m);
+  for (;;) never.wait(lock);
+}
+
 int run(const std::string& mode) {
   ruda::MpiCommunicator comm;
-  comm.set_order_check(mode == "skip");
+  comm.set_order_check(mode == "skip" || mode == "stall-check");
+  const bool last = comm.rank() == comm.world_size() - 1;
   const ruda::Tensor x = ruda::ones({1024});
   for (int step = 0; step < 5; ++step) {
     if ((mode == "throw" || mode == "unwind") && comm.rank() == 1 && step == 2) {
       throw std::runtime_error("injected failure at step 2");
     }
     if (mode == "skip" && comm.rank() == 1 && step == 4) break;
-    comm.all_gather(x, {"step " + std::to_string(step)});
+    if (mode.rfind("stall", 0) == 0 && last && step == 2) std::raise(SIGSTOP);
+    if (mode == "deadlock" && last && step == 2) deadlock();
+    if (mode == "stall-async" && step == 2) {
+      ruda::Work prefetch = comm.all_gather_async(x, {"prefetch"});
+      prefetch.wait();
+    } else if (mode == "stall-ring" && step == 2) {
+      // 64 Ki f32 per rank: far above the 64 KiB below which reduce_scatter is MPI's own.
+      ruda::Work gradients = comm.reduce_scatter_async(ruda::ones({65536 * comm.world_size()}), {"grad"});
+      gradients.wait();
+    } else {
+      comm.all_gather(x, {"step " + std::to_string(step)});
+    }
   }
+  if (mode != "ok" && mode != "skip") std::fprintf(stderr, "rank %d: the stalled collective completed\n", comm.rank());
   return 0;
 }
 
@@ -32,7 +63,8 @@ int run(const std::string& mode) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ok";
-  if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip") {
+  if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
+      mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "deadlock") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }

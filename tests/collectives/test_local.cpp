@@ -1,4 +1,8 @@
 // The collective suite on LocalCommunicator (world size 1), and its copy-free results.
+#include <chrono>
+#include <cstdlib>
+#include <string>
+
 #include <ruda/collectives.h>
 
 #include "suite.h"
@@ -64,4 +68,65 @@ TEST_CASE("local: the order check follows RUDA_CHECK_COLLECTIVES, and can be set
   CHECK(comm.order_check());
   // One rank agrees with itself: the check passes.
   CHECK(comm.all_reduce(scalar(3.0)).item() == 3.0);
+}
+
+TEST_CASE("collective timeouts: durations as written in RUDA_COLLECTIVE_TIMEOUT and --collective-timeout") {
+  using namespace ruda;
+  using std::chrono::milliseconds;
+  auto parse = [](const char* text) { return parse_collective_timeout(text, "RUDA_COLLECTIVE_TIMEOUT"); };
+  CHECK(parse("300") == milliseconds(300000));
+  CHECK(parse("300s") == milliseconds(300000));
+  CHECK(parse("5m") == milliseconds(300000));
+  CHECK(parse("5min") == milliseconds(300000));
+  CHECK(parse("500ms") == milliseconds(500));
+  CHECK(parse("1.5h") == milliseconds(5400000));
+  CHECK(parse(" 2 S ") == milliseconds(2000));
+  CHECK(parse("off") == milliseconds(0));
+  CHECK(parse("OFF") == milliseconds(0));
+  CHECK(parse("0") == milliseconds(0));
+  CHECK(parse("0ms") == milliseconds(0));
+  for (const char* bad :
+       {"", "abc", "-5", "5x", "5 minutes", "0.1ms", "1.2.3", "nan", "inf", "400d", "9000h", "1e300"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(parse(bad), ArgumentError);
+  }
+  // The error names the source and the value.
+  try {
+    parse_collective_timeout("5 fortnights", "--collective-timeout");
+    FAIL("no error");
+  } catch (const ArgumentError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("--collective-timeout") != std::string::npos);
+    CHECK(what.find("'5 fortnights'") != std::string::npos);
+  }
+  CHECK(format_collective_timeout(milliseconds(0)) == "off");
+  CHECK(format_collective_timeout(milliseconds(2000)) == "2 s");
+  CHECK(format_collective_timeout(milliseconds(1500)) == "1500 ms");
+  CHECK(format_collective_timeout(kDefaultCollectiveTimeout) == "10 min");
+}
+
+TEST_CASE("collective timeouts: RUDA_COLLECTIVE_TIMEOUT, its default, and a bad value named") {
+  using namespace ruda;
+  const char* saved = std::getenv("RUDA_COLLECTIVE_TIMEOUT");
+  const std::string before = saved ? saved : "";
+  ::unsetenv("RUDA_COLLECTIVE_TIMEOUT");
+  CHECK(collective_timeout_from_env() == kDefaultCollectiveTimeout);
+  ::setenv("RUDA_COLLECTIVE_TIMEOUT", "90s", 1);
+  CHECK(collective_timeout_from_env() == std::chrono::seconds(90));
+  ::setenv("RUDA_COLLECTIVE_TIMEOUT", "off", 1);
+  CHECK(collective_timeout_from_env() == std::chrono::milliseconds(0));
+  ::setenv("RUDA_COLLECTIVE_TIMEOUT", "soon", 1);
+  try {
+    (void)collective_timeout_from_env();
+    FAIL("no error");
+  } catch (const ArgumentError& e) {
+    const std::string what = e.what();
+    CHECK(what.find("RUDA_COLLECTIVE_TIMEOUT") != std::string::npos);
+    CHECK(what.find("'soon'") != std::string::npos);
+  }
+  if (saved) {
+    ::setenv("RUDA_COLLECTIVE_TIMEOUT", before.c_str(), 1);
+  } else {
+    ::unsetenv("RUDA_COLLECTIVE_TIMEOUT");
+  }
 }

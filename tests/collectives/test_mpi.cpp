@@ -81,6 +81,32 @@ TEST_CASE("mpi: reduce_scatter reuses its buffers from call to call") {
   CHECK(comm.reduce_scatter(full).sum().item() == double(n << 20));
 }
 
+TEST_CASE("mpi: the collective timeout is set, checked, inherited by split, and spares a healthy lag") {
+  MpiCommunicator& comm = *g_comm;
+  const std::chrono::milliseconds before = comm.timeout();
+  // From RUDA_COLLECTIVE_TIMEOUT, else the default.
+  CHECK(before == collective_timeout_from_env());
+  CHECK_THROWS_AS(comm.set_timeout(std::chrono::milliseconds(-1)), ArgumentError);
+  CHECK(comm.timeout() == before);
+  comm.set_timeout(0ms);
+  CHECK(comm.timeout() == 0ms);
+  comm.set_timeout(2000ms);
+  std::unique_ptr<MpiCommunicator> part = comm.split(0, comm.rank());
+  CHECK(part->timeout() == 2000ms);
+  // One rank arrives 300 ms late, well within the timeout: the collective completes, correctly.
+  // (A rank that arrives after the timeout ends the job: see test_collectives_mpi_timeout_*.)
+  if (comm.rank() == 0) std::this_thread::sleep_for(300ms);
+  CHECK(part->all_reduce(scalar(double(comm.rank() + 1))).item() ==
+        double(comm.world_size() * (comm.world_size() + 1) / 2));
+  Work gathered =
+      part->all_gather_async(full({2}, double(comm.rank()), Options(DType::f64)), {"async under the timeout"});
+  const std::vector<double> values = gathered.wait().to_vector<double>();
+  REQUIRE(values.size() == std::size_t(2 * comm.world_size()));
+  for (int r = 0; r < comm.world_size(); ++r) CHECK(values[std::size_t(2 * r)] == double(r));
+  part.reset();
+  comm.set_timeout(before);
+}
+
 int main(int argc, char** argv) {
   ruda::MpiEnvironment mpi(argc, argv);
   return ruda::mpi_abort_on_exception([&] {

@@ -78,6 +78,7 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(train("lm --text /nonexistent.txt")), {"/nonexistent.txt", "no such file"});
   one_error_line(run(train("mlp --bogus 3")), {"--bogus"});
   one_error_line(run(train("mlp --dtype f8")), {"--dtype", "f8"});
+  one_error_line(run(train("--collective-timeout soon mlp")), {"--collective-timeout", "'soon'"});
   one_error_line(run(train("--emulate 3 mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(train("mlp --resume " + tmp / "none")), {tmp / "none", "does not exist"});
 
@@ -269,6 +270,15 @@ TEST_CASE("mpiexec: a non-finite loss stops every rank with one line naming the 
 TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero exit") {
   one_error_line(run(mpi_train(2, "mlp --data /nonexistent")), {"/nonexistent/train-images-idx3-ubyte.gz"});
   one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
+  one_error_line(run(mpi_train(2, "mlp --limit 640"), "RUDA_COLLECTIVE_TIMEOUT=soon"),
+                 {"RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
+}
+
+TEST_CASE("mpiexec: a run under --collective-timeout trains as usual") {
+  const Run r =
+      run(mpi_train(2, "--collective-timeout 60s mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1"));
+  CHECK_MESSAGE(r.exit_code == 0, r.output);
+  CHECK_MESSAGE(r.output.find("done: 10 steps") != std::string::npos, r.output);
 }
 #endif
 

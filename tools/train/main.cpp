@@ -51,7 +51,8 @@ struct Config {
   int emulate = 0;
   std::int64_t log_every = 100;
   bool check_collectives = false;
-  std::int64_t memory_limit = 0;  // bytes per rank; 0: RUDA_MEMORY_LIMIT or none
+  std::int64_t collective_timeout_ms = -1;  // MPI; -1: RUDA_COLLECTIVE_TIMEOUT or its default
+  std::int64_t memory_limit = 0;            // bytes per rank; 0: RUDA_MEMORY_LIMIT or none
   bool activation_checkpointing = false;
   // mlp
   std::string data = nn::kFashionMnistDir;
@@ -716,6 +717,18 @@ int main(int argc, char** argv) {
   app.add_flag("--check-collectives", cfg.check_collectives,
                "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
   app.add_option_function<std::string>(
+         "--collective-timeout",
+         [&](const std::string& text) {
+           try {
+             cfg.collective_timeout_ms = parse_collective_timeout(text, "--collective-timeout").count();
+           } catch (const ArgumentError& e) {
+             throw CLI::ValidationError(e.what());  // the message names the option
+           }
+         },
+         "Under MPI, end the job when a collective has waited this long for the other ranks, naming the ranks "
+         "that did not arrive: 300, 300s, 5m, 500ms or off (default: RUDA_COLLECTIVE_TIMEOUT, else 10m)")
+      ->type_name("DURATION");
+  app.add_option_function<std::string>(
          "--memory-limit",
          [&](const std::string& text) {
            try {
@@ -772,6 +785,15 @@ int main(int argc, char** argv) {
     if (cfg.steps == 0 && app.get_option("--steps")->count() == 0) cfg.steps = 1000;
   }
   if (cfg.batch == 0) cfg.batch = cfg.model == "mlp" ? 128 : 16;
+  if (launched_by_mpi() && cfg.collective_timeout_ms < 0) {
+    // Checked here, where one rank reports, rather than by every rank's communicator.
+    try {
+      (void)collective_timeout_from_env();
+    } catch (const std::exception& e) {
+      if (print) print_error(e.what());
+      return 2;
+    }
+  }
   if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
     return 2;
@@ -802,6 +824,7 @@ int main(int argc, char** argv) {
 #ifdef RUDA_TRAIN_WITH_MPI
       MpiEnvironment mpi(argc, argv);
       MpiCommunicator comm;
+      if (cfg.collective_timeout_ms >= 0) comm.set_timeout(std::chrono::milliseconds(cfg.collective_timeout_ms));
       try {
         run(cfg, comm);
       } catch (const Reported&) {

@@ -30,7 +30,10 @@ class RankFailedError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
 };
-/// Some ranks did not arrive at a collective within the timeout (emulated ranks).
+/// Some ranks did not arrive at a collective within EmulatedOptions::timeout (emulated ranks). The
+/// message names the collective (op, dtype, count, tag), its number, this rank and the missing
+/// ranks. Under MPI the collective timeout (RUDA_COLLECTIVE_TIMEOUT) ends the job with the same
+/// facts printed instead, since a blocking MPI collective cannot be interrupted (see <ruda/mpi.h>).
 class CollectiveTimeoutError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
@@ -101,6 +104,20 @@ struct Traffic {
 /// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
 bool order_check_from_env();
 
+/// How long an MPI collective may wait for the other ranks by default: long enough for a healthy
+/// gap between ranks (one rank writing a checkpoint or evaluating alone while the others already
+/// wait in the next collective: that wait counts), short enough that a stalled job ends soon.
+inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout = std::chrono::minutes(10);
+/// A collective timeout as written in a variable or option: a number with an optional unit, "ms",
+/// "s" (the default), "m"/"min" or "h" ("300", "300s", "5m", "500ms", "1.5h"); "off" or "0" for
+/// none, which returns 0. At least 1 ms, at most 365 days. Anything else is an ArgumentError
+/// naming `what` (the variable or option) and the text.
+std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::string_view what);
+/// RUDA_COLLECTIVE_TIMEOUT parsed (0: off), kDefaultCollectiveTimeout when it is unset or empty.
+std::chrono::milliseconds collective_timeout_from_env();
+/// A timeout as messages show it: "2 s", "500 ms", "10 min", "off".
+std::string format_collective_timeout(std::chrono::milliseconds timeout);
+
 /// One of `world_size` ranks. All ranks must call the same collectives in the same order with the
 /// same dtypes and counts; turn on the order check (RUDA_CHECK_COLLECTIVES=1 or
 /// set_order_check(true), the same on every rank) to have a mismatch raise on every rank instead
@@ -169,6 +186,23 @@ class Communicator {
   std::string current_call() const;
   /// The 1-based number of the collective being run on this communicator.
   std::uint64_t current_sequence() const noexcept { return sequence_; }
+
+  /// One call as histories and messages show it. Kept raw and formatted only when shown: the
+  /// strings reuse their buffers from call to call (also when a Record is assigned to another),
+  /// so recording allocates nothing.
+  struct Record {
+    std::uint64_t sequence = 0;
+    const char* op = "";
+    bool has_data = true;
+    DType dtype = DType::f32;
+    std::int64_t count = 0;
+    std::string extra;  // what else defines the call: "max", "root 1", "native"
+    std::string tag;
+    /// all_gather(f32, 8192, "w"), without the number.
+    std::string text() const;
+  };
+  /// The collective being run (meaningful during a do_* or start_* call, like current_call()).
+  const Record& current_record() const { return history_[(sequence_ - 1) % kHistory]; }
   /// True where every collective may return its input itself (world size 1 without copies).
   virtual bool pass_through() const noexcept { return false; }
 
@@ -208,19 +242,6 @@ class Communicator {
   Tensor run_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
   Work launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
   Work launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
-
-  // One call as histories and messages show it. Kept raw and formatted only when shown: the
-  // strings reuse their buffers from call to call, so recording allocates nothing.
-  struct Record {
-    std::uint64_t sequence = 0;
-    const char* op = "";
-    bool has_data = true;
-    DType dtype = DType::f32;
-    std::int64_t count = 0;
-    std::string extra;  // what else defines the call: "max", "root 1", "native"
-    std::string tag;
-    std::string text() const;
-  };
 
   int rank_;
   int world_size_;

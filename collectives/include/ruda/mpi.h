@@ -13,6 +13,7 @@
 // Launch: see collectives/README.md (mpiexec lines for a cluster and for one machine).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -68,15 +69,37 @@ class MpiEnvironment {
 /// Non-blocking collectives run in order on one progress thread per communicator; a blocking
 /// collective first waits for those in flight, so two threads are never inside a collective on
 /// the same MPI communicator. MPI errors become CollectiveError naming rank, op, dtype and count.
+///
+/// The collective timeout (RUDA_COLLECTIVE_TIMEOUT, set_timeout; 10 min by default): a watchdog
+/// thread per communicator notes which collective each of the rank's threads is in (blocking,
+/// non-blocking on the progress thread, or the order check's exchange). One that has not
+/// completed within the timeout ends the job: the watchdog asks the other ranks where they are
+/// (their watchdogs answer even while they compute), prints
+///   ruda: rank 0 of 3 failed: rank 0: all_gather(f32, 1024, "step 2") #3: not complete after the
+///   collective timeout of 2 s (RUDA_COLLECTIVE_TIMEOUT): rank 2 did not arrive at collective #3;
+///   rank 2 did not answer within 1 s (the process is stopped or frozen, or its node is
+///   unreachable); rank 1 arrived
+/// and calls MPI_Abort. Nothing is thrown: a blocking MPI collective cannot be interrupted, and
+/// MPI's non-blocking collectives, which could be abandoned, are 1.3-3x slower here. A rank that
+/// is busy outside collectives answers "not in a collective (busy since #2 ... ended 600.0 s
+/// ago)". Creating communicators (the constructor, split) is not watched.
 class MpiCommunicator final : public Communicator {
  public:
-  /// All processes of the job.
+  /// All processes of the job. The timeout comes from RUDA_COLLECTIVE_TIMEOUT (10 min when unset;
+  /// an invalid value is an ArgumentError naming the variable).
   MpiCommunicator();
   ~MpiCommunicator() override;
 
   /// The processes of this communicator that pass the same `color` (>= 0), ranked by `key`
-  /// (ties by rank here): MPI_Comm_split. Collective over this communicator.
+  /// (ties by rank here): MPI_Comm_split. Collective over this communicator. The new one has this
+  /// one's timeout and order check.
   std::unique_ptr<MpiCommunicator> split(int color, int key);
+
+  /// How long a collective may wait before the watchdog ends the job (see above); 0: forever.
+  /// Collectives that start afterwards, and those in flight, are measured against it. Negative:
+  /// ArgumentError.
+  void set_timeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const noexcept;
 
   std::string_view kind() const noexcept override { return "mpi"; }
 
