@@ -216,7 +216,7 @@ struct MpiCommunicator::Impl {
   // The progress thread and its queue. Tasks run in the order they were started.
   struct Task {
     std::function<void()> run;
-    std::promise<void> done;
+    std::promise<std::chrono::steady_clock::time_point> done;  // when it completed (Traffic)
   };
   std::mutex mutex;
   std::condition_variable wake;  // the worker: a task arrived or stop
@@ -367,10 +367,10 @@ struct MpiCommunicator::Impl {
 
   // --- progress thread ---
 
-  std::shared_future<void> submit(std::function<void()> run) {
+  std::shared_future<std::chrono::steady_clock::time_point> submit(std::function<void()> run) {
     auto task = std::make_shared<Task>();
     task->run = std::move(run);
-    std::shared_future<void> future = task->done.get_future().share();
+    auto future = task->done.get_future().share();
     {
       std::lock_guard lock(mutex);
       if (!worker.joinable()) worker = std::thread([this] { work(); });
@@ -394,7 +394,7 @@ struct MpiCommunicator::Impl {
         // After a failure the ranks may disagree on what was done: run nothing more.
         if (!earlier.empty()) throw CollectiveError("not started: " + earlier);
         task->run();
-        task->done.set_value();
+        task->done.set_value(std::chrono::steady_clock::now());
       } catch (...) {
         std::string what = "unknown error";
         try {
@@ -805,16 +805,19 @@ struct MpiCommunicator::Impl {
 // so both stay alive until the collective is done even if the caller drops the Work.
 class QueuedState final : public Work::State {
  public:
-  QueuedState(std::shared_future<void> done, Tensor out) : done_(std::move(done)), out_(std::move(out)) {}
+  QueuedState(std::shared_future<std::chrono::steady_clock::time_point> done, Tensor out)
+      : done_(std::move(done)), out_(std::move(out)) {}
   Tensor wait() override {
-    done_.get();  // rethrows the collective's error
+    completed_ = done_.get();  // rethrows the collective's error
     return std::move(out_);
   }
   bool ready() override { return done_.wait_for(std::chrono::seconds(0)) == std::future_status::ready; }
+  std::optional<std::chrono::steady_clock::time_point> completed_at() const override { return completed_; }
 
  private:
-  std::shared_future<void> done_;
+  std::shared_future<std::chrono::steady_clock::time_point> done_;
   Tensor out_;
+  std::optional<std::chrono::steady_clock::time_point> completed_;
 };
 
 // --- MpiCommunicator ---

@@ -27,6 +27,32 @@ void run_mpi(void (*check)(Communicator&)) {
 
 RUDA_COLLECTIVE_SUITE("mpi", run_mpi)
 
+TEST_CASE("mpi: traffic() counts bus bytes, and a non-blocking collective's time runs to its completion") {
+  MpiCommunicator& c = *g_comm;
+  const int n = c.world_size();
+  const std::int64_t count = 1 << 16;  // f32: 256 kB per rank
+  c.reset_traffic();
+  c.all_gather(ones({count}));
+  const Traffic blocking = c.traffic();
+  CHECK(blocking.collectives == 1);
+  CHECK(blocking.bytes == static_cast<std::uint64_t>((n - 1) * 4 * count));
+  CHECK(blocking.exposed_seconds == blocking.seconds);
+  c.reset_traffic();
+  const Tensor full = ones({n * count});
+  const auto start = std::chrono::steady_clock::now();
+  Work work = c.reduce_scatter_async(full);
+  // Whatever this rank does meanwhile, the collective's time ends when the progress thread finished it.
+  while (!work.ready()) std::this_thread::sleep_for(1ms);
+  std::this_thread::sleep_for(20ms);
+  work.wait();
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const Traffic async = c.traffic();
+  CHECK(async.collectives == 1);
+  CHECK(async.bytes == static_cast<std::uint64_t>((n - 1) * 4 * count));
+  CHECK(async.exposed_seconds < 0.020);     // the wait found it done
+  CHECK(async.seconds <= elapsed - 0.015);  // not counted: the 20 ms after it was done
+}
+
 TEST_CASE("mpi: the order check shows both sides on every rank") {
   REQUIRE(g_comm->world_size() >= 2);
   run_mpi(&ruda::test::collectives::order_check);
