@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint_format.h"
+#include "files.h"
 
 namespace ruda::nn {
 

@@ -13,6 +13,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "files.h"
+
 // xxHash (Debian's libxxhash-dev), compiled in: no library to link or install beside ruda.
 #define XXH_INLINE_ALL
 #include <xxhash.h>

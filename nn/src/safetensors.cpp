@@ -15,6 +15,8 @@
 #include <ruda/nn/safetensors.h>
 #include <nlohmann/json.hpp>
 
+#include "files.h"
+
 namespace ruda::safetensors {
 
 namespace {

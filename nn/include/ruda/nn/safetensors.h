@@ -124,17 +124,4 @@ class Writer {
 void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
            const std::map<std::string, std::string>& metadata = {});
 
-/// Writes a text file atomically (temporary file, flush, rename), as write() does.
-void write_text_atomically(const std::string& path, const std::string& text);
-/// Reads a whole text file of at most `max_bytes`; IOError naming the path if it is missing, not a
-/// regular file (a directory, a FIFO: never blocks), or larger.
-std::string read_text_file(const std::string& path, std::size_t max_bytes);
-
-namespace testing {
-/// Crash simulation for tests: when RUDA_TEST_CRASH_AFTER_BYTES=N is set in the environment, a
-/// write() that has written N bytes of its temporary file ends the process at once (_exit(86)),
-/// as a kill would. Returns N, or -1 when unset.
-std::int64_t crash_after_bytes();
-}  // namespace testing
-
 }  // namespace ruda::safetensors
