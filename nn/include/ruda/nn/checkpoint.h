@@ -50,7 +50,7 @@ inline constexpr std::size_t kChecksumBlockBytes = std::size_t{64} << 10;
 
 struct LoadOptions {
   /// Check every block read against its hash in the index (default). Off saves the hashing
-  /// (XXH3, ~10 GB/s per core with the reads; from the page cache a load takes ~1.3x the
+  /// (XXH3; from the page cache a checked load takes ~1.4x the
   /// unchecked time, from disk the read dominates: tools/bench --suite checkpoint), not the
   /// reading; the index, the files' headers and their identity are checked either way.
   bool verify_checksums = true;
