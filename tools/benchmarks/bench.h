@@ -63,6 +63,21 @@ inline Stats rate(const Stats& seconds, double work) {
 }
 inline Stats scaled(const Stats& s, double factor) { return Stats{s.median * factor, s.min * factor, s.max * factor}; }
 
+/// Reports a time against its peer's, both in seconds per call, shown in `unit` ("ms": scale 1e3,
+/// "us": scale 1e6).
+inline void report_time(Context& ctx, const std::string& suite, const std::string& name, const Stats& ours,
+                        const Stats& peer, const std::string& peer_name, const std::string& unit, double scale) {
+  Result r;
+  r.suite = suite;
+  r.name = name;
+  r.backend = ctx.backend;
+  r.unit = unit;
+  r.value = scaled(ours, scale);
+  r.peer = scaled(peer, scale);
+  r.peer_name = peer_name;
+  ctx.report(r);
+}
+
 // Collective sizes, shared by the emulated-rank and the MPI collective suites.
 /// The total bytes a collective moves in each measured case (4 KiB ... 64 MiB; fewer with --quick).
 inline std::vector<std::int64_t> collective_totals(const Context& ctx) {

@@ -47,15 +47,7 @@ std::uint64_t read_raw(const fs::path& dir) {
 }
 
 void report(Context& ctx, const std::string& name, const Stats& ours, const Stats& peer, const char* peer_name) {
-  Result r;
-  r.suite = "checkpoint";
-  r.name = name;
-  r.backend = ctx.backend;
-  r.unit = "ms";
-  r.value = scaled(ours, 1e3);
-  r.peer = scaled(peer, 1e3);
-  r.peer_name = peer_name;
-  ctx.report(r);
+  report_time(ctx, "checkpoint", name, ours, peer, peer_name, "ms", 1e3);
 }
 
 void checkpoint_suite(Context& ctx) {

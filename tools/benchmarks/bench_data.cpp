@@ -35,15 +35,7 @@ void write_idx(const fs::path& path, const std::vector<std::uint32_t>& dims, std
 }
 
 void report(Context& ctx, const std::string& name, const Stats& ours, const Stats& peer, const char* peer_name) {
-  Result r;
-  r.suite = "data";
-  r.name = name;
-  r.backend = ctx.backend;
-  r.unit = "us";
-  r.value = scaled(ours, 1e6);
-  r.peer = scaled(peer, 1e6);
-  r.peer_name = peer_name;
-  ctx.report(r);
+  report_time(ctx, "data", name, ours, peer, peer_name, "us", 1e6);
 }
 
 // Fashion-MNIST's training set in size (60000 images of 28x28): a batch of 128 random samples,
