@@ -187,7 +187,6 @@ std::string error_of(F&& fn) {
 // Agrees a phase's outcome across ranks: if any rank failed, every rank raises an IOError about
 // `step_dir` that names each failing rank and its own error.
 void agree_or_fail(Communicator& comm, const std::string& error, const std::string& step_dir, const char* phase) {
-  autograd::NoGradGuard guard;
   const auto failures = agree_on_failure(comm, error, std::string("checkpoint ") + phase);
   if (!failures.empty()) fail(step_dir, std::string(phase) + " failed on " + describe(failures));
 }
@@ -309,11 +308,8 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     report =
         write_rank_file((fs::path(step_dir) / rank_file(rank, world)).string(), step, rank, world, params, optimizer);
   });
-  std::vector<std::string> texts;
-  {
-    autograd::NoGradGuard no_grad;
-    texts = all_gather_text(comm, error.empty() ? report.dump() : json{{"error", error}}.dump(), "checkpoint files");
-  }
+  const std::vector<std::string> texts =
+      all_gather_text(comm, error.empty() ? report.dump() : json{{"error", error}}.dump(), "checkpoint files");
   std::vector<RankFailure> failures;
   std::vector<json> reports;
   for (std::size_t r = 0; r < texts.size(); ++r) {
