@@ -93,9 +93,12 @@ class ContextState final : public Work::State {
       const auto done = inner_.completed_at().value_or(now);
       traffic_->collectives += 1;
       traffic_->bytes += bytes_;
-      traffic_->seconds += std::chrono::duration<double>(done - start_).count();
-      // The caller waited while starting it (the order check; a start that runs it at once) and in here.
-      traffic_->exposed_seconds += starting_ + std::chrono::duration<double>(now - waiting).count();
+      // The caller waited while starting it (the order check; a start that runs it at once) and in
+      // here; the collective took at least that long (a modeled link may complete it sooner than
+      // the other ranks arrived).
+      const double exposed = starting_ + std::chrono::duration<double>(now - waiting).count();
+      traffic_->seconds += std::max(std::chrono::duration<double>(done - start_).count(), exposed);
+      traffic_->exposed_seconds += exposed;
       return result;
     } catch (...) {
       rethrow_decorated(prefix_, rank_, history_);

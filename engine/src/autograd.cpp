@@ -16,7 +16,20 @@ thread_local std::uint64_t t_next_sequence = 1;
 thread_local std::vector<std::shared_ptr<Node>> t_always_run;
 // The node whose backward is running on this thread, for error messages about its saved tensors.
 thread_local const char* t_running_node = nullptr;
+// How many backward() calls are running on this thread (a checkpointed block nests one), and what
+// the outermost one runs when it returns.
+thread_local int t_backward_depth = 0;
+thread_local std::uint64_t t_backward_serial = 0;
+thread_local std::vector<std::function<void()>> t_backward_end;
 }  // namespace
+
+bool in_backward() noexcept { return t_backward_depth > 0; }
+std::uint64_t backward_serial() noexcept { return t_backward_serial; }
+
+void at_backward_end(std::function<void()> callback) {
+  if (t_backward_depth == 0) fail<AutogradError>("at_backward_end", "called outside a backward");
+  t_backward_end.push_back(std::move(callback));
+}
 
 bool is_grad_enabled() noexcept { return t_grad_enabled; }
 void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
@@ -141,6 +154,16 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   }
 
   NoGradGuard no_grad;
+  struct Depth {
+    Depth() {
+      if (t_backward_depth++ == 0) ++t_backward_serial;
+    }
+    ~Depth() {
+      // An outermost backward that throws drops its callbacks: the work they would finish belongs to
+      // a step that failed.
+      if (--t_backward_depth == 0 && std::uncaught_exceptions() > 0) t_backward_end.clear();
+    }
+  } depth;
   // Every node reachable from the root, then every node reachable only from always-run nodes.
   // The latter run with zero gradients (keeping ranks in step) but are not freed: they may belong
   // to another graph whose own backward is still to come (two forwards, then two backwards).
@@ -228,6 +251,15 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   // A retained graph may be differentiated again; its always-run nodes must run again too.
   if (retain_graph) {
     for (auto& n : always_run) t_always_run.push_back(std::move(n));
+  }
+  if (t_backward_depth == 1) {
+    // Run with the depth still counted, so that a callback queueing another is still "in backward";
+    // one that throws drops the rest (see Depth).
+    for (std::size_t i = 0; i < t_backward_end.size(); ++i) {
+      std::function<void()> callback = std::move(t_backward_end[i]);
+      callback();
+    }
+    t_backward_end.clear();
   }
 }
 

@@ -5,6 +5,7 @@
 #include <ruda/nn/sharded.h>
 
 #include "param_state.h"
+#include "shard_group.h"
 
 namespace ruda::nn {
 
@@ -134,6 +135,7 @@ Tensor Param::value() const {
     fail<ShardingError>("Param::value", s.shard->describe(),
                         " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
   }
+  if (s.shard->group) return s.shard->group->value(s.shard->group_index);
   return gather_param(*this, *s.shard->comm);
 }
 

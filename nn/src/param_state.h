@@ -30,4 +30,13 @@ struct Param::State {
 
 std::mutex& shards_mutex();
 
+/// What nn's internals may do with a Param handle beyond its public interface.
+struct ParamAccess {
+  static std::weak_ptr<Param::State> weak(const Param& p) { return p.state_; }
+  /// The parameter behind a weak reference, or an undefined Param if it is gone.
+  static Param lock(const std::weak_ptr<Param::State>& state) { return Param(state.lock()); }
+  /// Param::set_data without its shape check: sharding (full -> slice).
+  static void replace_data(const Param& p, const Tensor& value) { p.replace_data(value); }
+};
+
 }  // namespace ruda::nn

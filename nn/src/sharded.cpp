@@ -1,4 +1,5 @@
 // Sharded parameters: slicing, validation, the differentiable gather and fully_shard.
+#include <algorithm>
 #include <limits>
 #include <map>
 
@@ -8,6 +9,7 @@
 
 #include "gather_scope.h"
 #include "param_state.h"
+#include "shard_group.h"
 
 namespace ruda::nn {
 
@@ -190,25 +192,95 @@ Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dty
 }
 
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) {
-  std::size_t count = 0;
+  return fully_shard(module, comm, FullyShardOptions{.policy = std::move(policy)});
+}
+
+std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
+  const char* op = "fully_shard";
+  if (options.max_unsharded_groups < 1)
+    fail<ArgumentError>(op, "max_unsharded_groups must be at least 1, got ", options.max_unsharded_groups);
+  std::vector<Param> fresh;
+  std::vector<std::shared_ptr<ShardGroup>> inner;  // groups of earlier calls on submodules
   for (auto& [name, param] : module.named_parameters()) {
     if (param.is_sharded()) {
-      fail<ShardingError>("fully_shard", "parameter '", name, "' is sharded already");
+      const auto& held = param.shard()->group;
+      if (!options.group || !held) fail<ShardingError>(op, "parameter '", name, "' is sharded already");
+      if (&held->comm() != &comm)
+        fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
+      param.shard()->name = name;  // named from the enclosing module from now on
+      if (std::find(inner.begin(), inner.end(), held) == inner.end()) inner.push_back(held);
+      continue;
     }
-    check_param_dtype("fully_shard", param);
-    auto info = make_info(param.shape(), checked_numel("fully_shard", param.shape()), comm.rank(), comm.world_size());
-    info->policy = policy;
+    check_param_dtype(op, param);
+    auto info = make_info(param.shape(), checked_numel(op, param.shape()), comm.rank(), comm.world_size());
+    info->policy = options.policy;
     info->comm = &comm;
     info->name = name;
     // In place: the module's members (and every tied use) see the same Param, now a slice. A
     // frozen parameter stays frozen.
     const bool requires_grad = param.is_deferred() || param.data().requires_grad();
-    param.replace_data(local_slice(param, *info));
+    ParamAccess::replace_data(param, local_slice(param, *info));
     param.data().set_requires_grad(requires_grad);
     param.set_shard(std::move(info));
-    ++count;
+    fresh.push_back(param);
   }
-  return count;
+  if (!options.group) return fresh.size();
+
+  // One schedule for this module's group and every group under it.
+  std::shared_ptr<ShardSchedule> schedule =
+      inner.empty() ? std::make_shared<ShardSchedule>(options.prefetch, options.max_unsharded_groups)
+                    : inner.front()->schedule();
+  schedule->set_options(options.prefetch, options.max_unsharded_groups);
+  for (const auto& g : inner) {
+    g->rename();
+    if (g->schedule() == schedule) continue;
+    const std::shared_ptr<ShardSchedule> other = g->schedule();
+    for (ShardGroup* moved : std::vector<ShardGroup*>(other->groups())) {
+      other->remove(moved);
+      moved->join(schedule);
+      schedule->add(moved);
+    }
+  }
+  if (fresh.empty()) return 0;
+  auto group = std::make_shared<ShardGroup>(&module, fresh, comm, schedule);
+  for (std::size_t i = 0; i < fresh.size(); ++i) {
+    fresh[i].shard()->group = group;
+    fresh[i].shard()->group_index = i;
+  }
+  for (const auto& g : inner) {
+    ShardGroup* top = g.get();
+    while (top->parent()) top = top->parent();
+    if (top != group.get()) top->set_parent(group.get());
+  }
+  return fresh.size();
+}
+
+void reshard(const Module& module) {
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded() && p.shard()->group) {
+      p.shard()->group->schedule()->reshard_all();
+      return;
+    }
+  }
+}
+
+void set_forward_order(const std::vector<const Module*>& modules) {
+  const char* op = "set_forward_order";
+  std::vector<ShardGroup*> order;
+  std::shared_ptr<ShardSchedule> schedule;
+  for (const Module* m : modules) {
+    if (!m) fail<ArgumentError>(op, "a module is null");
+    ShardGroup* found = nullptr;
+    for (const auto& [name, p] : m->named_parameters()) {
+      if (p.is_sharded() && p.shard()->group && p.shard()->group->module() == m) found = p.shard()->group.get();
+    }
+    if (!found) fail<ShardingError>(op, "module ", order.size(), " of the order has no group of its own: give it to fully_shard first");
+    if (schedule && found->schedule() != schedule)
+      fail<ShardingError>(op, found->tag(), " is in another schedule: shard the modules under one root");
+    schedule = found->schedule();
+    order.push_back(found);
+  }
+  if (schedule) schedule->set_forward_order(std::move(order));
 }
 
 void set_shard_policy(Module& module, const ShardPolicy& policy) {

@@ -182,7 +182,7 @@ TEST_CASE("Retain and Recompute give identical gradients") {
   }
 }
 
-TEST_CASE("each gathered parameter is reduce-scattered once per backward; Recompute gathers again") {
+TEST_CASE("per-parameter path: each parameter gathered and reduce-scattered once; Recompute gathers again") {
   // Two layers: forward gathers W1, b1, W2, b2. Backward reduce-scatters each once. Recompute
   // gathers W2 again (linear needs it for the input gradient); W1 is not needed (the input needs
   // no gradient) and biases are never saved.
@@ -192,7 +192,7 @@ TEST_CASE("each gathered parameter is reduce-scattered once per backward; Recomp
       nn::manual_seed(1);
       nn::Sequential model(
           {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
-      nn::fully_shard(model, comm, {.strategy = strategy});
+      nn::fully_shard(model, comm, nn::FullyShardOptions{.policy = {.strategy = strategy}, .group = false});
       sum(model.forward(randn({4, 6}, 2))).backward();
       if (comm.rank() == 0) calls = comm.history();
     });
@@ -214,10 +214,17 @@ TEST_CASE("each gathered parameter is reduce-scattered once per backward; Recomp
 
 TEST_CASE("Recompute frees gathered weights between forward and backward: peak bytes per rank") {
   // Four 1024x1024 layers at world size 4: Retain keeps every gathered weight (4 MiB each) until
-  // backward; Recompute keeps one at a time. Both peak in backward with one full weight gradient;
-  // Recompute's peak also holds the local gradients accumulated so far (1/4 layer each).
-  auto peak = [](nn::CheckpointStrategy strategy) {
-    std::vector<std::int64_t> peaks(4);
+  // backward; Recompute keeps one at a time on the per-parameter path, and one group at a time
+  // with groups of one layer each, at most one unsharded and no prefetch. On the per-parameter
+  // path both peak in backward with one full weight gradient; Recompute's peak also holds the
+  // local gradients accumulated so far (1/4 layer each). A group's transient is twice its size
+  // (the all-gather's buffer while copying out, the gradient while copying in), so with groups
+  // the difference shows between forward and backward.
+  struct Bytes {
+    std::int64_t peak = 0, after_forward = 0;
+  };
+  auto measure = [](nn::CheckpointStrategy strategy, bool group) {
+    std::vector<Bytes> bytes(4);
     run_ranks(4, [&](Communicator& comm) {
       nn::manual_seed(3);
       nn::Sequential model;
@@ -225,40 +232,68 @@ TEST_CASE("Recompute frees gathered weights between forward and backward: peak b
         model.push_back(std::make_shared<nn::Linear>(1024, 1024));
         model.push_back(std::make_shared<nn::Tanh>());
       }
-      nn::fully_shard(model, comm, {.strategy = strategy});
+      const nn::FullyShardOptions options{
+          .policy = {.strategy = strategy}, .group = group, .prefetch = false, .max_unsharded_groups = 1};
+      if (group) {
+        for (std::size_t i = 0; i < model.size(); i += 2) nn::fully_shard(*model[i], comm, options);
+      }
+      nn::fully_shard(model, comm, options);
       // The input needs a gradient (as after an embedding), so every layer's weight is needed in backward.
       const Tensor x = randn({8, 1024}, 5 + comm.rank()).set_requires_grad();
       memory::reset_peak();
       const Tensor loss = sum(model.forward(x)) / 32.0;
+      bytes[comm.rank()].after_forward = memory::stats().live_bytes;
       loss.backward();
-      peaks[comm.rank()] = memory::stats().peak_bytes;
+      bytes[comm.rank()].peak = memory::stats().peak_bytes;
     });
-    return *std::max_element(peaks.begin(), peaks.end());
+    Bytes most;
+    for (const Bytes& b : bytes) {
+      most.peak = std::max(most.peak, b.peak);
+      most.after_forward = std::max(most.after_forward, b.after_forward);
+    }
+    return most;
   };
-  const std::int64_t retain = peak(nn::CheckpointStrategy::retain);
-  const std::int64_t recompute = peak(nn::CheckpointStrategy::recompute);
   const std::int64_t layer_bytes = 1024 * 1024 * 4;
-  INFO("peak bytes per rank: retain " << retain << ", recompute " << recompute);
-  CHECK(retain - recompute >= 3 * layer_bytes);
+  for (const bool group : {false, true}) {
+    CAPTURE(group);
+    const Bytes retain = measure(nn::CheckpointStrategy::retain, group);
+    const Bytes recompute = measure(nn::CheckpointStrategy::recompute, group);
+    INFO("bytes per rank: retain " << retain.after_forward << " after forward, " << retain.peak << " at peak; recompute "
+                                   << recompute.after_forward << ", " << recompute.peak);
+    CHECK(retain.after_forward - recompute.after_forward >= 3 * layer_bytes);
+    if (!group) CHECK(retain.peak - recompute.peak >= 3 * layer_bytes);
+  }
 }
 
-TEST_CASE("no full weight outlives a layer's forward under no_grad evaluation") {
-  run_ranks(2, [](Communicator& comm) {
-    nn::manual_seed(3);
-    nn::Sequential model;
-    for (int i = 0; i < 3; ++i) model.push_back(std::make_shared<nn::Linear>(512, 512));
-    nn::fully_shard(model, comm);
-    const Tensor x = randn({4, 512}, 1);
-    autograd::NoGradGuard guard;
-    memory::reset_peak();
-    const std::int64_t before = memory::stats().live_bytes;
-    const Tensor y = model.forward(x);
-    const std::int64_t after = memory::stats().live_bytes;
-    const std::int64_t layer = 512 * 512 * 4;
-    // Only the output survives; the peak held at most one gathered layer (plus small tensors).
-    if (after - before != static_cast<std::int64_t>(y.nbytes())) throw std::runtime_error("eval left tensors alive");
-    if (memory::stats().peak_bytes - before > layer + 4 * 512 * 4 * 4) throw std::runtime_error("eval peak too high");
-  });
+TEST_CASE("no full weight outlives an evaluation under no_grad: per parameter at once, groups after reshard") {
+  // Per parameter, a layer's weight is freed when its forward returns. Groups keep up to
+  // max_unsharded_groups (2) layers until the room is needed or nn::reshard gives it back.
+  for (const bool group : {false, true}) {
+    CAPTURE(group);
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(3);
+      nn::Sequential model;
+      for (int i = 0; i < 3; ++i) model.push_back(std::make_shared<nn::Linear>(512, 512));
+      if (group) {
+        for (std::size_t i = 0; i < model.size(); ++i) nn::fully_shard(*model[i], comm);
+      }
+      nn::fully_shard(model, comm, nn::FullyShardOptions{.group = group});
+      const Tensor x = randn({4, 512}, 1);
+      autograd::NoGradGuard guard;
+      memory::reset_peak();
+      const std::int64_t before = memory::stats().live_bytes;
+      const Tensor y = model.forward(x);
+      nn::reshard(model);
+      const std::int64_t after = memory::stats().live_bytes;
+      const std::int64_t layer = 512 * 512 * 4 + 512 * 4;
+      // Only the output survives; the peak held at most one gathered layer per parameter, two
+      // with groups (the one computing and the next, prefetched), plus the all-gather's buffer
+      // while copying out, and small tensors.
+      if (after - before != static_cast<std::int64_t>(y.nbytes())) throw std::runtime_error("eval left tensors alive");
+      const std::int64_t allowed = (group ? 3 * layer : layer) + 4 * 512 * 4 * 4;
+      if (memory::stats().peak_bytes - before > allowed) throw std::runtime_error("eval peak too high");
+    });
+  }
 }
 
 TEST_CASE("bf16 compute dtype trains within bf16 tolerance of f32") {

@@ -32,6 +32,8 @@ struct Config {
   std::string backend;
   std::string dtype = "f32";
   std::string strategy = "recompute";
+  bool no_prefetch = false;
+  int unsharded_groups = 2;
   std::int64_t epochs = 10;
   std::int64_t steps = 0;
   std::int64_t batch = 0;
@@ -114,6 +116,9 @@ struct Task {
   virtual ~Task() = default;
   virtual std::string description() const = 0;
   virtual nn::Module& module() = 0;
+  /// The submodules sharded as groups of their own, before the root takes what is left: each
+  /// unshards with one all-gather while the next one's travels.
+  virtual std::vector<nn::Module*> shard_groups() = 0;
   virtual std::int64_t total_steps() const = 0;
   virtual std::int64_t samples_per_step() const = 0;
   /// This rank's loss for global step `step`, already divided by the step's global count.
@@ -188,6 +193,11 @@ struct MlpTask : Task {
     return d + "-10";
   }
   nn::Module& module() override { return *model; }
+  std::vector<nn::Module*> shard_groups() override {
+    std::vector<nn::Module*> layers;
+    for (std::size_t i = 0; i < model->size(); i += 2) layers.push_back((*model)[i].get());  // the Linear layers
+    return layers;
+  }
   std::int64_t data_bytes_read() const override { return train.bytes_read() + test.bytes_read(); }
   std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
   std::int64_t samples_per_step() const override { return cfg.batch; }
@@ -273,6 +283,11 @@ struct LmTask : Task {
            (cfg.untied ? " untied" : " tied");
   }
   nn::Module& module() override { return *model; }
+  std::vector<nn::Module*> shard_groups() override {
+    std::vector<nn::Module*> blocks;
+    for (const auto& block : model->blocks) blocks.push_back(block.get());
+    return blocks;
+  }
   std::int64_t data_bytes_read() const override { return bytes_read; }
   std::int64_t total_steps() const override { return cfg.steps; }
   std::int64_t samples_per_step() const override { return cfg.batch; }
@@ -467,7 +482,10 @@ void run(const Config& cfg, Communicator& comm) {
   });
   // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
   // one rank here (an allocation past the limit) ends the job rather than being agreed on.
-  nn::fully_shard(task->module(), comm, policy);
+  const nn::FullyShardOptions shard_options{
+      .policy = policy, .prefetch = !cfg.no_prefetch, .max_unsharded_groups = cfg.unsharded_groups};
+  for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
+  nn::fully_shard(task->module(), comm, shard_options);
   std::string refused;
   std::tie(plan, refused) = measure_plan(cfg, comm, *task, plan_options);
   setup_phase(comm, [&] {
@@ -590,6 +608,7 @@ void run(const Config& cfg, Communicator& comm) {
     }
     const bool final = step + 1 == total;
     json eval = task->evaluate(step, final);
+    if (!eval.empty()) nn::reshard(task->module());  // the evaluation's last layers' weights
     const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
     if (log) {
       const auto [peak, data_read] = per_rank();
@@ -678,6 +697,11 @@ int main(int argc, char** argv) {
   app.add_option("--strategy", cfg.strategy,
                  "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
       ->check(CLI::IsMember({"retain", "recompute"}));
+  app.add_flag("--no-prefetch", cfg.no_prefetch,
+               "Gather each layer's weights when it starts, instead of while the layer before it computes");
+  app.add_option("--unsharded-groups", cfg.unsharded_groups,
+                 "At most this many layers hold full weights at once, besides the model's own (default 2)")
+      ->check(CLI::PositiveNumber);
   app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(CLI::PositiveNumber);
   app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(CLI::NonNegativeNumber);
   app.add_option("--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")

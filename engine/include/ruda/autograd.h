@@ -110,6 +110,18 @@ std::string_view node_name(const Node& node) noexcept;
 /// retain_graph the graph's saved tensors are freed as it goes.
 void backward(const Tensor& root, const Tensor& grad, bool retain_graph = false);
 
+/// Whether a backward() is running on this thread (including inside a node's own nested backward).
+bool in_backward() noexcept;
+
+/// How many outermost backward() calls have started on this thread: tells one backward from the next.
+std::uint64_t backward_serial() noexcept;
+
+/// Queues `callback` to run when the outermost backward() running on this thread returns, after
+/// every node has run: how work a node starts without waiting for it (a non-blocking reduce-scatter
+/// of gradients) is finished before the caller sees the gradients. Callbacks run in the order
+/// queued; if backward throws they are dropped unrun. Outside a backward: an AutogradError.
+void at_backward_end(std::function<void()> callback);
+
 /// Always-run nodes recorded on this thread and not yet run by a backward.
 std::size_t pending_always_run() noexcept;
 /// Drops them (for a forward with grad mode on that will never see a backward).

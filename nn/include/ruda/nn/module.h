@@ -79,7 +79,7 @@ class Param {
 
  private:
   friend class ShardedParameter;
-  friend std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy);
+  friend struct ParamAccess;  // nn's internals (param_state.h)
   // set_data without the shape check, for sharding (full -> slice) and materialization.
   void replace_data(const Tensor& value) const;
   explicit Param(std::shared_ptr<State> state) : state_(std::move(state)) {}

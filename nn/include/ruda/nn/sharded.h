@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ruda/collectives.h>
 #include <ruda/nn/module.h>
@@ -27,6 +28,7 @@ namespace ruda::nn {
 
 class Linear;
 class Embedding;
+class ShardGroup;  // the parameters one fully_shard call took (private to nn)
 
 /// A sharding or shard-topology error (bad world size, rank, slice length, communicator mismatch).
 class ShardingError : public ArgumentError {
@@ -62,6 +64,10 @@ struct ShardInfo {
   Communicator* comm = nullptr;
   /// Names the parameter in collective tags and messages ("layers.2.weight").
   std::string name;
+  /// The group that gathers it with the rest of its module (set by fully_shard), and its place
+  /// there; null on the per-parameter path (ShardedParameter, the seed-style layers).
+  std::shared_ptr<ShardGroup> group;
+  std::size_t group_index = 0;
 
   /// Logical elements held by this rank (the rest of its slice is padding).
   std::int64_t real_elements() const;
@@ -111,11 +117,42 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
 /// Differentiable all-gather of 1-D local slices (backward: reduce-scatter SUM), an always-run node.
 Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
 
-/// Shards every parameter of `module` (recursively, tied parameters once) over `comm` in place:
-/// each Param keeps its id but holds this rank's slice, and Param::value() gathers through comm.
+/// How fully_shard groups a module's parameters and schedules their collectives.
+struct FullyShardOptions {
+  ShardPolicy policy = {};
+  /// One group per call: the module's parameters gathered by one all-gather and their gradients
+  /// reduced by one reduce-scatter (per compute dtype). Off: each parameter is gathered and
+  /// reduce-scattered on its own, as ShardedParameter does.
+  bool group = true;
+  /// Issue the next group's all-gather (in forward order; the previous group's in a backward
+  /// that gathers again) before this group computes, so that it travels while this one computes.
+  bool prefetch = true;
+  /// At most this many groups hold full weights (or a gather in flight) at once, not counting the
+  /// groups whose modules enclose the one computing (a root stays unsharded while its blocks
+  /// compute): peak memory is the shards + the enclosing groups + this many of the largest group
+  /// + activations.
+  int max_unsharded_groups = 2;
+};
+
+/// Shards the parameters of `module` (recursively, tied parameters once) that no earlier call
+/// sharded over `comm` in place, as one group: each Param keeps its id but holds this rank's
+/// slice, and Param::value() gathers its group through comm. Apply it bottom-up, like FSDP2:
+/// each block first, then the root, which takes what is left (embeddings, final norm, head) and
+/// the blocks' groups into its schedule; the group and schedule options of the last call apply.
 /// Any module can be sharded this way; the optimizer must be created afterwards. Returns the
-/// number of parameters sharded.
+/// number of parameters sharded by this call.
+std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options);
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy = {});
+
+/// Drops the full weights the groups of `module`'s schedule hold (and gathers they prefetched).
+/// A group keeps its weights after its forward until the limit, a backward or the next forward
+/// needs the room, so that a weight used twice in one pass (a tied head) is gathered once; call
+/// this after an evaluation under no_grad to give that memory back at once.
+void reshard(const Module& module);
+
+/// Fixes the order in which the groups of `modules` (each given to fully_shard, all in one
+/// schedule) run in forward, for prefetching; by default it is recorded in the first forward.
+void set_forward_order(const std::vector<const Module*>& modules);
 
 /// Sets the policy of every sharded parameter of `module` (strategy, compute dtype, reduce dtype).
 void set_shard_policy(Module& module, const ShardPolicy& policy);

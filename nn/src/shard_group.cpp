@@ -1,0 +1,438 @@
+// Shard groups and their schedule (see shard_group.h for the order of events).
+#include "shard_group.h"
+
+#include <algorithm>
+
+#include <ruda/autograd.h>
+
+#include "gather_scope.h"
+
+namespace ruda::nn {
+
+namespace {
+
+// A gradient of `numel` elements as the [world, slice] rows a reduce-scatter splits, with zero
+// padding after the last element (as the per-parameter path pads).
+Tensor as_rows(const Tensor& grad, std::int64_t numel, std::int64_t world, std::int64_t slice) {
+  const Tensor flat = grad.reshape({-1});
+  if (numel == world * slice) return flat.reshape({world, slice});
+  Tensor padded = zeros({world * slice}, Options(flat.dtype(), &flat.backend()));
+  padded.slice(0, 0, numel).copy_(flat);
+  return padded.reshape({world, slice});
+}
+
+}  // namespace
+
+// --- gradients: post-backward ---
+
+void GradientSink::deposit(std::size_t index, const Tensor& grad) {
+  const auto owner = group.lock();
+  const std::uint64_t now = autograd::backward_serial();
+  if (serial != now) {  // the first deposit of this backward
+    serial = now;
+    remaining = nodes;
+    if (owner) {
+      owner->schedule()->enter_phase(true);
+      owner->schedule()->touched(shared_from_this());
+    }
+  }
+  started = true;
+  // Uses of one value in one graph arrive as the engine would sum them: the latest use first.
+  grads[index] = grads[index].defined() ? grads[index] + grad : grad;
+  const std::size_t b = bucket_of[index];
+  if (--remaining[b] > 0) return;
+  issue(b);
+  for (std::size_t other = 0; other < buckets.size(); ++other) {
+    if (remaining[other] > 0) return;  // a bucket still collecting
+  }
+  if (owner) {
+    owner->schedule()->reduce_started(shared_from_this());
+    owner->finished_backward(*this);
+  }
+}
+
+void GradientSink::issue(std::size_t b) {
+  // The bucket's gradients side by side as [world, part] rows, reduce-scattered without
+  // waiting. A member without a node (frozen, or not used in this graph) contributes zeros.
+  remaining[b] = 0;
+  const ShardBucket& bucket = buckets[b];
+  const std::int64_t world = comm->world_size();
+  std::vector<Tensor> columns;
+  for (const std::size_t i : bucket.members) {
+    const Param p = ParamAccess::lock(params[i]);
+    if (!p.defined()) fail<ShardingError>("backward", "a parameter of ", tag, " was destroyed before its backward");
+    const ShardInfo& info = *p.shard();
+    Tensor g = std::move(grads[i]);
+    grads[i] = Tensor();
+    if (!g.defined()) g = zeros(info.logical_shape, Options(bucket.dtype, &p.data().backend()));
+    columns.push_back(as_rows(g, info.numel, world, info.shard_size));
+  }
+  const Tensor rows = columns.size() == 1 ? columns.front() : concat(columns, 1);
+  works[b] = comm->reduce_scatter_async(rows.reshape({-1}), {.tag = tag, .accumulate = bucket.accumulate});
+}
+
+void GradientSink::flush() {
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (remaining[b] > 0 && remaining[b] < nodes[b]) issue(b);
+  }
+  finish();
+  serial = 0;
+}
+
+void GradientSink::finish() {
+  autograd::NoGradGuard no_grad;
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (!works[b].valid()) continue;
+    const Tensor reduced = works[b].wait();
+    works[b] = Work();
+    const ShardBucket& bucket = buckets[b];
+    for (std::size_t m = 0; m < bucket.members.size(); ++m) {
+      const Param p = ParamAccess::lock(params[bucket.members[m]]);
+      if (!p.defined()) continue;
+      Tensor leaf = p.data();
+      if (!leaf.requires_grad()) continue;
+      const std::int64_t begin = bucket.offsets[m];
+      const Tensor piece = reduced.slice(0, begin, begin + p.shard()->shard_size);
+      Tensor grad = leaf.grad();
+      if (grad.defined()) {
+        grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
+      } else {
+        leaf.set_grad(piece.dtype() == leaf.dtype() ? piece.clone() : cast(piece, leaf.dtype()));
+      }
+    }
+  }
+}
+
+// --- the group ---
+
+struct ShardGroup::Values {
+  std::vector<Tensor> values;  // per member: the full tensor (no graph; each use gets a node)
+  std::vector<ShardBucket> buckets;
+  std::vector<Tensor> sources;
+  std::vector<std::uint64_t> versions;
+  bool backward = false;  // unsharded during a backward (recompute, or a checkpointed block)
+  std::shared_ptr<GradientSink> sink;  // where the uses' nodes deposit; made by the first use that records
+};
+
+ShardGroup::ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm,
+                       std::shared_ptr<ShardSchedule> schedule)
+    : module_(module), comm_(&comm), schedule_(std::move(schedule)) {
+  for (const Param& p : params) params_.push_back(ParamAccess::weak(p));
+  schedule_->add(this);
+  rename();
+}
+
+ShardGroup::~ShardGroup() { schedule_->remove(this); }
+
+Param ShardGroup::param(std::size_t index) const {
+  Param p = ParamAccess::lock(params_.at(index));
+  if (!p.defined()) fail<ShardingError>("gather", "a parameter of ", tag_, " was destroyed");
+  return p;
+}
+
+void ShardGroup::rename() {
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param p = ParamAccess::lock(params_[i]);
+    names.push_back(p.defined() ? p.shard()->name : std::string("?"));
+  }
+  // The group's name: the dotted prefix its parameters share ("blocks.0"), or "root".
+  std::string prefix = names.empty() ? std::string() : names.front();
+  for (const std::string& n : names) {
+    std::size_t common = 0;
+    while (common < prefix.size() && common < n.size() && prefix[common] == n[common]) ++common;
+    prefix.resize(common);
+  }
+  const std::size_t dot = prefix.rfind('.');
+  name_ = names.size() == 1 ? names.front() : (dot == std::string::npos ? std::string("root") : prefix.substr(0, dot));
+  tag_ = "group '" + name_ + "' (";
+  for (std::size_t i = 0; i < names.size() && i < 3; ++i) tag_ += (i ? ", " : "") + names[i];
+  tag_ += names.size() > 3 ? ", ... " + std::to_string(names.size()) + " parameters)" : ")";
+}
+
+bool ShardGroup::encloses(const ShardGroup& other) const noexcept {
+  for (const ShardGroup* g = other.parent_; g; g = g->parent_) {
+    if (g == this) return true;
+  }
+  return false;
+}
+
+std::vector<ShardBucket> ShardGroup::make_buckets() const {
+  std::vector<ShardBucket> buckets;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param p = param(i);
+    const ShardInfo& info = *p.shard();
+    const DType dtype = info.policy.compute_dtype.value_or(p.data().dtype());
+    auto it = std::find_if(buckets.begin(), buckets.end(), [&](const ShardBucket& b) {
+      return b.dtype == dtype && b.accumulate == info.policy.reduce;
+    });
+    if (it == buckets.end()) {
+      it = buckets.insert(buckets.end(), ShardBucket{});
+      it->dtype = dtype;
+      it->accumulate = info.policy.reduce;
+    }
+    it->members.push_back(i);
+    it->offsets.push_back(it->part);
+    it->part += info.shard_size;
+  }
+  return buckets;
+}
+
+PendingGather ShardGroup::start_gather() const {
+  autograd::NoGradGuard no_grad;
+  PendingGather gather;
+  gather.buckets = make_buckets();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& local = param(i).data();
+    gather.sources.push_back(local);
+    gather.versions.push_back(local.version());
+  }
+  for (const ShardBucket& bucket : gather.buckets) {
+    // A rank's part: its slices back to back, in the compute dtype.
+    std::vector<Tensor> part;
+    for (const std::size_t i : bucket.members) part.push_back(cast(gather.sources[i], bucket.dtype));
+    const Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
+    gather.works.push_back(comm_->all_gather_async(local, {.tag = tag_}));
+  }
+  return gather;
+}
+
+bool ShardGroup::current(const std::vector<Tensor>& sources, const std::vector<std::uint64_t>& versions) const {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param p = ParamAccess::lock(params_[i]);
+    if (!p.defined() || p.is_deferred() || !p.data().impl_ptr() ||
+        p.data().impl_ptr() != sources[i].impl_ptr() || p.data().version() != versions[i])
+      return false;
+  }
+  return true;
+}
+
+std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gather, bool backward) {
+  autograd::NoGradGuard no_grad;
+  auto out = std::make_shared<Values>();
+  out->values.resize(params_.size());
+  out->backward = backward;
+  const std::int64_t world = comm_->world_size();
+  for (std::size_t b = 0; b < gather.buckets.size(); ++b) {
+    const ShardBucket& bucket = gather.buckets[b];
+    const Tensor full = gather.works[b].wait();
+    for (std::size_t m = 0; m < bucket.members.size(); ++m) {
+      const std::size_t i = bucket.members[m];
+      const ShardInfo& info = *param(i).shard();
+      // Copy-out: this parameter's columns of the [world, part] rows (a view when it is alone).
+      const Tensor columns = bucket.members.size() == 1
+                                 ? full
+                                 : full.reshape({world, bucket.part})
+                                       .slice(1, bucket.offsets[m], bucket.offsets[m] + info.shard_size)
+                                       .reshape({-1});
+      out->values[i] = columns.slice(0, 0, info.numel).reshape(info.logical_shape);
+    }
+  }
+  out->buckets = std::move(gather.buckets);
+  out->sources = std::move(gather.sources);
+  out->versions = std::move(gather.versions);
+  return out;
+}
+
+std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucket>& buckets) {
+  auto sink = std::make_shared<GradientSink>();
+  sink->comm = comm_;
+  sink->tag = tag_;
+  sink->params = params_;
+  sink->buckets = buckets;
+  sink->bucket_of.resize(params_.size());
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    for (const std::size_t i : buckets[b].members) sink->bucket_of[i] = b;
+  }
+  sink->nodes.assign(buckets.size(), 0);
+  sink->remaining = sink->nodes;
+  sink->grads.resize(params_.size());
+  sink->works.resize(buckets.size());
+  sink->group = weak_from_this();
+  return sink;
+}
+
+Tensor ShardGroup::use(std::size_t index) {
+  Values& v = *values_;
+  const Tensor& local = v.sources[index];
+  if (!autograd::is_grad_enabled() || !local.requires_grad()) return v.values[index];
+  if (!v.sink || v.sink->started) v.sink = make_sink(v.buckets);
+  // This use's own node over the shared value: a graph frees its nodes, not another graph's.
+  // Always-run, as every gather: each rank deposits every gradient (zeros where its loss did not
+  // reach the value), so each bucket's reduce-scatter runs on every rank.
+  Tensor value = v.values[index].detach();
+  const std::shared_ptr<GradientSink> sink = v.sink;
+  autograd::record("all_gather", value, {local}, {},
+                   [sink, index](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                     sink->deposit(index, g);
+                     return std::vector<Tensor>{Tensor()};
+                   },
+                   {.always_run = true});
+  ++sink->nodes[sink->bucket_of[index]];
+  if (!RetainGathered::active() && param(index).shard()->policy.strategy == CheckpointStrategy::recompute) {
+    // Ops that save this value keep the recipe instead: the group unshards again in backward.
+    autograd::set_recompute(value, [group = weak_from_this(), index] {
+      const auto g = group.lock();
+      if (!g) fail<ShardingError>("backward", "the group of a recomputed weight was destroyed");
+      return g->value(index);
+    });
+  }
+  return value;
+}
+
+bool ShardGroup::usable(const Values& v, bool backward) const {
+  return v.backward == backward && current(v.sources, v.versions);
+}
+
+Tensor ShardGroup::value(std::size_t index) {
+  const bool backward = autograd::in_backward();
+  if (!values_ || !usable(*values_, backward)) {
+    values_.reset();
+    // Pre-forward (or pre-backward): take the prefetched gather if it still holds the current
+    // slices, otherwise issue it now; then let the schedule prefetch the neighbour.
+    schedule_->before_unshard(*this, backward);
+    std::optional<PendingGather> gather = std::move(prefetch_);
+    prefetch_.reset();
+    if (!gather || !current(gather->sources, gather->versions)) gather = start_gather();
+    values_ = finish_gather(std::move(*gather), backward);
+    schedule_->after_unshard(*this, backward);
+  }
+  return use(index);
+}
+
+void ShardGroup::start_prefetch() {
+  if (!prefetch_) prefetch_ = start_gather();
+}
+
+void ShardGroup::reshard() noexcept {
+  values_.reset();
+  prefetch_.reset();
+  schedule_->resharded(*this);
+}
+
+void ShardGroup::reshard_unless(bool backward) noexcept {
+  if (values_ && values_->backward != backward) values_.reset();
+  if (!unsharded()) schedule_->resharded(*this);
+}
+
+void ShardGroup::finished_backward(const GradientSink& sink) noexcept {
+  // Post-backward: values unsharded for this backward (a recompute or a checkpointed block) are
+  // done with; the forward's were dropped when the backward began.
+  if (values_ && values_->backward && (!values_->sink || values_->sink.get() == &sink)) {
+    values_.reset();
+    if (!unsharded()) schedule_->resharded(*this);
+  }
+}
+
+// --- the schedule ---
+
+void ShardSchedule::remove(ShardGroup* group) noexcept {
+  std::erase(groups_, group);
+  std::erase(order_, group);
+  std::erase(backward_order_, group);
+  std::erase(unsharded_, group);
+}
+
+void ShardSchedule::set_forward_order(std::vector<ShardGroup*> order) {
+  order_ = std::move(order);
+  order_fixed_ = true;
+}
+
+void ShardSchedule::enter_phase(bool backward) {
+  if (backward == backward_) return;
+  backward_ = backward;
+  for (ShardGroup* g : groups_) g->reshard_unless(backward);
+  // A new forward with reductions still queued: the backward that issued them failed, and its
+  // gradients are not wanted (the collectives still complete on every rank).
+  if (!backward) {
+    reducing_.clear();
+    touched_.clear();
+  }
+}
+
+std::size_t ShardSchedule::unsharded_around(const ShardGroup& computing) const {
+  return static_cast<std::size_t>(std::count_if(unsharded_.begin(), unsharded_.end(), [&](const ShardGroup* g) {
+    return g != &computing && !g->encloses(computing);
+  }));
+}
+
+void ShardSchedule::before_unshard(ShardGroup& group, bool backward) {
+  enter_phase(backward);
+  // The orders prefetching follows: the forward's, and the order in which a backward unsharded
+  // groups again (Recompute), each as first met.
+  std::vector<ShardGroup*>& order = backward ? backward_order_ : order_;
+  if (!order_fixed_ && std::find(order.begin(), order.end(), &group) == order.end()) order.push_back(&group);
+  // Room for this group under the limit: reshard the least recently unsharded groups that neither
+  // are it nor enclose it (a root stays unsharded while its blocks compute).
+  const std::size_t limit = static_cast<std::size_t>(std::max(1, max_unsharded_));
+  while (unsharded_around(group) + 1 > limit) {
+    auto victim = std::find_if(unsharded_.begin(), unsharded_.end(),
+                               [&](const ShardGroup* g) { return g != &group && !g->encloses(group); });
+    (*victim)->reshard();
+  }
+}
+
+ShardGroup* ShardSchedule::neighbour(const ShardGroup& group, bool backward) const {
+  if (backward && order_fixed_) {  // a set order runs backwards in backward
+    const auto it = std::find(order_.begin(), order_.end(), &group);
+    return it == order_.end() || it == order_.begin() ? nullptr : *(it - 1);
+  }
+  const std::vector<ShardGroup*>& order = backward ? backward_order_ : order_;
+  const auto it = std::find(order.begin(), order.end(), &group);
+  return it == order.end() || it + 1 == order.end() ? nullptr : *(it + 1);
+}
+
+void ShardSchedule::after_unshard(ShardGroup& group, bool backward) {
+  std::erase(unsharded_, &group);
+  unsharded_.push_back(&group);
+  if (!prefetch_) return;
+  ShardGroup* next = neighbour(group, backward);
+  if (!next || next->unsharded()) return;
+  const std::size_t limit = static_cast<std::size_t>(std::max(1, max_unsharded_));
+  const std::size_t needed = unsharded_around(group) + 1 + (next->encloses(group) ? 0 : 1);
+  if (needed > limit) return;
+  next->start_prefetch();
+  unsharded_.push_back(next);
+}
+
+void ShardSchedule::resharded(ShardGroup& group) noexcept { std::erase(unsharded_, &group); }
+
+void ShardSchedule::reduce_started(std::shared_ptr<GradientSink> sink) {
+  reducing_.push_back(std::move(sink));
+  // At most two reduce-scatters in flight: their full gradient buffers are the backward's
+  // transient memory, like the unsharded weights are the forward's.
+  finish_reductions(2);
+}
+
+void ShardSchedule::touched(std::shared_ptr<GradientSink> sink) {
+  touched_.push_back(std::move(sink));
+  const std::uint64_t now = autograd::backward_serial();
+  if (queued_serial_ == now) return;
+  queued_serial_ = now;
+  autograd::at_backward_end([schedule = weak_from_this()] {
+    if (const auto s = schedule.lock()) s->end_backward();
+  });
+}
+
+void ShardSchedule::finish_reductions(std::size_t keep) {
+  while (reducing_.size() > keep) {
+    const std::shared_ptr<GradientSink> sink = std::move(reducing_.front());
+    reducing_.pop_front();
+    sink->finish();
+  }
+}
+
+void ShardSchedule::end_backward() {
+  finish_reductions(0);
+  // In the order they were first reached: the same on every rank.
+  std::vector<std::shared_ptr<GradientSink>> sinks;
+  sinks.swap(touched_);
+  for (const auto& sink : sinks) sink->flush();
+  enter_phase(false);
+}
+
+void ShardSchedule::reshard_all() noexcept {
+  for (ShardGroup* g : std::vector<ShardGroup*>(groups_)) g->reshard();
+}
+
+}  // namespace ruda::nn

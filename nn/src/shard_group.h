@@ -1,0 +1,211 @@
+// Shard groups: the unit of communication of fully sharded parameters (private to nn).
+//
+// One fully_shard call makes one ShardGroup of the module's parameters that no group holds yet.
+// A group unshards all its parameters with one all-gather per bucket (parameters of one compute
+// dtype and reduce policy; usually the whole group) and reduces all their gradients with one
+// reduce-scatter per bucket. The per-parameter layout does not change: each parameter is still
+// cut into world_size slices, so checkpoints, optimizers and resharding see no difference. Only
+// the wire format does: a rank's part of a bucket is its slices back to back, so the gathered
+// buffer is [rank 0: p0 p1 ...][rank 1: p0 p1 ...]..., and the copy-out picks each parameter's
+// columns.
+//
+// The schedule, in the order a step meets it (ShardGroup::value is the only entry: layers call
+// Param::value(), and the first call of a pass for any parameter of a group is its pre-forward):
+//   pre-forward   wait for this group's prefetched all-gather, or issue it; reshard groups beyond
+//                 the limit (least recently unsharded first, never one that encloses this one);
+//                 issue the all-gather of the next group in forward order.
+//   post-forward  nothing to do: the group stays unsharded until the limit or the backward drops
+//                 it (Retain keeps its values in the graph anyway; Recompute keeps a recipe).
+//   pre-backward  the first recompute recipe of the group unshards it again (or takes the
+//                 prefetched gather) and issues the all-gather of the group before it.
+//   post-backward the group's gradient nodes have all run: copy the gradients into one buffer and
+//                 issue its reduce-scatter without waiting; the one before it is finished then
+//                 (at most two in flight), and the end of the backward finishes the rest, writing
+//                 each parameter's slice into its gradient.
+// Every rank runs the same program, so every rank issues the same collectives in the same order.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ruda/collectives.h>
+#include <ruda/nn/sharded.h>
+
+#include "param_state.h"
+
+namespace ruda::nn {
+
+class ShardSchedule;
+
+/// Parameters of a group gathered by one collective: one compute dtype and one reduce policy.
+struct ShardBucket {
+  DType dtype = DType::f32;
+  Accumulate accumulate = Accumulate::f32;
+  std::vector<std::size_t> members;   // indices into the group's parameters
+  std::vector<std::int64_t> offsets;  // each member's offset in one rank's part
+  std::int64_t part = 0;              // one rank's part: the members' slices back to back
+};
+
+/// An all-gather of a group, issued and not yet copied out.
+struct PendingGather {
+  std::vector<ShardBucket> buckets;
+  std::vector<Work> works;  // one per bucket
+  std::vector<Tensor> sources;  // the parameters' local data as gathered (to notice a replacement)
+  std::vector<std::uint64_t> versions;  // and its versions (to notice an in-place update)
+};
+
+/// Where the gradient nodes of one unshard deposit: each use of a full value in a pass records a
+/// node (so that separate graphs free theirs separately); the nodes of a bucket sum into one
+/// gradient per parameter, and when the last has run, the bucket's gradients go into one buffer
+/// and one reduce-scatter. Holds no full value (the values' nodes hold the sink), so nothing keeps
+/// a gathered weight alive through it.
+struct GradientSink : std::enable_shared_from_this<GradientSink> {
+  Communicator* comm = nullptr;
+  std::string tag;
+  std::vector<std::weak_ptr<Param::State>> params;  // weak: a parameter's shard info holds its group
+  std::vector<ShardBucket> buckets;
+  std::vector<std::size_t> bucket_of;  // per member of the group
+  std::vector<int> nodes;      // per bucket: the nodes recorded
+  std::vector<int> remaining;  // per bucket: nodes still to run in this backward
+  std::vector<Tensor> grads;   // per member: the sum deposited in this backward
+  std::vector<Work> works;     // per bucket: the reduce-scatter in flight
+  std::weak_ptr<ShardGroup> group;
+  std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
+  bool started = false;      // a backward has run some of its nodes: it takes no further use
+
+  void deposit(std::size_t index, const Tensor& grad);
+  /// The end of a backward: issues what a node that did not run left unissued (a graph run by
+  /// two backwards), waits for the reduce-scatters and adds each slice to its parameter's
+  /// gradient.
+  void flush();
+  /// Waits for the reduce-scatters in flight and adds each slice to its parameter's gradient.
+  void finish();
+
+ private:
+  void issue(std::size_t bucket);
+};
+
+class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
+ public:
+  ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm,
+             std::shared_ptr<ShardSchedule> schedule);
+  ~ShardGroup();
+  ShardGroup(const ShardGroup&) = delete;
+  ShardGroup& operator=(const ShardGroup&) = delete;
+
+  /// The full value of the group's parameter `index` (ShardInfo::group_index) for computing,
+  /// unsharding the whole group first unless it is unsharded for this pass already.
+  Tensor value(std::size_t index);
+
+  const std::string& name() const noexcept { return name_; }
+  const Module* module() const noexcept { return module_; }
+  std::size_t size() const noexcept { return params_.size(); }
+  /// The group's parameter `index` (ShardingError if its module was destroyed).
+  Param param(std::size_t index) const;
+  Communicator& comm() const noexcept { return *comm_; }
+  const std::shared_ptr<ShardSchedule>& schedule() const noexcept { return schedule_; }
+  void join(std::shared_ptr<ShardSchedule> schedule) noexcept { schedule_ = std::move(schedule); }
+  /// The group whose module encloses this one's (made by a later fully_shard on an ancestor).
+  ShardGroup* parent() const noexcept { return parent_; }
+  void set_parent(ShardGroup* parent) noexcept { parent_ = parent; }
+  /// Whether this group's module encloses `other`'s.
+  bool encloses(const ShardGroup& other) const noexcept;
+  /// Names the group in collective tags and messages: "group 'blocks.0' (12 parameters: ...)".
+  const std::string& tag() const noexcept { return tag_; }
+  /// Derives the name and tag from the parameters' names (again after an enclosing fully_shard
+  /// renamed them relative to its module).
+  void rename();
+
+  // --- for the schedule ---
+  /// Holds full values or a gather in flight.
+  bool unsharded() const noexcept { return values_ != nullptr || prefetch_.has_value(); }
+  /// Issues this group's all-gather without waiting (a prefetch).
+  void start_prefetch();
+  /// Drops the full values and a prefetch not used (it still completes, every rank took part).
+  void reshard() noexcept;
+  /// Drops values kept from the other phase: the forward's once the backward begins, a backward's
+  /// once a new forward begins.
+  void reshard_unless(bool backward) noexcept;
+  /// Post-backward: `sink`'s reduce-scatters were issued.
+  void finished_backward(const GradientSink& sink) noexcept;
+
+ private:
+  struct Values;
+  std::vector<ShardBucket> make_buckets() const;
+  PendingGather start_gather() const;
+  std::shared_ptr<Values> finish_gather(PendingGather gather, bool backward);
+  std::shared_ptr<GradientSink> make_sink(const std::vector<ShardBucket>& buckets);
+  /// One use of the unsharded value: with grad on, a node of its own into the sink.
+  Tensor use(std::size_t index);
+  bool usable(const Values& values, bool backward) const;
+  /// Whether the parameters still hold these local tensors at these versions.
+  bool current(const std::vector<Tensor>& sources, const std::vector<std::uint64_t>& versions) const;
+
+  std::string name_, tag_;
+  const Module* module_;
+  std::vector<std::weak_ptr<Param::State>> params_;  // weak: each parameter's shard info holds the group
+  Communicator* comm_;
+  ShardGroup* parent_ = nullptr;
+  std::shared_ptr<ShardSchedule> schedule_;
+  std::shared_ptr<Values> values_;
+  std::optional<PendingGather> prefetch_;
+};
+
+/// The groups that run in one forward pass (a root and the groups under it): the forward order,
+/// which of them are unsharded, the limit, and the reduce-scatters in flight.
+class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
+ public:
+  ShardSchedule(bool prefetch, int max_unsharded) : prefetch_(prefetch), max_unsharded_(max_unsharded) {}
+
+  void set_options(bool prefetch, int max_unsharded) noexcept {
+    prefetch_ = prefetch;
+    max_unsharded_ = max_unsharded;
+  }
+  /// Fixes the forward order (otherwise recorded in the first forward).
+  void set_forward_order(std::vector<ShardGroup*> order);
+  const std::vector<ShardGroup*>& forward_order() const noexcept { return order_; }
+  void add(ShardGroup* group) { groups_.push_back(group); }
+  void remove(ShardGroup* group) noexcept;
+  const std::vector<ShardGroup*>& groups() const noexcept { return groups_; }
+
+  /// Before `group` unshards in this phase: drops the other phase's values, records the forward
+  /// order, and reshards groups until it fits under the limit.
+  void before_unshard(ShardGroup& group, bool backward);
+  /// After it unsharded: prefetches its neighbour in this phase's order if the limit allows.
+  void after_unshard(ShardGroup& group, bool backward);
+  void resharded(ShardGroup& group) noexcept;
+
+  /// Post-backward of a group: its reduce-scatters were issued. Finishes all but the newest two.
+  void reduce_started(std::shared_ptr<GradientSink> sink);
+  /// A sink's first deposit in this backward: the end of the backward flushes it.
+  void touched(std::shared_ptr<GradientSink> sink);
+  /// Drops the values kept from the other phase when a forward or a backward begins.
+  void enter_phase(bool backward);
+  /// Drops every group's full values and prefetches (nn::reshard).
+  void reshard_all() noexcept;
+
+ private:
+  void end_backward();
+  void finish_reductions(std::size_t keep);
+  /// Unsharded groups (or prefetching) that do not enclose `computing`.
+  std::size_t unsharded_around(const ShardGroup& computing) const;
+  ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
+
+  bool prefetch_;
+  int max_unsharded_;
+  bool backward_ = false;
+  bool order_fixed_ = false;
+  std::vector<ShardGroup*> groups_;
+  std::vector<ShardGroup*> order_;      // forward order, recorded or set
+  std::vector<ShardGroup*> backward_order_;  // the groups a backward unsharded again, as recorded
+  std::uint64_t queued_serial_ = 0;     // the backward whose end is queued
+  std::vector<std::shared_ptr<GradientSink>> touched_;
+  std::vector<ShardGroup*> unsharded_;  // least recently unsharded first
+  std::deque<std::shared_ptr<GradientSink>> reducing_;
+};
+
+}  // namespace ruda::nn

@@ -1,0 +1,199 @@
+// Shard groups: one all-gather and one reduce-scatter per group, prefetched in the recorded order,
+// train bitwise like the per-parameter path, on emulated ranks (world sizes 1 to 5).
+#include <mutex>
+
+#include "helpers.h"
+#include "sharded_fixture.h"
+
+using namespace ruda;
+
+namespace {
+
+// Three layers with sizes that do not divide by most world sizes, and a LayerNorm.
+struct Stack : nn::Module {
+  std::shared_ptr<nn::Linear> fc1 = std::make_shared<nn::Linear>(7, 5);
+  std::shared_ptr<nn::LayerNorm> norm = std::make_shared<nn::LayerNorm>(5);
+  std::shared_ptr<nn::Linear> fc2 = std::make_shared<nn::Linear>(5, 4);
+  std::shared_ptr<nn::Linear> fc3 = std::make_shared<nn::Linear>(4, 3, nn::LinearOptions{.bias = false});
+  Stack() {
+    register_module("fc1", fc1);
+    register_module("norm", norm);
+    register_module("fc2", fc2);
+    register_module("fc3", fc3);
+  }
+  Tensor forward(const Tensor& x) { return fc3->forward(tanh(fc2->forward(norm->forward(tanh(fc1->forward(x)))))); }
+};
+
+struct Run {
+  std::vector<double> losses;
+  std::map<std::string, std::vector<std::uint8_t>> params;  // bytes: compared bitwise
+};
+
+// Trains Stack for three steps on this rank's part of a batch of 60 rows: per parameter, or with
+// a group per layer (fc1, fc2, fc3) and the root taking the norm.
+Run train_stack(Communicator& comm, const nn::FullyShardOptions& options) {
+  nn::manual_seed(11);
+  Stack model;
+  if (options.group) {
+    for (nn::Module* m : std::vector<nn::Module*>{model.fc1.get(), model.fc2.get(), model.fc3.get()})
+      nn::fully_shard(*m, comm, options);
+  }
+  nn::fully_shard(model, comm, options);
+  nn::AdamW opt(model.parameters(), test::adam_options());
+  Run r;
+  for (int step = 0; step < 3; ++step) {
+    const Tensor x = test::part(randn({60, 7}, 100 + step), comm.rank(), comm.world_size());
+    const Tensor loss = sum(square(model.forward(x))) / 60.0;
+    r.losses.push_back(comm.all_reduce(loss.detach()).item());
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  autograd::NoGradGuard guard;
+  for (const auto& [name, p] : model.named_parameters()) {
+    const Tensor v = p.value();
+    const auto* bytes = static_cast<const std::uint8_t*>(v.data_ptr());
+    r.params[name].assign(bytes, bytes + v.nbytes());
+  }
+  return r;
+}
+
+// The collectives of rank 0 after its `skip` first ones.
+std::vector<std::string> after(const std::vector<std::string>& history, std::uint64_t skip) {
+  std::vector<std::string> out;
+  for (const std::string& h : history) {
+    if (std::stoull(h.substr(1)) > skip) out.push_back(h);
+  }
+  return out;
+}
+
+std::uint64_t last_number(const Communicator& comm) {
+  const auto h = comm.history();
+  return h.empty() ? 0 : std::stoull(h.back().substr(1));
+}
+
+std::size_t calls_of(const std::vector<std::string>& calls, const std::string& what) {
+  return static_cast<std::size_t>(
+      std::count_if(calls.begin(), calls.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; }));
+}
+
+}  // namespace
+
+TEST_CASE("groups train bitwise like the per-parameter path, world sizes 1-5, prefetch on and off") {
+  for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
+    for (int world = 1; world <= 5; ++world) {
+      CAPTURE(world);
+      CAPTURE(static_cast<int>(strategy));
+      const nn::ShardPolicy policy{.strategy = strategy};
+      std::vector<Run> per_parameter(world), grouped(world), unprefetched(world), one_at_a_time(world);
+      run_ranks(world, [&](Communicator& comm) {
+        per_parameter[comm.rank()] = train_stack(comm, {.policy = policy, .group = false});
+        grouped[comm.rank()] = train_stack(comm, {.policy = policy});
+        unprefetched[comm.rank()] = train_stack(comm, {.policy = policy, .prefetch = false});
+        one_at_a_time[comm.rank()] = train_stack(comm, {.policy = policy, .max_unsharded_groups = 1});
+      });
+      CHECK(grouped[0].losses == per_parameter[0].losses);
+      CHECK(grouped[0].params == per_parameter[0].params);
+      CHECK(unprefetched[0].losses == grouped[0].losses);
+      CHECK(unprefetched[0].params == grouped[0].params);
+      CHECK(one_at_a_time[0].params == grouped[0].params);
+      for (int r = 1; r < world; ++r) CHECK(grouped[r].params == grouped[0].params);
+    }
+  }
+}
+
+TEST_CASE("groups: a tied table, an unused branch on one rank and bf16 compute still train like dense") {
+  // TinyLM: the block, down, up and aux each a group, the root the embedding (tied to the head).
+  for (auto policy : {nn::ShardPolicy{}, nn::ShardPolicy{.strategy = nn::CheckpointStrategy::retain}}) {
+    const test::TrainResult dense = test::train_tiny_dense(3, 4);
+    std::vector<test::TrainResult> results(3);
+    run_ranks(3, [&](Communicator& comm) {
+      nn::manual_seed(7);
+      test::TinyLM model;
+      for (nn::Module* m : std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
+        nn::fully_shard(*m, comm, policy);
+      nn::fully_shard(model, comm, policy);
+      nn::AdamW opt(model.parameters(), test::adam_options());
+      const double count = nn::global_count(comm, static_cast<double>(test::kBatch / 3 * test::kTime));
+      test::TrainResult& r = results[comm.rank()];
+      for (int step = 0; step < 4; ++step) {
+        const Tensor tokens = test::part(test::batch_tokens(step), comm.rank(), 3);
+        const Tensor targets = test::part(test::batch_targets(step), comm.rank(), 3);
+        const std::uint64_t before = last_number(comm);
+        const Tensor loss = model.loss_sum(tokens, targets, test::uses_aux(comm.rank())) / count;
+        // The tied table is gathered once: one all-gather per group in forward (5 groups).
+        if (step > 0) CHECK(calls_of(after(comm.history(), before), "all_gather") == 5);
+        r.losses.push_back(comm.all_reduce(loss.detach()).item());
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+      }
+      r.params = test::snapshot(model);
+    });
+    const auto [score, where] = test::compare(results[0], dense, 1e-5, 1e-6);
+    CHECK_MESSAGE(score <= 1, "groups differ from dense at " << where);
+    const auto [ranks, at] = test::compare(results[1], results[0], 0, 0);
+    CHECK_MESSAGE(ranks == 0, "rank 1 differs from rank 0 at " << at);
+  }
+}
+
+TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups with Recompute, named by group") {
+  for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
+    CAPTURE(static_cast<int>(strategy));
+    std::vector<std::string> step2;
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(3);
+      nn::GPT model(nn::GPTConfig{.vocabulary = 32, .context = 8, .d_model = 16, .layers = 2, .heads = 2});
+      for (const auto& block : model.blocks) nn::fully_shard(*block, comm, {.strategy = strategy});
+      nn::fully_shard(model, comm, {.strategy = strategy});
+      for (int step = 0; step < 2; ++step) {
+        const std::uint64_t before = last_number(comm);
+        const Tensor tokens = randint({2, 8}, 0, 32, 10 + step);
+        nn::cross_entropy(model.forward(tokens), randint({2, 8}, 0, 32, 20 + step)).backward();
+        if (comm.rank() == 0 && step == 1) step2 = after(comm.history(), before);
+      }
+    });
+    const std::size_t groups = 3;  // blocks.0, blocks.1 and the root (embeddings, final norm, tied head)
+    CHECK(calls_of(step2, "all_gather") == (strategy == nn::CheckpointStrategy::retain ? 1 : 2) * groups);
+    CHECK(calls_of(step2, "reduce_scatter") == groups);
+    CHECK(calls_of(step2, "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
+                       "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+    CHECK(calls_of(step2, "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
+                       "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+    CHECK(step2.size() == calls_of(step2, "group '"));
+  }
+}
+
+TEST_CASE("the order check names the group and its parameters when ranks disagree") {
+  std::vector<std::string> errors(2);
+  std::mutex m;
+  try {
+    run_ranks(2,
+              [&](Communicator& comm) {
+                nn::manual_seed(3);
+                Stack model;
+                nn::fully_shard(*model.fc1, comm);
+                nn::fully_shard(*model.fc2, comm);
+                nn::fully_shard(model, comm);
+                try {
+                  // Rank 1 runs fc2 first: its group's gather meets rank 0's gather of fc1's group.
+                  if (comm.rank() == 0) {
+                    model.fc1->forward(randn({2, 7}, 1));
+                  } else {
+                    model.fc2->forward(randn({2, 5}, 1));
+                  }
+                } catch (const CollectiveError& e) {
+                  std::lock_guard lock(m);
+                  errors[comm.rank()] = e.what();
+                  throw;
+                }
+              },
+              {.check_order = true});
+  } catch (const CollectiveError&) {
+  }
+  for (const auto& e : errors) {
+    CAPTURE(e);
+    CHECK(e.find("group 'fc1' (fc1.weight, fc1.bias)") != std::string::npos);
+    CHECK(e.find("group 'fc2' (fc2.weight, fc2.bias)") != std::string::npos);
+  }
+}
