@@ -110,7 +110,7 @@ struct ShardGroup::Values {
   std::vector<ShardBucket> buckets;
   std::vector<Tensor> sources;
   std::vector<std::uint64_t> versions;
-  bool backward = false;  // unsharded during a backward (recompute, or a checkpointed block)
+  bool backward = false;               // unsharded during a backward (recompute, or a checkpointed block)
   std::shared_ptr<GradientSink> sink;  // where the uses' nodes deposit; made by the first use that records
 };
 
@@ -200,8 +200,8 @@ PendingGather ShardGroup::start_gather() const {
 bool ShardGroup::current(const std::vector<Tensor>& sources, const std::vector<std::uint64_t>& versions) const {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param p = ParamAccess::lock(params_[i]);
-    if (!p.defined() || p.is_deferred() || !p.data().impl_ptr() ||
-        p.data().impl_ptr() != sources[i].impl_ptr() || p.data().version() != versions[i])
+    if (!p.defined() || p.is_deferred() || !p.data().impl_ptr() || p.data().impl_ptr() != sources[i].impl_ptr() ||
+        p.data().version() != versions[i])
       return false;
   }
   return true;

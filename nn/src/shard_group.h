@@ -53,8 +53,8 @@ struct ShardBucket {
 /// An all-gather of a group, issued and not yet copied out.
 struct PendingGather {
   std::vector<ShardBucket> buckets;
-  std::vector<Work> works;  // one per bucket
-  std::vector<Tensor> sources;  // the parameters' local data as gathered (to notice a replacement)
+  std::vector<Work> works;              // one per bucket
+  std::vector<Tensor> sources;          // the parameters' local data as gathered (to notice a replacement)
   std::vector<std::uint64_t> versions;  // and its versions (to notice an in-place update)
 };
 
@@ -69,10 +69,10 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   std::vector<std::weak_ptr<Param::State>> params;  // weak: a parameter's shard info holds its group
   std::vector<ShardBucket> buckets;
   std::vector<std::size_t> bucket_of;  // per member of the group
-  std::vector<int> nodes;      // per bucket: the nodes recorded
-  std::vector<int> remaining;  // per bucket: nodes still to run in this backward
-  std::vector<Tensor> grads;   // per member: the sum deposited in this backward
-  std::vector<Work> works;     // per bucket: the reduce-scatter in flight
+  std::vector<int> nodes;              // per bucket: the nodes recorded
+  std::vector<int> remaining;          // per bucket: nodes still to run in this backward
+  std::vector<Tensor> grads;           // per member: the sum deposited in this backward
+  std::vector<Work> works;             // per bucket: the reduce-scatter in flight
   std::weak_ptr<ShardGroup> group;
   std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
   bool started = false;      // a backward has run some of its nodes: it takes no further use
@@ -200,9 +200,9 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   bool backward_ = false;
   bool order_fixed_ = false;
   std::vector<ShardGroup*> groups_;
-  std::vector<ShardGroup*> order_;      // forward order, recorded or set
+  std::vector<ShardGroup*> order_;           // forward order, recorded or set
   std::vector<ShardGroup*> backward_order_;  // the groups a backward unsharded again, as recorded
-  std::uint64_t queued_serial_ = 0;     // the backward whose end is queued
+  std::uint64_t queued_serial_ = 0;          // the backward whose end is queued
   std::vector<std::shared_ptr<GradientSink>> touched_;
   std::vector<ShardGroup*> unsharded_;  // least recently unsharded first
   std::deque<std::shared_ptr<GradientSink>> reducing_;

@@ -274,7 +274,9 @@ void set_forward_order(const std::vector<const Module*>& modules) {
     for (const auto& [name, p] : m->named_parameters()) {
       if (p.is_sharded() && p.shard()->group && p.shard()->group->module() == m) found = p.shard()->group.get();
     }
-    if (!found) fail<ShardingError>(op, "module ", order.size(), " of the order has no group of its own: give it to fully_shard first");
+    if (!found)
+      fail<ShardingError>(op, "module ", order.size(),
+                          " of the order has no group of its own: give it to fully_shard first");
     if (schedule && found->schedule() != schedule)
       fail<ShardingError>(op, found->tag(), " is in another schedule: shard the modules under one root");
     schedule = found->schedule();

@@ -133,6 +133,30 @@ inline TrainResult train_tiny_sharded(Communicator& comm, int steps, nn::ShardPo
   return r;
 }
 
+/// The same with a group per submodule (block, down, up, aux), then the root's (the tied
+/// embedding), as fully_shard is meant to be applied: bottom-up.
+inline TrainResult train_tiny_grouped(Communicator& comm, int steps, const nn::FullyShardOptions& options = {}) {
+  nn::manual_seed(7);
+  TinyLM model;
+  for (nn::Module* m : std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
+    nn::fully_shard(*m, comm, options);
+  nn::fully_shard(model, comm, options);
+  nn::AdamW opt(model.parameters(), adam_options());
+  TrainResult r;
+  const double count = nn::global_count(comm, static_cast<double>(kBatch / comm.world_size() * kTime));
+  for (int step = 0; step < steps; ++step) {
+    const Tensor tokens = part(batch_tokens(step), comm.rank(), comm.world_size());
+    const Tensor targets = part(batch_targets(step), comm.rank(), comm.world_size());
+    const Tensor loss = model.loss_sum(tokens, targets, uses_aux(comm.rank())) / count;
+    r.losses.push_back(comm.all_reduce(loss.detach()).item());
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  r.params = snapshot(model);
+  return r;
+}
+
 /// The seed's layers (FullyShardedEmbedding -> FullyShardedLinear -> tanh -> FullyShardedLinear), dense.
 inline TrainResult train_seed_dense(int steps) {
   nn::manual_seed(11);

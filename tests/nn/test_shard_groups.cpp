@@ -73,8 +73,8 @@ std::uint64_t last_number(const Communicator& comm) {
 }
 
 std::size_t calls_of(const std::vector<std::string>& calls, const std::string& what) {
-  return static_cast<std::size_t>(
-      std::count_if(calls.begin(), calls.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; }));
+  return static_cast<std::size_t>(std::count_if(
+      calls.begin(), calls.end(), [&](const std::string& c) { return c.find(what) != std::string::npos; }));
 }
 
 }  // namespace
@@ -110,7 +110,8 @@ TEST_CASE("groups: a tied table, an unused branch on one rank and bf16 compute s
     run_ranks(3, [&](Communicator& comm) {
       nn::manual_seed(7);
       test::TinyLM model;
-      for (nn::Module* m : std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
+      for (nn::Module* m :
+           std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
         nn::fully_shard(*m, comm, policy);
       nn::fully_shard(model, comm, policy);
       nn::AdamW opt(model.parameters(), test::adam_options());
@@ -156,10 +157,12 @@ TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups with Recompu
     const std::size_t groups = 3;  // blocks.0, blocks.1 and the root (embeddings, final norm, tied head)
     CHECK(calls_of(step2, "all_gather") == (strategy == nn::CheckpointStrategy::retain ? 1 : 2) * groups);
     CHECK(calls_of(step2, "reduce_scatter") == groups);
-    CHECK(calls_of(step2, "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
-                       "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
-    CHECK(calls_of(step2, "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
-                       "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+    CHECK(calls_of(step2,
+                   "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
+                   "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+    CHECK(calls_of(step2,
+                   "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
+                   "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
     CHECK(step2.size() == calls_of(step2, "group '"));
   }
 }

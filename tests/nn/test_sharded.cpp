@@ -258,8 +258,8 @@ TEST_CASE("Recompute frees gathered weights between forward and backward: peak b
     CAPTURE(group);
     const Bytes retain = measure(nn::CheckpointStrategy::retain, group);
     const Bytes recompute = measure(nn::CheckpointStrategy::recompute, group);
-    INFO("bytes per rank: retain " << retain.after_forward << " after forward, " << retain.peak << " at peak; recompute "
-                                   << recompute.after_forward << ", " << recompute.peak);
+    INFO("bytes per rank: retain " << retain.after_forward << " after forward, " << retain.peak
+                                   << " at peak; recompute " << recompute.after_forward << ", " << recompute.peak);
     CHECK(retain.after_forward - recompute.after_forward >= 3 * layer_bytes);
     if (!group) CHECK(retain.peak - recompute.peak >= 3 * layer_bytes);
   }

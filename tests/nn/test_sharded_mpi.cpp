@@ -19,6 +19,20 @@ TEST_CASE("fully sharded TinyLM over MPI equals dense") {
   CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
 }
 
+TEST_CASE(
+    "shard groups over MPI (non-blocking collectives, prefetched) equal dense; prefetch off is bitwise the same") {
+  const test::TrainResult dense = test::train_tiny_dense(g_comm->world_size(), 4);
+  for (auto strategy : {nn::CheckpointStrategy::recompute, nn::CheckpointStrategy::retain}) {
+    const test::TrainResult grouped = test::train_tiny_grouped(*g_comm, 4, {.policy = {.strategy = strategy}});
+    const auto [score, where] = test::compare(grouped, dense, 1e-6, 1e-5);
+    CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
+    const test::TrainResult unprefetched =
+        test::train_tiny_grouped(*g_comm, 4, {.policy = {.strategy = strategy}, .prefetch = false});
+    const auto [same, at] = test::compare(unprefetched, grouped, 0, 0);
+    CHECK_MESSAGE(same == 0, "rank " << g_comm->rank() << ": prefetch changed " << at);
+  }
+}
+
 TEST_CASE("sharded construction over MPI equals the dense initialization's slices bitwise") {
   const std::string tiny = test::deferred_shards_mismatch(*g_comm, [] { return std::make_shared<test::TinyLM>(); });
   CHECK_MESSAGE(tiny.empty(), "differs: " << tiny);

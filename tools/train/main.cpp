@@ -33,6 +33,7 @@ struct Config {
   std::string dtype = "f32";
   std::string strategy = "recompute";
   bool no_prefetch = false;
+  bool per_parameter = false;
   int unsharded_groups = 2;
   std::int64_t epochs = 10;
   std::int64_t steps = 0;
@@ -482,9 +483,13 @@ void run(const Config& cfg, Communicator& comm) {
   });
   // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
   // one rank here (an allocation past the limit) ends the job rather than being agreed on.
-  const nn::FullyShardOptions shard_options{
-      .policy = policy, .prefetch = !cfg.no_prefetch, .max_unsharded_groups = cfg.unsharded_groups};
-  for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
+  const nn::FullyShardOptions shard_options{.policy = policy,
+                                            .group = !cfg.per_parameter,
+                                            .prefetch = !cfg.no_prefetch,
+                                            .max_unsharded_groups = cfg.unsharded_groups};
+  if (!cfg.per_parameter) {
+    for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
+  }
   nn::fully_shard(task->module(), comm, shard_options);
   std::string refused;
   std::tie(plan, refused) = measure_plan(cfg, comm, *task, plan_options);
@@ -699,6 +704,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"retain", "recompute"}));
   app.add_flag("--no-prefetch", cfg.no_prefetch,
                "Gather each layer's weights when it starts, instead of while the layer before it computes");
+  app.add_flag("--per-parameter", cfg.per_parameter,
+               "Gather and reduce each parameter on its own, without groups or prefetch (for comparison)");
   app.add_option("--unsharded-groups", cfg.unsharded_groups,
                  "At most this many layers hold full weights at once, besides the model's own (default 2)")
       ->check(CLI::PositiveNumber);
