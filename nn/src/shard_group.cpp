@@ -136,7 +136,7 @@ void ShardGroup::rename() {
     const Param p = ParamAccess::lock(params_[i]);
     names.push_back(p.defined() ? p.shard()->name : std::string("?"));
   }
-  // The group's name: the dotted prefix its parameters share ("blocks.0"), or "root".
+  // The group's name: the module prefix its parameters share ("blocks.0"), or "root".
   std::string prefix = names.empty() ? std::string() : names.front();
   for (const std::string& n : names) {
     std::size_t common = 0;
@@ -144,7 +144,7 @@ void ShardGroup::rename() {
     prefix.resize(common);
   }
   const std::size_t dot = prefix.rfind('.');
-  name_ = names.size() == 1 ? names.front() : (dot == std::string::npos ? std::string("root") : prefix.substr(0, dot));
+  name_ = dot == std::string::npos ? std::string("root") : prefix.substr(0, dot);
   tag_ = "group '" + name_ + "' (";
   for (std::size_t i = 0; i < names.size() && i < 3; ++i) tag_ += (i ? ", " : "") + names[i];
   tag_ += names.size() > 3 ? ", ... " + std::to_string(names.size()) + " parameters)" : ")";

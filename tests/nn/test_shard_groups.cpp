@@ -1,5 +1,6 @@
 // Shard groups: one all-gather and one reduce-scatter per group, prefetched in the recorded order,
 // train bitwise like the per-parameter path, on emulated ranks (world sizes 1 to 5).
+#include <algorithm>
 #include <mutex>
 
 #include "helpers.h"
@@ -199,4 +200,49 @@ TEST_CASE("the order check names the group and its parameters when ranks disagre
     CHECK(e.find("group 'fc1' (fc1.weight, fc1.bias)") != std::string::npos);
     CHECK(e.find("group 'fc2' (fc2.weight, fc2.bias)") != std::string::npos);
   }
+}
+
+TEST_CASE("set_forward_order: the backward prefetches from the first step; a module without a group is refused") {
+  for (const bool fixed : {false, true}) {
+    CAPTURE(fixed);
+    std::vector<std::string> calls;
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(3);
+      Stack model;
+      for (nn::Module* m : std::vector<nn::Module*>{model.fc1.get(), model.fc2.get(), model.fc3.get()})
+        nn::fully_shard(*m, comm);
+      nn::fully_shard(model, comm);
+      if (fixed) nn::set_forward_order({&model, model.fc1.get(), model.fc2.get(), model.fc3.get()});
+      const Tensor x = randn({4, 7}, 1).set_requires_grad();
+      sum(model.forward(x)).backward();
+      if (comm.rank() == 0) calls = comm.history();
+    });
+    const auto fc3_reduced =
+        std::find_if(calls.begin(), calls.end(),
+                     [](const std::string& c) {
+                       return c.find("reduce_scatter") != std::string::npos && c.find("'fc3'") != std::string::npos;
+                     }) -
+        calls.begin();
+    REQUIRE(fc3_reduced < static_cast<std::ptrdiff_t>(calls.size()));
+    // Recompute gathers fc2 again in backward: with the order known, while fc3's backward runs
+    // (before fc3's reduce-scatter); recorded in this first step, only when fc2's turn comes.
+    const auto fc2_again =
+        std::find_if(calls.rbegin(), calls.rend(),
+                     [](const std::string& c) {
+                       return c.find("all_gather") != std::string::npos && c.find("'fc2'") != std::string::npos;
+                     })
+            .base() -
+        calls.begin() - 1;
+    CHECK((fc2_again < fc3_reduced) == fixed);
+  }
+  run_ranks(1, [](Communicator& comm) {
+    Stack model;
+    nn::fully_shard(*model.fc1, comm);
+    nn::fully_shard(model, comm);
+    test::check_throws<nn::ShardingError>(
+        [&] {
+          nn::set_forward_order({model.fc1.get(), model.fc2.get()});
+        },
+        {"set_forward_order", "no group of its own"});
+  });
 }
