@@ -385,7 +385,7 @@ ShardGroup* ShardSchedule::neighbour(const ShardGroup& group, bool backward) con
 void ShardSchedule::after_unshard(ShardGroup& group, bool backward) {
   std::erase(unsharded_, &group);
   unsharded_.push_back(&group);
-  if (!prefetch_) return;
+  if (!prefetch_ || !report_.overlapping) return;
   ShardGroup* next = neighbour(group, backward);
   if (!next || next->unsharded()) return;
   const std::size_t limit = static_cast<std::size_t>(std::max(1, max_unsharded_));
@@ -400,8 +400,8 @@ void ShardSchedule::resharded(ShardGroup& group) noexcept { std::erase(unsharded
 void ShardSchedule::reduce_started(std::shared_ptr<GradientSink> sink) {
   reducing_.push_back(std::move(sink));
   // At most two reduce-scatters in flight: their full gradient buffers are the backward's
-  // transient memory, like the unsharded weights are the forward's.
-  finish_reductions(2);
+  // transient memory, like the unsharded weights are the forward's. None when not overlapping.
+  finish_reductions(report_.overlapping ? 2 : 0);
 }
 
 void ShardSchedule::touched(std::shared_ptr<GradientSink> sink) {
@@ -429,6 +429,36 @@ void ShardSchedule::end_backward() {
   sinks.swap(touched_);
   for (const auto& sink : sinks) sink->flush();
   enter_phase(false);
+  if (!report_.decided) time_step();
+}
+
+namespace {
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+}  // namespace
+
+void ShardSchedule::time_step() {
+  // A step runs from one backward's end to the next, in the mode set at the first one's end.
+  constexpr std::size_t kTrialSteps = 3;
+  const auto now = std::chrono::steady_clock::now();
+  if (last_end_) trial_[report_.overlapping].push_back(std::chrono::duration<double>(now - *last_end_).count());
+  last_end_ = now;
+  if (trial_[0].size() < kTrialSteps || trial_[1].size() < kTrialSteps) {
+    if (!trial_[0].empty() || !trial_[1].empty()) report_.overlapping = !report_.overlapping;
+    return;
+  }
+  // The ranks must agree (prefetching changes the order of the backward's collectives): the
+  // slowest rank's medians decide, the same on every rank.
+  const std::vector<double> slowest =
+      comm_->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64), Reduction::max,
+                        {.tag = "shard groups: the overlap trial's step times"})
+          .to_vector<double>();
+  report_ = OverlapReport{.decided = true,
+                          .overlapping = slowest[0] <= slowest[1],
+                          .step_seconds_overlapping = slowest[0],
+                          .step_seconds_synchronous = slowest[1]};
 }
 
 void ShardSchedule::reshard_all() noexcept {

@@ -25,6 +25,7 @@
 // Every rank runs the same program, so every rank issues the same collectives in the same order.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -159,12 +160,15 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
 /// which of them are unsharded, the limit, and the reduce-scatters in flight.
 class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
  public:
-  ShardSchedule(bool prefetch, int max_unsharded) : prefetch_(prefetch), max_unsharded_(max_unsharded) {}
+  ShardSchedule(Communicator& comm, const FullyShardOptions& options) : comm_(&comm) { set_options(options); }
 
-  void set_options(bool prefetch, int max_unsharded) noexcept {
-    prefetch_ = prefetch;
-    max_unsharded_ = max_unsharded;
+  void set_options(const FullyShardOptions& options) noexcept {
+    prefetch_ = options.prefetch;
+    max_unsharded_ = options.max_unsharded_groups;
+    overlap_ = options.overlap;
+    report_ = OverlapReport{.decided = overlap_ != Overlap::automatic, .overlapping = overlap_ != Overlap::off};
   }
+  const OverlapReport& overlap() const noexcept { return report_; }
   /// Fixes the forward order (otherwise recorded in the first forward).
   void set_forward_order(std::vector<ShardGroup*> order);
   const std::vector<ShardGroup*>& forward_order() const noexcept { return order_; }
@@ -190,13 +194,20 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
 
  private:
   void end_backward();
+  /// The automatic overlap trial: one more step timed; decides after enough of both kinds.
+  void time_step();
   void finish_reductions(std::size_t keep);
   /// Unsharded groups (or prefetching) that do not enclose `computing`.
   std::size_t unsharded_around(const ShardGroup& computing) const;
   ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
 
-  bool prefetch_;
-  int max_unsharded_;
+  Communicator* comm_;  // the decision's all-reduce
+  bool prefetch_ = true;
+  int max_unsharded_ = 2;
+  Overlap overlap_ = Overlap::automatic;
+  OverlapReport report_;
+  std::vector<double> trial_[2];  // step seconds: synchronous, overlapping
+  std::optional<std::chrono::steady_clock::time_point> last_end_;
   bool backward_ = false;
   bool order_fixed_ = false;
   std::vector<ShardGroup*> groups_;

@@ -228,9 +228,8 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
 
   // One schedule for this module's group and every group under it.
   std::shared_ptr<ShardSchedule> schedule =
-      inner.empty() ? std::make_shared<ShardSchedule>(options.prefetch, options.max_unsharded_groups)
-                    : inner.front()->schedule();
-  schedule->set_options(options.prefetch, options.max_unsharded_groups);
+      inner.empty() ? std::make_shared<ShardSchedule>(comm, options) : inner.front()->schedule();
+  schedule->set_options(options);
   for (const auto& g : inner) {
     g->rename();
     if (g->schedule() == schedule) continue;
@@ -262,6 +261,13 @@ void reshard(const Module& module) {
       return;
     }
   }
+}
+
+OverlapReport overlap_report(const Module& module) {
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded() && p.shard()->group) return p.shard()->group->schedule()->overlap();
+  }
+  return {};
 }
 
 void set_forward_order(const std::vector<const Module*>& modules) {

@@ -30,9 +30,21 @@ struct Run {
   std::map<std::string, std::vector<std::uint8_t>> params;  // bytes: compared bitwise
 };
 
-// Trains Stack for three steps on this rank's part of a batch of 60 rows: per parameter, or with
-// a group per layer (fc1, fc2, fc3) and the root taking the norm.
-Run train_stack(Communicator& comm, const nn::FullyShardOptions& options) {
+// The collectives of a history without their numbers: what was called, in order, at what size.
+std::vector<std::string> calls_only(const std::vector<std::string>& history) {
+  std::vector<std::string> out;
+  for (const std::string& h : history) out.push_back(h.substr(h.find(' ') + 1));
+  return out;
+}
+
+// Trains Stack for `steps` steps on this rank's part of a batch of 60 rows: per parameter, or with
+// a group per layer (fc1, fc2, fc3) and the root taking the norm. Records the last step's
+// collectives and what the schedule decided about overlap.
+struct StackRun : Run {
+  std::vector<std::string> last_step;
+  nn::OverlapReport overlap;
+};
+StackRun train_stack(Communicator& comm, const nn::FullyShardOptions& options, int steps = 3) {
   nn::manual_seed(11);
   Stack model;
   if (options.group) {
@@ -41,15 +53,22 @@ Run train_stack(Communicator& comm, const nn::FullyShardOptions& options) {
   }
   nn::fully_shard(model, comm, options);
   nn::AdamW opt(model.parameters(), test::adam_options());
-  Run r;
-  for (int step = 0; step < 3; ++step) {
+  StackRun r;
+  for (int step = 0; step < steps; ++step) {
+    const std::uint64_t before = comm.history().empty() ? 0 : std::stoull(comm.history().back().substr(1));
     const Tensor x = test::part(randn({60, 7}, 100 + step), comm.rank(), comm.world_size());
     const Tensor loss = sum(square(model.forward(x))) / 60.0;
     r.losses.push_back(comm.all_reduce(loss.detach()).item());
     opt.zero_grad();
     loss.backward();
     opt.step();
+    r.last_step.clear();
+    for (const std::string& h : comm.history()) {
+      if (std::stoull(h.substr(1)) > before) r.last_step.push_back(h);
+    }
   }
+  r.last_step = calls_only(r.last_step);
+  r.overlap = nn::overlap_report(model);
   autograd::NoGradGuard guard;
   for (const auto& [name, p] : model.named_parameters()) {
     const Tensor v = p.value();
@@ -99,6 +118,47 @@ TEST_CASE("groups train bitwise like the per-parameter path, world sizes 1-5, pr
       CHECK(unprefetched[0].params == grouped[0].params);
       CHECK(one_at_a_time[0].params == grouped[0].params);
       for (int r = 1; r < world; ++r) CHECK(grouped[r].params == grouped[0].params);
+    }
+  }
+}
+
+TEST_CASE("overlap: off never prefetches, auto times both ways and agrees on every rank, all train alike") {
+  // Recompute: the backward gathers each group again, so prefetching reorders its collectives.
+  const nn::ShardPolicy policy{.strategy = nn::CheckpointStrategy::recompute};
+  constexpr int kSteps = 9;  // the trial: the 6 steps between the first 7 backward ends
+  for (int world : {2, 3}) {
+    CAPTURE(world);
+    std::vector<StackRun> on(world), off(world), unprefetched(world), automatic(world);
+    run_ranks(world, [&](Communicator& comm) {
+      on[comm.rank()] = train_stack(comm, {.policy = policy, .overlap = nn::Overlap::on}, kSteps);
+      off[comm.rank()] = train_stack(comm, {.policy = policy, .overlap = nn::Overlap::off}, kSteps);
+      unprefetched[comm.rank()] = train_stack(comm, {.policy = policy, .prefetch = false}, kSteps);
+      automatic[comm.rank()] = train_stack(comm, {.policy = policy}, kSteps);
+    });
+    // Off issues the collectives of a schedule without prefetch, in the same order; on does not.
+    CHECK(off[0].last_step == unprefetched[0].last_step);
+    CHECK(on[0].last_step != off[0].last_step);
+    CHECK(on[0].last_step.size() == off[0].last_step.size());
+    // on and off are decided from the start; auto after its trial, the same on every rank.
+    CHECK(on[0].overlap.decided);
+    CHECK(on[0].overlap.overlapping);
+    CHECK(off[0].overlap.decided);
+    CHECK_FALSE(off[0].overlap.overlapping);
+    const nn::OverlapReport& chose = automatic[0].overlap;
+    REQUIRE(chose.decided);
+    CHECK(chose.step_seconds_overlapping > 0);
+    CHECK(chose.step_seconds_synchronous > 0);
+    CHECK(chose.overlapping == (chose.step_seconds_overlapping <= chose.step_seconds_synchronous));
+    for (int r = 1; r < world; ++r) {
+      CHECK(automatic[r].overlap.overlapping == chose.overlapping);
+      CHECK(automatic[r].overlap.step_seconds_overlapping == chose.step_seconds_overlapping);
+    }
+    // After the trial, auto runs the schedule it chose.
+    CHECK(automatic[0].last_step == (chose.overlapping ? on : off)[0].last_step);
+    // Whatever the schedule, the same values.
+    for (const auto* other : {&off, &unprefetched, &automatic}) {
+      CHECK((*other)[0].losses == on[0].losses);
+      CHECK((*other)[0].params == on[0].params);
     }
   }
 }

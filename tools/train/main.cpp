@@ -33,6 +33,7 @@ struct Config {
   std::string dtype = "f32";
   std::string strategy = "recompute";
   bool no_prefetch = false;
+  std::string overlap = "auto";
   bool per_parameter = false;
   int unsharded_groups = 2;
   std::int64_t epochs = 10;
@@ -486,6 +487,9 @@ void run(const Config& cfg, Communicator& comm) {
   const nn::FullyShardOptions shard_options{.policy = policy,
                                             .group = !cfg.per_parameter,
                                             .prefetch = !cfg.no_prefetch,
+                                            .overlap = cfg.overlap == "on"    ? nn::Overlap::on
+                                                       : cfg.overlap == "off" ? nn::Overlap::off
+                                                                              : nn::Overlap::automatic,
                                             .max_unsharded_groups = cfg.unsharded_groups};
   if (!cfg.per_parameter) {
     for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
@@ -681,6 +685,13 @@ void run(const Config& cfg, Communicator& comm) {
           memory::format_bytes(static_cast<std::int64_t>(static_cast<double>(comm_total.bytes) / steps)).c_str(),
           1e3 * comm_total.seconds / steps, 1e3 * comm_total.exposed_seconds / steps);
       progress.line(buf);
+      if (const nn::OverlapReport o = nn::overlap_report(task->module()); o.decided && cfg.overlap == "auto") {
+        std::snprintf(buf, sizeof buf,
+                      "overlap: %s (first steps timed: %.1f ms overlapping, %.1f ms synchronous, slowest rank)",
+                      o.overlapping ? "on" : "off", 1e3 * o.step_seconds_overlapping,
+                      1e3 * o.step_seconds_synchronous);
+        progress.line(buf);
+      }
     }
   }
 }
@@ -704,6 +715,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"retain", "recompute"}));
   app.add_flag("--no-prefetch", cfg.no_prefetch,
                "Gather each layer's weights when it starts, instead of while the layer before it computes");
+  app.add_option("--overlap", cfg.overlap,
+                 "Overlap communication with compute (prefetch, reduce-scatters in flight): on, off, or auto "
+                 "(time the first steps both ways and keep the faster)")
+      ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_flag("--per-parameter", cfg.per_parameter,
                "Gather and reduce each parameter on its own, without groups or prefetch (for comparison)");
   app.add_option("--unsharded-groups", cfg.unsharded_groups,

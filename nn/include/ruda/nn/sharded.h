@@ -117,6 +117,25 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
 /// Differentiable all-gather of 1-D local slices (backward: reduce-scatter SUM), an always-run node.
 Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
 
+/// Whether a schedule overlaps communication with compute: prefetching the next group's
+/// all-gather and letting reduce-scatters run while backward goes on. Overlap needs a core for
+/// communication to progress on; where compute has them all, it can make a step slower.
+enum class Overlap {
+  /// Measured: the first steps alternate overlapping and synchronous collectives (three of each,
+  /// after the first), the ranks agree on the slower rank's medians with one all-reduce, and the
+  /// faster way stays. Never slower than synchronous collectives, beyond those trial steps.
+  automatic,
+  on,
+  off,  // each collective completes before the step goes on
+};
+
+/// What a schedule decided (overlap_report).
+struct OverlapReport {
+  bool decided = false;  // automatic, and its trial is over (or on/off from the start)
+  bool overlapping = true;
+  double step_seconds_overlapping = 0, step_seconds_synchronous = 0;  // the trial's medians (automatic)
+};
+
 /// How fully_shard groups a module's parameters and schedules their collectives.
 struct FullyShardOptions {
   ShardPolicy policy = {};
@@ -127,6 +146,8 @@ struct FullyShardOptions {
   /// Issue the next group's all-gather (in forward order; the previous group's in a backward
   /// that gathers again) before this group computes, so that it travels while this one computes.
   bool prefetch = true;
+  /// Overlap communication with compute (prefetch, reduce-scatters in flight): measured, on or off.
+  Overlap overlap = Overlap::automatic;
   /// At most this many groups hold full weights (or a gather in flight) at once, not counting the
   /// groups whose modules enclose the one computing (a root stays unsharded while its blocks
   /// compute): peak memory is the shards + the enclosing groups + this many of the largest group
@@ -149,6 +170,10 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy =
 /// needs the room, so that a weight used twice in one pass (a tied head) is gathered once; call
 /// this after an evaluation under no_grad to give that memory back at once.
 void reshard(const Module& module);
+
+/// What the schedule of `module`'s groups decided about overlap (not decided: no group yet, or
+/// the trial is still running).
+OverlapReport overlap_report(const Module& module);
 
 /// Fixes the order in which the groups of `modules` (each given to fully_shard, all in one
 /// schedule) run in forward, for prefetching; by default it is recorded in the first forward.
