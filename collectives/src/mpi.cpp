@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include <ruda/memory.h>
 #include <ruda/mpi.h>
 
 #include "internal.h"
@@ -112,8 +113,30 @@ void native_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
 // The ring's segments: small enough that a received segment is still in cache when it is added,
 // large enough that per-message costs vanish.
 constexpr std::int64_t kSegmentBytes = 512 * 1024;
-// A reduce_scatter of at most this many bytes in all uses MPI_Reduce_scatter_block instead.
-constexpr std::size_t kSmallBytes = 64 * 1024;
+// A reduce_scatter of at most this many bytes in all uses MPI_Reduce_scatter_block instead of
+// the ring: below it, latency rules and MPI's algorithm needs fewer rounds than the ring's
+// size - 1. Measured with RUDA_RING_MIN_BYTES=0 (the ring at every size) against
+// MPI_Reduce_scatter_block in the same run (ruda-bench-mpi --suite collectives-mpi, 3 runs,
+// medians of the ratios, shared memory on a 2-core Xeon): the ring wins from 16 KiB at 2 and 3
+// ranks (1.46x, 1.07x; at 4 KiB 1.04x and 0.94x) and from 256 KiB at 4 (1.17x; 128 KiB 1.01x,
+// 64 KiB 0.85x). Past 4 ranks the ring's size - 1 latencies grow linearly, so the threshold does
+// too (not measured here: more ranks than that only oversubscribe 2 cores). RUDA_RING_MIN_BYTES
+// sets it for another machine or network.
+std::size_t default_ring_min_bytes(int size) {
+  if (size <= 3) return std::size_t{4} << 10;
+  return (std::size_t{128} << 10) * static_cast<std::size_t>(size) / 4;
+}
+
+std::size_t ring_min_bytes_from_env(int size) {
+  const char* text = std::getenv("RUDA_RING_MIN_BYTES");
+  if (!text || !*text) return default_ring_min_bytes(size);
+  try {
+    return static_cast<std::size_t>(memory::parse_size(text));
+  } catch (const ArgumentError&) {
+    throw ArgumentError(std::string("RUDA_RING_MIN_BYTES: '") + text +
+                        "' is not a size (a number of bytes, or with a unit: 64KiB, 1MB)");
+  }
+}
 constexpr int kRingTag = 7001;
 
 // The watchdog. Blocking MPI collectives cannot be interrupted, and their non-blocking forms
@@ -209,6 +232,7 @@ struct MpiCommunicator::Impl {
   MPI_Comm data = MPI_COMM_NULL;     // collectives and the ring's messages
   MPI_Comm control = MPI_COMM_NULL;  // the order check's fingerprints, the watchdogs' notes
   int rank = 0, size = 1;
+  std::size_t ring_min_bytes = 0;  // reduce_scatter: MPI's algorithm up to this many bytes in all
   MPI_Op max_f32 = MPI_OP_NULL, max_f64 = MPI_OP_NULL, max_bf16 = MPI_OP_NULL, max_f16 = MPI_OP_NULL;
   MPI_Op sum_bf16 = MPI_OP_NULL, sum_f16 = MPI_OP_NULL;
   Buffer partial, incoming, staging, wide;
@@ -332,6 +356,23 @@ struct MpiCommunicator::Impl {
     MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(data, &rank), "MPI_Comm_rank");
     check(MPI_Comm_size(data, &size), "MPI_Comm_size");
+    // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's:
+    // the largest threshold wins. A rank whose RUDA_RING_MIN_BYTES is not a size still takes part
+    // (with the largest value, so that every rank learns of it) and then every rank throws.
+    constexpr unsigned long long kRefused = ~0ULL;
+    std::string refused;
+    unsigned long long threshold = kRefused;
+    try {
+      threshold = ring_min_bytes_from_env(size);
+    } catch (const ArgumentError& e) {
+      refused = e.what();
+    }
+    check(MPI_Allreduce(MPI_IN_PLACE, &threshold, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
+    if (threshold == kRefused) {
+      throw ArgumentError("MpiCommunicator: rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " +
+                          (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES is not a size" : refused));
+    }
+    ring_min_bytes = static_cast<std::size_t>(threshold);
     check(MPI_Op_create(&max_op<DType::f32>, 1, &max_f32), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::f64>, 1, &max_f64), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::bf16>, 1, &max_bf16), "MPI_Op_create");
@@ -641,7 +682,7 @@ struct MpiCommunicator::Impl {
       if (count > 0) std::memcpy(recv, send, static_cast<std::size_t>(count) * esize);
       return;
     }
-    if (static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize <= kSmallBytes) {
+    if (static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize <= ring_min_bytes) {
       small_reduce_scatter(send, recv, count, dtype, accumulate);
       return;
     }

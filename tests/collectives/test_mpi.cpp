@@ -5,6 +5,8 @@
 // out of step, the next collective raises on every rank instead of hanging.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <chrono>
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include <ruda/mpi.h>
@@ -131,6 +133,31 @@ TEST_CASE("mpi: the collective timeout is set, checked, inherited by split, and 
   for (int r = 0; r < comm.world_size(); ++r) CHECK(values[std::size_t(2 * r)] == double(r));
   part.reset();
   comm.set_timeout(before);
+}
+
+TEST_CASE("mpi: RUDA_RING_MIN_BYTES that is not a size on one rank is an ArgumentError on every rank") {
+  MpiCommunicator& comm = *g_comm;
+  const char* set = std::getenv("RUDA_RING_MIN_BYTES");
+  const std::string saved = set ? set : "";
+  const bool odd_one = comm.rank() == comm.world_size() - 1;
+  if (odd_one) setenv("RUDA_RING_MIN_BYTES", "lots", 1);
+  std::string message;
+  try {
+    MpiCommunicator other;
+  } catch (const ArgumentError& e) {
+    message = e.what();
+  }
+  if (set) {
+    setenv("RUDA_RING_MIN_BYTES", saved.c_str(), 1);
+  } else {
+    unsetenv("RUDA_RING_MIN_BYTES");
+  }
+  CHECK_MESSAGE(message.find("MpiCommunicator: rank " + std::to_string(comm.rank()) + " of ") == 0, message);
+  CHECK_MESSAGE(message.find(odd_one ? "RUDA_RING_MIN_BYTES: 'lots' is not a size"
+                                     : "another rank's RUDA_RING_MIN_BYTES is not a size") != std::string::npos,
+                message);
+  // The communicator in use is untouched.
+  CHECK(comm.all_reduce(scalar(1.0)).item() == double(comm.world_size()));
 }
 
 int main(int argc, char** argv) {
