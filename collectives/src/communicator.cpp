@@ -44,6 +44,12 @@ class FinishedState final : public Work::State {
   Clock::time_point done_ = Clock::now();
 };
 
+}  // namespace
+
+Work Work::completed(Tensor result) { return Work(std::make_unique<FinishedState>(std::move(result))); }
+
+namespace {
+
 std::string history_text(int rank, const std::vector<std::string>& history) {
   std::ostringstream out;
   out << "\nlast " << history.size() << " collectives of rank " << rank << " (oldest first):";

@@ -68,7 +68,11 @@ void GradientSink::issue(std::size_t b) {
     columns.push_back(as_rows(g, info.numel, world, info.shard_size));
   }
   const Tensor rows = columns.size() == 1 ? columns.front() : concat(columns, 1);
-  works[b] = comm->reduce_scatter_async(rows.reshape({-1}), {.tag = tag, .accumulate = bucket.accumulate});
+  const CollectiveOptions options{.tag = tag, .accumulate = bucket.accumulate};
+  const std::shared_ptr<ShardGroup> owner = group.lock();
+  works[b] = !owner || owner->schedule()->overlap().overlapping
+                 ? comm->reduce_scatter_async(rows.reshape({-1}), options)
+                 : Work::completed(comm->reduce_scatter(rows.reshape({-1}), options));
 }
 
 void GradientSink::flush() {
@@ -159,17 +163,20 @@ bool ShardGroup::encloses(const ShardGroup& other) const noexcept {
 
 std::vector<ShardBucket> ShardGroup::make_buckets() const {
   std::vector<ShardBucket> buckets;
+  const auto world = static_cast<std::size_t>(comm_->world_size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param p = param(i);
     const ShardInfo& info = *p.shard();
     const DType dtype = info.policy.compute_dtype.value_or(p.data().dtype());
-    auto it = std::find_if(buckets.begin(), buckets.end(), [&](const ShardBucket& b) {
-      return b.dtype == dtype && b.accumulate == info.policy.reduce;
+    const bool alone = world * static_cast<std::size_t>(info.shard_size) * dtype_size(dtype) >= kOwnBucketBytes;
+    auto it = alone ? buckets.end() : std::find_if(buckets.begin(), buckets.end(), [&](const ShardBucket& b) {
+      return !b.alone && b.dtype == dtype && b.accumulate == info.policy.reduce;
     });
     if (it == buckets.end()) {
       it = buckets.insert(buckets.end(), ShardBucket{});
       it->dtype = dtype;
       it->accumulate = info.policy.reduce;
+      it->alone = alone;
     }
     it->members.push_back(i);
     it->offsets.push_back(it->part);
@@ -192,7 +199,8 @@ PendingGather ShardGroup::start_gather() const {
     std::vector<Tensor> part;
     for (const std::size_t i : bucket.members) part.push_back(cast(gather.sources[i], bucket.dtype));
     const Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
-    gather.works.push_back(comm_->all_gather_async(local, {.tag = tag_}));
+    gather.works.push_back(schedule_->overlap().overlapping ? comm_->all_gather_async(local, {.tag = tag_})
+                                                            : Work::completed(comm_->all_gather(local, {.tag = tag_})));
   }
   return gather;
 }

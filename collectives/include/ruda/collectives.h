@@ -71,6 +71,8 @@ class Work {
   };
   Work() = default;
   explicit Work(std::unique_ptr<State> state) : state_(std::move(state)) {}
+  /// A Work whose collective already completed (ran blocking), for code that takes either.
+  static Work completed(Tensor result);
   Work(Work&&) noexcept = default;
   Work& operator=(Work&&) noexcept = default;
   /// Blocks until the collective is done; callable once (an ArgumentError afterwards).

@@ -126,7 +126,7 @@ enum class Overlap {
   /// faster way stays. Never slower than synchronous collectives, beyond those trial steps.
   automatic,
   on,
-  off,  // each collective completes before the step goes on
+  off,  // no prefetch; each collective runs on the calling thread (blocking), no hand-off
 };
 
 /// What a schedule decided (overlap_report).
