@@ -163,6 +163,50 @@ TEST_CASE("overlap: off never prefetches, auto times both ways and agrees on eve
   }
 }
 
+TEST_CASE("a parameter of 256 KiB or more is a collective of its own; the small ones of a group share one") {
+  // A Linear and a LayerNorm in one group. A 260 x 256 f32 weight (266 KB in all) is a bucket of
+  // its own beside the bias and the norm's vectors: two all-gathers and two reduce-scatters. A
+  // 250 x 256 one (256,008 bytes, padding included, at 3 ranks) is not: one of each. Either way
+  // the group trains bitwise like the per-parameter path.
+  struct Wide : nn::Module {
+    std::shared_ptr<nn::Linear> fc;
+    std::shared_ptr<nn::LayerNorm> norm = std::make_shared<nn::LayerNorm>(256);
+    explicit Wide(std::int64_t in) : fc(std::make_shared<nn::Linear>(in, 256)) {
+      register_module("fc", fc);
+      register_module("norm", norm);
+    }
+  };
+  for (const std::int64_t in : {260, 250}) {
+    CAPTURE(in);
+    const nn::ShardPolicy policy{.strategy = nn::CheckpointStrategy::retain};
+    std::vector<std::vector<double>> losses(2);  // grouped, per parameter
+    std::vector<std::string> step;
+    run_ranks(3, [&](Communicator& comm) {
+      for (const bool group : {true, false}) {
+        nn::manual_seed(5);
+        Wide model(in);
+        nn::fully_shard(model, comm, {.policy = policy, .group = group});
+        nn::SGD opt(model.parameters(), {.lr = 0.1});
+        for (int i = 0; i < 2; ++i) {
+          const std::uint64_t before = last_number(comm);
+          const Tensor x = test::part(randn({6, in}, 50 + i), comm.rank(), 3);
+          const Tensor loss = sum(square(model.norm->forward(model.fc->forward(x)))) / 6.0;
+          opt.zero_grad();
+          loss.backward();
+          opt.step();
+          if (comm.rank() == 0 && group && i == 1) step = after(comm.history(), before);
+          const double total = comm.all_reduce(loss.detach()).item();
+          if (comm.rank() == 0) losses[group ? 0 : 1].push_back(total);
+        }
+      }
+    });
+    const std::size_t buckets = in == 260 ? 2 : 1;
+    CHECK(calls_of(step, "all_gather") == buckets);
+    CHECK(calls_of(step, "reduce_scatter") == buckets);
+    CHECK(losses[0] == losses[1]);
+  }
+}
+
 TEST_CASE("groups: a tied table, an unused branch on one rank and bf16 compute still train like dense") {
   // TinyLM: the block, down, up and aux each a group, the root the embedding (tied to the head).
   for (auto policy : {nn::ShardPolicy{}, nn::ShardPolicy{.strategy = nn::CheckpointStrategy::retain}}) {
