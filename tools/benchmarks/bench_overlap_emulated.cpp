@@ -1,0 +1,54 @@
+// Suite "overlap-emulated" of ruda-bench (overlap.h says what it measures): the same rows as the
+// MPI suite "overlap", on 2 emulated ranks (threads, one intra-op thread each) joined by the link
+// model, whose collectives sleep for the time the link would need. The link rates are set from
+// this machine's compute time, so that communication takes about 0.5, 1 and 2 times compute: on
+// any CPU the three rows are below, near and above it. tools/bench --suite overlap runs it too.
+#include <ruda/collectives.h>
+
+#include <string>
+
+#include "overlap.h"
+
+namespace ruda::bench {
+namespace {
+
+constexpr int kWorld = 2;
+
+EmulatedOptions options(LinkModel link = {}) {
+  EmulatedOptions o;
+  o.threads_per_rank = 1;
+  o.check_order = false;
+  o.link = link;
+  return o;
+}
+
+void run(Context& ctx) {
+  if (ctx.backend != available_backends().front()) return;  // one backend is enough here
+  for (overlap::Maker make : overlap::models()) {
+    // The bytes one rank's link carries in a step (each group gathered twice, reduced once, as a
+    // ring sends them) and the dense step's time, without a link.
+    double compute_seconds = 0, bytes_per_step = 0;
+    run_ranks(
+        kWorld,
+        [&](Communicator& comm) {
+          const Stats compute = overlap::train_step(ctx, comm, make, nullptr);
+          if (comm.rank() != 0) return;
+          compute_seconds = compute.median;
+          for (std::int64_t part : overlap::group_parts(make(kWorld, 0), kWorld))
+            bytes_per_step += 3.0 * (kWorld - 1) * static_cast<double>(part) * 4;
+        },
+        options());
+    for (const double share : {0.5, 1.0, 2.0}) {
+      LinkModel link;
+      link.bytes_per_second = bytes_per_step / (share * compute_seconds);
+      const std::string where = "emulated " + link.describe() + " link (communication ~" +
+                                std::to_string(share).substr(0, 3) + "x compute)";
+      run_ranks(kWorld, [&](Communicator& comm) { overlap::measure_model(ctx, comm, make, where); }, options(link));
+    }
+  }
+}
+
+const bool registered = register_suite("overlap-emulated", run);
+
+}  // namespace
+}  // namespace ruda::bench
