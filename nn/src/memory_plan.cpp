@@ -5,6 +5,8 @@
 #include <ruda/memory.h>
 #include <ruda/nn/memory_plan.h>
 
+#include "shard_group.h"
+
 namespace ruda::nn {
 
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
@@ -30,6 +32,8 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
   if (samples < 2) fail<ArgumentError>("probe_step", "needs a second micro-batch of at least 2 samples, got ", samples);
   // The measurement decides whether the configuration fits: it must not fail on the limit itself.
   memory::LimitSuspended measuring;
+  // Nor may it count as a step of the automatic overlap trial, or measure the smaller schedule.
+  const ShardSchedule::Probing probing;
   // The transient above what is live before the forward, with the previous micro-batch's
   // gradients alive during it as in a training loop (loss, zero_grad, backward).
   auto transient = [&](std::int64_t batch) {

@@ -70,7 +70,7 @@ void GradientSink::issue(std::size_t b) {
   const Tensor rows = columns.size() == 1 ? columns.front() : concat(columns, 1);
   const CollectiveOptions options{.tag = tag, .accumulate = bucket.accumulate};
   const std::shared_ptr<ShardGroup> owner = group.lock();
-  works[b] = !owner || owner->schedule()->overlap().overlapping
+  works[b] = !owner || owner->schedule()->overlapping()
                  ? comm->reduce_scatter_async(rows.reshape({-1}), options)
                  : Work::completed(comm->reduce_scatter(rows.reshape({-1}), options));
 }
@@ -199,7 +199,7 @@ PendingGather ShardGroup::start_gather() const {
     std::vector<Tensor> part;
     for (const std::size_t i : bucket.members) part.push_back(cast(gather.sources[i], bucket.dtype));
     const Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
-    gather.works.push_back(schedule_->overlap().overlapping ? comm_->all_gather_async(local, {.tag = tag_})
+    gather.works.push_back(schedule_->overlapping() ? comm_->all_gather_async(local, {.tag = tag_})
                                                             : Work::completed(comm_->all_gather(local, {.tag = tag_})));
   }
   return gather;
@@ -393,7 +393,7 @@ ShardGroup* ShardSchedule::neighbour(const ShardGroup& group, bool backward) con
 void ShardSchedule::after_unshard(ShardGroup& group, bool backward) {
   std::erase(unsharded_, &group);
   unsharded_.push_back(&group);
-  if (!prefetch_ || !report_.overlapping) return;
+  if (!prefetch_ || !overlapping()) return;
   ShardGroup* next = neighbour(group, backward);
   if (!next || next->unsharded()) return;
   const std::size_t limit = static_cast<std::size_t>(std::max(1, max_unsharded_));
@@ -409,7 +409,7 @@ void ShardSchedule::reduce_started(std::shared_ptr<GradientSink> sink) {
   reducing_.push_back(std::move(sink));
   // At most two reduce-scatters in flight: their full gradient buffers are the backward's
   // transient memory, like the unsharded weights are the forward's. None when not overlapping.
-  finish_reductions(report_.overlapping ? 2 : 0);
+  finish_reductions(overlapping() ? 2 : 0);
 }
 
 void ShardSchedule::touched(std::shared_ptr<GradientSink> sink) {
@@ -437,7 +437,15 @@ void ShardSchedule::end_backward() {
   sinks.swap(touched_);
   for (const auto& sink : sinks) sink->flush();
   enter_phase(false);
-  if (!report_.decided) time_step();
+  if (!report_.decided && probing == 0) time_step();
+}
+
+thread_local int ShardSchedule::probing = 0;
+
+bool ShardSchedule::overlapping() const noexcept {
+  // A probe measures the schedule that needs more memory while the trial has not decided.
+  if (probing > 0 && !report_.decided) return true;
+  return report_.overlapping;
 }
 
 namespace {

@@ -180,6 +180,18 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
     report_ = OverlapReport{.decided = overlap_ != Overlap::automatic, .overlapping = overlap_ != Overlap::off};
   }
   const OverlapReport& overlap() const noexcept { return report_; }
+  /// Whether this step overlaps (prefetch, reduce-scatters in flight): as decided, or as the
+  /// automatic trial alternates.
+  bool overlapping() const noexcept;
+  /// While alive, this thread's steps are probes (the memory plan's): the automatic trial does
+  /// not count them, and they run overlapping until it has decided, the schedule with the larger
+  /// transient, so that a plan never counts on the smaller one.
+  struct Probing {
+    Probing() noexcept { ++probing; }
+    ~Probing() { --probing; }
+    Probing(const Probing&) = delete;
+    Probing& operator=(const Probing&) = delete;
+  };
   /// Fixes the forward order (otherwise recorded in the first forward).
   void set_forward_order(std::vector<ShardGroup*> order);
   const std::vector<ShardGroup*>& forward_order() const noexcept { return order_; }
@@ -212,6 +224,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   std::size_t unsharded_around(const ShardGroup& computing) const;
   ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
 
+  static thread_local int probing;  // Probing scopes alive on this thread
   Communicator* comm_;  // the decision's all-reduce
   bool prefetch_ = true;
   int max_unsharded_ = 2;

@@ -163,6 +163,44 @@ TEST_CASE("overlap: off never prefetches, auto times both ways and agrees on eve
   }
 }
 
+TEST_CASE("overlap: the memory plan's probe steps do not count in the trial and measure the overlapping schedule") {
+  const nn::ShardPolicy policy{.strategy = nn::CheckpointStrategy::recompute};
+  for (const int world : {2, 3}) {
+    CAPTURE(world);
+    std::vector<nn::StepProbe> probe_auto(world), probe_on(world), probe_off(world);
+    std::vector<std::vector<bool>> decided(world);
+    run_ranks(world, [&](Communicator& comm) {
+      auto build_and_probe = [&](nn::Overlap overlap, nn::StepProbe& out) {
+        nn::manual_seed(11);
+        auto model = std::make_shared<Stack>();
+        for (nn::Module* m : std::vector<nn::Module*>{model->fc1.get(), model->fc2.get(), model->fc3.get()})
+          nn::fully_shard(*m, comm, {.policy = policy, .overlap = overlap});
+        nn::fully_shard(*model, comm, {.policy = policy, .overlap = overlap});
+        out = nn::probe_step(*model, comm, [&](std::int64_t rows) {
+          return sum(square(model->forward(randn({rows, 7}, 7)))) / 60.0;
+        }, 4);
+        return model;
+      };
+      build_and_probe(nn::Overlap::on, probe_on[comm.rank()]);
+      build_and_probe(nn::Overlap::off, probe_off[comm.rank()]);
+      const auto model = build_and_probe(nn::Overlap::automatic, probe_auto[comm.rank()]);
+      // The probe ran three backwards; the trial decides at the 7th backward end of training.
+      nn::SGD opt(model->parameters(), {.lr = 0.01});
+      for (int step = 0; step < 7; ++step) {
+        const Tensor loss = sum(square(model->forward(test::part(randn({60, 7}, 200 + step), comm.rank(), world)))) / 60.0;
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+        decided[comm.rank()].push_back(nn::overlap_report(*model).decided);
+      }
+    });
+    CHECK(probe_auto[0].fixed == probe_on[0].fixed);
+    CHECK(probe_auto[0].per_sample == probe_on[0].per_sample);
+    CHECK(probe_off[0].fixed <= probe_on[0].fixed);
+    CHECK(decided[0] == std::vector<bool>{false, false, false, false, false, false, true});
+  }
+}
+
 TEST_CASE("a parameter of 256 KiB or more is a collective of its own; the small ones of a group share one") {
   // A Linear and a LayerNorm in one group. A 260 x 256 f32 weight (266 KB in all) is a bucket of
   // its own beside the bias and the norm's vectors: two all-gathers and two reduce-scatters. A
