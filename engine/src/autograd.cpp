@@ -39,8 +39,6 @@ void set_recompute(Tensor& t, std::function<Tensor()> recipe) {
   t.impl()->recompute = recipe ? std::make_shared<const std::function<Tensor()>>(std::move(recipe)) : nullptr;
 }
 
-bool has_recompute(const Tensor& t) { return t.defined() && t.impl()->recompute != nullptr; }
-
 SavedTensor::SavedTensor(const Tensor& tensor) {
   if (!tensor.defined()) return;
   if (tensor.impl()->recompute) {
@@ -106,7 +104,6 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
 }
 
 std::size_t pending_always_run() noexcept { return t_always_run.size(); }
-void discard_pending_always_run() noexcept { t_always_run.clear(); }
 
 namespace {
 

@@ -91,9 +91,6 @@ void require_defined(const char* op, const Tensor& t);
 /// Throws ShapeError when a shape has more than kMaxDims axes.
 void require_rank(const char* op, const Shape& shape);
 
-/// The gradient of a non-float leaf is never needed; ops use this to skip recording.
-inline bool float_dtype(const Tensor& t) { return is_floating(t.dtype()); }
-
 }  // namespace ruda::detail
 
 namespace ruda::autograd {

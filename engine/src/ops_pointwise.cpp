@@ -8,7 +8,6 @@ namespace ruda {
 using autograd::GradMask;
 using autograd::Saved;
 using detail::broadcast_view;
-using detail::float_dtype;
 using detail::make_tensor;
 using detail::view_of;
 

@@ -291,12 +291,6 @@ void set_forward_order(const std::vector<const Module*>& modules) {
   if (schedule) schedule->set_forward_order(std::move(order));
 }
 
-void set_shard_policy(Module& module, const ShardPolicy& policy) {
-  for (auto& [name, param] : module.named_parameters()) {
-    if (param.is_sharded()) param.shard()->policy = policy;
-  }
-}
-
 // --- seed-style layers ---
 
 namespace {

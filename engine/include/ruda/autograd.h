@@ -48,7 +48,6 @@ decltype(auto) no_grad(F&& f) {
 /// recipe instead of the data and calls it (without grad) when its backward runs: the
 /// "recompute" checkpoint strategy. The recipe must not capture t itself.
 void set_recompute(Tensor& t, std::function<Tensor()> recipe);
-bool has_recompute(const Tensor& t);
 
 /// A tensor kept for a backward: the data (detached, so outputs do not hold their own node), or the
 /// recompute recipe of a tensor that has one.
@@ -124,7 +123,5 @@ void at_backward_end(std::function<void()> callback);
 
 /// Always-run nodes recorded on this thread and not yet run by a backward.
 std::size_t pending_always_run() noexcept;
-/// Drops them (for a forward with grad mode on that will never see a backward).
-void discard_pending_always_run() noexcept;
 
 }  // namespace ruda::autograd

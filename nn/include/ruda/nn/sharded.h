@@ -106,7 +106,6 @@ class ShardedParameter {
 
  private:
   explicit ShardedParameter(Param param) : param_(std::move(param)) {}
-  friend Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype);
   Param param_;
 };
 
@@ -178,9 +177,6 @@ OverlapReport overlap_report(const Module& module);
 /// Fixes the order in which the groups of `modules` (each given to fully_shard, all in one
 /// schedule) run in forward, for prefetching; by default it is recorded in the first forward.
 void set_forward_order(const std::vector<const Module*>& modules);
-
-/// Sets the policy of every sharded parameter of `module` (strategy, compute dtype, reduce dtype).
-void set_shard_policy(Module& module, const ShardPolicy& policy);
 
 // --- parameters left replicated (plain data parallelism) ---
 // A model may shard only some layers (say, FullyShardedLinear for the big ones) and keep the rest
