@@ -54,7 +54,9 @@ Param::Param(const Tensor& value, ParamId id) : state_(std::make_shared<State>()
 }
 
 namespace {
-const Param::State& checked(const std::shared_ptr<Param::State>& s, const char* what) {
+// A Param is a handle: its const methods may change the shared state (as a const shared_ptr
+// lets its pointee change), so this gives the state itself.
+Param::State& checked(const std::shared_ptr<Param::State>& s, const char* what) {
   if (!s) fail<ArgumentError>(what, "called on an undefined Param");
   return *s;
 }
@@ -68,7 +70,7 @@ const Param::State& checked(const std::shared_ptr<Param::State>& s, const char* 
 
 ParamId Param::id() const { return checked(state_, "Param::id").id; }
 Tensor& Param::data() const {
-  State& s = const_cast<State&>(checked(state_, "Param::data"));
+  State& s = checked(state_, "Param::data");
   if (s.deferred) fail_deferred("Param::data", s);
   return s.data;
 }
@@ -93,7 +95,7 @@ DType Param::dtype() const {
 bool Param::is_sharded() const { return checked(state_, "Param::is_sharded").shard != nullptr; }
 const std::shared_ptr<ShardInfo>& Param::shard() const { return checked(state_, "Param::shard").shard; }
 void Param::set_shard(std::shared_ptr<ShardInfo> info) const {
-  const_cast<State&>(checked(state_, "Param::set_shard")).shard = std::move(info);
+  checked(state_, "Param::set_shard").shard = std::move(info);
 }
 
 const Shape& Param::shape() const {
@@ -114,7 +116,7 @@ void Param::set_data(const Tensor& value) const {
 }
 
 void Param::replace_data(const Tensor& value) const {
-  State& s = const_cast<State&>(checked(state_, "Param::set_data"));
+  State& s = checked(state_, "Param::set_data");
   if (!is_floating(value.dtype())) {
     fail<DTypeError>("Param::set_data", "parameters are floating-point, got ", dtype_name(value.dtype()), " ",
                      value.shape());
