@@ -189,6 +189,17 @@ bool order_check_from_env() {
   return v == "1" || v == "true" || v == "on" || v == "yes" || v == "TRUE" || v == "ON" || v == "YES";
 }
 
+bool launched_by_mpi() {
+  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
+}
+
+int launcher_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  }
+  return 0;
+}
+
 std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::string_view what) {
   const std::string original(text);
   auto bad = [&](const char* why) -> std::chrono::milliseconds {

@@ -2,6 +2,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <ruda/collectives.h>
 
@@ -129,4 +131,34 @@ TEST_CASE("collective timeouts: RUDA_COLLECTIVE_TIMEOUT, its default, and a bad 
   } else {
     ::unsetenv("RUDA_COLLECTIVE_TIMEOUT");
   }
+}
+
+TEST_CASE("local: the launcher is read from OpenMPI's, PMI's or PMIx's variables") {
+  using ruda::launched_by_mpi;
+  using ruda::launcher_rank;
+  const char* names[] = {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK", "PMIX_RANK"};
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n)) saved.emplace_back(n, v);
+    unsetenv(n);
+  }
+  CHECK_FALSE(launched_by_mpi());
+  CHECK(launcher_rank() == 0);
+  setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  setenv("OMPI_COMM_WORLD_RANK", "3", 1);
+  CHECK(launched_by_mpi());
+  CHECK(launcher_rank() == 3);
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  setenv("PMI_SIZE", "2", 1);
+  setenv("PMI_RANK", "1", 1);
+  CHECK(launched_by_mpi());
+  CHECK(launcher_rank() == 1);
+  unsetenv("PMI_SIZE");
+  unsetenv("PMI_RANK");
+  setenv("PMIX_RANK", "5", 1);
+  CHECK(launched_by_mpi());
+  CHECK(launcher_rank() == 5);
+  unsetenv("PMIX_RANK");
+  for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
 }

@@ -135,6 +135,11 @@ TEST_CASE("mpi: the collective timeout is set, checked, inherited by split, and 
   comm.set_timeout(before);
 }
 
+TEST_CASE("mpi: under mpiexec the launcher is detected and numbers this process as MPI does") {
+  CHECK(launched_by_mpi());
+  CHECK(launcher_rank() == g_comm->rank());
+}
+
 TEST_CASE("mpi: RUDA_RING_MIN_BYTES that is not a size on one rank is an ArgumentError on every rank") {
   MpiCommunicator& comm = *g_comm;
   const char* set = std::getenv("RUDA_RING_MIN_BYTES");

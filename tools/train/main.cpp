@@ -77,16 +77,6 @@ struct Reported : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-bool launched_by_mpi() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK");
-}
-int launcher_rank() {
-  for (const char* v : {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
-    if (const char* s = std::getenv(v)) return std::atoi(s);
-  }
-  return 0;
-}
-
 void print_error(const std::string& message) { std::cerr << "ruda-train: error: " << message << std::endl; }
 
 // Every rank learns whether any rank failed a setup phase; the lowest failing rank prints its

@@ -106,6 +106,13 @@ struct Traffic {
 /// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
 bool order_check_from_env();
 
+/// Whether an MPI launcher started this process (mpiexec/mpirun, or srun and others through PMI or
+/// PMIx), read from the launcher's environment: callable before MPI is initialized, and in a
+/// build without MPI (to refuse a launch it cannot serve).
+bool launched_by_mpi();
+/// This process's rank as its launcher numbered it (0 when no launcher started it).
+int launcher_rank();
+
 /// How long an MPI collective may wait for the other ranks by default: long enough for a healthy
 /// gap between ranks (one rank writing a checkpoint or evaluating alone while the others already
 /// wait in the next collective: that wait counts), short enough that a stalled job ends soon.
