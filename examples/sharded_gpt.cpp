@@ -36,7 +36,7 @@ std::pair<double, double> train(Communicator& comm, int steps) {
   nn::DeferredInit deferred;  // the model allocates nothing: fully_shard draws each rank's slices
   nn::GPT model({.vocabulary = 32, .context = kContext, .d_model = 64, .layers = 2, .heads = 2});
   for (auto& block : model.blocks) nn::fully_shard(*block, comm);  // a group per block, bottom-up
-  nn::fully_shard(model, comm);                                   // the root: embeddings, norm, head
+  nn::fully_shard(model, comm);                                    // the root: embeddings, norm, head
   nn::AdamW opt(model.parameters(), {.lr = 3e-3});
   const double tokens = nn::global_count(comm, static_cast<double>(kBatch / comm.world_size() * kContext));
   double first = 0, last = 0;
@@ -44,9 +44,9 @@ std::pair<double, double> train(Communicator& comm, int steps) {
     const auto [x, y] = local_batch(comm, step);
     const Tensor loss = nn::cross_entropy(model.forward(x), y, {.reduction = nn::LossReduction::sum}) / tokens;
     opt.zero_grad();
-    loss.backward();                                    // one reduce-scatter per group
+    loss.backward();                                     // one reduce-scatter per group
     nn::clip_grad_norm(model.parameters(), 1.0, &comm);  // the global norm
-    opt.step();                                         // on the local slices
+    opt.step();                                          // on the local slices
     last = comm.all_reduce(loss.detach()).item();
     if (step == 0) first = last;
     if (comm.rank() == 0 && (step % 20 == 0 || step + 1 == steps)) std::printf("step %d loss %.4f\n", step, last);
@@ -58,7 +58,8 @@ int main(int argc, char** argv) {
   try {
     const int ranks = argc > 1 ? std::atoi(argv[1]) : 2, steps = argc > 2 ? std::atoi(argv[2]) : 60;
     if (ranks < 1 || kBatch % ranks != 0 || steps < 1) {
-      std::fprintf(stderr, "sharded_gpt: RANKS must divide %lld and STEPS be positive\n", static_cast<long long>(kBatch));
+      std::fprintf(stderr, "sharded_gpt: RANKS must divide %lld and STEPS be positive\n",
+                   static_cast<long long>(kBatch));
       return 2;
     }
     std::pair<double, double> losses;

@@ -200,7 +200,7 @@ PendingGather ShardGroup::start_gather() const {
     for (const std::size_t i : bucket.members) part.push_back(cast(gather.sources[i], bucket.dtype));
     const Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
     gather.works.push_back(schedule_->overlapping() ? comm_->all_gather_async(local, {.tag = tag_})
-                                                            : Work::completed(comm_->all_gather(local, {.tag = tag_})));
+                                                    : Work::completed(comm_->all_gather(local, {.tag = tag_})));
   }
   return gather;
 }
@@ -468,8 +468,9 @@ void ShardSchedule::time_step() {
   // The ranks must agree (prefetching changes the order of the backward's collectives): the
   // slowest rank's medians decide, the same on every rank.
   const std::vector<double> slowest =
-      comm_->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64), Reduction::max,
-                        {.tag = "shard groups: the overlap trial's step times"})
+      comm_
+          ->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64), Reduction::max,
+                       {.tag = "shard groups: the overlap trial's step times"})
           .to_vector<double>();
   report_ = OverlapReport{.decided = true,
                           .overlapping = slowest[0] <= slowest[1],

@@ -56,7 +56,7 @@ constexpr std::size_t kOwnBucketBytes = std::size_t{256} << 10;
 struct ShardBucket {
   DType dtype = DType::f32;
   Accumulate accumulate = Accumulate::f32;
-  bool alone = false;  // one parameter of at least kOwnBucketBytes
+  bool alone = false;                 // one parameter of at least kOwnBucketBytes
   std::vector<std::size_t> members;   // indices into the group's parameters
   std::vector<std::int64_t> offsets;  // each member's offset in one rank's part
   std::int64_t part = 0;              // one rank's part: the members' slices back to back
@@ -225,7 +225,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
 
   static thread_local int probing;  // Probing scopes alive on this thread
-  Communicator* comm_;  // the decision's all-reduce
+  Communicator* comm_;              // the decision's all-reduce
   bool prefetch_ = true;
   int max_unsharded_ = 2;
   Overlap overlap_ = Overlap::automatic;

@@ -176,9 +176,12 @@ TEST_CASE("overlap: the memory plan's probe steps do not count in the trial and 
         for (nn::Module* m : std::vector<nn::Module*>{model->fc1.get(), model->fc2.get(), model->fc3.get()})
           nn::fully_shard(*m, comm, {.policy = policy, .overlap = overlap});
         nn::fully_shard(*model, comm, {.policy = policy, .overlap = overlap});
-        out = nn::probe_step(*model, comm, [&](std::int64_t rows) {
-          return sum(square(model->forward(randn({rows, 7}, 7)))) / 60.0;
-        }, 4);
+        out = nn::probe_step(
+            *model, comm,
+            [&](std::int64_t rows) {
+              return sum(square(model->forward(randn({rows, 7}, 7)))) / 60.0;
+            },
+            4);
         return model;
       };
       build_and_probe(nn::Overlap::on, probe_on[comm.rank()]);
@@ -187,7 +190,8 @@ TEST_CASE("overlap: the memory plan's probe steps do not count in the trial and 
       // The probe ran three backwards; the trial decides at the 7th backward end of training.
       nn::SGD opt(model->parameters(), {.lr = 0.01});
       for (int step = 0; step < 7; ++step) {
-        const Tensor loss = sum(square(model->forward(test::part(randn({60, 7}, 200 + step), comm.rank(), world)))) / 60.0;
+        const Tensor loss =
+            sum(square(model->forward(test::part(randn({60, 7}, 200 + step), comm.rank(), world)))) / 60.0;
         opt.zero_grad();
         loss.backward();
         opt.step();

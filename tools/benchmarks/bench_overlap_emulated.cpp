@@ -42,9 +42,10 @@ void run(Context& ctx) {
     for (const double share : {0.5, 1.0, 2.0}) {
       LinkModel link;
       link.bytes_per_second = bytes_per_step / (share * compute_seconds);
-      const std::string where = "emulated " + link.describe() + " link (communication ~" +
-                                std::to_string(share).substr(0, 3) + "x compute)";
-      run_ranks(kWorld, [&](Communicator& comm) { overlap::measure_model(ctx, comm, make, where); }, options(link));
+      const std::string where =
+          "emulated " + link.describe() + " link (communication ~" + std::to_string(share).substr(0, 3) + "x compute)";
+      run_ranks(
+          kWorld, [&](Communicator& comm) { overlap::measure_model(ctx, comm, make, where); }, options(link));
     }
   }
 }

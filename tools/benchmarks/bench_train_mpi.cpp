@@ -18,8 +18,8 @@ MpiEnvironment& environment() {
 // A step is as slow as its slowest rank: the largest median over the ranks (and the smallest
 // min and largest max).
 Stats slowest(Communicator& comm, const Stats& s) {
-  const auto v = comm.all_reduce(from_values({s.median, -s.min, s.max}, {3}, DType::f64), Reduction::max)
-                     .to_vector<double>();
+  const auto v =
+      comm.all_reduce(from_values({s.median, -s.min, s.max}, {3}, DType::f64), Reduction::max).to_vector<double>();
   return Stats{v[0], -v[1], v[2]};
 }
 

@@ -70,8 +70,8 @@ inline const std::vector<Maker>& models() {
 
 /// The slowest rank's figures: a step is as slow as its slowest rank.
 inline Stats slowest(Communicator& comm, const Stats& s) {
-  const auto v = comm.all_reduce(from_values({s.median, -s.min, s.max}, {3}, DType::f64), Reduction::max)
-                     .to_vector<double>();
+  const auto v =
+      comm.all_reduce(from_values({s.median, -s.min, s.max}, {3}, DType::f64), Reduction::max).to_vector<double>();
   return Stats{v[0], -v[1], v[2]};
 }
 
@@ -109,7 +109,8 @@ inline std::vector<std::int64_t> group_parts(const Model& m, std::int64_t world)
   std::int64_t root = 0;
   const auto all = m.root->named_parameters();
   for (const auto& [name, p] : all) root += (shape_numel(p.shape(), "bench") + world - 1) / world;
-  if (all.size() > taken) parts.insert(parts.begin(), root - std::accumulate(parts.begin(), parts.end(), std::int64_t{0}));
+  if (all.size() > taken)
+    parts.insert(parts.begin(), root - std::accumulate(parts.begin(), parts.end(), std::int64_t{0}));
   return parts;
 }
 

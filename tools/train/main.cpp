@@ -678,8 +678,7 @@ void run(const Config& cfg, Communicator& comm) {
       if (const nn::OverlapReport o = nn::overlap_report(task->module()); o.decided && cfg.overlap == "auto") {
         std::snprintf(buf, sizeof buf,
                       "overlap: %s (first steps timed: %.1f ms overlapping, %.1f ms synchronous, slowest rank)",
-                      o.overlapping ? "on" : "off", 1e3 * o.step_seconds_overlapping,
-                      1e3 * o.step_seconds_synchronous);
+                      o.overlapping ? "on" : "off", 1e3 * o.step_seconds_overlapping, 1e3 * o.step_seconds_synchronous);
         progress.line(buf);
       }
     }
