@@ -76,7 +76,7 @@ decltype(auto) dispatch_all(DType dtype, const char* op, F&& f) {
 /// Runs body(begin, end) over [0, total) split into one contiguous chunk per thread, or inline
 /// when the work is smaller than `grain` elements (small ops must not pay for a parallel region).
 template <class Body>
-void parallel_for(std::int64_t total, std::int64_t grain, Body&& body) {
+void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&& body) {
   if (total <= 0) return;
 #ifdef RUDA_HAVE_OPENMP
   const int threads = static_cast<int>(std::min<std::int64_t>(num_threads(), (total + grain - 1) / grain));
