@@ -83,8 +83,7 @@ inline void report_time(Context& ctx, const std::string& suite, const std::strin
 /// finer around 64 KiB ... 2 MiB, where MPI's reduce-scatter gives way to ruda's ring.
 inline std::vector<std::int64_t> collective_totals(const Context& ctx) {
   if (ctx.quick) return {4 << 10, 1 << 20, 16 << 20};
-  return {4 << 10,  16 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10,
-          1 << 20,  2 << 20,  4 << 20,  16 << 20,  64 << 20};
+  return {4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20, 64 << 20};
 }
 inline std::string size_name(std::int64_t bytes) {
   if (bytes >= (1 << 20)) return std::to_string(bytes >> 20) + "MiB";

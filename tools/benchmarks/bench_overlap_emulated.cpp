@@ -32,7 +32,7 @@ void run(Context& ctx) {
     run_ranks(
         kWorld,
         [&](Communicator& comm) {
-          const Stats compute = overlap::train_step(ctx, comm, make, nullptr);
+          const Stats compute = overlap::train_step(ctx, comm, make, nullptr).seconds;
           if (comm.rank() != 0) return;
           compute_seconds = compute.median;
           for (std::int64_t part : overlap::group_parts(make(kWorld, 0), kWorld))

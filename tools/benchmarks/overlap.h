@@ -75,24 +75,41 @@ inline Stats slowest(Communicator& comm, const Stats& s) {
   return Stats{v[0], -v[1], v[2]};
 }
 
-/// A training step, sharded with `options` (dense without).
-inline Stats train_step(const Context& ctx, Communicator& comm, Maker make, const nn::FullyShardOptions* options) {
+/// A training step timed (the slowest rank's), then its peak tensor bytes (the largest rank's)
+/// and what the schedule decided about overlap.
+struct TrainStep {
+  Stats seconds;
+  double peak_bytes = 0;
+  nn::OverlapReport overlap;
+};
+
+/// Times a training step, sharded with `options` (dense without: the peer) after `warmup` untimed
+/// steps: in a group per module of Model::groups, then the root's, or per parameter.
+inline TrainStep train_step(const Context& ctx, Communicator& comm, Maker make, const nn::FullyShardOptions* options,
+                            int warmup = 2) {
   nn::manual_seed(1);
   Model m = make(comm.world_size(), comm.rank());
   if (options) {
-    for (nn::Module* g : m.groups) nn::fully_shard(*g, comm, *options);
+    if (options->group) {  // per parameter: the root's call shards them all
+      for (nn::Module* g : m.groups) nn::fully_shard(*g, comm, *options);
+    }
     nn::fully_shard(*m.root, comm, *options);
   }
   nn::AdamW opt(m.root->parameters(), {.lr = 1e-4});
-  return slowest(comm, measure(
-                           ctx,
-                           [&] {
-                             const Tensor loss = m.loss(*m.root);
-                             opt.zero_grad();
-                             loss.backward();
-                             opt.step();
-                           },
-                           2));
+  auto step = [&] {
+    const Tensor loss = m.loss(*m.root);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  };
+  TrainStep out;
+  out.seconds = slowest(comm, measure(ctx, step, warmup));
+  memory::reset_peak();
+  step();
+  out.peak_bytes =
+      comm.all_reduce(scalar(static_cast<double>(memory::stats().peak_bytes), DType::f64), Reduction::max).item();
+  out.overlap = nn::overlap_report(*m.root);
+  return out;
 }
 
 /// One rank's part of each group (elements), in forward order: the root's group first (what the
@@ -143,9 +160,9 @@ inline void measure_model(Context& ctx, Communicator& comm, Maker make, const st
       make(comm.world_size(), comm.rank()).name + ", " + std::to_string(comm.world_size()) + " ranks, " + where;
   const nn::FullyShardOptions overlapping{.overlap = nn::Overlap::on},
       synchronous{.prefetch = false, .overlap = nn::Overlap::off};
-  const Stats step = train_step(ctx, comm, make, &overlapping);
-  const Stats serial = train_step(ctx, comm, make, &synchronous);
-  const Stats compute = train_step(ctx, comm, make, nullptr);
+  const Stats step = train_step(ctx, comm, make, &overlapping).seconds;
+  const Stats serial = train_step(ctx, comm, make, &synchronous).seconds;
+  const Stats compute = train_step(ctx, comm, make, nullptr).seconds;
   const Stats communication = communication_only(ctx, comm, make);
   const Stats& bound = compute.median >= communication.median ? compute : communication;
   if (comm.rank() != 0) return;
