@@ -1,4 +1,4 @@
-// Agreement across ranks on text: the ranks' error messages (agree_on_failure) and any small
+// Agreement across ranks on text: the ranks' error messages (agree_on_failure, run_agreed) and any small
 // per-rank report (checkpoint checksums), over the ordinary collectives.
 #include <algorithm>
 #include <cstring>
@@ -35,6 +35,17 @@ std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string&
     if (!errors[r].empty()) failures.push_back({static_cast<int>(r), errors[r]});
   }
   return failures;
+}
+
+std::vector<RankFailure> run_agreed(Communicator& comm, const std::string& tag, const std::function<void()>& phase) {
+  std::string error;
+  try {
+    phase();
+  } catch (const std::exception& e) {
+    error = e.what();
+    if (error.empty()) error = "an exception without a message";  // still a failure, not a success
+  }
+  return agree_on_failure(comm, error, tag);
 }
 
 std::string describe(const std::vector<RankFailure>& failures) {

@@ -173,21 +173,11 @@ bool holds_checkpoint(const std::string& dir) {
 
 namespace {
 
-// Runs fn; returns its error message ("" when it succeeded).
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return {};
-}
-
-// Agrees a phase's outcome across ranks: if any rank failed, every rank raises an IOError about
-// `step_dir` that names each failing rank and its own error.
-void agree_or_fail(Communicator& comm, const std::string& error, const std::string& step_dir, const char* phase) {
-  const auto failures = agree_on_failure(comm, error, std::string("checkpoint ") + phase);
+// Runs a phase of a save on every rank and agrees on its outcome: if any rank failed, every rank
+// raises an IOError about `step_dir` that names each failing rank and its own error.
+void run_agreed_or_fail(Communicator& comm, const std::string& step_dir, const char* phase,
+                        const std::function<void()>& fn) {
+  const auto failures = run_agreed(comm, std::string("checkpoint ") + phase, fn);
   if (!failures.empty()) fail(step_dir, std::string(phase) + " failed on " + describe(failures));
 }
 
@@ -290,24 +280,24 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   // stops being a checkpoint before any of its files is replaced: rank 0 removes its index, and
   // no rank writes until that is done, so a kill from here on never leaves old and new files
   // under a complete-looking index.
-  std::string error;
-  if (rank == 0) {
-    error = error_of([&] {
-      check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
-      fs::create_directories(step_dir);
-      if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
-    });
-  }
-  agree_or_fail(comm, error, step_dir, "preparing the directory");
+  run_agreed_or_fail(comm, step_dir, "preparing the directory", [&] {
+    if (rank != 0) return;
+    check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
+    fs::create_directories(step_dir);
+    if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
+  });
 
   // 2. Every rank writes its file and reports where its pieces lie and their checksums; every
   // rank learns every rank's outcome, with the failing ranks' own errors.
   json report;
-  error = error_of([&] {
+  std::string error;
+  try {
     fs::create_directories(step_dir);
     report =
         write_rank_file((fs::path(step_dir) / rank_file(rank, world)).string(), step, rank, world, params, optimizer);
-  });
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
   const std::vector<std::string> texts =
       all_gather_text(comm, error.empty() ? report.dump() : json{{"error", error}}.dump(), "checkpoint files");
   std::vector<RankFailure> failures;
@@ -319,20 +309,16 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   if (!failures.empty()) fail(step_dir, "writing the rank files failed on " + describe(failures));
 
   // 3. Rank 0 publishes.
-  error.clear();
-  if (rank == 0) {
-    error = error_of([&] {
-      std::vector<ParamHeader> headers;
-      for (const auto& [name, p] : params)
-        headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded()});
-      std::vector<std::string> states;
-      if (optimizer && !params.empty()) {
-        for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
-      }
-      publish(dir, step_dir, step, build_index(step, world, headers, optimizer, states, extra, reports), keep);
-    });
-  }
-  agree_or_fail(comm, error, step_dir, "publishing the index");
+  run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
+    if (rank != 0) return;
+    std::vector<ParamHeader> headers;
+    for (const auto& [name, p] : params) headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded()});
+    std::vector<std::string> states;
+    if (optimizer && !params.empty()) {
+      for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
+    }
+    publish(dir, step_dir, step, build_index(step, world, headers, optimizer, states, extra, reports), keep);
+  });
   return CheckpointInfo{step_dir, step, world, extra};
 }
 
@@ -423,6 +409,22 @@ CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimize
   if (mine) std::rethrow_exception(mine);
   if (!failures.empty()) fail(path, "loading failed on " + describe(failures));
   return info;
+}
+
+void check_resumable(const CheckpointInfo& saved, const std::string& model,
+                     const std::map<std::string, std::string>& data_stream) {
+  const auto found = saved.extra.find("model");
+  if (found == saved.extra.end() || found->second != model) {
+    throw IOError("checkpoint " + saved.directory + " holds model '" +
+                  (found == saved.extra.end() ? "?" : found->second) + "', this run trains '" + model + "'");
+  }
+  for (const auto& [setting, value] : data_stream) {
+    const auto recorded = saved.extra.find(setting);
+    if (recorded != saved.extra.end() && recorded->second != value) {
+      throw ArgumentError(setting + " " + value + " differs from the " + setting + " " + recorded->second + " of " +
+                          saved.directory + ": the resumed run would train on other samples");
+    }
+  }
 }
 
 CheckpointSummary describe_checkpoint(const std::string& path) {

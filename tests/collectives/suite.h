@@ -507,7 +507,7 @@ inline void order_check(Communicator& c) {
   c.set_order_check(was);
 }
 
-/// all_gather_text and agree_on_failure: texts of different lengths (empty, long, with zero
+/// all_gather_text, agree_on_failure and run_agreed: texts of different lengths (empty, long, with zero
 /// bytes) arrive whole and in rank order; failures name their ranks, and equal messages merge.
 inline void text_agreement(Communicator& c) {
   const int n = c.world_size(), r = c.rank();
@@ -540,6 +540,27 @@ inline void text_agreement(Communicator& c) {
                 ": cannot open /data/rank-" + std::to_string(n - 1);
   CHECK_MESSAGE(describe(failures) == expected, "rank " << r << " of " << n << ": " << describe(failures));
   CHECK(failures.size() == odd.size() + (n > 1 ? 1 : 0));
+
+  // run_agreed: a phase that throws on the last rank only (a typed error, and one without a
+  // message) is a failure every rank sees, with that rank's message; a phase that succeeds is none.
+  int ran = 0;
+  CHECK(run_agreed(c, "setup ok", [&] { ++ran; }).empty());
+  CHECK(ran == 1);
+  const auto setup = run_agreed(c, "setup", [&] {
+    if (r == n - 1) throw ArgumentError("--batch 7 does not divide over " + std::to_string(n) + " ranks");
+  });
+  REQUIRE(setup.size() == 1);
+  CHECK(setup[0].rank == n - 1);
+  CHECK(setup[0].message == "--batch 7 does not divide over " + std::to_string(n) + " ranks");
+  struct Silent : std::exception {
+    const char* what() const noexcept override { return ""; }
+  };
+  const auto silent = run_agreed(c, "silent", [&] {
+    if (r == 0) throw Silent();
+  });
+  REQUIRE(silent.size() == 1);
+  CHECK(silent[0].rank == 0);
+  CHECK_FALSE(silent[0].message.empty());
 }
 
 }  // namespace ruda::test::collectives

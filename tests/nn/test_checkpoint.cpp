@@ -193,6 +193,23 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
 }
 
+TEST_CASE("check_resumable: another model or another data stream is refused before loading") {
+  TempDir dir;
+  const test::TrainResult saved = rank0(2, [&](Communicator& comm) { return train(comm, 0, 2, "", dir.str()); });
+  nn::CheckpointInfo info = nn::describe_checkpoint(dir.str()).info;
+  CHECK(info.extra.at("model") == "tiny");
+  nn::check_resumable(info, "tiny", {});
+  info.extra["--seed"] = "1";
+  nn::check_resumable(info, "tiny", {{"--seed", "1"}, {"--batch", "64"}});  // --batch was not recorded: passes
+  test::check_throws<IOError>([&] { nn::check_resumable(info, "small", {}); },
+                              {info.directory, "holds model 'tiny'", "this run trains 'small'"});
+  test::check_throws<ArgumentError>([&] { nn::check_resumable(info, "tiny", {{"--seed", "7"}}); },
+                                    {"--seed 7 differs from the --seed 1 of", info.directory, "other samples"});
+  info.extra.erase("model");
+  test::check_throws<IOError>([&] { nn::check_resumable(info, "tiny", {}); }, {"holds model '?'"});
+  CHECK(saved.losses.size() == 2);
+}
+
 TEST_CASE("bad checkpoints raise IOError naming the problem") {
   TempDir dir;
   run_ranks(2, [&](Communicator& comm) {

@@ -350,6 +350,12 @@ struct RankFailure {
 /// every rank succeeded). Collective.
 std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string& error, const std::string& tag);
 
+/// Runs `phase` on this rank and agrees on its outcome with every rank (agree_on_failure): the
+/// failures in rank order, empty when it succeeded everywhere. An exception the phase throws does
+/// not escape; its message is this rank's failure. For setup that every rank must finish before any
+/// goes on to a collective: a rank that fails here cannot leave the others waiting. Collective.
+std::vector<RankFailure> run_agreed(Communicator& comm, const std::string& tag, const std::function<void()>& phase);
+
 /// "rank 1: <message>; rank 3: <message>" (the same message from several ranks is given once, as
 /// "ranks 1, 3: <message>").
 std::string describe(const std::vector<RankFailure>& failures);

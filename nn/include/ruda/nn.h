@@ -13,4 +13,5 @@
 #include <ruda/nn/recompute.h>
 #include <ruda/nn/safetensors.h>
 #include <ruda/nn/sharded.h>
+#include <ruda/nn/training.h>
 #include <ruda/ruda.h>

@@ -92,6 +92,14 @@ struct CheckpointSummary {
 };
 CheckpointSummary describe_checkpoint(const std::string& path);
 
+/// Checks that the checkpoint `saved` continues this run before anything is loaded: its extra
+/// state must name the same model (extra["model"] == model, else an IOError naming both, so a
+/// checkpoint of another model is not reported as a shape mismatch), and every setting of the data
+/// stream it recorded must equal this run's (else an ArgumentError naming the setting and both
+/// values: the resumed run would train on other samples). Settings it did not record pass.
+void check_resumable(const CheckpointInfo& saved, const std::string& model,
+                     const std::map<std::string, std::string>& data_stream);
+
 /// Validates the index as load_checkpoint does, opens every file and checks its header and identity
 /// against the index, and reads every byte of every piece, checking each block against its hash;
 /// returns the bytes checked. IOError on the first problem.

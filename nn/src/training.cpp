@@ -1,0 +1,108 @@
+#include <algorithm>
+
+#include <ruda/autograd.h>
+#include <ruda/nn/losses.h>
+#include <ruda/nn/training.h>
+#include <ruda/random.h>
+#include <ruda/ruda.h>
+
+namespace ruda::nn {
+
+ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, const IdxImages& test, std::int64_t chunk) {
+  if (chunk <= 0) throw ArgumentError("evaluate_classifier: chunk " + std::to_string(chunk) + " is not positive");
+  autograd::NoGradGuard guard;
+  const std::int64_t n = test.size(), world = comm.world_size(), features = test.rows() * test.cols();
+  const std::int64_t share = (n + world - 1) / world, mine = comm.rank() * share;
+  double correct = 0, loss_sum = 0;
+  for (std::int64_t first = 0; first < share; first += chunk) {
+    const std::int64_t rows = std::min(chunk, share - first);
+    // This pass's rows of the set: [lo, hi), fewer than `rows` (or none) at its end.
+    const std::int64_t lo = std::min(n, mine + first), hi = std::min(n, mine + first + rows);
+    Tensor x = hi > lo ? test.images(lo, hi) : Tensor();
+    if (hi - lo < rows) {
+      const Tensor padding = zeros({rows - (hi - lo), features});
+      x = x.defined() ? concat({x, padding}, 0) : padding;
+    }
+    const Tensor logits = cast(model.forward(x), DType::f32);
+    if (hi > lo) {
+      const Tensor real = logits.slice(0, 0, hi - lo);
+      const Tensor labels = test.labels(lo, hi);
+      correct += sum(eq(argmax(real, 1), labels).to(DType::f64)).item();
+      loss_sum += cross_entropy(real, labels, {.reduction = LossReduction::sum}).item();
+    }
+  }
+  const auto totals = comm.all_reduce(from_values({correct, loss_sum}, {2}, DType::f64)).to_vector<double>();
+  return {totals[0] / static_cast<double>(n), totals[1] / static_cast<double>(n)};
+}
+
+TextWindows::TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end, std::int64_t context)
+    : corpus_(std::move(corpus)), begin_(begin), end_(end), context_(context) {
+  if (context <= 0 || begin < 0 || end > corpus_.size() || end - begin < context + 2) {
+    throw ArgumentError("TextWindows: bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
+                        std::to_string(corpus_.size()) + " are too few for windows of context " +
+                        std::to_string(context) + " (it needs context + 2)");
+  }
+}
+
+std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t step, std::int64_t global_batch, int rank,
+                                             int world_size) {
+  if (world_size <= 0 || global_batch <= 0 || global_batch % world_size != 0 || rank < 0 || rank >= world_size) {
+    throw ArgumentError("TextWindows::batch: a global batch of " + std::to_string(global_batch) +
+                        " windows does not divide over " + std::to_string(world_size) + " ranks (rank " +
+                        std::to_string(rank) + ")");
+  }
+  const std::int64_t local = global_batch / world_size, t = context_;
+  std::vector<std::int64_t> x(static_cast<std::size_t>(local * t)), y(x.size());
+  std::vector<std::uint8_t> window(static_cast<std::size_t>(t + 1));
+  for (std::int64_t i = 0; i < local; ++i) {
+    const std::int64_t index = step * global_batch + rank * local + i;
+    const double u = random::uniform_double(seed, static_cast<std::uint64_t>(index));
+    const std::int64_t pos = begin_ + static_cast<std::int64_t>(u * static_cast<double>(end_ - begin_ - t - 1));
+    corpus_.read(pos, t + 1, window.data());
+    bytes_read_ += t + 1;
+    std::copy(window.begin(), window.end() - 1, x.begin() + i * t);
+    std::copy(window.begin() + 1, window.end(), y.begin() + i * t);
+  }
+  return {from_vector(x, {local, t}), from_vector(y, {local, t})};
+}
+
+std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int64_t count, std::int64_t context,
+                         double temperature, std::uint64_t seed) {
+  if (context <= 0) throw ArgumentError("sample_bytes: context " + std::to_string(context) + " is not positive");
+  autograd::NoGradGuard guard;
+  std::vector<std::int64_t> tokens;
+  for (char c : prompt) tokens.push_back(static_cast<unsigned char>(c));
+  if (tokens.empty()) tokens.push_back('\n');
+  std::string out;
+  for (std::int64_t i = 0; i < count; ++i) {
+    const std::int64_t from = std::max<std::int64_t>(0, static_cast<std::int64_t>(tokens.size()) - context);
+    const std::vector<std::int64_t> window(tokens.begin() + from, tokens.end());
+    const std::int64_t t = static_cast<std::int64_t>(window.size());
+    const Tensor all = model.forward(from_vector(window, {1, t}));
+    if (all.shape() != Shape{1, t, 256}) {
+      throw ShapeError("sample_bytes: the model gave logits " + to_string(all.shape()) + " for tokens [1, " +
+                       std::to_string(t) + "], not [1, " + std::to_string(t) + ", 256]");
+    }
+    const Tensor logits = cast(all, DType::f32).slice(1, t - 1, t).reshape({256});
+    std::int64_t next = 255;
+    if (temperature <= 0) {
+      next = static_cast<std::int64_t>(argmax(logits, 0).item());
+    } else {
+      const auto p = softmax(logits / temperature, 0).to_vector<double>();
+      const double u = random::uniform_double(seed, static_cast<std::uint64_t>(i));
+      double acc = 0;
+      for (int k = 0; k < 256; ++k) {
+        acc += p[static_cast<std::size_t>(k)];
+        if (u < acc) {
+          next = k;
+          break;
+        }
+      }
+    }
+    tokens.push_back(next);
+    out.push_back(static_cast<char>(next));
+  }
+  return out;
+}
+
+}  // namespace ruda::nn

@@ -1,0 +1,342 @@
+// ruda-train's job on one rank: setup agreed across the ranks, the memory plan, resuming, the
+// training loop with its evaluations, checkpoints and metrics, and the summary.
+#include "job.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <tuple>
+
+#include "report.h"
+#include "tasks.h"
+
+namespace ruda::train {
+
+using nlohmann::json;
+
+void print_error(const std::string& message) { std::cerr << "ruda-train: error: " << message << std::endl; }
+
+namespace {
+
+// Runs a setup phase on every rank and agrees on its outcome: if it failed anywhere, the lowest
+// failing rank's message is printed once (by rank 0) and every rank leaves with a non-zero exit
+// instead of waiting in a collective.
+void setup_phase(Communicator& comm, const std::function<void()>& phase) {
+  const auto failures = run_agreed(comm, "setup", phase);
+  if (failures.empty()) return;
+  if (comm.rank() == 0) print_error(failures.front().message);
+  throw Reported("setup failed on rank " + std::to_string(failures.front().rank));
+}
+
+// --- the memory plan ---
+
+// "needs ~1.9 GB per rank at 1 rank; limit 256 MB; fits at 8 ranks, or at 4 with --activation-checkpointing"
+std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, std::int64_t batch,
+                    const std::optional<nn::StepProbe>& probe, const std::optional<nn::StepProbe>& checkpointed,
+                    const nn::PlanOptions& options) {
+  const int world = plan.world_size;
+  std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
+                    memory::format_bytes(plan.peak()) + " per rank at " + std::to_string(world) +
+                    (world == 1 ? " rank" : " ranks") +
+                    (plan.measured() ? "" : " before activations (parameters, gradients and optimizer state)") +
+                    "; limit " + memory::format_bytes(limit);
+  const int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
+  out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +
+                        " ranks"
+                  : "; fits at no world size with --batch " + std::to_string(batch);
+  if (checkpointed) {
+    const int with = nn::smallest_fitting_world(task.module(), batch, checkpointed, limit, options);
+    if (with > 0 && (fits == 0 || with < fits))
+      out += ", or at " + std::to_string(with) + " with --activation-checkpointing";
+  }
+  return out;
+}
+
+// Before any parameter exists: refuses a configuration whose sharded state alone exceeds the limit.
+void check_state_fits(const Config& cfg, Communicator& comm, Task& task, const nn::PlanOptions& options) {
+  const std::int64_t limit = memory::limit();
+  const nn::MemoryPlan state = nn::plan_state(task.module(), comm.world_size(), cfg.batch, options);
+  if (limit > 0 && state.peak() > limit) {
+    throw OutOfMemoryError(refusal(task, state, limit, cfg.batch, std::nullopt, std::nullopt, options));
+  }
+}
+
+// With the shards in place: measures a step on micro-batches and returns the plan, with the
+// refusal of a configuration over this rank's limit naming what would fit (probing the recomputing
+// blocks too when that could help). Collective: every rank runs the same probes whatever its own
+// limit says, and the caller agrees on the refusal.
+std::pair<nn::MemoryPlan, std::string> measure_plan(const Config& cfg, Communicator& comm, Task& task,
+                                                    const nn::PlanOptions& options) {
+  auto step = [&](std::int64_t b) { return task.probe_loss(b); };
+  const std::int64_t limit = memory::limit();
+  const nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, cfg.batch, step, limit, options);
+  const bool over = limit > 0 && plan.peak() > limit;
+  // Whether any rank is over: then every rank probes the recomputing blocks for the refusal's hint.
+  if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, ""};
+  std::optional<nn::StepProbe> checkpointed;
+  if (task.can_checkpoint_activations() && !cfg.activation_checkpointing) {
+    task.set_activation_checkpointing(true);
+    checkpointed = nn::probe_step(task.module(), comm, step);
+    task.set_activation_checkpointing(false);
+  }
+  return {plan, over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) : ""};
+}
+
+// --- the training loop ---
+
+// " test_accuracy 84.20% test_loss 0.4412": each figure of an evaluation after `separator`.
+std::string format_evaluation(const json& evaluation, const char* separator) {
+  std::string out;
+  for (const auto& [name, value] : evaluation.items()) {
+    char buf[96];
+    const bool percent = name == "test_accuracy";
+    std::snprintf(buf, sizeof buf, percent ? "%s%s %.2f%%" : "%s%s %.4f", separator, name.c_str(),
+                  percent ? value.get<double>() * 100 : value.get<double>());
+    out += buf;
+  }
+  return out;
+}
+
+// Every rank sees the same summed loss, so every rank stops here: rank 0 says at which step and
+// on which rank the loss first became NaN or infinite, and all leave without an MPI abort.
+[[noreturn]] void stop_on_non_finite(Communicator& comm, const Tensor& local_loss, double global, std::int64_t step) {
+  const auto locals = autograd::no_grad([&] {
+    return comm.all_gather(cast(local_loss.detach(), DType::f64).reshape({1}), {.tag = "non-finite loss"})
+        .to_vector<double>();
+  });
+  const auto first = std::find_if(locals.begin(), locals.end(), [](double l) { return !std::isfinite(l); });
+  if (comm.rank() == 0) {
+    std::ostringstream message;
+    message << "loss became " << global << " at step " << step;
+    if (first != locals.end()) message << " (first on rank " << first - locals.begin() << ": " << *first << ")";
+    print_error(message.str());
+  }
+  throw Reported("non-finite loss");
+}
+
+}  // namespace
+
+void run(const Config& cfg, Communicator& comm) {
+  // This rank's own memory figures (emulated ranks and MPI processes alike); the dataset shared
+  // by a process is loaded outside it.
+  memory::Scope rank_memory;
+  if (cfg.check_collectives) comm.set_order_check(true);
+  const bool main_rank = comm.rank() == 0;
+  std::unique_ptr<Task> task;
+  std::unique_ptr<nn::Optimizer> optimizer;
+  std::int64_t start_step = 0;
+  nn::CheckpointInfo resumed;
+  nn::MemoryPlan plan;
+  const auto begin = std::chrono::steady_clock::now();
+
+  nn::ShardPolicy policy;
+  policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
+  if (parse_dtype(cfg.dtype) != DType::f32) policy.compute_dtype = parse_dtype(cfg.dtype);
+  const nn::PlanOptions plan_options{.optimizer_states = 2, .compute_dtype = policy.compute_dtype};
+  // Without collectives: the options, the data, the model (deferred: no parameter is allocated)
+  // and whether its sharded state alone fits the limit.
+  setup_phase(comm, [&] {
+    if (!cfg.backend.empty()) set_default_backend(cfg.backend);
+    if (cfg.batch % comm.world_size() != 0) {
+      throw ArgumentError("--batch " + std::to_string(cfg.batch) + " does not divide over " +
+                          std::to_string(comm.world_size()) + " ranks");
+    }
+    task = make_task(cfg, comm);
+    check_state_fits(cfg, comm, *task, plan_options);
+  });
+  // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
+  // one rank here (an allocation past the limit) ends the job rather than being agreed on.
+  const nn::FullyShardOptions shard_options{.policy = policy,
+                                            .group = !cfg.per_parameter,
+                                            .prefetch = !cfg.no_prefetch,
+                                            .overlap = cfg.overlap == "on"    ? nn::Overlap::on
+                                                       : cfg.overlap == "off" ? nn::Overlap::off
+                                                                              : nn::Overlap::automatic,
+                                            .max_unsharded_groups = cfg.unsharded_groups};
+  if (!cfg.per_parameter) {
+    for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
+  }
+  nn::fully_shard(task->module(), comm, shard_options);
+  std::string refused;
+  std::tie(plan, refused) = measure_plan(cfg, comm, *task, plan_options);
+  setup_phase(comm, [&] {
+    if (!refused.empty()) throw OutOfMemoryError(refused);
+    optimizer = std::make_unique<nn::AdamW>(task->module().parameters(),
+                                            nn::AdamWOptions{.lr = cfg.lr, .weight_decay = cfg.weight_decay});
+    const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
+    if (!from.empty()) {
+      const nn::CheckpointSummary found = nn::describe_checkpoint(from);
+      nn::check_resumable(found.info, task->description(), task->data_stream());
+      resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm,
+                                    {.verify_checksums = !cfg.skip_checksums});
+      start_step = resumed.step;
+    }
+  });
+  // Only now that every rank has loaded (the phase agreed on it) is the resume reported.
+  if (main_rank && !resumed.directory.empty()) {
+    std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
+              << resumed.world_size << " ranks, now " << comm.world_size() << ")" << std::endl;
+  }
+
+  const std::int64_t total = task->total_steps();
+  train::Metrics metrics;
+  setup_phase(comm, [&] {
+    if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
+  });
+  if (main_rank) {
+    std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
+              << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "")
+              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy
+              << (cfg.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
+              << " steps" << std::endl;
+    std::cout << plan.table(memory::limit()) << std::flush;
+  }
+  const nn::Schedule schedule = cfg.schedule == "cosine"
+                                    ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
+                                    : nn::schedules::linear_warmup(cfg.lr, cfg.warmup);
+  train::Progress progress(main_rank, total, cfg.log_every);
+  progress.set_first_step(start_step);
+  const auto params = task->module().parameters();
+  double rate = 0, last_loss = 0;
+  json last_eval;
+  // Per rank: the peak tensor bytes, and the data bytes read (one all-gather for both).
+  auto per_rank = [&] {
+    const auto both = comm.all_gather(from_values({static_cast<double>(memory::stats().peak_bytes),
+                                                   static_cast<double>(task->data_bytes_read())},
+                                                  {2}, DType::f64))
+                          .to_vector<double>();
+    std::pair<std::vector<double>, std::vector<double>> out;
+    for (std::size_t i = 0; i < both.size(); i += 2) {
+      out.first.push_back(both[i]);
+      out.second.push_back(both[i + 1]);
+    }
+    return out;
+  };
+  auto peaks = [&] { return per_rank().first; };
+  // Predicted against measured once the state is complete (the optimizer's moments appear in the
+  // first step, the gradients live on into the second).
+  const std::int64_t plan_check_step = std::min(start_step + 2, total);
+  memory::reset_peak();
+  auto save = [&](std::int64_t step) {
+    std::map<std::string, std::string> extra = task->data_stream();
+    extra.insert(
+        {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
+    const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
+    progress.line("checkpoint " + info.directory);
+  };
+
+  Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)
+  for (std::int64_t step = start_step; step < total; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Traffic traffic_before = comm.traffic();
+    optimizer->set_lr(schedule(step));
+    const Tensor loss = task->loss(step);
+    optimizer->zero_grad();
+    loss.backward();
+    double norm = -1;
+    if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &comm);
+    optimizer->step();
+    last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
+    if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const Traffic traffic_after = comm.traffic();
+    const Traffic step_traffic{
+        traffic_after.collectives - traffic_before.collectives, traffic_after.bytes - traffic_before.bytes,
+        traffic_after.seconds - traffic_before.seconds, traffic_after.exposed_seconds - traffic_before.exposed_seconds};
+    comm_total.collectives += step_traffic.collectives;
+    comm_total.bytes += step_traffic.bytes;
+    comm_total.seconds += step_traffic.seconds;
+    comm_total.exposed_seconds += step_traffic.exposed_seconds;
+    const double current = static_cast<double>(task->samples_per_step()) / seconds;
+    rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
+    progress.step(step, task->where(step), last_loss, rate);
+    if (!cfg.checkpoint_dir.empty() && cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0)
+      save(step + 1);
+    if (step + 1 == plan_check_step) {
+      const auto peak = peaks();
+      if (main_rank) {
+        const double measured = *std::max_element(peak.begin(), peak.end());
+        char buf[160];
+        std::snprintf(buf, sizeof buf, "memory: predicted %s per rank, measured %s (largest rank; %.2f of predicted)",
+                      memory::format_bytes(plan.peak()).c_str(),
+                      memory::format_bytes(static_cast<std::int64_t>(measured)).c_str(),
+                      measured / static_cast<double>(plan.peak()));
+        progress.line(buf);
+      }
+    }
+    const bool final = step + 1 == total;
+    json eval = task->evaluate(step, final);
+    if (!eval.empty()) nn::reshard(task->module());  // the evaluation's last layers' weights
+    const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
+    if (log) {
+      const auto [peak, data_read] = per_rank();
+      if (main_rank) {
+        json record = {{"step", step + 1},
+                       {"loss", last_loss},
+                       {"lr", optimizer->lr()},
+                       {"samples_per_s", rate},
+                       {"peak_memory_bytes", peak},
+                       {"predicted_peak_bytes", plan.peak()},
+                       {"data_bytes_read", data_read},
+                       {"comm_collectives", step_traffic.collectives},
+                       {"comm_bytes", step_traffic.bytes},
+                       {"comm_seconds", step_traffic.seconds},
+                       {"comm_exposed_seconds", step_traffic.exposed_seconds}};
+        if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
+        if (norm >= 0) record["grad_norm"] = norm;
+        for (auto& [k, v] : eval.items()) record[k] = v;
+        metrics.write(record);
+      }
+    }
+    if (!eval.empty()) {
+      last_eval = eval;
+      progress.line("step " + std::to_string(step + 1) + " " + task->where(step) + format_evaluation(eval, " "));
+    }
+  }
+  if (!cfg.checkpoint_dir.empty() && total > start_step &&
+      (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
+    save(total);
+  }
+  task->after_training();
+  const auto peak = peaks();
+  if (main_rank) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    std::string summary = "done: " + std::to_string(total - start_step) + " steps in " + train::duration(seconds);
+    if (total > start_step) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, ", final loss %.4f", last_loss);
+      summary += buf;
+    }
+    summary += format_evaluation(last_eval, ", ");
+    summary += ", peak memory per rank:";
+    for (double p : peak) {
+      summary += ' ';  // (appended in two steps: GCC 12 warns falsely on " " + ..., bug 105329)
+      summary += megabytes(p);
+    }
+    progress.line(summary);
+    if (comm_total.bytes > 0) {
+      // Rank 0's view: what its collectives took per step, and how much of it the step waited for.
+      const double steps = static_cast<double>(total - start_step);
+      char buf[200];
+      std::snprintf(
+          buf, sizeof buf,
+          "communication: %.1f collectives, %s, %.1f ms per step; %.1f ms of it exposed (the step waited)",
+          static_cast<double>(comm_total.collectives) / steps,
+          memory::format_bytes(static_cast<std::int64_t>(static_cast<double>(comm_total.bytes) / steps)).c_str(),
+          1e3 * comm_total.seconds / steps, 1e3 * comm_total.exposed_seconds / steps);
+      progress.line(buf);
+      if (const nn::OverlapReport o = nn::overlap_report(task->module()); o.decided && cfg.overlap == "auto") {
+        std::snprintf(buf, sizeof buf,
+                      "overlap: %s (first steps timed: %.1f ms overlapping, %.1f ms synchronous, slowest rank)",
+                      o.overlapping ? "on" : "off", 1e3 * o.step_seconds_overlapping, 1e3 * o.step_seconds_synchronous);
+        progress.line(buf);
+      }
+    }
+  }
+}
+
+}  // namespace ruda::train

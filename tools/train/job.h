@@ -1,0 +1,26 @@
+// ruda-train's job, run on every rank (emulated, MPI, or alone) with the parsed settings.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include <ruda/collectives.h>
+
+#include "config.h"
+
+namespace ruda::train {
+
+/// An error already reported to the user: exit non-zero without printing more.
+struct Reported : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// "ruda-train: error: <message>" on standard error.
+void print_error(const std::string& message);
+
+/// Sets up, trains and evaluates the task `cfg` names on this rank. Collective over comm. Throws
+/// Reported for a failure already printed (a setup phase or a non-finite loss, agreed on by every
+/// rank), and any other exception for a failure on this rank alone.
+void run(const Config& cfg, Communicator& comm);
+
+}  // namespace ruda::train

@@ -1,0 +1,183 @@
+#include "tasks.h"
+
+#include <iostream>
+#include <mutex>
+#include <numbers>
+#include <optional>
+
+namespace ruda::train {
+namespace {
+
+// Fashion-MNIST, opened once per process: emulated ranks share the open files (and the one
+// decompression of a gzip file into the cache). Each rank reads only the samples it uses.
+struct ImageData {
+  nn::IdxImages train, test;
+};
+ImageData datasets(const Config& cfg) {
+  static std::mutex mutex;
+  static std::map<std::string, ImageData> cache;
+  std::lock_guard lock(mutex);
+  const std::string key = cfg.data + "|" + std::to_string(cfg.limit) + "|" + std::to_string(cfg.test_limit);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    nn::IdxImages train = nn::open_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
+    nn::IdxImages test = nn::open_fashion_mnist(cfg.data, false, cfg.test_limit);
+    it = cache.emplace(key, ImageData{std::move(train), std::move(test)}).first;
+  }
+  return it->second;
+}
+
+struct MlpTask : Task {
+  const Config& cfg;
+  Communicator& comm;
+  nn::IdxImages train, test;
+  std::shared_ptr<nn::Sequential> model;
+  std::unique_ptr<nn::BatchSampler> sampler;
+
+  MlpTask(const Config& c, Communicator& comm_) : MlpTask(c, comm_, datasets(c)) {}
+  MlpTask(const Config& c, Communicator& comm_, ImageData data)
+      : cfg(c), comm(comm_), train(std::move(data.train)), test(std::move(data.test)) {
+    nn::manual_seed(cfg.seed);
+    nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
+    model = std::make_shared<nn::Sequential>();
+    std::int64_t in = train.rows() * train.cols();
+    for (std::int64_t h : cfg.hidden) {
+      model->push_back(std::make_shared<nn::Linear>(in, h));
+      model->push_back(std::make_shared<nn::ReLU>());
+      in = h;
+    }
+    model->push_back(std::make_shared<nn::Linear>(in, 10));
+    sampler = std::make_unique<nn::BatchSampler>(train.size(), cfg.batch, comm.rank(), comm.world_size(), cfg.seed);
+  }
+  std::string description() const override {
+    // (built with += rather than "mlp " + ...: GCC 12 warns falsely on that form, bug 105329)
+    std::string d = "mlp ";
+    d += std::to_string(train.rows() * train.cols());
+    for (auto h : cfg.hidden) {
+      d += '-';
+      d += std::to_string(h);
+    }
+    return d + "-10";
+  }
+  nn::Module& module() override { return *model; }
+  std::vector<nn::Module*> shard_groups() override {
+    std::vector<nn::Module*> layers;
+    for (std::size_t i = 0; i < model->size(); i += 2) layers.push_back((*model)[i].get());  // the Linear layers
+    return layers;
+  }
+  std::int64_t data_bytes_read() const override { return train.bytes_read() + test.bytes_read(); }
+  std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
+  std::int64_t samples_per_step() const override { return cfg.batch; }
+  std::map<std::string, std::string> data_stream() const override {
+    return {{"--seed", std::to_string(cfg.seed)},
+            {"--batch", std::to_string(cfg.batch)},
+            {"--limit", std::to_string(cfg.limit)}};
+  }
+  std::string where(std::int64_t step) const override {
+    return "epoch " + std::to_string(step / sampler->batches_per_epoch() + 1) + "/" + std::to_string(cfg.epochs);
+  }
+  Tensor loss(std::int64_t step) override {
+    const std::int64_t per_epoch = sampler->batches_per_epoch();
+    return loss_of(sampler->indices(step / per_epoch, step % per_epoch));
+  }
+  Tensor probe_loss(std::int64_t local_batch) override {
+    return loss_of(arange(0, static_cast<double>(local_batch), 1, DType::i64));
+  }
+  Tensor loss_of(const Tensor& idx) {
+    const Tensor logits = model->forward(train.images(idx));
+    return nn::cross_entropy(cast(logits, DType::f32), train.labels(idx), {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(cfg.batch);
+  }
+  nlohmann::json evaluate(std::int64_t step, bool final) override {
+    const bool epoch_end = (step + 1) % sampler->batches_per_epoch() == 0;
+    if (!epoch_end && !final) return {};
+    // Chunks of the local training batch keep evaluation within the memory a step was planned with.
+    const nn::ClassifierScore score = nn::evaluate_classifier(*model, comm, test, cfg.batch / comm.world_size());
+    return {{"test_accuracy", score.accuracy}, {"test_loss", score.loss}};
+  }
+};
+
+struct LmTask : Task {
+  const Config& cfg;
+  Communicator& comm;
+  std::shared_ptr<nn::GPT> model;
+  // The text's first 9/10 trains, the rest validates; each rank reads only its own windows.
+  std::optional<nn::TextWindows> train, validation;
+
+  LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
+    const nn::TextCorpus corpus(c.text);
+    const std::int64_t train_end = corpus.size() * 9 / 10;
+    if (corpus.size() - train_end < cfg.context + 2 || train_end < cfg.context + 2) {
+      throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
+                    std::to_string(cfg.context));
+    }
+    train.emplace(corpus, 0, train_end, cfg.context);
+    validation.emplace(corpus, train_end, corpus.size(), cfg.context);
+    nn::manual_seed(cfg.seed);
+    nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
+    model = std::make_shared<nn::GPT>(nn::GPTConfig{.vocabulary = 256,
+                                                    .context = cfg.context,
+                                                    .d_model = cfg.d_model,
+                                                    .layers = cfg.layers,
+                                                    .heads = cfg.heads,
+                                                    .tied_head = !cfg.untied});
+    model->set_activation_checkpointing(cfg.activation_checkpointing);
+  }
+  std::string description() const override {
+    return "lm vocab=256 context=" + std::to_string(cfg.context) + " d=" + std::to_string(cfg.d_model) +
+           " layers=" + std::to_string(cfg.layers) + " heads=" + std::to_string(cfg.heads) +
+           (cfg.untied ? " untied" : " tied");
+  }
+  nn::Module& module() override { return *model; }
+  std::vector<nn::Module*> shard_groups() override {
+    std::vector<nn::Module*> blocks;
+    for (const auto& block : model->blocks) blocks.push_back(block.get());
+    return blocks;
+  }
+  std::int64_t data_bytes_read() const override { return train->bytes_read() + validation->bytes_read(); }
+  std::int64_t total_steps() const override { return cfg.steps; }
+  std::int64_t samples_per_step() const override { return cfg.batch; }
+  std::string where(std::int64_t) const override { return ""; }
+  std::map<std::string, std::string> data_stream() const override {
+    return {{"--seed", std::to_string(cfg.seed)}, {"--batch", std::to_string(cfg.batch)}};
+  }
+  Tensor loss(std::int64_t step) override { return loss_on(step, cfg.batch); }
+  Tensor probe_loss(std::int64_t local_batch) override { return loss_on(0, local_batch * comm.world_size()); }
+  Tensor loss_on(std::int64_t step, std::int64_t global_batch) {
+    const auto [x, y] = train->batch(cfg.seed, step, global_batch, comm.rank(), comm.world_size());
+    return nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(cfg.batch * cfg.context);
+  }
+  bool can_checkpoint_activations() const override { return true; }
+  void set_activation_checkpointing(bool on) override { model->set_activation_checkpointing(on); }
+  nlohmann::json evaluate(std::int64_t step, bool final) override {
+    if (!final && (cfg.eval_every <= 0 || (step + 1) % cfg.eval_every != 0)) return {};
+    autograd::NoGradGuard guard;
+    double loss_sum = 0;
+    for (std::int64_t b = 0; b < cfg.eval_batches; ++b) {
+      // Fixed validation windows (their own stream), the same at every evaluation.
+      const auto [x, y] = validation->batch(cfg.seed ^ 0x5eed, b, cfg.batch, comm.rank(), comm.world_size());
+      loss_sum +=
+          nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
+    }
+    const double total = comm.all_reduce(scalar(loss_sum, DType::f64)).item();
+    const double loss = total / static_cast<double>(cfg.eval_batches * cfg.batch * cfg.context);
+    return {{"val_loss", loss}, {"val_bits_per_byte", loss / std::numbers::ln2}};
+  }
+  void after_training() override {
+    if (cfg.sample <= 0) return;
+    model->eval();
+    const std::string out =
+        nn::sample_bytes(*model, cfg.prompt, cfg.sample, cfg.context, cfg.temperature, cfg.seed ^ 0x5a3);
+    if (comm.rank() == 0) std::cout << "--- sample ---\n" << cfg.prompt << out << "\n--------------" << std::endl;
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<Task> make_task(const Config& cfg, Communicator& comm) {
+  if (cfg.model == "mlp") return std::make_unique<MlpTask>(cfg, comm);
+  return std::make_unique<LmTask>(cfg, comm);
+}
+
+}  // namespace ruda::train
