@@ -255,6 +255,23 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
   return {{"pieces", pieces}};
 }
 
+// Every rank's report of its rank file, on every rank; if any rank failed to write its file (its
+// `error` is not empty), every rank raises an IOError about `step_dir` naming the failing ranks.
+// One exchange carries both, so a successful save costs no separate agreement.
+std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_dir, const json& report,
+                                   const std::string& error) {
+  const std::vector<std::string> texts =
+      all_gather_text(comm, error.empty() ? report.dump() : json{{"error", error}}.dump(), "checkpoint files");
+  std::vector<RankFailure> failures;
+  std::vector<json> reports;
+  for (std::size_t r = 0; r < texts.size(); ++r) {
+    reports.push_back(json::parse(texts[r]));
+    if (reports.back().contains("error")) failures.push_back({static_cast<int>(r), reports.back()["error"]});
+  }
+  if (!failures.empty()) fail(step_dir, "writing the rank files failed on " + describe(failures));
+  return reports;
+}
+
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
@@ -287,8 +304,8 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
   });
 
-  // 2. Every rank writes its file and reports where its pieces lie and their checksums; every
-  // rank learns every rank's outcome, with the failing ranks' own errors.
+  // 2. Every rank writes its file and reports where its pieces lie and their checksums; 3. every
+  // rank learns every rank's report, or the failing ranks' own errors.
   json report;
   std::string error;
   try {
@@ -298,17 +315,9 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const std::vector<std::string> texts =
-      all_gather_text(comm, error.empty() ? report.dump() : json{{"error", error}}.dump(), "checkpoint files");
-  std::vector<RankFailure> failures;
-  std::vector<json> reports;
-  for (std::size_t r = 0; r < texts.size(); ++r) {
-    reports.push_back(json::parse(texts[r]));
-    if (reports.back().contains("error")) failures.push_back({static_cast<int>(r), reports.back()["error"]});
-  }
-  if (!failures.empty()) fail(step_dir, "writing the rank files failed on " + describe(failures));
+  const std::vector<json> reports = agree_on_reports(comm, step_dir, report, error);
 
-  // 3. Rank 0 publishes.
+  // 4. Rank 0 publishes.
   run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
@@ -490,9 +499,8 @@ namespace {
 // Where `rank` of `world` holds a tensor of `numel` elements in a split checkpoint: fully_shard's
 // layout, slices of ceil(numel / world) (the last ones short or empty).
 Piece split_piece(std::int64_t numel, int world, int rank) {
-  const std::int64_t slice = (numel + world - 1) / world;
-  const std::int64_t offset = std::min<std::int64_t>(numel, static_cast<std::int64_t>(rank) * slice);
-  return {offset, std::min<std::int64_t>(numel, offset + slice) - offset};
+  const ShardInfo layout = ShardInfo::layout({numel}, rank, world);
+  return {std::min(numel, layout.offset()), layout.real_elements()};  // an empty piece starts at the end
 }
 
 // Writes `rank`'s file of a split checkpoint: its slice of every input tensor, streamed from the

@@ -17,7 +17,7 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
   for (const auto& [name, p] : module.named_parameters()) {
     const std::int64_t numel = shape_numel(p.shape());
     const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
-    const std::int64_t shard = (numel + world_size - 1) / world_size * item;
+    const std::int64_t shard = ShardInfo::layout(p.shape(), 0, world_size).shard_size * item;
     plan.parameters += shard;
     plan.gradients += shard;
     plan.optimizer += options.optimizer_states * shard;

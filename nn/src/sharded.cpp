@@ -30,6 +30,16 @@ std::string ShardInfo::describe() const {
   return (name.empty() ? std::string("an unnamed parameter ") : "parameter '" + name + "' ") + to_string(logical_shape);
 }
 
+ShardInfo ShardInfo::layout(const Shape& logical_shape, int rank, int world_size) {
+  ShardInfo info;
+  info.logical_shape = logical_shape;
+  info.numel = shape_numel(logical_shape);
+  info.shard_size = (info.numel + world_size - 1) / world_size;
+  info.rank = rank;
+  info.world_size = world_size;
+  return info;
+}
+
 std::int64_t ShardInfo::real_elements() const {
   const std::int64_t start = offset();
   return std::max<std::int64_t>(0, std::min(numel, start + shard_size) - start);
@@ -61,14 +71,8 @@ void check_storage_dtype(const char* op, const Tensor& t) {
   }
 }
 
-std::shared_ptr<ShardInfo> make_info(const Shape& shape, std::int64_t numel, int rank, int world_size) {
-  auto info = std::make_shared<ShardInfo>();
-  info->logical_shape = shape;
-  info->numel = numel;
-  info->shard_size = (numel + world_size - 1) / world_size;
-  info->rank = rank;
-  info->world_size = world_size;
-  return info;
+std::shared_ptr<ShardInfo> make_info(const Shape& shape, int rank, int world_size) {
+  return std::make_shared<ShardInfo>(ShardInfo::layout(shape, rank, world_size));
 }
 
 // This rank's zero-padded slice of a parameter, as a fresh tensor with no graph. A deferred
@@ -104,15 +108,15 @@ ShardedParameter ShardedParameter::from_local(const Param& local, const Shape& l
   const char* op = "ShardedParameter::from_local";
   if (!local.defined()) fail<ShardingError>(op, "local parameter is undefined");
   check_topology(op, rank, world_size);
-  const std::int64_t numel = checked_numel(op, logical_shape);
-  const std::int64_t expected = (numel + world_size - 1) / world_size;
+  checked_numel(op, logical_shape);  // throws on a shape whose element count overflows
+  const std::int64_t expected = ShardInfo::layout(logical_shape, rank, world_size).shard_size;
   const Tensor& data = local.data();
   if (data.shape() != Shape{expected}) {
     fail<ShardingError>(op, "local slice ", data.shape(), " differs from the [", expected, "] that ", logical_shape,
                         " needs at world size ", world_size);
   }
   check_storage_dtype(op, data);
-  auto info = make_info(logical_shape, numel, rank, world_size);
+  auto info = make_info(logical_shape, rank, world_size);
   if (local.is_sharded()) info->name = local.shard()->name;
   local.set_shard(std::move(info));
   return ShardedParameter(local);
@@ -131,8 +135,8 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
       return ShardedParameter(Param(existing));  // a tied weight again: the same shard
   }
   check_param_dtype(op, full);
-  const std::int64_t numel = checked_numel(op, full.shape());
-  auto info = make_info(full.shape(), numel, rank, world_size);
+  checked_numel(op, full.shape());
+  auto info = make_info(full.shape(), rank, world_size);
   // The slice is a new leaf with the same id; requires_grad as the source (a Param always has it).
   Param local(local_slice(full, *info), full.id());
   local.data().set_requires_grad(full.is_deferred() || full.data().requires_grad());
@@ -212,7 +216,8 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
       continue;
     }
     check_param_dtype(op, param);
-    auto info = make_info(param.shape(), checked_numel(op, param.shape()), comm.rank(), comm.world_size());
+    checked_numel(op, param.shape());
+    auto info = make_info(param.shape(), comm.rank(), comm.world_size());
     info->policy = options.policy;
     info->comm = &comm;
     info->name = name;

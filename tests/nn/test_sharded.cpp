@@ -24,6 +24,21 @@ TrainResult on_ranks(int world, F fn) {
 }
 }  // namespace
 
+TEST_CASE("ShardInfo::layout: slices of ceil(numel / world) in rank order, the last ones short or empty") {
+  // 10 elements over 4 ranks: 3, 3, 3, 1. 2 elements over 4 ranks: 1, 1, 0, 0.
+  const std::vector<std::pair<std::int64_t, std::int64_t>> ten = {{0, 3}, {3, 3}, {6, 3}, {9, 1}};
+  for (int r = 0; r < 4; ++r) {
+    const nn::ShardInfo info = nn::ShardInfo::layout({2, 5}, r, 4);
+    CHECK(info.numel == 10);
+    CHECK(info.shard_size == 3);
+    CHECK(info.logical_shape == Shape{2, 5});
+    CHECK(info.offset() == ten[static_cast<std::size_t>(r)].first);
+    CHECK(info.real_elements() == ten[static_cast<std::size_t>(r)].second);
+    CHECK(nn::ShardInfo::layout({2}, r, 4).real_elements() == (r < 2 ? 1 : 0));
+  }
+  CHECK(nn::ShardInfo::layout({7}, 0, 1).real_elements() == 7);
+}
+
 TEST_CASE("a fully sharded model trains exactly like the dense one, world sizes 1-5") {
   for (int world = 1; world <= 5; ++world) {
     CAPTURE(world);

@@ -69,6 +69,10 @@ struct ShardInfo {
   std::shared_ptr<ShardGroup> group;
   std::size_t group_index = 0;
 
+  /// The layout of a tensor of `logical_shape` at `rank` of `world_size`: slices of
+  /// ceil(numel / world_size) elements in rank order, the last ones short or empty. Every sharded
+  /// tensor (parameters, checkpoint pieces, the memory plan's figures) follows it.
+  static ShardInfo layout(const Shape& logical_shape, int rank, int world_size);
   /// Logical elements held by this rank (the rest of its slice is padding).
   std::int64_t real_elements() const;
   /// Offset of this rank's first element in the flattened logical tensor.
