@@ -1,6 +1,7 @@
 // The MPI communicator: MPI collectives where they are good, a ring of ruda's own for
-// reduce_scatter, a progress thread for the non-blocking forms, typed errors throughout, and a
-// watchdog that ends the job when a collective waits longer than the collective timeout.
+// reduce_scatter (mpi_ring.cpp), a progress thread for the non-blocking forms
+// (progress_thread.cpp), typed errors throughout, and a watchdog that ends the job when a
+// collective waits longer than the collective timeout.
 #include <mpi.h>
 
 #include <algorithm>
@@ -11,7 +12,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <exception>
 #include <future>
 #include <mutex>
@@ -21,81 +21,20 @@
 #include <ruda/mpi.h>
 
 #include "internal.h"
+#include "mpi_ring.h"
+#include "mpi_support.h"
+#include "progress_thread.h"
 
 namespace ruda {
 
 namespace {
 
 namespace cd = collectives_detail;
-
-std::string mpi_error_text(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<std::size_t>(length));
-}
-
-void check(int code, const char* call) {
-  if (code != MPI_SUCCESS) throw CollectiveError(std::string(call) + " failed: " + mpi_error_text(code));
-}
-
-// 16-bit floats travel as raw 16-bit words: MPI has no bf16, and only ruda's operations read them.
-MPI_Datatype mpi_type(DType dtype) {
-  switch (dtype) {
-    case DType::f32:
-      return MPI_FLOAT;
-    case DType::f64:
-      return MPI_DOUBLE;
-    case DType::i64:
-      return MPI_INT64_T;
-    case DType::bf16:
-    case DType::f16:
-      return MPI_UINT16_T;
-    case DType::boolean:
-      break;
-  }
-  throw CollectiveError("no MPI type for dtype " + std::string(dtype_name(dtype)));
-}
-
-// MPI counts are int. Elementwise operations go in pieces of at most this many elements.
-constexpr std::int64_t kMaxCount = INT_MAX;
-
-int int_count(std::int64_t count, const char* call) {
-  if (count > kMaxCount) {
-    throw CollectiveError(std::string(call) + ": " + std::to_string(count) +
-                          " elements per rank exceed MPI's count limit of " + std::to_string(kMaxCount));
-  }
-  return static_cast<int>(count);
-}
-
-// A 64-byte aligned scratch buffer that grows on demand and is reused from call to call.
-class Buffer {
- public:
-  std::byte* get(std::size_t bytes) {
-    if (bytes > size_) {
-      const std::size_t rounded = (bytes + 63) / 64 * 64;
-      void* p = std::aligned_alloc(64, rounded);
-      if (!p)
-        fail<OutOfMemoryError>("MPI collective", "out of memory: the system refused a ", rounded,
-                               "-byte scratch buffer");
-      data_.reset(static_cast<std::byte*>(p));
-      size_ = rounded;
-    }
-    return data_.get();
-  }
-  std::size_t size() const noexcept { return size_; }
-  void release() noexcept {
-    data_.reset();
-    size_ = 0;
-  }
-
- private:
-  struct Free {
-    void operator()(std::byte* p) const noexcept { std::free(p); }
-  };
-  std::unique_ptr<std::byte, Free> data_;
-  std::size_t size_ = 0;
-};
+using mpi_detail::Buffer;
+using mpi_detail::check;
+using mpi_detail::int_count;
+using mpi_detail::kMaxCount;
+using mpi_detail::mpi_type;
 
 // User-defined MPI operations: inout = in (op) inout, on ruda's kernels (NaN-propagating max,
 // 16-bit sums rounded at every step).
@@ -109,35 +48,6 @@ void native_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
   const void* sources[2] = {inout, in};
   cd::sum(sources, 2, inout, *len, D, Accumulate::native);
 }
-
-// The ring's segments: small enough that a received segment is still in cache when it is added,
-// large enough that per-message costs vanish.
-constexpr std::int64_t kSegmentBytes = 512 * 1024;
-// A reduce_scatter of at most this many bytes in all uses MPI_Reduce_scatter_block instead of
-// the ring: below it, latency rules and MPI's algorithm needs fewer rounds than the ring's
-// size - 1. Measured with RUDA_RING_MIN_BYTES=0 (the ring at every size) against
-// MPI_Reduce_scatter_block in the same run (ruda-bench-mpi --suite collectives-mpi, 3 runs,
-// medians of the ratios, shared memory on a 2-core Xeon): the ring wins from 16 KiB at 2 and 3
-// ranks (1.46x, 1.07x; at 4 KiB 1.04x and 0.94x) and from 256 KiB at 4 (1.17x; 128 KiB 1.01x,
-// 64 KiB 0.85x). Past 4 ranks the ring's size - 1 latencies grow linearly, so the threshold does
-// too (not measured here: more ranks than that only oversubscribe 2 cores). RUDA_RING_MIN_BYTES
-// sets it for another machine or network.
-std::size_t default_ring_min_bytes(int size) {
-  if (size <= 3) return std::size_t{4} << 10;
-  return (std::size_t{128} << 10) * static_cast<std::size_t>(size) / 4;
-}
-
-std::size_t ring_min_bytes_from_env(int size) {
-  const char* text = std::getenv("RUDA_RING_MIN_BYTES");
-  if (!text || !*text) return default_ring_min_bytes(size);
-  try {
-    return static_cast<std::size_t>(memory::parse_size(text));
-  } catch (const ArgumentError&) {
-    throw ArgumentError(std::string("RUDA_RING_MIN_BYTES: '") + text +
-                        "' is not a size (a number of bytes, or with a unit: 64KiB, 1MB)");
-  }
-}
-constexpr int kRingTag = 7001;
 
 // The watchdog. Blocking MPI collectives cannot be interrupted, and their non-blocking forms
 // (libnbc here) are 1.3-3x slower, so collectives keep running as they are and a thread per
@@ -235,20 +145,9 @@ struct MpiCommunicator::Impl {
   std::size_t ring_min_bytes = 0;  // reduce_scatter: MPI's algorithm up to this many bytes in all
   MPI_Op max_f32 = MPI_OP_NULL, max_f64 = MPI_OP_NULL, max_bf16 = MPI_OP_NULL, max_f16 = MPI_OP_NULL;
   MPI_Op sum_bf16 = MPI_OP_NULL, sum_f16 = MPI_OP_NULL;
-  Buffer partial, incoming, staging, wide;
-
-  // The progress thread and its queue. Tasks run in the order they were started.
-  struct Task {
-    std::function<void()> run;
-    std::promise<std::chrono::steady_clock::time_point> done;  // when it completed (Traffic)
-  };
-  std::mutex mutex;
-  std::condition_variable wake;  // the worker: a task arrived or stop
-  std::condition_variable idle;  // drain(): the queue emptied
-  std::deque<std::shared_ptr<Task>> queue;
-  bool busy = false, stop = false;
-  std::string failed;  // the error of a non-blocking collective that failed, if any
-  std::thread worker;
+  mpi_detail::RingScratch ring;
+  Buffer wide;                                 // 16-bit data widened to f32
+  mpi_detail::ProgressThread progress_thread;  // the non-blocking collectives, in the order started
 
   // What this rank's threads are in, for the watchdog: the calling thread (blocking collectives
   // and the order check) and the progress thread. Guarded by watch_mutex. Entering and leaving a
@@ -334,12 +233,7 @@ struct MpiCommunicator::Impl {
   }
 
   ~Impl() {
-    {
-      std::lock_guard lock(mutex);
-      stop = true;
-    }
-    wake.notify_all();
-    if (worker.joinable()) worker.join();
+    progress_thread.stop();  // before the watchdog and MPI's objects go
     {
       std::lock_guard lock(watch_mutex);
       watch_stop = true;
@@ -363,7 +257,7 @@ struct MpiCommunicator::Impl {
     std::string refused;
     unsigned long long threshold = kRefused;
     try {
-      threshold = ring_min_bytes_from_env(size);
+      threshold = mpi_detail::ring_min_bytes_from_env(size);
     } catch (const ArgumentError& e) {
       refused = e.what();
     }
@@ -404,68 +298,6 @@ struct MpiCommunicator::Impl {
     }
     if (data != MPI_COMM_NULL) MPI_Comm_free(&data);
     if (control != MPI_COMM_NULL) MPI_Comm_free(&control);
-  }
-
-  // --- progress thread ---
-
-  std::shared_future<std::chrono::steady_clock::time_point> submit(std::function<void()> run) {
-    auto task = std::make_shared<Task>();
-    task->run = std::move(run);
-    auto future = task->done.get_future().share();
-    {
-      std::lock_guard lock(mutex);
-      if (!worker.joinable()) worker = std::thread([this] { work(); });
-      queue.push_back(std::move(task));
-    }
-    wake.notify_one();
-    return future;
-  }
-
-  void work() {
-    std::unique_lock lock(mutex);
-    for (;;) {
-      wake.wait(lock, [&] { return stop || !queue.empty(); });
-      if (queue.empty()) return;
-      std::shared_ptr<Task> task = std::move(queue.front());
-      queue.pop_front();
-      busy = true;
-      const std::string earlier = failed;
-      lock.unlock();
-      try {
-        // After a failure the ranks may disagree on what was done: run nothing more.
-        if (!earlier.empty()) throw CollectiveError("not started: " + earlier);
-        task->run();
-        task->done.set_value(std::chrono::steady_clock::now());
-      } catch (...) {
-        std::string what = "unknown error";
-        try {
-          throw;
-        } catch (const std::exception& e) {
-          what = e.what();
-        } catch (...) {
-        }
-        task->done.set_exception(std::current_exception());
-        lock.lock();
-        if (failed.empty()) failed = "an earlier non-blocking collective on this communicator failed: " + what;
-        lock.unlock();
-      }
-      lock.lock();
-      busy = false;
-      if (queue.empty()) idle.notify_all();
-    }
-  }
-
-  bool is_idle() {
-    std::lock_guard lock(mutex);
-    return queue.empty() && !busy;
-  }
-
-  // Waits for the collectives in flight: a blocking one must come after them on every rank, and
-  // never run beside them on this MPI communicator.
-  void drain() {
-    std::unique_lock lock(mutex);
-    idle.wait(lock, [&] { return queue.empty() && !busy; });
-    if (!failed.empty()) throw CollectiveError(failed);
   }
 
   // --- the watchdog (its own thread; the only one that touches `query` and `outgoing`) ---
@@ -671,11 +503,7 @@ struct MpiCommunicator::Impl {
     check(MPI_Allgather(send, n, type, recv, n, type, data), "MPI_Allgather");
   }
 
-  // A ring of size - 1 steps. In step s, this rank sends the running sum of block
-  // (rank - s - 1) to the right and receives the running sum of block (rank - s - 2) from the
-  // left, adding its own contribution; after the last step it holds the full sum of its own
-  // block. Each step moves in segments, double-buffered: while one segment is added, the next
-  // is already on its way. 16-bit data accumulated in f32 travels as f32 partial sums.
+  // ruda's ring above the threshold, MPI's algorithm up to it.
   void reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate accumulate) {
     const std::size_t esize = dtype_size(dtype);
     if (size == 1 || count == 0) {
@@ -686,63 +514,7 @@ struct MpiCommunicator::Impl {
       small_reduce_scatter(send, recv, count, dtype, accumulate);
       return;
     }
-    const DType ptype = cd::partial_type(dtype, accumulate);
-    const std::size_t psize = dtype_size(ptype);
-    const MPI_Datatype mpi_ptype = mpi_type(ptype);
-    const int right = (rank + 1) % size, left = (rank + size - 1) % size;
-    const std::int64_t seg = std::max<std::int64_t>(1, kSegmentBytes / static_cast<std::int64_t>(psize));
-    const std::int64_t segments = (count + seg - 1) / seg;
-    const std::size_t seg_bytes = static_cast<std::size_t>(seg) * psize;
-
-    std::byte* running = size > 2 ? partial.get(static_cast<std::size_t>(count) * psize) : nullptr;
-    std::byte* in = incoming.get(2 * seg_bytes);
-    std::byte* stage = ptype != dtype ? staging.get(2 * seg_bytes) : nullptr;
-    auto own = [&](int block, std::int64_t j) {
-      return static_cast<const std::byte*>(send) +
-             (static_cast<std::size_t>(block) * static_cast<std::size_t>(count) + static_cast<std::size_t>(j * seg)) *
-                 esize;
-    };
-
-    for (int step = 0; step < size - 1; ++step) {
-      const int send_block = (rank + 2 * size - step - 1) % size;
-      const int recv_block = (rank + 2 * size - step - 2) % size;
-      const bool last = step == size - 2;
-      MPI_Request requests[2][2];
-      auto length = [&](std::int64_t j) { return static_cast<int>(std::min(seg, count - j * seg)); };
-      auto post = [&](std::int64_t j) {
-        const int len = length(j);
-        const int slot = static_cast<int>(j % 2);
-        const void* out;
-        if (step > 0) {
-          out = running + static_cast<std::size_t>(j) * seg_bytes;
-        } else if (stage) {
-          std::byte* s = stage + static_cast<std::size_t>(slot) * seg_bytes;
-          cd::convert(own(send_block, j), dtype, s, ptype, len);
-          out = s;
-        } else {
-          out = own(send_block, j);
-        }
-        check(MPI_Irecv(in + static_cast<std::size_t>(slot) * seg_bytes, len, mpi_ptype, left, kRingTag, data,
-                        &requests[slot][0]),
-              "MPI_Irecv");
-        check(MPI_Isend(out, len, mpi_ptype, right, kRingTag, data, &requests[slot][1]), "MPI_Isend");
-      };
-      post(0);
-      for (std::int64_t j = 0; j < segments; ++j) {
-        if (j + 1 < segments) post(j + 1);
-        const int slot = static_cast<int>(j % 2);
-        check(MPI_Waitall(2, requests[slot], MPI_STATUSES_IGNORE), "MPI_Waitall");
-        const void* received = in + static_cast<std::size_t>(slot) * seg_bytes;
-        if (last) {
-          void* dst = static_cast<std::byte*>(recv) + static_cast<std::size_t>(j * seg) * esize;
-          cd::add_partial(received, own(recv_block, j), dst, dtype, length(j), dtype, accumulate);
-        } else {
-          // Segment j of the running sum went out already (its send completed above).
-          cd::add_partial(received, own(recv_block, j), running + static_cast<std::size_t>(j) * seg_bytes, ptype,
-                          length(j), dtype, accumulate);
-        }
-      }
-    }
+    mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
   }
 
   // Small reductions are bound by latency, not bandwidth: MPI's own algorithm needs fewer rounds
@@ -876,11 +648,11 @@ MpiCommunicator::~MpiCommunicator() {
     // collectives in flight nor run the final order check, either could hang. With work still
     // in flight the communicator cannot be freed safely; leave it (the process is about to end:
     // mpi_abort_on_exception aborts the job).
-    if (!impl_->is_idle()) (void)impl_.release();
+    if (!impl_->progress_thread.idle()) (void)impl_.release();
     return;
   }
   try {
-    impl_->drain();
+    impl_->progress_thread.drain();
   } catch (const std::exception&) {
     // Its error was reported to whoever waited for it.
   }
@@ -912,7 +684,7 @@ MpiCommunicator::~MpiCommunicator() {
 
 std::unique_ptr<MpiCommunicator> MpiCommunicator::split(int color, int key) {
   if (color < 0) fail<ArgumentError>("MpiCommunicator::split", "rank ", rank(), ": color must be >= 0, got ", color);
-  impl_->drain();
+  impl_->progress_thread.drain();
   MPI_Comm part = MPI_COMM_NULL;
   check(MPI_Comm_split(impl_->data, color, key, &part), "MPI_Comm_split");
   try {
@@ -939,46 +711,42 @@ std::chrono::milliseconds MpiCommunicator::timeout() const noexcept {
   return std::chrono::milliseconds(impl_->timeout_ms.load(std::memory_order_relaxed));
 }
 
-std::size_t MpiCommunicator::buffer_bytes() const {
-  return impl_->partial.size() + impl_->incoming.size() + impl_->staging.size() + impl_->wide.size();
-}
+std::size_t MpiCommunicator::buffer_bytes() const { return impl_->ring.bytes() + impl_->wide.size(); }
 
 void MpiCommunicator::release_buffers() {
-  impl_->drain();
-  impl_->partial.release();
-  impl_->incoming.release();
-  impl_->staging.release();
+  impl_->progress_thread.drain();
+  impl_->ring.release();
   impl_->wide.release();
 }
 
 void MpiCommunicator::do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) {
-  impl_->drain();
+  impl_->progress_thread.drain();
   const Impl::Watch watch(*impl_, impl_->caller, current_record());
   impl_->all_gather(send, recv, count, dtype);
 }
 
 void MpiCommunicator::do_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype,
                                         Accumulate accumulate) {
-  impl_->drain();
+  impl_->progress_thread.drain();
   const Impl::Watch watch(*impl_, impl_->caller, current_record());
   impl_->reduce_scatter(send, recv, count, dtype, accumulate);
 }
 
 void MpiCommunicator::do_all_reduce(const void* send, void* recv, std::int64_t count, DType dtype, Reduction op,
                                     Accumulate accumulate) {
-  impl_->drain();
+  impl_->progress_thread.drain();
   const Impl::Watch watch(*impl_, impl_->caller, current_record());
   impl_->all_reduce(send, recv, count, dtype, op, accumulate);
 }
 
 void MpiCommunicator::do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int root) {
-  impl_->drain();
+  impl_->progress_thread.drain();
   const Impl::Watch watch(*impl_, impl_->caller, current_record());
   impl_->broadcast(send, recv, count, dtype, root);
 }
 
 void MpiCommunicator::do_barrier() {
-  impl_->drain();
+  impl_->progress_thread.drain();
   const Impl::Watch watch(*impl_, impl_->caller, current_record());
   check(MPI_Barrier(impl_->data), "MPI_Barrier");
 }
@@ -986,7 +754,7 @@ void MpiCommunicator::do_barrier() {
 Work MpiCommunicator::start_all_gather(const Tensor& local, Tensor out, std::int64_t count) {
   int_count(count, "MPI_Allgather");  // fail now, not at wait()
   Impl* impl = impl_.get();
-  auto future = impl->submit([impl, local, out, count, call = current_record()] {
+  auto future = impl->progress_thread.submit([impl, local, out, count, call = current_record()] {
     const Impl::Watch watch(*impl, impl->progress, call);
     impl->all_gather(local.data_ptr(), out.data_ptr(), count, local.dtype());
   });
@@ -995,7 +763,7 @@ Work MpiCommunicator::start_all_gather(const Tensor& local, Tensor out, std::int
 
 Work MpiCommunicator::start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate) {
   Impl* impl = impl_.get();
-  auto future = impl->submit([impl, full, out, count, accumulate, call = current_record()] {
+  auto future = impl->progress_thread.submit([impl, full, out, count, accumulate, call = current_record()] {
     const Impl::Watch watch(*impl, impl->progress, call);
     impl->reduce_scatter(full.data_ptr(), out.data_ptr(), count, full.dtype(), accumulate);
   });
