@@ -148,7 +148,7 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   return ShardedParameter(local);
 }
 
-Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options) {
+Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options) {
   Tensor full = comm.all_gather(local, options);
   if (autograd::needs_grad(local)) {
     Communicator* c = &comm;
@@ -175,7 +175,7 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
   const CollectiveOptions options{.tag = info.name, .accumulate = info.policy.reduce};
   const Tensor source = cast(local, dtype);
-  Tensor value = reshape(slice(all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
+  Tensor value = reshape(slice(differentiable_all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
   if (info.policy.strategy == CheckpointStrategy::recompute && !RetainGathered::active() &&
       autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.

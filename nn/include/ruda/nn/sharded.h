@@ -117,8 +117,9 @@ class ShardedParameter {
 /// dtype overriding the policy's). Throws ShardingError if comm's rank or world size differ.
 Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype = std::nullopt);
 
-/// Differentiable all-gather of 1-D local slices (backward: reduce-scatter SUM), an always-run node.
-Tensor all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
+/// All-gather of 1-D local slices as a node of the autograd graph (backward: reduce-scatter SUM),
+/// always run. Communicator::all_gather is the plain collective, which autograd does not see.
+Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
 
 /// Whether a schedule overlaps communication with compute: prefetching the next group's
 /// all-gather and letting reduce-scatters run while backward goes on. Overlap needs a core for
