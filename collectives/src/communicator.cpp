@@ -200,6 +200,17 @@ int launcher_rank() {
   return 0;
 }
 
+int launcher_local_ranks() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"}) {
+    if (const char* s = std::getenv(v); s && std::atoi(s) > 0) return std::atoi(s);
+  }
+  return 1;
+}
+
+void share_cores_among_local_ranks() {
+  set_default_num_threads(std::max(1, hardware_threads() / launcher_local_ranks()));
+}
+
 std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::string_view what) {
   const std::string original(text);
   auto bad = [&](const char* why) -> std::chrono::milliseconds {

@@ -110,6 +110,7 @@ void MpiEnvironment::init(int* argc, char*** argv) {
                           ") for its progress thread");
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  share_cores_among_local_ranks();  // ranks on one node must not each take every core
 }
 
 MpiEnvironment::~MpiEnvironment() {

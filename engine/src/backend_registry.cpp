@@ -134,14 +134,8 @@ int first_positive_env(std::initializer_list<const char*> names) {
   return 0;
 }
 
-int default_threads() {
-  if (const int n = first_positive_env({"RUDA_NUM_THREADS", "OMP_NUM_THREADS"})) return n;
-  // Under mpiexec, ranks on one node share its cores: an unset thread count would otherwise give
-  // every rank all of them and oversubscribe the machine N-fold.
-  const int local_ranks = std::max(1, first_positive_env({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"}));
-  return std::max(1, hardware_threads() / local_ranks);
-}
-thread_local int t_threads = 0;  // 0: not set on this thread yet
+std::atomic<int> g_default_threads{0};  // 0: the cores
+thread_local int t_threads = 0;         // 0: not set on this thread yet
 }  // namespace
 
 void set_num_threads(int threads) {
@@ -153,8 +147,21 @@ void set_num_threads(int threads) {
 }
 
 int num_threads() {
-  if (t_threads == 0) set_num_threads(default_threads());
+  if (t_threads == 0) {
+    const int n = first_positive_env({"RUDA_NUM_THREADS", "OMP_NUM_THREADS"});
+    set_num_threads(n > 0 ? n : default_num_threads());
+  }
   return t_threads;
+}
+
+void set_default_num_threads(int threads) {
+  if (threads < 1) fail<ArgumentError>("set_default_num_threads", "thread count must be positive, got ", threads);
+  g_default_threads.store(threads, std::memory_order_relaxed);
+}
+
+int default_num_threads() {
+  const int n = g_default_threads.load(std::memory_order_relaxed);
+  return n > 0 ? n : hardware_threads();
 }
 
 }  // namespace ruda

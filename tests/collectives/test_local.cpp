@@ -1,10 +1,13 @@
 // The collective suite on LocalCommunicator (world size 1), and its copy-free results.
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include <ruda/backend.h>
 #include <ruda/collectives.h>
 
 #include "suite.h"
@@ -160,5 +163,45 @@ TEST_CASE("local: the launcher is read from OpenMPI's, PMI's or PMIx's variables
   CHECK(launched_by_mpi());
   CHECK(launcher_rank() == 5);
   unsetenv("PMIX_RANK");
+  for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
+}
+
+TEST_CASE("local: ranks a launcher put on one node share its cores; the thread variables still win") {
+  const char* names[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE", "RUDA_NUM_THREADS",
+                         "OMP_NUM_THREADS"};
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n)) saved.emplace_back(n, v);
+    unsetenv(n);
+  }
+  // A fresh thread has set no count of its own: it reads the variables, then the default.
+  auto fresh_thread_count = [] {
+    int n = 0;
+    std::thread([&] { n = ruda::num_threads(); }).join();
+    return n;
+  };
+  const int cores = ruda::hardware_threads();
+  CHECK(ruda::launcher_local_ranks() == 1);
+  ruda::share_cores_among_local_ranks();
+  CHECK(ruda::default_num_threads() == cores);
+  CHECK(fresh_thread_count() == cores);
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2", 1);
+  CHECK(ruda::launcher_local_ranks() == 2);
+  ruda::share_cores_among_local_ranks();
+  CHECK(ruda::default_num_threads() == std::max(1, cores / 2));
+  CHECK(fresh_thread_count() == std::max(1, cores / 2));
+  setenv("OMPI_COMM_WORLD_LOCAL_SIZE", std::to_string(4 * cores).c_str(), 1);  // more ranks than cores
+  ruda::share_cores_among_local_ranks();
+  CHECK(fresh_thread_count() == 1);
+  setenv("OMP_NUM_THREADS", "3", 1);
+  CHECK(fresh_thread_count() == 3);
+  setenv("RUDA_NUM_THREADS", "5", 1);
+  CHECK(fresh_thread_count() == 5);
+  unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  setenv("MPI_LOCALNRANKS", "3", 1);
+  CHECK(ruda::launcher_local_ranks() == 3);
+  CHECK_THROWS_AS(ruda::set_default_num_threads(0), ruda::ArgumentError);
+  ruda::set_default_num_threads(cores);
+  for (const char* n : names) unsetenv(n);
   for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
 }

@@ -112,6 +112,13 @@ bool order_check_from_env();
 bool launched_by_mpi();
 /// This process's rank as its launcher numbered it (0 when no launcher started it).
 int launcher_rank();
+/// How many processes the launcher started on this node (1 when no launcher says).
+int launcher_local_ranks();
+/// Shares this node's cores among the ranks the launcher started on it: the default intra-op
+/// thread count (set_default_num_threads) becomes hardware_threads() / launcher_local_ranks(), at
+/// least 1, so N ranks on a node do not each start a thread per core. $RUDA_NUM_THREADS and
+/// $OMP_NUM_THREADS still win. MpiEnvironment applies it; a program that starts ranks otherwise can.
+void share_cores_among_local_ranks();
 
 /// How long an MPI collective may wait for the other ranks by default: long enough for a healthy
 /// gap between ranks (one rank writing a checkpoint or evaluating alone while the others already

@@ -26,6 +26,7 @@ namespace ruda {
 /// of non-blocking collectives calls MPI) and MPI_Finalize at the end. If MPI is already
 /// initialized (by the application), the object only checks the thread level and leaves
 /// finalization to whoever initialized it. Errors on MPI_COMM_WORLD return instead of aborting.
+/// It also shares the node's cores among the ranks started on it (share_cores_among_local_ranks).
 ///
 /// Destroyed by an exception (during stack unwinding), it does not finalize: MPI_Finalize waits
 /// for the other ranks, which may be blocked in a collective with this one forever. MPI stays

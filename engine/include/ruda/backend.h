@@ -165,10 +165,15 @@ std::vector<std::string> available_backends();
 Backend& default_backend();
 void set_default_backend(std::string_view name);
 
-/// Intra-op threads for kernels started from the calling thread ($RUDA_NUM_THREADS, else
-/// $OMP_NUM_THREADS, else the cores).
+/// Intra-op threads for kernels started from the calling thread: what it set, else
+/// $RUDA_NUM_THREADS, else $OMP_NUM_THREADS, else the process's default (default_num_threads).
 void set_num_threads(int threads);
 int num_threads();
+/// The count a thread that has set none uses when neither variable is set: the cores, unless a
+/// launcher's policy changed it (ruda::share_cores_among_local_ranks, which MpiEnvironment
+/// applies: ranks on one node share its cores). Threads that already ran kernels keep theirs.
+void set_default_num_threads(int threads);
+int default_num_threads();
 /// The number of hardware threads of this machine.
 int hardware_threads();
 
