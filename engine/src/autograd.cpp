@@ -7,6 +7,9 @@
 
 namespace ruda::autograd {
 
+using detail::impl_of;
+using detail::impl_ptr_of;
+
 namespace {
 thread_local bool t_grad_enabled = true;
 // Creation order of nodes on this thread; backward runs in decreasing order, which is a
@@ -36,13 +39,13 @@ void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
 
 void set_recompute(Tensor& t, std::function<Tensor()> recipe) {
   detail::require_defined("set_recompute", t);
-  t.impl()->recompute = recipe ? std::make_shared<const std::function<Tensor()>>(std::move(recipe)) : nullptr;
+  impl_of(t)->recompute = recipe ? std::make_shared<const std::function<Tensor()>>(std::move(recipe)) : nullptr;
 }
 
 SavedTensor::SavedTensor(const Tensor& tensor) {
   if (!tensor.defined()) return;
-  if (tensor.impl()->recompute) {
-    recipe_ = tensor.impl()->recompute;
+  if (impl_of(tensor)->recompute) {
+    recipe_ = impl_of(tensor)->recompute;
   } else {
     value_ = tensor.detach();
     version_ = value_.version();
@@ -81,10 +84,10 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& in = inputs[i];
     if (!in.defined() || !in.requires_grad()) continue;
-    if (in.impl()->grad_fn) {
-      node->next[i].node = in.impl()->grad_fn;
+    if (impl_of(in)->grad_fn) {
+      node->next[i].node = impl_of(in)->grad_fn;
     } else {
-      node->next[i].leaf = in.impl_ptr();
+      node->next[i].leaf = impl_ptr_of(in);
     }
   }
   node->saved.reserve(saved.size());
@@ -98,8 +101,8 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   node->out_shape = output.shape();
   node->out_dtype = output.dtype();
   node->out_backend = &output.backend();
-  output.impl()->grad_fn = node;
-  output.impl()->requires_grad = true;
+  impl_of(output)->grad_fn = node;
+  impl_of(output)->requires_grad = true;
   if (node->always_run) t_always_run.push_back(std::move(node));
 }
 
@@ -119,7 +122,7 @@ void accumulate(Tensor& into, Tensor grad) {
 }
 
 bool exclusively_owned(const Tensor& t) {
-  return t.impl_ptr().use_count() == 1 && t.impl()->storage.use_count() == 1 && !t.impl()->grad_fn;
+  return impl_ptr_of(t).use_count() == 1 && impl_of(t)->storage.use_count() == 1 && !impl_of(t)->grad_fn;
 }
 
 void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
@@ -129,7 +132,7 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
   }
   if (!leaf.grad.defined()) {
     leaf.grad = exclusively_owned(grad) ? std::move(grad) : grad.clone();
-    leaf.grad.impl()->backend = leaf.backend;  // a leaf's gradient lives where the leaf does
+    impl_of(leaf.grad)->backend = leaf.backend;  // a leaf's gradient lives where the leaf does
   } else {
     leaf.grad.add_(grad);  // the leaf's gradient buffer is its own: accumulate in place
   }
@@ -178,7 +181,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       for (const Edge& e : n->next) visit(e.node.get());
     }
   };
-  visit(root.impl()->grad_fn.get());
+  visit(impl_of(root)->grad_fn.get());
   drain();
   const std::unordered_set<Node*> from_root(order.begin(), order.end());
   for (const auto& n : always_run) visit(n.get());
@@ -193,10 +196,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     }
   } clear{order};
 
-  if (Node* first = root.impl()->grad_fn.get()) {
+  if (Node* first = impl_of(root)->grad_fn.get()) {
     first->pending = grad;
   } else if (root.requires_grad()) {
-    accumulate_leaf(*root.impl(), grad);
+    accumulate_leaf(*impl_of(root), grad);
   }
 
   for (Node* node : order) {

@@ -71,6 +71,14 @@ struct TensorImpl {
   }
 };
 
+/// The implementation behind a handle, for the engine's own files (Tensor keeps it private).
+struct TensorAccess {
+  static TensorImpl* impl(const Tensor& t) noexcept { return t.impl_.get(); }
+  static const std::shared_ptr<TensorImpl>& impl_ptr(const Tensor& t) noexcept { return t.impl_; }
+};
+inline TensorImpl* impl_of(const Tensor& t) noexcept { return TensorAccess::impl(t); }
+inline const std::shared_ptr<TensorImpl>& impl_ptr_of(const Tensor& t) noexcept { return TensorAccess::impl_ptr(t); }
+
 /// A new tensor with uninitialized contents; `op` names the allocation in errors.
 Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op = "tensor");
 /// A tensor sharing `source`'s storage with another shape and element offset.

@@ -28,7 +28,7 @@ Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char
 
 Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset) {
   auto impl = std::make_shared<TensorImpl>();
-  const TensorImpl& s = *source.impl();
+  const TensorImpl& s = *impl_of(source);
   impl->storage = s.storage;
   impl->offset = s.offset + extra_offset;
   impl->shape = shape;
@@ -48,7 +48,7 @@ void contiguous_strides(const Shape& shape, std::int64_t* strides) {
 
 View view_of(const Tensor& t) {
   View v;
-  const TensorImpl& impl = *t.impl();
+  const TensorImpl& impl = *impl_of(t);
   v.data = impl.data();
   v.dtype = impl.dtype;
   v.ndim = static_cast<int>(impl.shape.size());
@@ -59,7 +59,7 @@ View view_of(const Tensor& t) {
 
 View broadcast_view(const Tensor& t, const Shape& shape) {
   View v;
-  const TensorImpl& impl = *t.impl();
+  const TensorImpl& impl = *impl_of(t);
   v.data = impl.data();
   v.dtype = impl.dtype;
   v.ndim = static_cast<int>(shape.size());
@@ -100,12 +100,14 @@ void require_rank(const char* op, const Shape& shape) {
 
 }  // namespace detail
 
+using detail::impl_of;
+using detail::impl_ptr_of;
 using detail::TensorImpl;
 
 namespace {
 const TensorImpl& checked(const Tensor& t, const char* what) {
   if (!t.defined()) fail<ArgumentError>(what, "called on an undefined tensor");
-  return *t.impl();
+  return *impl_of(t);
 }
 
 template <class T>
@@ -182,7 +184,7 @@ std::vector<T> Tensor::to_vector() const {
   constexpr DType target = dtype_of<T>();
   const Tensor source = impl.dtype == target ? *this : this->detach().to(target);
   const auto* src =
-      static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(source.impl()->data());
+      static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(impl_of(source)->data());
   return std::vector<T>(src, src + impl.numel);
 }
 
@@ -268,8 +270,8 @@ Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
 Tensor Tensor::to(Backend& backend) const {
   checked(*this, "to");
   Tensor out = detail::alias(*this, shape());
-  out.impl()->backend = &backend;
-  out.impl()->requires_grad = false;
+  impl_of(out)->backend = &backend;
+  impl_of(out)->requires_grad = false;
   if (autograd::needs_grad(*this)) {
     autograd::record("to_backend", out, {*this}, {},
                      [from = &this->backend()](const Tensor& g, const autograd::Saved&, autograd::GradMask) {

@@ -208,7 +208,7 @@ PendingGather ShardGroup::start_gather() const {
 bool ShardGroup::current(const std::vector<Tensor>& sources, const std::vector<std::uint64_t>& versions) const {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param p = ParamAccess::lock(params_[i]);
-    if (!p.defined() || p.is_deferred() || !p.data().impl_ptr() || p.data().impl_ptr() != sources[i].impl_ptr() ||
+    if (!p.defined() || p.is_deferred() || !p.data().defined() || !p.data().is_same(sources[i]) ||
         p.data().version() != versions[i])
       return false;
   }

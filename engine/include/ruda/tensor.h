@@ -19,7 +19,8 @@ namespace ruda {
 
 namespace detail {
 struct TensorImpl;
-}
+struct TensorAccess;
+}  // namespace detail
 namespace autograd {
 class Node;
 }
@@ -133,11 +134,12 @@ class Tensor {
   Tensor sigmoid() const;
   Tensor matmul(const Tensor& other) const;
 
-  /// The implementation object (for op and backend authors).
-  detail::TensorImpl* impl() const noexcept { return impl_.get(); }
-  const std::shared_ptr<detail::TensorImpl>& impl_ptr() const noexcept { return impl_; }
+  /// Whether both handles refer to the same tensor (a copy of a handle is the same tensor; an
+  /// equal-valued tensor made separately is not).
+  bool is_same(const Tensor& other) const noexcept { return impl_ == other.impl_; }
 
  private:
+  friend struct detail::TensorAccess;  // the engine's own files reach the implementation
   std::shared_ptr<detail::TensorImpl> impl_;
 };
 
