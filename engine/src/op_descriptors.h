@@ -391,6 +391,25 @@ struct Unary<UnaryOp::reciprocal> {
   }
 };
 
+// oneDNN 2.6 has gelu_erf but no plain erf eltwise: its DnnlPlan is empty, so the oneDNN backend
+// runs Eigen's kernel (a recorded fallback).
+template <>
+struct Unary<UnaryOp::erf> {
+  static constexpr std::string_view name = "erf";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.erf();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    gx = gy * T(2 * std::numbers::inv_sqrtpi) * (-x.square()).exp();  // d/dx erf(x) = 2 / sqrt(pi) * exp(-x^2)
+  }
+};
+
 /// What every descriptor must satisfy, checked when visit_unary instantiates it.
 template <UnaryOp Op, class D = Unary<Op>>
 constexpr bool well_formed() {
@@ -442,6 +461,8 @@ constexpr decltype(auto) visit_unary(UnaryOp op, F&& f) {
       return call_with<UnaryOp::square>(f);
     case UnaryOp::reciprocal:
       return call_with<UnaryOp::reciprocal>(f);
+    case UnaryOp::erf:
+      return call_with<UnaryOp::erf>(f);
   }
   fail<ArgumentError>("unary", "unknown UnaryOp value ", static_cast<int>(op));
 }

@@ -248,6 +248,7 @@ Tensor gelu(const Tensor& x, GeluApproximation approximation) {
 }
 Tensor silu(const Tensor& x) { return unary(UnaryOp::silu, x); }
 Tensor softplus(const Tensor& x) { return unary(UnaryOp::softplus, x); }
+Tensor erf(const Tensor& x) { return unary(UnaryOp::erf, x); }
 
 Tensor cast(const Tensor& x, DType dtype) {
   detail::require_defined("cast", x);
