@@ -210,7 +210,7 @@ void EigenBackend::unary_backward(UnaryOp op, const View& x, const View& y, cons
   const std::int64_t n = gy.numel();
   ops::visit_unary(op, [&]<class D>(D) {
     const View& saved = D::reads == ops::Reads::input ? x : y;
-    if (D::reads != ops::Reads::nothing && !saved.data) {
+    if (D::reads != ops::Reads::nothing && !saved.data && n > 0) {
       fail<ArgumentError>(std::string(D::name) + " backward", "needs the saved ",
                           D::reads == ops::Reads::input ? "input" : "output", " (", dtype_name(gy.dtype), " ", n,
                           " values), given none");
