@@ -1,6 +1,5 @@
 // Elementwise kernels: fill, copy, cast, unary math and its derivatives, binary ops, where.
 #include <cmath>
-#include <numbers>
 #include <vector>
 
 #include <Eigen/Core>
@@ -8,6 +7,7 @@
 
 #include "eigen_backend.h"
 #include "kernel_util.h"
+#include "op_descriptors.h"
 
 namespace ruda {
 
@@ -132,143 +132,52 @@ void EigenBackend::cast(const View& src, const View& dst) {
 }
 
 // --- unary ---
+//
+// The formulas are the ops' descriptors (engine/src/op_descriptors.h); visit_unary picks the
+// descriptor once per call, and each kernel below runs its formula on whole chunks.
 
 namespace {
 
-constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2 / pi)
-constexpr double kGeluCubic = 0.044715;
-
-template <class T>
-void unary_array(UnaryOp op, const T* xp, T* yp, std::int64_t n) {
-  ConstArrayMap<T> x(xp, n);
-  ArrayMap<T> y(yp, n);
-  const T half(0.5), one(1), zero(0);
-  switch (op) {
-    case UnaryOp::neg:
-      y = -x;
-      break;
-    case UnaryOp::abs:
-      y = x.abs();
-      break;
-    case UnaryOp::exp:
-      y = x.exp();
-      break;
-    case UnaryOp::log:
-      y = x.log();
-      break;
-    case UnaryOp::sqrt:
-      y = x.sqrt();
-      break;
-    case UnaryOp::rsqrt:
-      y = x.rsqrt();
-      break;
-    case UnaryOp::tanh:
-      y = x.tanh();
-      break;
-    case UnaryOp::sigmoid:
-      y = x.logistic();
-      break;
-    case UnaryOp::relu:
-      y = (x < zero).select(zero, x);  // NaN stays NaN (x < 0 is false for it), as in PyTorch
-      break;
-    case UnaryOp::gelu_erf:
-      y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf());
-      break;
-    case UnaryOp::gelu_tanh:
-      y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh());
-      break;
-    case UnaryOp::silu:
-      y = x * x.logistic();
-      break;
-    case UnaryOp::softplus:
-      y = x.max(zero) + (-x.abs()).exp().log1p();
-      break;
-    case UnaryOp::square:
-      y = x.square();
-      break;
-    case UnaryOp::reciprocal:
-      y = x.inverse();
-      break;
+// y = f(x) on n values; 16-bit values are widened to f32 in chunks on the stack.
+template <class D, class T>
+void unary_range(const T* x, T* y, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    const ConstArrayMap<T> xa(x, n);
+    ArrayMap<T> ya(y, n);
+    D::forward(xa, ya);
+  } else {
+    float xs[kChunk], ys[kChunk];
+    for (std::int64_t c = 0; c < n; c += kChunk) {
+      const std::int64_t m = std::min(kChunk, n - c);
+      for (std::int64_t i = 0; i < m; ++i) xs[i] = Num<T>::load(x[c + i]);
+      unary_range<D, float>(xs, ys, m);
+      for (std::int64_t i = 0; i < m; ++i) y[c + i] = Num<T>::store(ys[i]);
+    }
   }
 }
 
-// gx = gy * f'(x), reading x or y as the derivative needs.
-template <class T>
-void unary_backward_array(UnaryOp op, const T* xp, const T* yp, const T* gyp, T* gxp, std::int64_t n) {
-  ConstArrayMap<T> x(xp ? xp : gyp, n), y(yp ? yp : gyp, n), gy(gyp, n);
-  ArrayMap<T> gx(gxp, n);
-  const T half(0.5), one(1), zero(0);
-  switch (op) {
-    case UnaryOp::neg:
-      gx = -gy;
-      break;
-    case UnaryOp::abs:
-      gx = gy * ((x > zero).template cast<T>() - (x < zero).template cast<T>());
-      break;
-    case UnaryOp::exp:
-      gx = gy * y;
-      break;
-    case UnaryOp::log:
-      gx = gy / x;
-      break;
-    case UnaryOp::sqrt:
-      gx = gy * half / y;
-      break;
-    case UnaryOp::rsqrt:
-      gx = gy * T(-0.5) * y.cube();
-      break;
-    case UnaryOp::tanh:
-      gx = gy * (one - y.square());
-      break;
-    case UnaryOp::sigmoid:
-      gx = gy * y * (one - y);
-      break;
-    case UnaryOp::relu:
-      gx = (y <= zero).select(zero, gy);  // passes through where the output is NaN, as PyTorch's threshold_backward
-      break;
-    case UnaryOp::gelu_erf: {
-      const T inv_sqrt_2pi = T(0.3989422804014327);
-      gx = gy * (half * (one + (x * T(std::numbers::sqrt2 / 2)).erf()) + x * inv_sqrt_2pi * (-half * x.square()).exp());
-      break;
+// gx = gy * f'(x) on n values, from `saved`: x or y as the descriptor reads (null when it reads
+// neither). The formula takes only that argument, so it cannot read the other.
+template <class D, class T>
+void unary_backward_range(const T* saved, const T* gy, T* gx, std::int64_t n) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    const ConstArrayMap<T> ga(gy, n);
+    ArrayMap<T> gxa(gx, n);
+    if constexpr (D::reads == ops::Reads::nothing) {
+      D::backward(ga, gxa);
+    } else {
+      D::backward(ConstArrayMap<T>(saved, n), ga, gxa);
     }
-    case UnaryOp::gelu_tanh: {
-      const auto t = (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh().eval();
-      gx = gy * (half * (one + t) +
-                 half * x * (one - t.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square()));
-      break;
-    }
-    case UnaryOp::silu: {
-      const auto s = x.logistic().eval();
-      gx = gy * s * (one + x * (one - s));
-      break;
-    }
-    case UnaryOp::softplus:
-      gx = gy * x.logistic();
-      break;
-    case UnaryOp::square:
-      gx = gy * T(2) * x;
-      break;
-    case UnaryOp::reciprocal:
-      gx = -gy * y.square();
-      break;
-  }
-}
-
-template <class T>
-void unary_i64(UnaryOp op, const T* x, T* y, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    switch (op) {
-      case UnaryOp::neg:
-        y[i] = -x[i];
-        break;
-      case UnaryOp::abs:
-        y[i] = x[i] < 0 ? -x[i] : x[i];
-        break;
-      case UnaryOp::square:
-        y[i] = x[i] * x[i];
-        break;
-      default:
-        fail<DTypeError>(op_name(op), "is not defined on i64");
+  } else {
+    float ss[kChunk], gys[kChunk], gxs[kChunk];
+    for (std::int64_t c = 0; c < n; c += kChunk) {
+      const std::int64_t m = std::min(kChunk, n - c);
+      for (std::int64_t i = 0; i < m; ++i) gys[i] = Num<T>::load(gy[c + i]);
+      if constexpr (D::reads != ops::Reads::nothing) {
+        for (std::int64_t i = 0; i < m; ++i) ss[i] = Num<T>::load(saved[c + i]);
+      }
+      unary_backward_range<D, float>(D::reads == ops::Reads::nothing ? nullptr : ss, gys, gxs, m);
+      for (std::int64_t i = 0; i < m; ++i) gx[c + i] = Num<T>::store(gxs[i]);
     }
   }
 }
@@ -277,51 +186,41 @@ void unary_i64(UnaryOp op, const T* x, T* y, std::int64_t n) {
 
 void EigenBackend::unary(UnaryOp op, const View& x, const View& y) {
   const std::int64_t n = x.numel();
-  if (x.dtype == DType::i64) return unary_i64(op, x.ptr<const std::int64_t>(), y.ptr<std::int64_t>(), n);
-  dispatch_float(x.dtype, op_name(op).data(), [&](auto tag) {
-    using T = decltype(tag);
-    parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
-      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-        unary_array<T>(op, x.ptr<const T>() + begin, y.ptr<T>() + begin, end - begin);
+  ops::visit_unary(op, [&]<class D>(D) {
+    if (x.dtype == DType::i64) {
+      if constexpr (D::domain == ops::Domain::numbers) {
+        const ConstArrayMap<std::int64_t> xa(x.ptr<const std::int64_t>(), n);
+        ArrayMap<std::int64_t> ya(y.ptr<std::int64_t>(), n);
+        D::forward(xa, ya);
+        return;
       } else {
-        float xs[kChunk], ys[kChunk];
-        for (std::int64_t c = begin; c < end; c += kChunk) {
-          const std::int64_t m = std::min(kChunk, end - c);
-          const T* xp = x.ptr<const T>() + c;
-          for (std::int64_t i = 0; i < m; ++i) xs[i] = Num<T>::load(xp[i]);
-          unary_array<float>(op, xs, ys, m);
-          T* yp = y.ptr<T>() + c;
-          for (std::int64_t i = 0; i < m; ++i) yp[i] = Num<T>::store(ys[i]);
-        }
+        fail<DTypeError>(D::name, "is not defined on i64");
       }
+    }
+    dispatch_float(x.dtype, D::name.data(), [&](auto tag) {
+      using T = decltype(tag);
+      parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
+        unary_range<D, T>(x.ptr<const T>() + begin, y.ptr<T>() + begin, end - begin);
+      });
     });
   });
 }
 
 void EigenBackend::unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) {
   const std::int64_t n = gy.numel();
-  dispatch_float(gy.dtype, op_name(op).data(), [&](auto tag) {
-    using T = decltype(tag);
-    parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
-      const T* xp = x.data ? x.ptr<const T>() + begin : nullptr;
-      const T* yp = y.data ? y.ptr<const T>() + begin : nullptr;
-      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-        unary_backward_array<T>(op, xp, yp, gy.ptr<const T>() + begin, gx.ptr<T>() + begin, end - begin);
-      } else {
-        float xs[kChunk], ys[kChunk], gys[kChunk], gxs[kChunk];
-        for (std::int64_t c = 0; c < end - begin; c += kChunk) {
-          const std::int64_t m = std::min(kChunk, end - begin - c);
-          const T* gyp = gy.ptr<const T>() + begin + c;
-          for (std::int64_t i = 0; i < m; ++i) {
-            gys[i] = Num<T>::load(gyp[i]);
-            xs[i] = xp ? Num<T>::load(xp[c + i]) : 0.0f;
-            ys[i] = yp ? Num<T>::load(yp[c + i]) : 0.0f;
-          }
-          unary_backward_array<float>(op, xp ? xs : nullptr, yp ? ys : nullptr, gys, gxs, m);
-          T* gxp = gx.ptr<T>() + begin + c;
-          for (std::int64_t i = 0; i < m; ++i) gxp[i] = Num<T>::store(gxs[i]);
-        }
-      }
+  ops::visit_unary(op, [&]<class D>(D) {
+    const View& saved = D::reads == ops::Reads::input ? x : y;
+    if (D::reads != ops::Reads::nothing && !saved.data && n > 0) {
+      fail<ArgumentError>(std::string(D::name) + " backward", "needs the saved ",
+                          D::reads == ops::Reads::input ? "input" : "output", " (", dtype_name(gy.dtype), " ", n,
+                          " values), given none");
+    }
+    dispatch_float(gy.dtype, D::name.data(), [&](auto tag) {
+      using T = decltype(tag);
+      parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
+        const T* sp = saved.data ? saved.ptr<const T>() + begin : nullptr;
+        unary_backward_range<D, T>(sp, gy.ptr<const T>() + begin, gx.ptr<T>() + begin, end - begin);
+      });
     });
   });
 }

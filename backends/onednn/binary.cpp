@@ -127,9 +127,13 @@ std::optional<algorithm> mirrored(BinaryOp op, bool& negate) {
     case BinaryOp::sub:
       negate = true;
       return algorithm::binary_sub;  // a - b = -(b - a), exactly
-    default:
+    case BinaryOp::div:
+    case BinaryOp::pow:
+    case BinaryOp::maximum:
+    case BinaryOp::minimum:
       return std::nullopt;
   }
+  return std::nullopt;
 }
 
 // A descriptor with the canonical dims (1 where the operand broadcasts). Broadcast axes get the

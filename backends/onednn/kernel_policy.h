@@ -14,49 +14,33 @@
 // only the kernels slow in both dtypes are listed for bf16. Where oneDNN wins or ties (matmul,
 // softmax, exp, sqrt, relu and the other simple forwards, same-shape binaries) it runs. RUDA_ONEDNN_KERNELS=all sends
 // every kernel to oneDNN, e.g. on CPUs where oneDNN's kernels are the faster ones.
+//
+// The unary ops' part of this policy is in their descriptors (forward_slower and backward_slower
+// in engine/src/op_descriptors.h); the binary and reduction parts are below.
 #pragma once
 
 #include <ruda/backend.h>
 
 #include "context.h"
+#include "op_descriptors.h"
 
 namespace ruda::onednn::detail {
 
 inline constexpr std::string_view kEigenFasterReason =
     "Eigen's kernel is faster here (measured against oneDNN 2.6; RUDA_ONEDNN_KERNELS=all overrides)";
 
-inline bool eigen_faster_unary(UnaryOp op, bool backward, DType dtype) {
+/// A unary kernel whose descriptor says oneDNN's is slower (in this direction) for this dtype.
+inline bool eigen_faster_unary(ops::Slower slower, DType dtype) {
   if (all_kernels_requested()) return false;
-  const bool f32 = dtype == DType::f32;
-  if (!backward) {
-    switch (op) {
-      case UnaryOp::rsqrt:
-      case UnaryOp::silu:
-        return true;
-      case UnaryOp::log:
-      case UnaryOp::tanh:
-      case UnaryOp::sigmoid:
-      case UnaryOp::gelu_tanh:
-      case UnaryOp::gelu_erf:
-        return f32;
-      default:
-        return false;
-    }
-  }
-  switch (op) {
-    case UnaryOp::relu:
-    case UnaryOp::tanh:
-    case UnaryOp::sigmoid:
-    case UnaryOp::sqrt:
-    case UnaryOp::log:
-    case UnaryOp::softplus:
-      return true;
-    case UnaryOp::silu:
-    case UnaryOp::gelu_tanh:
-      return f32;
-    default:
+  switch (slower) {
+    case ops::Slower::never:
       return false;
+    case ops::Slower::f32:
+      return dtype == DType::f32;
+    case ops::Slower::always:
+      return true;
   }
+  return false;
 }
 
 inline bool eigen_faster_broadcast_binary(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }

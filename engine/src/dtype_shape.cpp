@@ -6,6 +6,8 @@
 #include <ruda/error.h>
 #include <ruda/shape.h>
 
+#include "op_descriptors.h"
+
 namespace ruda {
 
 std::string_view dtype_name(DType dtype) noexcept {
@@ -66,39 +68,11 @@ int normalize_axis(std::int64_t axis, std::int64_t ndim, const char* op) {
 }
 
 std::string_view op_name(UnaryOp op) noexcept {
-  switch (op) {
-    case UnaryOp::neg:
-      return "neg";
-    case UnaryOp::abs:
-      return "abs";
-    case UnaryOp::exp:
-      return "exp";
-    case UnaryOp::log:
-      return "log";
-    case UnaryOp::sqrt:
-      return "sqrt";
-    case UnaryOp::rsqrt:
-      return "rsqrt";
-    case UnaryOp::tanh:
-      return "tanh";
-    case UnaryOp::sigmoid:
-      return "sigmoid";
-    case UnaryOp::relu:
-      return "relu";
-    case UnaryOp::gelu_tanh:
-      return "gelu_tanh";
-    case UnaryOp::gelu_erf:
-      return "gelu";
-    case UnaryOp::silu:
-      return "silu";
-    case UnaryOp::softplus:
-      return "softplus";
-    case UnaryOp::square:
-      return "square";
-    case UnaryOp::reciprocal:
-      return "reciprocal";
+  try {
+    return ops::unary_info(op).name;  // from the op's descriptor
+  } catch (const ArgumentError&) {
+    return "?";  // not an enumerator of UnaryOp
   }
-  return "?";
 }
 
 std::string_view op_name(BinaryOp op) noexcept {

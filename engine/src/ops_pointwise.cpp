@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "internal.h"
+#include "op_descriptors.h"
 
 namespace ruda {
 
@@ -196,50 +197,24 @@ Tensor operator-(const Tensor& a) { return neg(a); }
 
 namespace {
 
-// What each op's derivative reads: its input x, its output y, or neither.
-bool derivative_reads_input(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::abs:
-    case UnaryOp::log:
-    case UnaryOp::gelu_tanh:
-    case UnaryOp::gelu_erf:
-    case UnaryOp::silu:
-    case UnaryOp::softplus:
-    case UnaryOp::square:
-      return true;
-    default:
-      return false;
-  }
-}
-bool derivative_reads_output(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::exp:
-    case UnaryOp::sqrt:
-    case UnaryOp::rsqrt:
-    case UnaryOp::tanh:
-    case UnaryOp::sigmoid:
-    case UnaryOp::relu:
-    case UnaryOp::reciprocal:
-      return true;
-    default:
-      return false;
-  }
-}
-
-const char* unary_name(UnaryOp op) { return op_name(op).data(); }
-
+// Every unary op, as its descriptor in op_descriptors.h says: the dtypes it takes, and what its
+// backward saves (exactly what the derivative reads).
 Tensor unary(UnaryOp op, const Tensor& x) {
-  const char* name = unary_name(op);
+  const ops::UnaryInfo info = ops::unary_info(op);
+  const char* name = info.name.data();
   detail::require_defined(name, x);
-  if (op == UnaryOp::neg || op == UnaryOp::abs || op == UnaryOp::square) {
-    if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
-  } else {
-    detail::require_float(name, x);
+  switch (info.domain) {
+    case ops::Domain::numbers:
+      if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
+      break;
+    case ops::Domain::floating:
+      detail::require_float(name, x);
+      break;
   }
   Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
   if (out.numel()) x.backend().unary(op, view_of(x), view_of(out));
   if (autograd::needs_grad(x)) {
-    const bool reads_x = derivative_reads_input(op), reads_y = derivative_reads_output(op);
+    const bool reads_x = info.reads == ops::Reads::input, reads_y = info.reads == ops::Reads::output;
     autograd::record(name, out, {x}, {reads_x ? x : Tensor(), reads_y ? out : Tensor()},
                      [op](const Tensor& g, const Saved& s, GradMask) -> std::vector<Tensor> {
                        if (op == UnaryOp::neg) return {neg(g)};
@@ -273,6 +248,7 @@ Tensor gelu(const Tensor& x, GeluApproximation approximation) {
 }
 Tensor silu(const Tensor& x) { return unary(UnaryOp::silu, x); }
 Tensor softplus(const Tensor& x) { return unary(UnaryOp::softplus, x); }
+Tensor erf(const Tensor& x) { return unary(UnaryOp::erf, x); }
 
 Tensor cast(const Tensor& x, DType dtype) {
   detail::require_defined("cast", x);

@@ -58,6 +58,18 @@ TEST_CASE("ArgumentError") {
       {"exp", "undefined"});
   check_throws<ArgumentError>([] { concat({}); }, {"concat"});
   check_throws<ArgumentError>([] { set_num_threads(0); }, {"set_num_threads"});
+  // A unary backward without the tensor its derivative reads refuses, in every backend (oneDNN's
+  // falls back to Eigen's), instead of reading another buffer in its place.
+  for (const std::string& name : available_backends()) {
+    CAPTURE(name);
+    Backend& b = get_backend(name);
+    const Tensor gy = ones({5000}, Options(DType::f32, &b)), gx = empty({5000}, Options(DType::f32, &b));
+    View none;
+    check_throws<ArgumentError>([&] { b.unary_backward(UnaryOp::tanh, none, none, gy.view(), gx.view()); },
+                                {"tanh backward", "saved output", "f32"});
+    check_throws<ArgumentError>([&] { b.unary_backward(UnaryOp::erf, none, none, gy.view(), gx.view()); },
+                                {"erf backward", "saved input", "f32"});
+  }
 }
 
 TEST_CASE("AutogradError") {

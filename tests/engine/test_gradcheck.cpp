@@ -57,6 +57,8 @@ TEST_CASE("unary functions") {
   check("gelu tanh", [](auto& v) { return gelu(v[0], GeluApproximation::tanh); }, {x});
   check("silu", [](auto& v) { return silu(v[0]); }, {x});
   check("softplus", [](auto& v) { return softplus(v[0]); }, {x});
+  check("erf", [](auto& v) { return erf(v[0]); }, {x});
+  check("erf, large inputs", [](auto& v) { return erf(v[0]); }, {input({3, 4}, 13, -3.0, 3.0)});
   check("dropout", [](auto& v) { return dropout(v[0], 0.3, 99); }, {x});
 }
 

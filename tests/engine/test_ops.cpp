@@ -165,6 +165,33 @@ TEST_CASE("unary math in every float dtype") {
   CHECK_CLOSE(softplus(values({100, -100}, {2})), {100, 0}, {2}, 1e-6, 1e-6);
 }
 
+TEST_CASE("erf against std::erf, forward and backward, in every float dtype") {
+  // 6001 values over [-5, 5] and the infinities: above oneDNN's minimum kernel size, so the oneDNN
+  // backend takes its fallback for an op without an eltwise algorithm at a size it would run.
+  std::vector<double> xs;
+  for (int i = -3000; i <= 3000; ++i) xs.push_back(i / 600.0);
+  xs.insert(xs.end(), {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity()});
+  const auto n = static_cast<std::int64_t>(xs.size());
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values(xs, {n}, d).set_requires_grad();
+    const std::vector<double> xr = x.to_vector<double>();  // as rounded to d
+    std::vector<double> want_y, want_g;
+    for (double v : xr) {
+      want_y.push_back(std::erf(v));
+      want_g.push_back(3 * 2 / std::sqrt(std::numbers::pi) * std::exp(-v * v));
+    }
+    const Tensor y = erf(x);
+    CHECK(y.dtype() == d);
+    CHECK_CLOSE(y, want_y, {n}, tol(d), tol(d));
+    sum(y * 3.0).backward();
+    CHECK_CLOSE(x.grad(), want_g, {n}, 4 * tol(d), 4 * tol(d));
+  }
+  CHECK_CLOSE(erf(values({0.5, -1}, {2}, DType::f64)), {std::erf(0.5), std::erf(-1.0)}, {2}, 1e-15, 1e-15);
+  test::check_throws<DTypeError>([] { (void)erf(randint({3}, 0, 5, 1)); }, {"erf", "i64", "[3]"});
+  test::check_throws<ArgumentError>([] { (void)erf(Tensor()); }, {"erf", "undefined"});
+}
+
 TEST_CASE("reductions") {
   for (DType d : kFloatTypes) {
     CAPTURE(dtype_name(d));

@@ -274,10 +274,10 @@ TEST_CASE("bf16 matmul accumulates in f32, with f32 or bf16 output") {
 }
 
 TEST_CASE("eltwise forward and backward agree with Eigen") {
-  const std::vector<UnaryOp> ops = {UnaryOp::neg,      UnaryOp::abs,       UnaryOp::exp,       UnaryOp::log,
-                                    UnaryOp::sqrt,     UnaryOp::rsqrt,     UnaryOp::tanh,      UnaryOp::sigmoid,
-                                    UnaryOp::relu,     UnaryOp::gelu_tanh, UnaryOp::gelu_erf,  UnaryOp::silu,
-                                    UnaryOp::softplus, UnaryOp::square,    UnaryOp::reciprocal};
+  const std::vector<UnaryOp> ops = {UnaryOp::neg,      UnaryOp::abs,       UnaryOp::exp,        UnaryOp::log,
+                                    UnaryOp::sqrt,     UnaryOp::rsqrt,     UnaryOp::tanh,       UnaryOp::sigmoid,
+                                    UnaryOp::relu,     UnaryOp::gelu_tanh, UnaryOp::gelu_erf,   UnaryOp::silu,
+                                    UnaryOp::softplus, UnaryOp::square,    UnaryOp::reciprocal, UnaryOp::erf};
   for (DType dtype : {DType::f32, DType::bf16}) {
     for (std::int64_t n : {5000, 70000}) {  // one thread, and a team of threads
       const bool native_dtype = dtype == DType::f32 || onednn::bf16_native();
@@ -294,7 +294,8 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
         check_routed(forward_runs, std::string(op_name(op)), dtype);
         // RUDA_ONEDNN_KERNELS=all: everything but softplus (inaccurate on oneDNN) and relu (oneDNN's
         // turns NaN into 0) runs there.
-        const bool kept_on_eigen = op == UnaryOp::softplus || op == UnaryOp::relu;
+        // erf has no oneDNN 2.6 eltwise algorithm at all.
+        const bool kept_on_eigen = op == UnaryOp::softplus || op == UnaryOp::relu || op == UnaryOp::erf;
         if (native_dtype && onednn::all_kernels()) CHECK(forward_runs == (kept_on_eigen ? 0 : 1));
         test::check_close(yd, ye, atol_of(dtype), rtol_of(dtype));
 
@@ -304,8 +305,8 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
         eigen().unary_backward(op, x.view(), ye.view(), gy.view(), ge.view());
         const std::int64_t backward_runs =
             executions_of([&] { dnnl().unary_backward(op, x.view(), ye.view(), gy.view(), gd.view()); });
-        const bool has_backward =
-            op != UnaryOp::neg && op != UnaryOp::rsqrt && op != UnaryOp::reciprocal && op != UnaryOp::relu;
+        const bool has_backward = op != UnaryOp::neg && op != UnaryOp::rsqrt && op != UnaryOp::reciprocal &&
+                                  op != UnaryOp::relu && op != UnaryOp::erf;
         check_routed(backward_runs, std::string(op_name(op)) + " backward", dtype);
         if (native_dtype && onednn::all_kernels()) CHECK(backward_runs == (has_backward ? 1 : 0));
         // Derivatives through y = f(x) rounded to bf16 amplify its rounding (e.g. sqrt: 0.5 / y).
@@ -314,6 +315,10 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
     }
   }
   CHECK(has_fallback("rsqrt backward", "f32", "no oneDNN eltwise backward"));
+  for (const char* dtype : {"f32", "bf16"}) {
+    CHECK(has_fallback("erf", dtype, "no eltwise algorithm for this op"));
+    CHECK(has_fallback("erf backward", dtype, "no oneDNN eltwise backward for this op"));
+  }
 }
 
 TEST_CASE("eltwise special values follow IEEE evaluation of the formulas") {
@@ -570,6 +575,11 @@ TEST_CASE("RUDA_LOG=debug prints each fallback once") {
   const Tensor c = gt(gaussian({10}, 80), gaussian({10}, 81));
   (void)where(c.to(dnnl()), gaussian({10}, 82).to(dnnl()), gaussian({10}, 83).to(dnnl()));
   CHECK(has_fallback("where", "f32"));
+  // An op without a oneDNN kernel (erf) runs Eigen's, with Eigen's values, and says so once.
+  const Tensor x = gaussian({5000}, 84);
+  for (int k = 0; k < 2; ++k) test::check_close(erf(x.to(dnnl())), erf(x), 0, 0);
+  const auto seen = onednn::fallbacks();
+  CHECK(std::count_if(seen.begin(), seen.end(), [](const auto& f) { return f.op == "erf" && f.dtype == "f32"; }) == 1);
 }
 
 namespace {

@@ -61,7 +61,8 @@ enum class UnaryOp : std::uint8_t {
   silu,
   softplus,
   square,
-  reciprocal
+  reciprocal,
+  erf
 };
 enum class BinaryOp : std::uint8_t {
   add,

@@ -233,6 +233,8 @@ enum class GeluApproximation { erf, tanh };
 Tensor gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
 Tensor silu(const Tensor& x);
 Tensor softplus(const Tensor& x);
+/// The error function, 2 / sqrt(pi) * integral of exp(-t^2) from 0 to x.
+Tensor erf(const Tensor& x);
 
 /// Conversion between dtypes (float to 16-bit rounds to nearest even). Differentiable between floats.
 Tensor cast(const Tensor& x, DType dtype);

@@ -1,0 +1,474 @@
+// One descriptor per unary op: the single place that says, for each UnaryOp, its name, the dtypes
+// it accepts, what its backward reads, its forward and derivative formulas, and how the oneDNN
+// backend may run it. The engine (engine/src/ops_pointwise.cpp), the Eigen kernels
+// (backends/eigen/elementwise.cpp) and the oneDNN kernels (backends/onednn/eltwise.cpp) all read
+// it; none of them has a per-op switch of its own. docs/adding-an-op.md walks through adding one.
+//
+// Private to ruda_engine (engine/src is a private include folder of it, backends included), and
+// free of Eigen and oneDNN headers: the formulas are templates written against Eigen's Array API,
+// instantiated only in backends/eigen; oneDNN algorithms are named by DnnlAlg, which
+// backends/onednn/eltwise.cpp maps to dnnl::algorithm.
+#pragma once
+
+#include <cstdint>
+#include <numbers>
+#include <string_view>
+
+#include <ruda/backend.h>
+#include <ruda/error.h>
+
+namespace ruda::ops {
+
+/// The dtypes an op accepts: `floating` is f32, f64, f16 and bf16; `numbers` adds i64 (never bool).
+enum class Domain : std::uint8_t { floating, numbers };
+
+/// What the derivative reads besides gy: nothing, the input x, or the output y = f(x). The engine
+/// saves exactly that tensor, and the backward formula takes exactly that argument.
+enum class Reads : std::uint8_t { nothing, input, output };
+
+/// The oneDNN 2.6 eltwise algorithms the descriptors use (none: oneDNN has no such kernel, so the
+/// oneDNN backend runs Eigen's). The *_use_dst_for_bwd ones are backward algorithms reading y.
+enum class DnnlAlg : std::uint8_t {
+  none,
+  linear,
+  abs,
+  exp,
+  log,
+  sqrt,
+  pow,
+  tanh,
+  logistic,
+  relu,
+  gelu_tanh,
+  gelu_erf,
+  swish,
+  soft_relu,
+  square,
+  exp_use_dst_for_bwd,
+  sqrt_use_dst_for_bwd,
+  tanh_use_dst_for_bwd,
+  logistic_use_dst_for_bwd,
+  relu_use_dst_for_bwd,
+};
+
+constexpr bool reads_output(DnnlAlg alg) {
+  return alg == DnnlAlg::exp_use_dst_for_bwd || alg == DnnlAlg::sqrt_use_dst_for_bwd ||
+         alg == DnnlAlg::tanh_use_dst_for_bwd || alg == DnnlAlg::logistic_use_dst_for_bwd ||
+         alg == DnnlAlg::relu_use_dst_for_bwd;
+}
+
+struct DnnlEltwise {
+  DnnlAlg alg = DnnlAlg::none;
+  float alpha = 0.0f, beta = 0.0f;
+};
+
+/// Where oneDNN's kernel measured slower than Eigen's, so the oneDNN backend runs Eigen's unless
+/// RUDA_ONEDNN_KERNELS=all (the measurements are in backends/onednn/kernel_policy.h).
+enum class Slower : std::uint8_t { never, f32, always };
+
+/// How the oneDNN backend runs an op. A backward algorithm reads what the op's Reads says: x, or y
+/// for the *_use_dst_for_bwd ones. `avoid_*`, when not empty, is why oneDNN's kernel is never used.
+struct DnnlPlan {
+  DnnlEltwise forward = {}, backward = {};
+  Slower forward_slower = Slower::never, backward_slower = Slower::never;
+  std::string_view avoid_forward = {}, avoid_backward = {};
+};
+
+/// The run-time part of a descriptor.
+struct UnaryInfo {
+  std::string_view name;  // a string literal: name.data() is NUL-terminated
+  Domain domain;
+  Reads reads;
+  DnnlPlan onednn;
+};
+
+inline constexpr std::string_view kReluNanReason = "oneDNN's relu maps NaN to 0";
+
+/// Unary<op> has: name, domain, reads, onednn (as in UnaryInfo), and the formulas
+///   forward(x, y):       y = f(x)
+///   backward(gy, gx)     gx = gy * f'(x), when reads is nothing,
+///   backward(x, gy, gx)  when it is input,
+///   backward(y, gy, gx)  when it is output,
+/// on Eigen arrays (1-D maps of the tensors; 16-bit values are widened to f32 first). An op whose
+/// domain is `numbers` has a forward that compiles for std::int64_t too.
+template <UnaryOp Op>
+struct Unary;
+
+template <class A>
+using scalar_of = typename A::Scalar;
+
+template <>
+struct Unary<UnaryOp::neg> {
+  static constexpr std::string_view name = "neg";
+  static constexpr Domain domain = Domain::numbers;
+  static constexpr Reads reads = Reads::nothing;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::linear, -1.0f, 0.0f}};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = -x;
+  }
+  template <class G, class GX>
+  static void backward(const G& gy, GX& gx) {
+    gx = -gy;
+  }
+};
+
+template <>
+struct Unary<UnaryOp::abs> {
+  static constexpr std::string_view name = "abs";
+  static constexpr Domain domain = Domain::numbers;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::abs}, .backward = {DnnlAlg::abs}};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.abs();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    const T zero(0);
+    gx = gy * ((x > zero).template cast<T>() - (x < zero).template cast<T>());
+  }
+};
+
+template <>
+struct Unary<UnaryOp::exp> {
+  static constexpr std::string_view name = "exp";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::exp}, .backward = {DnnlAlg::exp_use_dst_for_bwd}};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.exp();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = gy * y;
+  }
+};
+
+template <>
+struct Unary<UnaryOp::log> {
+  static constexpr std::string_view name = "log";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::log},
+                                   .backward = {DnnlAlg::log},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::always};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.log();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    gx = gy / x;
+  }
+};
+
+template <>
+struct Unary<UnaryOp::sqrt> {
+  static constexpr std::string_view name = "sqrt";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::sqrt}, .backward = {DnnlAlg::sqrt_use_dst_for_bwd}, .backward_slower = Slower::always};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.sqrt();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = gy * scalar_of<Y>(0.5) / y;
+  }
+};
+
+// rsqrt and reciprocal save y; oneDNN's pow backward needs x, so they have no oneDNN backward.
+template <>
+struct Unary<UnaryOp::rsqrt> {
+  static constexpr std::string_view name = "rsqrt";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::pow, 1.0f, -0.5f}, .forward_slower = Slower::always};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.rsqrt();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = gy * scalar_of<Y>(-0.5) * y.cube();
+  }
+};
+
+template <>
+struct Unary<UnaryOp::tanh> {
+  static constexpr std::string_view name = "tanh";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::tanh},
+                                   .backward = {DnnlAlg::tanh_use_dst_for_bwd},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::always};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.tanh();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = gy * (scalar_of<Y>(1) - y.square());
+  }
+};
+
+template <>
+struct Unary<UnaryOp::sigmoid> {
+  static constexpr std::string_view name = "sigmoid";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::logistic},
+                                   .backward = {DnnlAlg::logistic_use_dst_for_bwd},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::always};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.logistic();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = gy * y * (scalar_of<Y>(1) - y);
+  }
+};
+
+// oneDNN 2.6's relu (a max with zero in its JIT kernels) turns NaN into 0, and its backward drops
+// the gradient there: a NaN that should stop training would vanish. Eigen's relu propagates it.
+template <>
+struct Unary<UnaryOp::relu> {
+  static constexpr std::string_view name = "relu";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::relu},
+                                   .backward = {DnnlAlg::relu_use_dst_for_bwd},
+                                   .backward_slower = Slower::always,
+                                   .avoid_forward = kReluNanReason,
+                                   .avoid_backward = kReluNanReason};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    using T = scalar_of<X>;
+    const T zero(0);
+    y = (x < zero).select(zero, x);  // NaN stays NaN (x < 0 is false for it), as in PyTorch
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    using T = scalar_of<Y>;
+    const T zero(0);
+    gx = (y <= zero).select(zero, gy);  // passes through where the output is NaN, as PyTorch's threshold_backward
+  }
+};
+
+inline constexpr double kSqrt2OverPi = 0.7978845608028654;  // sqrt(2 / pi)
+inline constexpr double kGeluCubic = 0.044715;
+
+template <>
+struct Unary<UnaryOp::gelu_tanh> {
+  static constexpr std::string_view name = "gelu_tanh";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_tanh},
+                                   .backward = {DnnlAlg::gelu_tanh},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::f32};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1);
+    y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh());
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1);
+    const auto t = (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh().eval();
+    gx = gy *
+         (half * (one + t) + half * x * (one - t.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square()));
+  }
+};
+
+template <>
+struct Unary<UnaryOp::gelu_erf> {
+  static constexpr std::string_view name = "gelu";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1);
+    y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf());
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
+    gx = gy * (half * (one + (x * T(std::numbers::sqrt2 / 2)).erf()) + x * inv_sqrt_2pi * (-half * x.square()).exp());
+  }
+};
+
+template <>
+struct Unary<UnaryOp::silu> {
+  static constexpr std::string_view name = "silu";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::swish, 1.0f},
+                                   .backward = {DnnlAlg::swish, 1.0f},
+                                   .forward_slower = Slower::always,
+                                   .backward_slower = Slower::f32};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x * x.logistic();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    const T one(1);
+    const auto s = x.logistic().eval();
+    gx = gy * s * (one + x * (one - s));
+  }
+};
+
+// oneDNN 2.6's soft_relu computes log(1 + exp(x)) directly: for x below about -15 its result is
+// off by ~2e-6 in absolute terms, negative where softplus is tiny and positive.
+template <>
+struct Unary<UnaryOp::softplus> {
+  static constexpr std::string_view name = "softplus";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::soft_relu},
+      .backward = {DnnlAlg::soft_relu},
+      .backward_slower = Slower::always,
+      .avoid_forward = "oneDNN's soft_relu is inaccurate (even negative) for negative inputs"};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    using T = scalar_of<X>;
+    const T zero(0);
+    y = x.max(zero) + (-x.abs()).exp().log1p();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    gx = gy * x.logistic();
+  }
+};
+
+template <>
+struct Unary<UnaryOp::square> {
+  static constexpr std::string_view name = "square";
+  static constexpr Domain domain = Domain::numbers;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::square}, .backward = {DnnlAlg::square}};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.square();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    gx = gy * scalar_of<X>(2) * x;
+  }
+};
+
+template <>
+struct Unary<UnaryOp::reciprocal> {
+  static constexpr std::string_view name = "reciprocal";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::output;
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::pow, 1.0f, -1.0f}};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.inverse();
+  }
+  template <class Y, class G, class GX>
+  static void backward(const Y& y, const G& gy, GX& gx) {
+    gx = -gy * y.square();
+  }
+};
+
+// oneDNN 2.6 has gelu_erf but no plain erf eltwise: its DnnlPlan is empty, so the oneDNN backend
+// runs Eigen's kernel (a recorded fallback).
+template <>
+struct Unary<UnaryOp::erf> {
+  static constexpr std::string_view name = "erf";
+  static constexpr Domain domain = Domain::floating;
+  static constexpr Reads reads = Reads::input;
+  static constexpr DnnlPlan onednn{};
+  template <class X, class Y>
+  static void forward(const X& x, Y& y) {
+    y = x.erf();
+  }
+  template <class X, class G, class GX>
+  static void backward(const X& x, const G& gy, GX& gx) {
+    using T = scalar_of<X>;
+    gx = gy * T(2 * std::numbers::inv_sqrtpi) * (-x.square()).exp();  // d/dx erf(x) = 2 / sqrt(pi) * exp(-x^2)
+  }
+};
+
+/// What every descriptor must satisfy, checked when visit_unary instantiates it.
+template <UnaryOp Op, class D = Unary<Op>>
+constexpr bool well_formed() {
+  const DnnlAlg bwd = D::onednn.backward.alg;
+  return !D::name.empty() &&
+         // A *_use_dst_for_bwd algorithm reads y, the others x: what the engine saves must match.
+         (bwd == DnnlAlg::none || reads_output(bwd) == (D::reads == Reads::output)) &&
+         !reads_output(D::onednn.forward.alg) && (bwd != DnnlAlg::none || D::onednn.backward_slower == Slower::never);
+}
+
+template <UnaryOp Op, class F>
+constexpr decltype(auto) call_with(F&& f) {
+  static_assert(well_formed<Op>(), "inconsistent unary op descriptor");
+  return f(Unary<Op>{});
+}
+
+/// Calls f(Unary<op>{}) — once per kernel call, never per element. A case missing here is a
+/// -Wswitch error (the build sets -Werror=switch).
+template <class F>
+constexpr decltype(auto) visit_unary(UnaryOp op, F&& f) {
+  switch (op) {
+    case UnaryOp::neg:
+      return call_with<UnaryOp::neg>(f);
+    case UnaryOp::abs:
+      return call_with<UnaryOp::abs>(f);
+    case UnaryOp::exp:
+      return call_with<UnaryOp::exp>(f);
+    case UnaryOp::log:
+      return call_with<UnaryOp::log>(f);
+    case UnaryOp::sqrt:
+      return call_with<UnaryOp::sqrt>(f);
+    case UnaryOp::rsqrt:
+      return call_with<UnaryOp::rsqrt>(f);
+    case UnaryOp::tanh:
+      return call_with<UnaryOp::tanh>(f);
+    case UnaryOp::sigmoid:
+      return call_with<UnaryOp::sigmoid>(f);
+    case UnaryOp::relu:
+      return call_with<UnaryOp::relu>(f);
+    case UnaryOp::gelu_tanh:
+      return call_with<UnaryOp::gelu_tanh>(f);
+    case UnaryOp::gelu_erf:
+      return call_with<UnaryOp::gelu_erf>(f);
+    case UnaryOp::silu:
+      return call_with<UnaryOp::silu>(f);
+    case UnaryOp::softplus:
+      return call_with<UnaryOp::softplus>(f);
+    case UnaryOp::square:
+      return call_with<UnaryOp::square>(f);
+    case UnaryOp::reciprocal:
+      return call_with<UnaryOp::reciprocal>(f);
+    case UnaryOp::erf:
+      return call_with<UnaryOp::erf>(f);
+  }
+  fail<ArgumentError>("unary", "unknown UnaryOp value ", static_cast<int>(op));
+}
+
+constexpr UnaryInfo unary_info(UnaryOp op) {
+  return visit_unary(op, []<class D>(D) { return UnaryInfo{D::name, D::domain, D::reads, D::onednn}; });
+}
+
+}  // namespace ruda::ops
