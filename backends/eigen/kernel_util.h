@@ -20,23 +20,7 @@ namespace ruda::kernels {
 // --- element types ---
 
 template <class T>
-struct Num {
-  using Compute = T;
-  static T load(T v) { return v; }
-  static T store(T v) { return v; }
-};
-template <>
-struct Num<bfloat16> {
-  using Compute = float;
-  static float load(bfloat16 v) { return to_float(v); }
-  static bfloat16 store(float v) { return to_bfloat16(v); }
-};
-template <>
-struct Num<float16> {
-  using Compute = float;
-  static float load(float16 v) { return to_float(v); }
-  static float16 store(float v) { return to_float16(v); }
-};
+using Num = ElementTraits<T>;
 template <class T>
 using compute_t = typename Num<T>::Compute;
 

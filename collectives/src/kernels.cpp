@@ -16,39 +16,17 @@ namespace ruda::collectives_detail {
 
 namespace {
 
-// Element traits: how a stored element becomes the value arithmetic runs on, and back.
+// Element traits (ruda/dtype.h's), except that i64 sums in unsigned arithmetic, which wraps on
+// overflow where signed would be undefined.
 template <class T>
-struct Elem;
-template <>
-struct Elem<float> {
-  using Value = float;
-  static float load(float x) { return x; }
-  static float store(float v) { return v; }
-};
-template <>
-struct Elem<double> {
-  using Value = double;
-  static double load(double x) { return x; }
-  static double store(double v) { return v; }
+struct Elem : ElementTraits<T> {
+  using Value = typename ElementTraits<T>::Compute;
 };
 template <>
 struct Elem<std::int64_t> {
-  // Unsigned arithmetic wraps on overflow where signed would be undefined.
   using Value = std::uint64_t;
   static std::uint64_t load(std::int64_t x) { return static_cast<std::uint64_t>(x); }
   static std::int64_t store(std::uint64_t v) { return static_cast<std::int64_t>(v); }
-};
-template <>
-struct Elem<bfloat16> {
-  using Value = float;
-  static float load(bfloat16 x) { return to_float(x); }
-  static bfloat16 store(float v) { return to_bfloat16(v); }
-};
-template <>
-struct Elem<float16> {
-  using Value = float;
-  static float load(float16 x) { return to_float(x); }
-  static float16 store(float v) { return to_float16(v); }
 };
 
 template <class T>

@@ -114,4 +114,26 @@ inline float16 to_float16(float value) noexcept {
   return float16{std::uint16_t(out | (sign >> 16))};
 }
 
+/// How a stored element becomes the value arithmetic runs on, and back: 16-bit floats compute in
+/// f32 and round to nearest even on the way back; every other type computes in itself. The one
+/// definition the backends' kernels and the collectives' reductions share.
+template <class T>
+struct ElementTraits {
+  using Compute = T;
+  static constexpr T load(T v) noexcept { return v; }
+  static constexpr T store(T v) noexcept { return v; }
+};
+template <>
+struct ElementTraits<bfloat16> {
+  using Compute = float;
+  static float load(bfloat16 v) noexcept { return to_float(v); }
+  static bfloat16 store(float v) noexcept { return to_bfloat16(v); }
+};
+template <>
+struct ElementTraits<float16> {
+  using Compute = float;
+  static float load(float16 v) noexcept { return to_float(v); }
+  static float16 store(float v) noexcept { return to_float16(v); }
+};
+
 }  // namespace ruda
