@@ -4,7 +4,7 @@
 // (backends/eigen/elementwise.cpp) and the oneDNN kernels (backends/onednn/eltwise.cpp) all read
 // it; none of them has a per-op switch of its own. docs/adding-an-op.md walks through adding one.
 //
-// Private to ruda_engine (engine/src is a private include folder of it, backends included), and
+// Private to ruda_engine and ruda_backends (backends/CMakeLists.txt gives the backends engine/src), and
 // free of Eigen and oneDNN headers: the formulas are templates written against Eigen's Array API,
 // instantiated only in backends/eigen; oneDNN algorithms are named by DnnlAlg, which
 // backends/onednn/eltwise.cpp maps to dnnl::algorithm.
