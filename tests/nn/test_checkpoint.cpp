@@ -203,8 +203,11 @@ TEST_CASE("check_resumable: another model or another data stream is refused befo
   nn::check_resumable(info, "tiny", {{"--seed", "1"}, {"--batch", "64"}});  // --batch was not recorded: passes
   test::check_throws<IOError>([&] { nn::check_resumable(info, "small", {}); },
                               {info.directory, "holds model 'tiny'", "this run trains 'small'"});
-  test::check_throws<ArgumentError>([&] { nn::check_resumable(info, "tiny", {{"--seed", "7"}}); },
-                                    {"--seed 7 differs from the --seed 1 of", info.directory, "other samples"});
+  test::check_throws<ArgumentError>(
+      [&] {
+        nn::check_resumable(info, "tiny", {{"--seed", "7"}});
+      },
+      {"--seed 7 differs from the --seed 1 of", info.directory, "other samples"});
   info.extra.erase("model");
   test::check_throws<IOError>([&] { nn::check_resumable(info, "tiny", {}); }, {"holds model '?'"});
   CHECK(saved.losses.size() == 2);
