@@ -147,8 +147,8 @@ struct MpiCommunicator::Impl {
   MPI_Op max_f32 = MPI_OP_NULL, max_f64 = MPI_OP_NULL, max_bf16 = MPI_OP_NULL, max_f16 = MPI_OP_NULL;
   MPI_Op sum_bf16 = MPI_OP_NULL, sum_f16 = MPI_OP_NULL;
   mpi_detail::RingScratch ring;
-  Buffer wide;                                 // 16-bit data widened to f32
-  mpi_detail::ProgressThread progress_thread;  // the non-blocking collectives, in the order started
+  Buffer wide;                         // 16-bit data widened to f32
+  cd::ProgressThread progress_thread;  // the non-blocking collectives, in the order started
 
   // What this rank's threads are in, for the watchdog: the calling thread (blocking collectives
   // and the order check) and the progress thread. Guarded by watch_mutex. Entering and leaving a

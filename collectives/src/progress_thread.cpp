@@ -4,7 +4,7 @@
 
 #include <ruda/collectives.h>
 
-namespace ruda::mpi_detail {
+namespace ruda::collectives_detail {
 
 ProgressThread::Done ProgressThread::submit(std::function<void()> run) {
   auto task = std::make_shared<Task>();
@@ -72,4 +72,4 @@ void ProgressThread::stop() {
   if (worker_.joinable()) worker_.join();
 }
 
-}  // namespace ruda::mpi_detail
+}  // namespace ruda::collectives_detail

@@ -1,6 +1,7 @@
 // One thread that runs tasks in the order they were submitted: the MPI communicator's
 // non-blocking collectives, which every rank starts in the same order and which must therefore
-// run in it (internal to ruda_mpi; it knows nothing of MPI).
+// run in it. Internal; it knows nothing of MPI, so it lives in ruda_collectives, where the
+// ThreadSanitizer build (which has no MPI) tests it.
 #pragma once
 
 #include <chrono>
@@ -13,7 +14,7 @@
 #include <string>
 #include <thread>
 
-namespace ruda::mpi_detail {
+namespace ruda::collectives_detail {
 
 class ProgressThread {
  public:
@@ -53,4 +54,4 @@ class ProgressThread {
   std::thread worker_;
 };
 
-}  // namespace ruda::mpi_detail
+}  // namespace ruda::collectives_detail

@@ -10,6 +10,7 @@
 #include <ruda/backend.h>
 #include <ruda/collectives.h>
 
+#include "progress_thread.h"
 #include "suite.h"
 
 namespace {
@@ -204,4 +205,37 @@ TEST_CASE("local: ranks a launcher put on one node share its cores; the thread v
   ruda::set_default_num_threads(cores);
   for (const char* n : names) unsetenv(n);
   for (const auto& [n, v] : saved) setenv(n.c_str(), v.c_str(), 1);
+}
+
+TEST_CASE("the progress thread runs tasks in submission order; after a failure the rest fail unstarted") {
+  using ruda::collectives_detail::ProgressThread;
+  ProgressThread thread;
+  CHECK(thread.idle());
+  thread.drain();          // nothing submitted: returns at once
+  std::vector<int> order;  // written by the progress thread only, read after drain()
+  std::vector<ProgressThread::Done> done;
+  for (int i = 0; i < 50; ++i) done.push_back(thread.submit([&order, i] { order.push_back(i); }));
+  thread.drain();
+  CHECK(thread.idle());
+  REQUIRE(order.size() == 50);
+  for (int i = 0; i < 50; ++i) CHECK(order[static_cast<std::size_t>(i)] == i);
+  for (auto& d : done) CHECK(d.valid());
+  CHECK(done.back().get() >= done.front().get());  // completion times, in order
+
+  // A failed task fails the ones after it without running them, and drain() reports it.
+  bool ran_after = false;
+  auto failing = thread.submit([] { throw ruda::CollectiveError("peer went away"); });
+  auto after = thread.submit([&] { ran_after = true; });
+  CHECK_THROWS_WITH_AS(failing.get(), "peer went away", ruda::CollectiveError);
+  try {
+    after.get();
+    FAIL_CHECK("the task after a failure ran");
+  } catch (const ruda::CollectiveError& e) {
+    CHECK(std::string(e.what()).find("not started") != std::string::npos);
+    CHECK(std::string(e.what()).find("peer went away") != std::string::npos);
+  }
+  CHECK_FALSE(ran_after);
+  CHECK_THROWS_AS(thread.drain(), ruda::CollectiveError);
+  thread.stop();
+  thread.stop();  // idempotent
 }
