@@ -219,7 +219,7 @@ TEST_CASE("the progress thread runs tasks in submission order; after a failure t
   CHECK(thread.idle());
   REQUIRE(order.size() == 50);
   for (int i = 0; i < 50; ++i) CHECK(order[static_cast<std::size_t>(i)] == i);
-  for (auto& d : done) CHECK_NOTHROW(d.get());  // every task completed, none with an error
+  for (auto& d : done) CHECK_NOTHROW(d.get());     // every task completed, none with an error
   CHECK(done.back().get() >= done.front().get());  // completion times, in order
 
   // A failed task fails the ones after it without running them, and drain() reports it.
