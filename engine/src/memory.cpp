@@ -70,11 +70,7 @@ std::atomic<std::int64_t>& limit_bytes() {
 }
 }  // namespace
 
-thread_local bool t_limit_suspended = false;
-
 std::int64_t limit() { return limit_bytes().load(std::memory_order_relaxed); }
-LimitSuspended::LimitSuspended() noexcept : previous_(t_limit_suspended) { t_limit_suspended = true; }
-LimitSuspended::~LimitSuspended() { t_limit_suspended = previous_; }
 void set_limit(std::int64_t bytes) {
   if (bytes < 0) fail<ArgumentError>("memory::set_limit", "limit must be 0 (none) or positive, got ", bytes);
   limit_bytes().store(bytes, std::memory_order_relaxed);
@@ -262,7 +258,7 @@ Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dty
     : bytes(size), tracker(memory::current_tracker()) {
   // Charge the rank first, so that a refused allocation never touches the system allocator.
   const auto n = static_cast<std::int64_t>(size);
-  const std::int64_t limit = memory::t_limit_suspended ? 0 : memory::limit();
+  const std::int64_t limit = memory::LimitSuspended::active() ? 0 : memory::limit();
   memory::Tracker& rank = tracker ? *tracker : memory::process_tracker();
   if (!rank.try_add(n, limit)) out_of_memory(op, shape, dtype, n, rank, limit, false);
   if (tracker) memory::process_tracker().add(n);

@@ -109,3 +109,133 @@ TEST_CASE("one emulated rank over the limit ends every rank with an error, never
   }
   memory::set_limit(saved);
 }
+
+namespace {
+// A GPT sharded bottom-up like ruda-train's lm (a group per block, then the root), whose step the
+// schedule's knobs change: unsharded groups, retain/recompute, activation checkpointing.
+struct FitFixture {
+  std::shared_ptr<nn::GPT> model;
+  static constexpr std::int64_t kGlobalBatch = 8, kTime = 16;
+  explicit FitFixture(Communicator& comm) {
+    nn::manual_seed(3);
+    {
+      nn::DeferredInit deferred;
+      model = std::make_shared<nn::GPT>(
+          nn::GPTConfig{.vocabulary = 32, .context = kTime, .d_model = 32, .layers = 3, .heads = 2});
+    }
+    const nn::FullyShardOptions options{.policy = {.strategy = nn::CheckpointStrategy::retain}};
+    for (const auto& block : model->blocks) nn::fully_shard(*block, comm, options);
+    nn::fully_shard(*model, comm, options);
+  }
+  Tensor loss(Communicator& comm, std::int64_t local_batch) const {
+    const auto seed = static_cast<std::uint64_t>(100 + comm.rank());
+    const Tensor tokens = randint({local_batch, kTime}, 0, 32, seed);
+    return nn::cross_entropy(model->forward(tokens), randint({local_batch, kTime}, 0, 32, seed + 7),
+                             {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(kGlobalBatch * kTime);
+  }
+  nn::FitOptions fit_options() const {
+    nn::FitOptions options;
+    options.set_activation_checkpointing = [m = model](bool on) { m->set_activation_checkpointing(on); };
+    return options;
+  }
+};
+
+// The concessions from (2 groups, retain, none), fewest first and in the ladder's order.
+const std::vector<nn::MemorySchedule> kLadder = {
+    {2, nn::CheckpointStrategy::retain, false},    {1, nn::CheckpointStrategy::retain, false},
+    {2, nn::CheckpointStrategy::recompute, false}, {2, nn::CheckpointStrategy::retain, true},
+    {1, nn::CheckpointStrategy::recompute, false}, {1, nn::CheckpointStrategy::retain, true},
+    {2, nn::CheckpointStrategy::recompute, true},  {1, nn::CheckpointStrategy::recompute, true},
+};
+}  // namespace
+
+TEST_CASE("fit_schedule: the first schedule in the ladder that fits is chosen, applied, and trains under the limit") {
+  const std::int64_t saved = memory::limit();
+  for (int world : {1, 2}) {
+    CAPTURE(world);
+    std::vector<std::string> chosen(world);
+    run_ranks(world, [&](Communicator& comm) {
+      memory::Scope rank_memory;
+      FitFixture f(comm);
+      auto step = [&](std::int64_t b) { return f.loss(comm, b); };
+      const nn::FitOptions fit_options = f.fit_options();
+      // Each schedule's plan, measured directly with no limit.
+      std::vector<std::int64_t> peaks;
+      for (const auto& schedule : kLadder) {
+        nn::set_max_unsharded_groups(*f.model, schedule.max_unsharded_groups);
+        nn::set_checkpoint_strategy(*f.model, schedule.strategy);
+        f.model->set_activation_checkpointing(schedule.activation_checkpointing);
+        peaks.push_back(nn::plan_memory(*f.model, comm, FitFixture::kGlobalBatch, step, 0).peak());
+      }
+      // Activation checkpointing is what saves most here; every concession saves something.
+      CHECK(peaks.back() < peaks.front());
+      CHECK(peaks[3] < peaks[0]);
+      // Just under the configured plan: the first schedule below the limit, in ladder order.
+      const std::int64_t limit = peaks[0] - 1;
+      std::size_t expected = 1;
+      while (expected < kLadder.size() && peaks[expected] > limit) ++expected;
+      REQUIRE(expected < kLadder.size());
+      const nn::FittedSchedule fit =
+          nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, limit, kLadder[0], fit_options);
+      CHECK(fit.fits);
+      CHECK(fit.configured.peak() == peaks[0]);
+      CHECK(fit.plan.peak() == peaks[expected]);
+      CHECK(fit.schedule == kLadder[expected]);
+      REQUIRE(fit.tried.size() == expected + 1);
+      for (std::size_t i = 0; i <= expected; ++i) CHECK(fit.tried[i] == kLadder[i]);
+      CHECK(fit.plan.schedule == kLadder[expected].describe());
+      CHECK(fit.plan.table(limit).find(kLadder[expected].describe()) != std::string::npos);
+      chosen[comm.rank()] = fit.schedule.describe();
+      // The chosen schedule is in force: a few steps run under the limit itself.
+      if (comm.rank() == 0) memory::set_limit(limit);
+      comm.barrier();
+      nn::AdamW opt(f.model->parameters(), {.lr = 1e-3});
+      for (int i = 0; i < 3; ++i) {
+        const Tensor loss = f.loss(comm, FitFixture::kGlobalBatch / world);
+        opt.zero_grad();
+        loss.backward();
+        opt.step();
+      }
+      comm.barrier();
+      if (comm.rank() == 0) memory::set_limit(saved);
+    });
+    for (const auto& c : chosen) CHECK(c == chosen[0]);  // every rank chose alike
+  }
+}
+
+TEST_CASE(
+    "fit_schedule: when nothing fits, every schedule was tried, the configured one is back, and it says what would") {
+  run_ranks(2, [&](Communicator& comm) {
+    memory::Scope rank_memory;
+    FitFixture f(comm);
+    auto step = [&](std::int64_t b) { return f.loss(comm, b); };
+    bool checkpointing = false;
+    nn::FitOptions options = f.fit_options();
+    options.set_activation_checkpointing = [&](bool on) {
+      checkpointing = on;
+      f.model->set_activation_checkpointing(on);
+    };
+    const std::int64_t state = nn::plan_state(*f.model, 2, FitFixture::kGlobalBatch).peak();
+    const nn::FittedSchedule fit =
+        nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, state, kLadder[0], options);
+    CHECK_FALSE(fit.fits);
+    CHECK(fit.tried == kLadder);
+    CHECK(fit.schedule == kLadder.back());  // the leanest, for the refusal
+    CHECK_FALSE(checkpointing);             // the configured schedule is in force again
+    for (const auto& p : f.model->parameters()) CHECK(p.shard()->policy.strategy == nn::CheckpointStrategy::retain);
+    // What would fit with the leanest schedule: more ranks, or a smaller batch here.
+    const std::int64_t leanest = fit.plan.peak();
+    CHECK(nn::largest_fitting_batch(*f.model, 2, FitFixture::kGlobalBatch, fit.plan.probe, leanest - 1) <
+          FitFixture::kGlobalBatch);
+    CHECK(nn::largest_fitting_batch(*f.model, 2, FitFixture::kGlobalBatch, fit.plan.probe, 1) == 0);
+  });
+}
+
+TEST_CASE("set_max_unsharded_groups and set_checkpoint_strategy refuse what is not a schedule") {
+  run_ranks(1, [&](Communicator& comm) {
+    FitFixture f(comm);
+    CHECK_THROWS_AS(nn::set_max_unsharded_groups(*f.model, 0), ArgumentError);
+    CHECK_THROWS_AS(nn::set_checkpoint_strategy(*f.model, static_cast<nn::CheckpointStrategy>(7)), ArgumentError);
+  });
+}

@@ -14,6 +14,8 @@
 #include <string>
 #include <string_view>
 
+#include <ruda/thread_flag.h>
+
 namespace ruda::memory {
 
 struct Stats {
@@ -38,16 +40,7 @@ std::int64_t limit();
 void set_limit(std::int64_t bytes);
 /// While alive, allocations on this thread ignore the limit (they are still counted): for a
 /// measurement whose result decides whether the configuration fits, such as nn::probe_step.
-class LimitSuspended {
- public:
-  LimitSuspended() noexcept;
-  ~LimitSuspended();
-  LimitSuspended(const LimitSuspended&) = delete;
-  LimitSuspended& operator=(const LimitSuspended&) = delete;
-
- private:
-  bool previous_;
-};
+class LimitSuspended : public ThreadFlagScope<LimitSuspended> {};
 /// Bytes from "512MB", "2GiB", "1.5GB", "64k" or plain "1048576" (decimal units are powers of 1000,
 /// binary ones of 1024; case-insensitive). ArgumentError on anything else, negative or overflowing.
 std::int64_t parse_size(std::string_view text);

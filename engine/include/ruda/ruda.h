@@ -10,3 +10,4 @@
 #include <ruda/random.h>
 #include <ruda/shape.h>
 #include <ruda/tensor.h>
+#include <ruda/thread_flag.h>

@@ -16,6 +16,7 @@
 
 #include <ruda/collectives.h>
 #include <ruda/nn/module.h>
+#include <ruda/nn/sharded.h>
 
 namespace ruda::nn {
 
@@ -45,6 +46,7 @@ struct MemoryPlan {
   std::int64_t gathered = 0;    // the largest gathered weight with its full gradient: the least a step adds
   std::int64_t step = -1;       // measured transient of a step (gathered weights + activations + batch); -1: unknown
   StepProbe probe;              // what `step` was read from, when measured
+  std::string schedule;         // the schedule `step` was measured with (MemorySchedule::describe), if given
   /// The predicted peak: the state plus the step (or, unmeasured, plus `gathered` only: a lower bound).
   std::int64_t peak() const { return parameters + gradients + optimizer + (step >= 0 ? step : gathered); }
   bool measured() const { return step >= 0; }
@@ -82,6 +84,51 @@ MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global
 MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
                        const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options = {});
+
+/// What a sharded step may trade for memory: the knobs fit_schedule turns.
+struct MemorySchedule {
+  /// FullyShardOptions::max_unsharded_groups.
+  int max_unsharded_groups = 2;
+  /// ShardPolicy::strategy of every sharded parameter.
+  CheckpointStrategy strategy = CheckpointStrategy::recompute;
+  /// Whether the model recomputes its blocks in backward (FitOptions::set_activation_checkpointing).
+  bool activation_checkpointing = false;
+  /// "2 unsharded groups, recompute", with ", activation checkpointing" when on.
+  std::string describe() const;
+  bool operator==(const MemorySchedule&) const = default;
+};
+
+struct FitOptions {
+  PlanOptions plan;
+  /// Turns the model's activation checkpointing on or off; empty: the model offers none.
+  std::function<void(bool)> set_activation_checkpointing;
+};
+
+struct FittedSchedule {
+  bool fits = false;
+  /// The configured schedule's plan (the first measured).
+  MemoryPlan configured;
+  /// The chosen schedule and its plan; when nothing fits, the leanest one tried (every concession).
+  MemorySchedule schedule;
+  MemoryPlan plan;
+  /// Every schedule measured, in the order tried.
+  std::vector<MemorySchedule> tried;
+};
+
+/// Measures the step (as plan_memory does) with `configured`, and, if some rank is over `limit`,
+/// with the schedules that trade speed for memory, fewest concessions first, then in this order:
+/// fewer unsharded groups (down to 1, the computing group alone), recompute instead of retain,
+/// activation checkpointing (when offered). The first schedule whose plan fits on every rank is
+/// applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
+/// applied again and `fits` is false. Collective: every rank measures the same candidates.
+FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64_t global_batch,
+                            const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
+                            const MemorySchedule& configured, const FitOptions& options = {});
+
+/// The largest global batch below `global_batch`, divisible by `world_size`, whose plan with
+/// `probe` fits `limit`, or 0 if none does.
+std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
+                                   const StepProbe& probe, std::int64_t limit, const PlanOptions& options = {});
 
 /// The smallest world size in 1..max_world that divides global_batch and whose plan fits
 /// `limit`, or 0 if none does.

@@ -20,6 +20,7 @@
 
 #include <ruda/nn/init.h>
 #include <ruda/tensor.h>
+#include <ruda/thread_flag.h>
 
 namespace ruda {
 class Communicator;  // <ruda/collectives.h>
@@ -92,18 +93,8 @@ ParamId next_param_id();
 /// While alive, parameters made from initializers on this thread are deferred: a model built in
 /// this scope allocates none of its parameters (construct it, then fully_shard or materialize).
 /// Param(const Tensor&) in this scope is an ArgumentError, since its tensor is already whole.
-class DeferredInit {
- public:
-  DeferredInit() noexcept;
-  ~DeferredInit();
-  DeferredInit(const DeferredInit&) = delete;
-  DeferredInit& operator=(const DeferredInit&) = delete;
-  /// Whether a DeferredInit is alive on this thread.
-  static bool active() noexcept;
-
- private:
-  bool previous_;
-};
+/// DeferredInit::active() tells whether one is alive on this thread.
+class DeferredInit : public ThreadFlagScope<DeferredInit> {};
 
 class Module {
  public:

@@ -179,6 +179,13 @@ void reshard(const Module& module);
 /// the trial is still running).
 OverlapReport overlap_report(const Module& module);
 
+/// Changes, after fully_shard, how many groups of `module`'s schedule may hold full weights at
+/// once (FullyShardOptions::max_unsharded_groups, at least 1). Drops the weights held now.
+void set_max_unsharded_groups(const Module& module, int groups);
+/// Changes what backward keeps of the gathered weights of `module`'s sharded parameters
+/// (ShardPolicy::strategy), for the forwards that follow.
+void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy);
+
 /// Fixes the order in which the groups of `modules` (each given to fully_shard, all in one
 /// schedule) run in forward, for prefetching; by default it is recorded in the first forward.
 void set_forward_order(const std::vector<const Module*>& modules);

@@ -1,11 +1,12 @@
 #include <algorithm>
 #include <cstdio>
+#include <tuple>
 
 #include <ruda/autograd.h>
 #include <ruda/memory.h>
 #include <ruda/nn/memory_plan.h>
 
-#include "shard_group.h"
+#include "sharding/shard_group.h"
 
 namespace ruda::nn {
 
@@ -83,6 +84,99 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
   return plan;
 }
 
+std::string MemorySchedule::describe() const {
+  std::string out = std::to_string(max_unsharded_groups) +
+                    (max_unsharded_groups == 1 ? " unsharded group, " : " unsharded groups, ") +
+                    (strategy == CheckpointStrategy::retain ? "retain" : "recompute");
+  return activation_checkpointing ? out + ", activation checkpointing" : out;
+}
+
+namespace {
+
+void apply(const Module& module, const MemorySchedule& schedule, const FitOptions& options) {
+  set_max_unsharded_groups(module, schedule.max_unsharded_groups);
+  set_checkpoint_strategy(module, schedule.strategy);
+  if (options.set_activation_checkpointing) options.set_activation_checkpointing(schedule.activation_checkpointing);
+}
+
+// The schedules to try after `configured`, fewest concessions first; among as many concessions,
+// those that give up less come first: fewer unsharded groups (more groups kept first), then
+// recompute, then activation checkpointing.
+std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint) {
+  struct Candidate {
+    MemorySchedule schedule;
+    int count, checkpointing, recomputing, groups_given_up;
+  };
+  std::vector<Candidate> all;
+  const bool may_recompute = configured.strategy == CheckpointStrategy::retain;
+  const bool may_checkpoint = can_checkpoint && !configured.activation_checkpointing;
+  for (int groups = configured.max_unsharded_groups; groups >= 1; --groups) {
+    for (int recompute = 0; recompute <= (may_recompute ? 1 : 0); ++recompute) {
+      for (int checkpoint = 0; checkpoint <= (may_checkpoint ? 1 : 0); ++checkpoint) {
+        MemorySchedule s = configured;
+        s.max_unsharded_groups = groups;
+        if (recompute) s.strategy = CheckpointStrategy::recompute;
+        if (checkpoint) s.activation_checkpointing = true;
+        const int fewer = groups < configured.max_unsharded_groups ? 1 : 0;
+        if (fewer + recompute + checkpoint == 0) continue;
+        all.push_back(
+            {s, fewer + recompute + checkpoint, checkpoint, recompute, configured.max_unsharded_groups - groups});
+      }
+    }
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.count, a.checkpointing, a.recomputing, a.groups_given_up) <
+           std::tie(b.count, b.checkpointing, b.recomputing, b.groups_given_up);
+  });
+  std::vector<MemorySchedule> out;
+  for (const auto& c : all) out.push_back(c.schedule);
+  return out;
+}
+
+bool any_rank_over(Communicator& comm, const MemoryPlan& plan, std::int64_t limit) {
+  const bool over = limit > 0 && plan.peak() > limit;
+  return autograd::no_grad([&] {
+    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
+  });
+}
+
+}  // namespace
+
+FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64_t global_batch,
+                            const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
+                            const MemorySchedule& configured, const FitOptions& options) {
+  FittedSchedule fit;
+  auto measure = [&](const MemorySchedule& schedule) {
+    apply(module, schedule, options);  // drops any weights a previous probe left gathered
+    MemoryPlan plan = plan_memory(module, comm, global_batch, step, limit, options.plan);
+    plan.schedule = schedule.describe();
+    fit.tried.push_back(schedule);
+    fit.schedule = schedule;
+    fit.plan = plan;
+    fit.fits = !any_rank_over(comm, plan, limit);
+    return plan;
+  };
+  fit.configured = measure(configured);
+  if (fit.fits) return fit;
+  for (const MemorySchedule& candidate :
+       concessions(configured, static_cast<bool>(options.set_activation_checkpointing))) {
+    measure(candidate);
+    if (fit.fits) return fit;
+  }
+  // Nothing fits: report the leanest schedule (the last tried), run the configured one.
+  apply(module, configured, options);
+  return fit;
+}
+
+std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
+                                   const StepProbe& probe, std::int64_t limit, const PlanOptions& options) {
+  for (std::int64_t batch = global_batch - world_size; batch > 0; batch -= world_size) {
+    if (batch % world_size != 0) continue;
+    if (limit <= 0 || plan_memory(module, world_size, batch, probe, options).peak() <= limit) return batch;
+  }
+  return 0;
+}
+
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
                            std::int64_t limit, const PlanOptions& options, int max_world) {
   for (int world = 1; world <= max_world; ++world) {
@@ -103,7 +197,7 @@ std::string MemoryPlan::table(std::int64_t limit) const {
   };
   const std::string share = world_size > 1 ? "1/" + std::to_string(world_size) + " of each" : "whole";
   out += "memory plan per rank (" + std::to_string(world_size) + (world_size > 1 ? " ranks" : " rank") +
-         ", local batch " + std::to_string(local_batch) + "):\n";
+         ", local batch " + std::to_string(local_batch) + (schedule.empty() ? "" : "; " + schedule) + "):\n";
   row("parameters", parameters, share);
   row("gradients", gradients, share);
   row("optimizer", optimizer, share);

@@ -15,7 +15,7 @@
 #include <ruda/nn/safetensors.h>
 #include <nlohmann/json.hpp>
 
-#include "files.h"
+#include "io/files.h"
 
 namespace ruda::safetensors {
 

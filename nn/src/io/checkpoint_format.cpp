@@ -1,6 +1,6 @@
 // The on-disk format of sharded checkpoints: names, block checksums, the index parser and the
 // rank files (see checkpoint_format.h).
-#include "checkpoint_format.h"
+#include "io/checkpoint_format.h"
 
 #include <algorithm>
 #include <cctype>
@@ -13,7 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "files.h"
+#include "io/files.h"
 
 // xxHash (Debian's libxxhash-dev), compiled in: no library to link or install beside ruda.
 #define XXH_INLINE_ALL

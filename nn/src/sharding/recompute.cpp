@@ -2,7 +2,7 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/recompute.h>
 
-#include "gather_scope.h"
+#include "sharding/gather_scope.h"
 
 namespace ruda::nn {
 

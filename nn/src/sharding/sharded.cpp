@@ -7,23 +7,27 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/sharded.h>
 
-#include "gather_scope.h"
-#include "param_state.h"
-#include "shard_group.h"
+#include "model/param_state.h"
+#include "sharding/gather_scope.h"
+#include "sharding/param_value.h"
+#include "sharding/shard_group.h"
 
 namespace ruda::nn {
-
-namespace {
-thread_local bool t_retain_gathered = false;
-}  // namespace
-
-RetainGathered::RetainGathered() noexcept : previous_(t_retain_gathered) { t_retain_gathered = true; }
-RetainGathered::~RetainGathered() { t_retain_gathered = previous_; }
-bool RetainGathered::active() noexcept { return t_retain_gathered; }
 
 std::mutex& shards_mutex() {
   static std::mutex m;
   return m;
+}
+
+const Shape& sharded_logical_shape(const ShardInfo& info) { return info.logical_shape; }
+
+Tensor sharded_value(const Param& param, const ShardInfo& info) {
+  if (!info.comm) {
+    fail<ShardingError>("Param::value", info.describe(),
+                        " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
+  }
+  if (info.group) return info.group->value(info.group_index);
+  return gather_param(param, *info.comm);
 }
 
 std::string ShardInfo::describe() const {
@@ -273,6 +277,27 @@ OverlapReport overlap_report(const Module& module) {
     if (p.is_sharded() && p.shard()->group) return p.shard()->group->schedule()->overlap();
   }
   return {};
+}
+
+void set_max_unsharded_groups(const Module& module, int groups) {
+  if (groups < 1) fail<ArgumentError>("set_max_unsharded_groups", "must be at least 1, got ", groups);
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded() && p.shard()->group) {
+      const auto& schedule = p.shard()->group->schedule();
+      schedule->reshard_all();
+      schedule->set_max_unsharded(groups);
+      return;
+    }
+  }
+}
+
+void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy) {
+  if (strategy != CheckpointStrategy::retain && strategy != CheckpointStrategy::recompute) {
+    fail<ArgumentError>("set_checkpoint_strategy", "not a CheckpointStrategy: ", static_cast<int>(strategy));
+  }
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded()) p.shard()->policy.strategy = strategy;
+  }
 }
 
 void set_forward_order(const std::vector<const Module*>& modules) {

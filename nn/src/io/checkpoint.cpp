@@ -17,8 +17,8 @@
 #include <ruda/nn/sharded.h>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint_format.h"
-#include "files.h"
+#include "io/checkpoint_format.h"
+#include "io/files.h"
 
 namespace ruda::nn {
 

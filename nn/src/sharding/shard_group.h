@@ -36,7 +36,7 @@
 #include <ruda/collectives.h>
 #include <ruda/nn/sharded.h>
 
-#include "param_state.h"
+#include "model/param_state.h"
 
 namespace ruda::nn {
 
@@ -179,6 +179,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
     overlap_ = options.overlap;
     report_ = OverlapReport{.decided = overlap_ != Overlap::automatic, .overlapping = overlap_ != Overlap::off};
   }
+  void set_max_unsharded(int groups) noexcept { max_unsharded_ = groups; }
   const OverlapReport& overlap() const noexcept { return report_; }
   /// Whether this step overlaps (prefetch, reduce-scatters in flight): as decided, or as the
   /// automatic trial alternates.

@@ -2,10 +2,9 @@
 #include <unordered_map>
 
 #include <ruda/nn/module.h>
-#include <ruda/nn/sharded.h>
 
-#include "param_state.h"
-#include "shard_group.h"
+#include "model/param_state.h"
+#include "sharding/param_value.h"
 
 namespace ruda::nn {
 
@@ -13,14 +12,6 @@ ParamId next_param_id() {
   static std::atomic<ParamId> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
-
-namespace {
-thread_local bool t_deferred_init = false;
-}  // namespace
-
-DeferredInit::DeferredInit() noexcept : previous_(t_deferred_init) { t_deferred_init = true; }
-DeferredInit::~DeferredInit() { t_deferred_init = previous_; }
-bool DeferredInit::active() noexcept { return t_deferred_init; }
 
 Param::Param(const Tensor& value) : Param(value, next_param_id()) {
   if (DeferredInit::active()) {
@@ -101,7 +92,7 @@ void Param::set_shard(std::shared_ptr<ShardInfo> info) const {
 const Shape& Param::shape() const {
   const State& s = checked(state_, "Param::shape");
   if (s.deferred) return s.deferred_shape;
-  return s.shard ? s.shard->logical_shape : s.data.shape();
+  return s.shard ? sharded_logical_shape(*s.shard) : s.data.shape();
 }
 
 void Param::set_data(const Tensor& value) const {
@@ -132,13 +123,7 @@ void Param::replace_data(const Tensor& value) const {
 Tensor Param::value() const {
   const State& s = checked(state_, "Param::value");
   if (s.deferred) fail_deferred("Param::value", s);
-  if (!s.shard) return s.data;
-  if (!s.shard->comm) {
-    fail<ShardingError>("Param::value", s.shard->describe(),
-                        " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
-  }
-  if (s.shard->group) return s.shard->group->value(s.shard->group_index);
-  return gather_param(*this, *s.shard->comm);
+  return s.shard ? sharded_value(*this, *s.shard) : s.data;
 }
 
 // --- Module ---

@@ -1,11 +1,11 @@
 // Shard groups and their schedule (see shard_group.h for the order of events).
-#include "shard_group.h"
+#include "sharding/shard_group.h"
 
 #include <algorithm>
 
 #include <ruda/autograd.h>
 
-#include "gather_scope.h"
+#include "sharding/gather_scope.h"
 
 namespace ruda::nn {
 
