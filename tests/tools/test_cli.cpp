@@ -101,6 +101,25 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(ckpt("verify " + tmp / "a")), {"rank-00000-of-00001.safetensors"});
 }
 
+TEST_CASE("option bounds in words, and an option given twice takes its last value") {
+  one_error_line(run(train("--unsharded-groups 0 mlp")),
+                 {"--unsharded-groups: must be at least 1 (1 keeps only the computing group unsharded), got 0"});
+  one_error_line(run(train("mlp --epochs 0")), {"--epochs: must be at least 1, got 0"});
+  one_error_line(run(train("mlp --lr 0")), {"--lr: must be greater than 0, got 0"});
+  one_error_line(run(train("mlp --lr fast")), {"--lr: must be a number, got 'fast'"});
+  one_error_line(run(train("--emulate 65 mlp")), {"--emulate: must be between 1 and 64, got 65"});
+  one_error_line(run(train("mlp --hidden 32,0")), {"--hidden: must be at least 1, got 0"});
+  one_error_line(run(train("lm --temperature -1")), {"--temperature: must be at least 0, got -1"});
+  one_error_line(run(ckpt("split x.safetensors --world 0 --out y")), {"--world: must be at least 1, got 0"});
+  for (const auto& r : {run(train("mlp --epochs 0")), run(ckpt("split x.safetensors --world 0 --out y"))}) {
+    CHECK_MESSAGE(r.output.find("179769313486231570814527") == std::string::npos, r.output);  // no CLI11 range text
+  }
+  // tools/demo passes --epochs 10 before the user's arguments: the user's value wins.
+  const Run twice = run(train("mlp --epochs 10 " + kSmall + " --epochs 1"));
+  CHECK_MESSAGE(twice.exit_code == 0, twice.output);
+  CHECK_MESSAGE(twice.output.find("epoch 1/1 ") != std::string::npos, twice.output);
+}
+
 TEST_CASE("killed while writing a checkpoint: the previous one stays loadable and resumable") {
   TempDir tmp;
   // 10 steps (640 samples / 64), a checkpoint every 5: measure what the first checkpoint writes.
@@ -321,13 +340,26 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   const Run state = run(train("--memory-limit 300kB" + lm));
   one_error_line(state, {"memory plan: needs at least", "at 1 rank", "limit 300 KB", "fits at"});
   CHECK(state.output.find("memory plan per rank") == std::string::npos);
-  // The measured step is over: the plan names the world size that fits, and the recomputing blocks.
-  const Run step = run(train("--emulate 2 --memory-limit 6MB" + lm));
+  // The measured step is over as configured: a leaner schedule that fits is chosen, said in one
+  // line, planned for, and trained within the limit.
+  const Run fitted = run(train("--emulate 2 --memory-limit 6MB" + lm));
+  CHECK_MESSAGE(fitted.exit_code == 0, fitted.output);
+  CHECK_MESSAGE(fitted.output.find("memory plan: ~13.1 MB per rank with 2 unsharded groups, recompute is over the "
+                                   "limit of 6.00 MB; chose ") != std::string::npos,
+                fitted.output);
+  CHECK_MESSAGE(fitted.output.find("activation checkpointing):\n") != std::string::npos, fitted.output);  // the table
+  // --no-auto-fit refuses instead, naming the world size that fits, and the recomputing blocks.
+  const Run step = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm));
   one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "fits at 8 ranks",
-                        "or at 2 with --activation-checkpointing"});
+                        "or at 2 with --activation-checkpointing", "--no-auto-fit"});
   // ... which then runs, within the limit.
-  const Run fits = run(train("--emulate 2 --memory-limit 6MB" + lm + " --activation-checkpointing"));
+  const Run fits = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm + " --activation-checkpointing"));
   CHECK_MESSAGE(fits.exit_code == 0, fits.output);
+  // Nothing fits: the refusal names the leanest schedule and what would fit with it.
+  one_error_line(run(train("--emulate 2 --memory-limit 3MB" + lm)),
+                 {"memory plan: needs ~13.1 MB per rank at 2 ranks", "limit 3.00 MB",
+                  "no schedule fits (the leanest, 1 unsharded group, recompute, activation checkpointing, needs ~",
+                  "fits at 4 ranks", "or with --batch 4"});
   one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
   // The environment variable is the same limit.
   one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});

@@ -4,10 +4,13 @@
 #include <ruda/nn.h>
 #include <CLI/CLI.hpp>
 
+#include "../cli_bounds.h"
+
 int main(int argc, char** argv) {
   using namespace ruda;
   CLI::App app{"ruda-ckpt: inspect and convert ruda's sharded checkpoints"};
   app.require_subcommand(1);
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   std::string path, output;
   int world = 0;
   std::int64_t step = 0;
@@ -21,9 +24,9 @@ int main(int argc, char** argv) {
   consolidate->add_option("output", output, "The .safetensors file to write")->required();
   auto* split = app.add_subcommand("split", "Cut a full safetensors file into a sharded checkpoint");
   split->add_option("input", path, "A full .safetensors file (e.g. from consolidate)")->required();
-  split->add_option("--world", world, "Number of ranks")->required()->check(CLI::PositiveNumber);
+  split->add_option("--world", world, "Number of ranks")->required()->check(ruda::cli::at_least(1));
   split->add_option("--out", output, "Checkpoint directory to create")->required();
-  split->add_option("--step", step, "Step number of the new checkpoint")->check(CLI::NonNegativeNumber);
+  split->add_option("--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {

@@ -66,24 +66,69 @@ void check_state_fits(const Config& cfg, Communicator& comm, Task& task, const n
 }
 
 // With the shards in place: measures a step on micro-batches and returns the plan, with the
-// refusal of a configuration over this rank's limit naming what would fit (probing the recomputing
-// blocks too when that could help). Collective: every rank runs the same probes whatever its own
-// limit says, and the caller agrees on the refusal.
-std::pair<nn::MemoryPlan, std::string> measure_plan(const Config& cfg, Communicator& comm, Task& task,
-                                                    const nn::PlanOptions& options) {
+// refusal of a configuration over this rank's limit naming what would fit. Unless --no-auto-fit,
+// a plan over the limit tries the schedules that trade speed for memory first (nn::fit_schedule)
+// and keeps the first that fits, saying so in one line. Collective: every rank runs the same
+// probes whatever its own limit says, and the caller agrees on the refusal.
+struct MeasuredPlan {
+  nn::MemoryPlan plan;
+  nn::MemorySchedule schedule;
+  std::string refusal;  // empty when it fits
+};
+
+MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, const nn::MemorySchedule& configured,
+                          const nn::PlanOptions& options) {
   auto step = [&](std::int64_t b) { return task.probe_loss(b); };
   const std::int64_t limit = memory::limit();
-  const nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, cfg.batch, step, limit, options);
-  const bool over = limit > 0 && plan.peak() > limit;
-  // Whether any rank is over: then every rank probes the recomputing blocks for the refusal's hint.
-  if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, ""};
-  std::optional<nn::StepProbe> checkpointed;
-  if (task.can_checkpoint_activations() && !cfg.activation_checkpointing) {
-    task.set_activation_checkpointing(true);
-    checkpointed = nn::probe_step(task.module(), comm, step);
-    task.set_activation_checkpointing(false);
+  if (cfg.no_auto_fit) {
+    nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, cfg.batch, step, limit, options);
+    plan.schedule = configured.describe();
+    const bool over = limit > 0 && plan.peak() > limit;
+    // Whether any rank is over: then every rank probes the recomputing blocks for the refusal's hint.
+    if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, configured, ""};
+    std::optional<nn::StepProbe> checkpointed;
+    if (task.can_checkpoint_activations() && !configured.activation_checkpointing) {
+      task.set_activation_checkpointing(true);
+      checkpointed = nn::probe_step(task.module(), comm, step);
+      task.set_activation_checkpointing(false);
+    }
+    return {plan, configured,
+            over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) +
+                       " (--no-auto-fit: no other schedule tried)"
+                 : ""};
   }
-  return {plan, over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) : ""};
+  nn::FitOptions fit_options;
+  fit_options.plan = options;
+  if (task.can_checkpoint_activations()) {
+    fit_options.set_activation_checkpointing = [&task](bool on) { task.set_activation_checkpointing(on); };
+  }
+  const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, cfg.batch, step, limit, configured, fit_options);
+  const nn::MemoryPlan& first = fit.configured;
+  if (fit.fits) {
+    if (fit.tried.size() > 1 && comm.rank() == 0) {
+      std::cout << "memory plan: ~" << memory::format_bytes(first.peak()) << " per rank with " << configured.describe()
+                << " is over the limit of " << memory::format_bytes(limit) << "; chose " << fit.schedule.describe()
+                << " (~" << memory::format_bytes(fit.plan.peak()) << ")" << std::endl;
+    }
+    return {fit.plan, fit.schedule, ""};
+  }
+  // Nothing fits here; a rank over the limit says what would, with the leanest schedule.
+  const bool over = limit > 0 && first.peak() > limit;
+  std::string out;
+  if (over) {
+    const int world = comm.world_size();
+    out = "memory plan: needs ~" + memory::format_bytes(first.peak()) + " per rank at " + std::to_string(world) +
+          (world == 1 ? " rank" : " ranks") + "; limit " + memory::format_bytes(limit) +
+          "; no schedule fits (the leanest, " + fit.schedule.describe() + ", needs ~" +
+          memory::format_bytes(fit.plan.peak()) + ")";
+    const int fits = nn::smallest_fitting_world(task.module(), cfg.batch, fit.plan.probe, limit, options);
+    const std::int64_t batch =
+        nn::largest_fitting_batch(task.module(), world, cfg.batch, fit.plan.probe, limit, options);
+    if (fits > 0) out += "; fits at " + std::to_string(fits) + " ranks";
+    if (batch > 0) out += std::string(fits > 0 ? ", or" : ";") + " with --batch " + std::to_string(batch);
+    if (fits == 0 && batch == 0) out += "; fits at no world size with --batch " + std::to_string(cfg.batch);
+  }
+  return {fit.plan, configured, out};
 }
 
 // --- the training loop ---
@@ -161,10 +206,14 @@ void run(const Config& cfg, Communicator& comm) {
     for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
   }
   nn::fully_shard(task->module(), comm, shard_options);
-  std::string refused;
-  std::tie(plan, refused) = measure_plan(cfg, comm, *task, plan_options);
+  const nn::MemorySchedule configured{.max_unsharded_groups = cfg.unsharded_groups,
+                                      .strategy = policy.strategy,
+                                      .activation_checkpointing = cfg.activation_checkpointing};
+  const MeasuredPlan measured = measure_plan(cfg, comm, *task, configured, plan_options);
+  plan = measured.plan;
+  const nn::MemorySchedule& chosen = measured.schedule;
   setup_phase(comm, [&] {
-    if (!refused.empty()) throw OutOfMemoryError(refused);
+    if (!measured.refusal.empty()) throw OutOfMemoryError(measured.refusal);
     optimizer = std::make_unique<nn::AdamW>(task->module().parameters(),
                                             nn::AdamWOptions{.lr = cfg.lr, .weight_decay = cfg.weight_decay});
     const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
@@ -190,8 +239,9 @@ void run(const Config& cfg, Communicator& comm) {
   if (main_rank) {
     std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
               << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "")
-              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", " << cfg.strategy
-              << (cfg.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
+              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
+              << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
+              << (chosen.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
               << " steps" << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }

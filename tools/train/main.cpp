@@ -10,11 +10,13 @@
 #include <ruda/mpi.h>
 #endif
 
+#include "../cli_bounds.h"
 #include "config.h"
 #include "job.h"
 
 using namespace ruda;
 using namespace ruda::train;
+using namespace ruda::cli;
 
 int main(int argc, char** argv) {
   Config cfg;
@@ -23,7 +25,9 @@ int main(int argc, char** argv) {
       "  mpiexec -n 2 ruda-train mlp          Fashion-MNIST MLP over two MPI processes\n"
       "  ruda-train --emulate 4 lm --steps 500 a GPT-style byte model over four threads\n"};
   app.require_subcommand(1);
-  app.option_defaults()->always_capture_default();
+  // An option given twice takes its last value, so that a script's defaults can be overridden
+  // from its own command line (tools/demo --epochs 3).
+  app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--backend", cfg.backend,
                  "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)");
   app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")
@@ -41,23 +45,25 @@ int main(int argc, char** argv) {
                "Gather and reduce each parameter on its own, without groups or prefetch (for comparison)");
   app.add_option("--unsharded-groups", cfg.unsharded_groups,
                  "At most this many layers hold full weights at once, besides the model's own (default 2)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(CLI::PositiveNumber);
-  app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(CLI::NonNegativeNumber);
+      ->check(at_least(1, "1 keeps only the computing group unsharded"));
+  app.add_flag("--no-auto-fit", cfg.no_auto_fit,
+               "Refuse a memory plan over --memory-limit instead of trying leaner schedules (fewer unsharded "
+               "groups, recompute, activation checkpointing) and training with the first that fits");
+  app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(at_least(1));
+  app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(at_least(0));
   app.add_option("--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(CLI::PositiveNumber);
-  app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(CLI::NonNegativeNumber);
+      ->check(at_least(1));
+  app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(positive());
+  app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(at_least(0));
   app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")
       ->check(CLI::IsMember({"constant", "cosine"}));
-  app.add_option("--warmup", cfg.warmup, "Linear warm-up steps")->check(CLI::NonNegativeNumber);
+  app.add_option("--warmup", cfg.warmup, "Linear warm-up steps")->check(at_least(0));
   app.add_option("--seed", cfg.seed, "Seed of initialization, data order and sampling");
-  app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")
-      ->check(CLI::NonNegativeNumber);
+  app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")->check(at_least(0));
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
                  "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   auto* resume =
       app.add_option("--resume", cfg.resume,
                      "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)");
@@ -71,13 +77,13 @@ int main(int argc, char** argv) {
       "--metrics", cfg.metrics,
       "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank, communication) to FILE");
   auto* emulate = app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
-                      ->check(CLI::Range(1, 64));
+                      ->check(between(1, 64));
   app.add_option("--emulate-link", cfg.emulate_link,
                  "Give the emulated ranks a simulated link, e.g. 1GB/s or 10Gbit/s,20us: each collective takes "
                  "the time a ring over it would (default: RUDA_EMULATE_LINK, else none)")
       ->needs(emulate);
   app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   app.add_flag("--check-collectives", cfg.check_collectives,
                "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
   app.add_option_function<std::string>(
@@ -109,29 +115,28 @@ int main(int argc, char** argv) {
       app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
   mlp->fallthrough();
   mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
-  mlp->add_option("--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(CLI::PositiveNumber);
-  mlp->add_option("--limit", cfg.limit, "Train on the first N training images only")->check(CLI::NonNegativeNumber);
-  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")
-      ->check(CLI::NonNegativeNumber);
+  mlp->add_option("--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(at_least(1));
+  mlp->add_option("--limit", cfg.limit, "Train on the first N training images only")->check(at_least(0));
+  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(at_least(0));
 
   auto* lm =
       app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
   lm->fallthrough();
   lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)");
-  lm->add_option("--context", cfg.context, "Context length in bytes")->check(CLI::PositiveNumber);
-  lm->add_option("--d-model", cfg.d_model, "Model width")->check(CLI::PositiveNumber);
-  lm->add_option("--layers", cfg.layers, "Transformer blocks")->check(CLI::PositiveNumber);
-  lm->add_option("--heads", cfg.heads, "Attention heads")->check(CLI::PositiveNumber);
+  lm->add_option("--context", cfg.context, "Context length in bytes")->check(at_least(1));
+  lm->add_option("--d-model", cfg.d_model, "Model width")->check(at_least(1));
+  lm->add_option("--layers", cfg.layers, "Transformer blocks")->check(at_least(1));
+  lm->add_option("--heads", cfg.heads, "Attention heads")->check(at_least(1));
   lm->add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "Keep only each block's input through the forward pass and recompute the block in backward");
   lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
-  lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(CLI::NonNegativeNumber);
-  lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(CLI::PositiveNumber);
+  lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(at_least(0));
+  lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(at_least(1));
   lm->add_option("--sample", cfg.sample,
                  "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(at_least(0));
   lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
-  lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(CLI::NonNegativeNumber);
+  lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(at_least(0));
 
   const bool print = launcher_rank() == 0;
   try {
