@@ -18,7 +18,10 @@ ruda_mpiexec() {
   cores=$(nproc)
   local threads=$(( cores / ranks ))
   [ "$threads" -ge 1 ] || threads=1
-  mpiexec -n "$ranks" --oversubscribe --bind-to none --mca btl self,vader \
+  # --quiet: after an error every rank agreed on (each prints nothing or one line and exits non-zero),
+  # OpenMPI's "Primary job terminated normally, but 1 process returned a non-zero exit code"
+  # banner would only repeat it. The exit code is kept.
+  mpiexec --quiet -n "$ranks" --oversubscribe --bind-to none --mca btl self,vader \
     -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}" -x RUDA_NUM_THREADS="${RUDA_NUM_THREADS:-$threads}" "$@"
 }
 
@@ -34,4 +37,21 @@ ruda_build() {
     return 1
   fi
   rm -f "$log"
+}
+
+# ruda_release_bin: prints the folder of release binaries a script runs. With RUDA_BIN_DIR set, that
+# already built folder, untouched (the tests run the scripts on the build they test); otherwise
+# build/release/bin, after installing what is missing and building it.
+ruda_release_bin() {
+  if [ -n "${RUDA_BIN_DIR:-}" ]; then
+    if [ ! -x "$RUDA_BIN_DIR/ruda-train" ]; then
+      echo "ruda: RUDA_BIN_DIR=$RUDA_BIN_DIR holds no ruda-train" >&2
+      return 1
+    fi
+    echo "$RUDA_BIN_DIR"
+    return 0
+  fi
+  "$RUDA_ROOT/tools/setup" >&2
+  ruda_build release >&2
+  echo "$RUDA_ROOT/build/release/bin"
 }

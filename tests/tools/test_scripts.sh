@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The README's commands, run through the scripts themselves on the build under test, at a size CI
+# affords:   test_scripts.sh CASE BIN_DIR WORK_DIR
+#   demo        tools/demo with a short run's options after the script's own (the last value wins),
+#               then tools/plot on the metrics it wrote
+#   demo-large  tools/demo-large's real configuration refused at 1 rank (nothing large is
+#               allocated), then a scaled-down model of the same shape of problem: refused at 1
+#               rank, over the limit as configured at 4 MPI ranks, fitted and trained there
+#   bench-list  tools/bench --list
+set -euo pipefail
+case_name=$1
+export RUDA_BIN_DIR=$2
+work=$3
+root=$(cd "$(dirname "$0")/../.." && pwd)
+rm -rf "$work"
+mkdir -p "$work"
+log=$work/output.txt
+
+fail() {
+  echo "FAILED: $*" >&2
+  echo "--- output:" >&2
+  cat "$log" >&2
+  exit 1
+}
+expect() {  # expect FRAGMENT: the output so far contains it
+  grep -qF -- "$1" "$log" || fail "expected '$1' in the output"
+}
+
+case "$case_name" in
+  demo)
+    RUDA_DEMO_DIR=$work/demo "$root/tools/demo" --epochs 1 --limit 1280 --test-limit 500 --batch 64 --log-every 0 \
+      >"$log" 2>&1 || fail "tools/demo exited $?"
+    expect "fully sharded over 2 mpi ranks"
+    expect "epoch 1/1 test_accuracy"  # --epochs 1 overrode the script's --epochs 10
+    grep -q "epoch 2/" "$log" && fail "trained more than the one epoch asked for"
+    [ -s "$work/demo/metrics.jsonl" ] || fail "no metrics file"
+    [ -f "$work/demo/checkpoints/latest" ] || fail "no checkpoint"
+    "$root/tools/plot" "$work/demo/metrics.jsonl" "$work/plot.png" >>"$log" 2>&1 || fail "tools/plot exited $?"
+    [ "$(head -c 8 "$work/plot.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "plot.png is not a PNG"
+    ;;
+  demo-large)
+    "$root/tools/demo-large" --refuse-only >"$log" 2>&1 || fail "tools/demo-large --refuse-only exited $?"
+    expect "needs at least 415 MB per rank at 1 rank before activations"
+    expect "limit 256 MB; that much fits at 2 ranks"
+    grep -q "memory plan per rank" "$log" && fail "the refusal measured a step: it allocated the model"
+    # The same problem at a CI size: 14 MB of state at 1 rank, ~28 MB per rank at 4 as configured,
+    # ~12 MB with activation checkpointing, under a 13 MB limit.
+    "$root/tools/demo-large" --memory-limit 13MB --d-model 128 --layers 4 --steps 2 >"$log" 2>&1 ||
+      fail "the scaled tools/demo-large exited $?"
+    expect "needs at least 14.0 MB per rank at 1 rank"
+    expect "is over the limit of 13.0 MB; chose"
+    expect "activation checkpointing, 2 steps"
+    expect "step 2/2"
+    expect "fully sharded over 4 mpi ranks"
+    grep -q "Primary job" "$log" && fail "OpenMPI's banner after the agreed refusal (mpiexec --quiet)"
+    ;;
+  bench-list)
+    "$root/tools/bench" --list >"$log" 2>&1 || fail "tools/bench --list exited $?"
+    for suite in gemm mlp models train-step checkpoint; do grep -qx "$suite" "$log" || fail "no suite $suite"; done
+    ;;
+  *)
+    echo "test_scripts.sh: unknown case $case_name" >&2
+    exit 2
+    ;;
+esac
+echo "$case_name: ok"
