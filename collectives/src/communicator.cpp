@@ -331,6 +331,8 @@ std::vector<std::string> Communicator::history() const {
 
 Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
                                        const std::string& extra, const CollectiveOptions& options) {
+  // Every collective, blocking or not, begins here: the one place its options enter.
+  check_enum(options.accumulate, op, "Accumulate", "rank " + std::to_string(rank_));
   Call call;
   call.start = Clock::now();
   call.bytes = has_data ? bus_bytes(op, count, dtype, world_size_) : 0;
@@ -468,9 +470,7 @@ void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full, co
 
 Tensor Communicator::all_reduce(const Tensor& x, Reduction op, const CollectiveOptions& options) {
   check_input("all_reduce", rank_, x);
-  if (op != Reduction::sum && op != Reduction::max) {
-    fail<ArgumentError>("all_reduce", "rank ", rank_, ": unknown reduction ", static_cast<int>(op));
-  }
+  check_enum(op, "all_reduce", "Reduction", "rank " + std::to_string(rank_));
   std::string extra = reduction_name(op);
   if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
     extra += ", native";

@@ -105,6 +105,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightLayout layout) {
+  check_enum(layout, "linear", "WeightLayout");
   detail::require_float("linear", x);
   detail::require_float("linear", weight);
   detail::require_same_dtype("linear", x, weight);

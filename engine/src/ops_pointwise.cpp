@@ -244,6 +244,7 @@ Tensor tanh(const Tensor& x) { return unary(UnaryOp::tanh, x); }
 Tensor sigmoid(const Tensor& x) { return unary(UnaryOp::sigmoid, x); }
 Tensor relu(const Tensor& x) { return unary(UnaryOp::relu, x); }
 Tensor gelu(const Tensor& x, GeluApproximation approximation) {
+  check_enum(approximation, "gelu", "GeluApproximation");
   return unary(approximation == GeluApproximation::tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf, x);
 }
 Tensor silu(const Tensor& x) { return unary(UnaryOp::silu, x); }

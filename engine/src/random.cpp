@@ -61,6 +61,7 @@ enum class Draw { uniform, normal };
 // Fills a fresh f32 or f64 tensor with draws offset .. offset + n of stream seed, then converts.
 Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, std::uint64_t seed, std::uint64_t offset,
             Options options) {
+  check_enum<DTypeError>(options.dtype, op, "dtype");
   if (!is_floating(options.dtype)) {
     fail<DTypeError>(op, "draws floating-point values, not ", dtype_name(options.dtype), " (use randint for integers)");
   }

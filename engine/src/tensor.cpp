@@ -12,6 +12,8 @@ namespace ruda {
 namespace detail {
 
 Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op) {
+  // Every new tensor (creation, cast, to(dtype), every op's output) is made here.
+  check_enum<DTypeError>(dtype, op, "dtype");
   require_rank(op, shape);
   auto impl = std::make_shared<TensorImpl>();
   impl->numel = shape_numel(shape, op);

@@ -409,3 +409,33 @@ TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and 
     CHECK(h.exposed_seconds < h.seconds / 2);
   }
 }
+
+TEST_CASE("emulated: an enum value that is none of its enumerators fails on every rank, naming it, never a hang") {
+  for (int world : {1, 3}) {
+    CAPTURE(world);
+    std::vector<std::string> messages(static_cast<std::size_t>(world));
+    run_ranks(world, [&](Communicator& comm) {
+      const Tensor x = ones({4});
+      const CollectiveOptions bad{.tag = "x", .accumulate = static_cast<Accumulate>(9)};
+      auto expect = [&](const std::function<void()>& call, const std::string& fragment) {
+        try {
+          call();
+          FAIL_CHECK("no exception thrown");
+        } catch (const ArgumentError& e) {
+          const std::string message = e.what();
+          CHECK_MESSAGE(message.find(fragment) != std::string::npos, message);
+          CHECK_MESSAGE(message.find("rank " + std::to_string(comm.rank())) != std::string::npos, message);
+          messages[static_cast<std::size_t>(comm.rank())] = message;
+        }
+      };
+      expect([&] { comm.all_reduce(x, static_cast<Reduction>(4)); }, "all_reduce: rank");
+      expect([&] { comm.all_reduce(x, Reduction::sum, bad); }, "not a valid Accumulate: 9");
+      expect([&] { comm.all_gather(x, bad); }, "all_gather");
+      expect([&] { comm.reduce_scatter(ones({4 * comm.world_size()}), bad); }, "reduce_scatter");
+      expect([&] { comm.reduce_scatter_async(ones({4 * comm.world_size()}), bad).wait(); }, "reduce_scatter");
+      // The communicator is still in step: a good collective after the refused ones.
+      CHECK(comm.all_reduce(x).to_vector<float>()[0] == static_cast<float>(comm.world_size()));
+    });
+    for (const auto& m : messages) CHECK_FALSE(m.empty());
+  }
+}

@@ -117,3 +117,29 @@ TEST_CASE("impossible sizes are ShapeErrors and huge ones OutOfMemoryError, neve
   // The same through the public creation functions that take explicit element lists.
   test::check_throws<ShapeError>([] { (void)from_vector(std::vector<float>{1, 2}, {1LL << 62, 4}); }, {"overflows"});
 }
+
+TEST_CASE("an enum value that is none of its enumerators is a typed error where it enters, never a crash") {
+  const auto bad_dtype = static_cast<DType>(99);
+  // Every new tensor is checked where it is made: creation, casts, conversions.
+  check_throws<DTypeError>([&] { zeros({2}, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { empty({2}, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { ones({2, 2}, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { full({2}, 1.0, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { scalar(1.0, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { arange(0, 4, 1, bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { rand({3}, 1, 0, bad_dtype); }, {"rand", "not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { randn({3}, 1, 0, bad_dtype); }, {"randn", "not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { from_values({1, 2}, {2}, bad_dtype); }, {"not a valid dtype: 99"});
+  const float raw[2] = {1, 2};
+  check_throws<DTypeError>([&] { from_buffer(raw, {2}, bad_dtype); }, {"from_buffer", "not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { cast(zeros({2}), bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { zeros({2}).to(bad_dtype); }, {"not a valid dtype: 99"});
+  check_throws<DTypeError>([&] { zeros({0}, bad_dtype); }, {"not a valid dtype: 99"});  // even with no element
+  check_throws<ArgumentError>([] { gelu(zeros({2}), static_cast<GeluApproximation>(5)); },
+                              {"gelu", "not a valid GeluApproximation: 5"});
+  check_throws<ArgumentError>(
+      [] {
+        linear(zeros({2, 3}), zeros({3, 4}), {}, static_cast<WeightLayout>(7));
+      },
+      {"linear", "not a valid WeightLayout: 7"});
+}

@@ -46,10 +46,26 @@ class CollectiveMismatchError : public CollectiveError {
 };
 
 enum class Reduction : std::uint8_t { sum, max };
+constexpr bool is_valid(Reduction reduction) noexcept {
+  switch (reduction) {
+    case Reduction::sum:
+    case Reduction::max:
+      return true;
+  }
+  return false;
+}
 
 /// How sums of 16-bit floats accumulate: in f32 with one final rounding (default), or in the
 /// 16-bit type itself at every step.
 enum class Accumulate : std::uint8_t { f32, native };
+constexpr bool is_valid(Accumulate accumulate) noexcept {
+  switch (accumulate) {
+    case Accumulate::f32:
+    case Accumulate::native:
+      return true;
+  }
+  return false;
+}
 
 struct CollectiveOptions {
   /// Names the data in error messages and in the order check, e.g. "layers.2.weight".

@@ -11,6 +11,20 @@ namespace ruda {
 /// Element type of a tensor. `boolean` is stored as one byte holding 0 or 1.
 enum class DType : std::uint8_t { f32, f64, f16, bf16, i64, boolean };
 
+/// Whether `dtype` is one of the enumerators (check_enum in ruda/error.h).
+constexpr bool is_valid(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::f32:
+    case DType::f64:
+    case DType::f16:
+    case DType::bf16:
+    case DType::i64:
+    case DType::boolean:
+      return true;
+  }
+  return false;
+}
+
 /// "f32", "f64", "f16", "bf16", "i64" or "bool".
 std::string_view dtype_name(DType dtype) noexcept;
 /// Parses a name as printed by dtype_name; throws ArgumentError for anything else.

@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -81,6 +83,19 @@ std::string concat(const Parts&... parts) {
 template <class E, class... Parts>
 [[noreturn]] void fail(std::string_view op, const Parts&... parts) {
   throw E(detail::concat(op, ": ", parts...));
+}
+
+/// Enums that enter through the public API are range-checked where they enter: a value that is
+/// none of the enumerators (a number cast to the enum, uninitialized memory) raises Error naming
+/// the op, never a crash further in. Each checked enum has a `constexpr bool is_valid(E)` beside
+/// it, a switch over every enumerator without `default:` (so -Werror=switch makes a new
+/// enumerator's author add it), found by argument-dependent lookup. `where` may name the rank.
+template <class Error = ArgumentError, class E>
+void check_enum(E value, std::string_view op, std::string_view what, std::string_view where = {}) {
+  if (!is_valid(value)) {
+    fail<Error>(op, where, where.empty() ? "" : ": ", "not a valid ", what, ": ",
+                static_cast<long long>(static_cast<std::underlying_type_t<E>>(value)));
+  }
 }
 
 }  // namespace ruda

@@ -230,6 +230,14 @@ Tensor tanh(const Tensor& x);
 Tensor sigmoid(const Tensor& x);
 Tensor relu(const Tensor& x);
 enum class GeluApproximation { erf, tanh };
+constexpr bool is_valid(GeluApproximation a) noexcept {
+  switch (a) {
+    case GeluApproximation::erf:
+    case GeluApproximation::tanh:
+      return true;
+  }
+  return false;
+}
 Tensor gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
 Tensor silu(const Tensor& x);
 Tensor softplus(const Tensor& x);
@@ -279,6 +287,14 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 /// How linear reads its weight: [in, out] (ruda's layout) or [out, in] (PyTorch's, and a tied
 /// embedding table used as an output head), without copying.
 enum class WeightLayout { in_out, out_in };
+constexpr bool is_valid(WeightLayout layout) noexcept {
+  switch (layout) {
+    case WeightLayout::in_out:
+    case WeightLayout::out_in:
+      return true;
+  }
+  return false;
+}
 /// x @ weight + bias over any leading axes of x; bias is [out] or undefined.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
               WeightLayout layout = WeightLayout::in_out);

@@ -20,6 +20,7 @@ std::uint64_t mix(std::uint64_t x) {
 // range's [n] or the whole shape): the one place every kind is turned into values.
 Tensor produce(const Initializer& init, const Shape& shape, std::int64_t begin, std::int64_t end,
                const Shape& out_shape, DType dtype) {
+  check_enum(init.kind, "Initializer", "Initializer::Kind");
   const auto offset = init.offset + static_cast<std::uint64_t>(begin);
   switch (init.kind) {
     case Initializer::Kind::constant:

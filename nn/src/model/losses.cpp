@@ -24,11 +24,13 @@ void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
 }  // namespace
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, LossReduction reduction) {
+  check_enum(reduction, "mse_loss", "LossReduction");
   check_same_shape("mse_loss", input, target);
   return reduce(square(input - target), reduction);
 }
 
 Tensor l1_loss(const Tensor& input, const Tensor& target, LossReduction reduction) {
+  check_enum(reduction, "l1_loss", "LossReduction");
   check_same_shape("l1_loss", input, target);
   return reduce(abs(input - target), reduction);
 }
@@ -52,6 +54,7 @@ void check_targets(const char* op, const Tensor& targets, std::int64_t classes, 
 
 Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
   if (!log_probs.defined() || !targets.defined()) fail<ArgumentError>(op, "got an undefined tensor");
+  check_enum(options.reduction, op, "LossReduction");
   if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
     fail<ArgumentError>(op, "label_smoothing must be in [0, 1), got ", options.label_smoothing);
   }
@@ -116,6 +119,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
 
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets, LossReduction reduction,
                                         const Tensor& pos_weight) {
+  check_enum(reduction, "binary_cross_entropy_with_logits", "LossReduction");
   check_same_shape("binary_cross_entropy_with_logits", logits, targets);
   // (1 - t) x + w_t softplus(-x), with w_t = 1 + (pos_weight - 1) t: stable for any logit.
   Tensor log_weight = ones({}, Options(logits.dtype(), &logits.backend()));

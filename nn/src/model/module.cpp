@@ -24,7 +24,8 @@ Param::Param(const Tensor& value) : Param(value, next_param_id()) {
 Param::Param(const Shape& shape, Initializer init, DType dtype) : state_(std::make_shared<State>()) {
   if (!is_floating(dtype))
     fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(dtype), " ", shape);
-  shape_numel(shape, "Param");  // a shape that overflows fails here, not at sharding time
+  shape_numel(shape, "Param");                          // a shape that overflows fails here, not at sharding time
+  check_enum(init.kind, "Param", "Initializer::Kind");  // here, not when a deferred one materializes
   state_->id = next_param_id();
   if (DeferredInit::active()) {
     state_->deferred = std::make_shared<const Initializer>(std::move(init));

@@ -12,6 +12,7 @@ namespace ruda::nn {
 
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
   if (world_size <= 0) fail<ArgumentError>("plan_state", "world size must be positive, got ", world_size);
+  if (options.compute_dtype) check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
   MemoryPlan plan;
   plan.world_size = world_size;
   plan.local_batch = global_batch / world_size;

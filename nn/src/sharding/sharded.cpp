@@ -199,12 +199,25 @@ Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dty
   return gather_param(param_, comm, dtype);
 }
 
+static void check_policy(const ShardPolicy& policy, const char* op) {
+  check_enum(policy.strategy, op, "CheckpointStrategy");
+  check_enum(policy.reduce, op, "Accumulate");
+  if (policy.compute_dtype) {
+    check_enum<DTypeError>(*policy.compute_dtype, op, "compute dtype");
+    if (!is_floating(*policy.compute_dtype)) {
+      fail<DTypeError>(op, "the compute dtype must be a float, got ", dtype_name(*policy.compute_dtype));
+    }
+  }
+}
+
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) {
   return fully_shard(module, comm, FullyShardOptions{.policy = std::move(policy)});
 }
 
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
   const char* op = "fully_shard";
+  check_policy(options.policy, op);
+  check_enum(options.overlap, op, "Overlap");
   if (options.max_unsharded_groups < 1)
     fail<ArgumentError>(op, "max_unsharded_groups must be at least 1, got ", options.max_unsharded_groups);
   std::vector<Param> fresh;
@@ -292,9 +305,7 @@ void set_max_unsharded_groups(const Module& module, int groups) {
 }
 
 void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy) {
-  if (strategy != CheckpointStrategy::retain && strategy != CheckpointStrategy::recompute) {
-    fail<ArgumentError>("set_checkpoint_strategy", "not a CheckpointStrategy: ", static_cast<int>(strategy));
-  }
+  check_enum(strategy, "set_checkpoint_strategy", "CheckpointStrategy");
   for (const auto& [name, p] : module.named_parameters()) {
     if (p.is_sharded()) p.shard()->policy.strategy = strategy;
   }
@@ -326,6 +337,7 @@ void set_forward_order(const std::vector<const Module*>& modules) {
 namespace {
 Param shard_member(const Param& full, int rank, int world_size, const ShardPolicy& policy, const std::string& layer,
                    const char* member) {
+  check_policy(policy, "from_full");
   Param local =
       ShardedParameter::from_full(full, rank, world_size, layer.empty() ? member : layer + "." + member).param();
   local.shard()->policy = policy;

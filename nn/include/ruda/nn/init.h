@@ -35,6 +35,19 @@ struct Initializer {
   std::function<double(std::int64_t)> by_index;
   std::function<Tensor(const Shape&, DType)> whole;
 
+  /// Whether `kind` is one of the enumerators (check_enum).
+  friend constexpr bool is_valid(Kind kind) noexcept {
+    switch (kind) {
+      case Kind::constant:
+      case Kind::uniform:
+      case Kind::normal:
+      case Kind::by_index:
+      case Kind::whole:
+        return true;
+    }
+    return false;
+  }
+
   /// Whether range() can make a part without the whole tensor (every kind but `whole`).
   bool sliceable() const noexcept { return kind != Kind::whole; }
   /// Flat elements [begin, end) of a tensor of `shape` as a 1-D tensor of `dtype`; bitwise equal

@@ -83,7 +83,9 @@ class ReLU : public UnaryModule {
 };
 class GELU : public UnaryModule {
  public:
-  explicit GELU(GeluApproximation approximation = GeluApproximation::erf) : approximation_(approximation) {}
+  explicit GELU(GeluApproximation approximation = GeluApproximation::erf) : approximation_(approximation) {
+    check_enum(approximation, "GELU", "GeluApproximation");
+  }
   Tensor forward(const Tensor& x) override;
 
  private:

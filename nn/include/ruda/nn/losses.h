@@ -13,6 +13,15 @@
 namespace ruda::nn {
 
 enum class LossReduction { mean, sum, none };
+constexpr bool is_valid(LossReduction reduction) noexcept {
+  switch (reduction) {
+    case LossReduction::mean:
+    case LossReduction::sum:
+    case LossReduction::none:
+      return true;
+  }
+  return false;
+}
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, LossReduction reduction = LossReduction::mean);
 Tensor l1_loss(const Tensor& input, const Tensor& target, LossReduction reduction = LossReduction::mean);

@@ -42,6 +42,15 @@ enum class CheckpointStrategy {
   recompute,  // only the shard: the weight is gathered again in backward ("reshard after forward")
 };
 
+constexpr bool is_valid(CheckpointStrategy strategy) noexcept {
+  switch (strategy) {
+    case CheckpointStrategy::retain:
+    case CheckpointStrategy::recompute:
+      return true;
+  }
+  return false;
+}
+
 struct ShardPolicy {
   CheckpointStrategy strategy = CheckpointStrategy::recompute;
   /// Cast the local slice to this dtype before gathering (e.g. bf16): the gather moves the narrow
@@ -132,6 +141,15 @@ enum class Overlap {
   on,
   off,  // no prefetch; each collective runs on the calling thread (blocking), no hand-off
 };
+constexpr bool is_valid(Overlap overlap) noexcept {
+  switch (overlap) {
+    case Overlap::automatic:
+    case Overlap::on:
+    case Overlap::off:
+      return true;
+  }
+  return false;
+}
 
 /// What a schedule decided (overlap_report).
 struct OverlapReport {
