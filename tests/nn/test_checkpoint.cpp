@@ -1,5 +1,10 @@
 // Sharded checkpoints: resume equals uninterrupted training (bitwise at the same world size),
 // resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -191,6 +196,71 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   fs::create_directories(dir.path / "step-00000040");
   fs::remove(dir.path / "latest");
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+}
+
+namespace {
+// Makes a file impossible to remove, even for root (the immutable attribute), or says why not.
+bool set_immutable(const fs::path& path, bool on) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  int flags = 0;
+  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  flags = on ? (flags | FS_IMMUTABLE_FL) : (flags & ~FS_IMMUTABLE_FL);
+  ok = ok && ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+  ::close(fd);
+  return ok;
+}
+}  // namespace
+
+TEST_CASE("a save beside foreign entries: upkeep skips what it cannot inspect or remove, and the save succeeds") {
+  TempDir dir;
+  // Entries of ruda's naming that are not ruda's: a symbolic link that loops (stat fails on it:
+  // the cleaning used to die there, failing every later save), a file, a link to a directory
+  // outside; and a foreign file and folder.
+  fs::create_symlink("step-00000005", dir.path / "step-00000005");
+  std::ofstream(dir.path / "step-00000007") << "not a step";
+  TempDir outside;
+  fs::create_directories(outside.path / "keep-me");
+  fs::create_directory_symlink(outside.path, dir.path / "step-00000001");
+  std::ofstream(dir.path / "notes.txt") << "mine";
+  std::vector<std::string> warnings;
+  auto save = [&](int step) {
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(1);
+      nn::Linear layer(4, 3);
+      nn::fully_shard(layer, comm);
+      const auto info = nn::save_checkpoint(dir.str(), step, layer, nullptr, comm, {}, /*keep=*/1);
+      if (comm.rank() == 0) warnings = info.warnings;
+    });
+  };
+  for (int step : {10, 20}) save(step);
+  CHECK(warnings.empty());  // nothing failed: the foreign entries are simply not ruda's
+  CHECK(fs::exists(dir.path / "step-00000020" / "index.json"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000010"));  // pruning went on past them
+  CHECK(fs::is_symlink(dir.path / "step-00000005"));    // left alone
+  CHECK(fs::is_regular_file(dir.path / "step-00000007"));
+  CHECK(fs::exists(outside.path / "keep-me"));  // a link is never followed into
+  CHECK(fs::is_regular_file(dir.path / "notes.txt"));
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000020").string());
+
+  // A leftover that cannot be removed (a killed save's directory holding an immutable file): the
+  // save succeeds and names it in one warning.
+  fs::create_directories(dir.path / "step-00000015");
+  const fs::path stuck = dir.path / "step-00000015" / "rank-00000-of-00002.safetensors";
+  std::ofstream(stuck) << "partial";
+  if (set_immutable(stuck, true)) {
+    save(30);
+    set_immutable(stuck, false);
+    REQUIRE(warnings.size() == 1);
+    CHECK(warnings[0].find("skipped what it could not inspect or remove") != std::string::npos);
+    CHECK(warnings[0].find("step-00000015") != std::string::npos);
+    CHECK(fs::exists(dir.path / "step-00000030" / "index.json"));
+    CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+  } else {
+    MESSAGE("this file system has no immutable attribute for us: the unremovable-leftover half did not run");
+    save(30);
+    CHECK(fs::exists(dir.path / "step-00000030" / "index.json"));
+  }
 }
 
 TEST_CASE("check_resumable: another model or another data stream is refused before loading") {

@@ -271,12 +271,18 @@ void run(const Config& cfg, Communicator& comm) {
   // first step, the gradients live on into the second).
   const std::int64_t plan_check_step = std::min(start_step + 2, total);
   memory::reset_peak();
+  std::string upkeep_warning;  // printed once, not at every save that meets the same entries
   auto save = [&](std::int64_t step) {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
         {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
     const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
     progress.line("checkpoint " + info.directory);
+    for (const std::string& warning : info.warnings) {
+      if (warning == upkeep_warning) continue;
+      upkeep_warning = warning;
+      std::cerr << "ruda-train: warning: " << warning << std::endl;
+    }
   };
 
   Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)

@@ -100,44 +100,88 @@ void check_latest_pointer(const fs::path& dir) {
                             ", not ruda's pointer file: remove it");
 }
 
+// Cleaning and pruning are upkeep after the new checkpoint is published: an entry they cannot
+// inspect or remove (a foreign symbolic link that loops, a directory they may not enter) is
+// skipped and named in the save's warnings, and never fails the save. Entries that are not
+// ruda's (other names, symbolic links, files where a step directory would be) are left alone.
+struct Upkeep {
+  std::vector<std::string> skipped;
+  void skip(const fs::path& path, const std::error_code& ec) {
+    skipped.push_back(path.string() + " (" + ec.message() + ")");
+  }
+  // The entry's own type, not its target's; nullopt (and a note) when it cannot be read.
+  std::optional<fs::file_type> type_of(const fs::directory_entry& entry) {
+    std::error_code ec;
+    const fs::file_status status = entry.symlink_status(ec);
+    if (ec) {
+      skip(entry.path(), ec);
+      return std::nullopt;
+    }
+    return status.type();
+  }
+  // The names of `dir`'s entries that are step directories of ruda's naming (not links).
+  std::vector<fs::directory_entry> step_dirs(const fs::path& dir) {
+    std::vector<fs::directory_entry> out;
+    std::error_code ec;
+    fs::directory_iterator it(dir, ec);
+    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+      if (is_step_name(it->path().filename().string()) && type_of(*it) == fs::file_type::directory) out.push_back(*it);
+    }
+    if (ec) skip(dir, ec);
+    return out;
+  }
+  void remove_all(const fs::path& path) {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+    if (ec) skip(path, ec);
+  }
+};
+
 // Removes what killed saves leave behind: temporary files (ruda's own names only) and step
 // directories without an index, except `current` (the step being saved). Run by rank 0 once the
 // new checkpoint is published, so that a kill during the cleaning loses nothing.
-void remove_leftovers(const fs::path& dir, const std::string& current) {
+void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   std::error_code ec;
   fs::remove(dir / "latest.tmp", ec);
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string n = entry.path().filename().string();
-    if (!is_step_name(n) || n == current || !entry.is_directory() || entry.is_symlink()) continue;
+  for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
+    if (entry.path().filename() == current) continue;
     if (!is_complete_step(entry.path())) {
-      fs::remove_all(entry.path());
+      upkeep.remove_all(entry.path());
       continue;
     }
-    for (const auto& f : fs::directory_iterator(entry.path())) {
-      const std::string fn = f.path().filename().string();
+    fs::directory_iterator it(entry.path(), ec);
+    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+      const std::string fn = it->path().filename().string();
       const bool ours = fn.rfind("rank-", 0) == 0 || fn.rfind("index.json", 0) == 0;
-      if (ours && f.path().extension() == ".tmp" && f.is_regular_file()) fs::remove(f.path());
+      if (!ours || it->path().extension() != ".tmp" || upkeep.type_of(*it) != fs::file_type::regular) continue;
+      std::error_code removing;
+      fs::remove(it->path(), removing);
+      if (removing) upkeep.skip(it->path(), removing);
     }
+    if (ec) upkeep.skip(entry.path(), ec);
   }
 }
 
 // Keeps the newest `keep` complete steps (and `current`, whatever its number). A step is removed
 // index first: a kill in the middle leaves an incomplete step (cleaned at the next save), never
 // one that looks complete with files missing.
-void prune(const fs::path& dir, int keep, const std::string& current) {
+void prune(const fs::path& dir, int keep, const std::string& current, Upkeep& upkeep) {
   if (keep <= 0) return;
   std::vector<std::string> steps;
-  for (const auto& entry : fs::directory_iterator(dir)) {
-    const std::string n = entry.path().filename().string();
-    if (is_step_name(n) && entry.is_directory() && !entry.is_symlink() && is_complete_step(entry.path()))
-      steps.push_back(n);
+  for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
+    if (is_complete_step(entry.path())) steps.push_back(entry.path().filename().string());
   }
   std::sort(steps.begin(), steps.end());
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
     if (steps[i] == current) continue;
-    fs::remove(dir / steps[i] / "index.json");
+    std::error_code ec;
+    fs::remove(dir / steps[i] / "index.json", ec);
+    if (ec) {
+      upkeep.skip(dir / steps[i] / "index.json", ec);
+      continue;  // still complete: removing the rest would leave an index over missing files
+    }
     sync_directory((dir / steps[i]).string());
-    fs::remove_all(dir / steps[i]);
+    upkeep.remove_all(dir / steps[i]);
   }
 }
 
@@ -275,13 +319,16 @@ std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_d
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
-void publish(const fs::path& dir, const std::string& step_dir, std::int64_t step, const json& index, int keep) {
+std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step, const json& index,
+                                 int keep) {
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
   parse_index(index, index_path, step_dir);
   safetensors::write_text_atomically(index_path, index.dump(1));
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");
-  remove_leftovers(dir, step_name(step));
-  prune(dir, keep, step_name(step));
+  Upkeep upkeep;
+  remove_leftovers(dir, step_name(step), upkeep);
+  prune(dir, keep, step_name(step), upkeep);
+  return upkeep.skipped;
 }
 
 }  // namespace
@@ -318,6 +365,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   const std::vector<json> reports = agree_on_reports(comm, step_dir, report, error);
 
   // 4. Rank 0 publishes.
+  std::vector<std::string> skipped;
   run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
@@ -326,9 +374,15 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     if (optimizer && !params.empty()) {
       for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
     }
-    publish(dir, step_dir, step, build_index(step, world, headers, optimizer, states, extra, reports), keep);
+    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, states, extra, reports), keep);
   });
-  return CheckpointInfo{step_dir, step, world, extra};
+  CheckpointInfo info{step_dir, step, world, extra};
+  if (!skipped.empty()) {
+    std::string warning = "checkpoint upkeep in " + dir + " skipped what it could not inspect or remove: ";
+    for (std::size_t i = 0; i < skipped.size(); ++i) warning += (i ? ", " : "") + skipped[i];
+    info.warnings.push_back(std::move(warning));
+  }
+  return info;
 }
 
 namespace {

@@ -24,6 +24,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include <ruda/collectives.h>
 #include <ruda/nn/module.h>
@@ -37,6 +38,10 @@ struct CheckpointInfo {
   int world_size = 0;  // the world size it was saved with
   std::map<std::string, std::string> extra;
   std::uint64_t bytes_read = 0;  // by load_checkpoint on this rank: headers and the ranges it needed
+  /// save_checkpoint on rank 0: what the directory's upkeep (removing leftovers of killed saves and
+  /// old steps) skipped because it could not inspect or remove it, in one message; the save
+  /// itself succeeded.
+  std::vector<std::string> warnings = {};
 };
 
 /// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
