@@ -112,6 +112,34 @@ out["training"] = {
     "losses": {"shape": [len(losses)], "values": losses},
 }
 
+# Parameter groups: the same MLP, weights and biases in two groups with their own weight decay
+# and learning rate (base lr 0.01; the biases' group at half of it, as ruda's lr_scale 0.5).
+def grouped_run(make_optimizer):
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in init.items()}
+    opt = make_optimizer(params)
+    losses = []
+    for step in range(6):
+        p = params
+        loss = torch.nn.functional.cross_entropy(torch.relu(X @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"], Y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {**{"final_" + k: {"shape": list(v.shape), "values": t(v)} for k, v in params.items()},
+            "losses": {"shape": [len(losses)], "values": losses}}
+
+
+def two_groups(p, decay):
+    return [{"params": [p["w1"], p["w2"]], "weight_decay": decay},
+            {"params": [p["b1"], p["b2"]], "weight_decay": 0.0, "lr": 0.005}]
+
+
+out["param_groups"] = {
+    "adamw": grouped_run(lambda p: torch.optim.AdamW(two_groups(p, 0.1), lr=0.01)),
+    "adam": grouped_run(lambda p: torch.optim.Adam(two_groups(p, 0.05), lr=0.01)),
+    "sgd": grouped_run(lambda p: torch.optim.SGD(two_groups(p, 0.05), lr=0.01, momentum=0.9)),
+}
+
 path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json")
 with open(path, "w") as f:
     json.dump(out, f)

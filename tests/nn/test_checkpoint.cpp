@@ -11,6 +11,8 @@
 #include <mutex>
 #include <sstream>
 
+#include <nlohmann/json.hpp>
+
 #include "helpers.h"
 #include "sharded_fixture.h"
 
@@ -22,12 +24,15 @@ namespace {
 
 // Trains TinyLM fully sharded over comm for steps [from, to), optionally loading a checkpoint
 // first and saving one at the end; returns every step's global loss and the final parameters.
+// With `grouped`, the optimizer decays only the 2-D weights (nn::decay_2d_only).
 test::TrainResult train(Communicator& comm, int from, int to, const std::string& load_from, const std::string& save_to,
-                        std::uint64_t* bytes_read = nullptr) {
+                        std::uint64_t* bytes_read = nullptr, bool grouped = false) {
   nn::manual_seed(7);
   test::TinyLM model;
   nn::fully_shard(model, comm);
-  nn::AdamW opt(model.parameters(), test::adam_options());
+  auto options = test::adam_options();
+  if (grouped) options.weight_decay = 0.5;  // large, so that which parameters decay shows
+  nn::AdamW opt = grouped ? nn::AdamW(nn::decay_2d_only(model), options) : nn::AdamW(model.parameters(), options);
   if (!load_from.empty()) {
     const auto info = nn::load_checkpoint(load_from, model, &opt, comm);
     if (info.step != from) throw std::runtime_error("loaded step " + std::to_string(info.step));
@@ -79,6 +84,44 @@ TEST_CASE("resume equals uninterrupted training, bit for bit, at the same world 
   const auto second = rank0(3, [&](Communicator& c) { return train(c, 3, 6, dir.str(), ""); });
   const auto [score, where] = test::compare(concat(first, second), whole, 0, 0);
   CHECK_MESSAGE(score == 0, "differs at " << where);
+}
+
+TEST_CASE("optimizer groups: saved and restored, resumes continue, and a resume with other groups is refused") {
+  TempDir dir;
+  auto run = [&](int world, int from, int to, const std::string& load, const std::string& save, bool grouped) {
+    return rank0(world, [&](Communicator& c) { return train(c, from, to, load, save, nullptr, grouped); });
+  };
+  const auto whole = run(3, 0, 6, "", "", true);
+  const auto plain = run(3, 0, 6, "", "", false);
+  CHECK(test::compare(whole, plain, 0, 0).first > 0);  // the groups change the run
+  const auto first = run(3, 0, 3, "", dir.str(), true);
+  // The index records each group's settings and parameters by name (logical shapes decide).
+  std::ifstream in(dir.path / "step-00000003" / "index.json");
+  const std::string index((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(index.find("\"no_decay\"") != std::string::npos);
+  CHECK(index.find("\"block.ln1.weight\"") != std::string::npos);
+  // Same world size: bit for bit; another: within the summation order's noise.
+  const auto second = run(3, 3, 6, dir.str(), "", true);
+  const auto [same, where] = test::compare(concat(first, second), whole, 0, 0);
+  CHECK_MESSAGE(same == 0, where);
+  const auto resharded = run(2, 3, 6, dir.str(), "", true);
+  CHECK(test::compare(concat(first, resharded), whole, 1e-5, 1e-5).first <= 1);
+  // Other groups than the checkpoint's: refused before anything is loaded.
+  test::check_throws<IOError>([&] { run(3, 3, 6, dir.str(), "", false); },
+                              {"step-00000003", "was saved with the optimizer groups decay (", "no_decay (",
+                               "weight decay 0)", "this optimizer's are default ("});
+  // A checkpoint written before groups existed holds one group of every parameter.
+  nlohmann::json j = nlohmann::json::parse(index);
+  j["optimizer"].erase("groups");
+  std::ofstream(dir.path / "step-00000003" / "index.json") << j.dump(1);
+  test::check_throws<IOError>([&] { run(3, 3, 6, dir.str(), "", true); },
+                              {"was saved with the optimizer groups default ("});
+  CHECK_NOTHROW(run(3, 3, 4, dir.str(), "", false));
+  // A damaged groups entry is refused by name.
+  j["optimizer"]["groups"] = nlohmann::json::array(
+      {{{"name", "g"}, {"lr_scale", -1}, {"weight_decay", nullptr}, {"params", nlohmann::json::array()}}});
+  std::ofstream(dir.path / "step-00000003" / "index.json") << j.dump(1);
+  test::check_throws<IOError>([&] { run(3, 3, 4, dir.str(), "", false); }, {"optimizer group 'g'", "lr_scale"});
 }
 
 TEST_CASE("reshard: saved by 3 ranks, resumed by 2 and by 4") {

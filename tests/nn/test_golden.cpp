@@ -117,3 +117,39 @@ TEST_CASE("an AdamW training run matches PyTorch step by step") {
   test::check_close(w2.data(), load(g.at("final_w2")), 1e-5, 1e-4);
   test::check_close(b2.data(), load(g.at("final_b2")), 1e-5, 1e-4);
 }
+
+TEST_CASE("parameter groups (own weight decay and learning rate) match PyTorch's param_groups: AdamW, Adam, SGD") {
+  const auto& g = golden().at("training");
+  const Tensor x = load(g.at("X"), DType::f32);
+  const Tensor y = load(g.at("Y"), DType::i64);
+  for (const char* kind : {"adamw", "adam", "sgd"}) {
+    CAPTURE(kind);
+    const auto& want = golden().at("param_groups").at(kind);
+    nn::Param w1(load(g.at("init_w1"), DType::f32)), b1(load(g.at("init_b1"), DType::f32)),
+        w2(load(g.at("init_w2"), DType::f32)), b2(load(g.at("init_b2"), DType::f32));
+    // The weights decay; the biases do not, at half the base rate.
+    auto groups = [&](double decay) {
+      return std::vector<nn::ParamGroup>{{.name = "weights", .params = {w1, w2}, .weight_decay = decay},
+                                         {.name = "biases", .params = {b1, b2}, .lr_scale = 0.5, .weight_decay = 0.0}};
+    };
+    std::unique_ptr<nn::Optimizer> opt;
+    if (std::string(kind) == "adamw") opt = std::make_unique<nn::AdamW>(groups(0.1), nn::AdamWOptions{.lr = 0.01});
+    if (std::string(kind) == "adam") opt = std::make_unique<nn::Adam>(groups(0.05), nn::AdamOptions{.lr = 0.01});
+    if (std::string(kind) == "sgd") {
+      opt = std::make_unique<nn::SGD>(groups(0.05), nn::SGDOptions{.lr = 0.01, .momentum = 0.9});
+    }
+    REQUIRE(opt);
+    const auto losses = want.at("losses").at("values").get<std::vector<double>>();
+    for (double expected : losses) {
+      const Tensor loss = nn::cross_entropy(linear(relu(linear(x, w1.value(), b1.value())), w2.value(), b2.value()), y);
+      CHECK(loss.item() == doctest::Approx(expected).epsilon(1e-5));
+      opt->zero_grad();
+      loss.backward();
+      opt->step();
+    }
+    test::check_close(w1.data(), load(want.at("final_w1")), 1e-5, 1e-4);
+    test::check_close(b1.data(), load(want.at("final_b1")), 1e-5, 1e-4);
+    test::check_close(w2.data(), load(want.at("final_w2")), 1e-5, 1e-4);
+    test::check_close(b2.data(), load(want.at("final_b2")), 1e-5, 1e-4);
+  }
+}

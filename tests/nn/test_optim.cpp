@@ -114,7 +114,7 @@ TEST_CASE("optimizer options are validated where they are given") {
         nn::SGD({p, param({4}), p});
       },
       {"Optimizer", "[3]", "given twice", "positions 0 and 2"});
-  test::check_throws<ArgumentError>([] { nn::AdamW({}); }, {"Optimizer", "no parameters"});
+  test::check_throws<ArgumentError>([] { nn::AdamW(std::vector<nn::Param>{}); }, {"Optimizer", "no parameters"});
   const double nan = std::nan("");
   for (double bad : {-0.5, nan, HUGE_VAL}) {
     CAPTURE(bad);
@@ -161,4 +161,51 @@ TEST_CASE("a parameter sharded with from_full is named in messages, or said to b
     const nn::Param unnamed = nn::ShardedParameter::from_full(other, comm.rank(), 2).param();
     test::check_throws<nn::ShardingError>([&] { (void)unnamed.value(); }, {"an unnamed parameter [2]"});
   });
+}
+
+TEST_CASE("decay_2d_only groups by logical shape, sharded or not, and groups are validated") {
+  auto names = [](const nn::Module& m, const nn::ParamGroup& g) {
+    std::vector<std::string> out;
+    for (const nn::Param& p : g.params) {
+      for (const auto& [name, q] : m.named_parameters()) {
+        if (q.id() == p.id()) out.push_back(name);
+      }
+    }
+    return out;
+  };
+  nn::manual_seed(1);
+  nn::TransformerBlock dense(8, 2, 16);
+  const auto dense_groups = nn::decay_2d_only(dense);
+  REQUIRE(dense_groups.size() == 2);
+  CHECK(dense_groups[0].name == "decay");
+  CHECK_FALSE(dense_groups[0].weight_decay.has_value());  // the optimizer's
+  CHECK(dense_groups[1].name == "no_decay");
+  CHECK(dense_groups[1].weight_decay == 0.0);
+  const std::vector<std::string> decayed = {"attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight"};
+  CHECK(names(dense, dense_groups[0]) == decayed);
+  CHECK(names(dense, dense_groups[1]).size() == dense.parameters().size() - decayed.size());
+  run_ranks(3, [&](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::TransformerBlock block(8, 2, 16);
+    nn::fully_shard(block, comm);  // every local slice is 1-D now
+    const auto groups = nn::decay_2d_only(block);
+    CHECK(names(block, groups[0]) == decayed);
+  });
+  // Groups are checked where they are given.
+  nn::Param a(zeros({2})), b(zeros({2}));
+  test::check_throws<ArgumentError>(
+      [&] {
+        nn::AdamW({{.name = "x", .params = {a}}, {.name = "x", .params = {b}}});
+      },
+      {"Optimizer", "two parameter groups are named 'x'"});
+  test::check_throws<ArgumentError>([&] { nn::AdamW({{.name = "", .params = {a}}}); }, {"group 0 has no name"});
+  test::check_throws<ArgumentError>([&] { nn::SGD({{.name = "x", .params = {a}, .lr_scale = -1}}); },
+                                    {"lr_scale of group 'x'"});
+  test::check_throws<ArgumentError>([&] { nn::Adam({{.name = "x", .params = {a}, .weight_decay = std::nan("")}}); },
+                                    {"weight_decay of group 'x'"});
+  test::check_throws<ArgumentError>(
+      [&] {
+        nn::AdamW({{.name = "x", .params = {a}}, {.name = "y", .params = {a}}});
+      },
+      {"given twice", "in groups 'x' and 'y'"});
 }

@@ -120,6 +120,21 @@ TEST_CASE("option bounds in words, and an option given twice takes its last valu
   CHECK_MESSAGE(twice.output.find("epoch 1/1 ") != std::string::npos, twice.output);
 }
 
+TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resumed with them, refused without") {
+  TempDir tmp;
+  const std::string lm =
+      "--emulate 2 lm --d-model 32 --layers 1 --heads 2 --context 16 --eval-every 0 --weight-decay-2d-only";
+  const Run saved = run(train(lm + " --steps 2 --checkpoint-dir " + tmp / "c"));
+  REQUIRE_MESSAGE(saved.exit_code == 0, saved.output);
+  const Run resumed = run(train(lm + " --steps 3 --resume-latest --checkpoint-dir " + tmp / "c"));
+  CHECK_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK_MESSAGE(resumed.output.find("resumed from") != std::string::npos, resumed.output);
+  one_error_line(run(train("--emulate 2 lm --d-model 32 --layers 1 --heads 2 --context 16 --eval-every 0 --steps 3 "
+                           "--resume-latest --checkpoint-dir " +
+                           tmp / "c")),
+                 {"was saved with the optimizer groups decay (", "no_decay (", "this optimizer's are default ("});
+}
+
 TEST_CASE("killed while writing a checkpoint: the previous one stays loadable and resumable") {
   TempDir tmp;
   // 10 steps (640 samples / 64), a checkpoint every 5: measure what the first checkpoint writes.

@@ -50,6 +50,7 @@ struct Config {
   std::string text = "/usr/share/games/fortunes";
   std::int64_t context = 128, d_model = 256, layers = 4, heads = 4;
   bool untied = false;
+  bool weight_decay_2d_only = false;  // AdamW's decay on 2-D weights only, none on biases and norms
   std::int64_t eval_every = 200, eval_batches = 8;
   std::int64_t sample = 0;
   std::string prompt = "\n";

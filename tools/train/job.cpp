@@ -214,8 +214,9 @@ void run(const Config& cfg, Communicator& comm) {
   const nn::MemorySchedule& chosen = measured.schedule;
   setup_phase(comm, [&] {
     if (!measured.refusal.empty()) throw OutOfMemoryError(measured.refusal);
-    optimizer = std::make_unique<nn::AdamW>(task->module().parameters(),
-                                            nn::AdamWOptions{.lr = cfg.lr, .weight_decay = cfg.weight_decay});
+    const nn::AdamWOptions adamw{.lr = cfg.lr, .weight_decay = cfg.weight_decay};
+    optimizer = cfg.weight_decay_2d_only ? std::make_unique<nn::AdamW>(nn::decay_2d_only(task->module()), adamw)
+                                         : std::make_unique<nn::AdamW>(task->module().parameters(), adamw);
     const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
     if (!from.empty()) {
       const nn::CheckpointSummary found = nn::describe_checkpoint(from);

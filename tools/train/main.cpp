@@ -129,6 +129,9 @@ int main(int argc, char** argv) {
   lm->add_option("--heads", cfg.heads, "Attention heads")->check(at_least(1));
   lm->add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "Keep only each block's input through the forward pass and recompute the block in backward");
+  lm->add_flag("--weight-decay-2d-only", cfg.weight_decay_2d_only,
+               "Decay only the 2-D weights (linear layers, embeddings), not biases and norms, as GPT recipes do "
+               "(two optimizer groups, saved in checkpoints)");
   lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
   lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(at_least(0));
   lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(at_least(1));

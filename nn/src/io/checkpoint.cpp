@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <sstream>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
@@ -244,11 +246,45 @@ struct ParamHeader {
   bool sharded = false;
 };
 
+// The optimizer's groups as a checkpoint records them: settings and parameter names.
+std::vector<ckpt::IndexGroup> groups_of(const Optimizer& optimizer,
+                                        const std::vector<std::pair<std::string, Param>>& named) {
+  std::map<ParamId, std::string> name_of;
+  for (const auto& [name, p] : named) name_of.emplace(p.id(), name);
+  std::vector<ckpt::IndexGroup> out;
+  for (const ParamGroup& g : optimizer.groups()) {
+    ckpt::IndexGroup saved{g.name, g.lr_scale, g.weight_decay, {}};
+    for (const Param& p : g.params) {
+      const auto it = name_of.find(p.id());
+      saved.params.push_back(it != name_of.end() ? it->second
+                                                 : "<not in the module: id " + std::to_string(p.id()) + ">");
+    }
+    out.push_back(std::move(saved));
+  }
+  return out;
+}
+
+std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
+  std::string out;
+  for (const auto& g : groups) {
+    std::ostringstream part;
+    part << g.name << " (" << g.params.size() << " parameters, lr x" << g.lr_scale << ", weight decay ";
+    if (g.weight_decay) {
+      part << *g.weight_decay;
+    } else {
+      part << "the optimizer's";
+    }
+    part << ")";
+    out += (out.empty() ? "" : ", ") + part.str();
+  }
+  return out;
+}
+
 // The index of a checkpoint from each rank's report of the pieces it wrote
 // ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
 json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& params, const Optimizer* optimizer,
-                 const std::vector<std::string>& state_names, const std::map<std::string, std::string>& extra,
-                 const std::vector<json>& reports) {
+                 const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::vector<std::string>& state_names,
+                 const std::map<std::string, std::string>& extra, const std::vector<json>& reports) {
   json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
   json files = json::array();
   for (int r = 0; r < world; ++r) files.push_back(rank_file(r, world));
@@ -268,7 +304,17 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
         {"sharded", p.sharded}, {"pieces", pieces}};
   }
   index["params"] = jparams;
-  if (optimizer) index["optimizer"] = {{"steps", optimizer->steps()}, {"lr", optimizer->lr()}, {"state", state_names}};
+  if (optimizer) {
+    json groups = json::array();
+    for (const auto& g : optimizer_groups) {
+      groups.push_back({{"name", g.name},
+                        {"lr_scale", g.lr_scale},
+                        {"weight_decay", g.weight_decay ? json(*g.weight_decay) : json(nullptr)},
+                        {"params", g.params}});
+    }
+    index["optimizer"] = {
+        {"steps", optimizer->steps()}, {"lr", optimizer->lr()}, {"state", state_names}, {"groups", groups}};
+  }
   index["extra"] = extra;
   return index;
 }
@@ -374,7 +420,9 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     if (optimizer && !params.empty()) {
       for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
     }
-    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, states, extra, reports), keep);
+    const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
+    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, states, extra, reports),
+                      keep);
   });
   CheckpointInfo info{step_dir, step, world, extra};
   if (!skipped.empty()) {
@@ -392,6 +440,22 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
   if (index.params.size() != params.size()) {
     fail(index.dir, "holds " + std::to_string(index.params.size()) + " parameters, the model has " +
                         std::to_string(params.size()));
+  }
+  if (optimizer && index.has_optimizer) {
+    // The groups decide each parameter's rate and decay: a resume must continue with the same.
+    // A checkpoint from before groups existed had one group of every parameter.
+    const auto mine = groups_of(*optimizer, params);
+    std::vector<ckpt::IndexGroup> saved;
+    if (index.optimizer_groups) {
+      saved = *index.optimizer_groups;
+    } else {
+      saved.push_back({"default", 1.0, std::nullopt, {}});
+      for (const auto& [name, p] : params) saved.back().params.push_back(name);
+    }
+    if (saved != mine) {
+      fail(index.dir, "was saved with the optimizer groups " + describe(saved) + "; this optimizer's are " +
+                          describe(mine) + " (their names, parameters, lr scales and weight decays must match)");
+    }
   }
   std::map<std::string, const IndexParam*> by_name;
   for (const auto& p : index.params) by_name[p.name] = &p;
@@ -603,7 +667,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     reports.push_back(
         write_split_rank(input, rank, world_size, step, (fs::path(step_dir) / rank_file(rank, world_size)).string()));
   }
-  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
+  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, {}, extra, reports), 0);
   return CheckpointInfo{step_dir, step, world_size, extra};
 }
 

@@ -131,6 +131,7 @@ class IndexParser {
 
  private:
   IndexParam parse_param(const std::string& name, const json& jp, const Index& index) const;
+  std::vector<IndexGroup> parse_groups(const json& v) const;
   std::string path_;
 };
 
@@ -163,6 +164,7 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
       fail("index.json's optimizer 'lr' must be a finite number, not " + lr.dump());
     index.lr = lr.get<double>();
     index.optimizer_state = strings(member(o, "state", "index.json's 'optimizer'"), "index.json's optimizer 'state'");
+    if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
   }
   if (j.contains("extra")) {
     const json& e = j["extra"];
@@ -177,7 +179,42 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
   if (!params.is_object()) fail("index.json's 'params' must be an object");
   for (auto it = params.begin(); it != params.end(); ++it)
     index.params.push_back(parse_param(it.key(), it.value(), index));
+  if (index.optimizer_groups) {
+    // Every parameter of the groups is one of the index's, and in one group only.
+    std::set<std::string> known, grouped;
+    for (const auto& p : index.params) known.insert(p.name);
+    for (const IndexGroup& g : *index.optimizer_groups) {
+      for (const auto& name : g.params) {
+        if (!known.count(name)) fail("index.json's optimizer group '" + g.name + "' names no parameter '" + name + "'");
+        if (!grouped.insert(name).second) fail("index.json's optimizer groups list parameter '" + name + "' twice");
+      }
+    }
+  }
   return index;
+}
+
+std::vector<IndexGroup> IndexParser::parse_groups(const json& v) const {
+  const std::string where = "index.json's optimizer 'groups'";
+  if (!v.is_array()) fail(where + " must be an array, not " + v.dump());
+  std::vector<IndexGroup> groups;
+  std::set<std::string> names;
+  for (const json& jg : v) {
+    IndexGroup g;
+    g.name = string(jg, "name", where + " entry");
+    if (g.name.empty() || !names.insert(g.name).second) fail(where + " has an empty or repeated name '" + g.name + "'");
+    const std::string of = "optimizer group '" + g.name + "'";
+    auto non_negative = [&](const json& x, const char* what) {
+      if (!x.is_number() || !std::isfinite(x.get<double>()) || x.get<double>() < 0)
+        fail(of + "'s '" + what + "' must be a finite number >= 0, not " + x.dump());
+      return x.get<double>();
+    };
+    g.lr_scale = non_negative(member(jg, "lr_scale", of), "lr_scale");
+    const json& decay = member(jg, "weight_decay", of);
+    if (!decay.is_null()) g.weight_decay = non_negative(decay, "weight_decay");
+    g.params = strings(member(jg, "params", of), of + "'s 'params'");
+    groups.push_back(std::move(g));
+  }
+  return groups;
 }
 
 IndexParam IndexParser::parse_param(const std::string& name, const json& jp, const Index& index) const {

@@ -64,6 +64,15 @@ struct IndexParam {
   std::vector<IndexPiece> pieces;  // by offset, tiling [0, numel) exactly
 };
 
+// One optimizer parameter group as saved: its settings and its parameters by name.
+struct IndexGroup {
+  std::string name;
+  double lr_scale = 1.0;
+  std::optional<double> weight_decay;  // none: the optimizer's own
+  std::vector<std::string> params;
+  bool operator==(const IndexGroup&) const = default;
+};
+
 // index.json, validated: every value the readers use has been checked for kind and range, so
 // nothing an index says can send a read or a write outside a tensor or a file.
 struct Index {
@@ -77,6 +86,8 @@ struct Index {
   std::int64_t optimizer_steps = 0;
   double lr = 0;
   std::vector<std::string> optimizer_state;
+  // The optimizer's parameter groups (absent in checkpoints written before groups existed).
+  std::optional<std::vector<IndexGroup>> optimizer_groups;
   std::map<std::string, std::string> extra;
 
   bool has_checksums() const { return version >= 2; }

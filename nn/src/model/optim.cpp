@@ -16,18 +16,48 @@ void require_at_least(const char* op, const char* what, double value, double low
 }
 }  // namespace
 
-Optimizer::Optimizer(std::vector<Param> params, double lr) : params_(std::move(params)), lr_(lr) {
+std::vector<ParamGroup> decay_2d_only(const Module& module) {
+  ParamGroup decay{.name = "decay"}, no_decay{.name = "no_decay", .weight_decay = 0.0};
+  for (const auto& [name, p] : module.named_parameters())
+    (p.shape().size() >= 2 ? decay : no_decay).params.push_back(p);
+  return {std::move(decay), std::move(no_decay)};
+}
+
+Optimizer::Optimizer(std::vector<Param> params, double lr)
+    : Optimizer(std::vector<ParamGroup>{ParamGroup{.name = "default", .params = std::move(params)}}, lr) {}
+
+Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr) : groups_(std::move(groups)), lr_(lr) {
+  std::unordered_map<std::string, std::size_t> names;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const ParamGroup& group = groups_[g];
+    if (group.name.empty()) fail<ArgumentError>("Optimizer", "parameter group ", g, " has no name");
+    if (!names.try_emplace(group.name, g).second) {
+      fail<ArgumentError>("Optimizer", "two parameter groups are named '", group.name, "'");
+    }
+    require_at_least("Optimizer", ("lr_scale of group '" + group.name + "'").c_str(), group.lr_scale, 0.0);
+    if (group.weight_decay) {
+      require_at_least("Optimizer", ("weight_decay of group '" + group.name + "'").c_str(), *group.weight_decay, 0.0);
+    }
+    for (const Param& p : group.params) {
+      params_.push_back(p);
+      group_of_.push_back(g);
+    }
+  }
   if (params_.empty()) fail<ArgumentError>("Optimizer", "got no parameters to optimize");
   // A parameter listed twice would be updated twice per step: refuse it (tied weights are one
   // Param, listed once by Module::parameters()).
   std::unordered_map<ParamId, std::size_t> seen;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
-    if (!p.defined()) fail<ArgumentError>("Optimizer", "got an undefined parameter (position ", i, ")");
+    const std::string& group = groups_[group_of_[i]].name;
+    if (!p.defined())
+      fail<ArgumentError>("Optimizer", "got an undefined parameter (position ", i, ", group '", group, "')");
     const auto [it, fresh] = seen.try_emplace(p.id(), i);
     if (!fresh) {
+      const std::string& first = groups_[group_of_[it->second]].name;
       fail<ArgumentError>("Optimizer", "parameter ", p.shape(), " (id ", p.id(), ") is given twice, at positions ",
-                          it->second, " and ", i);
+                          it->second, " and ", i,
+                          first == group ? std::string() : " (in groups '" + first + "' and '" + group + "')");
     }
   }
   set_lr(lr);
@@ -42,7 +72,11 @@ void Optimizer::zero_grad() {
   for (const Param& p : params_) p.zero_grad();
 }
 
-SGD::SGD(std::vector<Param> params, SGDOptions options) : Optimizer(std::move(params), options.lr), options_(options) {
+SGD::SGD(std::vector<Param> params, SGDOptions options)
+    : SGD(std::vector<ParamGroup>{ParamGroup{.name = "default", .params = std::move(params)}}, options) {}
+
+SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
+    : Optimizer(std::move(groups), options.lr), options_(options) {
   require_at_least("SGD", "momentum", options.momentum, 0.0);
   require_at_least("SGD", "dampening", options.dampening, 0.0);
   require_at_least("SGD", "weight_decay", options.weight_decay, 0.0);
@@ -53,10 +87,12 @@ SGD::SGD(std::vector<Param> params, SGDOptions options) : Optimizer(std::move(pa
 
 void SGD::step() {
   autograd::NoGradGuard guard;
-  for (const Param& p : params_) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    if (options_.weight_decay != 0) g = g + p.data() * options_.weight_decay;
+    const double decay = weight_decay_of(i, options_.weight_decay);
+    if (decay != 0) g = g + p.data() * decay;
     if (options_.momentum != 0) {
       Tensor& buffer = momentum_[p.id()];
       if (!buffer.defined()) {
@@ -66,7 +102,7 @@ void SGD::step() {
       }
       g = options_.nesterov ? g + buffer * options_.momentum : buffer;
     }
-    p.data().add_(g, -lr_);
+    p.data().add_(g, -lr_of(i));
   }
   ++steps_;
 }
@@ -79,7 +115,10 @@ std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
 }
 
 Adam::Adam(std::vector<Param> params, AdamOptions options)
-    : Optimizer(std::move(params), options.lr), options_(options) {
+    : Adam(std::vector<ParamGroup>{ParamGroup{.name = "default", .params = std::move(params)}}, options) {}
+
+Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options)
+    : Optimizer(std::move(groups), options.lr), options_(options) {
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1)) {
     fail<ArgumentError>("Adam", "betas must be in [0, 1), got ", options.beta1, ", ", options.beta2);
   }
@@ -100,7 +139,8 @@ Adam::Moments& Adam::moments(const Param& param) {
 
 void Adam::step() {
   ++steps_;
-  for (const Param& p : params_) {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
     const Tensor g = p.grad();
     if (!g.defined()) continue;
     Moments& m = moments(p);
@@ -110,11 +150,11 @@ void Adam::step() {
     d.grad = g.view();
     d.exp_avg = m.exp_avg.view();
     d.exp_avg_sq = m.exp_avg_sq.view();
-    d.lr = lr_;
+    d.lr = lr_of(i);
     d.beta1 = options_.beta1;
     d.beta2 = options_.beta2;
     d.eps = options_.eps;
-    d.weight_decay = options_.weight_decay;
+    d.weight_decay = weight_decay_of(i, options_.weight_decay);
     d.step = steps_;
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
@@ -128,7 +168,10 @@ std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {
 }
 
 AdamW::AdamW(std::vector<Param> params, AdamWOptions o)
-    : Adam(std::move(params), AdamOptions{.lr = o.lr,
+    : AdamW(std::vector<ParamGroup>{ParamGroup{.name = "default", .params = std::move(params)}}, o) {}
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions o)
+    : Adam(std::move(groups), AdamOptions{.lr = o.lr,
                                           .beta1 = o.beta1,
                                           .beta2 = o.beta2,
                                           .eps = o.eps,

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -12,9 +14,28 @@
 
 namespace ruda::nn {
 
+/// Parameters that share a learning-rate scale and a weight decay (PyTorch's param_groups): the
+/// usual use is no weight decay for biases and norms. A group's rate is the optimizer's lr()
+/// times lr_scale, so a schedule moves every group together; its weight_decay, when set,
+/// replaces the optimizer's. Checkpoints save the groups and refuse a resume whose groups differ.
+struct ParamGroup {
+  std::string name = {};
+  std::vector<Param> params = {};
+  double lr_scale = 1.0;
+  std::optional<double> weight_decay = std::nullopt;
+};
+
+/// GPT-style groups of `module`'s parameters: "decay", those of two or more logical dimensions
+/// (the weights of linear layers and embedding tables), with the optimizer's weight decay, and
+/// "no_decay" (biases, the norms' scales and shifts) with none. On sharded parameters the logical
+/// shape decides, not the 1-D local slice.
+std::vector<ParamGroup> decay_2d_only(const Module& module);
+
 class Optimizer {
  public:
+  /// One group ("default") of every parameter.
   Optimizer(std::vector<Param> params, double lr);
+  Optimizer(std::vector<ParamGroup> groups, double lr);
   virtual ~Optimizer() = default;
   /// One update of every parameter that has a gradient.
   virtual void step() = 0;
@@ -24,14 +45,24 @@ class Optimizer {
   /// Updates taken so far.
   std::int64_t steps() const noexcept { return steps_; }
   void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
+  /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
+  const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
 
   /// Per-parameter state tensors by name ("exp_avg", "momentum_buffer", ...), for checkpoints.
   /// Tensors are created on first use, so a loaded state can be written into them.
   virtual std::vector<std::pair<std::string, Tensor>> state(const Param& param) = 0;
 
  protected:
+  /// The rate and weight decay params()[i] is updated with (`decay`: the optimizer's own).
+  double lr_of(std::size_t i) const noexcept { return lr_ * groups_[group_of_[i]].lr_scale; }
+  double weight_decay_of(std::size_t i, double decay) const noexcept {
+    return groups_[group_of_[i]].weight_decay.value_or(decay);
+  }
+
+  std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
+  std::vector<std::size_t> group_of_;  // params_[i] is in groups_[group_of_[i]]
   double lr_;
   std::int64_t steps_ = 0;
 };
@@ -48,6 +79,7 @@ struct SGDOptions {
 class SGD : public Optimizer {
  public:
   SGD(std::vector<Param> params, SGDOptions options = {});
+  SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
 
@@ -69,6 +101,7 @@ struct AdamOptions {
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Param> params, AdamOptions options = {});
+  Adam(std::vector<ParamGroup> groups, AdamOptions options = {});
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
   const AdamOptions& options() const noexcept { return options_; }
@@ -94,6 +127,7 @@ struct AdamWOptions {
 class AdamW : public Adam {
  public:
   AdamW(std::vector<Param> params, AdamWOptions options = {});
+  AdamW(std::vector<ParamGroup> groups, AdamWOptions options = {});
 };
 
 /// Learning-rate schedules: the rate at a 0-based step.
