@@ -76,6 +76,31 @@ std::vector<float> widen(const void* p, std::int64_t n) {
 
 }  // namespace
 
+// The epilogue over every result matrix, with the backend's own elementwise kernel (in place).
+void EigenBackend::apply_epilogue(const GemmDesc& d, void* c, DType dtype) {
+  UnaryOp f = UnaryOp::gelu_erf;
+  switch (d.epilogue) {
+    case GemmEpilogue::none:
+      return;
+    case GemmEpilogue::gelu_erf:
+      f = UnaryOp::gelu_erf;
+      break;
+    case GemmEpilogue::gelu_tanh:
+      f = UnaryOp::gelu_tanh;
+      break;
+  }
+  for (std::int64_t i = 0; i < d.batch; ++i) {
+    View v;
+    v.data = static_cast<char*>(c) + i * d.batch_stride_c * static_cast<std::int64_t>(dtype_size(dtype));
+    v.dtype = dtype;
+    v.ndim = 2;
+    v.shape = {d.m, d.n};
+    v.strides = {d.n, 1};
+    unary(f, v, v);
+    if (d.batch_stride_c == 0) break;
+  }
+}
+
 void EigenBackend::gemm(const GemmDesc& d) {
   if (d.a_dtype != d.b_dtype)
     fail<DTypeError>("gemm", "operand dtypes differ: ", dtype_name(d.a_dtype), " and ", dtype_name(d.b_dtype));
@@ -88,6 +113,7 @@ void EigenBackend::gemm(const GemmDesc& d) {
       gemm_batched<double>(d, static_cast<const double*>(d.a), static_cast<const double*>(d.b),
                            static_cast<double*>(d.c), static_cast<const double*>(d.bias));
     }
+    apply_epilogue(d, d.c, d.c_dtype);
     return;
   }
   // 16-bit operands (or a 16-bit result): compute in f32, round the result once.
@@ -104,6 +130,7 @@ void EigenBackend::gemm(const GemmDesc& d) {
   std::vector<float> bias;
   if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);
+  apply_epilogue(d, c.data(), DType::f32);  // in f32, before the one rounding
   dispatch_float(d.c_dtype, "gemm", [&](auto tag) {
     using T = decltype(tag);
     T* out = static_cast<T*>(d.c);

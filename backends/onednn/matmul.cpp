@@ -35,7 +35,7 @@ std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
   Key key;
   key << std::int64_t{1} << static_cast<std::int64_t>(d.a_dtype) << static_cast<std::int64_t>(d.b_dtype)
       << static_cast<std::int64_t>(d.c_dtype) << d.m << d.n << d.k << std::int64_t{d.trans_a} << std::int64_t{d.trans_b}
-      << std::int64_t{d.bias != nullptr} << d.alpha << d.beta;
+      << std::int64_t{d.bias != nullptr} << d.alpha << d.beta << static_cast<std::int64_t>(d.epilogue);
   if (batched) key << d.batch << d.batch_stride_a << d.batch_stride_b << d.batch_stride_c;
 
   const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
@@ -67,6 +67,16 @@ std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
     dnnl::post_ops ops;
     if (d.beta != 0.0f) ops.append_sum(d.beta);
     if (bias_as_post_op(d)) ops.append_binary(dnnl::algorithm::binary_add, bias_md);
+    switch (d.epilogue) {
+      case GemmEpilogue::none:
+        break;
+      case GemmEpilogue::gelu_erf:
+        ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_gelu_erf, 0.0f, 0.0f);
+        break;
+      case GemmEpilogue::gelu_tanh:
+        ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_gelu_tanh, 0.0f, 0.0f);
+        break;
+    }
     attr.set_post_ops(ops);
 
     const bool fused_bias = d.bias && !bias_as_post_op(d);

@@ -104,60 +104,121 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightLayout layout) {
-  check_enum(layout, "linear", "WeightLayout");
-  detail::require_float("linear", x);
-  detail::require_float("linear", weight);
-  detail::require_same_dtype("linear", x, weight);
+namespace {
+
+struct LinearShape {
+  std::int64_t in, out, rows;
+  bool out_in;
+};
+
+LinearShape check_linear(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                         WeightLayout layout) {
+  check_enum(layout, op, "WeightLayout");
+  detail::require_float(op, x);
+  detail::require_float(op, weight);
+  detail::require_same_dtype(op, x, weight);
   const bool out_in = layout == WeightLayout::out_in;
   if (weight.ndim() != 2 || x.ndim() < 1 || x.shape().back() != weight.shape()[out_in ? 1 : 0]) {
-    fail<ShapeError>("linear", "input features differ: x ", x.shape(), " @ weight ", weight.shape(),
+    fail<ShapeError>(op, "input features differ: x ", x.shape(), " @ weight ", weight.shape(),
                      out_in ? " (weight is [out, in])" : " (weight is [in, out])");
   }
   const std::int64_t in = weight.shape()[out_in ? 1 : 0], out_features = weight.shape()[out_in ? 0 : 1];
   if (bias.defined()) {
-    detail::require_same_dtype("linear", x, bias);
+    detail::require_same_dtype(op, x, bias);
     if (bias.shape() != Shape{out_features}) {
-      fail<ShapeError>("linear", "bias ", bias.shape(), " does not match weight ", weight.shape(), " (expected [",
+      fail<ShapeError>(op, "bias ", bias.shape(), " does not match weight ", weight.shape(), " (expected [",
                        out_features, "])");
     }
   }
+  return {in, out_features, in == 0 ? 0 : x.numel() / in, out_in};
+}
+
+// x @ weight + bias, then the epilogue, into a new tensor (no graph).
+Tensor linear_forward(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias, const LinearShape& s,
+                      GemmEpilogue epilogue) {
   Shape out_shape = x.shape();
-  out_shape.back() = out_features;
-  Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), "linear");
-  const std::int64_t rows = in == 0 ? 0 : x.numel() / in;
-  if (out.numel()) {
-    if (in == 0) {
-      x.backend().fill(detail::view_of(out), 0.0);
-      if (bias.defined()) out.add_(bias.detach());
-    } else {
-      GemmDesc d;
-      d.a_dtype = d.b_dtype = d.c_dtype = x.dtype();
-      d.trans_b = out_in;
-      d.m = rows;
-      d.n = out_features;
-      d.k = in;
-      d.a = x.data_ptr();
-      d.b = weight.data_ptr();
-      d.c = out.data_ptr();
-      d.bias = bias.defined() ? bias.data_ptr() : nullptr;
-      x.backend().gemm(d);
+  out_shape.back() = s.out;
+  Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), op);
+  if (!out.numel()) return out;
+  GemmDesc d;
+  d.a_dtype = d.b_dtype = d.c_dtype = x.dtype();
+  d.trans_b = s.out_in;
+  d.m = s.rows;
+  d.n = s.out;
+  d.k = s.in;
+  d.a = x.data_ptr();
+  d.b = weight.data_ptr();
+  d.c = out.data_ptr();
+  d.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  d.epilogue = epilogue;
+  if (s.in == 0) {
+    // No product: the bias alone, and the epilogue on it (GELU(0) = 0).
+    x.backend().fill(detail::view_of(out), 0.0);
+    if (bias.defined()) out.add_(bias.detach());
+    if (epilogue != GemmEpilogue::none) {
+      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
+      x.backend().unary(f, detail::view_of(out), detail::view_of(out));
     }
+    return out;
   }
+  x.backend().gemm(d);
+  return out;
+}
+
+// The gradients of x @ weight + bias from the pre-activation's gradient g2 [rows, out]. x and the
+// weight are fetched only where needed and dropped after: a saved weight that recomputes (a
+// sharded one, gathered again) must not stay alive beside the weight gradient.
+template <class GetX, class GetWeight>
+std::vector<Tensor> linear_backward(const Tensor& g2, GetX&& x, GetWeight&& weight, const Shape& x_shape,
+                                    const LinearShape& s, GradMask need) {
+  Tensor grad_x, grad_w, grad_b;
+  if (need[0]) grad_x = reshape(product("linear", g2, false, weight(), !s.out_in), x_shape);
+  if (need[1]) {
+    const Tensor x2 = reshape(x(), {-1, s.in});
+    grad_w = s.out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
+  }
+  if (need[2]) grad_b = sum(g2, {0});
+  return {grad_x, grad_w, grad_b};
+}
+
+}  // namespace
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightLayout layout) {
+  const LinearShape s = check_linear("linear", x, weight, bias, layout);
+  Tensor out = linear_forward("linear", x, weight, bias, s, GemmEpilogue::none);
   if (autograd::needs_grad(x, weight, bias)) {
     const bool gx = x.requires_grad(), gw = weight.requires_grad();
     autograd::record("linear", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor()},
-                     [x_shape = x.shape(), in, out_features, out_in](const Tensor& g, const Saved& s, GradMask need) {
-                       const Tensor g2 = reshape(g, {-1, out_features});
-                       Tensor grad_x, grad_w, grad_b;
-                       if (need[0]) grad_x = reshape(product("linear", g2, false, s[1].get(), !out_in), x_shape);
-                       if (need[1]) {
-                         const Tensor x2 = reshape(s[0].get(), {-1, in});
-                         grad_w =
-                             out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
+                     [x_shape = x.shape(), s](const Tensor& g, const Saved& saved, GradMask need) {
+                       return linear_backward(
+                           reshape(g, {-1, s.out}), [&] { return saved[0].get(); }, [&] { return saved[1].get(); },
+                           x_shape, s, need);
+                     });
+  }
+  return out;
+}
+
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, GeluApproximation approximation,
+                   WeightLayout layout) {
+  check_enum(approximation, "linear_gelu", "GeluApproximation");
+  const LinearShape s = check_linear("linear_gelu", x, weight, bias, layout);
+  const bool tanh = approximation == GeluApproximation::tanh;
+  Tensor out =
+      linear_forward("linear_gelu", x, weight, bias, s, tanh ? GemmEpilogue::gelu_tanh : GemmEpilogue::gelu_erf);
+  if (autograd::needs_grad(x, weight, bias)) {
+    // x, the weight and the bias, all three needed to recompute the pre-activation.
+    autograd::record("linear_gelu", out, {x, weight, bias}, {x, weight, bias},
+                     [x_shape = x.shape(), s, tanh](const Tensor& g, const Saved& saved, GradMask need) {
+                       const Tensor xs = saved[0].get(), w = saved[1].get(), b = saved[2].get();
+                       const Tensor h = linear_forward("linear_gelu backward", xs, w, b, s, GemmEpilogue::none);
+                       Tensor gh = make_tensor(h.shape(), h.dtype(), h.backend(), "linear_gelu backward");
+                       if (gh.numel()) {
+                         const View none{};
+                         h.backend().unary_backward(tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf, detail::view_of(h),
+                                                    none, detail::view_of(g), detail::view_of(gh));
                        }
-                       if (need[2]) grad_b = sum(g2, {0});
-                       return std::vector<Tensor>{grad_x, grad_w, grad_b};
+                       return linear_backward(
+                           reshape(gh, {-1, s.out}), [&] { return xs; }, [&] { return w; }, x_shape, s, need);
                      });
   }
   return out;

@@ -100,6 +100,11 @@ TEST_CASE("matmul, linear, embedding, take_along_axis, softmax") {
         {input({2, 3, 4}, 48), input({4, 5}, 49), input({5}, 50)});
   check("linear, [out, in] weight", [](auto& v) { return linear(v[0], v[1], v[2], WeightLayout::out_in); },
         {input({2, 3, 4}, 58), input({5, 4}, 59), input({5}, 60)});
+  check("linear_gelu", [](auto& v) { return linear_gelu(v[0], v[1], v[2]); },
+        {input({2, 3, 4}, 61), input({4, 5}, 62), input({5}, 63)});
+  check("linear_gelu tanh, [out, in], no bias",
+        [](auto& v) { return linear_gelu(v[0], v[1], Tensor(), GeluApproximation::tanh, WeightLayout::out_in); },
+        {input({3, 4}, 64), input({5, 4}, 65)});
   const Tensor idx = from_vector<std::int64_t>({3, 0, 3, 1, 4, 3}, {2, 3});
   check("embedding", [idx](auto& v) { return embedding(v[0], idx); }, {input({5, 2}, 51)});
   const Tensor picks = from_vector<std::int64_t>({2, 0, 0, 1, 1, 1}, {3, 2});

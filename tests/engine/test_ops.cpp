@@ -297,6 +297,61 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
               0.05);
 }
 
+TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, and keeps no pre-activation") {
+  for (DType dtype : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    const double tol = dtype == DType::f64 ? 1e-12 : dtype == DType::f32 ? 1e-5 : 2e-2;
+    for (auto approximation : {GeluApproximation::erf, GeluApproximation::tanh}) {
+      for (bool out_in : {false, true}) {
+        const WeightLayout layout = out_in ? WeightLayout::out_in : WeightLayout::in_out;
+        auto leaf = [&](const Shape& shape, std::uint64_t seed) {
+          return randn(shape, seed, 0, DType::f64).to(dtype).set_requires_grad();
+        };
+        // Sizes past oneDNN's small-product threshold, so its post-op runs where it is built.
+        Tensor x = leaf({3, 40, 48}, 1), w = leaf(out_in ? Shape{96, 48} : Shape{48, 96}, 2), b = leaf({96}, 3);
+        const Tensor gy = randn({3, 40, 96}, 4, 0, DType::f64).to(dtype);
+        const Tensor fused = linear_gelu(x, w, b, approximation, layout);
+        fused.backward(gy);
+        const Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
+        x.zero_grad();
+        w.zero_grad();
+        b.zero_grad();
+        const Tensor composed = gelu(linear(x, w, b, layout), approximation);
+        composed.backward(gy);
+        auto close = [&](const Tensor& got, const Tensor& want) {
+          const double scale = max(abs(want.to(DType::f64))).item();
+          CHECK_CLOSE(got.to(DType::f64), want.to(DType::f64), tol * scale, tol);
+        };
+        close(fused, composed);
+        close(gx, x.grad());
+        close(gw, w.grad());
+        close(gb, b.grad());
+      }
+    }
+  }
+  // Without a bias, and with no input feature (the bias alone, GELU applied).
+  const Tensor x = randn({4, 6}, 5), w = randn({6, 3}, 6);
+  CHECK_CLOSE(linear_gelu(x, w), gelu(linear(x, w)), 1e-5, 1e-5);
+  const Tensor b = randn({3}, 7);
+  CHECK_CLOSE(linear_gelu(zeros({4, 0}), zeros({0, 3}), b), gelu(b).expand({4, 3}), 1e-6, 1e-6);
+  // What backward keeps: x, the weight and the bias, not the [rows, out] pre-activation.
+  memory::Scope scope;
+  const Tensor big_x = randn({64, 32}, 8).set_requires_grad(), big_w = randn({32, 512}, 9).set_requires_grad();
+  memory::reset_peak();
+  const std::int64_t before = scope.stats().live_bytes;
+  Tensor fused = linear_gelu(big_x, big_w);
+  const std::int64_t fused_kept = scope.stats().live_bytes - before;
+  fused = Tensor();
+  const Tensor composed = gelu(linear(big_x, big_w));
+  const std::int64_t composed_kept = scope.stats().live_bytes - before;
+  const std::int64_t activation = 64 * 512 * 4;
+  CHECK(fused_kept == activation);         // the output alone
+  CHECK(composed_kept == 2 * activation);  // the output and the pre-activation GELU's backward reads
+  // Bad input is named as linear's is.
+  CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({4, 5})), ShapeError);
+  CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({3, 5}), {}, static_cast<GeluApproximation>(4)), ArgumentError);
+}
+
 TEST_CASE("embedding, take_along_axis, softmax") {
   const Tensor table = values({0, 1, 10, 11, 20, 21}, {3, 2});
   const Tensor idx = values({2, 0, 2, 1}, {2, 2}, DType::i64);

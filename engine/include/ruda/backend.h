@@ -85,7 +85,11 @@ std::string_view op_name(UnaryOp op) noexcept;
 std::string_view op_name(BinaryOp op) noexcept;
 std::string_view op_name(ReduceOp op) noexcept;
 
-/// C[b] = alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias broadcast over rows), for b < batch.
+/// What a GEMM applies to every element of its result after the bias, as part of the same
+/// kernel (oneDNN: an eltwise post-op): fc1's GELU in a transformer's MLP.
+enum class GemmEpilogue : std::uint8_t { none, gelu_erf, gelu_tanh };
+
+/// C[b] = epilogue(alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias broadcast over rows)), for b < batch.
 /// A is [m, k] row-major per batch ([k, m] when trans_a), B is [k, n] ([n, k] when trans_b),
 /// C is [m, n]. Batch strides count elements; 0 reuses one matrix for every batch.
 struct GemmDesc {
@@ -98,6 +102,7 @@ struct GemmDesc {
   std::int64_t batch = 1, m = 0, n = 0, k = 0;
   std::int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_c = 0;
   float alpha = 1.0f, beta = 0.0f;
+  GemmEpilogue epilogue = GemmEpilogue::none;
 };
 
 /// One fused Adam/AdamW step on whole buffers (param, grad, first and second moments, same

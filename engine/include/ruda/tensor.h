@@ -299,6 +299,14 @@ constexpr bool is_valid(WeightLayout layout) noexcept {
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
               WeightLayout layout = WeightLayout::in_out);
 
+/// gelu(linear(x, weight, bias)) as one kernel: the GELU runs as the GEMM's epilogue, so the
+/// pre-activation [.., out] is never a tensor of its own. Backward recomputes it from x (one more
+/// GEMM of the forward's size) instead of keeping it from forward to backward: a transformer's
+/// MLP then keeps x and the output, not the [tokens, 4 d] pre-activation as well.
+Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
+                   GeluApproximation approximation = GeluApproximation::erf,
+                   WeightLayout layout = WeightLayout::in_out);
+
 // --- neural-network primitives ---
 /// Rows of table [V, F] picked by i64 indices of any shape: result shape indices.shape + [F].
 /// The gradient scatter-adds into the table's rows.

@@ -30,6 +30,11 @@ Tensor Linear::forward(const Tensor& x) {
   return linear(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor());
 }
 
+Tensor Linear::forward_gelu(const Tensor& x, GeluApproximation approximation) {
+  const Tensor w = weight.value();
+  return linear_gelu(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor(), approximation);
+}
+
 Embedding::Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOptions options) {
   if (vocabulary <= 0 || features <= 0) {
     fail<ArgumentError>("Embedding", "sizes must be positive, got ", vocabulary, " x ", features);
@@ -137,7 +142,9 @@ MLP::MLP(std::int64_t d_model, std::int64_t hidden, double dropout) {
   register_module("dropout", dropout_);
 }
 
-Tensor MLP::forward(const Tensor& x) { return dropout_->forward(fc2->forward(gelu(fc1->forward(x)))); }
+// fc1 and its GELU are one fused kernel, which keeps fc1's input for backward instead of the
+// [.., hidden] pre-activation.
+Tensor MLP::forward(const Tensor& x) { return dropout_->forward(fc2->forward(fc1->forward_gelu(x))); }
 
 TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std::int64_t mlp_hidden, double dropout) {
   ln1 = std::make_shared<LayerNorm>(d_model);

@@ -21,6 +21,8 @@ class Linear : public UnaryModule {
  public:
   Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
   Tensor forward(const Tensor& x) override;
+  /// gelu(forward(x)) in one fused kernel (ruda::linear_gelu): no pre-activation tensor is kept.
+  Tensor forward_gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
   Param weight, bias;  // bias undefined when disabled
