@@ -735,7 +735,7 @@ TEST_CASE("fused attention runs its block products on oneDNN, agrees with Eigen,
       o.causal = causal;
       o.dropout = 0.1;
       o.seed = 3;
-      // Several query blocks and two key blocks (one partial): every block shape of the kernel.
+      // Several query and key blocks, the last of each partial: every block shape of the kernel.
       const Tensor q = gaussian({2, 2, 200, 16}, 1, dtype), k = gaussian({2, 2, 600, 16}, 2, dtype),
                    v = gaussian({2, 2, 600, 8}, 3, dtype), g = gaussian({2, 2, 200, 8}, 4, dtype);
       auto run = [&](Backend& b) {
