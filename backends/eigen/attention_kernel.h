@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -83,6 +84,27 @@ struct EigenBlockGemm {
 
 namespace detail {
 
+/// Scratch memory on 64-byte boundaries. Eigen's vectorized reductions (the rows' max and sum)
+/// peel to the packet alignment of the actual address, so a row's summation order follows its
+/// address: with malloc's 16-byte alignment two identical calls could round differently. On fixed
+/// boundaries every call gives the same bits.
+template <class T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) noexcept {}  // NOLINT: rebinding is implicit
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+template <class T>
+using Scratch = std::vector<T, AlignedAllocator<T>>;
+
 /// Runs work(i) for every item in [0, items) on up to num_threads() threads, each taking the next
 /// item from a shared counter (items of unequal cost, as causal blocks are, balance themselves).
 /// make_worker() builds each thread's worker (its scratch). The first exception stops the loop
@@ -112,7 +134,7 @@ void for_each_item(std::int64_t items, MakeWorker&& make_worker) {
 /// A block of `rows` rows of `cols` values at row stride `ld`, as G: the block itself when T is G,
 /// else a converted copy in `buffer` (row stride cols).
 template <class G, class T>
-const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::vector<G>& buffer,
+const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer,
                std::int64_t& out_ld) {
   if constexpr (std::is_same_v<G, T>) {
     out_ld = ld;
@@ -129,7 +151,7 @@ const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t 
 
 /// `src` (rows x cols, row stride ld) as G in `buffer` (same strides), or src itself when G is Acc.
 template <class G, class Acc>
-const G* as_operand(const Acc* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, std::vector<G>& buffer) {
+const G* as_operand(const Acc* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer) {
   if constexpr (std::is_same_v<G, Acc>) {
     return src;
   } else {
@@ -192,8 +214,8 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
     using Gemm = decltype(make_gemm());
     struct Worker {
       Gemm gemm;
-      std::vector<Acc> scores, acc, max, sum, keep;
-      std::vector<G> probs, qbuf, kbuf, vbuf;
+      Scratch<Acc> scores, acc, max, sum, keep;
+      Scratch<G> probs, qbuf, kbuf, vbuf;
       explicit Worker(Gemm g) : gemm(std::move(g)) {}
     };
     auto w = std::make_shared<Worker>(make_gemm());
@@ -276,14 +298,14 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
   const std::int64_t threads = num_threads();
   const std::int64_t splits = bh_count >= threads ? 1 : std::min<std::int64_t>(nk, (threads + bh_count - 1) / bh_count);
   // Per-item dQ partial sums of split heads ([bh][split][Tq][D]); none when heads are not split.
-  std::vector<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
+  detail::Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
   for_each_item(bh_count * splits, [&] {
     using Gemm = decltype(make_gemm());
     struct Worker {
       Gemm gemm;
-      std::vector<Acc> p, dp, keep, dq_acc, dk_acc, dv_acc, delta;
-      std::vector<G> pd, ds, qbuf, kbuf, vbuf, obuf;
+      Scratch<Acc> p, dp, keep, dq_acc, dk_acc, dv_acc, delta;
+      Scratch<G> pd, ds, qbuf, kbuf, vbuf, obuf;
       explicit Worker(Gemm g) : gemm(std::move(g)) {}
     };
     auto w = std::make_shared<Worker>(make_gemm());

@@ -101,7 +101,7 @@ class DnnlBlockGemm {
   static constexpr DType kDType = std::is_same_v<G, float> ? DType::f32 : DType::bf16;
   std::vector<Entry> seen_;
   std::shared_ptr<const Primitive> current_;
-  std::vector<float> wide_a_, wide_b_;
+  kernels::attention::detail::Scratch<float> wide_a_, wide_b_;
 };
 
 // Where the kernel runs: oneDNN's block products for f32 and for bf16 on CPUs with bf16
@@ -117,8 +117,14 @@ Route route(DType dtype) {
       note_fallback("scaled_dot_product_attention", dtype,
                     "no native bf16 on this CPU ISA: the Eigen kernel computes the blocks in f32");
       return Route::eigen;
-    default:
-      note_fallback("scaled_dot_product_attention", dtype, "oneDNN 2.6 has no CPU matmul for this dtype");
+    case DType::f64:
+      note_fallback("scaled_dot_product_attention", dtype, "oneDNN 2.6 has no f64 matmul");
+      return Route::eigen;
+    case DType::f16:
+      note_fallback("scaled_dot_product_attention", dtype,
+                    "f16 block products stay on the Eigen kernel (oneDNN 2.6 has f16 matmuls on few CPUs)");
+      return Route::eigen;
+    default:  // not a float dtype: the Eigen kernel raises the DTypeError
       return Route::eigen;
   }
 }
