@@ -250,7 +250,10 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
           const Acc block_max = n ? row.maxCoeff() : minus_inf;
           const Acc m = std::max(w->max[r], block_max);
           std::fill(sr + n, sr + cols, Acc(0));
-          if (m == minus_inf) continue;                 // nothing visible yet (cannot happen: key 0 always is)
+          if (m == minus_inf) {  // nothing visible yet (cannot happen: key 0 always is) or -inf scores
+            row.setZero();
+            continue;
+          }
           const Acc rescale = std::exp(w->max[r] - m);  // 0 on the first visible block
           row = (row - m).exp();
           w->sum[r] = w->sum[r] * rescale + row.sum();
