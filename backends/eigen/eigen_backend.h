@@ -30,6 +30,8 @@ class EigenBackend : public Backend {
                   const View& rstd) override;
   void layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd, const View& gy,
                            const View& gx, const View& gweight, const View& gbias) override;
+  void attention(const AttentionDesc& desc) override;
+  void attention_backward(const AttentionDesc& desc) override;
 
  private:
   // GemmDesc::epilogue on the result matrices at c (of `dtype`, laid out as d.c).

@@ -22,6 +22,9 @@ class OneDnnBackend : public EigenBackend {
   void reduce(ReduceOp op, const View& x, const View& out) override;
   void softmax(const View& x, const View& y, int axis, bool log) override;
   void softmax_backward(const View& y, const View& gy, const View& gx, int axis, bool log) override;
+  // The shared attention kernel with its block products on oneDNN matmuls (attention.cpp).
+  void attention(const AttentionDesc& desc) override;
+  void attention_backward(const AttentionDesc& desc) override;
 
   // Always on the Eigen kernels (oneDNN has no such primitive, or is no better): overridden only
   // to make that visible in the fallback log.

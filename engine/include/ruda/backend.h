@@ -114,6 +114,25 @@ struct AdamDesc {
   bool decoupled = true;
 };
 
+/// Fused scaled dot-product attention (flash-attention style) on whole [B, H, T, D] buffers.
+/// q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv], out and dout [B, H, Tq, Dv], lse [B, H, Tq];
+/// dq, dk, dv have the shapes of q, k, v. Every view may have any strides on its first three
+/// axes (a permuted view of a [B, T, H, D] projection reads through its T stride), but its last
+/// axis must be contiguous. q, k, v, out, dout and the gradients share one float dtype; lse is f32
+/// (f64 for f64 inputs). `causal` masks key j for query i when j > i (top-left aligned, as in
+/// PyTorch), and every query row sees at least key 0. The engine validates everything first.
+struct AttentionDesc {
+  View q, k, v, out, lse;
+  View dout, dq, dk, dv;  // backward only; a gradient with null data is not wanted
+  bool causal = false;
+  double scale = 1.0;  // multiplies q k^T before the softmax
+  // Dropout on the attention weights: element (b, h, i, j) of the [B, H, Tq, Tk] weights is kept
+  // when draw offset + ((b * H + h) * Tq + i) * Tk + j of stream `seed` (random::uniform_float) is
+  // at least `dropout`, and scaled by 1 / (1 - dropout): the mask ruda::dropout draws for that tensor.
+  double dropout = 0.0;
+  std::uint64_t seed = 0, offset = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -159,6 +178,12 @@ class Backend {
   /// gx from gy; gweight and gbias (sums over rows; null data when not wanted).
   virtual void layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd,
                                    const View& gy, const View& gx, const View& gweight, const View& gbias) = 0;
+  /// out = softmax(scale * q k^T (masked), dropout) v, and lse = logsumexp of each row of the
+  /// scaled, masked scores, without ever holding a [Tq, Tk] matrix per head (see AttentionDesc).
+  virtual void attention(const AttentionDesc& desc) = 0;
+  /// dq, dk and dv (those with data) from dout, recomputing the weights from q, k and lse; reads
+  /// out for the softmax's row terms rowsum(dout * out). Overwrites the gradients.
+  virtual void attention_backward(const AttentionDesc& desc) = 0;
 };
 
 /// Makes a backend selectable by name. The factory runs once, on first use.

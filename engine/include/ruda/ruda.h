@@ -1,6 +1,7 @@
 // Everything of the engine in one include.
 #pragma once
 
+#include <ruda/attention.h>
 #include <ruda/autograd.h>
 #include <ruda/backend.h>
 #include <ruda/dtype.h>

@@ -1,0 +1,434 @@
+// The fused attention kernel (flash-attention style), shared by both backends: query blocks
+// against streamed key blocks with an online softmax, so that no [Tq, Tk] matrix per head ever
+// exists; the backward recomputes each block's weights from the saved logsumexp. The block
+// products go through a GEMM policy: Eigen's products here (attention.cpp), oneDNN's matmul
+// primitives in backends/onednn/attention.cpp. Private to the backends.
+//
+// Types: T is the storage type of q, k, v and the outputs; G the operand type of the block
+// products (T itself, or f32 where the policy cannot multiply T: Eigen widens 16-bit blocks);
+// Acc the type of scores, softmax statistics and accumulators (f32, f64 for f64).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <Eigen/Core>
+
+#include <ruda/backend.h>
+#include <ruda/random.h>
+
+#include "kernel_util.h"
+
+namespace ruda::kernels::attention {
+
+struct Blocks {
+  std::int64_t q = 0, kv = 0;
+};
+
+/// Query and key block sizes. PyTorch's CPU kernel uses kv blocks of 512 and q blocks of 32, 64
+/// or 256 by length (DESIGN.md §10); measured here (one thread's CPU time of a causal forward and
+/// backward, B 1, H 12, D 64, both backends, f32 and bf16), smaller key blocks win: causal
+/// attention skips more of the area above the diagonal, and the blocks stay in L2. At T = 1024,
+/// 256 x 256 took 0.75-0.85x the time of 256 x 512 (oneDNN f32 66 vs 75 ms, bf16 35 vs 43 ms); at
+/// T = 512, 128 x 128 took 0.65-0.7x of 64 x 512. At T = 128 every choice was within 5%; 64-row
+/// query blocks keep two items per head there for the threads.
+inline Blocks block_sizes(std::int64_t tq, std::int64_t tk) {
+  const std::int64_t q = tq < 192 ? 64 : tq < 768 ? 128 : 256;
+  const std::int64_t kv = tk < 768 ? 128 : 256;
+  return {std::max<std::int64_t>(1, std::min(q, tq)), std::max<std::int64_t>(1, std::min(kv, tk))};
+}
+
+/// The block products of the Eigen backend: c[m, n] (row stride ldc) = alpha * op(a) op(b)
+/// (+ c when accumulating), op(a) [m, k] and op(b) [k, n] row-major with row strides lda, ldb
+/// (transposed operands are stored [k, m] and [n, k]). Single-threaded: it runs inside the
+/// kernel's own parallel loop, where Eigen does not start threads of its own.
+template <class S>
+struct EigenBlockGemm {
+  using Matrix = Eigen::Matrix<S, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  using In = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
+  using Out = Eigen::Map<Matrix, 0, Eigen::OuterStride<>>;
+
+  void operator()(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const S* a, std::int64_t lda,
+                  const S* b, std::int64_t ldb, S* c, std::int64_t ldc, S alpha, bool accumulate) const {
+    const In A(a, ta ? k : m, ta ? m : k, Eigen::OuterStride<>(lda));
+    const In B(b, tb ? n : k, tb ? k : n, Eigen::OuterStride<>(ldb));
+    Out C(c, m, n, Eigen::OuterStride<>(ldc));
+    auto run = [&](const auto& l, const auto& r) {
+      if (accumulate) {
+        C.noalias() += alpha * (l * r);
+      } else {
+        C.noalias() = alpha * (l * r);
+      }
+    };
+    if (ta && tb) {
+      run(A.transpose(), B.transpose());
+    } else if (ta) {
+      run(A.transpose(), B);
+    } else if (tb) {
+      run(A, B.transpose());
+    } else {
+      run(A, B);
+    }
+  }
+};
+
+namespace detail {
+
+/// Scratch memory on 64-byte boundaries. Eigen's vectorized reductions (the rows' max and sum)
+/// peel to the packet alignment of the actual address, so a row's summation order follows its
+/// address: with malloc's 16-byte alignment two identical calls could round differently. On fixed
+/// boundaries every call gives the same bits.
+template <class T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) noexcept {}  // NOLINT: rebinding is implicit
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+template <class T>
+using Scratch = std::vector<T, AlignedAllocator<T>>;
+
+/// Runs work(i) for every item in [0, items) on up to num_threads() threads, each taking the next
+/// item from a shared counter (items of unequal cost, as causal blocks are, balance themselves).
+/// make_worker() builds each thread's worker (its scratch). The first exception stops the loop
+/// and is rethrown on the calling thread: none may leave an OpenMP region.
+template <class MakeWorker>
+void for_each_item(std::int64_t items, MakeWorker&& make_worker) {
+  if (items <= 0) return;
+  std::atomic<std::int64_t> next{0};
+  std::mutex error_mutex;
+  std::exception_ptr error;
+  const std::int64_t workers = std::min<std::int64_t>(num_threads(), items);
+  parallel_for(workers, 1, [&](std::int64_t w0, std::int64_t w1) {
+    for (std::int64_t w = w0; w < w1; ++w) {
+      try {
+        auto work = make_worker();
+        for (std::int64_t i = next.fetch_add(1); i < items; i = next.fetch_add(1)) work(i);
+      } catch (...) {
+        std::lock_guard lock(error_mutex);
+        if (!error) error = std::current_exception();
+        next.store(items);
+      }
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
+
+/// A block of `rows` rows of `cols` values at row stride `ld`, as G: the block itself when T is G,
+/// else a converted copy in `buffer` (row stride cols).
+template <class G, class T>
+const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer,
+               std::int64_t& out_ld) {
+  if constexpr (std::is_same_v<G, T>) {
+    out_ld = ld;
+    return src;
+  } else {
+    buffer.resize(static_cast<std::size_t>(rows * cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) buffer[r * cols + c] = static_cast<G>(Num<T>::load(src[r * ld + c]));
+    }
+    out_ld = cols;
+    return buffer.data();
+  }
+}
+
+/// `src` (rows x cols, row stride ld) as G in `buffer` (same strides), or src itself when G is Acc.
+template <class G, class Acc>
+const G* as_operand(const Acc* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer) {
+  if constexpr (std::is_same_v<G, Acc>) {
+    return src;
+  } else {
+    buffer.resize(static_cast<std::size_t>(rows * ld));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) buffer[r * ld + c] = Num<G>::store(src[r * ld + c]);
+    }
+    return buffer.data();
+  }
+}
+
+/// A [B, H, T, D] view's rows: element (b, h, t, :) starts at row(b, h, t).
+template <class T>
+struct Rows {
+  T* base = nullptr;
+  std::int64_t sb = 0, sh = 0, st = 0;
+  explicit Rows(const View& v)
+      : base(v.data ? v.ptr<T>() : nullptr), sb(v.strides[0]), sh(v.strides[1]), st(v.strides[2]) {}
+  T* row(std::int64_t b, std::int64_t h, std::int64_t t) const { return base + b * sb + h * sh + t * st; }
+};
+
+/// The dropout fate of the weights (b, h, i, j0 .. j0 + n): keep[c] is 0 or 1 / (1 - p), as
+/// ruda::dropout decides for element offset + ((b * H + h) * Tq + i) * Tk + j of the weights.
+template <class Acc>
+void dropout_row(const AttentionDesc& d, std::int64_t bh, std::int64_t i, std::int64_t j0, std::int64_t n, Acc* keep) {
+  const std::int64_t tq = d.q.shape[2], tk = d.k.shape[2];
+  const float p = static_cast<float>(d.dropout);
+  const Acc scale = static_cast<Acc>(1.0 / (1.0 - d.dropout));
+  const std::uint64_t first = d.offset + static_cast<std::uint64_t>((bh * tq + i) * tk + j0);
+  for (std::int64_t c = 0; c < n; ++c) {
+    keep[c] = random::uniform_float(d.seed, first + static_cast<std::uint64_t>(c)) >= p ? scale : Acc(0);
+  }
+}
+
+/// How many keys of block [j0, j0 + cols) query i may see.
+inline std::int64_t visible(bool causal, std::int64_t i, std::int64_t j0, std::int64_t cols) {
+  return causal ? std::clamp<std::int64_t>(i - j0 + 1, 0, cols) : cols;
+}
+
+}  // namespace detail
+
+/// The forward: out and lse of desc. make_gemm() returns a block-product policy for one thread
+/// (called like EigenBlockGemm<Acc> with operands of G).
+template <class T, class G, class Acc, class MakeGemm>
+void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
+  using namespace detail;
+  using Array = Eigen::Array<Acc, Eigen::Dynamic, 1>;
+  const std::int64_t batch = d.q.shape[0], heads = d.q.shape[1], tq = d.q.shape[2], dim = d.q.shape[3];
+  const std::int64_t tk = d.k.shape[2], dv = d.v.shape[3], bh_count = batch * heads;
+  const Blocks bs = block_sizes(tq, tk);
+  const std::int64_t nq = (tq + bs.q - 1) / bs.q, nk = (tk + bs.kv - 1) / bs.kv;
+  const Rows<const T> q(d.q), k(d.k), v(d.v);
+  const Rows<T> out(d.out);
+  Acc* const lse = d.lse.ptr<Acc>();
+  const Acc scale = static_cast<Acc>(d.scale);
+  const Acc minus_inf = -std::numeric_limits<Acc>::infinity();
+
+  for_each_item(bh_count * nq, [&] {
+    // One thread's scratch: scores (qBlock x kvBlock), accumulator (qBlock x Dv), statistics.
+    using Gemm = decltype(make_gemm());
+    struct Worker {
+      Gemm gemm;
+      Scratch<Acc> scores, acc, max, sum, keep;
+      Scratch<G> probs, qbuf, kbuf, vbuf;
+      explicit Worker(Gemm g) : gemm(std::move(g)) {}
+    };
+    auto w = std::make_shared<Worker>(make_gemm());
+    w->scores.resize(static_cast<std::size_t>(bs.q * bs.kv));
+    w->acc.resize(static_cast<std::size_t>(bs.q * dv));
+    w->max.resize(static_cast<std::size_t>(bs.q));
+    w->sum.resize(static_cast<std::size_t>(bs.q));
+    if (d.dropout > 0) w->keep.resize(static_cast<std::size_t>(bs.kv));
+    return [&, w](std::int64_t item) {
+      // Longest causal rows first (the last query blocks), every head's before the next block.
+      const std::int64_t bh = item % bh_count, qi = nq - 1 - item / bh_count;
+      const std::int64_t b = bh / heads, h = bh % heads, i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
+      std::int64_t ldq = 0, ldk = 0, ldv = 0;
+      const G* qb = stage<G>(q.row(b, h, i0), rows, dim, q.st, w->qbuf, ldq);
+      std::fill(w->max.begin(), w->max.end(), minus_inf);
+      std::fill(w->sum.begin(), w->sum.end(), Acc(0));
+      std::fill(w->acc.begin(), w->acc.end(), Acc(0));
+      // Key blocks entirely above the diagonal (every key after the block's last query) are skipped.
+      const std::int64_t kend = d.causal ? std::min(nk, (i0 + rows - 1) / bs.kv + 1) : nk;
+      for (std::int64_t kj = 0; kj < kend; ++kj) {
+        const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
+        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk);
+        Acc* const s = w->scores.data();
+        w->gemm(false, true, rows, cols, dim, qb, ldq, kb, ldk, s, cols, Acc(1), false);
+        // Only a block that crosses the diagonal needs the mask.
+        const bool diagonal = d.causal && j0 + cols - 1 > i0;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          Acc* const sr = s + r * cols;
+          const std::int64_t n = diagonal ? visible(true, i0 + r, j0, cols) : cols;
+          Eigen::Map<Array> row(sr, n);
+          row *= scale;
+          const Acc block_max = n ? row.maxCoeff() : minus_inf;
+          const Acc m = std::max(w->max[r], block_max);
+          std::fill(sr + n, sr + cols, Acc(0));
+          if (m == minus_inf) {  // nothing visible yet (cannot happen: key 0 always is) or -inf scores
+            row.setZero();
+            continue;
+          }
+          const Acc rescale = std::exp(w->max[r] - m);  // 0 on the first visible block
+          row = (row - m).exp();
+          w->sum[r] = w->sum[r] * rescale + row.sum();
+          w->max[r] = m;
+          if (rescale != Acc(1)) Eigen::Map<Array>(w->acc.data() + r * dv, dv) *= rescale;
+          if (d.dropout > 0 && n > 0) {
+            // The softmax's sum counts every weight; dropout acts on the normalized weights after.
+            dropout_row(d, bh, i0 + r, j0, n, w->keep.data());
+            row *= Eigen::Map<const Array>(w->keep.data(), n);
+          }
+        }
+        const G* pb = as_operand<G>(s, rows, cols, cols, w->probs);
+        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv);
+        w->gemm(false, false, rows, dv, cols, pb, cols, vb, ldv, w->acc.data(), dv, Acc(1), true);
+      }
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const Acc inv = Acc(1) / w->sum[r];
+        T* o = out.row(b, h, i0 + r);
+        for (std::int64_t c = 0; c < dv; ++c) o[c] = Num<T>::store(static_cast<compute_t<T>>(w->acc[r * dv + c] * inv));
+        lse[d.lse.strides[0] * b + d.lse.strides[1] * h + d.lse.strides[2] * (i0 + r)] =
+            w->max[r] + std::log(w->sum[r]);
+      }
+    };
+  });
+}
+
+/// The backward: dq, dk, dv (those with data) of desc. Parallel over B x H and, when that is
+/// fewer than the threads, over interleaved sets of key blocks as well: each item owns its key
+/// rows' dK and dV outright, and the dQ of a split head is summed afterwards from one buffer per
+/// item, in a fixed order. No two threads ever write one value.
+template <class T, class G, class Acc, class MakeGemm>
+void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
+  using namespace detail;
+  using Array = Eigen::Array<Acc, Eigen::Dynamic, 1>;
+  const std::int64_t batch = d.q.shape[0], heads = d.q.shape[1], tq = d.q.shape[2], dim = d.q.shape[3];
+  const std::int64_t tk = d.k.shape[2], dv = d.v.shape[3], bh_count = batch * heads;
+  const Blocks bs = block_sizes(tq, tk);
+  const std::int64_t nq = (tq + bs.q - 1) / bs.q, nk = (tk + bs.kv - 1) / bs.kv;
+  const bool need_dq = d.dq.data != nullptr, need_dk = d.dk.data != nullptr, need_dv = d.dv.data != nullptr;
+  const bool need_ds = need_dq || need_dk;
+  const Rows<const T> q(d.q), k(d.k), v(d.v), out(d.out), dout(d.dout);
+  const Rows<T> dq(d.dq), dk(d.dk), dv_rows(d.dv);
+  const Acc* const lse = d.lse.ptr<const Acc>();
+  const Acc scale = static_cast<Acc>(d.scale);
+  const std::int64_t threads = num_threads();
+  const std::int64_t splits = bh_count >= threads ? 1 : std::min<std::int64_t>(nk, (threads + bh_count - 1) / bh_count);
+  // Per-item dQ partial sums of split heads ([bh][split][Tq][D]); none when heads are not split.
+  detail::Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
+
+  for_each_item(bh_count * splits, [&] {
+    using Gemm = decltype(make_gemm());
+    struct Worker {
+      Gemm gemm;
+      Scratch<Acc> p, dp, keep, dq_acc, dk_acc, dv_acc, delta;
+      Scratch<G> pd, ds, qbuf, kbuf, vbuf, obuf;
+      explicit Worker(Gemm g) : gemm(std::move(g)) {}
+    };
+    auto w = std::make_shared<Worker>(make_gemm());
+    const std::size_t block = static_cast<std::size_t>(bs.q * bs.kv);
+    w->p.resize(block);
+    w->dp.resize(need_ds ? block : 0);
+    if (d.dropout > 0) w->keep.resize(block);
+    w->pd.resize(d.dropout > 0 || !std::is_same_v<G, Acc> ? block : 0);
+    w->dk_acc.resize(static_cast<std::size_t>(bs.kv * dim));
+    w->dv_acc.resize(static_cast<std::size_t>(bs.kv * dv));
+    w->delta.resize(static_cast<std::size_t>(tq));
+    if (need_dq && splits == 1) w->dq_acc.resize(static_cast<std::size_t>(tq * dim));
+    return [&, w](std::int64_t item) {
+      const std::int64_t bh = item % bh_count, split = item / bh_count, b = bh / heads, h = bh % heads;
+      const Acc* const lse_bh = lse + d.lse.strides[0] * b + d.lse.strides[1] * h;
+      // delta_i = rowsum(dO * O): the softmax backward's row term, dO_i . O_i (dropout included).
+      for (std::int64_t i = 0; i < tq; ++i) {
+        const T* o = out.row(b, h, i);
+        const T* g = dout.row(b, h, i);
+        Acc s = 0;
+        for (std::int64_t c = 0; c < dv; ++c)
+          s += static_cast<Acc>(Num<T>::load(o[c])) * static_cast<Acc>(Num<T>::load(g[c]));
+        w->delta[i] = s;
+      }
+      Acc* dq_acc = nullptr;
+      if (need_dq) {
+        dq_acc = splits == 1 ? w->dq_acc.data() : dq_parts.data() + (bh * splits + split) * tq * dim;
+        std::fill(dq_acc, dq_acc + tq * dim, Acc(0));
+      }
+      for (std::int64_t kj = split; kj < nk; kj += splits) {
+        const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
+        std::int64_t ldk = 0, ldv = 0, ldq = 0, ldo = 0;
+        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk);
+        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv);
+        std::fill(w->dk_acc.begin(), w->dk_acc.end(), Acc(0));
+        std::fill(w->dv_acc.begin(), w->dv_acc.end(), Acc(0));
+        // Query blocks that see none of these keys (all rows before the block's first key) are skipped.
+        const std::int64_t first = d.causal ? j0 / bs.q : 0;
+        for (std::int64_t qi = first; qi < nq; ++qi) {
+          const std::int64_t i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
+          const G* qb = stage<G>(q.row(b, h, i0), rows, dim, q.st, w->qbuf, ldq);
+          const G* ob = stage<G>(dout.row(b, h, i0), rows, dv, dout.st, w->obuf, ldo);
+          // S, then P = exp(scale * S - lse) on visible keys, 0 on masked ones.
+          Acc* const p = w->p.data();
+          w->gemm(false, true, rows, cols, dim, qb, ldq, kb, ldk, p, cols, Acc(1), false);
+          const bool diagonal = d.causal && j0 + cols - 1 > i0;
+          for (std::int64_t r = 0; r < rows; ++r) {
+            Acc* const pr = p + r * cols;
+            const std::int64_t n = diagonal ? visible(true, i0 + r, j0, cols) : cols;
+            Eigen::Map<Array> row(pr, n);
+            row = (row * scale - lse_bh[d.lse.strides[2] * (i0 + r)]).exp();
+            std::fill(pr + n, pr + cols, Acc(0));
+            if (d.dropout > 0) {
+              Acc* const keep = w->keep.data() + r * cols;
+              dropout_row(d, bh, i0 + r, j0, n, keep);
+              std::fill(keep + n, keep + cols, Acc(0));
+            }
+          }
+          // The weights that multiplied V: P, or P with the dropout mask applied.
+          const G* pd = nullptr;
+          if (d.dropout > 0) {
+            for (std::int64_t e = 0; e < rows * cols; ++e) w->pd[e] = Num<G>::store(p[e] * w->keep[e]);
+            pd = w->pd.data();
+          } else {
+            pd = as_operand<G>(p, rows, cols, cols, w->pd);
+          }
+          // dV += Pd^T dO
+          if (need_dv) w->gemm(true, false, cols, dv, rows, pd, cols, ob, ldo, w->dv_acc.data(), dv, Acc(1), true);
+          if (!need_ds) continue;
+          // dP = dO V^T (through the mask when dropping), dS = P * (dP - delta)
+          Acc* const dp = w->dp.data();
+          w->gemm(false, true, rows, cols, dv, ob, ldo, vb, ldv, dp, cols, Acc(1), false);
+          for (std::int64_t r = 0; r < rows; ++r) {
+            Eigen::Map<Array> dpr(dp + r * cols, cols);
+            if (d.dropout > 0) dpr *= Eigen::Map<const Array>(w->keep.data() + r * cols, cols);
+            dpr = Eigen::Map<const Array>(p + r * cols, cols) * (dpr - w->delta[i0 + r]);
+          }
+          const G* ds = as_operand<G>(dp, rows, cols, cols, w->ds);
+          // dQ += scale dS K, dK += scale dS^T Q
+          if (need_dq) w->gemm(false, false, rows, dim, cols, ds, cols, kb, ldk, dq_acc + i0 * dim, dim, scale, true);
+          if (need_dk) w->gemm(true, false, cols, dim, rows, ds, cols, qb, ldq, w->dk_acc.data(), dim, scale, true);
+        }
+        for (std::int64_t r = 0; r < cols; ++r) {
+          if (need_dk) {
+            T* o = dk.row(b, h, j0 + r);
+            for (std::int64_t c = 0; c < dim; ++c)
+              o[c] = Num<T>::store(static_cast<compute_t<T>>(w->dk_acc[r * dim + c]));
+          }
+          if (need_dv) {
+            T* o = dv_rows.row(b, h, j0 + r);
+            for (std::int64_t c = 0; c < dv; ++c)
+              o[c] = Num<T>::store(static_cast<compute_t<T>>(w->dv_acc[r * dv + c]));
+          }
+        }
+      }
+      if (need_dq && splits == 1) {
+        for (std::int64_t i = 0; i < tq; ++i) {
+          T* o = dq.row(b, h, i);
+          for (std::int64_t c = 0; c < dim; ++c) o[c] = Num<T>::store(static_cast<compute_t<T>>(dq_acc[i * dim + c]));
+        }
+      }
+    };
+  });
+
+  if (need_dq && splits > 1) {
+    // The split heads' dQ: the items' partial sums added in split order.
+    parallel_for(bh_count * tq, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, dim * splits)),
+                 [&](std::int64_t r0, std::int64_t r1) {
+                   for (std::int64_t r = r0; r < r1; ++r) {
+                     const std::int64_t bh = r / tq, i = r % tq;
+                     T* o = dq.row(bh / heads, bh % heads, i);
+                     for (std::int64_t c = 0; c < dim; ++c) {
+                       Acc s = 0;
+                       for (std::int64_t sp = 0; sp < splits; ++sp)
+                         s += dq_parts[((bh * splits + sp) * tq + i) * dim + c];
+                       o[c] = Num<T>::store(static_cast<compute_t<T>>(s));
+                     }
+                   }
+                 });
+  }
+}
+
+}  // namespace ruda::kernels::attention

@@ -1,0 +1,35 @@
+// Fused scaled dot-product attention: softmax(scale * q k^T, masked) v without a [T, T] matrix.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include <ruda/tensor.h>
+
+namespace ruda {
+
+struct AttentionOptions {
+  /// Masks key j for query i when j > i (top-left aligned when Tq != Tk, as PyTorch's is_causal).
+  bool causal = false;
+  /// Multiplies q k^T before the softmax; 1 / sqrt(D) when not given. Must be finite and positive.
+  std::optional<double> scale;
+  /// Probability of zeroing each attention weight (the rest scaled by 1 / (1 - dropout)), in [0, 1).
+  double dropout = 0.0;
+  /// The dropout mask: weight (b, h, i, j) of the [B, H, Tq, Tk] weights is dropped as
+  /// ruda::dropout(weights, dropout, seed, offset) drops that element (draw
+  /// offset + ((b * H + h) * Tq + i) * Tk + j of stream seed), so a composed reference with the
+  /// same seed and offset sees the same mask. A caller drawing again advances offset by B*H*Tq*Tk.
+  std::uint64_t seed = 0;
+  std::uint64_t offset = 0;
+};
+
+/// softmax(scale * q k^T + mask) v for q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv]: one
+/// fused kernel (query blocks against streamed key blocks with an online softmax) whose forward
+/// keeps only the output [B, H, Tq, Dv] and the logsumexp [B, H, Tq] of each query's scores, and
+/// whose backward recomputes the weights block by block: memory O(T) per head, never O(T^2).
+/// Float dtypes (f32, f64, bf16, f16), the same for q, k and v; statistics and accumulation in
+/// f32 (f64 for f64). Differentiable in q, k and v.
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttentionOptions& options = {});
+
+}  // namespace ruda

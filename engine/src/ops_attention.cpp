@@ -1,0 +1,115 @@
+// Fused scaled dot-product attention: validation, the forward kernel call, and a backward node that
+// saves q, k, v, the output and the logsumexp (never the [Tq, Tk] weights).
+#include <cmath>
+
+#include <ruda/attention.h>
+
+#include "internal.h"
+
+namespace ruda {
+
+using autograd::GradMask;
+using autograd::Saved;
+using detail::make_tensor;
+using detail::view_of;
+
+namespace {
+
+constexpr const char* kOp = "scaled_dot_product_attention";
+
+void validate(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o) {
+  for (const Tensor* t : {&q, &k, &v}) detail::require_defined(kOp, *t);
+  const char* names[] = {"q", "k", "v"};
+  const Tensor* ts[] = {&q, &k, &v};
+  for (int i = 0; i < 3; ++i) {
+    if (ts[i]->ndim() != 4) {
+      fail<ShapeError>(kOp, names[i], " must be [batch, heads, time, dim], got ", ts[i]->shape(), " (q ", q.shape(),
+                       ", k ", k.shape(), ", v ", v.shape(), ")");
+    }
+  }
+  detail::require_float(kOp, q);
+  if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    fail<DTypeError>(kOp, "q, k and v must share one dtype, got q ", dtype_name(q.dtype()), " ", q.shape(), ", k ",
+                     dtype_name(k.dtype()), " ", k.shape(), ", v ", dtype_name(v.dtype()), " ", v.shape());
+  }
+  if (&k.backend() != &q.backend() || &v.backend() != &q.backend()) {
+    fail<ArgumentError>(kOp, "q, k and v must be on one backend, got ", q.backend().name(), ", ", k.backend().name(),
+                        " and ", v.backend().name());
+  }
+  const Shape &qs = q.shape(), &ks = k.shape(), &vs = v.shape();
+  if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1]) {
+    fail<ShapeError>(kOp, "batch and heads differ: q ", qs, ", k ", ks, ", v ", vs);
+  }
+  if (ks[3] != qs[3]) fail<ShapeError>(kOp, "q and k head dimensions differ: q ", qs, ", k ", ks);
+  if (vs[2] != ks[2]) fail<ShapeError>(kOp, "k and v lengths differ: k ", ks, ", v ", vs);
+  if (ks[2] == 0) fail<ShapeError>(kOp, "needs at least one key: k ", ks);
+  if (qs[3] == 0) fail<ShapeError>(kOp, "needs a head dimension of at least 1: q ", qs);
+  if (!(o.dropout >= 0.0 && o.dropout < 1.0)) {
+    fail<ArgumentError>(kOp, "dropout probability must be in [0, 1), got ", o.dropout);
+  }
+  if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0)) {
+    fail<ArgumentError>(kOp, "scale must be finite and positive, got ", *o.scale, " for q ", qs);
+  }
+}
+
+}  // namespace
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const AttentionOptions& options) {
+  validate(q, k, v, options);
+  const Shape& qs = q.shape();
+  const std::int64_t batch = qs[0], heads = qs[1], tq = qs[2], dim = qs[3], dv = v.shape()[3];
+  Backend& backend = q.backend();
+  // Softmax statistics in f32 whatever the inputs' precision (f64 for f64).
+  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  Tensor out = make_tensor({batch, heads, tq, dv}, q.dtype(), backend, kOp);
+  Tensor lse = make_tensor({batch, heads, tq}, stat, backend, kOp);
+  AttentionDesc desc;
+  desc.causal = options.causal;
+  desc.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  desc.dropout = options.dropout;
+  desc.seed = options.seed;
+  desc.offset = options.offset;
+  if (out.numel()) {
+    AttentionDesc d = desc;
+    d.q = view_of(q);
+    d.k = view_of(k);
+    d.v = view_of(v);
+    d.out = view_of(out);
+    d.lse = view_of(lse);
+    backend.attention(d);
+  }
+  if (autograd::needs_grad(q, k, v)) {
+    autograd::record(kOp, out, {q, k, v}, {q, k, v, out, lse}, [desc](const Tensor& g, const Saved& s, GradMask need) {
+      const Tensor qv = s[0].get(), kv = s[1].get(), vv = s[2].get();
+      Tensor dq, dk, dv;
+      if (need[0]) dq = make_tensor(qv.shape(), qv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+      if (need[1]) dk = make_tensor(kv.shape(), kv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+      if (need[2]) dv = make_tensor(vv.shape(), vv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+      if (g.numel() == 0) {
+        // No output values (Tq, Dv, B or H is 0): every gradient is zero.
+        for (Tensor* t : {&dq, &dk, &dv}) {
+          if (t->defined()) t->fill_(0);
+        }
+        return std::vector<Tensor>{dq, dk, dv};
+      }
+      AttentionDesc d = desc;
+      d.q = view_of(qv);
+      d.k = view_of(kv);
+      d.v = view_of(vv);
+      d.out = view_of(s[3].get());
+      d.lse = view_of(s[4].get());
+      d.dout = view_of(g);
+      View none;
+      none.dtype = qv.dtype();
+      d.dq = dq.defined() ? view_of(dq) : none;
+      d.dk = dk.defined() ? view_of(dk) : none;
+      d.dv = dv.defined() ? view_of(dv) : none;
+      g.backend().attention_backward(d);
+      return std::vector<Tensor>{dq, dk, dv};
+    });
+  }
+  return out;
+}
+
+}  // namespace ruda

@@ -1,0 +1,88 @@
+// attention suite: the fused scaled_dot_product_attention against the composed ops it replaces
+// (matmul, scale, -inf mask through where, softmax, matmul: nn::CausalSelfAttention's path),
+// forward + backward, causal, B 1, H 12, D 64, in f32 and bf16 (16-bit scores and softmax in f32
+// in both paths). Time rows: medians, ratio fused / composed. Memory rows: the peak tensor bytes
+// during forward + backward beyond q, k, v, dO and their gradients, ratio fused / composed.
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include <ruda/ruda.h>
+
+#include "bench.h"
+
+namespace ruda::bench {
+namespace {
+
+constexpr std::int64_t kBatch = 1, kHeads = 12, kDim = 64;
+
+Tensor composed(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const DType work = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const std::int64_t t = q.size(2);
+  Tensor s = cast(matmul(q, transpose(k, 2, 3)), work) * (1.0 / std::sqrt(static_cast<double>(q.size(3))));
+  const Tensor rows = arange(0, static_cast<double>(t), 1, DType::i64).reshape({t, 1});
+  const Tensor cols = arange(0, static_cast<double>(t), 1, DType::i64).reshape({1, t});
+  s = where(gt(cols, rows), full({}, -std::numeric_limits<double>::infinity(), work), s);
+  return matmul(cast(softmax(s, -1), v.dtype()), v);
+}
+
+Tensor fused(const Tensor& q, const Tensor& k, const Tensor& v) {
+  AttentionOptions o;
+  o.causal = true;
+  return scaled_dot_product_attention(q, k, v, o);
+}
+
+void attention_suite(Context& ctx) {
+  const std::vector<std::int64_t> lengths =
+      ctx.quick ? std::vector<std::int64_t>{128, 512} : std::vector<std::int64_t>{128, 512, 1024, 2048};
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (std::int64_t t : lengths) {
+      const Shape shape{kBatch, kHeads, t, kDim};
+      Tensor q = randn(shape, 1, 0, Options(dtype)).set_requires_grad();
+      Tensor k = randn(shape, 2, 0, Options(dtype)).set_requires_grad();
+      Tensor v = randn(shape, 3, 0, Options(dtype)).set_requires_grad();
+      const Tensor dout = randn(shape, 4, 0, Options(dtype));
+      auto step = [&](auto&& attention) {
+        q.zero_grad();
+        k.zero_grad();
+        v.zero_grad();
+        attention(q, k, v).backward(dout);
+      };
+      // The long composed runs take seconds each: fewer repeats there.
+      Context c = ctx;
+      if (t >= 2048) c.repeats = std::min(c.repeats, 5);
+      const std::string name = std::string(dtype_name(dtype)) + " causal fwd+bwd B=1 H=12 D=64 T=" + std::to_string(t);
+      const Stats ours = measure(
+          c, [&] { step(fused); }, 1);
+      const Stats peer = measure(
+          c, [&] { step(composed); }, 1);
+      report_time(ctx, "attention", name, ours, peer, "composed ops", "ms", 1e3);
+
+      // Gradients are allocated inside the scope, q, k, v and dO outside it.
+      const double grads = 3.0 * static_cast<double>(q.nbytes());
+      auto extra_peak = [&](auto&& attention) {
+        q.zero_grad();
+        k.zero_grad();
+        v.zero_grad();
+        memory::Scope scope;
+        attention(q, k, v).backward(dout);
+        return static_cast<double>(scope.stats().peak_bytes) - grads;
+      };
+      const double fused_bytes = extra_peak(fused), composed_bytes = extra_peak(composed);
+      Result r;
+      r.suite = "attention";
+      r.name = std::string(dtype_name(dtype)) + " peak bytes beyond q,k,v,dO,grads T=" + std::to_string(t);
+      r.backend = ctx.backend;
+      r.unit = "MB";
+      r.value = Stats{fused_bytes / 1e6, fused_bytes / 1e6, fused_bytes / 1e6};
+      r.peer = Stats{composed_bytes / 1e6, composed_bytes / 1e6, composed_bytes / 1e6};
+      r.peer_name = "composed ops";
+      ctx.report(r);
+    }
+  }
+}
+
+const bool registered = register_suite("attention", attention_suite);
+
+}  // namespace
+}  // namespace ruda::bench
