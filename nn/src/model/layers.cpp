@@ -1,6 +1,7 @@
 #include <cmath>
 #include <limits>
 
+#include <ruda/attention.h>
 #include <ruda/autograd.h>
 #include <ruda/nn/layers.h>
 #include <ruda/nn/recompute.h>
@@ -121,6 +122,18 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
                    {0, 2, 1, 3});
   };
   const Tensor q = heads_of(0), k = heads_of(1), v = heads_of(2);
+  if (fused_) {
+    AttentionOptions options;
+    options.causal = true;
+    if (attn_dropout_->is_training() && attn_dropout_->p() > 0) {
+      // The draws the composed path's Dropout takes for the [B, H, T, T] weights: the same mask.
+      options.dropout = attn_dropout_->p();
+      options.seed = attn_dropout_->generator().seed();
+      options.offset = attn_dropout_->generator().take(static_cast<std::uint64_t>(batch * heads_ * time * time));
+    }
+    const Tensor y = scaled_dot_product_attention(q, k, v, options);
+    return resid_dropout_->forward(proj->forward(reshape(permute(y, {0, 2, 1, 3}), {batch, time, d_model_})));
+  }
   // Scores in f32 at least: the softmax of 16-bit scores is too coarse.
   const DType work = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
   Tensor scores = as_dtype(matmul(q, transpose(k, 2, 3)), work) * (1.0 / std::sqrt(static_cast<double>(head_dim)));

@@ -73,6 +73,7 @@ class Dropout : public UnaryModule {
   explicit Dropout(double p, std::uint64_t seed = next_seed());
   Tensor forward(const Tensor& x) override;
   Generator& generator() noexcept { return generator_; }
+  double p() const noexcept { return p_; }
 
  private:
   double p_;
@@ -111,10 +112,16 @@ class CausalSelfAttention : public UnaryModule {
  public:
   CausalSelfAttention(std::int64_t d_model, std::int64_t heads, double dropout = 0.0);
   Tensor forward(const Tensor& x) override;
+  /// On (the default): ruda::scaled_dot_product_attention, which keeps O(T) per head for backward.
+  /// Off: the composed ops (scores, mask, softmax, dropout, product), which keep the [T, T]
+  /// weights; both draw the same dropout mask from the same stream.
+  void set_fused(bool on) noexcept { fused_ = on; }
+  bool fused() const noexcept { return fused_; }
   std::shared_ptr<Linear> qkv, proj;
 
  private:
   std::int64_t d_model_, heads_;
+  bool fused_ = true;
   std::shared_ptr<Dropout> attn_dropout_, resid_dropout_;
 };
 
@@ -161,6 +168,10 @@ class GPT : public UnaryModule {
   /// Runs each block through checkpoint() (<ruda/nn/recompute.h>): only the blocks' inputs stay
   /// alive between forward and backward, and each block's forward runs again in backward.
   void set_activation_checkpointing(bool on) noexcept { activation_checkpointing_ = on; }
+  /// CausalSelfAttention::set_fused on every block.
+  void set_fused_attention(bool on) noexcept {
+    for (const auto& block : blocks) block->attn->set_fused(on);
+  }
   bool activation_checkpointing() const noexcept { return activation_checkpointing_; }
   std::shared_ptr<Embedding> token_embedding, position_embedding;
   std::vector<std::shared_ptr<TransformerBlock>> blocks;
