@@ -5,8 +5,8 @@ ratios ruda / PyTorch. Run through tools/compare-torch, which sets the threads b
 
 The models are the same as ruda's: the 784-1024-1024-10 ReLU MLP at batch 128 with AdamW, and
 the GPT (vocabulary 256, width 256, 4 blocks, 4 heads, context 128, tied head, batch 16) with Adam.
-PyTorch runs at its best here: OpenBLAS behind Debian's generic BLAS, its fastest kernel for the
-CPU, multi-tensor (foreach) optimizers, bf16 through autocast (oneDNN).
+PyTorch (2.x from PyPI, build/bench-venv) runs at its best here: its own MKL/oneDNN kernels,
+multi-tensor (foreach) optimizers, bf16 through autocast (oneDNN).
 """
 import json
 import math
