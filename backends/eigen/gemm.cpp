@@ -15,13 +15,16 @@ namespace {
 template <class T>
 using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
-// One product C = alpha * op(A) op(B) + beta * C (+ bias), all row-major.
+template <class T>
+using StridedMap = Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>>;
+
+// One product C = alpha * op(A) op(B) + beta * C (+ bias), all row-major with row strides.
 template <class T>
 void gemm_one(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
-  const Eigen::Index m = d.m, n = d.n, k = d.k;
-  Eigen::Map<const RowMatrix<T>> A(a, d.trans_a ? k : m, d.trans_a ? m : k);
-  Eigen::Map<const RowMatrix<T>> B(b, d.trans_b ? n : k, d.trans_b ? k : n);
-  Eigen::Map<RowMatrix<T>> C(c, m, n);
+  const Eigen::Index m = d.m, n = d.n;
+  StridedMap<T> A(a, d.rows_a(), d.cols_a(), Eigen::OuterStride<>(d.ld_a()));
+  StridedMap<T> B(b, d.rows_b(), d.cols_b(), Eigen::OuterStride<>(d.ld_b()));
+  Eigen::Map<RowMatrix<T>, 0, Eigen::OuterStride<>> C(c, m, n, Eigen::OuterStride<>(d.ld_c()));
   const T alpha(d.alpha), beta(d.beta);
   auto product = [&](auto&& lhs, auto&& rhs) {
     if (beta == T(0)) {
@@ -51,19 +54,14 @@ void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias
   if (d.batch > 1 && small) {
     parallel_for(d.batch, 1, [&](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin; i < end; ++i) {
-        gemm_one<T>(d, a + i * d.batch_stride_a, b + i * d.batch_stride_b, c + i * d.batch_stride_c, bias);
+        gemm_one<T>(d, a + d.offset_a(i), b + d.offset_b(i), c + d.offset_c(i), bias);
       }
     });
     return;
   }
   for (std::int64_t i = 0; i < d.batch; ++i) {
-    gemm_one<T>(d, a + i * d.batch_stride_a, b + i * d.batch_stride_b, c + i * d.batch_stride_c, bias);
+    gemm_one<T>(d, a + d.offset_a(i), b + d.offset_b(i), c + d.offset_c(i), bias);
   }
-}
-
-// Elements of one operand across all batches (a stride of 0 means one matrix).
-std::int64_t operand_elements(std::int64_t rows, std::int64_t cols, std::int64_t batch, std::int64_t stride) {
-  return stride == 0 ? rows * cols : (batch - 1) * stride + rows * cols;
 }
 
 template <class T>
@@ -89,15 +87,30 @@ void EigenBackend::apply_epilogue(const GemmDesc& d, void* c, DType dtype) {
       f = UnaryOp::gelu_tanh;
       break;
   }
-  for (std::int64_t i = 0; i < d.batch; ++i) {
+  if (d.ld_c() == d.n && d.batch_inner <= 1 && (d.batch == 1 || d.batch_stride_c == d.m * d.n)) {
+    // One dense block: one kernel call over every batch.
     View v;
-    v.data = static_cast<char*>(c) + i * d.batch_stride_c * static_cast<std::int64_t>(dtype_size(dtype));
+    v.data = c;
     v.dtype = dtype;
-    v.ndim = 2;
-    v.shape = {d.m, d.n};
-    v.strides = {d.n, 1};
+    v.ndim = 1;
+    v.shape = {d.batch * d.m * d.n};
+    v.strides = {1};
     unary(f, v, v);
-    if (d.batch_stride_c == 0) break;
+    return;
+  }
+  // Otherwise one dense run at a time (the unary kernel's contract is contiguous).
+  const bool dense_rows = d.ld_c() == d.n;
+  const auto item = static_cast<std::int64_t>(dtype_size(dtype));
+  for (std::int64_t i = 0; i < d.batch; ++i) {
+    for (std::int64_t r = 0; r < (dense_rows ? 1 : d.m); ++r) {
+      View v;
+      v.data = static_cast<char*>(c) + (d.offset_c(i) + r * d.ld_c()) * item;
+      v.dtype = dtype;
+      v.ndim = 1;
+      v.shape = {dense_rows ? d.m * d.n : d.n};
+      v.strides = {1};
+      unary(f, v, v);
+    }
   }
 }
 
@@ -117,16 +130,16 @@ void EigenBackend::gemm(const GemmDesc& d) {
     return;
   }
   // 16-bit operands (or a 16-bit result): compute in f32, round the result once.
-  const std::int64_t na = operand_elements(d.m, d.k, d.batch, d.batch_stride_a);
-  const std::int64_t nb = operand_elements(d.k, d.n, d.batch, d.batch_stride_b);
-  const std::int64_t nc = operand_elements(d.m, d.n, d.batch, d.batch_stride_c);
+  const std::int64_t na = d.span_a(), nb = d.span_b(), nc = d.span_c();
   auto widen_any = [](DType t, const void* p, std::int64_t n) {
     return dispatch_float(t, "gemm", [&](auto tag) { return widen<decltype(tag)>(p, n); });
   };
   const std::vector<float> a = widen_any(d.a_dtype, d.a, na);
   const std::vector<float> b = widen_any(d.b_dtype, d.b, nb);
   std::vector<float> c =
-      d.beta != 0.0f ? widen_any(d.c_dtype, d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
+      // Read back when C has gaps too, so the rounding pass below rewrites them unchanged.
+      d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_any(d.c_dtype, d.c, nc)
+                                                   : std::vector<float>(static_cast<std::size_t>(nc));
   std::vector<float> bias;
   if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);

@@ -16,11 +16,6 @@ using dnnl::memory;
 
 namespace {
 
-// Elements of one operand across all batches (a batch stride of 0 means one shared matrix).
-std::int64_t operand_elements(std::int64_t rows, std::int64_t cols, std::int64_t batch, std::int64_t stride) {
-  return stride == 0 ? rows * cols : (batch - 1) * stride + rows * cols;
-}
-
 // A bias given with alpha != 1 goes in as a binary post-op after the scaling: oneDNN's output
 // scales multiply the fused bias too (dst = alpha * (A B + bias)), while GemmDesc adds it unscaled.
 bool bias_as_post_op(const GemmDesc& d) { return d.bias != nullptr && d.alpha != 1.0f; }
@@ -31,30 +26,48 @@ int bias_arg(const GemmDesc& d) {
 }
 
 std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
+  const bool two_axes = d.batch_inner > 1;
   const bool batched = d.batch > 1;
   Key key;
   key << std::int64_t{1} << static_cast<std::int64_t>(d.a_dtype) << static_cast<std::int64_t>(d.b_dtype)
       << static_cast<std::int64_t>(d.c_dtype) << d.m << d.n << d.k << std::int64_t{d.trans_a} << std::int64_t{d.trans_b}
-      << std::int64_t{d.bias != nullptr} << d.alpha << d.beta << static_cast<std::int64_t>(d.epilogue);
+      << std::int64_t{d.bias != nullptr} << d.alpha << d.beta << static_cast<std::int64_t>(d.epilogue) << d.ld_a()
+      << d.ld_b() << d.ld_c();
   if (batched) key << d.batch << d.batch_stride_a << d.batch_stride_b << d.batch_stride_c;
+  if (two_axes) key << d.batch_inner << d.inner_stride_a << d.inner_stride_b << d.inner_stride_c;
 
   const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
                        static_cast<double>(d.k);
   return lookup(key, threads_for_flops(flops), [&] {
     const auto at = *dnnl_type(d.a_dtype), bt = *dnnl_type(d.b_dtype), ct = *dnnl_type(d.c_dtype);
     const memory::dim m = d.m, n = d.n, k = d.k;
-    // Row-major operands; a transposed one is the same buffer read with swapped strides.
-    memory::dims a_dims{m, k}, a_strides{d.trans_a ? 1 : k, d.trans_a ? m : 1};
-    memory::dims b_dims{k, n}, b_strides{d.trans_b ? 1 : n, d.trans_b ? k : 1};
-    memory::dims c_dims{m, n}, c_strides{n, 1};
+    // Row-major operands with their row strides; a transposed one is the same buffer read with
+    // swapped strides.
+    const memory::dim lda = d.ld_a(), ldb = d.ld_b(), ldc = d.ld_c();
+    memory::dims a_dims{m, k}, a_strides{d.trans_a ? 1 : lda, d.trans_a ? lda : 1};
+    memory::dims b_dims{k, n}, b_strides{d.trans_b ? 1 : ldb, d.trans_b ? ldb : 1};
+    memory::dims c_dims{m, n}, c_strides{ldc, 1};
     memory::dims bias_dims{1, n}, bias_strides{n, 1};
+    // Batch axes, outermost first: a stride of 0 is a broadcast axis of extent 1. A broadcast
+    // axis still needs a stride that oneDNN accepts: that of the dense matrix block.
+    auto add_axis = [](memory::dims& dims, memory::dims& strides, memory::dim extent, memory::dim stride,
+                       memory::dim block) {
+      dims.insert(dims.begin(), stride ? extent : 1);
+      strides.insert(strides.begin(), stride ? stride : block);
+    };
     if (batched) {
-      a_dims.insert(a_dims.begin(), d.batch_stride_a ? d.batch : 1);
-      a_strides.insert(a_strides.begin(), d.batch_stride_a ? d.batch_stride_a : m * k);
-      b_dims.insert(b_dims.begin(), d.batch_stride_b ? d.batch : 1);
-      b_strides.insert(b_strides.begin(), d.batch_stride_b ? d.batch_stride_b : k * n);
-      c_dims.insert(c_dims.begin(), d.batch);
-      c_strides.insert(c_strides.begin(), d.batch_stride_c);
+      const memory::dim inner = two_axes ? d.batch_inner : 1, outer = d.batch / inner;
+      const memory::dim a_block = d.span_a(), b_block = d.span_b(), c_block = d.span_c();
+      if (two_axes) {
+        add_axis(a_dims, a_strides, inner, d.inner_stride_a, a_block);
+        add_axis(b_dims, b_strides, inner, d.inner_stride_b, b_block);
+        add_axis(c_dims, c_strides, inner, d.inner_stride_c, c_block);
+        bias_dims.insert(bias_dims.begin(), 1);
+        bias_strides.insert(bias_strides.begin(), n);
+      }
+      add_axis(a_dims, a_strides, outer, d.batch_stride_a, a_block);
+      add_axis(b_dims, b_strides, outer, d.batch_stride_b, b_block);
+      add_axis(c_dims, c_strides, outer, d.batch_stride_c, c_block);
       bias_dims.insert(bias_dims.begin(), 1);
       bias_strides.insert(bias_strides.begin(), n);
     }
@@ -128,9 +141,7 @@ void narrow_to_bf16(const std::vector<float>& src, void* p) {
 // oneDNN, round the result once to nearest even, which is what a native bf16 matmul with f32
 // accumulation computes up to summation order.
 void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
-  const std::int64_t na = operand_elements(d.trans_a ? d.k : d.m, d.trans_a ? d.m : d.k, d.batch, d.batch_stride_a);
-  const std::int64_t nb = operand_elements(d.trans_b ? d.n : d.k, d.trans_b ? d.k : d.n, d.batch, d.batch_stride_b);
-  const std::int64_t nc = operand_elements(d.m, d.n, d.batch, d.batch_stride_c);
+  const std::int64_t na = d.span_a(), nb = d.span_b(), nc = d.span_c();
   const std::vector<float> a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
   GemmDesc f = d;
   f.a = a.data();
@@ -140,7 +151,9 @@ void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
     if (!run_matmul(f)) eigen.EigenBackend::gemm(f);
     return;
   }
-  std::vector<float> c = d.beta != 0.0f ? widen_bf16(d.c, nc) : std::vector<float>(static_cast<std::size_t>(nc));
+  // Read back when C has gaps too, so narrowing rewrites them unchanged.
+  std::vector<float> c = d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_bf16(d.c, nc)
+                                                                      : std::vector<float>(static_cast<std::size_t>(nc));
   std::vector<float> bias;
   if (d.bias) bias = widen_bf16(d.bias, d.n);
   f.c = c.data();
@@ -167,7 +180,12 @@ void OneDnnBackend::gemm(const GemmDesc& d) {
     note_fallback("gemm", d.a_dtype, kSmallReason);
     return EigenBackend::gemm(d);
   }
-  if (d.batch > 1 && ((d.batch_stride_a == 0 && d.batch_stride_b == 0) || d.batch_stride_c < d.m * d.n)) {
+  const bool c_shared = d.batch > 1 && (d.batch_inner > 1 ? (d.batch_stride_c == 0 || d.inner_stride_c == 0)
+                                                           : d.batch_stride_c == 0);
+  // A batch axis along which both operands repeat one matrix: no matmul descriptor says that.
+  const bool both_shared = d.batch > 1 && ((d.batch_stride_a == 0 && d.batch_stride_b == 0 && d.batch > d.batch_inner) ||
+                                           (d.batch_inner > 1 && d.inner_stride_a == 0 && d.inner_stride_b == 0));
+  if (both_shared || c_shared) {
     // Every batch the same product, or output batches that overlap: no matmul descriptor says that.
     note_fallback("gemm", d.a_dtype,
                   "batch strides with no oneDNN layout (both operands shared, or overlapping outputs)");

@@ -136,9 +136,26 @@ void check_input(const char* op, int rank, const Tensor& t, const char* what = "
   }
 }
 
+// Collectives move raw bytes: a blocking one reads a strided view's elements from a contiguous
+// copy; an asynchronous one (whose input must stay alive until wait) and every output must be
+// contiguous already.
+Tensor dense_input(const char* op, int rank, const Tensor& t) {
+  check_input(op, rank, t);
+  return t.is_contiguous() ? t : t.detach().contiguous();
+}
+
+void require_contiguous(const char* op, int rank, const Tensor& t, const char* what) {
+  if (!t.is_contiguous()) {
+    fail<ShapeError>(op, "rank ", rank, ": the ", what, " tensor ", dtype_name(t.dtype()), " ", shape_text(t),
+                     " is a non-contiguous view (strides ", to_string(t.strides()),
+                     "); pass contiguous() or a tensor of its own");
+  }
+}
+
 // A caller's output tensor for the *_into forms: the right shape and dtype, not the input's storage.
 void check_output(const char* op, int rank, int world, const Tensor& out, const Tensor& input, const Shape& shape) {
   if (!out.defined()) fail<ArgumentError>(op, "rank ", rank, ": the output tensor is undefined");
+  require_contiguous(op, rank, out, "output");
   if (out.dtype() != input.dtype()) {
     fail<DTypeError>(op, "rank ", rank, ": output dtype ", dtype_name(out.dtype()), " differs from input dtype ",
                      dtype_name(input.dtype()));
@@ -435,8 +452,8 @@ Tensor Communicator::run_reduce_scatter(const Tensor& full, Tensor out, const Co
   return out;
 }
 
-Tensor Communicator::all_gather(const Tensor& local, const CollectiveOptions& options) {
-  check_input("all_gather", rank_, local);
+Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions& options) {
+  const Tensor local = dense_input("all_gather", rank_, local_arg);
   const Shape shape = gathered_shape(world_size_, local);
   if (pass_through()) {
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
@@ -445,14 +462,14 @@ Tensor Communicator::all_gather(const Tensor& local, const CollectiveOptions& op
   return run_all_gather(local, new_like(local, shape), options);
 }
 
-void Communicator::all_gather_into(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
-  check_input("all_gather_into", rank_, local);
+void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, const CollectiveOptions& options) {
+  const Tensor local = dense_input("all_gather_into", rank_, local_arg);
   check_output("all_gather_into", rank_, world_size_, out, local, gathered_shape(world_size_, local));
   run_all_gather(local, out, options);
 }
 
-Tensor Communicator::reduce_scatter(const Tensor& full, const CollectiveOptions& options) {
-  check_input("reduce_scatter", rank_, full);
+Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOptions& options) {
+  const Tensor full = dense_input("reduce_scatter", rank_, full_arg);
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
     begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
@@ -462,14 +479,14 @@ Tensor Communicator::reduce_scatter(const Tensor& full, const CollectiveOptions&
   return run_reduce_scatter(full, new_like(full, shape), options);
 }
 
-void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
-  check_input("reduce_scatter_into", rank_, full);
+void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full_arg, const CollectiveOptions& options) {
+  const Tensor full = dense_input("reduce_scatter_into", rank_, full_arg);
   check_output("reduce_scatter_into", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
   run_reduce_scatter(full, out, options);
 }
 
-Tensor Communicator::all_reduce(const Tensor& x, Reduction op, const CollectiveOptions& options) {
-  check_input("all_reduce", rank_, x);
+Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const CollectiveOptions& options) {
+  const Tensor x = dense_input("all_reduce", rank_, x_arg);
   check_enum(op, "all_reduce", "Reduction", "rank " + std::to_string(rank_));
   std::string extra = reduction_name(op);
   if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
@@ -490,8 +507,8 @@ Tensor Communicator::all_reduce(const Tensor& x, Reduction op, const CollectiveO
   return out;
 }
 
-Tensor Communicator::broadcast(const Tensor& x, int root, const CollectiveOptions& options) {
-  check_input("broadcast", rank_, x);
+Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOptions& options) {
+  const Tensor x = dense_input("broadcast", rank_, x_arg);
   if (root < 0 || root >= world_size_) {
     fail<ArgumentError>("broadcast", "rank ", rank_, ": root ", root, " is outside a world of ", world_size_,
                         " (shape ", shape_text(x), ", ", dtype_name(x.dtype()), ")");
@@ -525,6 +542,7 @@ void Communicator::barrier(const CollectiveOptions& options) {
 
 Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions& options) {
   check_input("all_gather_async", rank_, local);
+  require_contiguous("all_gather_async", rank_, local, "input");
   const Shape shape = gathered_shape(world_size_, local);
   if (pass_through()) {
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
@@ -535,6 +553,7 @@ Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions
 
 Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
   check_input("all_gather_into_async", rank_, local);
+  require_contiguous("all_gather_into_async", rank_, local, "input");
   check_output("all_gather_into_async", rank_, world_size_, out, local, gathered_shape(world_size_, local));
   return launch_all_gather(local, out, options);
 }
@@ -552,6 +571,7 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
 
 Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOptions& options) {
   check_input("reduce_scatter_async", rank_, full);
+  require_contiguous("reduce_scatter_async", rank_, full, "input");
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
     begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
@@ -563,6 +583,7 @@ Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOpti
 
 Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
   check_input("reduce_scatter_into_async", rank_, full);
+  require_contiguous("reduce_scatter_into_async", rank_, full, "input");
   check_output("reduce_scatter_into_async", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
   return launch_reduce_scatter(full, out, options);
 }

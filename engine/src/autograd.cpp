@@ -126,6 +126,7 @@ bool exclusively_owned(const Tensor& t) {
 }
 
 void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
+  grad = detail::dense(grad);  // a leaf's gradient is read raw (optimizers, collectives)
   if (grad.shape() != leaf.shape || grad.dtype() != leaf.dtype) {
     fail<AutogradError>("backward", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match leaf ",
                         dtype_name(leaf.dtype), " ", leaf.shape);
@@ -212,6 +213,9 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       if (!node->always_run) continue;
       g = zeros(node->out_shape, Options(node->out_dtype, node->out_backend));
     }
+    // A view op's backward may hand on a view (permute's is a permuted g): every backward
+    // function receives a contiguous gradient, so none has to ask.
+    g = detail::dense(g);
     std::uint64_t mask = 0;
     for (std::size_t i = 0; i < node->next.size(); ++i) {
       if (node->next[i].connected()) mask |= std::uint64_t{1} << i;

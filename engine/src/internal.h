@@ -1,6 +1,7 @@
 // Engine internals shared by the op implementations: storage, the tensor object, view helpers.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -53,10 +54,15 @@ struct Storage {
   Storage& operator=(const Storage&) = delete;
 };
 
+// A tensor is storage + offset + shape + strides (in elements). Tensors made by ops are
+// contiguous row-major; view ops (permute, transpose, slice, expand, and reshape where the strides
+// allow) share the storage with other strides. `contiguous` caches is_contiguous(strides).
 struct TensorImpl {
   std::shared_ptr<Storage> storage;
   std::int64_t offset = 0;  // in elements
   Shape shape;
+  std::array<std::int64_t, kMaxDims> strides{};
+  bool contiguous = true;
   std::int64_t numel = 0;
   DType dtype = DType::f32;
   Backend* backend = nullptr;
@@ -81,15 +87,30 @@ inline const std::shared_ptr<TensorImpl>& impl_ptr_of(const Tensor& t) noexcept 
 
 /// A new tensor with uninitialized contents; `op` names the allocation in errors.
 Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op = "tensor");
-/// A tensor sharing `source`'s storage with another shape and element offset.
+/// A tensor sharing a contiguous `source`'s storage with another shape and element offset
+/// (contiguous too: reshape of a contiguous tensor, a leading block).
 Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset = 0);
+/// A view of `source`'s storage with any shape, strides and absolute element offset. Not recorded.
+Tensor strided_alias(const Tensor& source, const Shape& shape, const std::int64_t* strides, std::int64_t offset);
 
-/// The contiguous view of a tensor.
+/// The kernel view of a tensor, with its own strides (a view op's result is not contiguous).
 View view_of(const Tensor& t);
-/// A view of t broadcast to `shape` (t's shape must broadcast to it): stride 0 on broadcast axes.
+/// A view of t broadcast to `shape` (t's shape must broadcast to it): stride 0 on broadcast axes,
+/// t's own strides elsewhere.
 View broadcast_view(const Tensor& t, const Shape& shape);
 /// Contiguous row-major strides of a shape.
 void contiguous_strides(const Shape& shape, std::int64_t* strides);
+bool strides_are_contiguous(const Shape& shape, const std::int64_t* strides);
+
+/// t itself when contiguous, else a contiguous copy (not recorded: for the inputs of kernels
+/// whose contract is contiguous, and of raw readers). Where an op is differentiable, record the
+/// op on the original tensor and hand `dense(t)` to the kernel only.
+Tensor dense(const Tensor& t);
+/// Whether two tensors' element ranges may overlap in memory (same storage, intersecting spans).
+bool may_overlap(const Tensor& a, const Tensor& b);
+/// Throws unless an in-place write to t is well defined: no two of its elements share memory
+/// (an expanded view has stride 0 on an axis longer than 1).
+void require_writable_layout(const char* op, const Tensor& t);
 
 /// Throws DTypeError unless t is a float tensor.
 void require_float(const char* op, const Tensor& t);

@@ -52,6 +52,13 @@ void validate(const Tensor& q, const Tensor& k, const Tensor& v, const Attention
   }
 }
 
+// The kernel reads any strides on the first three axes (a permuted [B, T, H, D] projection in
+// place) but needs each row of D contiguous: a view without that is copied.
+Tensor rows_contiguous(const Tensor& t) {
+  const auto& impl = *detail::impl_of(t);
+  return impl.shape[3] <= 1 || impl.strides[3] == 1 ? t : detail::dense(t);
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -72,16 +79,17 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   desc.offset = options.offset;
   if (out.numel()) {
     AttentionDesc d = desc;
-    d.q = view_of(q);
-    d.k = view_of(k);
-    d.v = view_of(v);
+    const Tensor qr = rows_contiguous(q), kr = rows_contiguous(k), vr = rows_contiguous(v);
+    d.q = view_of(qr);
+    d.k = view_of(kr);
+    d.v = view_of(vr);
     d.out = view_of(out);
     d.lse = view_of(lse);
     backend.attention(d);
   }
   if (autograd::needs_grad(q, k, v)) {
     autograd::record(kOp, out, {q, k, v}, {q, k, v, out, lse}, [desc](const Tensor& g, const Saved& s, GradMask need) {
-      const Tensor qv = s[0].get(), kv = s[1].get(), vv = s[2].get();
+      const Tensor qv = rows_contiguous(s[0].get()), kv = rows_contiguous(s[1].get()), vv = rows_contiguous(s[2].get());
       Tensor dq, dk, dv;
       if (need[0]) dq = make_tensor(qv.shape(), qv.dtype(), g.backend(), "scaled_dot_product_attention backward");
       if (need[1]) dk = make_tensor(kv.shape(), kv.dtype(), g.backend(), "scaled_dot_product_attention backward");

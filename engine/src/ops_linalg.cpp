@@ -1,4 +1,6 @@
 // Matrix products: matmul with broadcast batch axes, and linear (x @ W + b) with the bias fused.
+#include <optional>
+
 #include "internal.h"
 
 namespace ruda {
@@ -11,9 +13,39 @@ namespace {
 
 Shape batch_of(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 2); }
 
+// How a product reads an operand's last two axes in place: as a row-major matrix with row
+// stride ld, or as the transpose of one (its second-to-last axis is the contiguous one).
+struct MatrixRead {
+  bool transposed = false;
+  std::int64_t ld = 0;
+};
+
+std::optional<MatrixRead> read_in_place(const detail::TensorImpl& t) {
+  const std::size_t nd = t.shape.size();
+  const std::int64_t rows = t.shape[nd - 2], cols = t.shape[nd - 1];
+  const std::int64_t row_stride = rows == 1 ? cols : t.strides[nd - 2];
+  const std::int64_t col_stride = cols == 1 ? 1 : t.strides[nd - 1];
+  if (col_stride == 1 && row_stride >= cols && row_stride > 0) return MatrixRead{false, row_stride};
+  // Column-major: the transpose of a row-major [cols, rows] matrix whose rows are col_stride apart.
+  const std::int64_t transposed_ld = cols == 1 ? rows : col_stride;
+  if ((rows == 1 || t.strides[nd - 2] == 1) && transposed_ld >= rows && transposed_ld > 0) {
+    return MatrixRead{true, transposed_ld};
+  }
+  return std::nullopt;  // neither of the last two axes is contiguous: the caller copies
+}
+
+// One batch axis of the product with each operand's stride (0: that operand repeats).
+struct BatchAxis {
+  std::int64_t extent;
+  std::int64_t stride[3];  // a, b, c
+};
+
 // op(a) @ op(b) over the last two axes, where op transposes when asked; batch axes broadcast.
-// No autodiff: matmul and linear record their own nodes.
-Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool tb) {
+// Operands whose last or second-to-last axis is contiguous are read in place through their
+// strides (over up to two merged batch axes); others are copied first. No autodiff: matmul and
+// linear record their own nodes.
+Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor& bias = {},
+               GemmEpilogue epilogue = GemmEpilogue::none) {
   const std::int64_t ra = a.shape()[a.ndim() - 2], ca = a.shape()[a.ndim() - 1];
   const std::int64_t rb = b.shape()[b.ndim() - 2], cb = b.shape()[b.ndim() - 1];
   const std::int64_t m = ta ? ca : ra, k = ta ? ra : ca;
@@ -25,45 +57,97 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   out_shape.push_back(m);
   out_shape.push_back(n);
   detail::require_rank(op, out_shape);
-  Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
-  if (out.numel() == 0) return out;
-  if (k == 0) {
-    a.backend().fill(detail::view_of(out), 0.0);
-    return out;
+
+  Tensor ea = a, eb = b;
+  std::optional<MatrixRead> read_a = read_in_place(*detail::impl_of(ea));
+  if (!read_a) read_a = read_in_place(*detail::impl_of(ea = detail::dense(a)));
+  std::optional<MatrixRead> read_b = read_in_place(*detail::impl_of(eb));
+  if (!read_b) read_b = read_in_place(*detail::impl_of(eb = detail::dense(b)));
+
+  // The batch axes, extent-1 ones dropped and neighbours merged where all three operands step
+  // evenly across them (a contiguous batch is one axis).
+  const auto& ia = *detail::impl_of(ea);
+  const auto& ib = *detail::impl_of(eb);
+  std::int64_t c_strides[kMaxDims];
+  detail::contiguous_strides(out_shape, c_strides);
+  std::vector<BatchAxis> axes;
+  const std::size_t nb = batch.size();
+  auto stride_of = [&](const detail::TensorImpl& t, std::size_t axis) -> std::int64_t {
+    const std::size_t lead = nb - (t.shape.size() - 2);
+    if (axis < lead || t.shape[axis - lead] == 1) return 0;
+    return t.strides[axis - lead];
+  };
+  for (std::size_t i = 0; i < nb; ++i) {
+    if (batch[i] == 1) continue;
+    const BatchAxis next{batch[i], {stride_of(ia, i), stride_of(ib, i), c_strides[i]}};
+    if (!axes.empty()) {
+      BatchAxis& last = axes.back();
+      bool merge = true;
+      for (int o = 0; o < 3; ++o) merge = merge && last.stride[o] == next.stride[o] * next.extent;
+      if (merge) {
+        last.extent *= next.extent;
+        for (int o = 0; o < 3; ++o) last.stride[o] = next.stride[o];
+        continue;
+      }
+    }
+    axes.push_back(next);
+  }
+  if (axes.size() > 2) {
+    // More than two batch axes survive the merge (several broadcasts, or a permuted batch):
+    // give both operands the full batch, densely, which merges into one axis.
+    auto full = [&](const Tensor& t, std::int64_t r, std::int64_t c) {
+      Shape s = batch;
+      s.insert(s.end(), {r, c});
+      return expand(t.detach(), s).contiguous();
+    };
+    return product(op, full(a, ra, ca), ta, full(b, rb, cb), tb, bias, epilogue);
   }
 
+  Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
+  if (out.numel() == 0) return out;
   GemmDesc d;
   d.a_dtype = d.b_dtype = d.c_dtype = a.dtype();
-  d.trans_a = ta;
-  d.trans_b = tb;
+  d.trans_a = ta != read_a->transposed;
+  d.trans_b = tb != read_b->transposed;
+  d.lda = read_a->ld;
+  d.ldb = read_b->ld;
+  d.m = m;
   d.k = k;
   d.n = n;
+  d.a = ia.data();
+  d.b = ib.data();
   d.c = out.data_ptr();
-  const std::int64_t batches_a = shape_numel(ba), batches_b = shape_numel(bb), batches = shape_numel(batch);
-  Tensor ea = a, eb = b;
-  if (batches_b == 1 && !ta) {
-    // [..., m, k] @ [k, n]: the batch folds into the rows of one GEMM.
-    d.m = m * batches_a;
-    d.batch = 1;
-  } else {
-    if (batches_a != 1 && ba != batch) {
-      Shape s = batch;
-      s.insert(s.end(), {ra, ca});
-      ea = expand(a.detach(), s);
+  d.epilogue = epilogue;
+  const Tensor bias_dense = bias.defined() ? detail::dense(bias) : Tensor();  // kept alive for the kernel
+  if (bias_dense.defined()) d.bias = bias_dense.data_ptr();
+  if (axes.size() == 1 && axes[0].stride[1] == 0 && !d.trans_a && axes[0].stride[0] == m * d.lda) {
+    // [..., m, k] @ [k, n] with a's rows evenly spaced across the batch: one GEMM over all rows.
+    d.m = m * axes[0].extent;
+  } else if (!axes.empty()) {
+    const BatchAxis& outer = axes[0];
+    d.batch = outer.extent;
+    d.batch_stride_a = outer.stride[0];
+    d.batch_stride_b = outer.stride[1];
+    d.batch_stride_c = outer.stride[2];
+    if (axes.size() == 2) {
+      const BatchAxis& inner = axes[1];
+      d.batch *= inner.extent;
+      d.batch_inner = inner.extent;
+      d.inner_stride_a = inner.stride[0];
+      d.inner_stride_b = inner.stride[1];
+      d.inner_stride_c = inner.stride[2];
     }
-    if (batches_b != 1 && bb != batch) {
-      Shape s = batch;
-      s.insert(s.end(), {rb, cb});
-      eb = expand(b.detach(), s);
-    }
-    d.m = m;
-    d.batch = batches;
-    d.batch_stride_a = batches_a == 1 ? 0 : ra * ca;
-    d.batch_stride_b = batches_b == 1 ? 0 : rb * cb;
-    d.batch_stride_c = m * n;
   }
-  d.a = ea.data_ptr();
-  d.b = eb.data_ptr();
+  if (k == 0) {
+    // No product: the bias alone (or zeros), and the epilogue on it (GELU(0) = 0).
+    a.backend().fill(detail::view_of(out), 0.0);
+    if (bias.defined()) out.add_(bias.detach());
+    if (epilogue != GemmEpilogue::none) {
+      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
+      a.backend().unary(f, detail::view_of(out), detail::view_of(out));
+    }
+    return out;
+  }
   a.backend().gemm(d);
   return out;
 }
@@ -138,31 +222,11 @@ Tensor linear_forward(const char* op, const Tensor& x, const Tensor& weight, con
                       GemmEpilogue epilogue) {
   Shape out_shape = x.shape();
   out_shape.back() = s.out;
-  Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), op);
-  if (!out.numel()) return out;
-  GemmDesc d;
-  d.a_dtype = d.b_dtype = d.c_dtype = x.dtype();
-  d.trans_b = s.out_in;
-  d.m = s.rows;
-  d.n = s.out;
-  d.k = s.in;
-  d.a = x.data_ptr();
-  d.b = weight.data_ptr();
-  d.c = out.data_ptr();
-  d.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  d.epilogue = epilogue;
-  if (s.in == 0) {
-    // No product: the bias alone, and the epilogue on it (GELU(0) = 0).
-    x.backend().fill(detail::view_of(out), 0.0);
-    if (bias.defined()) out.add_(bias.detach());
-    if (epilogue != GemmEpilogue::none) {
-      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
-      x.backend().unary(f, detail::view_of(out), detail::view_of(out));
-    }
-    return out;
-  }
-  x.backend().gemm(d);
-  return out;
+  // The leading axes of x are the GEMM's rows: a view of them where x's strides allow.
+  const Tensor rows = reshape(x.detach(), {shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)), s.in});
+  return reshape(product(op, rows, false, weight.detach(), s.out_in, bias.defined() ? bias.detach() : Tensor(),
+                         epilogue),
+                 out_shape);
 }
 
 // The gradients of x @ weight + bias from the pre-activation's gradient g2 [rows, out]. x and the

@@ -16,7 +16,8 @@ void check_indices(const char* op, const Tensor& indices, std::int64_t limit, co
   if (indices.dtype() != DType::i64) {
     fail<DTypeError>(op, "indices must be i64, got ", dtype_name(indices.dtype()), " ", indices.shape());
   }
-  const auto* idx = indices.data<std::int64_t>();
+  const Tensor dense = detail::dense(indices);
+  const auto* idx = dense.data<std::int64_t>();
   const std::int64_t n = indices.numel();
   if (n == 0) return;
   const auto [lo, hi] = std::minmax_element(idx, idx + n);
@@ -37,9 +38,10 @@ Tensor embedding(const Tensor& table, const Tensor& indices) {
   out_shape.push_back(features);
   detail::require_rank("embedding", out_shape);
   Tensor out = make_tensor(out_shape, table.dtype(), table.backend(), "embedding");
-  const Tensor flat_idx = reshape(indices, {-1});
+  const Tensor flat_idx = detail::dense(reshape(indices, {-1}));
   if (out.numel()) {
-    table.backend().gather_rows(view_of(table), view_of(flat_idx), view_of(reshape(out, {-1, features})));
+    table.backend().gather_rows(view_of(detail::dense(table)), view_of(flat_idx),
+                                view_of(reshape(out, {-1, features})));
   }
   if (autograd::needs_grad(table)) {
     autograd::record(
@@ -66,18 +68,19 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
   }
   const int last = static_cast<int>(x.ndim()) - 1;
   if (a != last) {
-    // Move the axis last, take, and move it back (copies; the last axis is the fast path).
-    return transpose(take_along_axis(transpose(x, a, last), transpose(index, a, last), last), a, last);
+    // Move the axis last, take, and move it back (the last axis is the fast path).
+    return transpose(take_along_axis(transpose(x, a, last), transpose(index, a, last), last), a, last).contiguous();
   }
   check_indices("take_along_axis", index, x.shape()[last], x.shape());
   const std::int64_t cols = x.shape()[last], picks = index.shape()[last];
   Tensor out = make_tensor(index.shape(), x.dtype(), x.backend(), "take_along_axis");
   if (out.numel()) {
-    x.backend().take_along_rows(view_of(reshape(x.detach(), {-1, cols})), view_of(reshape(index, {-1, picks})),
+    x.backend().take_along_rows(view_of(detail::dense(reshape(x.detach(), {-1, cols}))),
+                                view_of(detail::dense(reshape(index, {-1, picks}))),
                                 view_of(reshape(out, {-1, picks})));
   }
   if (is_floating(x.dtype()) && autograd::needs_grad(x)) {
-    autograd::record("take_along_axis", out, {x}, {index},
+    autograd::record("take_along_axis", out, {x}, {detail::dense(index)},
                      [shape = x.shape(), cols, picks](const Tensor& g, const Saved& s, GradMask) {
                        Tensor gx = zeros(shape, Options(g.dtype(), &g.backend()));
                        if (g.numel()) {
@@ -97,7 +100,7 @@ Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool l
   if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
   const int a = normalize_axis(axis, x.ndim(), name);
   Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
-  if (out.numel()) x.backend().softmax(view_of(x), view_of(out), a, log);
+  if (out.numel()) x.backend().softmax(view_of(detail::dense(x)), view_of(out), a, log);
   if (autograd::needs_grad(x)) {
     autograd::record(name, out, {x}, {out}, [a, log](const Tensor& g, const Saved& s, GradMask) {
       Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend(), "softmax backward");

@@ -30,13 +30,15 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   View none;
   none.dtype = x.dtype();
   if (out.numel()) {
-    x.backend().layer_norm(view_of(x), weight.defined() ? view_of(weight) : none, bias.defined() ? view_of(bias) : none,
-                           eps, view_of(out), view_of(mean), view_of(rstd));
+    // The kernel's contract is contiguous rows: a view is copied first.
+    x.backend().layer_norm(view_of(detail::dense(x)), weight.defined() ? view_of(detail::dense(weight)) : none,
+                           bias.defined() ? view_of(detail::dense(bias)) : none, eps, view_of(out), view_of(mean),
+                           view_of(rstd));
   }
   if (autograd::needs_grad(x, weight, bias)) {
     autograd::record("layer_norm", out, {x, weight, bias}, {x, weight, mean, rstd},
                      [](const Tensor& g, const Saved& s, GradMask need) {
-                       const Tensor xv = s[0].get(), wv = s[1].get();
+                       const Tensor xv = detail::dense(s[0].get()), wv = s[1].get();
                        View none;
                        none.dtype = g.dtype();
                        Tensor gx, gw, gb;
@@ -45,7 +47,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
                        if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
                        if (g.numel()) {
                          g.backend().layer_norm_backward(
-                             view_of(xv), wv.defined() ? view_of(wv) : none, view_of(s[2].get()), view_of(s[3].get()),
+                             view_of(xv), wv.defined() ? view_of(detail::dense(wv)) : none, view_of(s[2].get()), view_of(s[3].get()),
                              view_of(g), gx.defined() ? view_of(gx) : none, gw.defined() ? view_of(gw) : none,
                              gb.defined() ? view_of(gb) : none);
                        } else {

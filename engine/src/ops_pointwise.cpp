@@ -212,17 +212,17 @@ Tensor unary(UnaryOp op, const Tensor& x) {
       break;
   }
   Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
-  if (out.numel()) x.backend().unary(op, view_of(x), view_of(out));
+  if (out.numel()) x.backend().unary(op, view_of(detail::dense(x)), view_of(out));
   if (autograd::needs_grad(x)) {
     const bool reads_x = info.reads == ops::Reads::input, reads_y = info.reads == ops::Reads::output;
     autograd::record(name, out, {x}, {reads_x ? x : Tensor(), reads_y ? out : Tensor()},
                      [op](const Tensor& g, const Saved& s, GradMask) -> std::vector<Tensor> {
                        if (op == UnaryOp::neg) return {neg(g)};
-                       const Tensor xv = s[0].get(), yv = s[1].get();
+                       const Tensor xv = s[0].get(), yv = s[1].get();  // yv is out: contiguous
                        Tensor gx = make_tensor(g.shape(), g.dtype(), g.backend(), "unary backward");
                        View none;
                        none.dtype = g.dtype();
-                       g.backend().unary_backward(op, xv.defined() ? view_of(xv) : none,
+                       g.backend().unary_backward(op, xv.defined() ? view_of(detail::dense(xv)) : none,
                                                   yv.defined() ? view_of(yv) : none, view_of(g), view_of(gx));
                        return {gx};
                      });
@@ -255,7 +255,7 @@ Tensor cast(const Tensor& x, DType dtype) {
   detail::require_defined("cast", x);
   if (x.dtype() == dtype) return x;
   Tensor out = make_tensor(x.shape(), dtype, x.backend(), "cast");
-  if (out.numel()) x.backend().cast(view_of(x), view_of(out));
+  if (out.numel()) x.backend().cast(view_of(detail::dense(x)), view_of(out));
   if (is_floating(dtype) && autograd::needs_grad(x)) {
     autograd::record("cast", out, {x}, {}, [from = x.dtype()](const Tensor& g, const Saved&, GradMask) {
       return std::vector<Tensor>{cast(g, from)};

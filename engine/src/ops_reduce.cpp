@@ -50,7 +50,7 @@ Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Redu
       if (op != ReduceOp::sum) fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
       x.backend().fill(view_of(out), 0.0);
     } else {
-      x.backend().reduce(op, view_of(x), view_of(out));
+      x.backend().reduce(op, view_of(detail::dense(x)), view_of(out));
     }
   }
   return r.out == r.kept ? out : detail::alias(out, r.out);

@@ -1,4 +1,6 @@
-// Shape ops: reshape shares storage; permute, slice (unless contiguous), concat and expand copy.
+// Shape ops. permute, transpose, slice, expand, squeeze and unsqueeze return views that share
+// storage; reshape does too where the strides allow, and copies otherwise; concat and stack copy.
+#include <limits>
 #include <numeric>
 
 #include "internal.h"
@@ -12,7 +14,7 @@ using detail::view_of;
 
 namespace {
 
-// A view of the block [start, start + length) along `axis` of a contiguous tensor.
+// A view of the block [start, start + length) along `axis` of a tensor.
 View region(const Tensor& t, int axis, std::int64_t start, std::int64_t length) {
   View v = view_of(t);
   v.data = static_cast<char*>(v.data) + start * v.strides[axis] * static_cast<std::int64_t>(dtype_size(t.dtype()));
@@ -39,38 +41,115 @@ Bounds slice_bounds(const char* op, const Tensor& x, std::int64_t axis, std::int
 
 }  // namespace
 
-Tensor reshape(const Tensor& x, Shape shape) {
-  detail::require_defined("reshape", x);
+namespace {
+
+// The strides that give `to` the elements of a tensor of shape `from` and strides `strides` in
+// the same row-major order, when some do (PyTorch's rule: each run of target axes must cover a
+// run of source axes that is contiguous within itself). False when only a copy can.
+bool view_strides(const Shape& from, const std::int64_t* strides, const Shape& to, std::int64_t* out) {
+  if (shape_numel(from) == 0 || from.empty()) {
+    detail::contiguous_strides(to, out);
+    return true;
+  }
+  int view_d = static_cast<int>(to.size()) - 1;
+  std::int64_t chunk_base_stride = strides[from.size() - 1];
+  std::int64_t tensor_numel = 1, view_numel = 1;
+  for (int d = static_cast<int>(from.size()) - 1; d >= 0; --d) {
+    tensor_numel *= from[d];
+    if (d == 0 || (from[d - 1] != 1 && strides[d - 1] != tensor_numel * chunk_base_stride)) {
+      while (view_d >= 0 && (view_numel < tensor_numel || to[view_d] == 1)) {
+        out[view_d] = view_numel * chunk_base_stride;
+        view_numel *= to[view_d];
+        --view_d;
+      }
+      if (view_numel != tensor_numel) return false;
+      if (d > 0) {
+        chunk_base_stride = strides[d - 1];
+        tensor_numel = 1;
+        view_numel = 1;
+      }
+    }
+  }
+  return view_d == -1;
+}
+
+Shape checked_target(const char* op, const Tensor& x, Shape shape) {
   std::int64_t known = 1;
   int infer = -1;
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
-      if (infer >= 0) fail<ShapeError>("reshape", "more than one -1 in target shape ", shape);
+      if (infer >= 0) fail<ShapeError>(op, "more than one -1 in target shape ", shape);
       infer = static_cast<int>(i);
     } else if (shape[i] < 0) {
-      fail<ShapeError>("reshape", "negative extent in target shape ", shape);
+      fail<ShapeError>(op, "negative extent in target shape ", shape);
     } else {
       known *= shape[i];
     }
   }
   if (infer >= 0) {
     if (known == 0 || x.numel() % known != 0) {
-      fail<ShapeError>("reshape", "cannot infer -1 when reshaping ", x.shape(), " to ", shape);
+      fail<ShapeError>(op, "cannot infer -1 when reshaping ", x.shape(), " to ", shape);
     }
     shape[infer] = x.numel() / known;
   }
-  detail::require_rank("reshape", shape);
-  if (shape_numel(shape, "reshape") != x.numel()) {
-    fail<ShapeError>("reshape", "cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", shape);
+  detail::require_rank(op, shape);
+  if (shape_numel(shape, op) != x.numel()) {
+    fail<ShapeError>(op, "cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", shape);
   }
-  if (shape == x.shape()) return x;
-  Tensor out = detail::alias(x, shape);
+  return shape;
+}
+
+// A view of x with another shape, strides and offset (relative to x's), whose gradient is
+// `backward(g)`. Every view op ends here.
+template <class Backward>
+Tensor make_view(const char* op, const Tensor& x, const Shape& shape, const std::int64_t* strides,
+                 std::int64_t extra_offset, Backward backward) {
+  // A view allocates nothing, but its element count must still be one a tensor can hold.
+  const std::int64_t numel = shape_numel(shape, op);
+  if (numel > std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(dtype_size(x.dtype()))) {
+    fail<ShapeError>(op, dtype_name(x.dtype()), " ", shape, " would hold more than 2^63 bytes");
+  }
+  Tensor out = detail::strided_alias(x, shape, strides, detail::impl_of(x)->offset + extra_offset);
   if (autograd::needs_grad(x)) {
-    autograd::record("reshape", out, {x}, {}, [from = x.shape()](const Tensor& g, const Saved&, GradMask) {
-      return std::vector<Tensor>{reshape(g, from)};
+    autograd::record(op, out, {x}, {}, [backward = std::move(backward)](const Tensor& g, const Saved&, GradMask) {
+      return std::vector<Tensor>{backward(g)};
     });
   }
   return out;
+}
+
+// The view of x with a new shape (reshape, view); `strides` from view_strides.
+Tensor reshaped_view(const char* op, const Tensor& x, const Shape& shape, const std::int64_t* strides) {
+  return make_view(op, x, shape, strides, 0, [from = x.shape()](const Tensor& g) { return reshape(g, from); });
+}
+
+}  // namespace
+
+Tensor reshape(const Tensor& x, Shape shape) {
+  detail::require_defined("reshape", x);
+  shape = checked_target("reshape", x, std::move(shape));
+  if (shape == x.shape()) return x;
+  std::int64_t strides[kMaxDims];
+  const auto& impl = *detail::impl_of(x);
+  if (view_strides(impl.shape, impl.strides.data(), shape, strides)) return reshaped_view("reshape", x, shape, strides);
+  // The strides do not allow a view (a transposed matrix flattened): copy, then view the copy.
+  Tensor copy = x.contiguous();
+  detail::contiguous_strides(shape, strides);
+  return reshaped_view("reshape", copy, shape, strides);
+}
+
+Tensor view(const Tensor& x, Shape shape) {
+  detail::require_defined("view", x);
+  shape = checked_target("view", x, std::move(shape));
+  if (shape == x.shape()) return x;
+  std::int64_t strides[kMaxDims];
+  const auto& impl = *detail::impl_of(x);
+  if (!view_strides(impl.shape, impl.strides.data(), shape, strides)) {
+    fail<ShapeError>("view", "a ", x.shape(), " tensor with strides ", x.strides(), " cannot be viewed as ", shape,
+                     " without copying (its elements are not evenly spaced across the merged axes); use reshape(), "
+                     "which copies, or contiguous() first");
+  }
+  return reshaped_view("view", x, shape, strides);
 }
 
 Tensor flatten(const Tensor& x, std::int64_t start_axis, std::int64_t end_axis) {
@@ -122,24 +201,16 @@ Tensor permute(const Tensor& x, const Axes& order) {
   for (std::size_t i = 0; i < axes.size(); ++i) identity = identity && axes[i] == static_cast<int>(i);
   if (identity) return x;
 
-  const View src = view_of(x);
-  View permuted = src;
+  const auto& impl = *detail::impl_of(x);
   Shape shape(order.size());
+  std::int64_t strides[kMaxDims];
   for (std::size_t i = 0; i < axes.size(); ++i) {
-    permuted.shape[i] = src.shape[axes[i]];
-    permuted.strides[i] = src.strides[axes[i]];
-    shape[i] = src.shape[axes[i]];
+    shape[i] = impl.shape[axes[i]];
+    strides[i] = impl.strides[axes[i]];
   }
-  Tensor out = make_tensor(shape, x.dtype(), x.backend(), "permute");
-  if (out.numel()) x.backend().copy(permuted, view_of(out));
-  if (autograd::needs_grad(x)) {
-    Axes inverse(axes.size());
-    for (std::size_t i = 0; i < axes.size(); ++i) inverse[axes[i]] = static_cast<std::int64_t>(i);
-    autograd::record("permute", out, {x}, {}, [inverse](const Tensor& g, const Saved&, GradMask) {
-      return std::vector<Tensor>{permute(g, inverse)};
-    });
-  }
-  return out;
+  Axes inverse(axes.size());
+  for (std::size_t i = 0; i < axes.size(); ++i) inverse[axes[i]] = static_cast<std::int64_t>(i);
+  return make_view("permute", x, shape, strides, 0, [inverse](const Tensor& g) { return permute(g, inverse); });
 }
 
 Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1) {
@@ -158,26 +229,13 @@ Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_
   if (b.start == 0 && b.end == x.shape()[b.axis]) return x;
   Shape shape = x.shape();
   shape[b.axis] = b.end - b.start;
-  // A slice whose leading axes are all 1 is one contiguous block: share the storage.
-  bool block = true;
-  for (int i = 0; i < b.axis; ++i) block = block && x.shape()[i] == 1;
-  Tensor out;
-  if (block) {
-    std::int64_t inner = 1;
-    for (std::size_t i = b.axis + 1; i < x.shape().size(); ++i) inner *= x.shape()[i];
-    out = detail::alias(x, shape, b.start * inner);
-  } else {
-    out = make_tensor(shape, x.dtype(), x.backend(), "slice");
-    if (out.numel()) x.backend().copy(region(x, b.axis, b.start, b.end - b.start), view_of(out));
-  }
-  if (autograd::needs_grad(x)) {
-    autograd::record("slice", out, {x}, {}, [b, from = x.shape()](const Tensor& g, const Saved&, GradMask) {
-      Tensor gx = zeros(from, Options(g.dtype(), &g.backend()));
-      if (g.numel()) g.backend().copy(view_of(g), region(gx, b.axis, b.start, b.end - b.start));
-      return std::vector<Tensor>{gx};
-    });
-  }
-  return out;
+  const auto& impl = *detail::impl_of(x);
+  return make_view("slice", x, shape, impl.strides.data(), b.start * impl.strides[b.axis],
+                   [b, from = x.shape()](const Tensor& g) {
+                     Tensor gx = zeros(from, Options(g.dtype(), &g.backend()));
+                     if (g.numel()) g.backend().copy(view_of(g), region(gx, b.axis, b.start, b.end - b.start));
+                     return gx;
+                   });
 }
 
 Tensor slice_assign(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end, const Tensor& value) {
@@ -271,17 +329,13 @@ Tensor expand(const Tensor& x, const Shape& shape) {
     fail<ShapeError>("expand", "cannot expand ", x.shape(), " to ", shape);
   }
   detail::require_rank("expand", shape);
-  Tensor out = make_tensor(shape, x.dtype(), x.backend(), "expand");
-  if (out.numel()) x.backend().copy(detail::broadcast_view(x, shape), view_of(out));
-  if (autograd::needs_grad(x)) {
-    autograd::record("expand", out, {x}, {}, [from = x.shape()](const Tensor& g, const Saved&, GradMask) {
-      return std::vector<Tensor>{sum_to(g, from)};
-    });
-  }
-  return out;
+  const View v = detail::broadcast_view(x, shape);  // stride 0 on the broadcast axes
+  return make_view("expand", x, shape, v.strides.data(), 0,
+                   [from = x.shape()](const Tensor& g) { return sum_to(g, from); });
 }
 
 Tensor Tensor::reshape(Shape shape) const { return ruda::reshape(*this, std::move(shape)); }
+Tensor Tensor::view(Shape shape) const { return ruda::view(*this, std::move(shape)); }
 Tensor Tensor::flatten(std::int64_t start_axis, std::int64_t end_axis) const {
   return ruda::flatten(*this, start_axis, end_axis);
 }

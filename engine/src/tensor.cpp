@@ -1,5 +1,7 @@
 // The Tensor handle: metadata, creation, element access, printing and in-place updates.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <ostream>
@@ -23,21 +25,30 @@ Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char
   }
   impl->storage = std::make_shared<Storage>(static_cast<std::size_t>(impl->numel * item), op, shape, dtype);
   impl->shape = shape;
+  contiguous_strides(shape, impl->strides.data());
   impl->dtype = dtype;
   impl->backend = &backend;
   return Tensor(std::move(impl));
 }
 
-Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset) {
+Tensor strided_alias(const Tensor& source, const Shape& shape, const std::int64_t* strides, std::int64_t offset) {
   auto impl = std::make_shared<TensorImpl>();
   const TensorImpl& s = *impl_of(source);
   impl->storage = s.storage;
-  impl->offset = s.offset + extra_offset;
+  impl->offset = offset;
   impl->shape = shape;
+  std::copy(strides, strides + shape.size(), impl->strides.begin());
+  impl->contiguous = strides_are_contiguous(shape, strides);
   impl->numel = shape_numel(shape);
   impl->dtype = s.dtype;
   impl->backend = s.backend;
   return Tensor(std::move(impl));
+}
+
+Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset) {
+  std::int64_t strides[kMaxDims];
+  contiguous_strides(shape, strides);
+  return strided_alias(source, shape, strides, impl_of(source)->offset + extra_offset);
 }
 
 void contiguous_strides(const Shape& shape, std::int64_t* strides) {
@@ -48,14 +59,26 @@ void contiguous_strides(const Shape& shape, std::int64_t* strides) {
   }
 }
 
+bool strides_are_contiguous(const Shape& shape, const std::int64_t* strides) {
+  std::int64_t expected = 1;
+  for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
+    if (shape[i] == 0) return true;  // an empty tensor reads nothing
+    if (shape[i] != 1 && strides[i] != expected) return false;
+    expected *= shape[i];
+  }
+  return true;
+}
+
 View view_of(const Tensor& t) {
   View v;
   const TensorImpl& impl = *impl_of(t);
   v.data = impl.data();
   v.dtype = impl.dtype;
   v.ndim = static_cast<int>(impl.shape.size());
-  for (int i = 0; i < v.ndim; ++i) v.shape[i] = impl.shape[i];
-  contiguous_strides(impl.shape, v.strides.data());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = impl.shape[i];
+    v.strides[i] = impl.strides[i];
+  }
   return v;
 }
 
@@ -65,15 +88,68 @@ View broadcast_view(const Tensor& t, const Shape& shape) {
   v.data = impl.data();
   v.dtype = impl.dtype;
   v.ndim = static_cast<int>(shape.size());
-  std::int64_t own[kMaxDims];
-  contiguous_strides(impl.shape, own);
   const int lead = v.ndim - static_cast<int>(impl.shape.size());
   for (int i = 0; i < v.ndim; ++i) {
     v.shape[i] = shape[i];
     const int j = i - lead;
-    v.strides[i] = (j < 0 || impl.shape[j] == 1) ? 0 : own[j];
+    v.strides[i] = (j < 0 || impl.shape[j] == 1) ? 0 : impl.strides[j];
   }
   return v;
+}
+
+Tensor dense(const Tensor& t) {
+  const TensorImpl& impl = *impl_of(t);
+  if (impl.contiguous) return t;
+  Tensor out = make_tensor(impl.shape, impl.dtype, *impl.backend, "contiguous");
+  if (impl.numel) impl.backend->copy(view_of(t), view_of(out));
+  return out;
+}
+
+namespace {
+// [first, last] element offsets a tensor's elements span in its storage (numel > 0).
+std::pair<std::int64_t, std::int64_t> element_span(const TensorImpl& t) {
+  std::int64_t first = t.offset, last = t.offset;
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    const std::int64_t reach = (t.shape[d] - 1) * t.strides[d];
+    (reach < 0 ? first : last) += reach;
+  }
+  return {first, last};
+}
+}  // namespace
+
+bool may_overlap(const Tensor& a, const Tensor& b) {
+  const TensorImpl& x = *impl_of(a);
+  const TensorImpl& y = *impl_of(b);
+  if (x.storage != y.storage || x.numel == 0 || y.numel == 0) return false;
+  const auto [x0, x1] = element_span(x);
+  const auto [y0, y1] = element_span(y);
+  return x0 <= y1 && y0 <= x1;
+}
+
+void require_writable_layout(const char* op, const Tensor& t) {
+  const TensorImpl& impl = *impl_of(t);
+  if (impl.contiguous) return;
+  // Overlapping elements: sort axes by stride; each stride must reach past the span of the inner ones.
+  std::array<int, kMaxDims> axes{};
+  int n = 0;
+  for (int d = 0; d < static_cast<int>(impl.shape.size()); ++d) {
+    if (impl.shape[d] > 1) axes[n++] = d;
+  }
+  for (int i = 1; i < n; ++i) {  // insertion sort by |stride| (at most kMaxDims axes)
+    for (int j = i; j > 0 && std::abs(impl.strides[axes[j]]) < std::abs(impl.strides[axes[j - 1]]); --j) {
+      std::swap(axes[j], axes[j - 1]);
+    }
+  }
+  std::int64_t span = 1;
+  for (int i = 0; i < n; ++i) {
+    const std::int64_t stride = std::abs(impl.strides[axes[i]]);
+    if (stride < span) {
+      fail<ShapeError>(op, "cannot write in place to a ", dtype_name(impl.dtype), " ", impl.shape,
+                       " view whose elements share memory (strides ", t.strides(), "; an expanded view); ",
+                       "write to contiguous() or clone() instead");
+    }
+    span = stride * impl.shape[axes[i]];
+  }
 }
 
 void require_defined(const char* op, const Tensor& t) {
@@ -161,10 +237,33 @@ std::size_t Tensor::nbytes() const {
   const auto& impl = checked(*this, "nbytes");
   return static_cast<std::size_t>(impl.numel) * dtype_size(impl.dtype);
 }
-void* Tensor::data_ptr() const { return checked(*this, "data_ptr").data(); }
+namespace {
+// Raw pointers are handed out only where the bytes are the tensor's values in row-major order.
+const TensorImpl& require_contiguous_bytes(const Tensor& t, const char* what) {
+  const TensorImpl& impl = checked(t, what);
+  if (!impl.contiguous) {
+    fail<ShapeError>(what, "this ", dtype_name(impl.dtype), " ", impl.shape, " tensor is a non-contiguous view (strides ",
+                     t.strides(), "), so its elements are not consecutive in memory; call contiguous() first, or "
+                     "read it through view(), which carries the strides");
+  }
+  return impl;
+}
+}  // namespace
+
+void* Tensor::data_ptr() const { return require_contiguous_bytes(*this, "data_ptr").data(); }
 View Tensor::view() const {
   checked(*this, "view");
   return detail::view_of(*this);
+}
+bool Tensor::is_contiguous() const { return checked(*this, "is_contiguous").contiguous; }
+Shape Tensor::strides() const {
+  const auto& impl = checked(*this, "strides");
+  return Shape(impl.strides.begin(), impl.strides.begin() + static_cast<std::ptrdiff_t>(impl.shape.size()));
+}
+std::int64_t Tensor::storage_offset() const { return checked(*this, "storage_offset").offset; }
+Tensor Tensor::contiguous() const {
+  if (checked(*this, "contiguous").contiguous) return *this;
+  return clone();
 }
 bool Tensor::shares_storage(const Tensor& other) const {
   return defined() && other.defined() && impl_->storage == other.impl_->storage;
@@ -172,7 +271,7 @@ bool Tensor::shares_storage(const Tensor& other) const {
 
 template <class T>
 T* Tensor::data() const {
-  const auto& impl = checked(*this, "data");
+  const auto& impl = require_contiguous_bytes(*this, "data");
   if (impl.dtype != dtype_of<T>()) {
     fail<DTypeError>("data", "requested ", dtype_name(dtype_of<T>()), " elements of a ", dtype_name(impl.dtype),
                      " tensor ", impl.shape);
@@ -184,7 +283,7 @@ template <class T>
 std::vector<T> Tensor::to_vector() const {
   const auto& impl = checked(*this, "to_vector");
   constexpr DType target = dtype_of<T>();
-  const Tensor source = impl.dtype == target ? *this : this->detach().to(target);
+  const Tensor source = detail::dense(impl.dtype == target ? *this : this->detach().to(target));
   const auto* src =
       static_cast<const std::conditional_t<std::is_same_v<T, bool>, std::uint8_t, T>*>(impl_of(source)->data());
   return std::vector<T>(src, src + impl.numel);
@@ -211,7 +310,7 @@ double Tensor::at(std::initializer_list<std::int64_t> index) const {
     const std::int64_t extent = impl.shape[axis];
     if (i < -extent || i >= extent)
       fail<IndexError>("at", "index ", i, " is out of range for axis ", axis, " of ", impl.shape);
-    flat = flat * extent + (i < 0 ? i + extent : i);
+    flat += (i < 0 ? i + extent : i) * impl.strides[axis];
     ++axis;
   }
   return read_element(impl.data(), impl.dtype, flat);
@@ -262,7 +361,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph) const { autograd::b
 
 Tensor Tensor::detach() const {
   const auto& impl = checked(*this, "detach");
-  return detail::alias(*this, impl.shape);
+  return detail::strided_alias(*this, impl.shape, impl.strides.data(), impl.offset);
 }
 
 const std::shared_ptr<autograd::Node>& Tensor::grad_fn() const { return checked(*this, "grad_fn").grad_fn; }
@@ -271,7 +370,8 @@ Tensor Tensor::to(DType dtype) const { return cast(*this, dtype); }
 
 Tensor Tensor::to(Backend& backend) const {
   checked(*this, "to");
-  Tensor out = detail::alias(*this, shape());
+  const auto& impl = *impl_of(*this);
+  Tensor out = detail::strided_alias(*this, impl.shape, impl.strides.data(), impl.offset);
   impl_of(out)->backend = &backend;
   impl_of(out)->requires_grad = false;
   if (autograd::needs_grad(*this)) {
@@ -286,7 +386,11 @@ Tensor Tensor::to(Backend& backend) const {
 Tensor Tensor::clone() const {
   const auto& impl = checked(*this, "clone");
   Tensor out = detail::make_tensor(impl.shape, impl.dtype, *impl.backend, "clone");
-  if (impl.numel) std::memcpy(out.data_ptr(), impl.data(), nbytes());
+  if (impl.contiguous) {
+    if (impl.numel) std::memcpy(out.data_ptr(), impl.data(), nbytes());
+  } else if (impl.numel) {
+    impl.backend->copy(detail::view_of(*this), detail::view_of(out));
+  }
   if (autograd::needs_grad(*this)) {
     autograd::record("clone", out, {*this}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
       return std::vector<Tensor>{g};
@@ -296,6 +400,15 @@ Tensor Tensor::clone() const {
 }
 
 namespace {
+// Whether a and b are the same elements of one storage in the same order (exact aliasing).
+bool same_elements(const Tensor& a, const Tensor& b) {
+  const TensorImpl& x = *impl_of(a);
+  const TensorImpl& y = *impl_of(b);
+  return x.storage == y.storage && x.offset == y.offset && x.shape == y.shape &&
+         std::equal(x.strides.begin(), x.strides.begin() + static_cast<std::ptrdiff_t>(x.shape.size()),
+                    y.strides.begin());
+}
+
 // Every in-place op starts here: refuse to overwrite a tensor the graph may depend on, and mark
 // the write for saved-tensor checks.
 void begin_inplace(const Tensor& self, const char* op) {
@@ -322,8 +435,12 @@ Tensor& Tensor::copy_(const Tensor& source) {
   if (broadcast_shapes(source.shape(), shape(), "copy_") != shape()) {
     fail<ShapeError>("copy_", "source ", source.shape(), " does not broadcast to ", shape());
   }
+  detail::require_writable_layout("copy_", *this);
   Tensor src = source.dtype() == dtype() ? source : source.detach().to(dtype());
-  if (src.shares_storage(*this) && src.data_ptr() == data_ptr() && src.shape() == shape()) return *this;
+  if (same_elements(src, *this)) return *this;  // nothing to move
+  // A source that overlaps the destination otherwise (x.copy_(x.transpose(0, 1))) is read
+  // whole before anything is written.
+  if (detail::may_overlap(src, *this)) src = src.detach().clone();
   backend().copy(detail::broadcast_view(src, shape()), detail::view_of(*this));
   return *this;
 }
@@ -331,6 +448,7 @@ Tensor& Tensor::copy_(const Tensor& source) {
 Tensor& Tensor::fill_(double value) {
   checked(*this, "fill_");
   begin_inplace(*this, "fill_");
+  detail::require_writable_layout("fill_", *this);
   backend().fill(detail::view_of(*this), value);
   return *this;
 }
@@ -342,7 +460,10 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   if (broadcast_shapes(other.shape(), shape(), "add_") != shape()) {
     fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
   }
+  detail::require_writable_layout("add_", *this);
   Tensor operand = other.dtype() == dtype() ? other : other.detach().to(dtype());
+  // The binary kernel allows its output to alias an input exactly, never in part.
+  if (detail::may_overlap(operand, *this) && !same_elements(operand, *this)) operand = operand.detach().clone();
   if (alpha != 1.0) {
     autograd::NoGradGuard guard;
     operand = operand.detach() * alpha;
@@ -355,6 +476,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
 Tensor& Tensor::mul_(double factor) {
   checked(*this, "mul_");
   begin_inplace(*this, "mul_");
+  detail::require_writable_layout("mul_", *this);
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
   backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);

@@ -230,7 +230,7 @@ TEST_CASE("reductions") {
   CHECK_CLOSE(sum_to(ones({2, 3, 4}), {3, 1}), {8, 8, 8}, {3, 1});
 }
 
-TEST_CASE("reshape shares storage; permute, slice and concat copy as documented") {
+TEST_CASE("reshape, permute, slice and expand share storage; concat copies, as documented") {
   const Tensor x = arange(0, 24).reshape({2, 3, 4});
   CHECK(x.reshape({6, 4}).shares_storage(x));
   CHECK(x.reshape({-1, 8}).shape() == Shape{3, 8});
@@ -243,12 +243,14 @@ TEST_CASE("reshape shares storage; permute, slice and concat copy as documented"
   const Tensor p = permute(x, {2, 0, 1});
   CHECK(p.shape() == Shape{4, 2, 3});
   CHECK(p.at({1, 1, 2}) == x.at({1, 2, 1}));
-  // Leading rows are one block: shared; an inner slice is copied.
+  // Slices on any axis are views: leading rows stay contiguous, an inner slice is strided.
   const Tensor rows = slice(x, 0, 1, 2);
   CHECK(rows.shares_storage(x));
+  CHECK(rows.is_contiguous());
   CHECK_CLOSE(rows.flatten(), arange(12, 24), 0, 0);
   const Tensor inner = slice(x, 2, 1, 3);
-  CHECK_FALSE(inner.shares_storage(x));
+  CHECK(inner.shares_storage(x));
+  CHECK_FALSE(inner.is_contiguous());
   CHECK(inner.shape() == Shape{2, 3, 2});
   CHECK(inner.at({1, 2, 0}) == x.at({1, 2, 1}));
   CHECK_CLOSE(slice(values({1, 2, 3, 4}, {4}), 0, -3, -1), {2, 3}, {2});

@@ -91,7 +91,11 @@ enum class GemmEpilogue : std::uint8_t { none, gelu_erf, gelu_tanh };
 
 /// C[b] = epilogue(alpha * op(A[b]) @ op(B[b]) + beta * C[b] (+ bias broadcast over rows)), for b < batch.
 /// A is [m, k] row-major per batch ([k, m] when trans_a), B is [k, n] ([n, k] when trans_b),
-/// C is [m, n]. Batch strides count elements; 0 reuses one matrix for every batch.
+/// C is [m, n]. Each stored matrix's rows are ld elements apart (lda, ldb, ldc; 0 means dense:
+/// its column count), so a strided view whose last or second-to-last axis is contiguous is read
+/// in place. Batches run over up to two axes: batch b's matrices start at offset(b) =
+/// (b / batch_inner) * batch_stride + (b % batch_inner) * inner_stride, in elements, for each
+/// operand; a stride of 0 reuses one matrix along that axis. C never overlaps itself or A and B.
 struct GemmDesc {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -101,8 +105,41 @@ struct GemmDesc {
   bool trans_a = false, trans_b = false;
   std::int64_t batch = 1, m = 0, n = 0, k = 0;
   std::int64_t batch_stride_a = 0, batch_stride_b = 0, batch_stride_c = 0;
+  std::int64_t lda = 0, ldb = 0, ldc = 0;
+  std::int64_t batch_inner = 1;  // extent of the inner batch axis (divides batch)
+  std::int64_t inner_stride_a = 0, inner_stride_b = 0, inner_stride_c = 0;
   float alpha = 1.0f, beta = 0.0f;
   GemmEpilogue epilogue = GemmEpilogue::none;
+
+  // Stored rows and columns of each operand, and their row strides with the dense default.
+  std::int64_t rows_a() const { return trans_a ? k : m; }
+  std::int64_t cols_a() const { return trans_a ? m : k; }
+  std::int64_t rows_b() const { return trans_b ? n : k; }
+  std::int64_t cols_b() const { return trans_b ? k : n; }
+  std::int64_t ld_a() const { return lda ? lda : cols_a(); }
+  std::int64_t ld_b() const { return ldb ? ldb : cols_b(); }
+  std::int64_t ld_c() const { return ldc ? ldc : n; }
+  std::int64_t offset_a(std::int64_t i) const { return split(i, batch_stride_a, inner_stride_a); }
+  std::int64_t offset_b(std::int64_t i) const { return split(i, batch_stride_b, inner_stride_b); }
+  std::int64_t offset_c(std::int64_t i) const { return split(i, batch_stride_c, inner_stride_c); }
+  /// Elements from an operand's first to its last one, over every batch (strides are >= 0).
+  std::int64_t span_a() const { return span(rows_a(), cols_a(), ld_a(), batch_stride_a, inner_stride_a); }
+  std::int64_t span_b() const { return span(rows_b(), cols_b(), ld_b(), batch_stride_b, inner_stride_b); }
+  std::int64_t span_c() const { return span(m, n, ld_c(), batch_stride_c, inner_stride_c); }
+  /// Whether every operand is dense within each matrix (the layout before leading dimensions).
+  bool dense_matrices() const { return ld_a() == cols_a() && ld_b() == cols_b() && ld_c() == n; }
+
+ private:
+  std::int64_t split(std::int64_t i, std::int64_t outer, std::int64_t inner) const {
+    const std::int64_t in = batch_inner > 1 ? batch_inner : 1;
+    return (i / in) * outer + (i % in) * inner;
+  }
+  std::int64_t span(std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t outer,
+                    std::int64_t inner) const {
+    if (rows == 0 || cols == 0 || batch == 0) return 0;
+    const std::int64_t in = batch_inner > 1 ? batch_inner : 1;
+    return (batch / in - 1) * outer + (in - 1) * inner + (rows - 1) * ld + cols;
+  }
 };
 
 /// One fused Adam/AdamW step on whole buffers (param, grad, first and second moments, same

@@ -1,6 +1,13 @@
-// Tensor: a cheap handle over shared, row-major, contiguous host storage, with a dtype, a backend
-// and optional autodiff metadata. Copying a Tensor copies the handle (like a shared_ptr); reshape
-// shares storage; permute, non-leading slices and expand copy.
+// Tensor: a cheap handle over shared host storage (storage + offset + shape + strides), with a
+// dtype, a backend and optional autodiff metadata. Copying a Tensor copies the handle (like a
+// shared_ptr). Ops write new contiguous row-major tensors; permute, transpose, slice, expand,
+// squeeze, unsqueeze and view return views of the same storage, and reshape does where the
+// strides allow (it copies otherwise).
+//
+// Views and in-place writes: a write through a view reaches its base, and the version counter
+// is the storage's, so a saved tensor overwritten through any view of it is still caught. ruda
+// refuses in-place updates of tensors that require grad while grad mode is on, so PyTorch's
+// rebasing of a view's autograd history after an in-place write is not needed (nor done).
 #pragma once
 
 #include <cstdint>
@@ -52,14 +59,24 @@ class Tensor {
   Backend& backend() const;
   std::size_t nbytes() const;
 
-  /// First element of this tensor's data (contiguous, row-major).
+  /// First element of this tensor's data, whose elements follow in row-major order. Throws
+  /// ShapeError on a non-contiguous view (call contiguous() first, or read view()'s strides):
+  /// no caller reads the wrong bytes.
   void* data_ptr() const;
-  /// Typed pointer; throws DTypeError if T does not match the dtype.
+  /// Typed pointer; throws DTypeError if T does not match the dtype, ShapeError as data_ptr().
   template <class T>
   T* data() const;
-  /// The kernel view of this tensor (contiguous strides).
+  /// The kernel view of this tensor: pointer to its first element and its strides (any layout).
   View view() const;
   bool shares_storage(const Tensor& other) const;
+  /// Whether the elements are consecutive in row-major order (every op's output is).
+  bool is_contiguous() const;
+  /// This tensor when contiguous, else a contiguous copy (differentiable, like clone()).
+  Tensor contiguous() const;
+  /// Element strides of each axis (0 on an expanded axis).
+  Shape strides() const;
+  /// Where the first element sits in the storage, in elements.
+  std::int64_t storage_offset() const;
 
   /// All values converted to T (any dtype to float, double, int64_t, bool, bfloat16 or float16).
   template <class T>
@@ -110,7 +127,8 @@ class Tensor {
 
   // --- shape (free functions below hold the documentation) ---
   Tensor reshape(Shape shape) const;
-  Tensor view(Shape shape) const { return reshape(std::move(shape)); }
+  /// Like reshape, but never copies: ShapeError when the strides do not allow a view.
+  Tensor view(Shape shape) const;
   Tensor flatten(std::int64_t start_axis = 0, std::int64_t end_axis = -1) const;
   Tensor squeeze(std::int64_t axis) const;
   Tensor unsqueeze(std::int64_t axis) const;
@@ -263,22 +281,26 @@ Tensor argmin(const Tensor& x, std::int64_t axis, bool keepdim = false);
 Tensor sum_to(const Tensor& x, const Shape& shape);
 
 // --- shape ---
-/// Same storage, new shape with the same element count; one extent may be -1.
+/// New shape with the same element count; one extent may be -1. A view of x's storage when its
+/// strides allow one (always for a contiguous x), else a contiguous copy.
 Tensor reshape(const Tensor& x, Shape shape);
+/// reshape that never copies: ShapeError when x's strides cannot give that shape (a transposed
+/// matrix flattened), as PyTorch's view.
+Tensor view(const Tensor& x, Shape shape);
 Tensor flatten(const Tensor& x, std::int64_t start_axis = 0, std::int64_t end_axis = -1);
 Tensor squeeze(const Tensor& x, std::int64_t axis);
 Tensor unsqueeze(const Tensor& x, std::int64_t axis);
-/// Reorders axes (copies).
+/// Reorders axes (a view: the strides are permuted).
 Tensor permute(const Tensor& x, const Axes& order);
 Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1);
-/// Elements [start, end) along an axis; negative bounds count from the end. Shares storage when
-/// the slice is one contiguous block (e.g. leading rows), copies otherwise.
+/// Elements [start, end) along an axis; negative bounds count from the end. A view on any axis.
 Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end);
 /// x with elements [start, end) along `axis` replaced by `value` (a new tensor; differentiable in both).
 Tensor slice_assign(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end, const Tensor& value);
 Tensor concat(const std::vector<Tensor>& tensors, std::int64_t axis = 0);
 Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis = 0);
-/// Broadcasts to a larger shape (copies).
+/// Broadcasts to a larger shape: a view with stride 0 on the broadcast axes. Its elements share
+/// memory, so in-place writes to it are refused (write to contiguous() instead).
 Tensor expand(const Tensor& x, const Shape& shape);
 
 // --- linear algebra ---

@@ -228,10 +228,12 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
       const std::size_t i = bucket.members[m];
       const ShardInfo& info = *param(i).shard();
       // Copy-out: this parameter's columns of the [world, part] rows (a view when it is alone).
+      // A copy, not a strided view: a parameter's value is contiguous, for every raw reader.
       const Tensor columns = bucket.members.size() == 1
                                  ? full
                                  : full.reshape({world, bucket.part})
                                        .slice(1, bucket.offsets[m], bucket.offsets[m] + info.shard_size)
+                                       .contiguous()
                                        .reshape({-1});
       out->values[i] = columns.slice(0, 0, info.numel).reshape(info.logical_shape);
     }
