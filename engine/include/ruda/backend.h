@@ -4,6 +4,13 @@
 // computes. Every kernel takes whole tensors as Views (pointer, dtype, shape, strides in elements),
 // so there is one virtual call per operation, never per element. Both backends use host memory,
 // so a tensor can move between backends without a copy.
+//
+// Layouts: tensors may be strided views (permute, slice, expand), and each kernel's comment says
+// what it takes. fill, copy, binary and where take any strides; gemm reads operands through
+// leading dimensions and two batch strides; attention any strides but a contiguous last axis.
+// The kernels marked "contiguous" get contiguous inputs: the engine copies a strided one at its
+// boundary (detail::dense) before the call. Outputs the engine allocates are contiguous; an
+// in-place write (fill, copy, binary into out) may target a view, whose elements never overlap.
 #pragma once
 
 #include <array>
@@ -175,30 +182,34 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
 
-  /// out[...] = value (converted to out's dtype).
+  /// out[...] = value (converted to out's dtype); out may have any strides.
   virtual void fill(const View& out, double value) = 0;
   /// dst = src elementwise, same shape and dtype, any strides (permute, slice, concat, expand).
   virtual void copy(const View& src, const View& dst) = 0;
-  /// dst = src converted (contiguous, same element count, any dtypes; 16-bit floats round to nearest even).
+  /// dst = src converted (contiguous: the engine copies a strided src; same element count, any
+  /// dtypes; 16-bit floats round to nearest even).
   virtual void cast(const View& src, const View& dst) = 0;
-  /// y = f(x), contiguous, same shape and dtype.
+  /// y = f(x), contiguous (the engine copies a strided x), same shape and dtype.
   virtual void unary(UnaryOp op, const View& x, const View& y) = 0;
   /// gx = gy * f'(x); y = f(x) is passed too for ops whose derivative reads it. Contiguous.
   virtual void unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) = 0;
-  /// out = a (op) b; a and b are broadcast to out's shape through their strides (0 = broadcast).
-  /// out may alias a or b exactly (in-place updates).
+  /// out = a (op) b; a and b are broadcast to out's shape through their strides (0 = broadcast,
+  /// any other stride a view's). out may be a view too (in-place updates through a view) and may
+  /// alias a or b exactly, never in part (the engine copies a partially overlapping operand).
   virtual void binary(BinaryOp op, const View& a, const View& b, const View& out) = 0;
   /// out = cond ? a : b, with cond (bool), a and b broadcast to out's shape through strides.
   virtual void where(const View& cond, const View& a, const View& b, const View& out) = 0;
   /// out = reduction of x over the axes where out's extent is 1 and x's is not (out keeps x's rank).
-  /// argmax/argmin write i64 and reduce exactly one axis.
+  /// argmax/argmin write i64 and reduce exactly one axis. Contiguous (a strided x is copied first).
   virtual void reduce(ReduceOp op, const View& x, const View& out) = 0;
   virtual void gemm(const GemmDesc& desc) = 0;
-  /// y = softmax (or log_softmax) of x over `axis`; x and y contiguous with the same shape.
+  /// y = softmax (or log_softmax) of x over `axis`; x and y contiguous with the same shape (the
+  /// engine copies a strided x).
   virtual void softmax(const View& x, const View& y, int axis, bool log) = 0;
   /// gx from y (the forward output) and gy over `axis`.
   virtual void softmax_backward(const View& y, const View& gy, const View& gx, int axis, bool log) = 0;
-  /// out[i, :] = table[index[i], :]; table [V, F], index i64 [N], out [N, F]. Indices are checked by the engine.
+  /// out[i, :] = table[index[i], :]; table [V, F], index i64 [N], out [N, F], all contiguous.
+  /// Indices are checked by the engine.
   virtual void gather_rows(const View& table, const View& index, const View& out) = 0;
   /// table[index[i], :] += src[i, :] (repeated indices accumulate).
   virtual void scatter_add_rows(const View& src, const View& index, const View& table) = 0;
@@ -209,7 +220,8 @@ class Backend {
   virtual void adam_update(const AdamDesc& desc) = 0;
   /// Normalizes each row of x [rows, n]: y = (x - mean) * rstd (* weight + bias, when given: [n],
   /// or views with null data), rstd = 1 / sqrt(var + eps). Writes mean and rstd [rows] (f32, or
-  /// f64 for f64 x) for the backward. Statistics accumulate in f32 at least.
+  /// f64 for f64 x) for the backward. Statistics accumulate in f32 at least. Contiguous (the
+  /// engine copies strided x, weight and bias).
   virtual void layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
                           const View& mean, const View& rstd) = 0;
   /// gx from gy; gweight and gbias (sums over rows; null data when not wanted).
