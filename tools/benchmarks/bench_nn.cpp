@@ -1,7 +1,10 @@
 // nn suites: one training step (forward, backward, AdamW) of the 784-1024-1024-10 MLP at batch
-// 128, dense in one process and fully sharded over emulated ranks; and the bytes each rank holds.
+// 128, dense in one process and fully sharded over emulated ranks, and the GPT's sharded step
+// against dense; the bytes each rank holds; and the models' steps with their fraction of the
+// GEMM rate.
 #include <functional>
 #include <mutex>
+#include <thread>
 
 #include <ruda/nn.h>
 
@@ -27,6 +30,8 @@ void step(nn::Sequential& model, nn::Optimizer& opt, const Tensor& x, const Tens
   loss.backward();
   opt.step();
 }
+
+void sharded_gpt_row(Context& ctx);
 
 void train_step_suite(Context& ctx) {
   {
@@ -64,6 +69,49 @@ void train_step_suite(Context& ctx) {
     r.value = scaled(rank0, 1e3);
     ctx.report(r);
   }
+  sharded_gpt_row(ctx);
+}
+
+// The sharded step's own cost: the default GPT over 2 emulated ranks without a link model (each
+// rank one thread on its half of the batch) against the same step dense on the local batch with
+// the same threads, on one rank at a time. The ratio is what sharding adds (gathers, copies into
+// and out of flat buffers, reduce-scatters, bookkeeping) when the wire costs nothing.
+void sharded_gpt_row(Context& ctx) {
+  constexpr int kWorld = 2;
+  constexpr std::int64_t kGlobal = 16, kLocal = kGlobal / kWorld;
+  const nn::GPTConfig config{.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4};
+  auto gpt_step = [](nn::GPT& gpt, nn::Optimizer& opt, const Tensor& x, const Tensor& y) {
+    const Tensor loss = nn::cross_entropy(gpt.forward(x), y, {.reduction = nn::LossReduction::sum}) /
+                        static_cast<double>(kGlobal * 128);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  };
+  const int threads = std::max(1, hardware_threads() / kWorld);
+  Stats dense;
+  std::thread([&] {
+    set_num_threads(threads);
+    nn::manual_seed(1);
+    nn::GPT gpt(config);
+    nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
+    const Tensor x = randint({kLocal, 128}, 0, 256, 3), y = randint({kLocal, 128}, 0, 256, 4);
+    dense = measure(ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
+  }).join();
+  Stats rank0;
+  run_ranks(kWorld, [&](Communicator& comm) {
+    set_num_threads(threads);
+    nn::manual_seed(1);
+    nn::GPT gpt(config);
+    nn::fully_shard(gpt, comm);
+    nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
+    const Tensor x = randint({kLocal, 128}, 0, 256, 3 + comm.rank()), y = randint({kLocal, 128}, 0, 256, 4 + comm.rank());
+    const Stats s = measure(ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
+    if (comm.rank() == 0) rank0 = s;
+  });
+  report_time(ctx, "train-step",
+              "GPT d256 L4 b16, sharded over 2 emulated ranks (no link), " + std::to_string(threads) +
+                  " thread(s) each, vs dense on the local batch 8",
+              rank0, dense, "dense b8, same threads", "ms", 1e3);
 }
 
 void memory_suite(Context& ctx) {
@@ -110,25 +158,89 @@ void memory_suite(Context& ctx) {
   }
 }
 
+// The FLOPs of the matrix products a training step needs (2 m n k each, forward and backward),
+// counted from the shapes. The model's own products only: what the engine recomputes to save
+// memory (the flash-attention backward's score blocks, linear_gelu's pre-activation) is work the
+// step does but not work the model asks for, so it does not raise the figure.
+struct StepFlops {
+  double value = 0;
+  // A linear of `rows` x [in, out]: forward, the weight's gradient, and the input's unless it is
+  // the model's input (needs_input_grad false).
+  void linear(double rows, double in, double out, bool needs_input_grad = true) {
+    value += 2 * rows * in * out * (needs_input_grad ? 3 : 2);
+  }
+};
+
+double mlp_flops(double batch) {
+  StepFlops f;
+  f.linear(batch, 784, 1024, false);
+  f.linear(batch, 1024, 1024);
+  f.linear(batch, 1024, 10);
+  return f.value;
+}
+
+double gpt_flops(const nn::GPTConfig& c, double batch) {
+  StepFlops f;
+  const double tokens = batch * static_cast<double>(c.context), d = static_cast<double>(c.d_model);
+  const double t = static_cast<double>(c.context);
+  for (std::int64_t l = 0; l < c.layers; ++l) {
+    f.linear(tokens, d, 3 * d);  // qkv
+    f.linear(tokens, d, d);      // projection
+    f.linear(tokens, d, 4 * d);  // fc1
+    f.linear(tokens, 4 * d, d);  // fc2
+    // q k^T and p v per head: 2 products of 2 T T D forward, 4 backward (dV, dP, dQ, dK);
+    // causal: half the blocks.
+    f.value += 0.5 * 6 * 2 * batch * t * t * d;
+  }
+  f.linear(tokens, d, static_cast<double>(c.vocabulary));  // the output head
+  return f.value;
+}
+
+// ruda's GEMM rate on [rows, inner] x [inner, cols] in `dtype`, FLOP/s (median of the run).
+Stats gemm_rate(const Context& ctx, std::int64_t rows, std::int64_t inner, std::int64_t cols, DType dtype) {
+  const Tensor a = randn({rows, inner}, 1).to(dtype), b = randn({inner, cols}, 2).to(dtype);
+  return rate(measure(ctx, [&] { (void)matmul(a, b); }, 3), 2.0 * static_cast<double>(rows * inner * cols));
+}
+
 // The two models of ruda-train, one process, as tools/compare-torch times them in PyTorch:
 // a training step of the MLP (AdamW, batch 128) and of the small GPT (Adam, batch 16, context
-// 128), in f32 and with bf16 compute (parameters stay f32).
+// 128), in f32 and with bf16 compute (parameters stay f32). Each step also gives a "fraction of
+// GEMM" row: the model's matrix-product FLOPs per second of step (StepFlops) over ruda's GEMM
+// rate on the model's characteristic product in the same run (the MLP's [128, 1024] x [1024,
+// 1024]; the GPT's [tokens, d] x [d, 4d]), so the ratio is the fraction of the GEMM rate the
+// whole step achieves. Then the GPT-2-small shape at context 1024 (f32, batch 1): its fraction
+// and its memory plan's step row.
 void models_suite(Context& ctx) {
   // One timed figure per model and dtype: a step is forward, loss (in f32), backward, update.
-  auto report_step = [&](const std::string& name, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
-                         const UnaryModuleFn& forward, int warmup) {
+  auto time_step = [](const Context& c, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
+                      const UnaryModuleFn& forward, int warmup) {
     auto run = [&] {
       const Tensor loss = nn::cross_entropy(cast(forward(x), DType::f32), y);
       opt.zero_grad();
       loss.backward();
       opt.step();
     };
+    return measure(c, run, warmup);
+  };
+  auto report_step = [&](const std::string& name, const Stats& seconds) {
     Result r;
     r.suite = "models";
     r.name = name;
     r.backend = ctx.backend;
     r.unit = "ms";
-    r.value = scaled(measure(ctx, run, warmup), 1e3);
+    r.value = scaled(seconds, 1e3);
+    ctx.report(r);
+  };
+  auto report_fraction = [&](const std::string& name, const Stats& seconds, double flops, const Stats& gemm,
+                             const std::string& gemm_name) {
+    Result r;
+    r.suite = "models";
+    r.name = name + " fraction of GEMM";
+    r.backend = ctx.backend;
+    r.unit = "GFLOP/s";
+    r.value = scaled(rate(seconds, flops), 1e-9);
+    r.peer = scaled(gemm, 1e-9);
+    r.peer_name = "ruda GEMM " + gemm_name;
     ctx.report(r);
   };
   for (DType compute : {DType::f32, DType::bf16}) {
@@ -139,17 +251,57 @@ void models_suite(Context& ctx) {
     auto mlp = make_mlp();
     nn::fully_shard(*mlp, comm, policy);
     nn::AdamW mlp_opt(mlp->parameters(), {.lr = 1e-3});
-    report_step(
-        "mlp step, " + dtype, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
-        [&](const Tensor& x) { return mlp->forward(x); }, 3);
+    const Stats mlp_step = time_step(
+        ctx, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2), [&](const Tensor& x) { return mlp->forward(x); },
+        3);
+    report_step("mlp step, " + dtype, mlp_step);
+    report_fraction("mlp step, " + dtype, mlp_step, mlp_flops(kBatch),
+                    gemm_rate(ctx, kBatch, 1024, 1024, compute), "[128, 1024] x [1024, 1024] " + dtype);
+
     nn::manual_seed(1);
-    nn::GPT gpt({.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4});
+    const nn::GPTConfig config{.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4};
+    nn::GPT gpt(config);
     nn::fully_shard(gpt, comm, policy);
     nn::Adam gpt_opt(gpt.parameters(), {.lr = 3e-4});
-    report_step(
-        "gpt step, " + dtype, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
+    const Stats gpt_step = time_step(
+        ctx, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
         [&](const Tensor& x) { return gpt.forward(x); }, 2);
+    report_step("gpt step, " + dtype, gpt_step);
+    report_fraction("gpt step, " + dtype, gpt_step, gpt_flops(config, 16),
+                    gemm_rate(ctx, 16 * 128, 256, 1024, compute), "[2048, 256] x [256, 1024] " + dtype);
   }
+  if (ctx.quick) return;  // GPT-2-small takes seconds per step
+
+  // GPT-2-small: d 768, 12 layers, 12 heads, context 1024, vocabulary 256, batch 1, f32.
+  LocalCommunicator comm;
+  nn::manual_seed(1);
+  const nn::GPTConfig config{.vocabulary = 256, .context = 1024, .d_model = 768, .layers = 12, .heads = 12};
+  nn::GPT gpt(config);
+  nn::fully_shard(gpt, comm);
+  nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
+  const Tensor x = randint({1, 1024}, 0, 256, 5), y = randint({1, 1024}, 0, 256, 6);
+  const nn::MemoryPlan plan = nn::plan_memory(
+      gpt, comm, 1,
+      [&](std::int64_t b) {
+        return nn::cross_entropy(gpt.forward(randint({b, 1024}, 0, 256, 7)), randint({b, 1024}, 0, 256, 8));
+      },
+      0);
+  Context few = ctx;
+  few.repeats = std::min(ctx.repeats, 5);
+  const Stats step = time_step(few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
+  report_step("gpt2-small step (d768 L12 H12 T1024 b1), f32", step);
+  report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1),
+                  gemm_rate(few, 1024, 768, 3072, DType::f32), "[1024, 768] x [768, 3072] f32");
+  Result r;
+  r.suite = "models";
+  r.name = "gpt2-small memory plan: step row per sample (target 650 MB)";
+  r.backend = ctx.backend;
+  r.unit = "MB";
+  const double mb = static_cast<double>(plan.step) / 1e6;
+  r.value = Stats{mb, mb, mb};
+  r.peer = Stats{650, 650, 650};
+  r.peer_name = "target";
+  ctx.report(r);
 }
 
 const bool registered = register_suite("train-step", train_step_suite) && register_suite("memory", memory_suite) &&
