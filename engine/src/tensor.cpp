@@ -344,7 +344,8 @@ void Tensor::set_grad(const Tensor& grad) {
     fail<ShapeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
                      dtype_name(impl.dtype), " ", impl.shape);
   }
-  impl.grad = grad;
+  // Contiguous, like every gradient backward accumulates: optimizers read a gradient's bytes.
+  impl.grad = grad.defined() ? detail::dense(grad) : grad;
 }
 void Tensor::zero_grad() { const_cast<TensorImpl&>(checked(*this, "zero_grad")).grad = Tensor(); }
 

@@ -517,7 +517,8 @@ Tensor take_rows(const Tensor& data, const Tensor& indices) {
   const std::size_t row_bytes = static_cast<std::size_t>(row) * dtype_size(data.dtype());
   const auto picks = indices.to_vector<std::int64_t>();
   Tensor out = empty(out_shape, data.dtype());
-  const auto* src = static_cast<const std::uint8_t*>(data.data_ptr());
+  const Tensor rows_data = data.contiguous();  // rows of a strided view, in row-major order
+  const auto* src = static_cast<const std::uint8_t*>(rows_data.data_ptr());
   auto* dst = static_cast<std::uint8_t*>(out.data_ptr());
   for (std::size_t i = 0; i < picks.size(); ++i) {
     if (picks[i] < 0 || picks[i] >= rows) {

@@ -418,7 +418,8 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
   for (const auto& [name, t] : tensors) header.push_back({name, t.dtype(), t.shape()});
   Writer file(path, header, metadata);
   for (const auto& [name, t] : tensors) {
-    if (t.numel()) file.write(t.data_ptr(), t.nbytes());
+    // The file holds row-major values: a strided view is written from a contiguous copy.
+    if (t.numel()) file.write(t.is_contiguous() ? t.data_ptr() : t.detach().contiguous().data_ptr(), t.nbytes());
   }
   file.commit();
 }

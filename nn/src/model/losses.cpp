@@ -39,7 +39,8 @@ namespace {
 // Every target is a class index in [0, classes) or the ignore_index: found here, named as the
 // caller's op, rather than as an index error deep in take_along_axis.
 void check_targets(const char* op, const Tensor& targets, std::int64_t classes, std::int64_t ignore_index) {
-  const std::int64_t* t = targets.data<std::int64_t>();
+  const Tensor logical = targets.contiguous();  // a strided view's values in row-major order
+  const std::int64_t* t = logical.data<std::int64_t>();
   for (std::int64_t i = 0; i < targets.numel(); ++i) {
     if (t[i] == ignore_index || (t[i] >= 0 && t[i] < classes)) continue;
     Shape at(targets.shape().size());

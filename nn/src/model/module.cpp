@@ -114,8 +114,9 @@ void Param::replace_data(const Tensor& value) const {
                      value.shape());
   }
   // A parameter is a leaf of its own: no graph to wherever the value came from, and the caller's
-  // tensor keeps its own requires_grad.
-  Tensor leaf = value.detach();
+  // tensor keeps its own requires_grad. Its values are contiguous (a view is copied): the
+  // optimizers' fused kernels, the collectives and checkpoints read a parameter's bytes.
+  Tensor leaf = value.is_contiguous() ? value.detach() : value.detach().contiguous();
   leaf.set_requires_grad(true);
   s.data = leaf;
   s.deferred = nullptr;

@@ -38,7 +38,8 @@ class Param {
  public:
   Param() = default;
   /// A new parameter (a new id) holding `value`'s storage as a leaf of its own that requires
-  /// grad (floats only); `value` itself is left as it was.
+  /// grad (floats only); `value` itself is left as it was. A non-contiguous view is copied: a
+  /// parameter's values are contiguous (optimizers, collectives and checkpoints read its bytes).
   explicit Param(const Tensor& value);
   /// A parameter with a given id: how a checkpoint or a shard keeps an identity.
   Param(const Tensor& value, ParamId id);
