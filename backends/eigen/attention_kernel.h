@@ -40,10 +40,11 @@ struct Blocks {
 /// backward, B 1, H 12, D 64, both backends, f32 and bf16), smaller key blocks win: causal
 /// attention skips more of the area above the diagonal, and the blocks stay in L2. At T = 1024,
 /// 256 x 256 took 0.75-0.85x the time of 256 x 512 (oneDNN f32 66 vs 75 ms, bf16 35 vs 43 ms); at
-/// T = 512, 128 x 128 took 0.65-0.7x of 64 x 512. At T = 128 every choice was within 5%; 64-row
-/// query blocks keep two items per head there for the threads.
+/// T = 512, 128 x 128 took 0.65-0.7x of 64 x 512. At T = 128 one 128-row query block per head
+/// halves the block products (each a oneDNN execution with its fixed cost): fused / composed
+/// 0.92 against 1.02 with 64-row blocks (oneDNN f32, B 1, H 12, same run each; 2-core EPYC).
 inline Blocks block_sizes(std::int64_t tq, std::int64_t tk) {
-  const std::int64_t q = tq < 192 ? 64 : tq < 768 ? 128 : 256;
+  const std::int64_t q = tq < 768 ? 128 : 256;
   const std::int64_t kv = tk < 768 ? 128 : 256;
   return {std::max<std::int64_t>(1, std::min(q, tq)), std::max<std::int64_t>(1, std::min(kv, tk))};
 }
