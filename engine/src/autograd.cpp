@@ -98,6 +98,7 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   }
   node->backward = std::move(backward_fn);
   node->always_run = options.always_run || recomputes;
+  node->strided_grad = options.strided_grad;
   node->out_shape = output.shape();
   node->out_dtype = output.dtype();
   node->out_backend = &output.backend();
@@ -214,8 +215,9 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       g = zeros(node->out_shape, Options(node->out_dtype, node->out_backend));
     }
     // A view op's backward may hand on a view (permute's is a permuted g): every backward
-    // function receives a contiguous gradient, so none has to ask.
-    g = detail::dense(g);
+    // function receives a contiguous gradient, so none has to ask, unless its node says it
+    // reads strides (strided_grad).
+    if (!node->strided_grad) g = detail::dense(g);
     std::uint64_t mask = 0;
     for (std::size_t i = 0; i < node->next.size(); ++i) {
       if (node->next[i].connected()) mask |= std::uint64_t{1} << i;

@@ -138,6 +138,7 @@ class Node {
   Saved saved;
   BackwardFn backward;
   bool always_run = false;
+  bool strided_grad = false;
   bool released = false;
   // What a zero gradient of the output looks like, for always-run nodes the loss does not reach.
   Shape out_shape;

@@ -69,7 +69,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   Backend& backend = q.backend();
   // Softmax statistics in f32 whatever the inputs' precision (f64 for f64).
   const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
-  Tensor out = make_tensor({batch, heads, tq, dv}, q.dtype(), backend, kOp);
+  // The output is [B, H, Tq, Dv] laid out as [B, Tq, H, Dv] (a permuted view, as PyTorch's CPU
+  // flash attention returns it): merging the heads back into [B, Tq, H * Dv] is then a view, and
+  // the projection that follows saves the same storage this op saves for its backward.
+  Tensor out = make_tensor({batch, tq, heads, dv}, q.dtype(), backend, kOp).permute({0, 2, 1, 3});
   Tensor lse = make_tensor({batch, heads, tq}, stat, backend, kOp);
   AttentionDesc desc;
   desc.causal = options.causal;
@@ -107,7 +110,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       d.v = view_of(vv);
       d.out = view_of(s[3].get());
       d.lse = view_of(s[4].get());
-      d.dout = view_of(g);
+      const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
+      d.dout = view_of(dout);
       View none;
       none.dtype = qv.dtype();
       d.dq = dq.defined() ? view_of(dq) : none;
@@ -115,7 +119,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       d.dv = dv.defined() ? view_of(dv) : none;
       g.backend().attention_backward(d);
       return std::vector<Tensor>{dq, dk, dv};
-    });
+    }, {.strided_grad = true});
   }
   return out;
 }

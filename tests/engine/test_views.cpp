@@ -138,6 +138,9 @@ struct OpCase {
   bool product = false;        // a matrix product: another kernel may run on strided operands
   bool differentiable = true;  // run backward too
   bool no_bf16 = false;
+  // The op documents its output as a view of this permutation of a contiguous tensor (attention:
+  // [B, H, T, D] stored as [B, T, H, D]); empty: the output is contiguous.
+  Axes output_storage_order = {};
 };
 
 double max_abs(const std::vector<double>& v) {
@@ -192,7 +195,8 @@ void run_case(const OpCase& c, DType dtype, Variant variant) {
   const Tensor got = c.f(str_in);
   bool identity = false;  // an op that returns its input as it is (a cast to the same dtype)
   for (const Built& b : str) identity = identity || got.shares_storage(b.base);
-  CHECK_MESSAGE((identity || got.is_contiguous()), what << ": an op's output is contiguous");
+  const Tensor stored = c.output_storage_order.empty() ? got : got.permute(c.output_storage_order);
+  CHECK_MESSAGE((identity || stored.is_contiguous()), what << ": an op's output is contiguous (in its documented layout)");
   compare(what, got, want, c.product ? product_tolerance(dtype) : 0.0);
   if (!c.differentiable || !is_floating(want.dtype()) || !want.requires_grad()) return;
 
@@ -305,7 +309,7 @@ std::vector<OpCase> cases() {
                    o.causal = true;
                    return scaled_dot_product_attention(x[0], x[1], x[2], o);
                  },
-                 true});
+                 true, true, false, {0, 2, 1, 3}});
   return out;
 }
 
@@ -500,4 +504,25 @@ TEST_CASE("a matrix product reads transposed and sliced operands in place, witho
   const Tensor want = matmul(qd, kd);
   CHECK(allocations([&] { (void)matmul(q, k.transpose(2, 3)); }) == allocations([&] { (void)matmul(qd, kd); }));
   test::check_close(matmul(q, k.transpose(2, 3)), want, 1e-5, 1e-5);
+}
+
+TEST_CASE("attention's output merges its heads without a copy, and its backward reads the merged gradient in place") {
+  const std::int64_t B = 2, T = 8, H = 3, D = 4;
+  const Tensor qkv = randn({B, T, 3, H, D}, 21).set_requires_grad(true);
+  auto heads = [&](std::int64_t i) { return qkv.slice(2, i, i + 1).squeeze(2).permute({0, 2, 1, 3}); };
+  AttentionOptions o;
+  o.causal = true;
+  const Tensor y = scaled_dot_product_attention(heads(0), heads(1), heads(2), o);
+  const Tensor merged = y.permute({0, 2, 1, 3}).reshape({B, T, H * D});
+  CHECK(merged.shares_storage(y));
+  CHECK(merged.is_contiguous());
+  // The same gradients as with the heads copied first.
+  const Tensor w = randn({H * D, 5}, 22);
+  sum(square(matmul(merged, w))).backward();
+  const Tensor g_views = qkv.grad();
+  const Tensor qkv2 = qkv.detach().clone().set_requires_grad(true);
+  auto copied = [&](std::int64_t i) { return qkv2.slice(2, i, i + 1).squeeze(2).permute({0, 2, 1, 3}).contiguous(); };
+  const Tensor y2 = scaled_dot_product_attention(copied(0), copied(1), copied(2), o).contiguous();
+  sum(square(matmul(y2.permute({0, 2, 1, 3}).contiguous().reshape({B, T, H * D}), w))).backward();
+  test::check_close(g_views, qkv2.grad(), 1e-5, 1e-5);  // strided block products may round differently
 }

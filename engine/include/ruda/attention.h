@@ -28,7 +28,10 @@ struct AttentionOptions {
 /// keeps only the output [B, H, Tq, Dv] and the logsumexp [B, H, Tq] of each query's scores, and
 /// whose backward recomputes the weights block by block: memory O(T) per head, never O(T^2).
 /// Float dtypes (f32, f64, bf16, f16), the same for q, k and v; statistics and accumulation in
-/// f32 (f64 for f64). Differentiable in q, k and v.
+/// f32 (f64 for f64). Differentiable in q, k and v. q, k and v may be strided views (the permuted
+/// heads of a [B, T, 3, H, D] projection are read in place). The output is a view: [B, H, Tq, Dv]
+/// stored as [B, Tq, H, Dv], so that permute({0, 2, 1, 3}) and reshape to [B, Tq, H * Dv], which
+/// merge the heads, copy nothing.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionOptions& options = {});
 

@@ -89,6 +89,9 @@ struct RecordOptions {
   /// in the same order. A node that saves a recomputed tensor is always-run too, because its
   /// recompute may itself be a collective.
   bool always_run = false;
+  /// The backward function takes its output gradient with any strides (its kernel reads them):
+  /// the engine then does not make it contiguous first, as it does for every other node.
+  bool strided_grad = false;
 };
 
 /// True when grad mode is on and any input requires a gradient.
