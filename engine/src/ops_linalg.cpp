@@ -263,24 +263,46 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightL
 }
 
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, GeluApproximation approximation,
-                   WeightLayout layout) {
+                   WeightLayout layout, GeluBackward backward) {
   check_enum(approximation, "linear_gelu", "GeluApproximation");
+  check_enum(backward, "linear_gelu", "GeluBackward");
   const LinearShape s = check_linear("linear_gelu", x, weight, bias, layout);
   const bool tanh = approximation == GeluApproximation::tanh;
+  const UnaryOp gelu_op = tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
+  // GELU's derivative at the pre-activation h, times g (both [.., out], contiguous).
+  auto gelu_grad = [gelu_op](const Tensor& h, const Tensor& g) {
+    Tensor gh = make_tensor(h.shape(), h.dtype(), h.backend(), "linear_gelu backward");
+    if (gh.numel()) {
+      const View none{};
+      h.backend().unary_backward(gelu_op, detail::view_of(h), none, detail::view_of(g), detail::view_of(gh));
+    }
+    return gh;
+  };
+  if (backward == GeluBackward::keep_pre_activation) {
+    const Tensor h = linear_forward("linear_gelu", x, weight, bias, s, GemmEpilogue::none);
+    Tensor out = make_tensor(h.shape(), h.dtype(), h.backend(), "linear_gelu");
+    if (out.numel()) h.backend().unary(gelu_op, detail::view_of(h), detail::view_of(out));
+    if (autograd::needs_grad(x, weight, bias)) {
+      const bool gx = x.requires_grad(), gw = weight.requires_grad();
+      autograd::record("linear_gelu", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor(), h},
+                       [x_shape = x.shape(), s, gelu_grad](const Tensor& g, const Saved& saved, GradMask need) {
+                         const Tensor gh = gelu_grad(saved[2].get(), g);
+                         return linear_backward(
+                             reshape(gh, {-1, s.out}), [&] { return saved[0].get(); },
+                             [&] { return saved[1].get(); }, x_shape, s, need);
+                       });
+    }
+    return out;
+  }
   Tensor out =
       linear_forward("linear_gelu", x, weight, bias, s, tanh ? GemmEpilogue::gelu_tanh : GemmEpilogue::gelu_erf);
   if (autograd::needs_grad(x, weight, bias)) {
     // x, the weight and the bias, all three needed to recompute the pre-activation.
     autograd::record("linear_gelu", out, {x, weight, bias}, {x, weight, bias},
-                     [x_shape = x.shape(), s, tanh](const Tensor& g, const Saved& saved, GradMask need) {
+                     [x_shape = x.shape(), s, gelu_grad](const Tensor& g, const Saved& saved, GradMask need) {
                        const Tensor xs = saved[0].get(), w = saved[1].get(), b = saved[2].get();
                        const Tensor h = linear_forward("linear_gelu backward", xs, w, b, s, GemmEpilogue::none);
-                       Tensor gh = make_tensor(h.shape(), h.dtype(), h.backend(), "linear_gelu backward");
-                       if (gh.numel()) {
-                         const View none{};
-                         h.backend().unary_backward(tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf, detail::view_of(h),
-                                                    none, detail::view_of(g), detail::view_of(gh));
-                       }
+                       const Tensor gh = gelu_grad(h, g);
                        return linear_backward(
                            reshape(gh, {-1, s.out}), [&] { return xs; }, [&] { return w; }, x_shape, s, need);
                      });

@@ -102,6 +102,11 @@ TEST_CASE("matmul, linear, embedding, take_along_axis, softmax") {
         {input({2, 3, 4}, 58), input({5, 4}, 59), input({5}, 60)});
   check("linear_gelu", [](auto& v) { return linear_gelu(v[0], v[1], v[2]); },
         {input({2, 3, 4}, 61), input({4, 5}, 62), input({5}, 63)});
+  check("linear_gelu recomputing",
+        [](auto& v) {
+          return linear_gelu(v[0], v[1], v[2], GeluApproximation::erf, WeightLayout::in_out, GeluBackward::recompute);
+        },
+        {input({2, 3, 4}, 66), input({4, 5}, 67), input({5}, 68)});
   check("linear_gelu tanh, [out, in], no bias",
         [](auto& v) { return linear_gelu(v[0], v[1], Tensor(), GeluApproximation::tanh, WeightLayout::out_in); },
         {input({3, 4}, 64), input({5, 4}, 65)});

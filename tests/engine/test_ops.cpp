@@ -299,11 +299,13 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
               0.05);
 }
 
-TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, and keeps no pre-activation") {
+TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping or recomputing the pre-activation") {
   for (DType dtype : {DType::f32, DType::f64, DType::bf16}) {
     CAPTURE(dtype_name(dtype));
     const double tol = dtype == DType::f64 ? 1e-12 : dtype == DType::f32 ? 1e-5 : 2e-2;
     for (auto approximation : {GeluApproximation::erf, GeluApproximation::tanh}) {
+      for (auto mode : {GeluBackward::keep_pre_activation, GeluBackward::recompute}) {
+      CAPTURE(static_cast<int>(mode));
       for (bool out_in : {false, true}) {
         const WeightLayout layout = out_in ? WeightLayout::out_in : WeightLayout::in_out;
         auto leaf = [&](const Shape& shape, std::uint64_t seed) {
@@ -312,7 +314,7 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, and keeps
         // Sizes past oneDNN's small-product threshold, so its post-op runs where it is built.
         Tensor x = leaf({3, 40, 48}, 1), w = leaf(out_in ? Shape{96, 48} : Shape{48, 96}, 2), b = leaf({96}, 3);
         const Tensor gy = randn({3, 40, 96}, 4, 0, DType::f64).to(dtype);
-        const Tensor fused = linear_gelu(x, w, b, approximation, layout);
+        const Tensor fused = linear_gelu(x, w, b, approximation, layout, mode);
         fused.backward(gy);
         const Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
         x.zero_grad();
@@ -329,6 +331,7 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, and keeps
         close(gw, w.grad());
         close(gb, b.grad());
       }
+      }
     }
   }
   // Without a bias, and with no input feature (the bias alone, GELU applied).
@@ -336,22 +339,30 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, and keeps
   CHECK_CLOSE(linear_gelu(x, w), gelu(linear(x, w)), 1e-5, 1e-5);
   const Tensor b = randn({3}, 7);
   CHECK_CLOSE(linear_gelu(zeros({4, 0}), zeros({0, 3}), b), gelu(b).expand({4, 3}), 1e-6, 1e-6);
-  // What backward keeps: x, the weight and the bias, not the [rows, out] pre-activation.
+  // What backward keeps: with recompute, x, the weight and the bias, not the [rows, out]
+  // pre-activation; keeping it, the pre-activation too, as the composed ops do.
   memory::Scope scope;
   const Tensor big_x = randn({64, 32}, 8).set_requires_grad(), big_w = randn({32, 512}, 9).set_requires_grad();
   memory::reset_peak();
   const std::int64_t before = scope.stats().live_bytes;
-  Tensor fused = linear_gelu(big_x, big_w);
+  Tensor fused = linear_gelu(big_x, big_w, {}, GeluApproximation::erf, WeightLayout::in_out, GeluBackward::recompute);
   const std::int64_t fused_kept = scope.stats().live_bytes - before;
   fused = Tensor();
+  Tensor kept = linear_gelu(big_x, big_w);
+  const std::int64_t kept_bytes = scope.stats().live_bytes - before;
+  kept = Tensor();
   const Tensor composed = gelu(linear(big_x, big_w));
   const std::int64_t composed_kept = scope.stats().live_bytes - before;
   const std::int64_t activation = 64 * 512 * 4;
   CHECK(fused_kept == activation);         // the output alone
+  CHECK(kept_bytes == 2 * activation);     // the output and the pre-activation
   CHECK(composed_kept == 2 * activation);  // the output and the pre-activation GELU's backward reads
   // Bad input is named as linear's is.
   CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({4, 5})), ShapeError);
   CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({3, 5}), {}, static_cast<GeluApproximation>(4)), ArgumentError);
+  CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({3, 5}), {}, GeluApproximation::erf, WeightLayout::in_out,
+                              static_cast<GeluBackward>(9)),
+                  ArgumentError);
 }
 
 TEST_CASE("embedding, take_along_axis, softmax") {

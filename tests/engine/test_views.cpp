@@ -286,6 +286,12 @@ std::vector<OpCase> cases() {
                  [](V x) { return linear(x[0], x[1], x[2], WeightLayout::out_in); }, true});
   out.push_back({"linear_gelu", {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
                  [](V x) { return linear_gelu(x[0], x[1], x[2]); }, true});
+  out.push_back({"linear_gelu recompute", {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
+                 [](V x) {
+                   return linear_gelu(x[0], x[1], x[2], GeluApproximation::erf, WeightLayout::in_out,
+                                      GeluBackward::recompute);
+                 },
+                 true});
   out.push_back({"reshape", {any}, [](V x) { return x[0].reshape({2, 12}) * 1.0; }});
   out.push_back({"flatten", {any}, [](V x) { return x[0].flatten() * 1.0; }});
   out.push_back({"permute", {Input{{2, 3, 4}}}, [](V x) { return x[0].permute({2, 0, 1}) * 1.0; }});

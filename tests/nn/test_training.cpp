@@ -133,15 +133,17 @@ TEST_CASE("sample_bytes: the same bytes on every rank of a sharded model as from
                                  {"sample_bytes", "[1, 1, 32]", "[1, 1, 256]"});
 }
 
-TEST_CASE("the GPT with fused attention reproduces the composed GPT's losses over 20 steps, dense and sharded") {
+TEST_CASE("the GPT with fused attention reproduces the composed GPT's losses over 20 steps, dense and sharded, "
+          "keeping or recomputing the MLPs' pre-activations") {
   // Losses of 20 AdamW steps of a small GPT, with attention fused or composed, over `world`
   // emulated ranks (1: dense). Dropout on, so the shared mask is exercised too.
-  auto run = [](int world, bool fused) {
+  auto run = [](int world, bool fused, GeluBackward gelu = GeluBackward::keep_pre_activation) {
     return on_ranks<std::vector<double>>(world, [&](Communicator& comm) {
       nn::manual_seed(11);
       auto model = std::make_shared<nn::GPT>(
           nn::GPTConfig{.vocabulary = 32, .context = 24, .d_model = 32, .layers = 2, .heads = 4, .dropout = 0.1});
       model->set_fused_attention(fused);
+      model->set_gelu_backward(gelu);
       if (world > 1) {
         for (const auto& block : model->blocks) nn::fully_shard(*block, comm);
         nn::fully_shard(*model, comm);
@@ -168,10 +170,13 @@ TEST_CASE("the GPT with fused attention reproduces the composed GPT's losses ove
   for (int world : {1, 2}) {
     CAPTURE(world);
     const auto fused = run(world, true), composed = run(world, false);
+    const auto recomputing = run(world, true, GeluBackward::recompute);
     REQUIRE(fused.size() == composed.size());
+    REQUIRE(recomputing.size() == composed.size());
     for (std::size_t i = 0; i < fused.size(); ++i) {
       CAPTURE(i);
       CHECK(std::abs(fused[i] - composed[i]) <= 1e-5 * std::abs(composed[i]));
+      CHECK(std::abs(recomputing[i] - composed[i]) <= 1e-5 * std::abs(composed[i]));
     }
     CHECK(fused.back() < fused.front());  // and it learns
   }

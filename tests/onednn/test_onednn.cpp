@@ -273,14 +273,21 @@ TEST_CASE("bf16 matmul accumulates in f32, with f32 or bf16 output") {
   }
 }
 
-TEST_CASE("linear_gelu: one oneDNN matmul with the GELU as its post-op, agreeing with Eigen") {
+TEST_CASE("linear_gelu recomputing: one oneDNN matmul with the GELU as its post-op, agreeing with Eigen") {
   for (auto approximation : {GeluApproximation::erf, GeluApproximation::tanh}) {
     const Tensor x = gaussian({2, 64, 96}, 21, DType::f32), w = gaussian({96, 128}, 22, DType::f32),
                  b = gaussian({128}, 23, DType::f32);
     Tensor got;
     // The product, its bias and the GELU in one primitive execution: no separate eltwise pass.
-    CHECK(executions_of([&] { got = linear_gelu(x.to(dnnl()), w.to(dnnl()), b.to(dnnl()), approximation); }) == 1);
-    test::check_close(got, linear_gelu(x, w, b, approximation), 1e-5, 1e-5);
+    CHECK(executions_of([&] {
+            got = linear_gelu(x.to(dnnl()), w.to(dnnl()), b.to(dnnl()), approximation, WeightLayout::in_out,
+                              GeluBackward::recompute);
+          }) == 1);
+    test::check_close(got, linear_gelu(x, w, b, approximation, WeightLayout::in_out, GeluBackward::recompute), 1e-5,
+                      1e-5);
+    // Keeping the pre-activation: the product writes it, the GELU runs as its own pass.
+    const Tensor kept = linear_gelu(x.to(dnnl()), w.to(dnnl()), b.to(dnnl()), approximation);
+    test::check_close(kept, got, 1e-5, 1e-5);
   }
 }
 

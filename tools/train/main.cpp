@@ -129,6 +129,9 @@ int main(int argc, char** argv) {
   lm->add_option("--heads", cfg.heads, "Attention heads")->check(at_least(1));
   lm->add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "Keep only each block's input through the forward pass and recompute the block in backward");
+  lm->add_flag("--recompute-gelu", cfg.recompute_gelu,
+               "Recompute each MLP's [tokens, 4 d] pre-activation in backward (one GEMM more per block, that "
+               "tensor less per block from forward to backward; GELU runs as fc1's GEMM epilogue)");
   lm->add_flag("--weight-decay-2d-only", cfg.weight_decay_2d_only,
                "Decay only the 2-D weights (linear layers, embeddings), not biases and norms, as GPT recipes do "
                "(two optimizer groups, saved in checkpoints)");

@@ -122,6 +122,7 @@ struct LmTask : Task {
                                                     .heads = cfg.heads,
                                                     .tied_head = !cfg.untied});
     model->set_activation_checkpointing(cfg.activation_checkpointing);
+    if (cfg.recompute_gelu) model->set_gelu_backward(GeluBackward::recompute);
   }
   std::string description() const override {
     return "lm vocab=256 context=" + std::to_string(cfg.context) + " d=" + std::to_string(cfg.d_model) +

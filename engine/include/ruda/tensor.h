@@ -321,13 +321,26 @@ constexpr bool is_valid(WeightLayout layout) noexcept {
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
               WeightLayout layout = WeightLayout::in_out);
 
-/// gelu(linear(x, weight, bias)) as one kernel: the GELU runs as the GEMM's epilogue, so the
-/// pre-activation [.., out] is never a tensor of its own. Backward recomputes it from x (one more
-/// GEMM of the forward's size) instead of keeping it from forward to backward: a transformer's
-/// MLP then keeps x and the output, not the [tokens, 4 d] pre-activation as well.
+/// What linear_gelu keeps for its backward, which needs GELU's input (the pre-activation):
+/// keep it (one [.., out] tensor more from forward to backward; the GELU then runs as its own
+/// pass after the GEMM), or recompute it from x in backward (one more GEMM of the forward's size;
+/// the GELU runs as the GEMM's epilogue and the pre-activation never exists in forward).
+enum class GeluBackward { keep_pre_activation, recompute };
+constexpr bool is_valid(GeluBackward b) noexcept {
+  switch (b) {
+    case GeluBackward::keep_pre_activation:
+    case GeluBackward::recompute:
+      return true;
+  }
+  return false;
+}
+
+/// gelu(linear(x, weight, bias)) as one differentiable op; `backward` trades the pre-activation's
+/// memory for a GEMM (see GeluBackward).
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
                    GeluApproximation approximation = GeluApproximation::erf,
-                   WeightLayout layout = WeightLayout::in_out);
+                   WeightLayout layout = WeightLayout::in_out,
+                   GeluBackward backward = GeluBackward::keep_pre_activation);
 
 // --- neural-network primitives ---
 /// Rows of table [V, F] picked by i64 indices of any shape: result shape indices.shape + [F].

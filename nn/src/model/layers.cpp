@@ -31,9 +31,10 @@ Tensor Linear::forward(const Tensor& x) {
   return linear(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor());
 }
 
-Tensor Linear::forward_gelu(const Tensor& x, GeluApproximation approximation) {
+Tensor Linear::forward_gelu(const Tensor& x, GeluApproximation approximation, GeluBackward backward) {
   const Tensor w = weight.value();
-  return linear_gelu(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor(), approximation);
+  return linear_gelu(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor(), approximation,
+                     WeightLayout::in_out, backward);
 }
 
 Embedding::Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOptions options) {
@@ -155,9 +156,15 @@ MLP::MLP(std::int64_t d_model, std::int64_t hidden, double dropout) {
   register_module("dropout", dropout_);
 }
 
-// fc1 and its GELU are one fused kernel, which keeps fc1's input for backward instead of the
-// [.., hidden] pre-activation.
-Tensor MLP::forward(const Tensor& x) { return dropout_->forward(fc2->forward(fc1->forward_gelu(x))); }
+// fc1 and its GELU are one op (linear_gelu); set_gelu_backward picks what it keeps for backward.
+Tensor MLP::forward(const Tensor& x) {
+  return dropout_->forward(fc2->forward(fc1->forward_gelu(x, GeluApproximation::erf, gelu_backward_)));
+}
+
+void MLP::set_gelu_backward(GeluBackward backward) {
+  check_enum(backward, "MLP::set_gelu_backward", "GeluBackward");
+  gelu_backward_ = backward;
+}
 
 TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std::int64_t mlp_hidden, double dropout) {
   ln1 = std::make_shared<LayerNorm>(d_model);

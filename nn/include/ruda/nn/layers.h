@@ -21,8 +21,10 @@ class Linear : public UnaryModule {
  public:
   Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
   Tensor forward(const Tensor& x) override;
-  /// gelu(forward(x)) in one fused kernel (ruda::linear_gelu): no pre-activation tensor is kept.
-  Tensor forward_gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
+  /// gelu(forward(x)) as one op (ruda::linear_gelu): `backward` says whether the pre-activation
+  /// is kept for backward or recomputed there (one more GEMM, GELU fused into the forward's).
+  Tensor forward_gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf,
+                      GeluBackward backward = GeluBackward::keep_pre_activation);
   std::int64_t in_features() const noexcept { return in_; }
   std::int64_t out_features() const noexcept { return out_; }
   Param weight, bias;  // bias undefined when disabled
@@ -130,10 +132,14 @@ class MLP : public UnaryModule {
  public:
   MLP(std::int64_t d_model, std::int64_t hidden, double dropout = 0.0);
   Tensor forward(const Tensor& x) override;
+  /// Whether fc1's [.., hidden] pre-activation is kept for backward (the default: faster) or
+  /// recomputed there (one GEMM more per step, that tensor less from forward to backward).
+  void set_gelu_backward(GeluBackward backward);
   std::shared_ptr<Linear> fc1, fc2;
 
  private:
   std::shared_ptr<Dropout> dropout_;
+  GeluBackward gelu_backward_ = GeluBackward::keep_pre_activation;
 };
 
 /// Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
@@ -168,6 +174,10 @@ class GPT : public UnaryModule {
   /// Runs each block through checkpoint() (<ruda/nn/recompute.h>): only the blocks' inputs stay
   /// alive between forward and backward, and each block's forward runs again in backward.
   void set_activation_checkpointing(bool on) noexcept { activation_checkpointing_ = on; }
+  /// MLP::set_gelu_backward on every block.
+  void set_gelu_backward(GeluBackward backward) {
+    for (const auto& block : blocks) block->mlp->set_gelu_backward(backward);
+  }
   /// CausalSelfAttention::set_fused on every block.
   void set_fused_attention(bool on) noexcept {
     for (const auto& block : blocks) block->attn->set_fused(on);
