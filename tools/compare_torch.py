@@ -1,22 +1,32 @@
 #!/usr/bin/python3
-"""Times one training step of ruda-train's two models in PyTorch, and prints them beside ruda's
-figures (JSON lines of `ruda-bench --suite models --json`, given as the first argument) with the
-ratios ruda / PyTorch. Run through tools/compare-torch, which sets the threads before import.
+"""Times one training step of ruda's models in PyTorch 2.x and prints them beside ruda's figures
+(JSON lines of `ruda-bench --suite models --json`, given as the first argument) with the ratios
+ruda / PyTorch (time: below 1 is ruda faster). Run through tools/compare-torch, which sets the
+threads before import. The sharded peer (FSDP2) is tools/compare_torch_fsdp.py; it imports the
+models from here.
 
-The models are the same as ruda's: the 784-1024-1024-10 ReLU MLP at batch 128 with AdamW, and
-the GPT (vocabulary 256, width 256, 4 blocks, 4 heads, context 128, tied head, batch 16) with Adam.
-PyTorch (2.x from PyPI, build/bench-venv) runs at its best here: its own MKL/oneDNN kernels,
-multi-tensor (foreach) optimizers, bf16 through autocast (oneDNN).
+The models are ruda's: the 784-1024-1024-10 ReLU MLP at batch 128 with AdamW; the GPT (vocabulary
+256, width 256, 4 blocks, 4 heads, context 128, tied head, batch 16) with Adam; the GPT-2-small
+shape (width 768, 12 blocks, 12 heads, context 1024, vocabulary 256, batch 1, f32) with Adam.
+PyTorch runs at its best CPU settings: its own MKL/oneDNN kernels, SDPA (causal flash attention
+on CPU), multi-tensor (foreach) optimizers, bf16 through autocast (oneDNN), and each step both
+eager and with torch.compile (Inductor) on the forward and loss (AOTAutograd compiles the backward
+with it; the optimizer step stays eager foreach). Where compiling fails, the error is printed and
+the eager figure stands alone.
 """
+import argparse
 import json
-import math
+import logging
+import os
 import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
-torch.manual_seed(0)
+# Inductor's C++ toolchain probe warns that this CPU-only machine has no CUDA runtime.
+logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 
 
 def median_ms(step, warmup=3, runs=15):
@@ -30,21 +40,9 @@ def median_ms(step, warmup=3, runs=15):
     return statistics.median(times)
 
 
-def mlp_step(dtype):
-    model = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
-                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
-    # foreach: PyTorch 1.13's default per-parameter loop takes 28 ms per step here, foreach 4 ms.
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    x, y = torch.rand(128, 784), torch.randint(0, 10, (128,))
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float(), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return step
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
 class Block(torch.nn.Module):
@@ -57,15 +55,15 @@ class Block(torch.nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.heads)
-        att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
+        qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # [B, H, T, D]
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class GPT(torch.nn.Module):
+    """ruda's nn::GPT: pre-norm blocks, learned positions, erf GELU, head tied to the token embedding."""
+
     def __init__(self, vocab=256, context=128, d=256, layers=4, heads=4):
         super().__init__()
         self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(context, d)
@@ -79,46 +77,147 @@ class GPT(torch.nn.Module):
         return self.ln(x) @ self.tok.weight.t()
 
 
-def gpt_step(dtype):
-    model = GPT()
-    opt = torch.optim.Adam(model.parameters(), lr=3e-4, foreach=True)
-    x, y = torch.randint(0, 256, (16, 128)), torch.randint(0, 256, (16, 128))
+def loss_of(model, dtype):
+    """The forward and the loss (in f32, as ruda's), the part torch.compile compiles."""
 
-    def step():
+    def loss(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.float().view(-1, 256), y.view(-1))
+        return F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
+    return loss
+
+
+def make_step(model, opt, x, y, dtype, compiled):
+    loss = loss_of(model, dtype)
+    if compiled:
+        loss = torch.compile(loss)
+
+    def step():
         opt.zero_grad()
-        loss.backward()
+        loss(x, y).backward()
         opt.step()
     return step
 
 
+# name, ruda's row, build(): (model, optimizer, x, y), warm-up and timed runs (ruda-bench's for
+# GPT-2-small: 1 and 5), dtypes. The optimizers are
+# multi-tensor (foreach): PyTorch 1.13's per-parameter loop took 28 ms of a 12 ms MLP step here.
+def mlp_setup():
+    m = mlp()
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True), torch.rand(128, 784), torch.randint(0, 10, (128,))
+
+
+def gpt_setup(context=128, d=256, layers=4, heads=4, batch=16):
+    def build():
+        m = GPT(256, context, d, layers, heads)
+        return (m, torch.optim.Adam(m.parameters(), lr=3e-4, foreach=True), torch.randint(0, 256, (batch, context)),
+                torch.randint(0, 256, (batch, context)))
+    return build
+
+
+CONFIGS = [
+    ("mlp", "mlp step, {}", mlp_setup, (3, 15), ("f32", "bf16")),
+    ("gpt", "gpt step, {}", gpt_setup(), (2, 7), ("f32", "bf16")),
+    ("gpt2-small", "gpt2-small step (d768 L12 H12 T1024 b1), {}", gpt_setup(1024, 768, 12, 12, 1), (1, 5), ("f32",)),
+]
+
+
+def torch_figures(build, runs, dtype, compile_too):
+    """{"eager": ms, "compile": ms or the reason it has none}, and the compile's first-call seconds."""
+    out, compile_s = {}, None
+    torch.manual_seed(0)
+    warmup, runs = runs
+    out["eager"] = median_ms(make_step(*build(), dtype, False), warmup=warmup, runs=runs)
+    if not compile_too:
+        return out, None
+    torch.manual_seed(0)
+    torch._dynamo.reset()  # each configuration compiles afresh (no recompile limit across them)
+    try:
+        step = make_step(*build(), dtype, True)
+        t = time.perf_counter()
+        step()  # compiles forward and backward
+        compile_s = time.perf_counter() - t
+        out["compile"] = median_ms(step, warmup=warmup, runs=runs)
+    except Exception as e:  # noqa: BLE001 - the reason is the figure
+        out["compile"] = f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return out, compile_s
+
+
+def gemm_gflops(m, k, n, dtype):
+    """PyTorch's matrix-product rate on [m, k] x [k, n] (MKL for f32, oneDNN for bf16), GFLOP/s."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    if dtype == "bf16":
+        a, b = a.bfloat16(), b.bfloat16()
+    return 2 * m * k * n / median_ms(lambda: a @ b, runs=20) / 1e6
+
+
 def main():
-    ruda = {}
-    for line in open(sys.argv[1]):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("figures")
+    parser.add_argument("--no-compile", action="store_true", help="eager PyTorch only")
+    parser.add_argument("--only", action="append", help="only these models (mlp, gpt, gpt2-small)")
+    args = parser.parse_args()
+    ruda, fractions = {}, []
+    for line in open(args.figures):
         r = json.loads(line)
-        if r["suite"] == "models":
-            ruda[(r["backend"], r["name"])] = r["median"]
-    print(f"PyTorch {torch.__version__}, {torch.get_num_threads()} threads; ruda figures from ruda-bench --suite models")
-    # Targets: ruda f32 <= 0.75x PyTorch's (f32) step, ruda bf16 <= 0.5x it. The ratio to PyTorch's
-    # own bf16 (autocast) step is printed too.
-    print(f"{'step':<16} {'backend':<8} {'ruda ms':>9} {'torch ms':>9} {'ratio':>7}  target       {'torch bf16 ms':>13} {'ratio':>6}")
-    targets = {"f32": 0.75, "bf16": 0.5}
-    for name, make in (("mlp", mlp_step), ("gpt", gpt_step)):
-        runs = 15 if name == "mlp" else 7
-        torch_ms = {dtype: median_ms(make(dtype), runs=runs) for dtype in ("f32", "bf16")}
-        for dtype in ("f32", "bf16"):
-            for (backend, rname), ms in sorted(ruda.items()):
-                if rname != f"{name} step, {dtype}":
-                    continue
-                ratio = ms / torch_ms["f32"]
-                verdict = "met" if ratio <= targets[dtype] else "missed"
-                line = f"{name + ' ' + dtype:<16} {backend:<8} {ms:9.2f} {torch_ms['f32']:9.2f} {ratio:7.3f}  <= {targets[dtype]:<4} {verdict:<6}"
-                if dtype == "bf16":
-                    line += f" {torch_ms['bf16']:13.2f} {ms / torch_ms['bf16']:6.3f}"
-                print(line)
+        if r["suite"] == "models" and r["unit"] == "ms":
+            ruda.setdefault(r["name"], []).append((r["backend"], r["median"]))
+        elif r["suite"] == "models" and r["name"].endswith("fraction of GEMM"):
+            fractions.append(r)
+    load_start = os.getloadavg()[0]
+    print(f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads;"
+          f" ruda figures from ruda-bench --suite models; step medians in ms; ratio = ruda / PyTorch (time)")
+    print(f"{'step':<17} {'backend':<7} {'ruda':>8} | {'torch eager':>11} {'ratio':>6} | {'torch compile':>13} {'ratio':>6}"
+          f" | {'best torch f32':>14} {'ratio':>6}")
+    notes = []
+    best_f32 = {}
+    for name, row, build, runs, dtypes in CONFIGS:
+        if args.only and name not in args.only:
+            continue
+        for dtype in dtypes:
+            label = f"{name} {dtype}"
+            fig, compile_s = torch_figures(build, runs, dtype, not args.no_compile)
+            numbers = {k: v for k, v in fig.items() if isinstance(v, float)}
+            if dtype == "f32":
+                best_f32[name] = min(numbers.values())
+            if isinstance(fig.get("compile"), str):
+                notes.append(f"{label}: {fig['compile']}; eager only")
+            elif compile_s is not None:
+                notes.append(f"{label}: torch.compile's first step (compiling, or Inductor's on-disk cache of an"
+                             f" earlier run) took {compile_s:.1f} s")
+            rows = ruda.get(row.format(dtype), [("-", None)])
+            for backend, ms in rows:
+                def cell(torch_ms, width):
+                    if not isinstance(torch_ms, float):
+                        return f"{'-':>{width}} {'-':>6}"
+                    ratio = f"{ms / torch_ms:6.3f}" if ms is not None else f"{'-':>6}"
+                    return f"{torch_ms:{width}.2f} {ratio}"
+                ruda_ms = f"{ms:8.2f}" if ms is not None else f"{'-':>8}"
+                print(f"{label:<17} {backend:<7} {ruda_ms} | {cell(fig['eager'], 11)} | {cell(fig.get('compile'), 13)}"
+                      f" | {cell(best_f32[name], 14)}")
                 sys.stdout.flush()
+    # The matrix-product rates behind the steps: ruda's (the "fraction of GEMM" rows' peer, same
+    # ruda-bench run) beside PyTorch's on the same product, and each step's model FLOPs per second.
+    if fractions:
+        print(f"{'GEMM behind the step':<44} {'backend':<7} {'ruda GFLOP/s':>12} {'torch GFLOP/s':>13} {'ratio':>6}"
+              f" | {'ruda step GFLOP/s':>17} {'fraction':>8}")
+        rates = {}
+        for r in fractions:
+            shape = r["peer"].removeprefix("ruda GEMM ")  # "[128, 1024] x [1024, 1024] f32"
+            if shape not in rates:
+                (m, k), (_, n) = (tuple(int(v) for v in side.strip(" []").split(",")) for side in shape.rsplit(" ", 1)[0].split(" x "))
+                rates[shape] = gemm_gflops(m, k, n, shape.rsplit(" ", 1)[1])
+            print(f"{shape:<44} {r['backend']:<7} {r['peer_median']:12.1f} {rates[shape]:13.1f}"
+                  f" {rates[shape] / r['peer_median']:6.3f} | {r['median']:17.1f} {r['median'] / r['peer_median']:8.3f}")
+    print("notes:")
+    print("  torch compile: torch.compile (Inductor, default mode) of the forward and loss, backward through"
+          " AOTAutograd; optimizer foreach, eager. bf16: autocast (oneDNN bf16), loss in f32, parameters f32,"
+          " as ruda's bf16 compute. best torch f32: the faster of eager and compiled f32, the baseline of ruda's"
+          " targets (f32 <= 0.75x, bf16 <= 0.5x).")
+    for n in notes:
+        print("  " + n)
+    print(f"  load average (1 min) of this machine: {load_start:.1f} at the start of PyTorch's part,"
+          f" {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores (others' work shifts the ratios)")
 
 
 if __name__ == "__main__":
