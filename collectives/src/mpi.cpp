@@ -15,11 +15,15 @@
 #include <exception>
 #include <future>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include <ruda/memory.h>
 #include <ruda/mpi.h>
 
+#include "algorithm_choice.h"
 #include "internal.h"
 #include "mpi_ring.h"
 #include "mpi_support.h"
@@ -143,7 +147,9 @@ struct MpiCommunicator::Impl {
   MPI_Comm data = MPI_COMM_NULL;     // collectives and the ring's messages
   MPI_Comm control = MPI_COMM_NULL;  // the order check's fingerprints, the watchdogs' notes
   int rank = 0, size = 1;
-  std::size_t ring_min_bytes = 0;  // reduce_scatter: MPI's algorithm up to this many bytes in all
+  // reduce_scatter: MPI_Reduce_scatter_block or the ring, by size class (measured at first use,
+  // or fixed by RUDA_RING_MIN_BYTES / set_ring_min_bytes).
+  cd::AlgorithmChoice scatter_choice;
   MPI_Op max_f32 = MPI_OP_NULL, max_f64 = MPI_OP_NULL, max_bf16 = MPI_OP_NULL, max_f16 = MPI_OP_NULL;
   MPI_Op sum_bf16 = MPI_OP_NULL, sum_f16 = MPI_OP_NULL;
   mpi_detail::RingScratch ring;
@@ -251,23 +257,27 @@ struct MpiCommunicator::Impl {
     MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(data, &rank), "MPI_Comm_rank");
     check(MPI_Comm_size(data, &size), "MPI_Comm_size");
-    // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's:
-    // the largest threshold wins. A rank whose RUDA_RING_MIN_BYTES is not a size still takes part
-    // (with the largest value, so that every rank learns of it) and then every rank throws.
-    constexpr unsigned long long kRefused = ~0ULL;
+    // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's.
+    // RUDA_RING_MIN_BYTES where any rank sets it (the largest value wins, for ranks whose
+    // environment lacks it too), else measured per size class. A rank whose value is not a size
+    // still takes part (so that every rank learns of it) and then every rank throws.
     std::string refused;
-    unsigned long long threshold = kRefused;
+    unsigned long long agreed[3] = {0, 0, 0};  // refused, set, value: each the largest over the ranks
     try {
-      threshold = mpi_detail::ring_min_bytes_from_env(size);
+      if (const std::optional<std::size_t> bytes = cd::ring_min_bytes_from_env()) {
+        agreed[1] = 1;
+        agreed[2] = *bytes;
+      }
     } catch (const ArgumentError& e) {
       refused = e.what();
+      agreed[0] = 1;
     }
-    check(MPI_Allreduce(MPI_IN_PLACE, &threshold, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
-    if (threshold == kRefused) {
+    check(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
+    if (agreed[0]) {
       throw ArgumentError("MpiCommunicator: rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " +
                           (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES is not a size" : refused));
     }
-    ring_min_bytes = static_cast<std::size_t>(threshold);
+    if (agreed[1]) scatter_choice.set_threshold(static_cast<std::size_t>(agreed[2]));
     check(MPI_Op_create(&max_op<DType::f32>, 1, &max_f32), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::f64>, 1, &max_f64), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::bf16>, 1, &max_bf16), "MPI_Op_create");
@@ -504,18 +514,61 @@ struct MpiCommunicator::Impl {
     check(MPI_Allgather(send, n, type, recv, n, type, data), "MPI_Allgather");
   }
 
-  // ruda's ring above the threshold, MPI's algorithm up to it.
+  // MPI_Reduce_scatter_block or ruda's ring, whichever the size class chose (see measure_reduce_scatter).
   void reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate accumulate) {
     const std::size_t esize = dtype_size(dtype);
     if (size == 1 || count == 0) {
       if (count > 0) std::memcpy(recv, send, static_cast<std::size_t>(count) * esize);
       return;
     }
-    if (static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize <= ring_min_bytes) {
-      small_reduce_scatter(send, recv, count, dtype, accumulate);
-      return;
+    const std::size_t bytes = static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize;
+    cd::Algorithm algorithm = scatter_choice.lookup(bytes);
+    if (algorithm == cd::Algorithm::undecided) {
+      algorithm = measure_reduce_scatter(send, recv, count, dtype, accumulate, bytes);
     }
-    mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+    if (algorithm == cd::Algorithm::library) {
+      small_reduce_scatter(send, recv, count, dtype, accumulate);
+    } else {
+      mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+    }
+  }
+
+  // The first reduce_scatter of a size class on this communicator (every rank's first at once:
+  // the ranks call the same collectives with the same sizes) times both algorithms on the call's
+  // own buffers, alternating which goes first, each round started by a barrier so that every rank
+  // times the same calls. The ranks then agree on the slowest rank's median of each (one
+  // MPI_Allreduce), so all of them pick the same algorithm; the choice is cached for the size
+  // class. The call's result then comes from the chosen algorithm, as every later call's will.
+  cd::Algorithm measure_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype,
+                                       Accumulate accumulate, std::size_t bytes) {
+    const cd::TrialPlan plan = cd::trial_plan(bytes);
+    auto timed = [&](bool use_ring) {
+      check(MPI_Barrier(data), "MPI_Barrier (timing reduce_scatter's algorithms)");
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < plan.calls; ++i) {
+        if (use_ring) {
+          mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+        } else {
+          small_reduce_scatter(send, recv, count, dtype, accumulate);
+        }
+      }
+      return std::chrono::duration<double>(Clock::now() - start).count() / plan.calls;
+    };
+    std::vector<double> ring_seconds, library_seconds;
+    for (int round = 0; round < plan.warmup + plan.rounds; ++round) {
+      const bool ring_first = round % 2 == 0;
+      const double first = timed(ring_first);
+      const double second = timed(!ring_first);
+      if (round < plan.warmup) continue;
+      ring_seconds.push_back(ring_first ? first : second);
+      library_seconds.push_back(ring_first ? second : first);
+    }
+    double agreed[2] = {cd::median(ring_seconds), cd::median(library_seconds)};
+    check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_DOUBLE, MPI_MAX, data),
+          "MPI_Allreduce (agreeing on reduce_scatter's algorithm)");
+    const cd::Algorithm chosen = cd::choose(cd::Timings{agreed[0], agreed[1]});
+    scatter_choice.record(bytes, chosen);
+    return chosen;
   }
 
   // Small reductions are bound by latency, not bandwidth: MPI's own algorithm needs fewer rounds
@@ -711,6 +764,31 @@ void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
 std::chrono::milliseconds MpiCommunicator::timeout() const noexcept {
   return std::chrono::milliseconds(impl_->timeout_ms.load(std::memory_order_relaxed));
 }
+
+std::string_view MpiCommunicator::reduce_scatter_algorithm(std::size_t bytes) const {
+  if (world_size() == 1 || bytes == 0) return "copy";
+  return cd::algorithm_name(impl_->scatter_choice.lookup(bytes));
+}
+
+void MpiCommunicator::set_ring_min_bytes(std::optional<std::size_t> bytes) {
+  impl_->progress_thread.drain();
+  // Collective: every rank must choose alike. Agree on the smallest and the largest value passed
+  // (none: the largest number), so that a disagreement raises on every rank instead of hanging later.
+  constexpr unsigned long long kMeasure = ~0ULL;
+  const unsigned long long mine = bytes ? static_cast<unsigned long long>(*bytes) : kMeasure;
+  unsigned long long range[2] = {mine, ~mine};  // max of the values, max of their complements
+  check(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, impl_->data),
+        "MPI_Allreduce (set_ring_min_bytes)");
+  if (range[0] != ~range[1]) {
+    auto text = [&](unsigned long long v) { return v == kMeasure ? std::string("none (measure)") : std::to_string(v); };
+    fail<ArgumentError>("MpiCommunicator::set_ring_min_bytes", "rank ", rank(), " of ", world_size(),
+                        ": the ranks passed different thresholds (this rank ", text(mine), ", the smallest ",
+                        text(~range[1]), ", the largest ", text(range[0]), "); every rank must pass the same");
+  }
+  impl_->scatter_choice.set_threshold(bytes);
+}
+
+std::optional<std::size_t> MpiCommunicator::ring_min_bytes() const { return impl_->scatter_choice.threshold(); }
 
 std::size_t MpiCommunicator::buffer_bytes() const { return impl_->ring.bytes() + impl_->wide.size(); }
 
