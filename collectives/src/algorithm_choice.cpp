@@ -34,6 +34,10 @@ double median(std::span<const double> samples) {
   return n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
 }
 
+double best(std::span<const double> samples) {
+  return samples.empty() ? 0 : *std::min_element(samples.begin(), samples.end());
+}
+
 Timings agree(std::span<const Timings> per_rank) {
   Timings out;
   for (const Timings& t : per_rank) {
@@ -72,9 +76,6 @@ TrialPlan trial_plan(std::size_t bytes) noexcept {
   // Samples of at least ~64 KiB moved (a few microseconds), at most 16 calls each.
   constexpr std::size_t kSampleBytes = std::size_t{64} << 10;
   if (bytes > 0 && bytes < kSampleBytes) plan.calls = static_cast<int>(std::min<std::size_t>(16, kSampleBytes / bytes));
-  // From 4 MiB a call takes milliseconds (MPI_Reduce_scatter_block up to ~0.1 s at 64 MiB here):
-  // three timed rounds are enough to see which is faster.
-  if (bytes >= (std::size_t{4} << 20)) plan.rounds = 3;
   return plan;
 }
 

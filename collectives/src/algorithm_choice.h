@@ -2,7 +2,7 @@
 // both at the first use of each size class and cached per communicator, unless a threshold
 // (RUDA_RING_MIN_BYTES, MpiCommunicator::set_ring_min_bytes) fixes it. The decision logic, without
 // MPI: the MPI communicator times the calls and agrees on the timings across ranks (the slowest
-// rank's median of each algorithm, so every rank reads the same figures and picks the same
+// rank's best sample of each algorithm, so every rank reads the same figures and picks the same
 // algorithm; ranks that picked differently would wait for each other forever). Internal; it lives
 // in ruda_collectives so that tests without MPI (and the ThreadSanitizer build) cover it.
 #pragma once
@@ -32,8 +32,12 @@ int size_class(std::size_t bytes) noexcept;
 
 /// The median of samples (the mean of the middle two for an even count); 0 for none.
 double median(std::span<const double> samples);
+/// What a rank reports for one algorithm: the best (smallest) of its samples. On a shared machine
+/// load only ever adds time, and with three to five samples a median still moved with it here
+/// (MPI's algorithm won at 16 MiB on one run in two); the fastest sample is the algorithm's own cost.
+double best(std::span<const double> samples);
 
-/// What both algorithms cost: seconds per call (a rank's medians, or the agreed figures).
+/// What both algorithms cost: seconds per call (a rank's best samples, or the agreed figures).
 struct Timings {
   double ring = 0;
   double library = 0;

@@ -544,10 +544,14 @@ struct MpiCommunicator::Impl {
 
   // The first reduce_scatter of a size class on this communicator (every rank's first at once:
   // the ranks call the same collectives with the same sizes) times both algorithms on the call's
-  // own buffers, alternating which goes first, each round started by a barrier so that every rank
-  // times the same calls. The ranks then agree on the slowest rank's median of each (one
-  // MPI_Allreduce), so all of them pick the same algorithm; the choice is cached for the size
-  // class. The call's result then comes from the chosen algorithm, as every later call's will.
+  // own buffers, each sample started by a barrier so that every rank times the same calls: first
+  // a run of ring calls, then a run of MPI's, each with a warm-up, as each would run call after
+  // call once chosen. (Not alternated: MPI_Reduce_scatter_block allocates and frees a temporary
+  // of the whole size per call, and the transfers right after that ran up to 4x slower here, which
+  // made the ring lose at 16-64 MiB when it followed MPI's call.) The ranks then agree on the
+  // slowest rank's best sample of each (one MPI_Allreduce), so all of them pick the same algorithm;
+  // the choice is cached for the size class. The call's result then comes from the chosen
+  // algorithm, as every later call's will.
   cd::Algorithm measure_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype,
                                        Accumulate accumulate, std::size_t bytes) {
     const cd::TrialPlan plan = cd::trial_plan(bytes);
@@ -564,15 +568,14 @@ struct MpiCommunicator::Impl {
       return std::chrono::duration<double>(Clock::now() - start).count() / plan.calls;
     };
     std::vector<double> ring_seconds, library_seconds;
-    for (int round = 0; round < plan.warmup + plan.rounds; ++round) {
-      const bool ring_first = round % 2 == 0;
-      const double first = timed(ring_first);
-      const double second = timed(!ring_first);
-      if (round < plan.warmup) continue;
-      ring_seconds.push_back(ring_first ? first : second);
-      library_seconds.push_back(ring_first ? second : first);
+    for (const bool use_ring : {true, false}) {
+      std::vector<double>& seconds = use_ring ? ring_seconds : library_seconds;
+      for (int round = 0; round < plan.warmup + plan.rounds; ++round) {
+        const double s = timed(use_ring);
+        if (round >= plan.warmup) seconds.push_back(s);
+      }
     }
-    double agreed[2] = {cd::median(ring_seconds), cd::median(library_seconds)};
+    double agreed[2] = {cd::best(ring_seconds), cd::best(library_seconds)};
     check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_DOUBLE, MPI_MAX, data),
           "MPI_Allreduce (agreeing on reduce_scatter's algorithm)");
     const cd::Algorithm chosen = cd::choose(cd::Timings{agreed[0], agreed[1]});

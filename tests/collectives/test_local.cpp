@@ -265,6 +265,8 @@ TEST_CASE("algorithm choice: the agreed timings are the slowest rank's, and the 
   const std::vector<double> even = {4, 1, 3, 2};
   CHECK(median(even) == 2.5);
   CHECK(median(std::vector<double>{}) == 0);
+  CHECK(best(samples) == 1);
+  CHECK(best(std::vector<double>{}) == 0);
   // Rank 1 sees the ring faster, rank 0 MPI's: the elementwise maximum decides for everyone.
   const std::vector<Timings> ranks = {{3e-6, 2e-6}, {1e-6, 4e-6}, {2e-6, 1e-6}};
   const Timings agreed = agree(ranks);
@@ -324,7 +326,7 @@ TEST_CASE("algorithm choice: a measurement's plan stays short at every size") {
     CHECK(plan.calls <= 16);
     // Every timed sample of a small size moves at least ~64 KiB, or is 16 calls long.
     if (bytes < (std::size_t{64} << 10)) CHECK((plan.calls == 16 || plan.calls * bytes >= (std::size_t{64} << 10)));
-    if (bytes >= (std::size_t{4} << 20)) CHECK(plan.rounds == 3);
+    CHECK(plan.rounds * plan.calls <= 80);  // at most ~a hundred calls in all, warm-ups included
   }
 }
 

@@ -60,11 +60,8 @@ Stats summary(std::vector<double> seconds) {
   return Stats{median, seconds.front(), seconds.back()};
 }
 
-// Times the calls alternately, each run started by a barrier, so that changes in the machine's
-// load hit every side alike. The last call stays last and the others rotate from round to round
-// (f g h, g f h): MPI_Reduce_scatter_block, given last, allocates and frees its temporaries on
-// every call, which slows the next transfers for a while, and so each of the others follows it
-// equally often.
+// Times the calls alternately (f g, f g, ...), each run started by a barrier, so that changes in
+// the machine's load hit every side alike.
 std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm, const std::vector<std::function<void()>>& calls) {
   auto once = [&](const std::function<void()>& call) {
     check(MPI_Barrier(comm), "MPI_Barrier");
@@ -80,8 +77,7 @@ std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm, const st
   const int runs = ctx.quick ? 3 : ctx.repeats;
   for (int i = 0; i < runs; ++i) {
     for (std::size_t j = 0; j < n; ++j) {
-      const std::size_t k = j + 1 < n ? (static_cast<std::size_t>(i) + j) % (n - 1) : n - 1;
-      seconds[k].push_back(once(calls[k]));
+      seconds[j].push_back(once(calls[j]));
     }
   }
   std::vector<Stats> out;
@@ -179,27 +175,36 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
     figures[k].ruda_gather = gather[0];
     figures[k].raw_gather = gather[1];
     // ruda's reduce_scatter (which measures its two algorithms at its first call, in the warm-up
-    // runs), the raw ring and MPI_Reduce_scatter_block, alternating.
+    // runs) and the raw ring, alternating.
     RawRing ring(raw, b.count);
-    const float* full = static_cast<const float*>(b.full.data_ptr());
-    float* piece = static_cast<float*>(b.piece.data_ptr());
     std::vector<Stats> scatter = timed_alternating(
         ctx, raw,
         {[&] {
           for (int i = 0; i < repeats; ++i) comm.reduce_scatter_into(b.piece, b.full);
         },
         [&] {
-          for (int i = 0; i < repeats; ++i) ring(full, piece);
-        },
-        [&] {
           for (int i = 0; i < repeats; ++i) {
-            check(MPI_Reduce_scatter_block(full, piece, c, MPI_FLOAT, MPI_SUM, raw), "MPI_Reduce_scatter_block");
+            ring(static_cast<const float*>(b.full.data_ptr()), static_cast<float*>(b.piece.data_ptr()));
           }
         }});
     figures[k].ruda_scatter = scatter[0];
     figures[k].raw_ring = scatter[1];
-    figures[k].raw_scatter = scatter[2];
     figures[k].chosen = std::string(comm.reduce_scatter_algorithm(static_cast<std::size_t>(sizes[k])));
+  }
+  // MPI_Reduce_scatter_block and the allocating all_gather come after all of them: they allocate
+  // and free large buffers on every call, which here slows the other process's next transfers
+  // for a while (measured: the ring ran up to 4x slower right after MPI_Reduce_scatter_block at
+  // 16-64 MiB). Run after run, MPI_Reduce_scatter_block is in the state it would be in if chosen.
+  for (std::size_t k = 0; k < sizes.size(); ++k) {
+    Buffers b(sizes[k], n);
+    const int repeats = repeats_for(sizes[k]);
+    const int c = static_cast<int>(b.count);
+    figures[k].raw_scatter = timed(ctx, raw, [&] {
+      for (int i = 0; i < repeats; ++i) {
+        check(MPI_Reduce_scatter_block(b.full.data_ptr(), b.piece.data_ptr(), c, MPI_FLOAT, MPI_SUM, raw),
+              "MPI_Reduce_scatter_block");
+      }
+    });
     if (sizes[k] == (16 << 20)) {
       // The allocating form: each result is fresh memory, whose first touch costs page faults.
       figures[k].allocating_gather = timed(ctx, raw, [&] {

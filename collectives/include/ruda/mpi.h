@@ -69,10 +69,11 @@ class MpiEnvironment {
 /// point-to-point messages with buffers reused from call to call (MPI_Reduce_scatter_block
 /// allocates a temporary per call). Which one is measured, not assumed: the first reduce_scatter
 /// of each size class (total bytes over all ranks, in powers of two: (2^(k-1), 2^k]) times both
-/// on its own buffers (a few rounds of each, alternating), the ranks agree on the slowest rank's
-/// median of each (one MPI_Allreduce), so every rank picks the same one, and the communicator
-/// keeps the choice for the size class (reduce_scatter_algorithm() tells it). That first call
-/// costs about ten calls' time. RUDA_RING_MIN_BYTES (a size: 64KiB, 1MB; 0 for the ring at every
+/// on its own buffers (a run of each: a warm-up and 5 samples, small sizes repeating the call up
+/// to 16 times a sample), the ranks agree on the slowest rank's best sample of each (one
+/// MPI_Allreduce), so every rank picks the same one, and the communicator keeps the choice for the
+/// size class (reduce_scatter_algorithm() tells it). That first call costs about a dozen calls'
+/// time (small sizes more calls, still well under a millisecond). RUDA_RING_MIN_BYTES (a size: 64KiB, 1MB; 0 for the ring at every
 /// size) or set_ring_min_bytes() fixes it instead: MPI's up to that many bytes in all, the ring
 /// above. The ring's sums run around it (deterministic, but not in rank order), MPI's in its own
 /// order: with the choice measured, a size near the crossover may take either from run to run and
