@@ -1,5 +1,6 @@
 // The Communicator base: validation, result allocation, the order check, the history of calls
 // and the context every collective error carries. Implementations only move bytes.
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -153,14 +154,20 @@ void require_contiguous(const char* op, int rank, const Tensor& t, const char* w
 }
 
 // A caller's output tensor for the *_into forms: the right shape and dtype, not the input's storage.
-void check_output(const char* op, int rank, int world, const Tensor& out, const Tensor& input, const Shape& shape) {
+// `fits(out shape)` says whether the shape is right without building the expected one (these run
+// for every call of a step's buffers); `expected()` builds it for the message, or throws the
+// input's own ShapeError.
+template <class Fits, class Expected>
+void check_output(const char* op, int rank, int world, const Tensor& out, const Tensor& input, Fits&& fits,
+                  Expected&& expected) {
   if (!out.defined()) fail<ArgumentError>(op, "rank ", rank, ": the output tensor is undefined");
   require_contiguous(op, rank, out, "output");
   if (out.dtype() != input.dtype()) {
     fail<DTypeError>(op, "rank ", rank, ": output dtype ", dtype_name(out.dtype()), " differs from input dtype ",
                      dtype_name(input.dtype()));
   }
-  if (out.shape() != shape) {
+  if (!fits(out.shape())) {
+    const Shape shape = expected();
     fail<ShapeError>(op, "rank ", rank, ": output shape ", shape_text(out), " should be ", to_string(shape),
                      " for input ", shape_text(input), " (", dtype_name(input.dtype()), ", ", input.numel(),
                      " elements) and world size ", world);
@@ -170,6 +177,20 @@ void check_output(const char* op, int rank, int world, const Tensor& out, const 
     fail<ArgumentError>(op, "rank ", rank,
                         ": the output requires grad; collectives write raw memory, pass a detached tensor");
   }
+}
+
+// Whether `out` is the all_gather of `in` over `world` ranks (in's rows times world; a 0-d input
+// gathers as one row per rank), or its reduce_scatter piece (in's rows over world), without
+// building a Shape.
+bool gathered_fits(const Shape& out, const Shape& in, int world) {
+  if (in.empty()) return out.size() == 1 && out[0] == world;
+  if (out.size() != in.size() || out[0] % world != 0 || out[0] / world != in[0]) return false;
+  return std::equal(in.begin() + 1, in.end(), out.begin() + 1);
+}
+bool scattered_fits(const Shape& out, const Shape& in, int world) {
+  if (in.empty() || in[0] % world != 0) return false;  // expected() raises the input's ShapeError
+  if (out.size() != in.size() || out[0] != in[0] / world) return false;
+  return std::equal(in.begin() + 1, in.end(), out.begin() + 1);
 }
 
 Tensor new_like(const Tensor& input, const Shape& shape) {
@@ -318,7 +339,7 @@ void Communicator::finish(const Call& call) {
 }
 
 Communicator::Communicator(int rank, int world_size)
-    : rank_(rank), world_size_(world_size), order_check_(order_check_from_env()) {
+    : rank_(rank), world_size_(world_size), order_check_(order_check_from_env()), rank_text_("rank " + std::to_string(rank)) {
   if (world_size < 1) fail<ArgumentError>("Communicator", "world size must be positive, got ", world_size);
   if (rank < 0 || rank >= world_size) {
     fail<ArgumentError>("Communicator", "rank ", rank, " is outside a world of ", world_size);
@@ -349,7 +370,7 @@ std::vector<std::string> Communicator::history() const {
 Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
                                        const std::string& extra, const CollectiveOptions& options) {
   // Every collective, blocking or not, begins here: the one place its options enter.
-  check_enum(options.accumulate, op, "Accumulate", "rank " + std::to_string(rank_));
+  check_enum(options.accumulate, op, "Accumulate", rank_text_);
   Call call;
   call.start = Clock::now();
   call.bytes = has_data ? bus_bytes(op, count, dtype, world_size_) : 0;
@@ -429,7 +450,7 @@ std::string accumulate_extra(DType dtype, Accumulate accumulate) {
 
 }  // namespace
 
-Tensor Communicator::run_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options) {
+void Communicator::run_all_gather(const Tensor& local, const Tensor& out, const CollectiveOptions& options) {
   const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
   try {
     do_all_gather(local.data_ptr(), out.data_ptr(), local.numel(), local.dtype());
@@ -437,10 +458,9 @@ Tensor Communicator::run_all_gather(const Tensor& local, Tensor out, const Colle
     rethrow_with_context(call);
   }
   finish(call);
-  return out;
 }
 
-Tensor Communicator::run_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options) {
+void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, const CollectiveOptions& options) {
   const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
                           accumulate_extra(full.dtype(), options.accumulate), options);
   try {
@@ -449,7 +469,6 @@ Tensor Communicator::run_reduce_scatter(const Tensor& full, Tensor out, const Co
     rethrow_with_context(call);
   }
   finish(call);
-  return out;
 }
 
 Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions& options) {
@@ -459,12 +478,17 @@ Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
     return local.detach().reshape(shape);
   }
-  return run_all_gather(local, new_like(local, shape), options);
+  Tensor out = new_like(local, shape);
+  run_all_gather(local, out, options);
+  return out;
 }
 
 void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, const CollectiveOptions& options) {
   const Tensor local = dense_input("all_gather_into", rank_, local_arg);
-  check_output("all_gather_into", rank_, world_size_, out, local, gathered_shape(world_size_, local));
+  check_output(
+      "all_gather_into", rank_, world_size_, out, local,
+      [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
+      [&] { return gathered_shape(world_size_, local); });
   run_all_gather(local, out, options);
 }
 
@@ -476,12 +500,17 @@ Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOpti
           options);
     return full.detach();
   }
-  return run_reduce_scatter(full, new_like(full, shape), options);
+  Tensor out = new_like(full, shape);
+  run_reduce_scatter(full, out, options);
+  return out;
 }
 
 void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full_arg, const CollectiveOptions& options) {
   const Tensor full = dense_input("reduce_scatter_into", rank_, full_arg);
-  check_output("reduce_scatter_into", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
+  check_output(
+      "reduce_scatter_into", rank_, world_size_, out, full,
+      [&](const Shape& s) { return scattered_fits(s, full.shape(), world_size_); },
+      [&] { return scattered_shape(rank_, world_size_, full); });
   run_reduce_scatter(full, out, options);
 }
 
@@ -554,7 +583,10 @@ Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions
 Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
   check_input("all_gather_into_async", rank_, local);
   require_contiguous("all_gather_into_async", rank_, local, "input");
-  check_output("all_gather_into_async", rank_, world_size_, out, local, gathered_shape(world_size_, local));
+  check_output(
+      "all_gather_into_async", rank_, world_size_, out, local,
+      [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
+      [&] { return gathered_shape(world_size_, local); });
   return launch_all_gather(local, out, options);
 }
 
@@ -584,7 +616,10 @@ Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOpti
 Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
   check_input("reduce_scatter_into_async", rank_, full);
   require_contiguous("reduce_scatter_into_async", rank_, full, "input");
-  check_output("reduce_scatter_into_async", rank_, world_size_, out, full, scattered_shape(rank_, world_size_, full));
+  check_output(
+      "reduce_scatter_into_async", rank_, world_size_, out, full,
+      [&](const Shape& s) { return scattered_fits(s, full.shape(), world_size_); },
+      [&] { return scattered_shape(rank_, world_size_, full); });
   return launch_reduce_scatter(full, out, options);
 }
 

@@ -15,11 +15,15 @@
 #include <exception>
 #include <future>
 #include <mutex>
+#include <optional>
+#include <string_view>
 #include <thread>
+#include <vector>
 
 #include <ruda/memory.h>
 #include <ruda/mpi.h>
 
+#include "algorithm_choice.h"
 #include "internal.h"
 #include "mpi_ring.h"
 #include "mpi_support.h"
@@ -143,7 +147,9 @@ struct MpiCommunicator::Impl {
   MPI_Comm data = MPI_COMM_NULL;     // collectives and the ring's messages
   MPI_Comm control = MPI_COMM_NULL;  // the order check's fingerprints, the watchdogs' notes
   int rank = 0, size = 1;
-  std::size_t ring_min_bytes = 0;  // reduce_scatter: MPI's algorithm up to this many bytes in all
+  // reduce_scatter: MPI_Reduce_scatter_block or the ring, by size class (measured at first use,
+  // or fixed by RUDA_RING_MIN_BYTES / set_ring_min_bytes).
+  cd::AlgorithmChoice scatter_choice;
   MPI_Op max_f32 = MPI_OP_NULL, max_f64 = MPI_OP_NULL, max_bf16 = MPI_OP_NULL, max_f16 = MPI_OP_NULL;
   MPI_Op sum_bf16 = MPI_OP_NULL, sum_f16 = MPI_OP_NULL;
   mpi_detail::RingScratch ring;
@@ -151,8 +157,9 @@ struct MpiCommunicator::Impl {
   cd::ProgressThread progress_thread;  // the non-blocking collectives, in the order started
 
   // What this rank's threads are in, for the watchdog: the calling thread (blocking collectives
-  // and the order check) and the progress thread. Guarded by watch_mutex. Entering and leaving a
-  // collective reads no clock (here a clock read costs ~60 ns, a 4 KiB all_gather ~2 us): the
+  // and the order check) and the progress thread. Guarded by slot_lock, a spin lock: taken twice
+  // per collective and held for a few stores, it costs less than a mutex (the watchdog takes it
+  // every kWatchPeriod, just as briefly). Entering and leaving a collective reads no clock (here a clock read costs ~60 ns, a 4 KiB all_gather ~2 us): the
   // watchdog notes the time when it first sees an activation, so it measures a wait from at most
   // one kWatchPeriod after the wait began.
   struct Slot {
@@ -176,9 +183,10 @@ struct MpiCommunicator::Impl {
     }
   };
   std::atomic<std::int64_t> timeout_ms{0};  // 0: off
-  std::mutex watch_mutex;
+  std::mutex watch_mutex;  // watch_stop, and the watchdog's sleep
   std::condition_variable watch_wake;
   bool watch_stop = false;
+  mpi_detail::SpinLock slot_lock;  // the slots and last_*
   Slot caller, progress;
   std::uint64_t last_sequence = 0;  // the last collective finished
   const char* last_op = "";
@@ -199,14 +207,14 @@ struct MpiCommunicator::Impl {
   class Watch {
    public:
     Watch(Impl& impl, Slot& slot, const Record& call, const char* stage = "") : impl_(impl), slot_(slot) {
-      std::lock_guard lock(impl.watch_mutex);
+      std::lock_guard lock(impl.slot_lock);
       slot.call = &call;
       slot.stage = stage;
       slot.active = true;
       ++slot.activations;
     }
     ~Watch() {
-      std::lock_guard lock(impl_.watch_mutex);
+      std::lock_guard lock(impl_.slot_lock);
       slot_.active = false;
       if (slot_.call->sequence >= impl_.last_sequence) {
         impl_.last_sequence = slot_.call->sequence;
@@ -251,23 +259,27 @@ struct MpiCommunicator::Impl {
     MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(data, &rank), "MPI_Comm_rank");
     check(MPI_Comm_size(data, &size), "MPI_Comm_size");
-    // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's:
-    // the largest threshold wins. A rank whose RUDA_RING_MIN_BYTES is not a size still takes part
-    // (with the largest value, so that every rank learns of it) and then every rank throws.
-    constexpr unsigned long long kRefused = ~0ULL;
+    // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's.
+    // RUDA_RING_MIN_BYTES where any rank sets it (the largest value wins, for ranks whose
+    // environment lacks it too), else measured per size class. A rank whose value is not a size
+    // still takes part (so that every rank learns of it) and then every rank throws.
     std::string refused;
-    unsigned long long threshold = kRefused;
+    unsigned long long agreed[3] = {0, 0, 0};  // refused, set, value: each the largest over the ranks
     try {
-      threshold = mpi_detail::ring_min_bytes_from_env(size);
+      if (const std::optional<std::size_t> bytes = cd::ring_min_bytes_from_env()) {
+        agreed[1] = 1;
+        agreed[2] = *bytes;
+      }
     } catch (const ArgumentError& e) {
       refused = e.what();
+      agreed[0] = 1;
     }
-    check(MPI_Allreduce(MPI_IN_PLACE, &threshold, 1, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
-    if (threshold == kRefused) {
+    check(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
+    if (agreed[0]) {
       throw ArgumentError("MpiCommunicator: rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " +
                           (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES is not a size" : refused));
     }
-    ring_min_bytes = static_cast<std::size_t>(threshold);
+    if (agreed[1]) scatter_choice.set_threshold(static_cast<std::size_t>(agreed[2]));
     check(MPI_Op_create(&max_op<DType::f32>, 1, &max_f32), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::f64>, 1, &max_f64), "MPI_Op_create");
     check(MPI_Op_create(&max_op<DType::bf16>, 1, &max_bf16), "MPI_Op_create");
@@ -304,31 +316,38 @@ struct MpiCommunicator::Impl {
   // --- the watchdog (its own thread; the only one that touches `query` and `outgoing`) ---
 
   void watch() {
-    std::unique_lock lock(watch_mutex);
     for (;;) {
-      watch_wake.wait_for(lock, kWatchPeriod, [&] { return watch_stop; });
-      if (watch_stop) return;
-      observe();
+      {
+        std::unique_lock lock(watch_mutex);
+        watch_wake.wait_for(lock, kWatchPeriod, [&] { return watch_stop; });
+        if (watch_stop) return;
+      }
       const std::int64_t limit = timeout_ms.load(std::memory_order_relaxed);
-      const Slot* late = nullptr;
-      for (const Slot* slot : {&caller, &progress}) {
-        if (limit > 0 && slot->active && millis_since(slot->seen_since) >= limit &&
-            (!late || slot->call->sequence < late->call->sequence)) {
-          late = slot;
+      bool late = false;
+      Stalled stalled;
+      {
+        std::lock_guard lock(slot_lock);
+        observe();
+        const Slot* oldest = nullptr;
+        for (const Slot* slot : {&caller, &progress}) {
+          if (limit > 0 && slot->active && millis_since(slot->seen_since) >= limit &&
+              (!oldest || slot->call->sequence < oldest->call->sequence)) {
+            oldest = slot;
+          }
+        }
+        if (oldest) {
+          late = true;
+          stalled = Stalled{*oldest->call, oldest->stage};
         }
       }
-      Stalled stalled;
-      if (late) stalled = Stalled{*late->call, late->stage};
-      lock.unlock();
       if (!MpiEnvironment::active()) return;
       answer_queries();
       if (late) fire(stalled, std::chrono::milliseconds(limit));
-      lock.lock();
     }
   }
 
   // Notes the time of activations and of the last collective's end that the watchdog had not
-  // seen yet. The caller holds watch_mutex.
+  // seen yet. The caller holds slot_lock.
   void observe() {
     const Clock::time_point now = Clock::now();
     for (Slot* slot : {&caller, &progress}) {
@@ -365,7 +384,7 @@ struct MpiCommunicator::Impl {
 
   // Where this rank is: the oldest collective one of its threads is in, else the last it finished.
   Note where() {
-    std::lock_guard lock(watch_mutex);
+    std::lock_guard lock(slot_lock);
     observe();
     Note note;
     const Slot* in = nullptr;
@@ -504,18 +523,64 @@ struct MpiCommunicator::Impl {
     check(MPI_Allgather(send, n, type, recv, n, type, data), "MPI_Allgather");
   }
 
-  // ruda's ring above the threshold, MPI's algorithm up to it.
+  // MPI_Reduce_scatter_block or ruda's ring, whichever the size class chose (see measure_reduce_scatter).
   void reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype, Accumulate accumulate) {
     const std::size_t esize = dtype_size(dtype);
     if (size == 1 || count == 0) {
       if (count > 0) std::memcpy(recv, send, static_cast<std::size_t>(count) * esize);
       return;
     }
-    if (static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize <= ring_min_bytes) {
-      small_reduce_scatter(send, recv, count, dtype, accumulate);
-      return;
+    const std::size_t bytes = static_cast<std::size_t>(count) * static_cast<std::size_t>(size) * esize;
+    cd::Algorithm algorithm = scatter_choice.lookup(bytes);
+    if (algorithm == cd::Algorithm::undecided) {
+      algorithm = measure_reduce_scatter(send, recv, count, dtype, accumulate, bytes);
     }
-    mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+    if (algorithm == cd::Algorithm::library) {
+      small_reduce_scatter(send, recv, count, dtype, accumulate);
+    } else {
+      mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+    }
+  }
+
+  // The first reduce_scatter of a size class on this communicator (every rank's first at once:
+  // the ranks call the same collectives with the same sizes) times both algorithms on the call's
+  // own buffers, each sample started by a barrier so that every rank times the same calls: first
+  // a run of ring calls, then a run of MPI's, each with a warm-up, as each would run call after
+  // call once chosen. (Not alternated: MPI_Reduce_scatter_block allocates and frees a temporary
+  // of the whole size per call, and the transfers right after that ran up to 4x slower here, which
+  // made the ring lose at 16-64 MiB when it followed MPI's call.) The ranks then agree on the
+  // slowest rank's best sample of each (one MPI_Allreduce), so all of them pick the same algorithm;
+  // the choice is cached for the size class. The call's result then comes from the chosen
+  // algorithm, as every later call's will.
+  cd::Algorithm measure_reduce_scatter(const void* send, void* recv, std::int64_t count, DType dtype,
+                                       Accumulate accumulate, std::size_t bytes) {
+    const cd::TrialPlan plan = cd::trial_plan(bytes);
+    auto timed = [&](bool use_ring) {
+      check(MPI_Barrier(data), "MPI_Barrier (timing reduce_scatter's algorithms)");
+      const Clock::time_point start = Clock::now();
+      for (int i = 0; i < plan.calls; ++i) {
+        if (use_ring) {
+          mpi_detail::ring_reduce_scatter(data, rank, size, send, recv, count, dtype, accumulate, ring);
+        } else {
+          small_reduce_scatter(send, recv, count, dtype, accumulate);
+        }
+      }
+      return std::chrono::duration<double>(Clock::now() - start).count() / plan.calls;
+    };
+    std::vector<double> ring_seconds, library_seconds;
+    for (const bool use_ring : {true, false}) {
+      std::vector<double>& seconds = use_ring ? ring_seconds : library_seconds;
+      for (int round = 0; round < plan.warmup + plan.rounds; ++round) {
+        const double s = timed(use_ring);
+        if (round >= plan.warmup) seconds.push_back(s);
+      }
+    }
+    double agreed[2] = {cd::best(ring_seconds), cd::best(library_seconds)};
+    check(MPI_Allreduce(MPI_IN_PLACE, agreed, 2, MPI_DOUBLE, MPI_MAX, data),
+          "MPI_Allreduce (agreeing on reduce_scatter's algorithm)");
+    const cd::Algorithm chosen = cd::choose(cd::Timings{agreed[0], agreed[1]});
+    scatter_choice.record(bytes, chosen);
+    return chosen;
   }
 
   // Small reductions are bound by latency, not bandwidth: MPI's own algorithm needs fewer rounds
@@ -711,6 +776,31 @@ void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
 std::chrono::milliseconds MpiCommunicator::timeout() const noexcept {
   return std::chrono::milliseconds(impl_->timeout_ms.load(std::memory_order_relaxed));
 }
+
+std::string_view MpiCommunicator::reduce_scatter_algorithm(std::size_t bytes) const {
+  if (world_size() == 1 || bytes == 0) return "copy";
+  return cd::algorithm_name(impl_->scatter_choice.lookup(bytes));
+}
+
+void MpiCommunicator::set_ring_min_bytes(std::optional<std::size_t> bytes) {
+  impl_->progress_thread.drain();
+  // Collective: every rank must choose alike. Agree on the smallest and the largest value passed
+  // (none: the largest number), so that a disagreement raises on every rank instead of hanging later.
+  constexpr unsigned long long kMeasure = ~0ULL;
+  const unsigned long long mine = bytes ? static_cast<unsigned long long>(*bytes) : kMeasure;
+  unsigned long long range[2] = {mine, ~mine};  // max of the values, max of their complements
+  check(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, impl_->data),
+        "MPI_Allreduce (set_ring_min_bytes)");
+  if (range[0] != ~range[1]) {
+    auto text = [&](unsigned long long v) { return v == kMeasure ? std::string("none (measure)") : std::to_string(v); };
+    fail<ArgumentError>("MpiCommunicator::set_ring_min_bytes", "rank ", rank(), " of ", world_size(),
+                        ": the ranks passed different thresholds (this rank ", text(mine), ", the smallest ",
+                        text(~range[1]), ", the largest ", text(range[0]), "); every rank must pass the same");
+  }
+  impl_->scatter_choice.set_threshold(bytes);
+}
+
+std::optional<std::size_t> MpiCommunicator::ring_min_bytes() const { return impl_->scatter_choice.threshold(); }
 
 std::size_t MpiCommunicator::buffer_bytes() const { return impl_->ring.bytes() + impl_->wide.size(); }
 

@@ -1,10 +1,8 @@
-// The ring reduce-scatter and its threshold. See mpi_ring.h.
+// The ring reduce-scatter. See mpi_ring.h.
 #include "mpi_ring.h"
 
 #include <algorithm>
 #include <cstring>
-
-#include <ruda/memory.h>
 
 #include "internal.h"
 
@@ -18,32 +16,8 @@ namespace {
 // large enough that per-message costs vanish.
 constexpr std::int64_t kSegmentBytes = 512 * 1024;
 constexpr int kRingTag = 7001;  // the ring's messages on the data communicator
-// A reduce_scatter of at most this many bytes in all uses MPI_Reduce_scatter_block instead of
-// the ring: below it, latency rules and MPI's algorithm needs fewer rounds than the ring's
-// size - 1. Measured with RUDA_RING_MIN_BYTES=0 (the ring at every size) against
-// MPI_Reduce_scatter_block in the same run (ruda-bench-mpi --suite collectives-mpi, 3 runs,
-// medians of the ratios, shared memory on a 2-core Xeon): the ring wins from 16 KiB at 2 and 3
-// ranks (1.46x, 1.07x; at 4 KiB 1.04x and 0.94x) and from 256 KiB at 4 (1.17x; 128 KiB 1.01x,
-// 64 KiB 0.85x). Past 4 ranks the ring's size - 1 latencies grow linearly, so the threshold does
-// too (not measured here: more ranks than that only oversubscribe 2 cores). RUDA_RING_MIN_BYTES
-// sets it for another machine or network.
-std::size_t default_ring_min_bytes(int size) {
-  if (size <= 3) return std::size_t{4} << 10;
-  return (std::size_t{128} << 10) * static_cast<std::size_t>(size) / 4;
-}
 
 }  // namespace
-
-std::size_t ring_min_bytes_from_env(int size) {
-  const char* text = std::getenv("RUDA_RING_MIN_BYTES");
-  if (!text || !*text) return default_ring_min_bytes(size);
-  try {
-    return static_cast<std::size_t>(memory::parse_size(text));
-  } catch (const ArgumentError&) {
-    throw ArgumentError(std::string("RUDA_RING_MIN_BYTES: '") + text +
-                        "' is not a size (a number of bytes, or with a unit: 64KiB, 1MB)");
-  }
-}
 
 // A ring of size - 1 steps. In step s, this rank sends the running sum of block
 // (rank - s - 1) to the right and receives the running sum of block (rank - s - 2) from the

@@ -1,5 +1,5 @@
-// ruda's ring reduce-scatter over MPI point-to-point messages, and the size from which the MPI
-// communicator uses it instead of MPI_Reduce_scatter_block (internal to ruda_mpi).
+// ruda's ring reduce-scatter over MPI point-to-point messages (internal to ruda_mpi). Which sizes
+// use it instead of MPI_Reduce_scatter_block is measured (algorithm_choice.h).
 #pragma once
 
 #include <cstddef>
@@ -25,9 +25,5 @@ struct RingScratch {
 /// Deterministic from run to run; the sum of block b starts at rank b + 1.
 void ring_reduce_scatter(MPI_Comm comm, int rank, int size, const void* send, void* recv, std::int64_t count,
                          DType dtype, Accumulate accumulate, RingScratch& scratch);
-
-/// The reduce-scatter size (bytes over all ranks) up to which MPI's algorithm beats the ring:
-/// RUDA_RING_MIN_BYTES where set (ArgumentError if it is not a size), else the measured default.
-std::size_t ring_min_bytes_from_env(int size);
 
 }  // namespace ruda::mpi_detail

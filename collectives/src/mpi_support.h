@@ -4,12 +4,14 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <ruda/collectives.h>
 #include <ruda/dtype.h>
@@ -56,6 +58,24 @@ inline int int_count(std::int64_t count, const char* call) {
   }
   return static_cast<int>(count);
 }
+
+// A lock for state held for a few stores at a time (BasicLockable, for std::lock_guard):
+// uncontended, one atomic exchange and one store, where a mutex costs about twice that. A waiter
+// yields after a while, so a holder that was preempted on a busy machine gets to finish.
+class SpinLock {
+ public:
+  void lock() noexcept {
+    for (int spins = 0; locked_.exchange(true, std::memory_order_acquire); ++spins) {
+      while (locked_.load(std::memory_order_relaxed)) {
+        if (++spins > 64) std::this_thread::yield();
+      }
+    }
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
 
 // A 64-byte aligned scratch buffer that grows on demand and is reused from call to call.
 class Buffer {

@@ -14,6 +14,7 @@ ProgressThread::Done ProgressThread::submit(std::function<void()> run) {
     std::lock_guard lock(mutex_);
     if (!worker_.joinable()) worker_ = std::thread([this] { work(); });
     queue_.push_back(std::move(task));
+    pending_.fetch_add(1, std::memory_order_relaxed);
   }
   wake_.notify_one();
   return done;
@@ -44,10 +45,12 @@ void ProgressThread::work() {
       task->done.set_exception(std::current_exception());
       lock.lock();
       if (failed_.empty()) failed_ = "an earlier non-blocking collective on this communicator failed: " + what;
+      has_failed_.store(true, std::memory_order_release);
       lock.unlock();
     }
     lock.lock();
     busy_ = false;
+    pending_.fetch_sub(1, std::memory_order_release);
     if (queue_.empty()) idle_.notify_all();
   }
 }
@@ -58,6 +61,9 @@ bool ProgressThread::idle() {
 }
 
 void ProgressThread::drain() {
+  // The fast path: nothing in flight and nothing failed (only the owning thread submits, so no
+  // task can start meanwhile).
+  if (pending_.load(std::memory_order_acquire) == 0 && !has_failed_.load(std::memory_order_acquire)) return;
   std::unique_lock lock(mutex_);
   idle_.wait(lock, [&] { return queue_.empty() && !busy_; });
   if (!failed_.empty()) throw CollectiveError(failed_);

@@ -4,6 +4,7 @@
 // ThreadSanitizer build (which has no MPI) tests it.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -33,7 +34,8 @@ class ProgressThread {
   Done submit(std::function<void()> run);
   /// Whether nothing is queued or running.
   bool idle();
-  /// Waits until nothing is queued or running; CollectiveError if a task has failed.
+  /// Waits until nothing is queued or running; CollectiveError if a task has failed. With nothing
+  /// submitted since the last drain (every blocking collective drains first), it takes no lock.
   void drain();
   /// Runs what is queued and joins the thread. Idempotent.
   void stop();
@@ -51,6 +53,11 @@ class ProgressThread {
   std::deque<std::shared_ptr<Task>> queue_;
   bool busy_ = false, stop_ = false;
   std::string failed_;  // the error of the first task that failed, if any
+  // Tasks submitted and not yet finished, and whether one failed: drain()'s lock-free fast path.
+  // The worker updates both under the mutex after a task's effects (release), drain reads them
+  // first (acquire), so a 0 means every task's writes (failed_ too) are visible to it.
+  std::atomic<std::size_t> pending_{0};
+  std::atomic<bool> has_failed_{false};
   std::thread worker_;
 };
 

@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <limits>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -10,6 +12,7 @@
 #include <ruda/backend.h>
 #include <ruda/collectives.h>
 
+#include "algorithm_choice.h"
 #include "progress_thread.h"
 #include "suite.h"
 
@@ -238,4 +241,124 @@ TEST_CASE("the progress thread runs tasks in submission order; after a failure t
   CHECK_THROWS_AS(thread.drain(), ruda::CollectiveError);
   thread.stop();
   thread.stop();  // idempotent
+}
+
+// --- the choice between MPI's reduce-scatter and the ring (algorithm_choice.h), without MPI ---
+
+TEST_CASE("algorithm choice: size classes are powers of two of the total bytes") {
+  using namespace ruda::collectives_detail;
+  CHECK(size_class(0) == 0);
+  CHECK(size_class(1) == 0);
+  CHECK(size_class(2) == 1);
+  CHECK(size_class(3) == 2);
+  CHECK(size_class(4096) == 12);
+  CHECK(size_class(4097) == 13);
+  CHECK(size_class(8192) == 13);
+  CHECK(size_class(std::size_t{64} << 20) == 26);
+  CHECK(size_class(~std::size_t{0}) == kSizeClasses - 1);
+}
+
+TEST_CASE("algorithm choice: the agreed timings are the slowest rank's, and the faster algorithm wins") {
+  using namespace ruda::collectives_detail;
+  const std::vector<double> samples = {5, 1, 4, 2, 3};
+  CHECK(median(samples) == 3);
+  const std::vector<double> even = {4, 1, 3, 2};
+  CHECK(median(even) == 2.5);
+  CHECK(median(std::vector<double>{}) == 0);
+  CHECK(best(samples) == 1);
+  CHECK(best(std::vector<double>{}) == 0);
+  // Rank 1 sees the ring faster, rank 0 MPI's: the elementwise maximum decides for everyone.
+  const std::vector<Timings> ranks = {{3e-6, 2e-6}, {1e-6, 4e-6}, {2e-6, 1e-6}};
+  const Timings agreed = agree(ranks);
+  CHECK(agreed.ring == 3e-6);
+  CHECK(agreed.library == 4e-6);
+  CHECK(choose(agreed) == Algorithm::ring);
+  CHECK(choose({5e-6, 4e-6}) == Algorithm::library);
+  CHECK(choose({4e-6, 4e-6}) == Algorithm::library);  // a tie needs no ring buffers
+  CHECK(choose({0, 4e-6}) == Algorithm::library);     // a figure that is not a time
+  CHECK(choose({std::numeric_limits<double>::quiet_NaN(), 1}) == Algorithm::library);
+  CHECK(choose({std::numeric_limits<double>::infinity(), 1}) == Algorithm::library);
+  CHECK(algorithm_name(Algorithm::ring) == "ring");
+  CHECK(algorithm_name(Algorithm::library) == "mpi");
+  CHECK(algorithm_name(Algorithm::undecided) == "unmeasured");
+}
+
+TEST_CASE("algorithm choice: measured choices are cached per size class, a threshold overrides them") {
+  using namespace ruda::collectives_detail;
+  AlgorithmChoice choice;
+  CHECK_FALSE(choice.threshold().has_value());
+  CHECK(choice.lookup(4096) == Algorithm::undecided);
+  choice.record(4096, Algorithm::library);
+  choice.record(std::size_t{1} << 20, Algorithm::ring);
+  CHECK(choice.lookup(4096) == Algorithm::library);
+  CHECK(choice.lookup(3000) == Algorithm::library);  // the same class: (2 KiB, 4 KiB]
+  CHECK(choice.lookup(2048) == Algorithm::undecided);
+  CHECK(choice.lookup(4097) == Algorithm::undecided);
+  CHECK(choice.lookup(std::size_t{1} << 20) == Algorithm::ring);
+  // A threshold: MPI's up to it, the ring above, whatever was measured.
+  choice.set_threshold(std::size_t{64} << 10);
+  CHECK(choice.threshold() == std::optional<std::size_t>(std::size_t{64} << 10));
+  CHECK(choice.lookup(std::size_t{64} << 10) == Algorithm::library);
+  CHECK(choice.lookup((std::size_t{64} << 10) + 1) == Algorithm::ring);
+  CHECK(choice.lookup(2048) == Algorithm::library);
+  choice.set_threshold(0);
+  CHECK(choice.lookup(1) == Algorithm::ring);
+  CHECK(choice.lookup(4096) == Algorithm::ring);
+  // Back to measuring: the measured choices are still there.
+  choice.set_threshold(std::nullopt);
+  CHECK(choice.lookup(4096) == Algorithm::library);
+  CHECK(choice.lookup(std::size_t{1} << 20) == Algorithm::ring);
+  choice.reset();
+  CHECK(choice.lookup(4096) == Algorithm::undecided);
+  CHECK(by_threshold(100, 100) == Algorithm::library);
+  CHECK(by_threshold(101, 100) == Algorithm::ring);
+}
+
+TEST_CASE("algorithm choice: a measurement's plan stays short at every size") {
+  using namespace ruda::collectives_detail;
+  for (std::size_t bytes : {std::size_t{1}, std::size_t{4096}, std::size_t{64} << 10, std::size_t{1} << 20,
+                            std::size_t{64} << 20, std::size_t{1} << 34}) {
+    const TrialPlan plan = trial_plan(bytes);
+    CAPTURE(bytes);
+    CHECK(plan.warmup >= 1);
+    CHECK(plan.rounds >= 3);
+    CHECK(plan.calls >= 1);
+    CHECK(plan.calls <= 16);
+    // Every timed sample of a small size moves at least ~64 KiB, or is 16 calls long.
+    if (bytes < (std::size_t{64} << 10)) CHECK((plan.calls == 16 || plan.calls * bytes >= (std::size_t{64} << 10)));
+    CHECK(plan.rounds * plan.calls <= 80);  // at most ~a hundred calls in all, warm-ups included
+  }
+}
+
+TEST_CASE("algorithm choice: RUDA_RING_MIN_BYTES is a size, unset means measure, anything else is typed") {
+  using namespace ruda;
+  using namespace ruda::collectives_detail;
+  CHECK_FALSE(parse_ring_min_bytes(nullptr, "RUDA_RING_MIN_BYTES").has_value());
+  CHECK_FALSE(parse_ring_min_bytes("", "RUDA_RING_MIN_BYTES").has_value());
+  CHECK(parse_ring_min_bytes("0", "RUDA_RING_MIN_BYTES") == std::optional<std::size_t>(0));
+  CHECK(parse_ring_min_bytes("65536", "RUDA_RING_MIN_BYTES") == std::optional<std::size_t>(65536));
+  CHECK(parse_ring_min_bytes("64KiB", "RUDA_RING_MIN_BYTES") == std::optional<std::size_t>(65536));
+  CHECK(parse_ring_min_bytes("1MB", "RUDA_RING_MIN_BYTES") == std::optional<std::size_t>(1000000));
+  for (const char* bad : {"lots", "-1", "12 parsecs", "1.5.2KiB"}) {
+    CAPTURE(bad);
+    try {
+      (void)parse_ring_min_bytes(bad, "RUDA_RING_MIN_BYTES");
+      FAIL_CHECK("no error");
+    } catch (const ArgumentError& e) {
+      const std::string message = e.what();
+      CHECK_MESSAGE(message.find(std::string("RUDA_RING_MIN_BYTES: '") + bad + "' is not a size") == 0, message);
+    }
+  }
+  // From the environment.
+  const char* set = std::getenv("RUDA_RING_MIN_BYTES");
+  const std::string saved = set ? set : "";
+  setenv("RUDA_RING_MIN_BYTES", "128KiB", 1);
+  CHECK(ring_min_bytes_from_env() == std::optional<std::size_t>(std::size_t{128} << 10));
+  setenv("RUDA_RING_MIN_BYTES", "", 1);
+  CHECK_FALSE(ring_min_bytes_from_env().has_value());
+  setenv("RUDA_RING_MIN_BYTES", "a lot", 1);
+  CHECK_THROWS_AS((void)ring_min_bytes_from_env(), ArgumentError);
+  unsetenv("RUDA_RING_MIN_BYTES");
+  CHECK_FALSE(ring_min_bytes_from_env().has_value());
+  if (set) setenv("RUDA_RING_MIN_BYTES", saved.c_str(), 1);
 }

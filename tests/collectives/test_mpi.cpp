@@ -6,6 +6,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <chrono>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -162,6 +163,107 @@ TEST_CASE("mpi: RUDA_RING_MIN_BYTES that is not a size on one rank is an Argumen
                                      : "another rank's RUDA_RING_MIN_BYTES is not a size") != std::string::npos,
                 message);
   // The communicator in use is untouched.
+  CHECK(comm.all_reduce(scalar(1.0)).item() == double(comm.world_size()));
+}
+
+namespace {
+
+// The choice every rank made for `bytes`, checked to be the same everywhere (all_gather_text).
+std::string agreed_algorithm(MpiCommunicator& comm, std::size_t bytes) {
+  const std::string mine(comm.reduce_scatter_algorithm(bytes));
+  const std::vector<std::string> all = all_gather_text(comm, mine, "algorithm of " + std::to_string(bytes));
+  for (int r = 0; r < comm.world_size(); ++r) {
+    CHECK_MESSAGE(all[static_cast<std::size_t>(r)] == mine, "rank ", comm.rank(), " chose ", mine, " for ", bytes,
+                  " bytes, rank ", r, " ", all[static_cast<std::size_t>(r)]);
+  }
+  return mine;
+}
+
+// reduce_scatter of f32 (and bf16 summed in f32) rows against the single-process reference.
+void check_scatter(MpiCommunicator& comm, std::int64_t total_bytes, DType dtype, const std::string& what) {
+  using ruda::test::collectives::element;
+  const int n = comm.world_size();
+  const std::int64_t rows = std::max<std::int64_t>(1, total_bytes / static_cast<std::int64_t>(dtype_size(dtype)) / n);
+  const Tensor full = ruda::test::collectives::input(comm.rank(), {rows * n}, dtype, 9);
+  const std::int64_t offset = comm.rank() * rows;
+  ruda::test::collectives::expect_values(
+      comm.reduce_scatter(full, {"choice " + what}), dtype, {rows},
+      [&](std::int64_t i) {
+        double s = 0;
+        for (int k = 0; k < n; ++k) s += element(k, offset + i, dtype, 9);
+        return s;
+      },
+      ruda::test::collectives::where(comm, "reduce_scatter (" + what + ")", dtype, {rows * n}));
+}
+
+}  // namespace
+
+TEST_CASE("mpi: reduce_scatter measures its algorithm per size class, the same on every rank, and is right either way") {
+  MpiCommunicator& comm = *g_comm;
+  const int n = comm.world_size();
+  const std::optional<std::size_t> env = comm.ring_min_bytes();  // RUDA_RING_MIN_BYTES of this ctest entry
+  // Sizes that are not yet measured on this communicator (the suite before used others; a fresh
+  // split communicator has measured nothing).
+  std::unique_ptr<MpiCommunicator> fresh = comm.split(0, comm.rank());
+  CHECK(fresh->ring_min_bytes() == env);  // the environment's, as every communicator's
+  fresh->set_ring_min_bytes(std::nullopt);
+  CHECK_FALSE(fresh->ring_min_bytes().has_value());
+  const std::vector<std::int64_t> sizes = {4 << 10, 48 << 10, 256 << 10, 3 << 20};
+  for (const std::int64_t total : sizes) {
+    const std::int64_t rows = total / 4 / n;
+    const std::size_t bytes = static_cast<std::size_t>(rows * n * 4);
+    CHECK(agreed_algorithm(*fresh, bytes) == "unmeasured");
+    check_scatter(*fresh, total, DType::f32, "measured " + std::to_string(total));
+    const std::string chosen = agreed_algorithm(*fresh, bytes);
+    CHECK((chosen == "ring" || chosen == "mpi"));
+    // Cached: the next call of the size class uses it and is right too.
+    check_scatter(*fresh, total, DType::f32, "cached " + std::to_string(total));
+    CHECK(agreed_algorithm(*fresh, bytes) == chosen);
+    // 16-bit data summed in f32 at a size of its own class.
+    check_scatter(*fresh, total / 4, DType::bf16, "bf16 " + std::to_string(total));
+    CHECK(agreed_algorithm(*fresh, bytes / 4) != "unmeasured");
+  }
+  // Both sides of the choice, fixed by the override, at every size: each algorithm is right.
+  for (const std::size_t threshold : {std::size_t{0}, std::size_t{1} << 30}) {
+    fresh->set_ring_min_bytes(threshold);
+    CHECK(fresh->ring_min_bytes() == std::optional<std::size_t>(threshold));
+    for (const std::int64_t total : sizes) {
+      const std::size_t bytes = static_cast<std::size_t>(total / 4 / n * n * 4);
+      CHECK(agreed_algorithm(*fresh, bytes) == (threshold == 0 ? "ring" : "mpi"));
+      for (DType dtype : {DType::f32, DType::f64, DType::bf16, DType::i64}) {
+        check_scatter(*fresh, total, dtype, "threshold " + std::to_string(threshold));
+      }
+    }
+  }
+  fresh->set_ring_min_bytes(std::nullopt);
+  CHECK(agreed_algorithm(*fresh, 4 << 10) != "unmeasured");  // measured choices were kept
+  fresh.reset();
+  CHECK(comm.reduce_scatter_algorithm(0) == "copy");
+  comm.set_ring_min_bytes(env);
+  CHECK(comm.ring_min_bytes() == env);
+}
+
+TEST_CASE("mpi: set_ring_min_bytes with different values on the ranks is an ArgumentError on every rank") {
+  MpiCommunicator& comm = *g_comm;
+  const std::optional<std::size_t> before = comm.ring_min_bytes();
+  const std::optional<std::size_t> mine =
+      comm.rank() == 0 ? std::optional<std::size_t>(0) : std::optional<std::size_t>(std::size_t{1} << 20);
+  std::string message;
+  try {
+    comm.set_ring_min_bytes(mine);
+  } catch (const ArgumentError& e) {
+    message = e.what();
+  }
+  CHECK_MESSAGE(message.find("MpiCommunicator::set_ring_min_bytes: rank " + std::to_string(comm.rank()) + " of ") == 0,
+                message);
+  CHECK_MESSAGE(message.find("the ranks passed different thresholds (this rank " + std::to_string(*mine) +
+                             ", the smallest 0, the largest 1048576)") != std::string::npos,
+                message);
+  CHECK(comm.ring_min_bytes() == before);  // unchanged
+  // None on one rank, a value on the others: refused too.
+  const std::optional<std::size_t> some = comm.rank() == 0 ? std::nullopt : std::optional<std::size_t>(4096);
+  CHECK_THROWS_AS(comm.set_ring_min_bytes(some), ArgumentError);
+  CHECK(comm.ring_min_bytes() == before);
   CHECK(comm.all_reduce(scalar(1.0)).item() == double(comm.world_size()));
 }
 

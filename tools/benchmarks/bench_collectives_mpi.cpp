@@ -1,7 +1,8 @@
 // Suite "collectives-mpi" of ruda-bench-mpi (run it under mpiexec; rank 0 prints): ruda's MPI
-// all_gather and reduce_scatter against raw MPI_Allgather and MPI_Reduce_scatter_block on the
-// same buffers in the same run, f32, 4 KiB ... 64 MiB in total; and whether a non-blocking
-// all_gather / reduce_scatter really overlaps with computation.
+// all_gather against raw MPI_Allgather, and ruda's reduce_scatter against the better of two raw
+// algorithms (MPI_Reduce_scatter_block, and a ring written here directly on MPI point-to-point
+// calls), on the same buffers in the same run, f32, 4 KiB ... 64 MiB in total; and whether a
+// non-blocking all_gather / reduce_scatter really overlaps with computation.
 //
 // Bus bandwidth = (n - 1) / n * total bytes / time. ruda runs through the *_into forms, on the
 // buffers the raw calls use, so both sides move exactly the same memory.
@@ -9,10 +10,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include <ruda/backend.h>
@@ -45,6 +46,13 @@ Stats timed(const Context& ctx, MPI_Comm comm, F&& f) {
   return measure(ctx, f);
 }
 
+// "0.42x": how fast `seconds` runs relative to `reference` (reference / seconds).
+std::string format_ratio(double seconds, double reference) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.2fx", reference / seconds);
+  return text;
+}
+
 Stats summary(std::vector<double> seconds) {
   std::sort(seconds.begin(), seconds.end());
   const std::size_t n = seconds.size();
@@ -52,28 +60,82 @@ Stats summary(std::vector<double> seconds) {
   return Stats{median, seconds.front(), seconds.back()};
 }
 
-// Times ruda's call and the raw MPI call alternately (f, g, f, g, ...), each run started by a
-// barrier, so that changes in the machine's load hit both sides alike.
-template <class F, class G>
-std::pair<Stats, Stats> timed_pair(const Context& ctx, MPI_Comm comm, F&& f, G&& g) {
-  auto once = [&](auto&& call) {
+// Times the calls alternately (f g, f g, ...), each run started by a barrier, so that changes in
+// the machine's load hit every side alike.
+std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm, const std::vector<std::function<void()>>& calls) {
+  auto once = [&](const std::function<void()>& call) {
     check(MPI_Barrier(comm), "MPI_Barrier");
     const auto start = std::chrono::steady_clock::now();
     call();
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
+  const std::size_t n = calls.size();
   for (int i = 0; i < 2; ++i) {
-    once(f);
-    once(g);
+    for (const auto& call : calls) once(call);
   }
-  std::vector<double> fs, gs;
+  std::vector<std::vector<double>> seconds(n);
   const int runs = ctx.quick ? 3 : ctx.repeats;
   for (int i = 0; i < runs; ++i) {
-    fs.push_back(once(f));
-    gs.push_back(once(g));
+    for (std::size_t j = 0; j < n; ++j) {
+      seconds[j].push_back(once(calls[j]));
+    }
   }
-  return {summary(fs), summary(gs)};
+  std::vector<Stats> out;
+  for (auto& s : seconds) out.push_back(summary(std::move(s)));
+  return out;
 }
+
+// The raw ring: reduce-scatter of f32 sums written directly on MPI_Isend/MPI_Irecv, the textbook
+// algorithm (n - 1 steps; in step s a rank sends the running sum of block rank - s - 1 to the
+// right and adds its own part of block rank - s - 2 to what comes from the left), pipelined in
+// segments of 512 KiB with two in flight, on scratch buffers allocated once per size.
+class RawRing {
+ public:
+  RawRing(MPI_Comm comm, std::int64_t count) : comm_(comm), count_(count) {
+    check(MPI_Comm_rank(comm, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(comm, &size_), "MPI_Comm_size");
+    seg_ = std::min<std::int64_t>(count, kSegment);
+    running_.assign(static_cast<std::size_t>(count), 0.0f);
+    incoming_.assign(static_cast<std::size_t>(2 * seg_), 0.0f);
+  }
+  void operator()(const float* send, float* recv) {
+    const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
+    const std::int64_t segments = (count_ + seg_ - 1) / seg_;
+    for (int step = 0; step < size_ - 1; ++step) {
+      const int send_block = (rank_ + 2 * size_ - step - 1) % size_;
+      const int recv_block = (rank_ + 2 * size_ - step - 2) % size_;
+      const bool last = step == size_ - 2;
+      const float* out = step == 0 ? send + send_block * count_ : running_.data();
+      float* sum = last ? recv : running_.data();
+      MPI_Request requests[2][2];
+      auto post = [&](std::int64_t j) {
+        const int slot = static_cast<int>(j % 2);
+        const int len = static_cast<int>(std::min(seg_, count_ - j * seg_));
+        check(MPI_Irecv(incoming_.data() + slot * seg_, len, MPI_FLOAT, left, 7201, comm_, &requests[slot][0]),
+              "MPI_Irecv");
+        check(MPI_Isend(out + j * seg_, len, MPI_FLOAT, right, 7201, comm_, &requests[slot][1]), "MPI_Isend");
+      };
+      post(0);
+      for (std::int64_t j = 0; j < segments; ++j) {
+        if (j + 1 < segments) post(j + 1);
+        const int slot = static_cast<int>(j % 2);
+        check(MPI_Waitall(2, requests[slot], MPI_STATUSES_IGNORE), "MPI_Waitall");
+        const std::int64_t len = std::min(seg_, count_ - j * seg_);
+        const float* in = incoming_.data() + slot * seg_;
+        const float* own = send + recv_block * count_ + j * seg_;
+        float* dst = sum + j * seg_;
+        for (std::int64_t i = 0; i < len; ++i) dst[i] = in[i] + own[i];
+      }
+    }
+  }
+
+ private:
+  static constexpr std::int64_t kSegment = (512 << 10) / 4;
+  MPI_Comm comm_;
+  std::int64_t count_, seg_ = 1;
+  int rank_ = 0, size_ = 1;
+  std::vector<float> running_, incoming_;
+};
 
 // Buffers of one size, allocated (and touched) outside the timed runs.
 struct Buffers {
@@ -91,20 +153,17 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
   const int n = comm.world_size();
   const std::vector<std::int64_t> sizes = collective_totals(ctx);
   struct Figures {
-    Stats ruda_gather, raw_gather, ruda_scatter, raw_scatter, allocating_gather;
+    Stats ruda_gather, raw_gather, ruda_scatter, raw_ring, raw_scatter, allocating_gather;
+    std::string chosen;
   };
   std::vector<Figures> figures(sizes.size());
-  // ruda's collectives and MPI_Allgather first, alternating run by run. MPI_Reduce_scatter_block
-  // and the allocating all_gather come after all of them: they allocate and free large buffers
-  // on every call, which here slows the other process's next transfers for a while (measured:
-  // the ring took 120 ms instead of 2 ms per 16 MiB right after MPI_Reduce_scatter_block).
   for (std::size_t k = 0; k < sizes.size(); ++k) {
     Buffers b(sizes[k], n);
     const int repeats = repeats_for(sizes[k]);
     const int c = static_cast<int>(b.count);
-    std::tie(figures[k].ruda_gather, figures[k].raw_gather) = timed_pair(
+    std::vector<Stats> gather = timed_alternating(
         ctx, raw,
-        [&] {
+        {[&] {
           for (int i = 0; i < repeats; ++i) comm.all_gather_into(b.gathered, b.local);
         },
         [&] {
@@ -112,11 +171,30 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
             check(MPI_Allgather(b.local.data_ptr(), c, MPI_FLOAT, b.gathered.data_ptr(), c, MPI_FLOAT, raw),
                   "MPI_Allgather");
           }
-        });
-    figures[k].ruda_scatter = timed(ctx, raw, [&] {
-      for (int i = 0; i < repeats; ++i) comm.reduce_scatter_into(b.piece, b.full);
-    });
+        }});
+    figures[k].ruda_gather = gather[0];
+    figures[k].raw_gather = gather[1];
+    // ruda's reduce_scatter (which measures its two algorithms at its first call, in the warm-up
+    // runs) and the raw ring, alternating.
+    RawRing ring(raw, b.count);
+    std::vector<Stats> scatter = timed_alternating(
+        ctx, raw,
+        {[&] {
+          for (int i = 0; i < repeats; ++i) comm.reduce_scatter_into(b.piece, b.full);
+        },
+        [&] {
+          for (int i = 0; i < repeats; ++i) {
+            ring(static_cast<const float*>(b.full.data_ptr()), static_cast<float*>(b.piece.data_ptr()));
+          }
+        }});
+    figures[k].ruda_scatter = scatter[0];
+    figures[k].raw_ring = scatter[1];
+    figures[k].chosen = std::string(comm.reduce_scatter_algorithm(static_cast<std::size_t>(sizes[k])));
   }
+  // MPI_Reduce_scatter_block and the allocating all_gather come after all of them: they allocate
+  // and free large buffers on every call, which here slows the other process's next transfers
+  // for a while (measured: the ring ran up to 4x slower right after MPI_Reduce_scatter_block at
+  // 16-64 MiB). Run after run, MPI_Reduce_scatter_block is in the state it would be in if chosen.
   for (std::size_t k = 0; k < sizes.size(); ++k) {
     Buffers b(sizes[k], n);
     const int repeats = repeats_for(sizes[k]);
@@ -144,8 +222,14 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
       ctx.report(Result{"collectives-mpi", "mpi all_gather (allocating)" + suffix, ctx.backend, "GB/s",
                         rate(f.allocating_gather, bus_gb), rate(f.raw_gather, bus_gb), "MPI_Allgather"});
     }
-    ctx.report(Result{"collectives-mpi", "mpi reduce_scatter" + suffix, ctx.backend, "GB/s",
-                      rate(f.ruda_scatter, bus_gb), rate(f.raw_scatter, bus_gb), "MPI_Reduce_scatter_block"});
+    // The peer is the better raw algorithm at this size; the name says which ruda chose.
+    const bool ring_better = f.raw_ring.median < f.raw_scatter.median;
+    ctx.report(Result{"collectives-mpi", "mpi reduce_scatter" + suffix + " (" + f.chosen + ")", ctx.backend, "GB/s",
+                      rate(f.ruda_scatter, bus_gb), rate(ring_better ? f.raw_ring : f.raw_scatter, bus_gb),
+                      ring_better ? "raw ring (MPI_Reduce_scatter_block " +
+                                        format_ratio(f.raw_scatter.median, f.raw_ring.median) + ")"
+                                  : "MPI_Reduce_scatter_block (raw ring " +
+                                        format_ratio(f.raw_ring.median, f.raw_scatter.median) + ")"});
   }
 }
 

@@ -270,14 +270,16 @@ class Communicator {
   void finish(const Call& call);
   std::string error_prefix(const Call& call) const;
   [[noreturn]] void rethrow_with_context(const Call& call);
-  Tensor run_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
-  Tensor run_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
+  // The blocking collective into `out` (by reference: the *_into forms copy no Tensor handle).
+  void run_all_gather(const Tensor& local, const Tensor& out, const CollectiveOptions& options);
+  void run_reduce_scatter(const Tensor& full, const Tensor& out, const CollectiveOptions& options);
   Work launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options);
   Work launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options);
 
   int rank_;
   int world_size_;
   bool order_check_;
+  std::string rank_text_;  // "rank 3", for errors that name the rank (built once, not per call)
   std::uint64_t sequence_ = 0;
   // Shared with the Works of non-blocking collectives, which account for themselves when waited
   // for (even after the communicator is gone).

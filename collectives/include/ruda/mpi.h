@@ -17,6 +17,8 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string_view>
 
 #include <ruda/collectives.h>
 
@@ -63,10 +65,20 @@ class MpiEnvironment {
 /// all_gather, all_reduce and broadcast map to MPI_Allgather, MPI_Allreduce and MPI_Bcast
 /// (16-bit floats travel as raw 16-bit words; their sums accumulate in f32 unless asked for
 /// native accumulation, and max propagates NaN through ruda's own MPI operations).
-/// reduce_scatter is ruda's own pipelined ring on point-to-point messages with buffers reused
-/// from call to call (MPI_Reduce_scatter_block allocates a temporary per call and is several
-/// times slower); its sums run around the ring (deterministic, but not in rank order). Below
-/// 64 KiB in all, where latency rules, it is MPI_Reduce_scatter_block.
+/// reduce_scatter is either MPI_Reduce_scatter_block or ruda's own pipelined ring on
+/// point-to-point messages with buffers reused from call to call (MPI_Reduce_scatter_block
+/// allocates a temporary per call). Which one is measured, not assumed: the first reduce_scatter
+/// of each size class (total bytes over all ranks, in powers of two: (2^(k-1), 2^k]) times both
+/// on its own buffers (a run of each: a warm-up and 5 samples, small sizes repeating the call up
+/// to 16 times a sample), the ranks agree on the slowest rank's best sample of each (one
+/// MPI_Allreduce), so every rank picks the same one, and the communicator keeps the choice for the
+/// size class (reduce_scatter_algorithm() tells it). That first call costs about a dozen calls'
+/// time (small sizes more calls, still well under a millisecond). RUDA_RING_MIN_BYTES (a size: 64KiB, 1MB; 0 for the ring at every
+/// size) or set_ring_min_bytes() fixes it instead: MPI's up to that many bytes in all, the ring
+/// above. The ring's sums run around it (deterministic, but not in rank order), MPI's in its own
+/// order: with the choice measured, a size near the crossover may take either from run to run and
+/// round differently; fix the threshold for bit-identical runs. all_gather has one algorithm,
+/// MPI_Allgather (a ring of ruda's would gain nothing: it is one message per rank pair either way).
 /// Non-blocking collectives run in order on one progress thread per communicator; a blocking
 /// collective first waits for those in flight, so two threads are never inside a collective on
 /// the same MPI communicator. MPI errors become CollectiveError naming rank, op, dtype and count.
@@ -103,6 +115,20 @@ class MpiCommunicator final : public Communicator {
   std::chrono::milliseconds timeout() const noexcept;
 
   std::string_view kind() const noexcept override { return "mpi"; }
+
+  /// Which algorithm reduce_scatter uses for a tensor of `bytes` in all (every rank's input, not
+  /// its piece): "mpi" (MPI_Reduce_scatter_block), "ring", "unmeasured" before the first
+  /// reduce_scatter of its size class has measured it, or "copy" (world size 1, or no bytes). The
+  /// same on every rank.
+  std::string_view reduce_scatter_algorithm(std::size_t bytes) const;
+  /// Fixes reduce_scatter's algorithm by size: MPI_Reduce_scatter_block up to `bytes` in all, the
+  /// ring above (0: the ring at every size); nullopt goes back to measuring (the choices measured
+  /// before are kept). Overrides RUDA_RING_MIN_BYTES. Collective: every rank must pass the same
+  /// value, else an ArgumentError on every rank naming the values. Waits for the non-blocking
+  /// collectives in flight.
+  void set_ring_min_bytes(std::optional<std::size_t> bytes);
+  /// The fixed threshold (RUDA_RING_MIN_BYTES or set_ring_min_bytes), nullopt when measuring.
+  std::optional<std::size_t> ring_min_bytes() const;
 
   /// Bytes held by the reusable buffers of reduce_scatter and 16-bit all_reduce (not counted in
   /// ruda::memory). release_buffers() frees them; they grow again on demand.
