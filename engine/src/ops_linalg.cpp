@@ -1,4 +1,5 @@
 // Matrix products: matmul with broadcast batch axes, and linear (x @ W + b) with the bias fused.
+#include <algorithm>
 #include <optional>
 
 #include "internal.h"
@@ -23,6 +24,7 @@ struct MatrixRead {
 std::optional<MatrixRead> read_in_place(const detail::TensorImpl& t) {
   const std::size_t nd = t.shape.size();
   const std::int64_t rows = t.shape[nd - 2], cols = t.shape[nd - 1];
+  if (rows == 0 || cols == 0) return MatrixRead{false, std::max<std::int64_t>(cols, 1)};  // reads nothing
   const std::int64_t row_stride = rows == 1 ? cols : t.strides[nd - 2];
   const std::int64_t col_stride = cols == 1 ? 1 : t.strides[nd - 1];
   if (col_stride == 1 && row_stride >= cols && row_stride > 0) return MatrixRead{false, row_stride};
@@ -63,6 +65,9 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   if (!read_a) read_a = read_in_place(*detail::impl_of(ea = detail::dense(a)));
   std::optional<MatrixRead> read_b = read_in_place(*detail::impl_of(eb));
   if (!read_b) read_b = read_in_place(*detail::impl_of(eb = detail::dense(b)));
+  if (!read_a || !read_b) {  // a contiguous matrix always reads in place
+    fail<BackendError>(op, "internal error: no GEMM layout for ", a.shape(), " @ ", b.shape());
+  }
 
   // The batch axes, extent-1 ones dropped and neighbours merged where all three operands step
   // evenly across them (a contiguous batch is one axis).
