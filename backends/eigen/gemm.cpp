@@ -139,7 +139,7 @@ void EigenBackend::gemm(const GemmDesc& d) {
   std::vector<float> c =
       // Read back when C has gaps too, so the rounding pass below rewrites them unchanged.
       d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_any(d.c_dtype, d.c, nc)
-                                                   : std::vector<float>(static_cast<std::size_t>(nc));
+                                                  : std::vector<float>(static_cast<std::size_t>(nc));
   std::vector<float> bias;
   if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);

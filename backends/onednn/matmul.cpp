@@ -153,7 +153,7 @@ void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
   }
   // Read back when C has gaps too, so narrowing rewrites them unchanged.
   std::vector<float> c = d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_bf16(d.c, nc)
-                                                                      : std::vector<float>(static_cast<std::size_t>(nc));
+                                                                     : std::vector<float>(static_cast<std::size_t>(nc));
   std::vector<float> bias;
   if (d.bias) bias = widen_bf16(d.bias, d.n);
   f.c = c.data();
@@ -180,11 +180,12 @@ void OneDnnBackend::gemm(const GemmDesc& d) {
     note_fallback("gemm", d.a_dtype, kSmallReason);
     return EigenBackend::gemm(d);
   }
-  const bool c_shared = d.batch > 1 && (d.batch_inner > 1 ? (d.batch_stride_c == 0 || d.inner_stride_c == 0)
-                                                           : d.batch_stride_c == 0);
+  const bool c_shared =
+      d.batch > 1 && (d.batch_inner > 1 ? (d.batch_stride_c == 0 || d.inner_stride_c == 0) : d.batch_stride_c == 0);
   // A batch axis along which both operands repeat one matrix: no matmul descriptor says that.
-  const bool both_shared = d.batch > 1 && ((d.batch_stride_a == 0 && d.batch_stride_b == 0 && d.batch > d.batch_inner) ||
-                                           (d.batch_inner > 1 && d.inner_stride_a == 0 && d.inner_stride_b == 0));
+  const bool both_shared =
+      d.batch > 1 && ((d.batch_stride_a == 0 && d.batch_stride_b == 0 && d.batch > d.batch_inner) ||
+                      (d.batch_inner > 1 && d.inner_stride_a == 0 && d.inner_stride_b == 0));
   if (both_shared || c_shared) {
     // Every batch the same product, or output batches that overlap: no matmul descriptor says that.
     note_fallback("gemm", d.a_dtype,

@@ -339,7 +339,10 @@ void Communicator::finish(const Call& call) {
 }
 
 Communicator::Communicator(int rank, int world_size)
-    : rank_(rank), world_size_(world_size), order_check_(order_check_from_env()), rank_text_("rank " + std::to_string(rank)) {
+    : rank_(rank),
+      world_size_(world_size),
+      order_check_(order_check_from_env()),
+      rank_text_("rank " + std::to_string(rank)) {
   if (world_size < 1) fail<ArgumentError>("Communicator", "world size must be positive, got ", world_size);
   if (rank < 0 || rank >= world_size) {
     fail<ArgumentError>("Communicator", "rank ", rank, " is outside a world of ", world_size);

@@ -159,9 +159,9 @@ struct MpiCommunicator::Impl {
   // What this rank's threads are in, for the watchdog: the calling thread (blocking collectives
   // and the order check) and the progress thread. Guarded by slot_lock, a spin lock: taken twice
   // per collective and held for a few stores, it costs less than a mutex (the watchdog takes it
-  // every kWatchPeriod, just as briefly). Entering and leaving a collective reads no clock (here a clock read costs ~60 ns, a 4 KiB all_gather ~2 us): the
-  // watchdog notes the time when it first sees an activation, so it measures a wait from at most
-  // one kWatchPeriod after the wait began.
+  // every kWatchPeriod, just as briefly). Entering and leaving a collective reads no clock (here a clock read costs ~60
+  // ns, a 4 KiB all_gather ~2 us): the watchdog notes the time when it first sees an activation, so it measures a wait
+  // from at most one kWatchPeriod after the wait began.
   struct Slot {
     bool active = false;
     std::uint64_t activations = 0;
@@ -183,7 +183,7 @@ struct MpiCommunicator::Impl {
     }
   };
   std::atomic<std::int64_t> timeout_ms{0};  // 0: off
-  std::mutex watch_mutex;  // watch_stop, and the watchdog's sleep
+  std::mutex watch_mutex;                   // watch_stop, and the watchdog's sleep
   std::condition_variable watch_wake;
   bool watch_stop = false;
   mpi_detail::SpinLock slot_lock;  // the slots and last_*

@@ -91,35 +91,41 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     backend.attention(d);
   }
   if (autograd::needs_grad(q, k, v)) {
-    autograd::record(kOp, out, {q, k, v}, {q, k, v, out, lse}, [desc](const Tensor& g, const Saved& s, GradMask need) {
-      const Tensor qv = rows_contiguous(s[0].get()), kv = rows_contiguous(s[1].get()), vv = rows_contiguous(s[2].get());
-      Tensor dq, dk, dv;
-      if (need[0]) dq = make_tensor(qv.shape(), qv.dtype(), g.backend(), "scaled_dot_product_attention backward");
-      if (need[1]) dk = make_tensor(kv.shape(), kv.dtype(), g.backend(), "scaled_dot_product_attention backward");
-      if (need[2]) dv = make_tensor(vv.shape(), vv.dtype(), g.backend(), "scaled_dot_product_attention backward");
-      if (g.numel() == 0) {
-        // No output values (Tq, Dv, B or H is 0): every gradient is zero.
-        for (Tensor* t : {&dq, &dk, &dv}) {
-          if (t->defined()) t->fill_(0);
-        }
-        return std::vector<Tensor>{dq, dk, dv};
-      }
-      AttentionDesc d = desc;
-      d.q = view_of(qv);
-      d.k = view_of(kv);
-      d.v = view_of(vv);
-      d.out = view_of(s[3].get());
-      d.lse = view_of(s[4].get());
-      const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
-      d.dout = view_of(dout);
-      View none;
-      none.dtype = qv.dtype();
-      d.dq = dq.defined() ? view_of(dq) : none;
-      d.dk = dk.defined() ? view_of(dk) : none;
-      d.dv = dv.defined() ? view_of(dv) : none;
-      g.backend().attention_backward(d);
-      return std::vector<Tensor>{dq, dk, dv};
-    }, {.strided_grad = true});
+    autograd::record(kOp, out, {q, k, v}, {q, k, v, out, lse},
+                     [desc](const Tensor& g, const Saved& s, GradMask need) {
+                       const Tensor qv = rows_contiguous(s[0].get()), kv = rows_contiguous(s[1].get()),
+                                    vv = rows_contiguous(s[2].get());
+                       Tensor dq, dk, dv;
+                       if (need[0])
+                         dq = make_tensor(qv.shape(), qv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+                       if (need[1])
+                         dk = make_tensor(kv.shape(), kv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+                       if (need[2])
+                         dv = make_tensor(vv.shape(), vv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+                       if (g.numel() == 0) {
+                         // No output values (Tq, Dv, B or H is 0): every gradient is zero.
+                         for (Tensor* t : {&dq, &dk, &dv}) {
+                           if (t->defined()) t->fill_(0);
+                         }
+                         return std::vector<Tensor>{dq, dk, dv};
+                       }
+                       AttentionDesc d = desc;
+                       d.q = view_of(qv);
+                       d.k = view_of(kv);
+                       d.v = view_of(vv);
+                       d.out = view_of(s[3].get());
+                       d.lse = view_of(s[4].get());
+                       const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
+                       d.dout = view_of(dout);
+                       View none;
+                       none.dtype = qv.dtype();
+                       d.dq = dq.defined() ? view_of(dq) : none;
+                       d.dk = dk.defined() ? view_of(dk) : none;
+                       d.dv = dv.defined() ? view_of(dv) : none;
+                       g.backend().attention_backward(d);
+                       return std::vector<Tensor>{dq, dk, dv};
+                     },
+                     {.strided_grad = true});
   }
   return out;
 }

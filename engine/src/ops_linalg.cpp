@@ -229,9 +229,9 @@ Tensor linear_forward(const char* op, const Tensor& x, const Tensor& weight, con
   out_shape.back() = s.out;
   // The leading axes of x are the GEMM's rows: a view of them where x's strides allow.
   const Tensor rows = reshape(x.detach(), {shape_numel(Shape(x.shape().begin(), x.shape().end() - 1)), s.in});
-  return reshape(product(op, rows, false, weight.detach(), s.out_in, bias.defined() ? bias.detach() : Tensor(),
-                         epilogue),
-                 out_shape);
+  return reshape(
+      product(op, rows, false, weight.detach(), s.out_in, bias.defined() ? bias.detach() : Tensor(), epilogue),
+      out_shape);
 }
 
 // The gradients of x @ weight + bias from the pre-activation's gradient g2 [rows, out]. x and the
@@ -293,8 +293,8 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
                        [x_shape = x.shape(), s, gelu_grad](const Tensor& g, const Saved& saved, GradMask need) {
                          const Tensor gh = gelu_grad(saved[2].get(), g);
                          return linear_backward(
-                             reshape(gh, {-1, s.out}), [&] { return saved[0].get(); },
-                             [&] { return saved[1].get(); }, x_shape, s, need);
+                             reshape(gh, {-1, s.out}), [&] { return saved[0].get(); }, [&] { return saved[1].get(); },
+                             x_shape, s, need);
                        });
     }
     return out;

@@ -47,9 +47,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
                        if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
                        if (g.numel()) {
                          g.backend().layer_norm_backward(
-                             view_of(xv), wv.defined() ? view_of(detail::dense(wv)) : none, view_of(s[2].get()), view_of(s[3].get()),
-                             view_of(g), gx.defined() ? view_of(gx) : none, gw.defined() ? view_of(gw) : none,
-                             gb.defined() ? view_of(gb) : none);
+                             view_of(xv), wv.defined() ? view_of(detail::dense(wv)) : none, view_of(s[2].get()),
+                             view_of(s[3].get()), view_of(g), gx.defined() ? view_of(gx) : none,
+                             gw.defined() ? view_of(gw) : none, gb.defined() ? view_of(gb) : none);
                        } else {
                          for (Tensor* t : {&gw, &gb}) {
                            if (t->defined()) t->fill_(0);

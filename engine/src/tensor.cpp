@@ -242,8 +242,9 @@ namespace {
 const TensorImpl& require_contiguous_bytes(const Tensor& t, const char* what) {
   const TensorImpl& impl = checked(t, what);
   if (!impl.contiguous) {
-    fail<ShapeError>(what, "this ", dtype_name(impl.dtype), " ", impl.shape, " tensor is a non-contiguous view (strides ",
-                     t.strides(), "), so its elements are not consecutive in memory; call contiguous() first, or "
+    fail<ShapeError>(what, "this ", dtype_name(impl.dtype), " ", impl.shape,
+                     " tensor is a non-contiguous view (strides ", t.strides(),
+                     "), so its elements are not consecutive in memory; call contiguous() first, or "
                      "read it through view(), which carries the strides");
   }
   return impl;

@@ -198,7 +198,8 @@ void check_scatter(MpiCommunicator& comm, std::int64_t total_bytes, DType dtype,
 
 }  // namespace
 
-TEST_CASE("mpi: reduce_scatter measures its algorithm per size class, the same on every rank, and is right either way") {
+TEST_CASE(
+    "mpi: reduce_scatter measures its algorithm per size class, the same on every rank, and is right either way") {
   MpiCommunicator& comm = *g_comm;
   const int n = comm.world_size();
   const std::optional<std::size_t> env = comm.ring_min_bytes();  // RUDA_RING_MIN_BYTES of this ctest entry

@@ -305,32 +305,32 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping o
     const double tol = dtype == DType::f64 ? 1e-12 : dtype == DType::f32 ? 1e-5 : 2e-2;
     for (auto approximation : {GeluApproximation::erf, GeluApproximation::tanh}) {
       for (auto mode : {GeluBackward::keep_pre_activation, GeluBackward::recompute}) {
-      CAPTURE(static_cast<int>(mode));
-      for (bool out_in : {false, true}) {
-        const WeightLayout layout = out_in ? WeightLayout::out_in : WeightLayout::in_out;
-        auto leaf = [&](const Shape& shape, std::uint64_t seed) {
-          return randn(shape, seed, 0, DType::f64).to(dtype).set_requires_grad();
-        };
-        // Sizes past oneDNN's small-product threshold, so its post-op runs where it is built.
-        Tensor x = leaf({3, 40, 48}, 1), w = leaf(out_in ? Shape{96, 48} : Shape{48, 96}, 2), b = leaf({96}, 3);
-        const Tensor gy = randn({3, 40, 96}, 4, 0, DType::f64).to(dtype);
-        const Tensor fused = linear_gelu(x, w, b, approximation, layout, mode);
-        fused.backward(gy);
-        const Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
-        x.zero_grad();
-        w.zero_grad();
-        b.zero_grad();
-        const Tensor composed = gelu(linear(x, w, b, layout), approximation);
-        composed.backward(gy);
-        auto close = [&](const Tensor& got, const Tensor& want) {
-          const double scale = max(abs(want.to(DType::f64))).item();
-          CHECK_CLOSE(got.to(DType::f64), want.to(DType::f64), tol * scale, tol);
-        };
-        close(fused, composed);
-        close(gx, x.grad());
-        close(gw, w.grad());
-        close(gb, b.grad());
-      }
+        CAPTURE(static_cast<int>(mode));
+        for (bool out_in : {false, true}) {
+          const WeightLayout layout = out_in ? WeightLayout::out_in : WeightLayout::in_out;
+          auto leaf = [&](const Shape& shape, std::uint64_t seed) {
+            return randn(shape, seed, 0, DType::f64).to(dtype).set_requires_grad();
+          };
+          // Sizes past oneDNN's small-product threshold, so its post-op runs where it is built.
+          Tensor x = leaf({3, 40, 48}, 1), w = leaf(out_in ? Shape{96, 48} : Shape{48, 96}, 2), b = leaf({96}, 3);
+          const Tensor gy = randn({3, 40, 96}, 4, 0, DType::f64).to(dtype);
+          const Tensor fused = linear_gelu(x, w, b, approximation, layout, mode);
+          fused.backward(gy);
+          const Tensor gx = x.grad(), gw = w.grad(), gb = b.grad();
+          x.zero_grad();
+          w.zero_grad();
+          b.zero_grad();
+          const Tensor composed = gelu(linear(x, w, b, layout), approximation);
+          composed.backward(gy);
+          auto close = [&](const Tensor& got, const Tensor& want) {
+            const double scale = max(abs(want.to(DType::f64))).item();
+            CHECK_CLOSE(got.to(DType::f64), want.to(DType::f64), tol * scale, tol);
+          };
+          close(fused, composed);
+          close(gx, x.grad());
+          close(gw, w.grad());
+          close(gb, b.grad());
+        }
       }
     }
   }

@@ -154,8 +154,8 @@ double max_abs(const std::vector<double>& v) {
 void compare(const std::string& what, const Tensor& got, const Tensor& want, double rel) {
   REQUIRE_MESSAGE(got.defined() == want.defined(), what);
   if (!want.defined()) return;
-  REQUIRE_MESSAGE(got.shape() == want.shape(), what << ": shape " << to_string(got.shape()) << " vs "
-                                                    << to_string(want.shape()));
+  REQUIRE_MESSAGE(got.shape() == want.shape(),
+                  what << ": shape " << to_string(got.shape()) << " vs " << to_string(want.shape()));
   REQUIRE_MESSAGE(got.dtype() == want.dtype(), what);
   const std::vector<double> a = got.to_vector<double>(), b = want.to_vector<double>();
   const double scale = std::max(max_abs(b), 1e-30);
@@ -196,7 +196,8 @@ void run_case(const OpCase& c, DType dtype, Variant variant) {
   bool identity = false;  // an op that returns its input as it is (a cast to the same dtype)
   for (const Built& b : str) identity = identity || got.shares_storage(b.base);
   const Tensor stored = c.output_storage_order.empty() ? got : got.permute(c.output_storage_order);
-  CHECK_MESSAGE((identity || stored.is_contiguous()), what << ": an op's output is contiguous (in its documented layout)");
+  CHECK_MESSAGE((identity || stored.is_contiguous()),
+                what << ": an op's output is contiguous (in its documented layout)");
   compare(what, got, want, c.product ? product_tolerance(dtype) : 0.0);
   if (!c.differentiable || !is_floating(want.dtype()) || !want.requires_grad()) return;
 
@@ -278,15 +279,22 @@ std::vector<OpCase> cases() {
   out.push_back({"matmul", {Input{{4, 6}}, Input{{6, 5}}}, [](V x) { return matmul(x[0], x[1]); }, true});
   out.push_back({"matmul batched", {Input{{3, 4, 6}}, Input{{3, 6, 5}}}, [](V x) { return matmul(x[0], x[1]); }, true});
   out.push_back({"matmul broadcast", {Input{{3, 4, 6}}, Input{{6, 5}}}, [](V x) { return matmul(x[0], x[1]); }, true});
-  out.push_back({"matmul two batch axes", {Input{{2, 3, 4, 6}}, Input{{2, 3, 6, 5}}},
-                 [](V x) { return matmul(x[0], x[1]); }, true});
-  out.push_back({"linear", {Input{{3, 4, 6}}, Input{{6, 5}}, Input{{5}}},
-                 [](V x) { return linear(x[0], x[1], x[2]); }, true});
-  out.push_back({"linear out_in", {Input{{4, 6}}, Input{{5, 6}}, Input{{5}}},
-                 [](V x) { return linear(x[0], x[1], x[2], WeightLayout::out_in); }, true});
-  out.push_back({"linear_gelu", {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
-                 [](V x) { return linear_gelu(x[0], x[1], x[2]); }, true});
-  out.push_back({"linear_gelu recompute", {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
+  out.push_back({"matmul two batch axes",
+                 {Input{{2, 3, 4, 6}}, Input{{2, 3, 6, 5}}},
+                 [](V x) { return matmul(x[0], x[1]); },
+                 true});
+  out.push_back(
+      {"linear", {Input{{3, 4, 6}}, Input{{6, 5}}, Input{{5}}}, [](V x) { return linear(x[0], x[1], x[2]); }, true});
+  out.push_back({"linear out_in",
+                 {Input{{4, 6}}, Input{{5, 6}}, Input{{5}}},
+                 [](V x) { return linear(x[0], x[1], x[2], WeightLayout::out_in); },
+                 true});
+  out.push_back({"linear_gelu",
+                 {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
+                 [](V x) { return linear_gelu(x[0], x[1], x[2]); },
+                 true});
+  out.push_back({"linear_gelu recompute",
+                 {Input{{4, 6}}, Input{{6, 5}}, Input{{5}}},
                  [](V x) {
                    return linear_gelu(x[0], x[1], x[2], GeluApproximation::erf, WeightLayout::in_out,
                                       GeluBackward::recompute);
@@ -303,19 +311,22 @@ std::vector<OpCase> cases() {
   out.push_back({"stack", {any, any}, [](V x) { return stack({x[0], x[1]}, 0); }});
   out.push_back({"slice_assign", {any, Input{{4, 2}}}, [](V x) { return slice_assign(x[0], 1, 2, 4, x[1]); }});
   out.push_back({"sum_to", {any}, [](V x) { return sum_to(x[0], {1, 6}); }, true});
-  out.push_back({"embedding", {Input{{7, 6}}, Input{{4, 3}, 0, 7, true}},
-                 [](V x) { return embedding(x[0], x[1]); }});
-  out.push_back({"take_along_axis", {any, Input{{4, 3}, 0, 6, true}},
-                 [](V x) { return take_along_axis(x[0], x[1], 1); }});
-  out.push_back({"take_along_axis 0", {any, Input{{2, 6}, 0, 4, true}},
-                 [](V x) { return take_along_axis(x[0], x[1], 0); }});
-  out.push_back({"attention", {Input{{2, 2, 5, 4}}, Input{{2, 2, 5, 4}}, Input{{2, 2, 5, 4}}},
+  out.push_back({"embedding", {Input{{7, 6}}, Input{{4, 3}, 0, 7, true}}, [](V x) { return embedding(x[0], x[1]); }});
+  out.push_back(
+      {"take_along_axis", {any, Input{{4, 3}, 0, 6, true}}, [](V x) { return take_along_axis(x[0], x[1], 1); }});
+  out.push_back(
+      {"take_along_axis 0", {any, Input{{2, 6}, 0, 4, true}}, [](V x) { return take_along_axis(x[0], x[1], 0); }});
+  out.push_back({"attention",
+                 {Input{{2, 2, 5, 4}}, Input{{2, 2, 5, 4}}, Input{{2, 2, 5, 4}}},
                  [](V x) {
                    AttentionOptions o;
                    o.causal = true;
                    return scaled_dot_product_attention(x[0], x[1], x[2], o);
                  },
-                 true, true, false, {0, 2, 1, 3}});
+                 true,
+                 true,
+                 false,
+                 {0, 2, 1, 3}});
   return out;
 }
 
@@ -433,8 +444,12 @@ TEST_CASE("in-place writes to an expanded view are refused: its elements share m
   Tensor x = ones({1, 3});
   Tensor e = x.expand({4, 3});
   for (auto write : std::vector<std::function<void()>>{[&] { e.fill_(2); }, [&] { e.mul_(2.0); },
-                                                       [&] { e.add_(ones({4, 3})); },
-                                                       [&] { e.copy_(zeros({4, 3})); }}) {
+                                                       [&] {
+                                                         e.add_(ones({4, 3}));
+                                                       },
+                                                       [&] {
+                                                         e.copy_(zeros({4, 3}));
+                                                       }}) {
     test::check_throws<ShapeError>(write, {"in place", "[4, 3]", "share memory", "contiguous()"});
   }
   CHECK_CLOSE(x, {1, 1, 1}, {1, 3});
@@ -442,8 +457,9 @@ TEST_CASE("in-place writes to an expanded view are refused: its elements share m
 
 TEST_CASE("accessors on permuted, sliced and expanded tensors give the logical values or a typed error") {
   const Tensor x = arange(0, 24).reshape({2, 3, 4});
-  const std::vector<std::pair<std::string, Tensor>> views{
-      {"permuted", x.permute({2, 0, 1})}, {"sliced", x.slice(2, 1, 3)}, {"expanded", x.slice(0, 0, 1).expand({3, 3, 4})}};
+  const std::vector<std::pair<std::string, Tensor>> views{{"permuted", x.permute({2, 0, 1})},
+                                                          {"sliced", x.slice(2, 1, 3)},
+                                                          {"expanded", x.slice(0, 0, 1).expand({3, 3, 4})}};
   for (const auto& [name, v] : views) {
     CAPTURE(name);
     const Tensor copy = v.contiguous();
@@ -471,16 +487,31 @@ TEST_CASE("accessors on permuted, sliced and expanded tensors give the logical v
 TEST_CASE("finite-difference gradients through every view op") {
   const Tensor a = randn({2, 3, 4}, 5, 0, Options(DType::f64)).set_requires_grad(true);
   const std::vector<std::pair<std::string, std::function<Tensor(const std::vector<Tensor>&)>>> fns{
-      {"permute", [](const std::vector<Tensor>& x) { return square(x[0].permute({1, 2, 0})); }},
+      {"permute",
+       [](const std::vector<Tensor>& x) {
+         return square(x[0].permute({1, 2, 0}));
+       }},
       {"transpose", [](const std::vector<Tensor>& x) { return matmul(x[0].transpose(1, 2), x[0]); }},
       {"slice", [](const std::vector<Tensor>& x) { return exp(x[0].slice(1, 1, 3)); }},
-      {"expand", [](const std::vector<Tensor>& x) { return x[0].slice(0, 0, 1).expand({3, 3, 4}) * x[0].sum({0}); }},
+      {"expand",
+       [](const std::vector<Tensor>& x) {
+         return x[0].slice(0, 0, 1).expand({3, 3, 4}) * x[0].sum({0});
+       }},
       {"squeeze", [](const std::vector<Tensor>& x) { return tanh(x[0].slice(1, 1, 2).squeeze(1)); }},
       {"unsqueeze", [](const std::vector<Tensor>& x) { return softmax(x[0].transpose(0, 2).unsqueeze(1), -1); }},
-      {"reshape view", [](const std::vector<Tensor>& x) { return sigmoid(x[0].transpose(1, 2).reshape({2, 2, 2, 3})); }},
+      {"reshape view",
+       [](const std::vector<Tensor>& x) {
+         return sigmoid(x[0].transpose(1, 2).reshape({2, 2, 2, 3}));
+       }},
       {"reshape copy", [](const std::vector<Tensor>& x) { return square(x[0].transpose(1, 2).reshape({24})); }},
-      {"view", [](const std::vector<Tensor>& x) { return x[0].slice(2, 0, 2).view({2, 3, 2, 1}) * 2.0; }},
-      {"contiguous", [](const std::vector<Tensor>& x) { return layer_norm(x[0].permute({2, 1, 0}).contiguous(), {}, {}); }},
+      {"view",
+       [](const std::vector<Tensor>& x) {
+         return x[0].slice(2, 0, 2).view({2, 3, 2, 1}) * 2.0;
+       }},
+      {"contiguous",
+       [](const std::vector<Tensor>& x) {
+         return layer_norm(x[0].permute({2, 1, 0}).contiguous(), {}, {});
+       }},
   };
   for (const auto& [name, f] : fns) {
     CAPTURE(name);

@@ -133,8 +133,9 @@ TEST_CASE("sample_bytes: the same bytes on every rank of a sharded model as from
                                  {"sample_bytes", "[1, 1, 32]", "[1, 1, 256]"});
 }
 
-TEST_CASE("the GPT with fused attention reproduces the composed GPT's losses over 20 steps, dense and sharded, "
-          "keeping or recomputing the MLPs' pre-activations") {
+TEST_CASE(
+    "the GPT with fused attention reproduces the composed GPT's losses over 20 steps, dense and sharded, "
+    "keeping or recomputing the MLPs' pre-activations") {
   // Losses of 20 AdamW steps of a small GPT, with attention fused or composed, over `world`
   // emulated ranks (1: dense). Dropout on, so the shared mask is exercised too.
   auto run = [](int world, bool fused, GeluBackward gelu = GeluBackward::keep_pre_activation) {

@@ -39,7 +39,8 @@ TEST_CASE("losses read strided targets and embeddings strided indices by their l
   const Tensor column = targets.slice(1, 1, 2).squeeze(1);  // [4] with stride 2: {1, 3, 0, 2}
   CHECK_FALSE(column.is_contiguous());
   CHECK(nn::cross_entropy(logits, column).item() == nn::cross_entropy(logits, column.contiguous()).item());
-  CHECK(nn::nll_loss(log_softmax(logits), column).item() == nn::nll_loss(log_softmax(logits), column.contiguous()).item());
+  CHECK(nn::nll_loss(log_softmax(logits), column).item() ==
+        nn::nll_loss(log_softmax(logits), column.contiguous()).item());
   // {0, 6, 12, 3}: the first target out of range is named by its logical position.
   test::check_throws<IndexError>([&] { (void)nn::cross_entropy(logits, (targets * 3).slice(1, 0, 1).squeeze(1)); },
                                  {"cross_entropy", "target 6 at [1]"});
@@ -52,7 +53,8 @@ TEST_CASE("safetensors writes a view's logical values") {
   test::TempDir dir;
   const std::string path = dir.str() + "/views.safetensors";
   const Tensor base = arange(0, 12).reshape({3, 4});
-  safetensors::write(path, {{"t", transposed(base)}, {"s", base.slice(1, 1, 3)}, {"e", base.slice(0, 0, 1).expand({2, 4})}});
+  safetensors::write(path,
+                     {{"t", transposed(base)}, {"s", base.slice(1, 1, 3)}, {"e", base.slice(0, 0, 1).expand({2, 4})}});
   safetensors::Reader r(path);
   CHECK(r.read("t").to_vector<double>() == transposed(base).to_vector<double>());
   CHECK(r.read("t").shape() == Shape{4, 3});
@@ -73,9 +75,11 @@ TEST_CASE("blocking collectives gather and reduce a view's values; asynchronous 
     Tensor out = empty({8, 2});
     comm.all_gather_into(out, view);
     CHECK(out.to_vector<double>() == comm.all_gather(dense).to_vector<double>());
-    test::check_throws<ShapeError>([&] { (void)comm.all_gather_async(view); },
-                                   {"all_gather_async", "rank " + std::to_string(comm.rank()), "non-contiguous", "[4, 2]"});
-    test::check_throws<ShapeError>([&] { (void)comm.reduce_scatter_async(view); }, {"reduce_scatter_async", "contiguous()"});
+    test::check_throws<ShapeError>(
+        [&] { (void)comm.all_gather_async(view); },
+        {"all_gather_async", "rank " + std::to_string(comm.rank()), "non-contiguous", "[4, 2]"});
+    test::check_throws<ShapeError>([&] { (void)comm.reduce_scatter_async(view); },
+                                   {"reduce_scatter_async", "contiguous()"});
     Tensor wide = empty({8, 4});
     test::check_throws<ShapeError>([&] { comm.all_gather_into(wide.slice(1, 0, 2), dense); },
                                    {"all_gather_into", "output", "non-contiguous"});

@@ -62,7 +62,8 @@ Stats summary(std::vector<double> seconds) {
 
 // Times the calls alternately (f g, f g, ...), each run started by a barrier, so that changes in
 // the machine's load hit every side alike.
-std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm, const std::vector<std::function<void()>>& calls) {
+std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm,
+                                     const std::vector<std::function<void()>>& calls) {
   auto once = [&](const std::function<void()>& call) {
     check(MPI_Barrier(comm), "MPI_Barrier");
     const auto start = std::chrono::steady_clock::now();
@@ -164,29 +165,30 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
     std::vector<Stats> gather = timed_alternating(
         ctx, raw,
         {[&] {
-          for (int i = 0; i < repeats; ++i) comm.all_gather_into(b.gathered, b.local);
-        },
-        [&] {
-          for (int i = 0; i < repeats; ++i) {
-            check(MPI_Allgather(b.local.data_ptr(), c, MPI_FLOAT, b.gathered.data_ptr(), c, MPI_FLOAT, raw),
-                  "MPI_Allgather");
-          }
-        }});
+           for (int i = 0; i < repeats; ++i) comm.all_gather_into(b.gathered, b.local);
+         },
+         [&] {
+           for (int i = 0; i < repeats; ++i) {
+             check(MPI_Allgather(b.local.data_ptr(), c, MPI_FLOAT, b.gathered.data_ptr(), c, MPI_FLOAT, raw),
+                   "MPI_Allgather");
+           }
+         }});
     figures[k].ruda_gather = gather[0];
     figures[k].raw_gather = gather[1];
     // ruda's reduce_scatter (which measures its two algorithms at its first call, in the warm-up
     // runs) and the raw ring, alternating.
     RawRing ring(raw, b.count);
-    std::vector<Stats> scatter = timed_alternating(
-        ctx, raw,
-        {[&] {
-          for (int i = 0; i < repeats; ++i) comm.reduce_scatter_into(b.piece, b.full);
-        },
-        [&] {
-          for (int i = 0; i < repeats; ++i) {
-            ring(static_cast<const float*>(b.full.data_ptr()), static_cast<float*>(b.piece.data_ptr()));
-          }
-        }});
+    std::vector<Stats> scatter = timed_alternating(ctx, raw,
+                                                   {[&] {
+                                                      for (int i = 0; i < repeats; ++i)
+                                                        comm.reduce_scatter_into(b.piece, b.full);
+                                                    },
+                                                    [&] {
+                                                      for (int i = 0; i < repeats; ++i) {
+                                                        ring(static_cast<const float*>(b.full.data_ptr()),
+                                                             static_cast<float*>(b.piece.data_ptr()));
+                                                      }
+                                                    }});
     figures[k].ruda_scatter = scatter[0];
     figures[k].raw_ring = scatter[1];
     figures[k].chosen = std::string(comm.reduce_scatter_algorithm(static_cast<std::size_t>(sizes[k])));
@@ -224,12 +226,12 @@ void bandwidth(Context& ctx, MpiCommunicator& comm, MPI_Comm raw) {
     }
     // The peer is the better raw algorithm at this size; the name says which ruda chose.
     const bool ring_better = f.raw_ring.median < f.raw_scatter.median;
-    ctx.report(Result{"collectives-mpi", "mpi reduce_scatter" + suffix + " (" + f.chosen + ")", ctx.backend, "GB/s",
-                      rate(f.ruda_scatter, bus_gb), rate(ring_better ? f.raw_ring : f.raw_scatter, bus_gb),
-                      ring_better ? "raw ring (MPI_Reduce_scatter_block " +
-                                        format_ratio(f.raw_scatter.median, f.raw_ring.median) + ")"
-                                  : "MPI_Reduce_scatter_block (raw ring " +
-                                        format_ratio(f.raw_ring.median, f.raw_scatter.median) + ")"});
+    ctx.report(Result{
+        "collectives-mpi", "mpi reduce_scatter" + suffix + " (" + f.chosen + ")", ctx.backend, "GB/s",
+        rate(f.ruda_scatter, bus_gb), rate(ring_better ? f.raw_ring : f.raw_scatter, bus_gb),
+        ring_better
+            ? "raw ring (MPI_Reduce_scatter_block " + format_ratio(f.raw_scatter.median, f.raw_ring.median) + ")"
+            : "MPI_Reduce_scatter_block (raw ring " + format_ratio(f.raw_ring.median, f.raw_scatter.median) + ")"});
   }
 }
 

@@ -95,7 +95,8 @@ void sharded_gpt_row(Context& ctx) {
     nn::GPT gpt(config);
     nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
     const Tensor x = randint({kLocal, 128}, 0, 256, 3), y = randint({kLocal, 128}, 0, 256, 4);
-    dense = measure(ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
+    dense = measure(
+        ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
   }).join();
   Stats rank0;
   run_ranks(kWorld, [&](Communicator& comm) {
@@ -104,8 +105,10 @@ void sharded_gpt_row(Context& ctx) {
     nn::GPT gpt(config);
     nn::fully_shard(gpt, comm);
     nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
-    const Tensor x = randint({kLocal, 128}, 0, 256, 3 + comm.rank()), y = randint({kLocal, 128}, 0, 256, 4 + comm.rank());
-    const Stats s = measure(ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
+    const Tensor x = randint({kLocal, 128}, 0, 256, 3 + comm.rank()),
+                 y = randint({kLocal, 128}, 0, 256, 4 + comm.rank());
+    const Stats s = measure(
+        ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
     if (comm.rank() == 0) rank0 = s;
   });
   report_time(ctx, "train-step",
@@ -199,7 +202,9 @@ double gpt_flops(const nn::GPTConfig& c, double batch) {
 // ruda's GEMM rate on [rows, inner] x [inner, cols] in `dtype`, FLOP/s (median of the run).
 Stats gemm_rate(const Context& ctx, std::int64_t rows, std::int64_t inner, std::int64_t cols, DType dtype) {
   const Tensor a = randn({rows, inner}, 1).to(dtype), b = randn({inner, cols}, 2).to(dtype);
-  return rate(measure(ctx, [&] { (void)matmul(a, b); }, 3), 2.0 * static_cast<double>(rows * inner * cols));
+  return rate(measure(
+                  ctx, [&] { (void)matmul(a, b); }, 3),
+              2.0 * static_cast<double>(rows * inner * cols));
 }
 
 // The two models of ruda-train, one process, as tools/compare-torch times them in PyTorch:
@@ -252,11 +257,11 @@ void models_suite(Context& ctx) {
     nn::fully_shard(*mlp, comm, policy);
     nn::AdamW mlp_opt(mlp->parameters(), {.lr = 1e-3});
     const Stats mlp_step = time_step(
-        ctx, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2), [&](const Tensor& x) { return mlp->forward(x); },
-        3);
+        ctx, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
+        [&](const Tensor& x) { return mlp->forward(x); }, 3);
     report_step("mlp step, " + dtype, mlp_step);
-    report_fraction("mlp step, " + dtype, mlp_step, mlp_flops(kBatch),
-                    gemm_rate(ctx, kBatch, 1024, 1024, compute), "[128, 1024] x [1024, 1024] " + dtype);
+    report_fraction("mlp step, " + dtype, mlp_step, mlp_flops(kBatch), gemm_rate(ctx, kBatch, 1024, 1024, compute),
+                    "[128, 1024] x [1024, 1024] " + dtype);
 
     nn::manual_seed(1);
     const nn::GPTConfig config{.vocabulary = 256, .context = 128, .d_model = 256, .layers = 4, .heads = 4};
@@ -267,8 +272,8 @@ void models_suite(Context& ctx) {
         ctx, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
         [&](const Tensor& x) { return gpt.forward(x); }, 2);
     report_step("gpt step, " + dtype, gpt_step);
-    report_fraction("gpt step, " + dtype, gpt_step, gpt_flops(config, 16),
-                    gemm_rate(ctx, 16 * 128, 256, 1024, compute), "[2048, 256] x [256, 1024] " + dtype);
+    report_fraction("gpt step, " + dtype, gpt_step, gpt_flops(config, 16), gemm_rate(ctx, 16 * 128, 256, 1024, compute),
+                    "[2048, 256] x [256, 1024] " + dtype);
   }
   if (ctx.quick) return;  // GPT-2-small takes seconds per step
 
@@ -288,7 +293,8 @@ void models_suite(Context& ctx) {
       0);
   Context few = ctx;
   few.repeats = std::min(ctx.repeats, 5);
-  const Stats step = time_step(few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
+  const Stats step = time_step(
+      few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
   report_step("gpt2-small step (d768 L12 H12 T1024 b1), f32", step);
   report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1),
                   gemm_rate(few, 1024, 768, 3072, DType::f32), "[1024, 768] x [768, 3072] f32");

@@ -42,7 +42,7 @@ struct Config {
   std::int64_t memory_limit = 0;            // bytes per rank; 0: RUDA_MEMORY_LIMIT or none
   bool activation_checkpointing = false;
   bool recompute_gelu = false;  // the MLPs recompute fc1's pre-activation in backward
-  bool no_auto_fit = false;  // refuse a plan over the limit instead of trying leaner schedules
+  bool no_auto_fit = false;     // refuse a plan over the limit instead of trying leaner schedules
   // mlp
   std::string data = nn::kFashionMnistDir;
   std::vector<std::int64_t> hidden = {1024, 1024};

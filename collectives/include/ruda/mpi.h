@@ -73,15 +73,14 @@ class MpiEnvironment {
 /// to 16 times a sample), the ranks agree on the slowest rank's best sample of each (one
 /// MPI_Allreduce), so every rank picks the same one, and the communicator keeps the choice for the
 /// size class (reduce_scatter_algorithm() tells it). That first call costs about a dozen calls'
-/// time (small sizes more calls, still well under a millisecond). RUDA_RING_MIN_BYTES (a size: 64KiB, 1MB; 0 for the ring at every
-/// size) or set_ring_min_bytes() fixes it instead: MPI's up to that many bytes in all, the ring
-/// above. The ring's sums run around it (deterministic, but not in rank order), MPI's in its own
-/// order: with the choice measured, a size near the crossover may take either from run to run and
-/// round differently; fix the threshold for bit-identical runs. all_gather has one algorithm,
-/// MPI_Allgather (a ring of ruda's would gain nothing: it is one message per rank pair either way).
-/// Non-blocking collectives run in order on one progress thread per communicator; a blocking
-/// collective first waits for those in flight, so two threads are never inside a collective on
-/// the same MPI communicator. MPI errors become CollectiveError naming rank, op, dtype and count.
+/// time (small sizes more calls, still well under a millisecond). RUDA_RING_MIN_BYTES (a size: 64KiB, 1MB; 0 for the
+/// ring at every size) or set_ring_min_bytes() fixes it instead: MPI's up to that many bytes in all, the ring above.
+/// The ring's sums run around it (deterministic, but not in rank order), MPI's in its own order: with the choice
+/// measured, a size near the crossover may take either from run to run and round differently; fix the threshold for
+/// bit-identical runs. all_gather has one algorithm, MPI_Allgather (a ring of ruda's would gain nothing: it is one
+/// message per rank pair either way). Non-blocking collectives run in order on one progress thread per communicator; a
+/// blocking collective first waits for those in flight, so two threads are never inside a collective on the same MPI
+/// communicator. MPI errors become CollectiveError naming rank, op, dtype and count.
 ///
 /// The collective timeout (RUDA_COLLECTIVE_TIMEOUT, set_timeout; 10 min by default): a watchdog
 /// thread per communicator notes which collective each of the rank's threads is in (blocking,

@@ -338,8 +338,7 @@ constexpr bool is_valid(GeluBackward b) noexcept {
 /// gelu(linear(x, weight, bias)) as one differentiable op; `backward` trades the pre-activation's
 /// memory for a GEMM (see GeluBackward).
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
-                   GeluApproximation approximation = GeluApproximation::erf,
-                   WeightLayout layout = WeightLayout::in_out,
+                   GeluApproximation approximation = GeluApproximation::erf, WeightLayout layout = WeightLayout::in_out,
                    GeluBackward backward = GeluBackward::keep_pre_activation);
 
 // --- neural-network primitives ---
