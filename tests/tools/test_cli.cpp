@@ -135,6 +135,23 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
                  {"was saved with the optimizer groups decay (", "no_decay (", "this optimizer's are default ("});
 }
 
+TEST_CASE("lm --recompute-gelu: the same losses, less memory per rank") {
+  const std::string lm =
+      "--emulate 2 lm --d-model 32 --layers 2 --heads 2 --context 32 --batch 8 --eval-every 0 --steps 3";
+  const Run kept = run(train(lm));
+  const Run recomputed = run(train(lm + " --recompute-gelu"));
+  REQUIRE_MESSAGE(kept.exit_code == 0, kept.output);
+  REQUIRE_MESSAGE(recomputed.exit_code == 0, recomputed.output);
+  auto number_after = [](const std::string& text, const std::string& key) {
+    const std::size_t at = text.find(key);
+    REQUIRE_MESSAGE(at != std::string::npos, text);
+    return std::stod(text.substr(at + key.size()));
+  };
+  CHECK(number_after(kept.output, "final loss ") == doctest::Approx(number_after(recomputed.output, "final loss ")));
+  CHECK(number_after(recomputed.output, "peak memory per rank: ") <
+        number_after(kept.output, "peak memory per rank: "));
+}
+
 TEST_CASE("killed while writing a checkpoint: the previous one stays loadable and resumable") {
   TempDir tmp;
   // 10 steps (640 samples / 64), a checkpoint every 5: measure what the first checkpoint writes.
