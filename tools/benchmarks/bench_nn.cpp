@@ -296,6 +296,19 @@ void models_suite(Context& ctx) {
   const Stats step = time_step(
       few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
   report_step("gpt2-small step (d768 L12 H12 T1024 b1), f32", step);
+  // The same step recomputing the MLPs' pre-activations (ruda-train lm --recompute-gelu).
+  gpt.set_gelu_backward(GeluBackward::recompute);
+  const Stats recomputing = time_step(
+      few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
+  const nn::MemoryPlan recompute_plan = nn::plan_memory(
+      gpt, comm, 1,
+      [&](std::int64_t b) {
+        return nn::cross_entropy(gpt.forward(randint({b, 1024}, 0, 256, 7)), randint({b, 1024}, 0, 256, 8));
+      },
+      0);
+  gpt.set_gelu_backward(GeluBackward::keep_pre_activation);
+  report_time(ctx, "models", "gpt2-small step recomputing the GELU pre-activations, f32", recomputing, step,
+              "keeping them (the default)", "ms", 1e3);
   report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1),
                   gemm_rate(few, 1024, 768, 3072, DType::f32), "[1024, 768] x [768, 3072] f32");
   Result r;
@@ -307,6 +320,10 @@ void models_suite(Context& ctx) {
   r.value = Stats{mb, mb, mb};
   r.peer = Stats{650, 650, 650};
   r.peer_name = "target";
+  ctx.report(r);
+  const double recompute_mb = static_cast<double>(recompute_plan.step) / 1e6;
+  r.name = "gpt2-small memory plan: step row per sample recomputing the GELU pre-activations";
+  r.value = Stats{recompute_mb, recompute_mb, recompute_mb};
   ctx.report(r);
 }
 
