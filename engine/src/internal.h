@@ -109,7 +109,7 @@ Tensor dense(const Tensor& t);
 /// Whether two tensors' element ranges may overlap in memory (same storage, intersecting spans).
 bool may_overlap(const Tensor& a, const Tensor& b);
 /// Throws unless an in-place write to t is well defined: no two of its elements share memory
-/// (an expanded view has stride 0 on an axis longer than 1).
+/// (an expanded view, stride 0 on an axis longer than 1: the one overlap view ops make).
 void require_writable_layout(const char* op, const Tensor& t);
 
 /// Throws DTypeError unless t is a float tensor.

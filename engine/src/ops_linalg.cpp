@@ -110,6 +110,16 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
 
   Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
   if (out.numel() == 0) return out;
+  if (k == 0) {
+    // No product: the bias alone (or zeros), and the epilogue on it (GELU(0) = 0).
+    a.backend().fill(detail::view_of(out), 0.0);
+    if (bias.defined()) out.add_(bias.detach());
+    if (epilogue != GemmEpilogue::none) {
+      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
+      a.backend().unary(f, detail::view_of(out), detail::view_of(out));
+    }
+    return out;
+  }
   GemmDesc d;
   d.a_dtype = d.b_dtype = d.c_dtype = a.dtype();
   d.trans_a = ta != read_a->transposed;
@@ -142,16 +152,6 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
       d.inner_stride_b = inner.stride[1];
       d.inner_stride_c = inner.stride[2];
     }
-  }
-  if (k == 0) {
-    // No product: the bias alone (or zeros), and the epilogue on it (GELU(0) = 0).
-    a.backend().fill(detail::view_of(out), 0.0);
-    if (bias.defined()) out.add_(bias.detach());
-    if (epilogue != GemmEpilogue::none) {
-      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
-      a.backend().unary(f, detail::view_of(out), detail::view_of(out));
-    }
-    return out;
   }
   a.backend().gemm(d);
   return out;

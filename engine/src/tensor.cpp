@@ -1,7 +1,6 @@
 // The Tensor handle: metadata, creation, element access, printing and in-place updates.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <ostream>
@@ -129,26 +128,14 @@ bool may_overlap(const Tensor& a, const Tensor& b) {
 void require_writable_layout(const char* op, const Tensor& t) {
   const TensorImpl& impl = *impl_of(t);
   if (impl.contiguous) return;
-  // Overlapping elements: sort axes by stride; each stride must reach past the span of the inner ones.
-  std::array<int, kMaxDims> axes{};
-  int n = 0;
-  for (int d = 0; d < static_cast<int>(impl.shape.size()); ++d) {
-    if (impl.shape[d] > 1) axes[n++] = d;
-  }
-  for (int i = 1; i < n; ++i) {  // insertion sort by |stride| (at most kMaxDims axes)
-    for (int j = i; j > 0 && std::abs(impl.strides[axes[j]]) < std::abs(impl.strides[axes[j - 1]]); --j) {
-      std::swap(axes[j], axes[j - 1]);
-    }
-  }
-  std::int64_t span = 1;
-  for (int i = 0; i < n; ++i) {
-    const std::int64_t stride = std::abs(impl.strides[axes[i]]);
-    if (stride < span) {
+  // ruda's view ops keep distinct elements apart except expand, whose broadcast axes have stride
+  // 0: a write through such an axis would hit one element several times.
+  for (std::size_t d = 0; d < impl.shape.size(); ++d) {
+    if (impl.shape[d] > 1 && impl.strides[d] == 0) {
       fail<ShapeError>(op, "cannot write in place to a ", dtype_name(impl.dtype), " ", impl.shape,
                        " view whose elements share memory (strides ", t.strides(), "; an expanded view); ",
                        "write to contiguous() or clone() instead");
     }
-    span = stride * impl.shape[axes[i]];
   }
 }
 
