@@ -639,6 +639,61 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
   }
 }
 
+Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const CollectiveOptions& options) {
+  check_input("all_reduce_async", rank_, x);
+  require_contiguous("all_reduce_async", rank_, x, "input");
+  check_enum(op, "all_reduce_async", "Reduction", rank_text_);
+  std::string extra = reduction_name(op);
+  if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
+    extra += ", native";
+  }
+  if (pass_through()) {
+    begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+    return Work(std::make_unique<FinishedState>(x.detach()));
+  }
+  Tensor out = new_like(x, x.shape());
+  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+  try {
+    Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+                                               call.start, call.bytes));
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+}
+
+std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  if (color < 0) fail<ArgumentError>("split", "rank ", rank_, ": color must be >= 0, got ", color);
+  // The colour stays out of the call's record: ranks split with different colours.
+  const Call call = begin("split", false, 0, DType::f32, "", {});
+  std::unique_ptr<Communicator> out;
+  try {
+    out = do_split(color, key);
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  out->set_order_check(order_check_);
+  return out;
+}
+
+std::unique_ptr<Communicator> Communicator::split_by_node() {
+  const Call call = begin("split_by_node", false, 0, DType::f32, "", {});
+  std::unique_ptr<Communicator> out;
+  try {
+    out = do_split_by_node();
+  } catch (...) {
+    rethrow_with_context(call);
+  }
+  out->set_order_check(order_check_);
+  return out;
+}
+
+Work Communicator::start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op,
+                                    Accumulate accumulate) {
+  do_all_reduce(x.data_ptr(), out.data_ptr(), count, x.dtype(), op, accumulate);
+  return Work(std::make_unique<FinishedState>(std::move(out)));
+}
+
 Work Communicator::start_all_gather(const Tensor& local, Tensor out, std::int64_t count) {
   do_all_gather(local.data_ptr(), out.data_ptr(), count, local.dtype());
   return Work(std::make_unique<FinishedState>(std::move(out)));
@@ -667,6 +722,8 @@ void LocalCommunicator::do_broadcast(const void* send, void* recv, std::int64_t 
   cd::convert(send, dtype, recv, dtype, count);
 }
 void LocalCommunicator::do_barrier() {}
+std::unique_ptr<Communicator> LocalCommunicator::do_split(int, int) { return std::make_unique<LocalCommunicator>(); }
+std::unique_ptr<Communicator> LocalCommunicator::do_split_by_node() { return std::make_unique<LocalCommunicator>(); }
 std::vector<std::string> LocalCommunicator::exchange_fingerprints(const std::string& fingerprint) {
   return {fingerprint};
 }

@@ -16,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <thread>
+#include <tuple>
 
 #include <ruda/backend.h>
 #include <ruda/memory.h>
@@ -35,7 +37,7 @@ namespace {
 namespace cd = collectives_detail;
 using Clock = std::chrono::steady_clock;
 
-enum class Kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, fingerprint };
+enum class Kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, barrier, fingerprint, split };
 
 class EmulatedCommunicator;
 
@@ -50,6 +52,7 @@ struct Slot {
   Accumulate accumulate = Accumulate::f32;
   const void* send = nullptr;
   void* recv = nullptr;
+  int color = 0, key = 0;                       // split: not compared (ranks pass different ones)
   const EmulatedCommunicator* owner = nullptr;  // whose call it is, described only for messages
   std::uint64_t sequence = 0;
 
@@ -64,16 +67,37 @@ enum class Broken : std::uint8_t { no, failed, timeout, finished };
 
 class World {
  public:
-  World(int size, std::chrono::milliseconds timeout)
-      : size_(size),
+  /// `members`: the run's rank (run_ranks' numbering) of each of this world's ranks, in order.
+  World(std::vector<int> members, std::chrono::milliseconds timeout)
+      : size_(static_cast<int>(members.size())),
         timeout_(timeout),
-        spin_(size <= hardware_threads()),
-        slots_(size),
-        present_(size, 0),
-        finished_(size, 0),
-        errors_(size) {}
+        spin_(size_ <= hardware_threads()),
+        members_(std::move(members)),
+        slots_(size_),
+        present_(size_, 0),
+        finished_(size_, 0),
+        errors_(size_) {}
 
   int size() const noexcept { return size_; }
+  const std::vector<int>& members() const noexcept { return members_; }
+  /// This world's rank of the run's rank `run_rank`, -1 if it is not a member.
+  int local_rank(int run_rank) const noexcept {
+    const auto it = std::find(members_.begin(), members_.end(), run_rank);
+    return it == members_.end() ? -1 : static_cast<int>(it - members_.begin());
+  }
+
+  /// A rank failed elsewhere (in the run's world or another split): every collective here that
+  /// waits now or starts later raises RankFailedError with `reason`.
+  void abandon(const std::string& reason) {
+    {
+      std::lock_guard lock(mutex_);
+      if (broken_ != Broken::no) return;
+      broken_ = Broken::failed;
+      broken_generation_ = generation_;
+      reason_ = reason;
+    }
+    cv_.notify_all();
+  }
   Slot& slot(int rank) noexcept { return slots_[static_cast<std::size_t>(rank)]; }
 
   /// Phase one: waits until every rank has arrived. Throws RankFailedError, CollectiveTimeoutError
@@ -236,6 +260,7 @@ class World {
   const int size_;
   const std::chrono::milliseconds timeout_;
   const bool spin_;
+  const std::vector<int> members_;
   std::vector<Slot> slots_;
   std::atomic<std::uint64_t> published_generation_{0};  // generation_, for spinning without the lock
   // Guarded by mutex_:
@@ -249,6 +274,90 @@ class World {
   std::vector<std::exception_ptr> errors_;
   std::vector<int> failure_order_;
   int first_failure_ = -1;
+};
+
+// Everything one run_ranks shares: its world, the communicators split from it (each a World of
+// its own), and the simulated nodes' links. A failure anywhere breaks every world, so that no
+// rank waits in a split for a rank that is gone.
+class Fabric {
+ public:
+  Fabric(int size, std::chrono::milliseconds timeout, int ranks_per_node)
+      : timeout_(timeout), ranks_per_node_(ranks_per_node), nic_free_(static_cast<std::size_t>(size / ranks_per_node)) {
+    std::vector<int> all(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) all[static_cast<std::size_t>(r)] = r;
+    root_ = std::make_shared<World>(std::move(all), timeout);
+  }
+
+  World& root() noexcept { return *root_; }
+  int node_of(int run_rank) const noexcept { return run_rank / ranks_per_node_; }
+  int ranks_per_node() const noexcept { return ranks_per_node_; }
+
+  /// The world of split number `split` (the parent's collective number) of `parent` for `color`,
+  /// made by the first of its members to ask; `members` are the run's ranks in the new order.
+  std::shared_ptr<World> split(const World& parent, std::uint64_t split, int color, std::vector<int> members) {
+    std::lock_guard lock(mutex_);
+    auto& slot = splits_[{&parent, split, color}];
+    if (!slot) {
+      slot = std::make_shared<World>(std::move(members), timeout_);
+      if (!failure_.empty()) slot->abandon(failure_);
+      worlds_.push_back(slot);
+    }
+    return slot;
+  }
+
+  void fail(int run_rank, std::exception_ptr error) {
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    root_->fail(run_rank, error);
+    const std::string reason = "rank " + std::to_string(run_rank) + " failed: " + what;
+    for (const auto& w : splits(reason)) w->abandon(reason);
+  }
+
+  void finish(int run_rank) {
+    root_->finish(run_rank);
+    for (const auto& w : splits({})) {
+      if (const int local = w->local_rank(run_rank); local >= 0) w->finish(local);
+    }
+  }
+
+  /// The simulated link of `node` for one instance of a collective (number `sequence` of `world`)
+  /// that crosses nodes and takes `time`: the instance's first rank on the node reserves the link
+  /// from `ready` (or when it is free, if later), the node's other ranks in the same instance get
+  /// the same completion time.
+  Clock::time_point reserve(const World& world, int node, std::uint64_t sequence, Clock::time_point ready,
+                            std::chrono::nanoseconds time) {
+    std::lock_guard lock(mutex_);
+    auto& [last, done] = reservations_[{&world, node}];
+    if (last == sequence) return done;
+    Clock::time_point& free = nic_free_[static_cast<std::size_t>(node)];
+    last = sequence;
+    done = std::max(ready, free) + std::chrono::duration_cast<Clock::duration>(time);
+    free = done;
+    return done;
+  }
+
+ private:
+  std::vector<std::shared_ptr<World>> splits(const std::string& failure) {
+    std::lock_guard lock(mutex_);
+    if (!failure.empty() && failure_.empty()) failure_ = failure;
+    return worlds_;
+  }
+
+  std::mutex mutex_;
+  const std::chrono::milliseconds timeout_;
+  const int ranks_per_node_;
+  std::shared_ptr<World> root_;
+  // Guarded by mutex_:
+  std::map<std::tuple<const World*, std::uint64_t, int>, std::shared_ptr<World>> splits_;
+  std::vector<std::shared_ptr<World>> worlds_;
+  std::string failure_;
+  std::vector<Clock::time_point> nic_free_;  // per node
+  std::map<std::pair<const World*, int>, std::pair<std::uint64_t, Clock::time_point>> reservations_;
 };
 
 // A non-blocking collective under a link model: its data moved at the start, it is done when
@@ -270,8 +379,14 @@ class LinkedState final : public Work::State {
 
 class EmulatedCommunicator final : public Communicator {
  public:
-  EmulatedCommunicator(World& world, int rank, LinkModel link)
-      : Communicator(rank, world.size()), world_(world), link_(link) {}
+  EmulatedCommunicator(World& world, int rank, LinkModel link, Fabric& fabric)
+      : Communicator(rank, world.size()),
+        world_(world),
+        fabric_(fabric),
+        link_(link),
+        node_(fabric.node_of(world.members()[static_cast<std::size_t>(rank)])) {
+    for (const int member : world.members()) spans_nodes_ = spans_nodes_ || fabric.node_of(member) != node_;
+  }
   std::string_view kind() const noexcept override { return "emulated"; }
 
  protected:
@@ -286,6 +401,14 @@ class EmulatedCommunicator final : public Communicator {
         deferred([&] { do_reduce_scatter(full.data_ptr(), out.data_ptr(), count, full.dtype(), accumulate); });
     return Work(std::make_unique<LinkedState>(std::move(out), done));
   }
+  Work start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op, Accumulate accumulate) override {
+    const Clock::time_point done =
+        deferred([&] { do_all_reduce(x.data_ptr(), out.data_ptr(), count, x.dtype(), op, accumulate); });
+    return Work(std::make_unique<LinkedState>(std::move(out), done));
+  }
+
+  std::unique_ptr<Communicator> do_split(int color, int key) override { return split_world(color, key); }
+  std::unique_ptr<Communicator> do_split_by_node() override { return split_world(node_, rank()); }
 
   void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) override {
     Slot s = slot(Kind::all_gather, dtype, count);
@@ -360,6 +483,29 @@ class EmulatedCommunicator final : public Communicator {
     run(slot(Kind::barrier, DType::f32, 0), [] {});
   }
 
+  // The ranks of `color` ordered by (key, rank) become a world of their own, registered with the
+  // fabric under this world and this call's number, so that every member finds the same one.
+  std::unique_ptr<Communicator> split_world(int color, int key) {
+    Slot s = slot(Kind::split, DType::f32, 0);
+    s.color = color;
+    s.key = key;
+    std::vector<int> members;
+    int new_rank = -1;
+    run(s, [&] {
+      std::vector<std::pair<int, int>> order;  // (key, rank) of this colour
+      for (int k = 0; k < world_size(); ++k) {
+        if (world_.slot(k).color == color) order.emplace_back(world_.slot(k).key, k);
+      }
+      std::sort(order.begin(), order.end());
+      for (const auto& [k, r] : order) {
+        if (r == rank()) new_rank = static_cast<int>(members.size());
+        members.push_back(world_.members()[static_cast<std::size_t>(r)]);
+      }
+    });
+    World& child = *fabric_.split(world_, current_sequence(), color, std::move(members));
+    return std::make_unique<EmulatedCommunicator>(child, new_rank, link_, fabric_);
+  }
+
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override {
     Slot s = slot(Kind::fingerprint, DType::f32, 0);
     s.send = &fingerprint;
@@ -410,7 +556,8 @@ class EmulatedCommunicator final : public Communicator {
   // collectives before it. A blocking collective sleeps until it is done; a non-blocking one
   // (deferred) leaves the time to its Work.
   void occupy_link(const Slot& s) {
-    if (!link_.enabled() || s.kind == Kind::fingerprint) return;  // the order check is a debugging aid, not traffic
+    // The order check is a debugging aid and a split is set-up, neither is traffic.
+    if (!link_.enabled() || s.kind == Kind::fingerprint || s.kind == Kind::split) return;
     const auto bytes = static_cast<std::uint64_t>(s.count) * dtype_size(s.dtype);
     const int n = world_size();
     std::chrono::nanoseconds time{0};
@@ -431,9 +578,13 @@ class EmulatedCommunicator final : public Communicator {
         time = link_.barrier_time(n);
         break;
       case Kind::fingerprint:
+      case Kind::split:
         break;
     }
-    link_free_ = std::max(link_free_, Clock::now()) + std::chrono::duration_cast<Clock::duration>(time);
+    // In order after this communicator's collectives before it; traffic inside a node is free,
+    // traffic across nodes waits for each node's link (shared with the node's other communicators).
+    const Clock::time_point ready = std::max(link_free_, Clock::now());
+    link_free_ = spans_nodes_ ? fabric_.reserve(world_, node_, s.sequence, ready, time) : ready;
     if (!deferring_) std::this_thread::sleep_until(link_free_);
   }
 
@@ -470,8 +621,11 @@ class EmulatedCommunicator final : public Communicator {
   }
 
   World& world_;
+  Fabric& fabric_;
   std::vector<const void*> sources_;
   LinkModel link_;
+  int node_;                       // the simulated node of this rank
+  bool spans_nodes_ = false;       // whether this communicator's ranks are on more than one node
   Clock::time_point link_free_{};  // when this rank's link has sent everything started so far
   bool deferring_ = false;
 };
@@ -496,18 +650,23 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
   if (options.threads_per_rank < 0) {
     fail<ArgumentError>("run_ranks", "threads per rank must not be negative, got ", options.threads_per_rank);
   }
+  if (options.ranks_per_node < 1 || world_size % options.ranks_per_node != 0) {
+    fail<TopologyError>("run_ranks", "ranks per node ", options.ranks_per_node, " does not divide a world of ",
+                        world_size, " ranks into nodes of equal size");
+  }
   const int threads = threads_per_rank(world_size, options.threads_per_rank);
-  World world(world_size, options.timeout);
+  Fabric fabric(world_size, options.timeout, options.ranks_per_node);
+  World& world = fabric.root();
   auto body = [&](int rank) {
     try {
       memory::Scope scope;  // this rank's memory figures
       set_num_threads(threads);
-      EmulatedCommunicator comm(world, rank, options.link);
+      EmulatedCommunicator comm(world, rank, options.link, fabric);
       comm.set_order_check(options.check_order);
       fn(comm);
-      world.finish(rank);
+      fabric.finish(rank);
     } catch (...) {
-      world.fail(rank, std::current_exception());
+      fabric.fail(rank, std::current_exception());
     }
   };
   std::vector<std::thread> ranks;
@@ -516,7 +675,7 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     for (int r = 0; r < world_size; ++r) ranks.emplace_back(body, r);
   } catch (...) {
     // The ranks already running would wait for the missing one: fail it so they stop.
-    world.fail(static_cast<int>(ranks.size()), std::current_exception());
+    fabric.fail(static_cast<int>(ranks.size()), std::current_exception());
     for (auto& t : ranks) t.join();
     throw;
   }

@@ -749,20 +749,44 @@ MpiCommunicator::~MpiCommunicator() {
 }
 
 std::unique_ptr<MpiCommunicator> MpiCommunicator::split(int color, int key) {
-  if (color < 0) fail<ArgumentError>("MpiCommunicator::split", "rank ", rank(), ": color must be >= 0, got ", color);
+  return std::unique_ptr<MpiCommunicator>(static_cast<MpiCommunicator*>(Communicator::split(color, key).release()));
+}
+
+std::unique_ptr<MpiCommunicator> MpiCommunicator::split_by_node() {
+  return std::unique_ptr<MpiCommunicator>(static_cast<MpiCommunicator*>(Communicator::split_by_node().release()));
+}
+
+// The new communicator of a split: watched like a collective (a rank that never comes to the
+// split would leave the others in it forever), with this one's timeout.
+std::unique_ptr<MpiCommunicator> MpiCommunicator::make_split(const std::function<int(void*)>& split, const char* call) {
   impl_->progress_thread.drain();
   MPI_Comm part = MPI_COMM_NULL;
-  check(MPI_Comm_split(impl_->data, color, key, &part), "MPI_Comm_split");
+  {
+    const Impl::Watch watch(*impl_, impl_->caller, current_record());
+    check(split(static_cast<void*>(&part)), call);
+  }
   try {
     auto impl = std::make_unique<Impl>(part, timeout());
     MPI_Comm_free(&part);
-    auto comm = std::unique_ptr<MpiCommunicator>(new MpiCommunicator(std::move(impl)));
-    comm->set_order_check(order_check());
-    return comm;
+    return std::unique_ptr<MpiCommunicator>(new MpiCommunicator(std::move(impl)));
   } catch (...) {
     if (part != MPI_COMM_NULL) MPI_Comm_free(&part);
     throw;
   }
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::do_split(int color, int key) {
+  return make_split([&](void* part) { return MPI_Comm_split(impl_->data, color, key, static_cast<MPI_Comm*>(part)); },
+                    "MPI_Comm_split");
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::do_split_by_node() {
+  return make_split(
+      [&](void* part) {
+        return MPI_Comm_split_type(impl_->data, MPI_COMM_TYPE_SHARED, rank(), MPI_INFO_NULL,
+                                   static_cast<MPI_Comm*>(part));
+      },
+      "MPI_Comm_split_type (MPI_COMM_TYPE_SHARED)");
 }
 
 void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
@@ -857,6 +881,17 @@ Work MpiCommunicator::start_reduce_scatter(const Tensor& full, Tensor out, std::
   auto future = impl->progress_thread.submit([impl, full, out, count, accumulate, call = current_record()] {
     const Impl::Watch watch(*impl, impl->progress, call);
     impl->reduce_scatter(full.data_ptr(), out.data_ptr(), count, full.dtype(), accumulate);
+  });
+  return Work(std::make_unique<QueuedState>(std::move(future), std::move(out)));
+}
+
+Work MpiCommunicator::start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op,
+                                       Accumulate accumulate) {
+  int_count(count, "MPI_Allreduce");  // fail now, not at wait()
+  Impl* impl = impl_.get();
+  auto future = impl->progress_thread.submit([impl, x, out, count, op, accumulate, call = current_record()] {
+    const Impl::Watch watch(*impl, impl->progress, call);
+    impl->all_reduce(x.data_ptr(), out.data_ptr(), count, x.dtype(), op, accumulate);
   });
   return Work(std::make_unique<QueuedState>(std::move(future), std::move(out)));
 }

@@ -320,6 +320,111 @@ inline void async_forms(Communicator& c) {
   // A dropped Work still completes; the next collectives are unaffected.
   { Work dropped = c.all_gather_async(d, {"dropped"}); }
   expect_gather(c.all_gather(a, {"after drop"}), a, 11, "all_gather after a dropped Work");
+
+  // all_reduce_async: sum and max, in flight beside an all_gather, waited for in reverse.
+  const Tensor e = input(c.rank(), {(1 << 15) + 3}, DType::f64, 14);
+  Work sum = c.all_reduce_async(e, Reduction::sum, {"e sum"});
+  Work gather = c.all_gather_async(a, {"a beside"});
+  Work max = c.all_reduce_async(b, Reduction::max, {"b max"});
+  expect_values(
+      max.wait(), DType::bf16, b.shape(),
+      [&](std::int64_t i) {
+        double m = -std::numeric_limits<double>::infinity();
+        for (int k = 0; k < n; ++k) m = std::max(m, element(k, i, DType::bf16, 12));
+        return m;
+      },
+      where(c, "all_reduce_async max", DType::bf16, b.shape()));
+  expect_gather(gather.wait(), a, 11, "all_gather_async beside all_reduce_async");
+  expect_values(
+      sum.wait(), DType::f64, e.shape(),
+      [&](std::int64_t i) {
+        double s = 0;
+        for (int k = 0; k < n; ++k) s += element(k, i, DType::f64, 14);
+        return s;
+      },
+      where(c, "all_reduce_async sum", DType::f64, e.shape()));
+  expect_throw<ShapeError>(
+      [&] {
+        (void)c.all_reduce_async(e.slice(0, 0, 32).reshape({4, 8}).transpose(0, 1));
+      },
+      {"all_reduce_async", "rank " + std::to_string(c.rank()), "non-contiguous"},
+      where(c, "all_reduce_async of a view", DType::f64, e.shape()));
+}
+
+/// split and split_by_node: sub-communicators run collectives among their own ranks, in the order
+/// the keys give; ShardMesh lays the world out as nodes x replicas, or refuses, on every rank alike.
+inline void splits(Communicator& c) {
+  const int n = c.world_size(), r = c.rank();
+  // Odd and even ranks, each group in reverse order of rank.
+  const std::unique_ptr<Communicator> half = c.split(r % 2, -r);
+  std::vector<int> members;  // world ranks of this rank's group, in its order
+  for (int k = n - 1; k >= 0; --k) {
+    if (k % 2 == r % 2) members.push_back(k);
+  }
+  REQUIRE(half->world_size() == static_cast<int>(members.size()));
+  CHECK(members[static_cast<std::size_t>(half->rank())] == r);
+  CHECK(half->kind() == c.kind());
+  const Tensor x = input(r, {257}, DType::f32, 15);
+  expect_values(
+      half->all_reduce(x), DType::f32, {257},
+      [&](std::int64_t i) {
+        double s = 0;
+        for (const int k : members) s += element(k, i, DType::f32, 15);
+        return s;
+      },
+      where(*half, "all_reduce on split", DType::f32, {257}));
+  expect_values(
+      half->all_gather(x), DType::f32, {257 * static_cast<std::int64_t>(members.size())},
+      [&](std::int64_t i) { return element(members[static_cast<std::size_t>(i / 257)], i % 257, DType::f32, 15); },
+      where(*half, "all_gather on split", DType::f32, {257}));
+  // Collectives on the parent and the split interleave freely.
+  CHECK(c.all_reduce(scalar(1.0)).item() == n);
+  CHECK(half->all_reduce(scalar(1.0)).item() == static_cast<double>(members.size()));
+  expect_throw<ArgumentError>([&] { (void)c.split(-1, 0); }, {"split", "color"}, where(c, "split(-1)", DType::f32, {}));
+
+  // A node: whole nodes of equal size, consecutive ranks here (emulated ranks, one machine under MPI).
+  const std::unique_ptr<Communicator> node = c.split_by_node();
+  REQUIRE(n % node->world_size() == 0);
+  const std::vector<std::int64_t> node_ranks =
+      node->all_gather(from_vector(std::vector<std::int64_t>{r}, {1})).to_vector<std::int64_t>();
+  for (std::size_t i = 0; i < node_ranks.size(); ++i) {
+    CHECK(node_ranks[i] == node_ranks.front() + static_cast<std::int64_t>(i));
+  }
+
+  // Meshes: every ranks-per-node that divides the world tiles it; the others are refused alike.
+  for (int per_node = 1; per_node <= n + 1; ++per_node) {
+    CAPTURE(per_node);
+    if (n % per_node != 0) {
+      expect_throw<TopologyError>([&] { (void)ShardMesh::by_node(c, per_node); },
+                                  {"ShardMesh::by_node", std::to_string(per_node) + " ranks per node", "do not divide"},
+                                  where(c, "ShardMesh::by_node", DType::f32, {}));
+      continue;
+    }
+    const ShardMesh mesh = ShardMesh::by_node(c, per_node);
+    CHECK(mesh.ranks_per_node() == per_node);
+    CHECK(mesh.nodes() == n / per_node);
+    CHECK(mesh.node() == r / per_node);
+    CHECK(mesh.shard().rank() == r % per_node);
+    CHECK(&mesh.world() == &c);
+    // The shard sum over a node then the replicate sum is the world's sum.
+    const Tensor two_level = mesh.replicate().all_reduce(mesh.shard().all_reduce(x));
+    expect_values(
+        two_level, DType::f32, {257},
+        [&](std::int64_t i) {
+          double s = 0;
+          for (int k = 0; k < n; ++k) s += element(k, i, DType::f32, 15);
+          return s;
+        },
+        where(c, "all_reduce over shard then replicate", DType::f32, {257}));
+  }
+  const ShardMesh own = ShardMesh::by_node(c);  // the communicator's own nodes
+  CHECK(own.ranks_per_node() == node->world_size());
+  if (n > 1) {
+    // Two communicators that group the ranks alike do not tile the world.
+    expect_throw<TopologyError>([&] { (void)ShardMesh(c, c.split(0, r), c.split(0, r)); },
+                                {"ShardMesh", "do not tile the world of " + std::to_string(n)},
+                                where(c, "ShardMesh of two world-sized communicators", DType::f32, {}));
+  }
 }
 
 inline void into_forms(Communicator& c) {
@@ -573,6 +678,7 @@ inline void text_agreement(Communicator& c) {
   TEST_CASE(NAME ": all_reduce") { RUN(&ruda::test::collectives::all_reduce); }                       \
   TEST_CASE(NAME ": broadcast and barrier") { RUN(&ruda::test::collectives::broadcast_and_barrier); } \
   TEST_CASE(NAME ": non-blocking forms") { RUN(&ruda::test::collectives::async_forms); }              \
+  TEST_CASE(NAME ": split, nodes and meshes") { RUN(&ruda::test::collectives::splits); }              \
   TEST_CASE(NAME ": into a caller's buffer") { RUN(&ruda::test::collectives::into_forms); }           \
   TEST_CASE(NAME ": 16-bit accumulation") { RUN(&ruda::test::collectives::accumulation); }            \
   TEST_CASE(NAME ": validation") { RUN(&ruda::test::collectives::validation); }                       \

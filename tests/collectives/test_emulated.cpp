@@ -309,6 +309,110 @@ TEST_CASE("emulated: run_ranks refuses bad arguments") {
   });
 }
 
+TEST_CASE("emulated: ranks_per_node makes nodes of consecutive ranks, or is refused when it does not divide") {
+  EmulatedOptions options;
+  options.ranks_per_node = 2;
+  std::vector<int> node_size(6), node_first(6), nodes(6);
+  run_ranks(
+      6,
+      [&](Communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const auto node = comm.split_by_node();
+        node_size[r] = node->world_size();
+        node_first[r] = static_cast<int>(node->all_reduce(scalar(comm.rank()), Reduction::max).item()) - 1;
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        nodes[r] = mesh.nodes();
+      },
+      options);
+  for (int r = 0; r < 6; ++r) {
+    CAPTURE(r);
+    CHECK(node_size[static_cast<std::size_t>(r)] == 2);
+    CHECK(node_first[static_cast<std::size_t>(r)] == r / 2 * 2);
+    CHECK(nodes[static_cast<std::size_t>(r)] == 3);
+  }
+  for (const int bad : {0, 4, -1}) {
+    options.ranks_per_node = bad;
+    CAPTURE(bad);
+    expect_throw<TopologyError>(
+        [&] {
+          run_ranks(
+              6, [](Communicator&) {}, options);
+        },
+        {"run_ranks", "ranks per node " + std::to_string(bad), "world of 6"}, "run_ranks with a bad ranks_per_node");
+  }
+}
+
+TEST_CASE("emulated: with nodes, a link model is one link per node: free inside it, shared by what crosses it") {
+  EmulatedOptions options;
+  options.link = LinkModel::parse("10MB/s");
+  options.ranks_per_node = 2;
+  const std::int64_t count = 100000;  // f32: 400 kB per rank
+  const double world_time = std::chrono::duration<double>(options.link.all_gather_time(4, 4 * count)).count();
+  const double pair_time = std::chrono::duration<double>(options.link.all_gather_time(2, 4 * count)).count();
+  std::vector<double> intra(4), world(4), across(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        const Tensor mine = full({count}, static_cast<double>(comm.rank()));
+        comm.barrier();
+        auto start = std::chrono::steady_clock::now();
+        CHECK(mesh.shard().all_gather(mine).numel() == 2 * count);
+        intra[r] = seconds_since(start);
+        start = std::chrono::steady_clock::now();
+        CHECK(comm.all_gather(mine).numel() == 4 * count);
+        world[r] = seconds_since(start);
+        comm.barrier();
+        // Both replicate communicators at once: each node's link carries both.
+        start = std::chrono::steady_clock::now();
+        CHECK(mesh.replicate().all_gather(mine).numel() == 2 * count);
+        across[r] = seconds_since(start);
+      },
+      options);
+  const double slowest_across = *std::max_element(across.begin(), across.end());
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const auto i = static_cast<std::size_t>(r);
+    CHECK(intra[i] < pair_time / 4);     // inside a node: no link time
+    CHECK(world[i] >= world_time);       // the world's ring crosses each node's link once...
+    CHECK(world[i] < 1.6 * world_time);  // ...not once per rank of the node
+    CHECK(across[i] >= pair_time);
+  }
+  CHECK(slowest_across >= 2 * pair_time);  // the second replicate all_gather waited for the first
+}
+
+TEST_CASE("emulated: a rank that fails makes the ranks waiting in a split communicator raise, never hang") {
+  EmulatedOptions options;
+  options.ranks_per_node = 2;
+  std::vector<std::string> errors(4);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_AS(run_ranks(
+                      4,
+                      [&](Communicator& comm) {
+                        const ShardMesh mesh = ShardMesh::by_node(comm);
+                        if (comm.rank() == 3) {
+                          std::this_thread::sleep_for(50ms);
+                          throw std::logic_error("injected failure");
+                        }
+                        try {
+                          // Ranks 0 and 1 in their own node (complete), then everyone across nodes.
+                          mesh.shard().all_gather(ones({4}), {"node"});
+                          mesh.replicate().all_gather(ones({4}), {"across"});
+                          mesh.shard().barrier();
+                        } catch (const RankFailedError& e) {
+                          errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                        }
+                      },
+                      options),
+                  std::logic_error);
+  CHECK(seconds_since(start) < 10.0);
+  for (int r = 0; r < 3; ++r) {
+    CAPTURE(r);
+    CHECK(contains(errors[static_cast<std::size_t>(r)], "rank 3 failed: injected failure"));
+  }
+}
+
 TEST_CASE("emulated: a link model is parsed from text and names its source when wrong") {
   CHECK(LinkModel::parse("1GB/s").bytes_per_second == 1e9);
   CHECK(LinkModel::parse("10Gbit/s").bytes_per_second == 1.25e9);

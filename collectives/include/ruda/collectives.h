@@ -44,6 +44,13 @@ class CollectiveMismatchError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
 };
+/// Communicators that do not lay the ranks out as asked: a split by node whose nodes differ in
+/// size, a ranks-per-node that does not divide the world, a shard and a replicate communicator that
+/// do not tile the world (ShardMesh). Raised on every rank alike, before any collective could hang.
+class TopologyError : public ArgumentError {
+ public:
+  using ArgumentError::ArgumentError;
+};
 
 enum class Reduction : std::uint8_t { sum, max };
 constexpr bool is_valid(Reduction reduction) noexcept {
@@ -179,6 +186,11 @@ class Communicator {
   Tensor reduce_scatter(const Tensor& full, const CollectiveOptions& options = {});
   /// The element-wise sum (or max) over ranks, on every rank.
   Tensor all_reduce(const Tensor& x, Reduction op = Reduction::sum, const CollectiveOptions& options = {});
+  /// Non-blocking all_reduce: `x` must stay unchanged until wait(), which returns the result (a new
+  /// tensor). Completes in order with the other non-blocking collectives of this communicator; on
+  /// MPI it runs on the progress thread, so communication on another communicator (a node's
+  /// reduce-scatter, say) proceeds beside it.
+  Work all_reduce_async(const Tensor& x, Reduction op = Reduction::sum, const CollectiveOptions& options = {});
   /// Rank `root`'s tensor on every rank (the others pass a tensor of the same shape and dtype).
   Tensor broadcast(const Tensor& x, int root, const CollectiveOptions& options = {});
   void barrier(const CollectiveOptions& options = {});
@@ -198,6 +210,15 @@ class Communicator {
   /// Non-blocking *_into forms: `out` must stay untouched until wait(), which returns it.
   Work all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options = {});
   Work reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options = {});
+
+  /// The ranks of this communicator that pass the same `color` (>= 0), ranked by `key` (ties by
+  /// rank here), as a communicator of their own with this one's order check. Collective over this
+  /// communicator (numbered in its history as "split"); do it up front, in the same order on every rank.
+  std::unique_ptr<Communicator> split(int color, int key);
+  /// The ranks of this communicator on this rank's node, in rank order: MPI's shared-memory node
+  /// (MPI_COMM_TYPE_SHARED), emulated ranks' EmulatedOptions::ranks_per_node, world size 1 itself.
+  /// Collective.
+  std::unique_ptr<Communicator> split_by_node();
 
   /// The debug check of collective order (off unless RUDA_CHECK_COLLECTIVES=1).
   void set_order_check(bool enabled) noexcept { order_check_ = enabled; }
@@ -254,6 +275,11 @@ class Communicator {
   /// `out` is the result tensor to fill; the Work's wait() returns it.
   virtual Work start_all_gather(const Tensor& local, Tensor out, std::int64_t count);
   virtual Work start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate);
+  virtual Work start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op, Accumulate accumulate);
+  /// split and split_by_node after the base class numbered the call (and checked its order): a
+  /// collective over this communicator.
+  virtual std::unique_ptr<Communicator> do_split(int color, int key) = 0;
+  virtual std::unique_ptr<Communicator> do_split_by_node() = 0;
   /// Agrees `fingerprint` across ranks for the order check; returns every rank's fingerprint
   /// (index = rank). Implementations may exchange fixed-size records of kFingerprintBytes:
   /// fingerprints are shorter (long tags are cut, keeping a hash of the whole tag).
@@ -303,6 +329,8 @@ class LocalCommunicator final : public Communicator {
                      Accumulate accumulate) override;
   void do_broadcast(const void* send, void* recv, std::int64_t count, DType dtype, int root) override;
   void do_barrier() override;
+  std::unique_ptr<Communicator> do_split(int color, int key) override;
+  std::unique_ptr<Communicator> do_split_by_node() override;
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override;
 };
 
@@ -345,6 +373,12 @@ struct EmulatedOptions {
   int threads_per_rank = 0;
   /// The simulated link between the ranks (default: RUDA_EMULATE_LINK, else none).
   LinkModel link = LinkModel::from_env();
+  /// Consecutive ranks that make one simulated node (split_by_node; must divide the world size). The
+  /// link model is then one network interface per node, as in tools/cluster-sim: collectives among
+  /// the ranks of one node take no link time, and those that cross nodes share each node's link
+  /// (a ring collective's instance occupies it once, two of them at once take turns). 1: every rank
+  /// its own node, each with a link of its own.
+  int ranks_per_node = 1;
 };
 
 /// Runs fn(comm) on `world_size` threads, each with its own Communicator and memory tracker
@@ -354,6 +388,41 @@ struct EmulatedOptions {
 /// whose fn returns while the others wait in a collective makes them raise CollectiveMismatchError.
 /// Non-blocking collectives of emulated ranks run when started (their Work is ready at once).
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, EmulatedOptions options = {});
+
+/// The ranks as a two-level mesh for hybrid sharding (FSDP2's HSDP): parameters are sharded over
+/// `shard()`, the ranks of one node, and replicated over `replicate()`, the ranks with the same
+/// place on every node. Every rank is in exactly one of each; together they tile `world()`:
+/// shard size x replicate size = world size, and each (replica, shard rank) pair is one rank.
+class ShardMesh {
+ public:
+  /// Splits `world` by node. ranks_per_node 0: by the communicator's own nodes (split_by_node:
+  /// MPI's shared-memory nodes, emulated ranks' EmulatedOptions::ranks_per_node); N > 0: blocks of
+  /// N consecutive ranks (as `mpiexec --map-by ppr:N:node` places them), which must divide the
+  /// world. Nodes of different sizes, or an N that does not divide the world, are a TopologyError
+  /// on every rank. Collective over `world`, which must outlive the mesh.
+  static ShardMesh by_node(Communicator& world, int ranks_per_node = 0);
+  /// From communicators the caller made (any split of `world`). Checks that they tile `world`
+  /// (collective over all three): TopologyError on every rank otherwise, naming the layouts.
+  ShardMesh(Communicator& world, std::unique_ptr<Communicator> shard, std::unique_ptr<Communicator> replicate);
+  ShardMesh(ShardMesh&&) noexcept = default;
+  ShardMesh& operator=(ShardMesh&&) noexcept = default;
+
+  Communicator& world() const noexcept { return *world_; }
+  /// Within a node: all-gathers and reduce-scatters of the shards.
+  Communicator& shard() const noexcept { return *shard_; }
+  /// Across nodes: the all-reduce of the reduced shards.
+  Communicator& replicate() const noexcept { return *replicate_; }
+  int ranks_per_node() const noexcept { return shard_->world_size(); }
+  int nodes() const noexcept { return replicate_->world_size(); }
+  /// This rank's node: its place in replicate() (0 is the first replica, which writes checkpoints).
+  int node() const noexcept { return replicate_->rank(); }
+  /// "2 nodes x 2 ranks".
+  std::string describe() const;
+
+ private:
+  Communicator* world_;
+  std::unique_ptr<Communicator> shard_, replicate_;
+};
 
 }  // namespace ruda
 

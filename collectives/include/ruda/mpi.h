@@ -94,7 +94,7 @@ class MpiEnvironment {
 /// and calls MPI_Abort. Nothing is thrown: a blocking MPI collective cannot be interrupted, and
 /// MPI's non-blocking collectives, which could be abandoned, are 1.3-3x slower here. A rank that
 /// is busy outside collectives answers "not in a collective (busy since #2 ... ended 600.0 s
-/// ago)". Creating communicators (the constructor, split) is not watched.
+/// ago)". Splits are watched; the constructor (MPI_Comm_dup of MPI_COMM_WORLD, before a watchdog exists) is not.
 class MpiCommunicator final : public Communicator {
  public:
   /// All processes of the job. The timeout comes from RUDA_COLLECTIVE_TIMEOUT (10 min when unset;
@@ -103,9 +103,12 @@ class MpiCommunicator final : public Communicator {
   ~MpiCommunicator() override;
 
   /// The processes of this communicator that pass the same `color` (>= 0), ranked by `key`
-  /// (ties by rank here): MPI_Comm_split. Collective over this communicator. The new one has this
+  /// (ties by rank here): MPI_Comm_split. Collective over this communicator, and watched like a
+  /// collective (a rank that does not come ends the job after the timeout). The new one has this
   /// one's timeout and order check.
   std::unique_ptr<MpiCommunicator> split(int color, int key);
+  /// The processes on this one's node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED), as split.
+  std::unique_ptr<MpiCommunicator> split_by_node();
 
   /// How long a collective may wait before the watchdog ends the job (see above); 0: forever.
   /// Collectives that start afterwards, and those in flight, are measured against it. Negative:
@@ -143,11 +146,16 @@ class MpiCommunicator final : public Communicator {
   void do_barrier() override;
   Work start_all_gather(const Tensor& local, Tensor out, std::int64_t count) override;
   Work start_reduce_scatter(const Tensor& full, Tensor out, std::int64_t count, Accumulate accumulate) override;
+  Work start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op, Accumulate accumulate) override;
+  std::unique_ptr<Communicator> do_split(int color, int key) override;
+  std::unique_ptr<Communicator> do_split_by_node() override;
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override;
 
  private:
   struct Impl;
   explicit MpiCommunicator(std::unique_ptr<Impl> impl);
+  // MPI_Comm handles are ints or pointers by implementation: `split` receives an MPI_Comm* as void*.
+  std::unique_ptr<MpiCommunicator> make_split(const std::function<int(void*)>& split, const char* call);
   std::unique_ptr<Impl> impl_;
 };
 

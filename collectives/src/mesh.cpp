@@ -1,0 +1,101 @@
+// ShardMesh: the world as nodes (shard) x replicas (replicate), checked to tile it.
+#include <algorithm>
+#include <set>
+#include <sstream>
+
+#include "internal.h"
+
+namespace ruda {
+
+namespace {
+
+std::string layout_text(const std::vector<std::int64_t>& all, int world) {
+  // all: per world rank [shard rank, shard size, replicate rank, replicate size]
+  std::ostringstream out;
+  for (int r = 0; r < world; ++r) {
+    const auto* v = all.data() + 4 * r;
+    out << (r ? ", " : "") << "rank " << r << ": shard " << v[0] << "/" << v[1] << ", replica " << v[2] << "/" << v[3];
+    if (r == 7 && world > 9) {
+      out << ", ...";
+      break;
+    }
+  }
+  return out.str();
+}
+
+}  // namespace
+
+ShardMesh ShardMesh::by_node(Communicator& world, int ranks_per_node) {
+  const int n = world.world_size();
+  if (ranks_per_node < 0 || (ranks_per_node > 0 && n % ranks_per_node != 0)) {
+    fail<TopologyError>("ShardMesh::by_node", "rank ", world.rank(), ": ", ranks_per_node,
+                        " ranks per node do not divide a world of ", n, " ranks into nodes of equal size",
+                        ranks_per_node > 0 ? "" : " (give 0 for the communicator's own nodes, or a positive count)");
+  }
+  std::unique_ptr<Communicator> shard =
+      ranks_per_node == 0 ? world.split_by_node() : world.split(world.rank() / ranks_per_node, world.rank());
+  std::unique_ptr<Communicator> replicate = world.split(shard->rank(), world.rank());
+  return ShardMesh(world, std::move(shard), std::move(replicate));
+}
+
+ShardMesh::ShardMesh(Communicator& world, std::unique_ptr<Communicator> shard, std::unique_ptr<Communicator> replicate)
+    : world_(&world), shard_(std::move(shard)), replicate_(std::move(replicate)) {
+  const int n = world.world_size();
+  // Every rank's place in both, on every rank: each decides the same.
+  const std::vector<std::int64_t> mine = shard_ && replicate_
+                                             ? std::vector<std::int64_t>{shard_->rank(), shard_->world_size(),
+                                                                         replicate_->rank(), replicate_->world_size()}
+                                             : std::vector<std::int64_t>{-1, 0, -1, 0};
+  const std::vector<std::int64_t> all =
+      world.all_gather(from_vector(mine, {4}), {.tag = "ShardMesh: the layout"}).to_vector<std::int64_t>();
+  std::string error;
+  std::set<std::pair<std::int64_t, std::int64_t>> places;
+  const std::int64_t shard_size = all[1], replicas = all[3];
+  for (int r = 0; r < n && error.empty(); ++r) {
+    const auto* v = all.data() + 4 * r;
+    if (v[1] <= 0 || v[3] <= 0) {
+      error = "rank " + std::to_string(r) + " has no shard or no replicate communicator";
+    } else if (v[1] != shard_size || v[3] != replicas) {
+      error = "the shard communicators (or the replicate ones) differ in size";
+    } else if (!places.insert({v[2], v[0]}).second) {
+      error = "two ranks have the same place (replica " + std::to_string(v[2]) + ", shard rank " +
+              std::to_string(v[0]) + ")";
+    }
+  }
+  if (error.empty() && shard_size * replicas != n) {
+    error = std::to_string(replicas) + " replicas of " + std::to_string(shard_size) + " ranks are not a world of " +
+            std::to_string(n);
+  }
+  if (!error.empty()) {
+    fail<TopologyError>("ShardMesh", "rank ", world.rank(),
+                        ": the shard and replicate communicators do not tile the world of ", n, " ranks: ", error, " (",
+                        layout_text(all, n), ")");
+  }
+  // The places are a grid; the communicators must also agree with them: a shard communicator's
+  // ranks are one replica, a replicate communicator's ranks one shard rank.
+  const auto same = [](const Tensor& t) {
+    const auto v = t.to_vector<std::int64_t>();
+    return std::all_of(v.begin(), v.end(), [&](std::int64_t x) { return x == v.front(); });
+  };
+  std::string local;
+  if (!same(shard_->all_gather(from_vector(std::vector<std::int64_t>{replicate_->rank()}, {1}),
+                               {.tag = "ShardMesh: the replicas of a shard communicator"}))) {
+    local = "the ranks of this rank's shard communicator belong to different replicas";
+  } else if (!same(replicate_->all_gather(from_vector(std::vector<std::int64_t>{shard_->rank()}, {1}),
+                                          {.tag = "ShardMesh: the shard ranks of a replicate communicator"}))) {
+    local = "the ranks of this rank's replicate communicator have different shard ranks";
+  }
+  const std::vector<RankFailure> failures = agree_on_failure(world, local, "ShardMesh: the communicators agree");
+  if (!failures.empty()) {
+    fail<TopologyError>("ShardMesh", "rank ", world.rank(),
+                        ": the shard and replicate communicators do not tile the world of ", n,
+                        " ranks: ", ruda::describe(failures));
+  }
+}
+
+std::string ShardMesh::describe() const {
+  return std::to_string(nodes()) + (nodes() == 1 ? " node" : " nodes") + " x " + std::to_string(ranks_per_node()) +
+         (ranks_per_node() == 1 ? " rank" : " ranks");
+}
+
+}  // namespace ruda
