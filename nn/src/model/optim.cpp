@@ -200,7 +200,10 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, 
 }  // namespace schedules
 
 namespace {
-// Sum of squares of the gradients: sharded ones over their real elements (all-reduced), dense ones once.
+// Sum of squares of the gradients: sharded ones over their real elements (all-reduced over the
+// communicator they are sharded over), dense ones once. The parameters' own communicator wins over
+// the caller's: under hybrid sharding the world holds one copy of each shard per node, and summing
+// over it would count each one that many times.
 double squared_norm(const std::vector<Param>& params, Communicator* comm) {
   autograd::NoGradGuard guard;
   double dense = 0, sharded = 0;
@@ -208,7 +211,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm) {
   for (const Param& p : params) {
     if (p.is_sharded()) {
       any_sharded = true;
-      if (!comm) comm = p.shard()->comm;
+      if (p.shard()->comm) comm = p.shard()->comm;
     }
     const Tensor g = p.grad();
     if (!g.defined()) continue;

@@ -13,13 +13,19 @@ namespace ruda::nn {
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
   if (world_size <= 0) fail<ArgumentError>("plan_state", "world size must be positive, got ", world_size);
   if (options.compute_dtype) check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
+  const int shard_ranks = options.shard_ranks > 0 ? options.shard_ranks : world_size;
+  if (world_size % shard_ranks != 0) {
+    fail<ArgumentError>("plan_state", "state sharded over ", shard_ranks, " ranks does not tile a world of ",
+                        world_size);
+  }
   MemoryPlan plan;
   plan.world_size = world_size;
+  plan.shard_ranks = shard_ranks;
   plan.local_batch = global_batch / world_size;
   for (const auto& [name, p] : module.named_parameters()) {
     const std::int64_t numel = shape_numel(p.shape());
     const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
-    const std::int64_t shard = ShardInfo::layout(p.shape(), 0, world_size).shard_size * item;
+    const std::int64_t shard = ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size * item;
     plan.parameters += shard;
     plan.gradients += shard;
     plan.optimizer += options.optimizer_states * shard;
@@ -180,10 +186,12 @@ std::int64_t largest_fitting_batch(const Module& module, int world_size, std::in
 
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
                            std::int64_t limit, const PlanOptions& options, int max_world) {
+  PlanOptions full = options;  // the answer is a fully sharded world
+  full.shard_ranks = 0;
   for (int world = 1; world <= max_world; ++world) {
     if (global_batch % world != 0) continue;
-    const MemoryPlan plan = probe ? plan_memory(module, world, global_batch, *probe, options)
-                                  : plan_state(module, world, global_batch, options);
+    const MemoryPlan plan =
+        probe ? plan_memory(module, world, global_batch, *probe, full) : plan_state(module, world, global_batch, full);
     if (limit <= 0 || plan.peak() <= limit) return world;
   }
   return 0;
@@ -196,8 +204,13 @@ std::string MemoryPlan::table(std::int64_t limit) const {
     std::snprintf(buf, sizeof buf, "  %-12s %10s  %s\n", what, memory::format_bytes(bytes).c_str(), note.c_str());
     out += buf;
   };
-  const std::string share = world_size > 1 ? "1/" + std::to_string(world_size) + " of each" : "whole";
-  out += "memory plan per rank (" + std::to_string(world_size) + (world_size > 1 ? " ranks" : " rank") +
+  const std::string share = shard_ranks > 1 ? "1/" + std::to_string(shard_ranks) + " of each" : "whole";
+  const std::string hybrid = shard_ranks == world_size
+                                 ? ""
+                                 : ", hybrid: sharded over the " + std::to_string(shard_ranks) +
+                                       (shard_ranks == 1 ? " rank" : " ranks") + " of a node, replicated over " +
+                                       std::to_string(world_size / shard_ranks) + " nodes";
+  out += "memory plan per rank (" + std::to_string(world_size) + (world_size > 1 ? " ranks" : " rank") + hybrid +
          ", local batch " + std::to_string(local_batch) + (schedule.empty() ? "" : "; " + schedule) + "):\n";
   row("parameters", parameters, share);
   row("gradients", gradients, share);

@@ -83,26 +83,45 @@ void GradientSink::flush() {
   serial = 0;
 }
 
-void GradientSink::finish() {
-  autograd::NoGradGuard no_grad;
+void GradientSink::reduce_across() {
+  if (!replicate) return;
   for (std::size_t b = 0; b < buckets.size(); ++b) {
     if (!works[b].valid()) continue;
     const Tensor reduced = works[b].wait();
     works[b] = Work();
-    const ShardBucket& bucket = buckets[b];
-    for (std::size_t m = 0; m < bucket.members.size(); ++m) {
-      const Param p = ParamAccess::lock(params[bucket.members[m]]);
-      if (!p.defined()) continue;
-      Tensor leaf = p.data();
-      if (!leaf.requires_grad()) continue;
-      const std::int64_t begin = bucket.offsets[m];
-      const Tensor piece = reduced.slice(0, begin, begin + p.shard()->shard_size);
-      Tensor grad = leaf.grad();
-      if (grad.defined()) {
-        grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
-      } else {
-        leaf.set_grad(piece.dtype() == leaf.dtype() ? piece.clone() : cast(piece, leaf.dtype()));
-      }
+    // The node's sum of this shard, summed over the replicas: SUM, as the reduce-scatter (each
+    // rank's loss is already divided by the global count).
+    all_reduces[b] = replicate->all_reduce_async(reduced, Reduction::sum,
+                                                 {.tag = tag + " across nodes", .accumulate = buckets[b].accumulate});
+  }
+}
+
+void GradientSink::finish() {
+  autograd::NoGradGuard no_grad;
+  reduce_across();
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    Work& work = replicate ? all_reduces[b] : works[b];
+    if (!work.valid()) continue;
+    const Tensor reduced = work.wait();
+    work = Work();
+    accumulate(b, reduced);
+  }
+}
+
+void GradientSink::accumulate(std::size_t b, const Tensor& reduced) {
+  const ShardBucket& bucket = buckets[b];
+  for (std::size_t m = 0; m < bucket.members.size(); ++m) {
+    const Param p = ParamAccess::lock(params[bucket.members[m]]);
+    if (!p.defined()) continue;
+    Tensor leaf = p.data();
+    if (!leaf.requires_grad()) continue;
+    const std::int64_t begin = bucket.offsets[m];
+    const Tensor piece = reduced.slice(0, begin, begin + p.shard()->shard_size);
+    Tensor grad = leaf.grad();
+    if (grad.defined()) {
+      grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
+    } else {
+      leaf.set_grad(piece.dtype() == leaf.dtype() ? piece.clone() : cast(piece, leaf.dtype()));
     }
   }
 }
@@ -119,8 +138,8 @@ struct ShardGroup::Values {
 };
 
 ShardGroup::ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm,
-                       std::shared_ptr<ShardSchedule> schedule)
-    : module_(module), comm_(&comm), schedule_(std::move(schedule)) {
+                       Communicator* replicate, std::shared_ptr<ShardSchedule> schedule)
+    : module_(module), comm_(&comm), replicate_(replicate), schedule_(std::move(schedule)) {
   for (const Param& p : params) params_.push_back(ParamAccess::weak(p));
   schedule_->add(this);
   rename();
@@ -247,6 +266,7 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
 std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucket>& buckets) {
   auto sink = std::make_shared<GradientSink>();
   sink->comm = comm_;
+  sink->replicate = replicate_;
   sink->tag = tag_;
   sink->params = params_;
   sink->buckets = buckets;
@@ -258,6 +278,7 @@ std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucke
   sink->remaining = sink->nodes;
   sink->grads.resize(params_.size());
   sink->works.resize(buckets.size());
+  sink->all_reduces.resize(buckets.size());
   sink->group = weak_from_this();
   return sink;
 }
@@ -426,8 +447,20 @@ void ShardSchedule::touched(std::shared_ptr<GradientSink> sink) {
 
 void ShardSchedule::finish_reductions(std::size_t keep) {
   while (reducing_.size() > keep) {
-    const std::shared_ptr<GradientSink> sink = std::move(reducing_.front());
+    std::shared_ptr<GradientSink> sink = std::move(reducing_.front());
     reducing_.pop_front();
+    if (!sink->replicate) {
+      sink->finish();
+      continue;
+    }
+    // Hybrid: the reduced shard goes on across nodes while backward goes on; at most `keep` of
+    // those in flight too (their buffers are a shard each: small).
+    sink->reduce_across();
+    reducing_across_.push_back(std::move(sink));
+  }
+  while (reducing_across_.size() > keep) {
+    const std::shared_ptr<GradientSink> sink = std::move(reducing_across_.front());
+    reducing_across_.pop_front();
     sink->finish();
   }
 }
@@ -469,11 +502,13 @@ void ShardSchedule::time_step() {
   }
   // The ranks must agree (prefetching changes the order of the backward's collectives): the
   // slowest rank's medians decide, the same on every rank.
-  const std::vector<double> slowest =
-      comm_
-          ->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64), Reduction::max,
-                       {.tag = "shard groups: the overlap trial's step times"})
-          .to_vector<double>();
+  Tensor medians = comm_->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64),
+                                     Reduction::max, {.tag = "shard groups: the overlap trial's step times"});
+  // Hybrid: every node decides alike too, so that the ranks' collectives interleave alike.
+  if (replicate_) {
+    medians = replicate_->all_reduce(medians, Reduction::max, {.tag = "shard groups: the overlap trial across nodes"});
+  }
+  const std::vector<double> slowest = medians.to_vector<double>();
   report_ = OverlapReport{.decided = true,
                           .overlapping = slowest[0] <= slowest[1],
                           .step_seconds_overlapping = slowest[0],

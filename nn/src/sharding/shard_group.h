@@ -77,6 +77,7 @@ struct PendingGather {
 /// a gathered weight alive through it.
 struct GradientSink : std::enable_shared_from_this<GradientSink> {
   Communicator* comm = nullptr;
+  Communicator* replicate = nullptr;  // hybrid: each reduced shard is all-reduced over it
   std::string tag;
   std::vector<std::weak_ptr<Param::State>> params;  // weak: a parameter's shard info holds its group
   std::vector<ShardBucket> buckets;
@@ -85,6 +86,7 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   std::vector<int> remaining;          // per bucket: nodes still to run in this backward
   std::vector<Tensor> grads;           // per member: the sum deposited in this backward
   std::vector<Work> works;             // per bucket: the reduce-scatter in flight
+  std::vector<Work> all_reduces;       // per bucket (hybrid): the all-reduce across nodes in flight
   std::weak_ptr<ShardGroup> group;
   std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
   bool started = false;      // a backward has run some of its nodes: it takes no further use
@@ -94,16 +96,21 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   /// two backwards), waits for the reduce-scatters and adds each slice to its parameter's
   /// gradient.
   void flush();
-  /// Waits for the reduce-scatters in flight and adds each slice to its parameter's gradient.
+  /// Hybrid: waits for the reduce-scatters in flight and starts the all-reduce of each reduced
+  /// shard across nodes, without waiting. Nothing to do under full sharding.
+  void reduce_across();
+  /// Waits for the reduce-scatters (and all-reduces) in flight and adds each slice to its
+  /// parameter's gradient.
   void finish();
 
  private:
   void issue(std::size_t bucket);
+  void accumulate(std::size_t bucket, const Tensor& reduced);
 };
 
 class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
  public:
-  ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm,
+  ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm, Communicator* replicate,
              std::shared_ptr<ShardSchedule> schedule);
   ~ShardGroup();
   ShardGroup(const ShardGroup&) = delete;
@@ -119,6 +126,8 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   /// The group's parameter `index` (ShardingError if its module was destroyed).
   Param param(std::size_t index) const;
   Communicator& comm() const noexcept { return *comm_; }
+  /// Hybrid sharding: the communicator across nodes; null under full sharding.
+  Communicator* replicate() const noexcept { return replicate_; }
   const std::shared_ptr<ShardSchedule>& schedule() const noexcept { return schedule_; }
   void join(std::shared_ptr<ShardSchedule> schedule) noexcept { schedule_ = std::move(schedule); }
   /// The group whose module encloses this one's (made by a later fully_shard on an ancestor).
@@ -161,6 +170,7 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   const Module* module_;
   std::vector<std::weak_ptr<Param::State>> params_;  // weak: each parameter's shard info holds the group
   Communicator* comm_;
+  Communicator* replicate_;
   ShardGroup* parent_ = nullptr;
   std::shared_ptr<ShardSchedule> schedule_;
   std::shared_ptr<Values> values_;
@@ -174,6 +184,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   ShardSchedule(Communicator& comm, const FullyShardOptions& options) : comm_(&comm) { set_options(options); }
 
   void set_options(const FullyShardOptions& options) noexcept {
+    replicate_ = options.replicate;
     prefetch_ = options.prefetch;
     max_unsharded_ = options.max_unsharded_groups;
     overlap_ = options.overlap;
@@ -220,13 +231,16 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   void end_backward();
   /// The automatic overlap trial: one more step timed; decides after enough of both kinds.
   void time_step();
+  /// Finishes reduce-scatters until `keep` are in flight (hybrid: starts their all-reduces across
+  /// nodes, and finishes those until `keep` are in flight).
   void finish_reductions(std::size_t keep);
   /// Unsharded groups (or prefetching) that do not enclose `computing`.
   std::size_t unsharded_around(const ShardGroup& computing) const;
   ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
 
-  static thread_local int probing;  // Probing scopes alive on this thread
-  Communicator* comm_;              // the decision's all-reduce
+  static thread_local int probing;     // Probing scopes alive on this thread
+  Communicator* comm_;                 // the decision's all-reduce
+  Communicator* replicate_ = nullptr;  // hybrid: the decision's all-reduce across nodes too
   bool prefetch_ = true;
   int max_unsharded_ = 2;
   Overlap overlap_ = Overlap::automatic;
@@ -242,6 +256,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   std::vector<std::shared_ptr<GradientSink>> touched_;
   std::vector<ShardGroup*> unsharded_;  // least recently unsharded first
   std::deque<std::shared_ptr<GradientSink>> reducing_;
+  std::deque<std::shared_ptr<GradientSink>> reducing_across_;  // hybrid: all-reduces in flight
 };
 
 }  // namespace ruda::nn

@@ -214,9 +214,22 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) 
   return fully_shard(module, comm, FullyShardOptions{.policy = std::move(policy)});
 }
 
+std::size_t fully_shard(Module& module, const ShardMesh& mesh, FullyShardOptions options) {
+  options.replicate = &mesh.replicate();
+  return fully_shard(module, mesh.shard(), options);
+}
+
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
   const char* op = "fully_shard";
   check_policy(options.policy, op);
+  if (options.replicate) {
+    if (!options.group) {
+      fail<ShardingError>(op, "hybrid sharding (a replicate communicator) needs grouped parameters (group = true)");
+    }
+    if (options.replicate == &comm) {
+      fail<ShardingError>(op, "the replicate communicator is the shard communicator itself");
+    }
+  }
   check_enum(options.overlap, op, "Overlap");
   if (options.max_unsharded_groups < 1)
     fail<ArgumentError>(op, "max_unsharded_groups must be at least 1, got ", options.max_unsharded_groups);
@@ -228,6 +241,11 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
       if (!options.group || !held) fail<ShardingError>(op, "parameter '", name, "' is sharded already");
       if (&held->comm() != &comm)
         fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
+      if (held->replicate() != options.replicate) {
+        fail<ShardingError>(op, "parameter '", name, "' is ",
+                            held->replicate() ? "replicated over another communicator" : "fully sharded",
+                            " already; shard a model's modules all hybrid or all full");
+      }
       param.shard()->name = name;  // named from the enclosing module from now on
       if (std::find(inner.begin(), inner.end(), held) == inner.end()) inner.push_back(held);
       continue;
@@ -237,6 +255,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
     auto info = make_info(param.shape(), comm.rank(), comm.world_size());
     info->policy = options.policy;
     info->comm = &comm;
+    info->replicate = options.replicate;
     info->name = name;
     // In place: the module's members (and every tied use) see the same Param, now a slice. A
     // frozen parameter stays frozen.
@@ -263,7 +282,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
     }
   }
   if (fresh.empty()) return 0;
-  auto group = std::make_shared<ShardGroup>(&module, fresh, comm, schedule);
+  auto group = std::make_shared<ShardGroup>(&module, fresh, comm, options.replicate, schedule);
   for (std::size_t i = 0; i < fresh.size(); ++i) {
     fresh[i].shard()->group = group;
     fresh[i].shard()->group_index = i;

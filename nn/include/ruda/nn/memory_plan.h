@@ -25,7 +25,10 @@ struct PlanOptions {
   /// momentum: 1, SGD: 0).
   int optimizer_states = 2;
   /// The dtype gathers move and layers compute in (default: each parameter's own).
-  std::optional<DType> compute_dtype;
+  std::optional<DType> compute_dtype = std::nullopt;
+  /// The ranks each parameter is sharded over: under hybrid sharding the ranks of a node
+  /// (ShardMesh::ranks_per_node), each node holding a replica. 0: the world size (full sharding).
+  int shard_ranks = 0;
 };
 
 /// The transient bytes of a training step above the state held before it, as measured on this
@@ -39,6 +42,7 @@ struct StepProbe {
 /// Per-rank bytes at one world size.
 struct MemoryPlan {
   int world_size = 1;
+  int shard_ranks = 1;  // the ranks the state is sharded over (world_size, or a node's under hybrid sharding)
   std::int64_t local_batch = 0;
   std::int64_t parameters = 0;  // this rank's slices of every parameter
   std::int64_t gradients = 0;   // their gradients (alive from the first backward on)
@@ -130,7 +134,8 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
 std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
                                    const StepProbe& probe, std::int64_t limit, const PlanOptions& options = {});
 
-/// The smallest world size in 1..max_world that divides global_batch and whose plan fits
+/// The smallest world size in 1..max_world that divides global_batch and whose plan, fully sharded
+/// (options.shard_ranks is not used), fits
 /// `limit`, or 0 if none does.
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
                            std::int64_t limit, const PlanOptions& options = {}, int max_world = 1024);

@@ -71,6 +71,9 @@ struct ShardInfo {
   ShardPolicy policy;
   /// The communicator Param::value() gathers through (set by fully_shard; may be null).
   Communicator* comm = nullptr;
+  /// Hybrid sharding: the communicator across nodes over which the reduced gradient shard is
+  /// all-reduced (the parameter is replicated over it); null under full sharding.
+  Communicator* replicate = nullptr;
   /// Names the parameter in collective tags and messages ("layers.2.weight").
   std::string name;
   /// The group that gathers it with the rest of its module (set by fully_shard), and its place
@@ -175,6 +178,14 @@ struct FullyShardOptions {
   /// compute): peak memory is the shards + the enclosing groups + this many of the largest group
   /// + activations.
   int max_unsharded_groups = 2;
+  /// Hybrid sharding (FSDP2's HSDP): the communicator across nodes (ShardMesh::replicate()). The
+  /// parameters are sharded over the communicator given to fully_shard (the node's,
+  /// ShardMesh::shard()) and replicated over this one: every all-gather stays inside the node; each
+  /// group's gradient is reduce-scattered inside the node and its shard then all-reduced across
+  /// nodes, without waiting, while backward goes on. Both collectives SUM (no divide): with each
+  /// rank's loss divided by the global count, the sum is the gradient. Null: full sharding. Set it
+  /// through the ShardMesh overload of fully_shard; needs `group`.
+  Communicator* replicate = nullptr;
 };
 
 /// Shards the parameters of `module` (recursively, tied parameters once) that no earlier call
@@ -186,6 +197,13 @@ struct FullyShardOptions {
 /// number of parameters sharded by this call.
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options);
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy = {});
+/// Hybrid sharding over `mesh`: sharded over mesh.shard() (inside a node), replicated over
+/// mesh.replicate() (across nodes); see FullyShardOptions::replicate. The mesh must outlive the
+/// module's use. Each rank then holds 1/ranks_per_node of the parameters, gradients and optimizer
+/// state: with one rank per node this is plain data parallelism. Replicated (non-sharded)
+/// parameters still take broadcast_replicated / all_reduce_replicated_gradients over mesh.world();
+/// clip_grad_norm takes mesh.shard() (the shards of one replica make the whole).
+std::size_t fully_shard(Module& module, const ShardMesh& mesh, FullyShardOptions options = {});
 
 /// Drops the full weights the groups of `module`'s schedule hold (and gathers they prefetched).
 /// A group keeps its weights after its forward until the limit, a backward or the next forward

@@ -1,0 +1,248 @@
+// Hybrid sharding (shard within a node, replicate across nodes) on emulated nodes: it trains like
+// the dense model in one process, its collectives stay where they belong, each rank holds
+// 1/ranks-per-node of the state, and what cannot work is refused.
+#include <algorithm>
+#include <cmath>
+
+#include "helpers.h"
+#include "sharded_fixture.h"
+
+using namespace ruda;
+
+namespace {
+
+struct Layout {
+  int nodes, ranks_per_node;
+  int world() const { return nodes * ranks_per_node; }
+};
+const std::vector<Layout> kLayouts = {{2, 2}, {2, 3}, {3, 1}, {1, 4}};
+
+EmulatedOptions on_nodes(int ranks_per_node) {
+  EmulatedOptions options;
+  options.ranks_per_node = ranks_per_node;
+  options.check_order = true;  // a collective out of step raises on every rank instead of hanging
+  return options;
+}
+
+// TinyLM grouped bottom-up (as ruda-train shards), hybrid over mesh; each rank trains its part of
+// the global batch with the loss divided by the global count.
+test::TrainResult train_tiny_hybrid(const ShardMesh& mesh, int steps, nn::FullyShardOptions options = {}) {
+  Communicator& world = mesh.world();
+  nn::manual_seed(7);
+  test::TinyLM model;
+  for (nn::Module* m : std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
+    nn::fully_shard(*m, mesh, options);
+  nn::fully_shard(model, mesh, options);
+  nn::AdamW opt(model.parameters(), test::adam_options());
+  test::TrainResult r;
+  const int rank = world.rank(), n = world.world_size();
+  const double count = nn::global_count(world, static_cast<double>(test::kBatch / n * test::kTime));
+  for (int step = 0; step < steps; ++step) {
+    const Tensor tokens = test::part(test::batch_tokens(step), rank, n);
+    const Tensor targets = test::part(test::batch_targets(step), rank, n);
+    const Tensor loss = model.loss_sum(tokens, targets, test::uses_aux(rank)) / count;
+    r.losses.push_back(world.all_reduce(loss.detach()).item());
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  r.params = test::snapshot(model);
+  return r;
+}
+
+constexpr nn::GPTConfig kGpt{.vocabulary = 32, .context = 8, .d_model = 16, .layers = 2, .heads = 2};
+constexpr std::int64_t kGptBatch = 12;
+
+Tensor gpt_tokens(int step) { return randint({kGptBatch, 8}, 0, 32, 300 + step); }
+Tensor gpt_targets(int step) { return randint({kGptBatch, 8}, 0, 32, 400 + step); }
+
+// The GPT dense in one process (mesh null) or hybrid over mesh, blocks first, then the root.
+test::TrainResult train_gpt(const ShardMesh* mesh, int steps) {
+  nn::manual_seed(5);
+  nn::GPT model(kGpt);
+  if (mesh) {
+    for (const auto& block : model.blocks) nn::fully_shard(*block, *mesh);
+    nn::fully_shard(model, *mesh);
+  }
+  nn::AdamW opt(model.parameters(), test::adam_options());
+  test::TrainResult r;
+  const int rank = mesh ? mesh->world().rank() : 0, n = mesh ? mesh->world().world_size() : 1;
+  const double count = static_cast<double>(kGptBatch * 8);
+  for (int step = 0; step < steps; ++step) {
+    const Tensor logits = model.forward(test::part(gpt_tokens(step), rank, n));
+    const Tensor loss =
+        nn::cross_entropy(logits, test::part(gpt_targets(step), rank, n), {.reduction = nn::LossReduction::sum}) /
+        count;
+    r.losses.push_back(mesh ? mesh->world().all_reduce(loss.detach()).item() : loss.item());
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  r.params = test::snapshot(model);
+  return r;
+}
+
+void check_close(const test::TrainResult& got, const test::TrainResult& want, double tolerance) {
+  REQUIRE(got.losses.size() == want.losses.size());
+  for (std::size_t s = 0; s < got.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(std::abs(got.losses[s] - want.losses[s]) <= tolerance * std::max(1.0, std::abs(want.losses[s])));
+  }
+  REQUIRE(got.params.size() == want.params.size());
+  for (const auto& [name, values] : want.params) {
+    CAPTURE(name);
+    const auto& mine = got.params.at(name);
+    REQUIRE(mine.size() == values.size());
+    double worst = 0;
+    for (std::size_t i = 0; i < values.size(); ++i) worst = std::max(worst, std::abs(mine[i] - values[i]));
+    CHECK(worst <= tolerance);
+  }
+}
+
+std::size_t count_calls(const std::vector<std::string>& history, const std::string& what) {
+  return static_cast<std::size_t>(std::count_if(
+      history.begin(), history.end(), [&](const std::string& h) { return h.find(what) != std::string::npos; }));
+}
+
+}  // namespace
+
+TEST_CASE("hybrid sharding trains like dense within 1e-6 per step: TinyLM and GPT on layouts 2x2, 2x3, 3x1, 1x4") {
+  for (const Layout layout : kLayouts) {
+    CAPTURE(layout.nodes);
+    CAPTURE(layout.ranks_per_node);
+    const int n = layout.world();
+    const test::TrainResult tiny_dense = test::train_tiny_dense(n, 3);
+    const test::TrainResult gpt_dense = train_gpt(nullptr, 3);
+    std::vector<test::TrainResult> tiny(static_cast<std::size_t>(n)), gpt(static_cast<std::size_t>(n));
+    run_ranks(
+        n,
+        [&](Communicator& comm) {
+          const ShardMesh mesh = ShardMesh::by_node(comm);
+          REQUIRE(mesh.nodes() == layout.nodes);
+          const auto r = static_cast<std::size_t>(comm.rank());
+          tiny[r] = train_tiny_hybrid(mesh, 3);
+          gpt[r] = train_gpt(&mesh, 3);
+        },
+        on_nodes(layout.ranks_per_node));
+    check_close(tiny[0], tiny_dense, 1e-6);
+    check_close(gpt[0], gpt_dense, 1e-6);
+    // Every replica holds the same parameters, bit for bit (the same sums everywhere).
+    for (int r = 1; r < n; ++r) {
+      CAPTURE(r);
+      CHECK(tiny[static_cast<std::size_t>(r)].params == tiny[0].params);
+      CHECK(gpt[static_cast<std::size_t>(r)].params == gpt[0].params);
+    }
+  }
+}
+
+TEST_CASE("hybrid: gathers and reduce-scatters stay inside the node, each reduced shard is all-reduced across nodes") {
+  for (const bool overlap : {true, false}) {
+    CAPTURE(overlap);
+    std::vector<std::string> shard_calls, replicate_calls, world_calls;
+    run_ranks(
+        4,
+        [&](Communicator& comm) {
+          const ShardMesh mesh = ShardMesh::by_node(comm);
+          nn::manual_seed(5);
+          nn::GPT model(kGpt);
+          const nn::FullyShardOptions options{.overlap = overlap ? nn::Overlap::on : nn::Overlap::off};
+          for (const auto& block : model.blocks) nn::fully_shard(*block, mesh, options);
+          nn::fully_shard(model, mesh, options);
+          // The mesh's own checks ran on all three; count from here.
+          const std::size_t world_before = comm.history().size(), shard_before = mesh.shard().history().size(),
+                            replicate_before = mesh.replicate().history().size();
+          const Tensor loss =
+              nn::cross_entropy(model.forward(gpt_tokens(0).slice(0, 0, 3)), gpt_targets(0).slice(0, 0, 3));
+          loss.backward();
+          if (comm.rank() == 0) {
+            shard_calls = mesh.shard().history();
+            shard_calls.erase(shard_calls.begin(), shard_calls.begin() + static_cast<std::ptrdiff_t>(shard_before));
+            replicate_calls = mesh.replicate().history();
+            replicate_calls.erase(replicate_calls.begin(),
+                                  replicate_calls.begin() + static_cast<std::ptrdiff_t>(replicate_before));
+            world_calls = comm.history();
+            world_calls.erase(world_calls.begin(), world_calls.begin() + static_cast<std::ptrdiff_t>(world_before));
+          }
+          // Each rank's local slices are 1/ranks-per-node of the parameters.
+          for (const auto& [name, p] : model.named_parameters()) {
+            CAPTURE(name);
+            CHECK(p.data().numel() == (p.shard()->numel + 1) / 2);
+            CHECK(p.shard()->world_size == 2);
+            CHECK(p.shard()->replicate == &mesh.replicate());
+          }
+        },
+        on_nodes(2));
+    const std::size_t groups = 3;                                 // blocks.0, blocks.1, the root
+    CHECK(count_calls(shard_calls, "all_gather") == 2 * groups);  // forward and recompute in backward
+    CHECK(count_calls(shard_calls, "reduce_scatter") == groups);
+    CHECK(count_calls(replicate_calls, "all_reduce(f32") == groups);
+    CHECK(count_calls(replicate_calls, "across nodes") == groups);
+    CHECK(count_calls(replicate_calls, "all_gather") == 0);
+    CHECK(world_calls.empty());  // nothing of the step on the world
+  }
+}
+
+TEST_CASE("hybrid: the memory plan holds 16 bytes per parameter over the ranks of a node, not the world") {
+  nn::manual_seed(5);
+  nn::GPT model(kGpt);
+  const nn::MemoryPlan full = nn::plan_state(model, 4, 8);
+  const nn::MemoryPlan hybrid = nn::plan_state(model, 4, 8, {.shard_ranks = 2});
+  CHECK(hybrid.world_size == 4);
+  CHECK(hybrid.shard_ranks == 2);
+  CHECK(hybrid.local_batch == 2);
+  CHECK(hybrid.parameters > full.parameters);
+  std::int64_t expected = 0;
+  for (const auto& [name, p] : model.named_parameters()) expected += (shape_numel(p.shape()) + 1) / 2 * 4;
+  CHECK(hybrid.parameters == expected);
+  CHECK(hybrid.optimizer == 2 * expected);
+  CHECK(hybrid.table().find("hybrid: sharded over the 2 ranks of a node, replicated over 2 nodes") !=
+        std::string::npos);
+  CHECK_THROWS_AS(nn::plan_state(model, 4, 8, {.shard_ranks = 3}), ArgumentError);
+}
+
+TEST_CASE("hybrid: grad_norm counts each shard once whatever communicator the caller passes") {
+  std::vector<double> hybrid_norm(4);
+  double dense_norm = 0;
+  {
+    nn::manual_seed(5);
+    nn::GPT model(kGpt);
+    nn::cross_entropy(model.forward(gpt_tokens(0).slice(0, 0, 4)), gpt_targets(0).slice(0, 0, 4),
+                      {.reduction = nn::LossReduction::sum})
+        .backward();
+    dense_norm = nn::grad_norm(model.parameters());
+  }
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        nn::manual_seed(5);
+        nn::GPT model(kGpt);
+        for (const auto& block : model.blocks) nn::fully_shard(*block, mesh);
+        nn::fully_shard(model, mesh);
+        nn::cross_entropy(model.forward(gpt_tokens(0).slice(0, comm.rank(), comm.rank() + 1)),
+                          gpt_targets(0).slice(0, comm.rank(), comm.rank() + 1), {.reduction = nn::LossReduction::sum})
+            .backward();
+        hybrid_norm[static_cast<std::size_t>(comm.rank())] = nn::grad_norm(model.parameters(), &comm);
+      },
+      on_nodes(2));
+  for (const double norm : hybrid_norm) CHECK(norm == doctest::Approx(dense_norm).epsilon(1e-6));
+}
+
+TEST_CASE("hybrid: what cannot work is refused with a ShardingError naming it") {
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        test::TinyLM model;
+        test::check_throws<nn::ShardingError>([&] { nn::fully_shard(model, mesh, {.group = false}); },
+                                              {"fully_shard", "grouped parameters"});
+        test::check_throws<nn::ShardingError>(
+            [&] { nn::fully_shard(model, mesh.shard(), {.replicate = &mesh.shard()}); },
+            {"fully_shard", "replicate communicator is the shard communicator"});
+        // A block fully sharded, then the root hybrid: the model must be one or the other.
+        nn::fully_shard(*model.block, mesh.shard());
+        test::check_throws<nn::ShardingError>([&] { nn::fully_shard(model, mesh); },
+                                              {"fully_shard", "fully sharded already", "all hybrid or all full"});
+      },
+      on_nodes(2));
+}
