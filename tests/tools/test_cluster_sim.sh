@@ -68,6 +68,29 @@ losses "$tmp/host.jsonl" >"$tmp/host.loss"
 [ "$(wc -l <"$tmp/host.loss")" -eq 8 ] || fail "expected 8 steps of losses, got: $(cat "$tmp/host.loss")"
 diff "$tmp/host.loss" "$tmp/cluster.loss" || fail "the losses across the nodes differ from one host's"
 
+echo "--- hybrid sharding across the two nodes, 2 ranks each: one host's losses, fewer bytes on the link"
+# Sharded within a node (its gathers and reduce-scatters over shared memory), replicated across
+# nodes (only the reduced shards cross, all-reduced): the same job on one host with
+# --ranks-per-node 2 gives the same losses, and far fewer bytes cross than fully sharded over 4.
+args4=(mlp --hidden 64 --limit 256 --test-limit 100 --batch 64 --epochs 1 --seed 5 --log-every 1)
+before=$(sent)
+OMP_NUM_THREADS=1 RUDA_NUM_THREADS=1 "$sim" run 2 "$train" --metrics "$tmp/full4.jsonl" "${args4[@]}"
+full_bytes=$(($(sent) - before))
+before=$(sent)
+OMP_NUM_THREADS=1 RUDA_NUM_THREADS=1 "$sim" run 2 "$train" --hybrid --check-collectives \
+  --metrics "$tmp/hybrid.jsonl" "${args4[@]}" | tee "$tmp/hybrid.log"
+hybrid_bytes=$(($(sent) - before))
+grep -q "hybrid sharded over 2 nodes x 2 ranks (mpi)" "$tmp/hybrid.log" || fail "the hybrid job did not find 2 nodes x 2 ranks"
+"$mpiexec" -n 4 --oversubscribe --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 -x RUDA_NUM_THREADS=1 \
+  "$train" --hybrid --ranks-per-node 2 --metrics "$tmp/hybrid-host.jsonl" "${args4[@]}"
+losses "$tmp/hybrid.jsonl" >"$tmp/hybrid.loss"
+losses "$tmp/hybrid-host.jsonl" >"$tmp/hybrid-host.loss"
+losses "$tmp/full4.jsonl" >"$tmp/full4.loss"
+[ "$(wc -l <"$tmp/hybrid.loss")" -eq 4 ] || fail "expected 4 steps of hybrid losses, got: $(cat "$tmp/hybrid.loss")"
+diff "$tmp/hybrid-host.loss" "$tmp/hybrid.loss" || fail "the hybrid losses across the nodes differ from one host's"
+echo "bytes out of node 0 for 4 steps: full shard $full_bytes, hybrid $hybrid_bytes"
+[ $((hybrid_bytes * 2)) -lt "$full_bytes" ] || fail "hybrid sent $hybrid_bytes bytes, not under half of full shard's $full_bytes"
+
 echo "--- down leaves nothing, twice"
 "$sim" down
 [ -z "$(leftovers)" ] || fail "down left: $(leftovers | tr '\n' ' ')"

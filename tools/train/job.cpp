@@ -178,10 +178,22 @@ void run(const Config& cfg, Communicator& comm) {
   nn::MemoryPlan plan;
   const auto begin = std::chrono::steady_clock::now();
 
+  // Hybrid sharding: the nodes (a collective split; a layout that does not tile the world is a
+  // TopologyError on every rank). The model is sharded over `shard_comm`, the data over `comm`.
+  std::optional<ShardMesh> mesh;
+  setup_phase(comm, [&] {
+    if (cfg.hybrid && cfg.per_parameter) throw ArgumentError("--hybrid needs grouped parameters (not --per-parameter)");
+    if (cfg.hybrid) mesh = ShardMesh::by_node(comm, comm.kind() == "emulated" ? 0 : cfg.ranks_per_node);
+  });
+  Communicator& shard_comm = mesh ? mesh->shard() : comm;
+  if (cfg.check_collectives) shard_comm.set_order_check(true);
+  if (mesh && cfg.check_collectives) mesh->replicate().set_order_check(true);
+
   nn::ShardPolicy policy;
   policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
   if (parse_dtype(cfg.dtype) != DType::f32) policy.compute_dtype = parse_dtype(cfg.dtype);
-  const nn::PlanOptions plan_options{.optimizer_states = 2, .compute_dtype = policy.compute_dtype};
+  const nn::PlanOptions plan_options{
+      .optimizer_states = 2, .compute_dtype = policy.compute_dtype, .shard_ranks = shard_comm.world_size()};
   // Without collectives: the options, the data, the model (deferred: no parameter is allocated)
   // and whether its sharded state alone fits the limit.
   setup_phase(comm, [&] {
@@ -202,10 +214,17 @@ void run(const Config& cfg, Communicator& comm) {
                                                        : cfg.overlap == "off" ? nn::Overlap::off
                                                                               : nn::Overlap::automatic,
                                             .max_unsharded_groups = cfg.unsharded_groups};
+  auto shard = [&](nn::Module& m) {
+    if (mesh) {
+      nn::fully_shard(m, *mesh, shard_options);
+    } else {
+      nn::fully_shard(m, comm, shard_options);
+    }
+  };
   if (!cfg.per_parameter) {
-    for (nn::Module* group : task->shard_groups()) nn::fully_shard(*group, comm, shard_options);
+    for (nn::Module* group : task->shard_groups()) shard(*group);
   }
-  nn::fully_shard(task->module(), comm, shard_options);
+  shard(task->module());
   const nn::MemorySchedule configured{.max_unsharded_groups = cfg.unsharded_groups,
                                       .strategy = policy.strategy,
                                       .activation_checkpointing = cfg.activation_checkpointing};
@@ -221,7 +240,7 @@ void run(const Config& cfg, Communicator& comm) {
     if (!from.empty()) {
       const nn::CheckpointSummary found = nn::describe_checkpoint(from);
       nn::check_resumable(found.info, task->description(), task->data_stream());
-      resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), comm,
+      resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), shard_comm,
                                     {.verify_checksums = !cfg.skip_checksums});
       start_step = resumed.step;
     }
@@ -229,7 +248,9 @@ void run(const Config& cfg, Communicator& comm) {
   // Only now that every rank has loaded (the phase agreed on it) is the resume reported.
   if (main_rank && !resumed.directory.empty()) {
     std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
-              << resumed.world_size << " ranks, now " << comm.world_size() << ")" << std::endl;
+              << resumed.world_size << " ranks, now " << comm.world_size()
+              << (mesh ? ", sharded over the " + std::to_string(shard_comm.world_size()) + " of each node" : "") << ")"
+              << std::endl;
   }
 
   const std::int64_t total = task->total_steps();
@@ -238,9 +259,18 @@ void run(const Config& cfg, Communicator& comm) {
     if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
   });
   if (main_rank) {
-    std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, fully sharded over "
-              << comm.world_size() << " " << comm.kind() << " rank" << (comm.world_size() > 1 ? "s" : "")
-              << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
+    std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, ";
+    if (mesh) {
+      std::cout << "hybrid sharded over " << mesh->describe() << " (" << comm.kind() << "): sharded within a node, "
+                << "replicated across nodes"
+                << (mesh->ranks_per_node() == 1 ? " (one rank per node: plain data parallelism, each rank holds "
+                                                  "the whole state)"
+                                                : "");
+    } else {
+      std::cout << "fully sharded over " << comm.world_size() << " " << comm.kind() << " rank"
+                << (comm.world_size() > 1 ? "s" : "");
+    }
+    std::cout << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
               << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
               << (chosen.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
               << " steps" << std::endl;
@@ -277,7 +307,22 @@ void run(const Config& cfg, Communicator& comm) {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
         {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
-    const auto info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), comm, extra);
+    // Hybrid: the first replica (node 0's ranks) writes the shards; every replica holds the same.
+    // The others wait for its outcome, so that a failed save stops every rank alike.
+    nn::CheckpointInfo info;
+    std::string error;
+    if (!mesh || mesh->node() == 0) {
+      try {
+        info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), shard_comm, extra);
+      } catch (const std::exception& e) {
+        if (!mesh) throw;
+        error = e.what();
+      }
+    }
+    if (mesh) {
+      const auto failures = agree_on_failure(comm, error, "checkpoint of the first replica");
+      if (!failures.empty()) throw IOError("checkpoint at step " + std::to_string(step) + ": " + describe(failures));
+    }
     progress.line("checkpoint " + info.directory);
     for (const std::string& warning : info.warnings) {
       if (warning == upkeep_warning) continue;
@@ -286,28 +331,41 @@ void run(const Config& cfg, Communicator& comm) {
     }
   };
 
+  // What this rank's collectives cost: on the world's communicator, plus (hybrid) inside the node
+  // and across nodes.
+  auto minus = [](const Traffic& a, const Traffic& b) {
+    return Traffic{a.collectives - b.collectives, a.bytes - b.bytes, a.seconds - b.seconds,
+                   a.exposed_seconds - b.exposed_seconds};
+  };
+  auto plus = [](Traffic& a, const Traffic& b) {
+    a.collectives += b.collectives;
+    a.bytes += b.bytes;
+    a.seconds += b.seconds;
+    a.exposed_seconds += b.exposed_seconds;
+  };
+  auto level = [&](int which) {  // 0: all, 1: within a node, 2: across nodes (hybrid)
+    Traffic out = which == 0 ? comm.traffic() : Traffic{};
+    if (mesh && which != 2) plus(out, mesh->shard().traffic());
+    if (mesh && which != 1) plus(out, mesh->replicate().traffic());
+    return out;
+  };
   Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    const Traffic traffic_before = comm.traffic();
+    const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
     optimizer->set_lr(schedule(step));
     const Tensor loss = task->loss(step);
     optimizer->zero_grad();
     loss.backward();
     double norm = -1;
-    if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &comm);
+    if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
     optimizer->step();
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
     if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    const Traffic traffic_after = comm.traffic();
-    const Traffic step_traffic{
-        traffic_after.collectives - traffic_before.collectives, traffic_after.bytes - traffic_before.bytes,
-        traffic_after.seconds - traffic_before.seconds, traffic_after.exposed_seconds - traffic_before.exposed_seconds};
-    comm_total.collectives += step_traffic.collectives;
-    comm_total.bytes += step_traffic.bytes;
-    comm_total.seconds += step_traffic.seconds;
-    comm_total.exposed_seconds += step_traffic.exposed_seconds;
+    const Traffic step_traffic = minus(level(0), traffic_before);
+    const Traffic step_intra = minus(level(1), intra_before), step_inter = minus(level(2), inter_before);
+    plus(comm_total, step_traffic);
     const double current = static_cast<double>(task->samples_per_step()) / seconds;
     rate = rate == 0 ? current : 0.9 * rate + 0.1 * current;
     progress.step(step, task->where(step), last_loss, rate);
@@ -343,6 +401,12 @@ void run(const Config& cfg, Communicator& comm) {
                        {"comm_bytes", step_traffic.bytes},
                        {"comm_seconds", step_traffic.seconds},
                        {"comm_exposed_seconds", step_traffic.exposed_seconds}};
+        if (mesh) {
+          record["comm_bytes_intra"] = step_intra.bytes;
+          record["comm_bytes_inter"] = step_inter.bytes;
+          record["comm_exposed_seconds_intra"] = step_intra.exposed_seconds;
+          record["comm_exposed_seconds_inter"] = step_inter.exposed_seconds;
+        }
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
         for (auto& [k, v] : eval.items()) record[k] = v;

@@ -43,6 +43,13 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"auto", "on", "off"}));
   app.add_flag("--per-parameter", cfg.per_parameter,
                "Gather and reduce each parameter on its own, without groups or prefetch (for comparison)");
+  app.add_flag("--hybrid", cfg.hybrid,
+               "Hybrid sharding: shard the model within each node and replicate it across nodes (every all-gather "
+               "stays inside a node; gradient shards are all-reduced across nodes)");
+  app.add_option("--ranks-per-node", cfg.ranks_per_node,
+                 "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
+                 "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")
+      ->check(at_least(1, "a node holds at least one rank"));
   app.add_option("--unsharded-groups", cfg.unsharded_groups,
                  "At most this many layers hold full weights at once, besides the model's own (default 2)")
       ->check(at_least(1, "1 keeps only the computing group unsharded"));
@@ -73,9 +80,9 @@ int main(int argc, char** argv) {
   app.add_flag("--skip-checksums", cfg.skip_checksums,
                "Resume without checking the checkpoint's data against its checksums (faster; the files' "
                "headers and identity are still checked)");
-  app.add_option(
-      "--metrics", cfg.metrics,
-      "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per rank, communication) to FILE");
+  app.add_option("--metrics", cfg.metrics,
+                 "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per "
+                 "rank, communication) to FILE");
   auto* emulate = app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
                       ->check(between(1, 64));
   app.add_option("--emulate-link", cfg.emulate_link,
@@ -95,7 +102,8 @@ int main(int argc, char** argv) {
              throw CLI::ValidationError(e.what());  // the message names the option
            }
          },
-         "Under MPI, end the job when a collective has waited this long for the other ranks, naming the ranks "
+         "Under MPI, end the job when a collective has waited this long for the other ranks, naming the "
+         "ranks "
          "that did not arrive: 300, 300s, 5m, 500ms or off (default: RUDA_COLLECTIVE_TIMEOUT, else 10m)")
       ->type_name("DURATION");
   app.add_option_function<std::string>(
@@ -107,7 +115,8 @@ int main(int argc, char** argv) {
              throw CLI::ValidationError("--memory-limit", e.what());
            }
          },
-         "Tensor bytes per rank, e.g. 512MB, 2GiB (default: RUDA_MEMORY_LIMIT, else none). The plan printed "
+         "Tensor bytes per rank, e.g. 512MB, 2GiB (default: RUDA_MEMORY_LIMIT, else none). The plan "
+         "printed "
          "before step 1 must fit, and an allocation past it is an error")
       ->type_name("SIZE");
 
@@ -191,6 +200,13 @@ int main(int argc, char** argv) {
       if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
       EmulatedOptions options;
       if (!cfg.emulate_link.empty()) options.link = LinkModel::parse(cfg.emulate_link, "--emulate-link");
+      if (cfg.ranks_per_node > 0) {
+        if (cfg.emulate % cfg.ranks_per_node != 0) {
+          throw ArgumentError("--ranks-per-node " + std::to_string(cfg.ranks_per_node) + " does not divide --emulate " +
+                              std::to_string(cfg.emulate) + " into nodes of equal size");
+        }
+        options.ranks_per_node = cfg.ranks_per_node;
+      }
       run_ranks(
           cfg.emulate, [&](Communicator& comm) { run(cfg, comm); }, options);
       return 0;
