@@ -70,6 +70,18 @@ void one_error_line(const Run& r, const std::vector<std::string>& fragments) {
   CHECK(r.output.find("terminate called") == std::string::npos);  // no uncaught exception, no stack trace
 }
 
+// step -> loss from a metrics file.
+std::map<std::int64_t, double> losses(const std::string& metrics) {
+  std::map<std::int64_t, double> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    out[j["step"].get<std::int64_t>()] = j["loss"].get<double>();
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") {
@@ -226,17 +238,6 @@ std::string mpi_train(int ranks, const std::string& args) {
          " -x ASAN_OPTIONS -x LSAN_OPTIONS " + train(args);
 }
 
-// step -> loss from a metrics file.
-std::map<std::int64_t, double> losses(const std::string& metrics) {
-  std::map<std::int64_t, double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    const auto j = nlohmann::json::parse(line);
-    out[j["step"].get<std::int64_t>()] = j["loss"].get<double>();
-  }
-  return out;
-}
 }  // namespace
 
 TEST_CASE("mpiexec: saved by 3 ranks, resumed by 2 and by 4, training goes on as if uninterrupted") {
@@ -275,6 +276,25 @@ TEST_CASE("mpiexec: saved by 3 ranks, resumed by 2 and by 4, training goes on as
       ruda::test::check_close(final_resumed.read(t.name), final_reference.read(t.name), 1e-5, 1e-3);
     }
   }
+}
+
+TEST_CASE("mpiexec --hybrid: 2 nodes x 2 ranks train like emulated nodes; a layout that does not tile is refused") {
+  TempDir tmp;
+  const std::string lm =
+      "lm --d-model 32 --layers 2 --heads 2 --context 16 --batch 12 --steps 4 --eval-every 0 "
+      "--log-every 1 --metrics ";
+  const Run mpi = run(mpi_train(4, "--hybrid --ranks-per-node 2 --check-collectives " + lm + tmp / "mpi.jsonl"));
+  REQUIRE_MESSAGE(mpi.exit_code == 0, mpi.output);
+  CHECK(mpi.output.find("hybrid sharded over 2 nodes x 2 ranks (mpi)") != std::string::npos);
+  const Run emulated = run(train("--emulate 4 --ranks-per-node 2 --hybrid " + lm + tmp / "emulated.jsonl"));
+  REQUIRE_MESSAGE(emulated.exit_code == 0, emulated.output);
+  const auto want = losses(tmp / "emulated.jsonl"), got = losses(tmp / "mpi.jsonl");
+  REQUIRE(want.size() == 4);
+  REQUIRE(got.size() == 4);
+  for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));
+  // Every rank agrees on the refusal: one line, no hang.
+  one_error_line(run(mpi_train(4, "--hybrid --ranks-per-node 3 " + lm + tmp / "bad.jsonl")),
+                 {"ShardMesh::by_node", "3 ranks per node do not divide a world of 4"});
 }
 
 TEST_CASE("mpiexec: one rank over its memory limit ends every rank with one error line") {
@@ -480,6 +500,46 @@ TEST_CASE("a non-finite loss stops training with one line naming the step and th
     CAPTURE(ranks);
     one_error_line(run(train(ranks + "--lr 1e38 mlp " + kSmall)), {"loss became", "nan at step 2", "rank"});
   }
+}
+
+TEST_CASE("--hybrid: resumes bit for bit in its layout, within 1e-6 across layouts (2x2 -> 4x1 -> 1x3)") {
+  TempDir tmp;
+  const std::string lm = " lm --d-model 32 --layers 2 --heads 2 --context 16 --batch 12 --eval-every 0 --log-every 1";
+  auto layout = [](int nodes, int per_node) {
+    return "--emulate " + std::to_string(nodes * per_node) + " --hybrid --ranks-per-node " + std::to_string(per_node);
+  };
+  const Run reference = run(train(layout(2, 2) + " --metrics " + tmp / "ref.jsonl" + lm + " --steps 6"));
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+  CHECK(reference.output.find("hybrid sharded over 2 nodes x 2 ranks (emulated)") != std::string::npos);
+  CHECK(reference.output.find("1/2 of each") != std::string::npos);
+  const auto expected = losses(tmp / "ref.jsonl");
+  REQUIRE(expected.size() == 6);
+  // The same layout, stopped at step 3 and resumed: bit for bit.
+  REQUIRE(run(train(layout(2, 2) + " --checkpoint-dir " + tmp / "a" + lm + " --steps 3")).exit_code == 0);
+  const Run same = run(train(layout(2, 2) + " --resume-latest --checkpoint-dir " + tmp / "a" + " --metrics " +
+                             tmp / "same.jsonl" + lm + " --steps 6"));
+  REQUIRE_MESSAGE(same.exit_code == 0, same.output);
+  for (const auto& [step, loss] : losses(tmp / "same.jsonl")) CHECK(loss == expected.at(step));
+  // Across layouts: 2 x 2 to step 2, 4 nodes of 1 (plain data parallelism) to step 4, 1 node of 3 to 6.
+  REQUIRE(run(train(layout(2, 2) + " --checkpoint-dir " + tmp / "b" + lm + " --steps 2")).exit_code == 0);
+  const Run four = run(train(layout(4, 1) + " --resume-latest --checkpoint-dir " + tmp / "b" + " --metrics " +
+                             tmp / "four.jsonl" + lm + " --steps 4"));
+  REQUIRE_MESSAGE(four.exit_code == 0, four.output);
+  CHECK(four.output.find("one rank per node: plain data parallelism") != std::string::npos);
+  CHECK(four.output.find("(saved by 2 ranks, now 4 nodes x 1 rank)") != std::string::npos);
+  const Run three = run(train(layout(1, 3) + " --resume-latest --checkpoint-dir " + tmp / "b" + " --metrics " +
+                              tmp / "three.jsonl" + lm + " --steps 6"));
+  REQUIRE_MESSAGE(three.exit_code == 0, three.output);
+  auto across = losses(tmp / "four.jsonl");
+  for (const auto& [step, loss] : losses(tmp / "three.jsonl")) across[step] = loss;
+  CHECK(across.size() == 4);
+  for (const auto& [step, loss] : across) {
+    CAPTURE(step);
+    CHECK(loss == doctest::Approx(expected.at(step)).epsilon(1e-6));
+  }
+  one_error_line(run(train("--emulate 4 --ranks-per-node 3 --hybrid" + lm)),
+                 {"--ranks-per-node 3 does not divide --emulate 4"});
+  one_error_line(run(train("--emulate 4 --hybrid --per-parameter" + lm)), {"--hybrid needs grouped parameters"});
 }
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {

@@ -247,10 +247,10 @@ void run(const Config& cfg, Communicator& comm) {
   });
   // Only now that every rank has loaded (the phase agreed on it) is the resume reported.
   if (main_rank && !resumed.directory.empty()) {
+    // Hybrid: one replica saved it, so it was saved by the ranks of one node.
     std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
-              << resumed.world_size << " ranks, now " << comm.world_size()
-              << (mesh ? ", sharded over the " + std::to_string(shard_comm.world_size()) + " of each node" : "") << ")"
-              << std::endl;
+              << resumed.world_size << " ranks, now " << (mesh ? mesh->describe() : std::to_string(comm.world_size()))
+              << ")" << std::endl;
   }
 
   const std::int64_t total = task->total_steps();
