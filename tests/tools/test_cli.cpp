@@ -542,6 +542,35 @@ TEST_CASE("--hybrid: resumes bit for bit in its layout, within 1e-6 across layou
   one_error_line(run(train("--emulate 4 --hybrid --per-parameter" + lm)), {"--hybrid needs grouped parameters"});
 }
 
+TEST_CASE("--gather-quantization int8: half the bytes of the step's collectives, losses within 2%, hybrid too") {
+  TempDir tmp;
+  const std::string lm =
+      " lm --d-model 32 --layers 2 --heads 2 --context 16 --batch 8 --steps 6 --eval-every 0 "
+      "--log-every 1 --metrics ";
+  const Run exact = run(train("--emulate 4" + lm + tmp / "f32.jsonl"));
+  const Run int8 = run(train("--emulate 4 --gather-quantization int8" + lm + tmp / "int8.jsonl"));
+  const Run hybrid =
+      run(train("--emulate 4 --ranks-per-node 2 --hybrid --gather-quantization int8" + lm + tmp / "hybrid.jsonl"));
+  for (const Run* r : {&exact, &int8, &hybrid}) REQUIRE_MESSAGE(r->exit_code == 0, r->output);
+  CHECK(int8.output.find("int8 weight gathers") != std::string::npos);
+  auto last = [](const std::string& metrics) {
+    std::ifstream in(metrics);
+    std::string line, final;
+    while (std::getline(in, line)) final = line;
+    return nlohmann::json::parse(final);
+  };
+  const auto f = last(tmp / "f32.jsonl"), q = last(tmp / "int8.jsonl"), h = last(tmp / "hybrid.jsonl");
+  // Two of a step's three collectives per group are gathers, now at ~1/4 of their bytes.
+  const double ratio = q["comm_bytes"].get<double>() / f["comm_bytes"].get<double>();
+  CHECK(ratio < 0.55);
+  CHECK(ratio > 0.45);
+  CHECK(q["loss"].get<double>() == doctest::Approx(f["loss"].get<double>()).epsilon(0.02));
+  CHECK(h["loss"].get<double>() == doctest::Approx(f["loss"].get<double>()).epsilon(0.02));
+  CHECK(h["comm_bytes_inter"].get<double>() > 0);
+  CHECK(h["comm_bytes_intra"].get<double>() > 0);
+  one_error_line(run(train("--gather-quantization int4" + lm + tmp / "x.jsonl")), {"--gather-quantization", "int4"});
+}
+
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {
   TempDir tmp;
   const Run r =

@@ -18,8 +18,9 @@ struct Config {
   bool no_prefetch = false;
   std::string overlap = "auto";
   bool per_parameter = false;
-  bool hybrid = false;     // shard within a node, replicate across nodes
-  int ranks_per_node = 0;  // 0: MPI's nodes (emulated: every rank its own node)
+  bool hybrid = false;                       // shard within a node, replicate across nodes
+  std::string gather_quantization = "none";  // none or int8 (the weight all-gather)
+  int ranks_per_node = 0;                    // 0: MPI's nodes (emulated: every rank its own node)
   int unsharded_groups = 2;
   std::int64_t epochs = 10;
   std::int64_t steps = 0;

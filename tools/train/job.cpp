@@ -183,6 +183,9 @@ void run(const Config& cfg, Communicator& comm) {
   std::optional<ShardMesh> mesh;
   setup_phase(comm, [&] {
     if (cfg.hybrid && cfg.per_parameter) throw ArgumentError("--hybrid needs grouped parameters (not --per-parameter)");
+    if (cfg.gather_quantization != "none" && cfg.per_parameter) {
+      throw ArgumentError("--gather-quantization needs grouped parameters (not --per-parameter)");
+    }
     if (cfg.hybrid) mesh = ShardMesh::by_node(comm, comm.kind() == "emulated" ? 0 : cfg.ranks_per_node);
   });
   Communicator& shard_comm = mesh ? mesh->shard() : comm;
@@ -192,6 +195,7 @@ void run(const Config& cfg, Communicator& comm) {
   nn::ShardPolicy policy;
   policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
   if (parse_dtype(cfg.dtype) != DType::f32) policy.compute_dtype = parse_dtype(cfg.dtype);
+  if (cfg.gather_quantization == "int8") policy.gather_quantization = nn::GatherQuantization::int8;
   const nn::PlanOptions plan_options{
       .optimizer_states = 2, .compute_dtype = policy.compute_dtype, .shard_ranks = shard_comm.world_size()};
   // Without collectives: the options, the data, the model (deferred: no parameter is allocated)
@@ -272,7 +276,8 @@ void run(const Config& cfg, Communicator& comm) {
     }
     std::cout << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
               << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
-              << (chosen.activation_checkpointing ? ", activation checkpointing" : "") << ", " << total - start_step
+              << (chosen.activation_checkpointing ? ", activation checkpointing" : "")
+              << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "") << ", " << total - start_step
               << " steps" << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }

@@ -46,6 +46,10 @@ int main(int argc, char** argv) {
   app.add_flag("--hybrid", cfg.hybrid,
                "Hybrid sharding: shard the model within each node and replicate it across nodes (every all-gather "
                "stays inside a node; gradient shards are all-reduced across nodes)");
+  app.add_option("--gather-quantization", cfg.gather_quantization,
+                 "Move the weight all-gathers as int8 codes with a scale per 2048 elements (int8: about a quarter "
+                 "of the bytes; weights, gradients and optimizer state stay full precision) or as they are (none)")
+      ->check(CLI::IsMember({"none", "int8"}));
   app.add_option("--ranks-per-node", cfg.ranks_per_node,
                  "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
                  "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")

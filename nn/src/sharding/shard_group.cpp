@@ -6,6 +6,7 @@
 #include <ruda/autograd.h>
 
 #include "sharding/gather_scope.h"
+#include "sharding/quantize.h"
 
 namespace ruda::nn {
 
@@ -188,14 +189,16 @@ std::vector<ShardBucket> ShardGroup::make_buckets() const {
     const ShardInfo& info = *p.shard();
     const DType dtype = info.policy.compute_dtype.value_or(p.data().dtype());
     const bool alone = world * static_cast<std::size_t>(info.shard_size) * dtype_size(dtype) >= kOwnBucketBytes;
+    const bool int8 = info.policy.gather_quantization == GatherQuantization::int8;
     auto it = alone ? buckets.end() : std::find_if(buckets.begin(), buckets.end(), [&](const ShardBucket& b) {
-      return !b.alone && b.dtype == dtype && b.accumulate == info.policy.reduce;
+      return !b.alone && b.dtype == dtype && b.accumulate == info.policy.reduce && b.int8 == int8;
     });
     if (it == buckets.end()) {
       it = buckets.insert(buckets.end(), ShardBucket{});
       it->dtype = dtype;
       it->accumulate = info.policy.reduce;
       it->alone = alone;
+      it->int8 = int8;
     }
     it->members.push_back(i);
     it->offsets.push_back(it->part);
@@ -214,10 +217,14 @@ PendingGather ShardGroup::start_gather() const {
     gather.versions.push_back(local.version());
   }
   for (const ShardBucket& bucket : gather.buckets) {
-    // A rank's part: its slices back to back, in the compute dtype.
+    // A rank's part: its slices back to back, in the compute dtype; or quantized from the
+    // current full-precision values into int8 codes and scales.
     std::vector<Tensor> part;
-    for (const std::size_t i : bucket.members) part.push_back(cast(gather.sources[i], bucket.dtype));
-    const Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
+    for (const std::size_t i : bucket.members) {
+      part.push_back(bucket.int8 ? gather.sources[i] : cast(gather.sources[i], bucket.dtype));
+    }
+    Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
+    if (bucket.int8) local = pack_int8(local);
     gather.works.push_back(schedule_->overlapping() ? comm_->all_gather_async(local, {.tag = tag_})
                                                     : Work::completed(comm_->all_gather(local, {.tag = tag_})));
   }
@@ -242,7 +249,19 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
   const std::int64_t world = comm_->world_size();
   for (std::size_t b = 0; b < gather.buckets.size(); ++b) {
     const ShardBucket& bucket = gather.buckets[b];
-    const Tensor full = gather.works[b].wait();
+    Tensor full = gather.works[b].wait();
+    if (bucket.int8) {
+      // Every rank has the same words, so every rank refuses a non-finite slice alike.
+      std::optional<NonFinite> bad;
+      full = unpack_int8(full, static_cast<int>(world), bucket.part, bucket.dtype, &bad);
+      if (bad) {
+        std::size_t m = 0;
+        while (m + 1 < bucket.members.size() && bucket.offsets[m + 1] <= bad->offset) ++m;
+        fail<ShardingError>("gather (int8)", param(bucket.members[m]).shard()->describe(),
+                            " holds a NaN or an infinity (in rank ", bad->rank,
+                            "'s slice): its gather cannot be quantized to int8");
+      }
+    }
     for (std::size_t m = 0; m < bucket.members.size(); ++m) {
       const std::size_t i = bucket.members[m];
       const ShardInfo& info = *param(i).shard();

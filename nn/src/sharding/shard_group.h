@@ -57,6 +57,7 @@ struct ShardBucket {
   DType dtype = DType::f32;
   Accumulate accumulate = Accumulate::f32;
   bool alone = false;                 // one parameter of at least kOwnBucketBytes
+  bool int8 = false;                  // gathered as int8 codes and scales (GatherQuantization::int8)
   std::vector<std::size_t> members;   // indices into the group's parameters
   std::vector<std::int64_t> offsets;  // each member's offset in one rank's part
   std::int64_t part = 0;              // one rank's part: the members' slices back to back

@@ -175,6 +175,9 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
     fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but ", info.describe(),
                         " is shard ", info.rank, " of ", info.world_size);
   }
+  if (info.policy.gather_quantization != GatherQuantization::none) {
+    fail<ShardingError>(op, info.describe(), ": an int8 gather needs grouped parameters (fully_shard with group)");
+  }
   const Tensor& local = param.data();
   const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
   const CollectiveOptions options{.tag = info.name, .accumulate = info.policy.reduce};
@@ -201,6 +204,7 @@ Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dty
 
 static void check_policy(const ShardPolicy& policy, const char* op) {
   check_enum(policy.strategy, op, "CheckpointStrategy");
+  check_enum(policy.gather_quantization, op, "GatherQuantization");
   check_enum(policy.reduce, op, "Accumulate");
   if (policy.compute_dtype) {
     check_enum<DTypeError>(*policy.compute_dtype, op, "compute dtype");
@@ -222,6 +226,9 @@ std::size_t fully_shard(Module& module, const ShardMesh& mesh, FullyShardOptions
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
   const char* op = "fully_shard";
   check_policy(options.policy, op);
+  if (options.policy.gather_quantization != GatherQuantization::none && !options.group) {
+    fail<ShardingError>(op, "an int8 gather needs grouped parameters (group = true)");
+  }
   if (options.replicate) {
     if (!options.group) {
       fail<ShardingError>(op, "hybrid sharding (a replicate communicator) needs grouped parameters (group = true)");

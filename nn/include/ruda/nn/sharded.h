@@ -51,6 +51,40 @@ constexpr bool is_valid(CheckpointStrategy strategy) noexcept {
   return false;
 }
 
+/// How the weight all-gather moves the shards.
+enum class GatherQuantization : std::uint8_t {
+  none,  // in the compute dtype
+  /// int8 codes with one f32 scale per block of kQuantizationBlock elements (ZeRO++'s qwZ): each
+  /// rank quantizes its own slice (symmetric, scale = max|x| / 127) from its current values at every
+  /// gather, and every rank dequantizes into the compute dtype: about 1/4 of the f32 bytes. Only
+  /// the gathered values are approximate (each element within scale / 2): parameters, gradients
+  /// and optimizer state stay in full precision, and the gradient's reduce-scatter is not
+  /// quantized. A NaN or infinity in a slice is a ShardingError on every rank naming the parameter.
+  int8,
+};
+constexpr bool is_valid(GatherQuantization q) noexcept {
+  switch (q) {
+    case GatherQuantization::none:
+    case GatherQuantization::int8:
+      return true;
+  }
+  return false;
+}
+/// Elements per int8 quantization block (each with its own scale).
+inline constexpr std::int64_t kQuantizationBlock = 2048;
+
+/// `x` (any float dtype, any shape; read as a flat sequence) as int8 codes with one f32 scale per
+/// block of `block` elements (the last block may be short): scale = max|x| / 127 over the block (0
+/// for a block of zeros), code = round(x / scale). A block with a non-finite value gets a NaN scale
+/// (it dequantizes as NaN) and codes that mark its non-finite elements (1) and the others (0).
+struct Int8Blocks {
+  std::vector<std::int8_t> codes;
+  std::vector<float> scales;
+};
+Int8Blocks quantize_int8(const Tensor& x, std::int64_t block = kQuantizationBlock);
+/// The values `blocks` stands for, as a 1-D tensor of `dtype`: code x its block's scale.
+Tensor dequantize_int8(const Int8Blocks& blocks, DType dtype, std::int64_t block = kQuantizationBlock);
+
 struct ShardPolicy {
   CheckpointStrategy strategy = CheckpointStrategy::recompute;
   /// Cast the local slice to this dtype before gathering (e.g. bf16): the gather moves the narrow
@@ -59,6 +93,8 @@ struct ShardPolicy {
   /// How 16-bit gradient sums accumulate in the reduce-scatter: in f32 with one rounding
   /// (ruda's default), or in the 16-bit compute dtype itself (the reference implementation's behaviour).
   Accumulate reduce = Accumulate::f32;
+  /// How the weight all-gather moves the shards (int8: ZeRO++'s qwZ; grouped parameters only).
+  GatherQuantization gather_quantization = GatherQuantization::none;
 };
 
 /// Sharding metadata of a Param (its data is the local slice).

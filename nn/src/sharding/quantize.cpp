@@ -1,0 +1,130 @@
+// Block-wise int8 quantization of gathered weights (ZeRO++'s qwZ) and its wire format.
+#include "sharding/quantize.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <ruda/autograd.h>
+
+namespace ruda::nn {
+
+namespace {
+
+void check_block(const char* op, std::int64_t block) {
+  if (block < 1) fail<ArgumentError>(op, "the block must hold at least 1 element, got ", block);
+}
+
+// The codes and scales of n contiguous f32 values into caller buffers (whole blocks at a time).
+void quantize(const float* x, std::int64_t n, std::int64_t block, std::int8_t* codes, float* scales) {
+  for (std::int64_t b = 0, begin = 0; begin < n; ++b, begin += block) {
+    const std::int64_t end = std::min(n, begin + block);
+    float largest = 0;
+    bool finite = true;
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float a = std::fabs(x[i]);
+      finite = finite && std::isfinite(a);
+      largest = std::max(largest, a);
+    }
+    if (!finite) {
+      // NaN scale; the codes mark which elements were not finite (1) so that the receivers can
+      // name the parameter that holds them.
+      scales[b] = std::nanf("");
+      for (std::int64_t i = begin; i < end; ++i) codes[i] = std::isfinite(x[i]) ? 0 : 1;
+      continue;
+    }
+    const float scale = largest / 127.0f;
+    scales[b] = scale;
+    if (scale == 0) {  // a block of zeros (padding among them) stays exactly zero
+      std::fill(codes + begin, codes + end, std::int8_t{0});
+      continue;
+    }
+    for (std::int64_t i = begin; i < end; ++i) {
+      const float q = std::nearbyint(x[i] / scale);
+      codes[i] = static_cast<std::int8_t>(std::clamp(q, -127.0f, 127.0f));
+    }
+  }
+}
+
+void dequantize(const std::int8_t* codes, const float* scales, std::int64_t n, std::int64_t block, float* out) {
+  for (std::int64_t b = 0, begin = 0; begin < n; ++b, begin += block) {
+    const std::int64_t end = std::min(n, begin + block);
+    const float scale = scales[b];
+    for (std::int64_t i = begin; i < end; ++i) out[i] = static_cast<float>(codes[i]) * scale;
+  }
+}
+
+std::int64_t blocks_of(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
+
+Tensor as_f32(const Tensor& x) { return cast(x.reshape({-1}), DType::f32).contiguous(); }
+
+}  // namespace
+
+Int8Blocks quantize_int8(const Tensor& x, std::int64_t block) {
+  check_block("quantize_int8", block);
+  if (!x.defined() || !is_floating(x.dtype())) {
+    fail<DTypeError>("quantize_int8", "needs a float tensor, got ", x.defined() ? dtype_name(x.dtype()) : "none");
+  }
+  autograd::NoGradGuard no_grad;
+  const Tensor values = as_f32(x);
+  Int8Blocks out;
+  out.codes.resize(static_cast<std::size_t>(values.numel()));
+  out.scales.resize(static_cast<std::size_t>(blocks_of(values.numel(), block)));
+  quantize(values.data<float>(), values.numel(), block, out.codes.data(), out.scales.data());
+  return out;
+}
+
+Tensor dequantize_int8(const Int8Blocks& blocks, DType dtype, std::int64_t block) {
+  check_block("dequantize_int8", block);
+  const auto n = static_cast<std::int64_t>(blocks.codes.size());
+  if (static_cast<std::int64_t>(blocks.scales.size()) != blocks_of(n, block)) {
+    fail<ShapeError>("dequantize_int8", n, " codes in blocks of ", block, " need ", blocks_of(n, block),
+                     " scales, got ", blocks.scales.size());
+  }
+  Tensor out = empty({n}, Options(DType::f32));
+  dequantize(blocks.codes.data(), blocks.scales.data(), n, block, out.data<float>());
+  return dtype == DType::f32 ? out : cast(out, dtype);
+}
+
+std::int64_t int8_wire_words(std::int64_t part) {
+  return (part + 7) / 8 + (blocks_of(part, kQuantizationBlock) + 1) / 2;
+}
+
+Tensor pack_int8(const Tensor& part) {
+  autograd::NoGradGuard no_grad;
+  const Tensor values = as_f32(part);
+  const std::int64_t n = values.numel();
+  Tensor words = zeros({int8_wire_words(n)}, Options(DType::i64));
+  auto* base = reinterpret_cast<std::byte*>(words.data_ptr());
+  auto* codes = reinterpret_cast<std::int8_t*>(base);
+  auto* scales = reinterpret_cast<float*>(base + (n + 7) / 8 * 8);
+  quantize(values.data<float>(), n, kQuantizationBlock, codes, scales);
+  return words;
+}
+
+Tensor unpack_int8(const Tensor& words, int world, std::int64_t part, DType dtype, std::optional<NonFinite>* bad) {
+  const std::int64_t per_rank = int8_wire_words(part), blocks = blocks_of(part, kQuantizationBlock);
+  if (words.numel() != per_rank * world) {
+    fail<ShapeError>("gather (int8)", "expected ", per_rank * world, " words from ", world, " ranks, got ",
+                     words.numel());
+  }
+  Tensor out = empty({world * part}, Options(DType::f32));
+  const auto* all = reinterpret_cast<const std::byte*>(words.data_ptr());
+  for (int r = 0; r < world; ++r) {
+    const std::byte* mine = all + static_cast<std::int64_t>(r) * per_rank * 8;
+    const auto* codes = reinterpret_cast<const std::int8_t*>(mine);
+    const auto* scales = reinterpret_cast<const float*>(mine + (part + 7) / 8 * 8);
+    if (bad && !*bad) {
+      for (std::int64_t b = 0; b < blocks && !*bad; ++b) {
+        if (!std::isnan(scales[b])) continue;
+        std::int64_t i = b * kQuantizationBlock;
+        while (i + 1 < std::min(part, (b + 1) * kQuantizationBlock) && codes[i] == 0) ++i;
+        *bad = NonFinite{r, i};
+      }
+    }
+    dequantize(codes, scales, part, kQuantizationBlock, out.data<float>() + r * part);
+  }
+  return dtype == DType::f32 ? out : cast(out, dtype);
+}
+
+}  // namespace ruda::nn
