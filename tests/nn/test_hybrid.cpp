@@ -246,3 +246,93 @@ TEST_CASE("hybrid: what cannot work is refused with a ShardingError naming it") 
       },
       on_nodes(2));
 }
+
+namespace {
+
+// The GPT's gradients after one step of kGptBatch sequences split into `micro` micro-batches
+// (each loss divided by the whole batch's token count), as this rank's local slices, by name;
+// under hybrid sharding with the all-reduce across nodes only on the last micro-batch. Also
+// counts the all-reduces across nodes.
+std::map<std::string, std::vector<double>> accumulated_gradients(Communicator& world, const ShardMesh* mesh, int micro,
+                                                                 std::size_t* across = nullptr) {
+  nn::manual_seed(5);
+  nn::GPT model(kGpt);
+  if (mesh) {
+    for (const auto& block : model.blocks) nn::fully_shard(*block, *mesh);
+    nn::fully_shard(model, *mesh);
+  } else if (world.world_size() > 1) {
+    for (const auto& block : model.blocks) nn::fully_shard(*block, world);
+    nn::fully_shard(model, world);
+  }
+  const Tensor tokens = test::part(gpt_tokens(0), world.rank(), world.world_size());
+  const Tensor targets = test::part(gpt_targets(0), world.rank(), world.world_size());
+  const std::int64_t rows = tokens.shape()[0] / micro;
+  for (int k = 0; k < micro; ++k) {
+    nn::set_requires_all_reduce(model, k == micro - 1);
+    const Tensor logits = model.forward(tokens.slice(0, k * rows, (k + 1) * rows));
+    const Tensor loss =
+        nn::cross_entropy(logits, targets.slice(0, k * rows, (k + 1) * rows), {.reduction = nn::LossReduction::sum}) /
+        static_cast<double>(kGptBatch * 8);
+    loss.backward();
+  }
+  if (across) *across = count_calls(mesh->replicate().history(), "across nodes");
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [name, p] : model.named_parameters()) out[name] = p.grad().to_vector<double>();
+  return out;
+}
+
+void check_same(const std::map<std::string, std::vector<double>>& got,
+                const std::map<std::string, std::vector<double>>& want, double tolerance) {
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, values] : want) {
+    CAPTURE(name);
+    const auto& mine = got.at(name);
+    REQUIRE(mine.size() == values.size());
+    double worst = 0;
+    for (std::size_t i = 0; i < values.size(); ++i) worst = std::max(worst, std::abs(mine[i] - values[i]));
+    CHECK(worst <= tolerance);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("accumulation: K = 1, 2 and 4 micro-batches give one batch's gradient, dense, fully sharded and hybrid") {
+  LocalCommunicator one;
+  const auto dense = accumulated_gradients(one, nullptr, 1);
+  for (const int micro : {2, 4}) {
+    CAPTURE(micro);
+    check_same(accumulated_gradients(one, nullptr, micro), dense, 1e-6);
+  }
+  // Sharded: the local slices of the dense gradients.
+  auto slices = [&](int rank, int world) {
+    std::map<std::string, std::vector<double>> out;
+    for (const auto& [name, values] : dense) {
+      const auto n = static_cast<std::int64_t>(values.size());
+      const std::int64_t s = (n + world - 1) / world;
+      std::vector<double> mine(static_cast<std::size_t>(s), 0.0);
+      for (std::int64_t i = 0; i < s && rank * s + i < n; ++i) mine[static_cast<std::size_t>(i)] = values[rank * s + i];
+      out[name] = mine;
+    }
+    return out;
+  };
+  for (const int micro : {1, 3}) {  // the local batch is 3 rows at 4 ranks
+    CAPTURE(micro);
+    std::vector<std::map<std::string, std::vector<double>>> full(4), hybrid(4);
+    std::vector<std::size_t> across(4);
+    run_ranks(
+        4,
+        [&](Communicator& comm) {
+          const auto r = static_cast<std::size_t>(comm.rank());
+          full[r] = accumulated_gradients(comm, nullptr, micro);
+          const ShardMesh mesh = ShardMesh::by_node(comm);
+          hybrid[r] = accumulated_gradients(comm, &mesh, micro, &across[r]);
+        },
+        on_nodes(2));
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      check_same(full[static_cast<std::size_t>(r)], slices(r, 4), 1e-6);
+      check_same(hybrid[static_cast<std::size_t>(r)], slices(r % 2, 2), 1e-6);
+      CHECK(across[static_cast<std::size_t>(r)] == 3);  // one all-reduce per group, whatever the micro-batches
+    }
+  }
+}

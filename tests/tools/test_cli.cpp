@@ -571,6 +571,37 @@ TEST_CASE("--gather-quantization int8: half the bytes of the step's collectives,
   one_error_line(run(train("--gather-quantization int4" + lm + tmp / "x.jsonl")), {"--gather-quantization", "int4"});
 }
 
+TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybrid crosses nodes once a step") {
+  TempDir tmp;
+  const std::string lm =
+      " lm --d-model 32 --layers 2 --heads 2 --context 16 --batch 24 --steps 4 --eval-every 0 "
+      "--log-every 1 --metrics ";
+  for (const std::string layout : {"--emulate 4", "--emulate 4 --ranks-per-node 2 --hybrid"}) {
+    CAPTURE(layout);
+    const Run one = run(train(layout + lm + tmp / "k1.jsonl"));
+    const Run three = run(train(layout + " --grad-accum 3" + lm + tmp / "k3.jsonl"));
+    REQUIRE_MESSAGE(one.exit_code == 0, one.output);
+    REQUIRE_MESSAGE(three.exit_code == 0, three.output);
+    CHECK(three.output.find("3 micro-batches per step") != std::string::npos);
+    const auto want = losses(tmp / "k1.jsonl"), got = losses(tmp / "k3.jsonl");
+    REQUIRE(got.size() == 4);
+    for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));
+    auto last = [](const std::string& metrics) {
+      std::ifstream in(metrics);
+      std::string line, final;
+      while (std::getline(in, line)) final = line;
+      return nlohmann::json::parse(final);
+    };
+    const auto a = last(tmp / "k1.jsonl"), b = last(tmp / "k3.jsonl");
+    if (layout.find("--hybrid") != std::string::npos) {
+      CHECK(b["comm_bytes_inter"].get<double>() == a["comm_bytes_inter"].get<double>());     // one all-reduce per group
+      CHECK(b["comm_bytes_intra"].get<double>() > 2 * a["comm_bytes_intra"].get<double>());  // gathers per micro-batch
+    }
+  }
+  one_error_line(run(train("--emulate 4 --grad-accum 4" + lm + tmp / "x.jsonl")),
+                 {"--grad-accum 4 does not divide the local batch of 6"});
+}
+
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {
   TempDir tmp;
   const Run r =

@@ -21,6 +21,7 @@ struct Config {
   bool hybrid = false;                       // shard within a node, replicate across nodes
   std::string gather_quantization = "none";  // none or int8 (the weight all-gather)
   int ranks_per_node = 0;                    // 0: MPI's nodes (emulated: every rank its own node)
+  std::int64_t grad_accum = 1;               // micro-batches per step
   int unsharded_groups = 2;
   std::int64_t epochs = 10;
   std::int64_t steps = 0;

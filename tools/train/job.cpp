@@ -80,8 +80,11 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
                           const nn::PlanOptions& options) {
   auto step = [&](std::int64_t b) { return task.probe_loss(b); };
   const std::int64_t limit = memory::limit();
+  // A step computes one micro-batch at a time: plan for that (its activations), and suggest
+  // whole batches of micro-batches.
+  const std::int64_t batch = cfg.batch / cfg.grad_accum;
   if (cfg.no_auto_fit) {
-    nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, cfg.batch, step, limit, options);
+    nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, batch, step, limit, options);
     plan.schedule = configured.describe();
     const bool over = limit > 0 && plan.peak() > limit;
     // Whether any rank is over: then every rank probes the recomputing blocks for the refusal's hint.
@@ -93,7 +96,7 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
       task.set_activation_checkpointing(false);
     }
     return {plan, configured,
-            over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) +
+            over ? refusal(task, plan, limit, batch, plan.probe, checkpointed, options) +
                        " (--no-auto-fit: no other schedule tried)"
                  : ""};
   }
@@ -102,7 +105,7 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
   if (task.can_checkpoint_activations()) {
     fit_options.set_activation_checkpointing = [&task](bool on) { task.set_activation_checkpointing(on); };
   }
-  const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, cfg.batch, step, limit, configured, fit_options);
+  const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, batch, step, limit, configured, fit_options);
   const nn::MemoryPlan& first = fit.configured;
   if (fit.fits) {
     if (fit.tried.size() > 1 && comm.rank() == 0) {
@@ -121,12 +124,12 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
           (world == 1 ? " rank" : " ranks") + "; limit " + memory::format_bytes(limit) +
           "; no schedule fits (the leanest, " + fit.schedule.describe() + ", needs ~" +
           memory::format_bytes(fit.plan.peak()) + ")";
-    const int fits = nn::smallest_fitting_world(task.module(), cfg.batch, fit.plan.probe, limit, options);
-    const std::int64_t batch =
-        nn::largest_fitting_batch(task.module(), world, cfg.batch, fit.plan.probe, limit, options);
+    const int fits = nn::smallest_fitting_world(task.module(), batch, fit.plan.probe, limit, options);
+    const std::int64_t smaller =
+        nn::largest_fitting_batch(task.module(), world, batch, fit.plan.probe, limit, options) * cfg.grad_accum;
     if (fits > 0) out += "; fits at " + std::to_string(fits) + " ranks";
-    if (batch > 0) out += std::string(fits > 0 ? ", or" : ";") + " with --batch " + std::to_string(batch);
-    if (fits == 0 && batch == 0) out += "; fits at no world size with --batch " + std::to_string(cfg.batch);
+    if (smaller > 0) out += std::string(fits > 0 ? ", or" : ";") + " with --batch " + std::to_string(smaller);
+    if (fits == 0 && smaller == 0) out += "; fits at no world size with --batch " + std::to_string(cfg.batch);
   }
   return {fit.plan, configured, out};
 }
@@ -206,6 +209,11 @@ void run(const Config& cfg, Communicator& comm) {
       throw ArgumentError("--batch " + std::to_string(cfg.batch) + " does not divide over " +
                           std::to_string(comm.world_size()) + " ranks");
     }
+    if (cfg.batch / comm.world_size() % cfg.grad_accum != 0) {
+      throw ArgumentError("--grad-accum " + std::to_string(cfg.grad_accum) + " does not divide the local batch of " +
+                          std::to_string(cfg.batch / comm.world_size()) + " (--batch " + std::to_string(cfg.batch) +
+                          " over " + std::to_string(comm.world_size()) + " ranks)");
+    }
     task = make_task(cfg, comm);
     check_state_fits(cfg, comm, *task, plan_options);
   });
@@ -277,8 +285,9 @@ void run(const Config& cfg, Communicator& comm) {
     std::cout << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
               << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
               << (chosen.activation_checkpointing ? ", activation checkpointing" : "")
-              << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "") << ", " << total - start_step
-              << " steps" << std::endl;
+              << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "")
+              << (cfg.grad_accum > 1 ? ", " + std::to_string(cfg.grad_accum) + " micro-batches per step" : "") << ", "
+              << total - start_step << " steps" << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }
   const nn::Schedule schedule = cfg.schedule == "cosine"
@@ -359,9 +368,22 @@ void run(const Config& cfg, Communicator& comm) {
     const auto t0 = std::chrono::steady_clock::now();
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
     optimizer->set_lr(schedule(step));
-    const Tensor loss = task->loss(step);
-    optimizer->zero_grad();
-    loss.backward();
+    Tensor loss;
+    if (cfg.grad_accum == 1) {
+      loss = task->loss(step);
+      optimizer->zero_grad();
+      loss.backward();
+    } else {
+      // Micro-batches: their gradients add up in the shards; under hybrid sharding only the last
+      // backward all-reduces them across nodes.
+      optimizer->zero_grad();
+      for (std::int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
+        if (mesh) nn::set_requires_all_reduce(task->module(), micro + 1 == cfg.grad_accum);
+        const Tensor part = task->micro_loss(step, micro, cfg.grad_accum);
+        part.backward();
+        loss = loss.defined() ? loss + part.detach() : part.detach();
+      }
+    }
     double norm = -1;
     if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
     optimizer->step();

@@ -50,6 +50,10 @@ int main(int argc, char** argv) {
                  "Move the weight all-gathers as int8 codes with a scale per 2048 elements (int8: about a quarter "
                  "of the bytes; weights, gradients and optimizer state stay full precision) or as they are (none)")
       ->check(CLI::IsMember({"none", "int8"}));
+  app.add_option("--grad-accum", cfg.grad_accum,
+                 "Split each rank's batch into K micro-batches and accumulate their gradients (less activation "
+                 "memory; the same gradient). With --hybrid only the last one all-reduces across nodes")
+      ->check(at_least(1));
   app.add_option("--ranks-per-node", cfg.ranks_per_node,
                  "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
                  "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")

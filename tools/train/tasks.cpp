@@ -80,6 +80,12 @@ struct MlpTask : Task {
     const std::int64_t per_epoch = sampler->batches_per_epoch();
     return loss_of(sampler->indices(step / per_epoch, step % per_epoch));
   }
+  Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) override {
+    const std::int64_t per_epoch = sampler->batches_per_epoch();
+    const Tensor idx = sampler->indices(step / per_epoch, step % per_epoch);
+    const std::int64_t rows = idx.numel() / micro_batches;
+    return loss_of(idx.slice(0, micro * rows, (micro + 1) * rows));
+  }
   Tensor probe_loss(std::int64_t local_batch) override {
     return loss_of(arange(0, static_cast<double>(local_batch), 1, DType::i64));
   }
@@ -143,6 +149,13 @@ struct LmTask : Task {
     return {{"--seed", std::to_string(cfg.seed)}, {"--batch", std::to_string(cfg.batch)}};
   }
   Tensor loss(std::int64_t step) override { return loss_on(step, cfg.batch); }
+  Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) override {
+    const auto [x, y] = train->batch(cfg.seed, step, cfg.batch, comm.rank(), comm.world_size());
+    const std::int64_t rows = x.shape()[0] / micro_batches;
+    return nn::cross_entropy(cast(model->forward(x.slice(0, micro * rows, (micro + 1) * rows)), DType::f32),
+                             y.slice(0, micro * rows, (micro + 1) * rows), {.reduction = nn::LossReduction::sum}) /
+           static_cast<double>(cfg.batch * cfg.context);
+  }
   Tensor probe_loss(std::int64_t local_batch) override { return loss_on(0, local_batch * comm.world_size()); }
   Tensor loss_on(std::int64_t step, std::int64_t global_batch) {
     const auto [x, y] = train->batch(cfg.seed, step, global_batch, comm.rank(), comm.world_size());

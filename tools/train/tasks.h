@@ -25,6 +25,10 @@ struct Task {
   virtual std::int64_t samples_per_step() const = 0;
   /// This rank's loss for global step `step`, already divided by the step's global count.
   virtual Tensor loss(std::int64_t step) = 0;
+  /// The same on micro-batch `micro` of `micro_batches` (consecutive equal parts of this rank's
+  /// samples of the step), still divided by the step's global count: the micro-batches' gradients
+  /// add up to the step's.
+  virtual Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) = 0;
   virtual std::string where(std::int64_t step) const = 0;
   /// The options that decide which samples step k trains on: a resumed run must keep them, or it
   /// would not continue the same data stream.

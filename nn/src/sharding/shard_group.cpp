@@ -86,14 +86,39 @@ void GradientSink::flush() {
 
 void GradientSink::reduce_across() {
   if (!replicate) return;
+  const std::shared_ptr<ShardGroup> owner = group.lock();
+  const bool across = !owner || owner->schedule()->requires_all_reduce();
   for (std::size_t b = 0; b < buckets.size(); ++b) {
     if (!works[b].valid()) continue;
-    const Tensor reduced = works[b].wait();
+    Tensor sum = works[b].wait();
     works[b] = Work();
-    // The node's sum of this shard, summed over the replicas: SUM, as the reduce-scatter (each
-    // rank's loss is already divided by the global count).
-    all_reduces[b] = replicate->all_reduce_async(reduced, Reduction::sum,
-                                                 {.tag = tag + " across nodes", .accumulate = buckets[b].accumulate});
+    if (!across) {  // accumulating: the node's sum waits in the gradient for a later all-reduce
+      reduced[b] = std::move(sum);
+      continue;
+    }
+    // The node's sum of this shard (plus the partial sums earlier backwards left in the
+    // gradients), summed over the replicas: SUM, as the reduce-scatter (each rank's loss is
+    // already divided by the global count).
+    const ShardBucket& bucket = buckets[b];
+    // `sum` may be the gradient autograd handed over (world size 1): add to a copy, in the
+    // gradients' dtype (a bf16 compute dtype would round the partial sums).
+    bool own = false;
+    for (std::size_t m = 0; m < bucket.members.size(); ++m) {
+      const Param p = ParamAccess::lock(params[bucket.members[m]]);
+      replaces[bucket.members[m]] = 0;
+      if (!p.defined() || !p.shard()->gradient_partial) continue;
+      p.shard()->gradient_partial = false;
+      const Tensor held = p.data().grad();
+      if (!held.defined()) continue;
+      if (!own) sum = held.dtype() == sum.dtype() ? sum.clone() : cast(sum, held.dtype());
+      own = true;
+      const std::int64_t begin = bucket.offsets[m];
+      Tensor piece = sum.slice(0, begin, begin + p.shard()->shard_size);
+      piece.add_(held.dtype() == piece.dtype() ? held : cast(held, piece.dtype()));
+      replaces[bucket.members[m]] = 1;
+    }
+    all_reduces[b] = replicate->all_reduce_async(sum, Reduction::sum,
+                                                 {.tag = tag + " across nodes", .accumulate = bucket.accumulate});
   }
 }
 
@@ -101,11 +126,20 @@ void GradientSink::finish() {
   autograd::NoGradGuard no_grad;
   reduce_across();
   for (std::size_t b = 0; b < buckets.size(); ++b) {
+    if (reduced[b].defined()) {  // hybrid, accumulating: node-local partial sums
+      const Tensor sum = std::move(reduced[b]);
+      reduced[b] = Tensor();
+      accumulate(b, sum);
+      for (const std::size_t i : buckets[b].members) {
+        if (const Param p = ParamAccess::lock(params[i]); p.defined()) p.shard()->gradient_partial = true;
+      }
+      continue;
+    }
     Work& work = replicate ? all_reduces[b] : works[b];
     if (!work.valid()) continue;
-    const Tensor reduced = work.wait();
+    const Tensor sum = work.wait();
     work = Work();
-    accumulate(b, reduced);
+    accumulate(b, sum);
   }
 }
 
@@ -119,7 +153,9 @@ void GradientSink::accumulate(std::size_t b, const Tensor& reduced) {
     const std::int64_t begin = bucket.offsets[m];
     const Tensor piece = reduced.slice(0, begin, begin + p.shard()->shard_size);
     Tensor grad = leaf.grad();
-    if (grad.defined()) {
+    if (grad.defined() && replaces[bucket.members[m]]) {
+      grad.copy_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
+    } else if (grad.defined()) {
       grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
     } else {
       leaf.set_grad(piece.dtype() == leaf.dtype() ? piece.clone() : cast(piece, leaf.dtype()));
@@ -298,6 +334,8 @@ std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucke
   sink->grads.resize(params_.size());
   sink->works.resize(buckets.size());
   sink->all_reduces.resize(buckets.size());
+  sink->reduced.resize(buckets.size());
+  sink->replaces.assign(params_.size(), 0);
   sink->group = weak_from_this();
   return sink;
 }

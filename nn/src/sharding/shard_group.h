@@ -88,6 +88,10 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   std::vector<Tensor> grads;           // per member: the sum deposited in this backward
   std::vector<Work> works;             // per bucket: the reduce-scatter in flight
   std::vector<Work> all_reduces;       // per bucket (hybrid): the all-reduce across nodes in flight
+  std::vector<Tensor> reduced;         // per bucket (hybrid): the node's sum, kept without an all-reduce
+  /// Per member (hybrid): its gradient's earlier partial sums went into the all-reduce, whose
+  /// result replaces the gradient instead of adding to it.
+  std::vector<char> replaces;
   std::weak_ptr<ShardGroup> group;
   std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
   bool started = false;      // a backward has run some of its nodes: it takes no further use
@@ -106,6 +110,7 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
 
  private:
   void issue(std::size_t bucket);
+  /// Adds (or, for members in `replaces`, writes) each member's piece of `reduced` to its gradient.
   void accumulate(std::size_t bucket, const Tensor& reduced);
 };
 
@@ -192,6 +197,9 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
     report_ = OverlapReport{.decided = overlap_ != Overlap::automatic, .overlapping = overlap_ != Overlap::off};
   }
   void set_max_unsharded(int groups) noexcept { max_unsharded_ = groups; }
+  /// Hybrid: whether backward all-reduces the reduced shards across nodes (set_requires_all_reduce).
+  void set_requires_all_reduce(bool required) noexcept { requires_all_reduce_ = required; }
+  bool requires_all_reduce() const noexcept { return requires_all_reduce_; }
   const OverlapReport& overlap() const noexcept { return report_; }
   /// Whether this step overlaps (prefetch, reduce-scatters in flight): as decided, or as the
   /// automatic trial alternates.
@@ -243,6 +251,7 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   Communicator* comm_;                 // the decision's all-reduce
   Communicator* replicate_ = nullptr;  // hybrid: the decision's all-reduce across nodes too
   bool prefetch_ = true;
+  bool requires_all_reduce_ = true;
   int max_unsharded_ = 2;
   Overlap overlap_ = Overlap::automatic;
   OverlapReport report_;

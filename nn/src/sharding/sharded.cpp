@@ -337,6 +337,15 @@ void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy) 
   }
 }
 
+void set_requires_all_reduce(const Module& module, bool required) {
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded() && p.shard()->group) {
+      p.shard()->group->schedule()->set_requires_all_reduce(required);
+      return;
+    }
+  }
+}
+
 void set_forward_order(const std::vector<const Module*>& modules) {
   const char* op = "set_forward_order";
   std::vector<ShardGroup*> order;

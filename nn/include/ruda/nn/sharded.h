@@ -110,6 +110,9 @@ struct ShardInfo {
   /// Hybrid sharding: the communicator across nodes over which the reduced gradient shard is
   /// all-reduced (the parameter is replicated over it); null under full sharding.
   Communicator* replicate = nullptr;
+  /// Hybrid: the gradient holds sums of this node's ranks only (a backward without the all-reduce
+  /// across nodes, set_requires_all_reduce): the next all-reduce includes it.
+  bool gradient_partial = false;
   /// Names the parameter in collective tags and messages ("layers.2.weight").
   std::string name;
   /// The group that gathers it with the rest of its module (set by fully_shard), and its place
@@ -257,6 +260,16 @@ void set_max_unsharded_groups(const Module& module, int groups);
 /// Changes what backward keeps of the gathered weights of `module`'s sharded parameters
 /// (ShardPolicy::strategy), for the forwards that follow.
 void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy);
+
+/// Gradient accumulation under hybrid sharding (FSDP2's set_requires_all_reduce): with `required`
+/// off, the backwards that follow reduce-scatter each group's gradient inside the node and add it to
+/// the sharded gradients without the all-reduce across nodes; the next backward with it on
+/// all-reduces the accumulated shard (its own part added to what the backwards before it left)
+/// once. So K micro-batches with it off for all but the last cost one cross-node all-reduce, and
+/// give the gradient of one batch of their union (each micro-batch's loss still divided by the
+/// global count). On by default; no effect under full sharding, where every backward only
+/// reduce-scatters anyway.
+void set_requires_all_reduce(const Module& module, bool required);
 
 /// Fixes the order in which the groups of `modules` (each given to fully_shard, all in one
 /// schedule) run in forward, for prefetching; by default it is recorded in the first forward.
