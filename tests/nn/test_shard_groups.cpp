@@ -56,7 +56,8 @@ StackRun train_stack(Communicator& comm, const nn::FullyShardOptions& options, i
   StackRun r;
   for (int step = 0; step < steps; ++step) {
     const std::uint64_t before = comm.history().empty() ? 0 : std::stoull(comm.history().back().substr(1));
-    const Tensor x = test::part(randn({60, 7}, 100 + step), comm.rank(), comm.world_size());
+    // An input that wants its gradient: fc1's backward needs fc1's weight, so Recompute gathers it again.
+    const Tensor x = test::part(randn({60, 7}, 100 + step), comm.rank(), comm.world_size()).set_requires_grad();
     const Tensor loss = sum(square(model.forward(x))) / 60.0;
     r.losses.push_back(comm.all_reduce(loss.detach()).item());
     opt.zero_grad();
@@ -123,7 +124,8 @@ TEST_CASE("groups train bitwise like the per-parameter path, world sizes 1-5, pr
 }
 
 TEST_CASE("overlap: off never prefetches, auto times both ways and agrees on every rank, all train alike") {
-  // Recompute: the backward gathers each group again, so prefetching reorders its collectives.
+  // Recompute: the backward gathers fc1 again (fc2 and fc3 are still unsharded from the forward),
+  // and prefetching issues it before fc2's reduce-scatter.
   const nn::ShardPolicy policy{.strategy = nn::CheckpointStrategy::recompute};
   constexpr int kSteps = 9;  // the trial: the 6 steps between the first 7 backward ends
   for (int world : {2, 3}) {
@@ -285,13 +287,13 @@ TEST_CASE("groups: a tied table, an unused branch on one rank and bf16 compute s
   }
 }
 
-TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups with Recompute, named by group") {
+TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups less those still unsharded with Recompute") {
   for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
     CAPTURE(static_cast<int>(strategy));
     std::vector<std::string> step2;
     run_ranks(2, [&](Communicator& comm) {
       nn::manual_seed(3);
-      nn::GPT model(nn::GPTConfig{.vocabulary = 32, .context = 8, .d_model = 16, .layers = 2, .heads = 2});
+      nn::GPT model(nn::GPTConfig{.vocabulary = 32, .context = 8, .d_model = 16, .layers = 4, .heads = 2});
       for (const auto& block : model.blocks) nn::fully_shard(*block, comm, {.strategy = strategy});
       nn::fully_shard(model, comm, {.strategy = strategy});
       for (int step = 0; step < 2; ++step) {
@@ -301,15 +303,20 @@ TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups with Recompu
         if (comm.rank() == 0 && step == 1) step2 = after(comm.history(), before);
       }
     });
-    const std::size_t groups = 3;  // blocks.0, blocks.1 and the root (embeddings, final norm, tied head)
-    CHECK(calls_of(step2, "all_gather") == (strategy == nn::CheckpointStrategy::retain ? 1 : 2) * groups);
+    // Five groups: blocks.0-3 and the root (embeddings, final norm, tied head). At the end of the
+    // forward the root and the last two blocks (the limit of 2) are still unsharded: the backward
+    // takes their values, and gathers only blocks.1 and blocks.0 again.
+    const std::size_t groups = 5, still_unsharded = 3;
+    const bool retain = strategy == nn::CheckpointStrategy::retain;
+    CHECK(calls_of(step2, "all_gather") == (retain ? groups : 2 * groups - still_unsharded));
     CHECK(calls_of(step2, "reduce_scatter") == groups);
     CHECK(calls_of(step2,
                    "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
-                   "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+                   "parameters)") == (retain ? 2 : 3));
+    CHECK(calls_of(step2, "group 'blocks.3' (") == 2);
     CHECK(calls_of(step2,
                    "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
-                   "parameters)") == (strategy == nn::CheckpointStrategy::retain ? 2 : 3));
+                   "parameters)") == 2);
     CHECK(step2.size() == calls_of(step2, "group '"));
   }
 }
@@ -363,23 +370,26 @@ TEST_CASE("set_forward_order: the backward prefetches from the first step; a mod
       sum(model.forward(x)).backward();
       if (comm.rank() == 0) calls = comm.history();
     });
-    const auto fc3_reduced =
-        std::find_if(calls.begin(), calls.end(),
-                     [](const std::string& c) {
-                       return c.find("reduce_scatter") != std::string::npos && c.find("'fc3'") != std::string::npos;
-                     }) -
-        calls.begin();
-    REQUIRE(fc3_reduced < static_cast<std::ptrdiff_t>(calls.size()));
-    // Recompute gathers fc2 again in backward: with the order known, while fc3's backward runs
-    // (before fc3's reduce-scatter); recorded in this first step, only when fc2's turn comes.
-    const auto fc2_again =
-        std::find_if(calls.rbegin(), calls.rend(),
-                     [](const std::string& c) {
-                       return c.find("all_gather") != std::string::npos && c.find("'fc2'") != std::string::npos;
-                     })
-            .base() -
-        calls.begin() - 1;
-    CHECK((fc2_again < fc3_reduced) == fixed);
+    auto position = [&](const char* op, const char* group, bool last) -> std::ptrdiff_t {
+      auto is = [&](const std::string& c) {
+        return c.find(op) != std::string::npos && c.find(group) != std::string::npos;
+      };
+      if (last) {
+        const auto it = std::find_if(calls.rbegin(), calls.rend(), is);
+        REQUIRE(it != calls.rend());
+        return calls.rend() - it - 1;
+      }
+      const auto it = std::find_if(calls.begin(), calls.end(), is);
+      REQUIRE(it != calls.end());
+      return it - calls.begin();
+    };
+    // fc2 and fc3 are still unsharded when the backward begins and gather nothing; Recompute
+    // gathers fc1 again. With the order known, that gather is issued when fc3's backward is done
+    // (before fc2's reduce-scatter); recorded in this first step, only when fc1's turn comes.
+    const auto fc2_reduced = position("reduce_scatter", "'fc2'", false);
+    const auto fc1_again = position("all_gather", "'fc1'", true);
+    CHECK(fc1_again > position("all_gather", "'fc1'", false));  // a second gather
+    CHECK((fc1_again < fc2_reduced) == fixed);
   }
   run_ranks(1, [](Communicator& comm) {
     Stack model;

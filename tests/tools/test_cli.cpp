@@ -560,10 +560,12 @@ TEST_CASE("--gather-quantization int8: half the bytes of the step's collectives,
     return nlohmann::json::parse(final);
   };
   const auto f = last(tmp / "f32.jsonl"), q = last(tmp / "int8.jsonl"), h = last(tmp / "hybrid.jsonl");
-  // Two of a step's three collectives per group are gathers, now at ~1/4 of their bytes.
+  // A group's gathers (one, or two where the backward gathers it again) now move ~1/4 of their
+  // bytes, its reduce-scatter the same: (0.25 + 1) / 2 here, where the backward takes every
+  // group from the forward (2 blocks, the limit of 2, and the root).
   const double ratio = q["comm_bytes"].get<double>() / f["comm_bytes"].get<double>();
-  CHECK(ratio < 0.55);
-  CHECK(ratio > 0.45);
+  CHECK(ratio < 0.64);
+  CHECK(ratio > 0.6);
   CHECK(q["loss"].get<double>() == doctest::Approx(f["loss"].get<double>()).epsilon(0.02));
   CHECK(h["loss"].get<double>() == doctest::Approx(f["loss"].get<double>()).epsilon(0.02));
   CHECK(h["comm_bytes_inter"].get<double>() > 0);

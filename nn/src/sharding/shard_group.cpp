@@ -2,6 +2,7 @@
 #include "sharding/shard_group.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <ruda/autograd.h>
 
@@ -49,6 +50,7 @@ void GradientSink::deposit(std::size_t index, const Tensor& grad) {
   if (owner) {
     owner->schedule()->reduce_started(shared_from_this());
     owner->finished_backward(*this);
+    owner->schedule()->after_backward_of(*owner);
   }
 }
 
@@ -374,6 +376,7 @@ bool ShardGroup::usable(const Values& v, bool backward) const {
 
 Tensor ShardGroup::value(std::size_t index) {
   const bool backward = autograd::in_backward();
+  schedule_->enter_phase(backward);  // first: a backward begins by taking the forward's values still held
   if (!values_ || !usable(*values_, backward)) {
     values_.reset();
     // Pre-forward (or pre-backward): take the prefetched gather if it still holds the current
@@ -388,6 +391,11 @@ Tensor ShardGroup::value(std::size_t index) {
   return use(index);
 }
 
+void ShardGroup::drop_prefetch() noexcept {
+  prefetch_.reset();
+  if (!unsharded()) schedule_->resharded(*this);
+}
+
 void ShardGroup::start_prefetch() {
   if (!prefetch_) prefetch_ = start_gather();
 }
@@ -399,11 +407,21 @@ void ShardGroup::reshard() noexcept {
 }
 
 void ShardGroup::reshard_unless(bool backward) noexcept {
-  if (values_ && values_->backward != backward) values_.reset();
+  if (values_ && values_->backward != backward) {
+    if (backward) {
+      // A backward begins while the forward's values are still held (the last groups of the
+      // forward, the root): it takes them instead of gathering them again, as FSDP2 does for its
+      // root, and drops them after this group's post-backward like the values it gathers itself.
+      values_->backward = true;
+    } else {
+      values_.reset();  // a forward begins: a backward's values are of no use to it
+    }
+  }
   if (!unsharded()) schedule_->resharded(*this);
 }
 
 void ShardGroup::finished_backward(const GradientSink& sink) noexcept {
+  backward_done_ = autograd::backward_serial();
   // Post-backward: values unsharded for this backward (a recompute or a checkpointed block) are
   // done with; the forward's were dropped when the backward began.
   if (values_ && values_->backward && (!values_->sink || values_->sink.get() == &sink)) {
@@ -418,6 +436,7 @@ void ShardSchedule::remove(ShardGroup* group) noexcept {
   std::erase(groups_, group);
   std::erase(order_, group);
   std::erase(backward_order_, group);
+  std::erase(backward_seen_, group);
   std::erase(unsharded_, group);
 }
 
@@ -446,9 +465,10 @@ std::size_t ShardSchedule::unsharded_around(const ShardGroup& computing) const {
 
 void ShardSchedule::before_unshard(ShardGroup& group, bool backward) {
   enter_phase(backward);
-  // The orders prefetching follows: the forward's, and the order in which a backward unsharded
-  // groups again (Recompute), each as first met.
-  std::vector<ShardGroup*>& order = backward ? backward_order_ : order_;
+  // The orders prefetching follows: the forward's, each group as first met, and the order in
+  // which the last backward unsharded groups again (Recompute; which ones depends on what the
+  // forward left unsharded and on activation checkpointing, so each backward records it anew).
+  std::vector<ShardGroup*>& order = backward ? backward_seen_ : order_;
   if (!order_fixed_ && std::find(order.begin(), order.end(), &group) == order.end()) order.push_back(&group);
   // Room for this group under the limit: reshard the least recently unsharded groups that neither
   // are it nor enclose it (a root stays unsharded while its blocks compute).
@@ -484,6 +504,27 @@ void ShardSchedule::after_unshard(ShardGroup& group, bool backward) {
 }
 
 void ShardSchedule::resharded(ShardGroup& group) noexcept { std::erase(unsharded_, &group); }
+
+ShardGroup* ShardSchedule::next_backward_gather() const {
+  const std::uint64_t now = autograd::backward_serial();
+  const auto pending = [&](const ShardGroup* g) { return g->backward_done() != now && !g->unsharded(); };
+  if (order_fixed_) {
+    const auto it = std::find_if(order_.rbegin(), order_.rend(), pending);
+    return it == order_.rend() ? nullptr : *it;
+  }
+  const auto it = std::find_if(backward_order_.begin(), backward_order_.end(), pending);
+  return it == backward_order_.end() ? nullptr : *it;
+}
+
+void ShardSchedule::after_backward_of(const ShardGroup&) {
+  if (!prefetch_ || !overlapping()) return;
+  ShardGroup* next = next_backward_gather();
+  if (!next) return;
+  const std::size_t limit = static_cast<std::size_t>(std::max(1, max_unsharded_));
+  if (unsharded_around(*next) + 1 > limit) return;
+  next->start_prefetch();
+  unsharded_.push_back(next);
+}
 
 void ShardSchedule::reduce_started(std::shared_ptr<GradientSink> sink) {
   reducing_.push_back(std::move(sink));
@@ -524,6 +565,10 @@ void ShardSchedule::finish_reductions(std::size_t keep) {
 
 void ShardSchedule::end_backward() {
   finish_reductions(0);
+  if (!order_fixed_) backward_order_ = std::exchange(backward_seen_, {});
+  // A gather prefetched for a group this backward did not use after all: its memory goes now
+  // (the collective still completes on every rank).
+  for (ShardGroup* g : groups_) g->drop_prefetch();
   // In the order they were first reached: the same on every rank.
   std::vector<std::shared_ptr<GradientSink>> sinks;
   sinks.swap(touched_);

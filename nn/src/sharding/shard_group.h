@@ -14,8 +14,10 @@
 //   pre-forward   wait for this group's prefetched all-gather, or issue it; reshard groups beyond
 //                 the limit (least recently unsharded first, never one that encloses this one);
 //                 issue the all-gather of the next group in forward order.
-//   post-forward  nothing to do: the group stays unsharded until the limit or the backward drops
-//                 it (Retain keeps its values in the graph anyway; Recompute keeps a recipe).
+//   post-forward  nothing to do: the group stays unsharded until the limit drops it (Retain keeps
+//                 its values in the graph anyway; Recompute keeps a recipe). Groups still
+//                 unsharded when the backward begins (the forward's last ones, the root) keep their
+//                 values for it, so their recipes gather nothing.
 //   pre-backward  the first recompute recipe of the group unshards it again (or takes the
 //                 prefetched gather) and issues the all-gather of the group before it.
 //   post-backward the group's gradient nodes have all run: copy the gradients into one buffer and
@@ -152,13 +154,17 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   bool unsharded() const noexcept { return values_ != nullptr || prefetch_.has_value(); }
   /// Issues this group's all-gather without waiting (a prefetch).
   void start_prefetch();
+  /// Drops a prefetched gather not used (it still completes, every rank took part).
+  void drop_prefetch() noexcept;
   /// Drops the full values and a prefetch not used (it still completes, every rank took part).
   void reshard() noexcept;
-  /// Drops values kept from the other phase: the forward's once the backward begins, a backward's
-  /// once a new forward begins.
+  /// When a phase begins: a backward takes the forward's values still held (no second gather);
+  /// a forward drops a backward's.
   void reshard_unless(bool backward) noexcept;
   /// Post-backward: `sink`'s reduce-scatters were issued.
   void finished_backward(const GradientSink& sink) noexcept;
+  /// The backward (autograd::backward_serial) whose post-backward this group last had.
+  std::uint64_t backward_done() const noexcept { return backward_done_; }
 
  private:
   struct Values;
@@ -181,6 +187,7 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   std::shared_ptr<ShardSchedule> schedule_;
   std::shared_ptr<Values> values_;
   std::optional<PendingGather> prefetch_;
+  std::uint64_t backward_done_ = 0;
 };
 
 /// The groups that run in one forward pass (a root and the groups under it): the forward order,
@@ -229,6 +236,10 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
 
   /// Post-backward of a group: its reduce-scatters were issued. Finishes all but the newest two.
   void reduce_started(std::shared_ptr<GradientSink> sink);
+  /// After a group's post-backward: prefetches the next group the backward must gather again,
+  /// if the limit allows (the groups the backward took from the forward gather nothing, so no
+  /// pre-backward of theirs issues it).
+  void after_backward_of(const ShardGroup& group);
   /// A sink's first deposit in this backward: the end of the backward flushes it.
   void touched(std::shared_ptr<GradientSink> sink);
   /// Drops the values kept from the other phase when a forward or a backward begins.
@@ -246,6 +257,9 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   /// Unsharded groups (or prefetching) that do not enclose `computing`.
   std::size_t unsharded_around(const ShardGroup& computing) const;
   ShardGroup* neighbour(const ShardGroup& group, bool backward) const;
+  /// The next group this backward will gather: by the fixed order backwards, or as the last
+  /// backward gathered them; one neither unsharded nor done with this backward.
+  ShardGroup* next_backward_gather() const;
 
   static thread_local int probing;     // Probing scopes alive on this thread
   Communicator* comm_;                 // the decision's all-reduce
@@ -261,7 +275,8 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   bool order_fixed_ = false;
   std::vector<ShardGroup*> groups_;
   std::vector<ShardGroup*> order_;           // forward order, recorded or set
-  std::vector<ShardGroup*> backward_order_;  // the groups a backward unsharded again, as recorded
+  std::vector<ShardGroup*> backward_order_;  // the groups the last backward unsharded again, in order
+  std::vector<ShardGroup*> backward_seen_;   // the same, being recorded by this backward
   std::uint64_t queued_serial_ = 0;          // the backward whose end is queued
   std::vector<std::shared_ptr<GradientSink>> touched_;
   std::vector<ShardGroup*> unsharded_;  // least recently unsharded first
