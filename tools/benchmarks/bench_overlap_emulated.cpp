@@ -26,8 +26,8 @@ void run(Context& ctx) {
   // One backend is enough here: the fastest built (onednn where built), as ruda-train would use.
   if (ctx.backend != available_backends().back()) return;
   for (overlap::Maker make : overlap::models()) {
-    // The bytes one rank's link carries in a step (each group gathered twice, reduced once, as a
-    // ring sends them) and the dense step's time, without a link.
+    // The bytes one rank's link carries in a step (each group gathered once or twice, reduced
+    // once, as a ring sends them) and the dense step's time, without a link.
     double compute_seconds = 0, bytes_per_step = 0;
     run_ranks(
         kWorld,
@@ -35,8 +35,11 @@ void run(Context& ctx) {
           const Stats compute = overlap::train_step(ctx, comm, make, nullptr).seconds;
           if (comm.rank() != 0) return;
           compute_seconds = compute.median;
-          for (std::int64_t part : overlap::group_parts(make(kWorld, 0), kWorld))
-            bytes_per_step += 3.0 * (kWorld - 1) * static_cast<double>(part) * 4;
+          const overlap::Model m = make(kWorld, 0);
+          const std::vector<std::int64_t> parts = overlap::group_parts(m, kWorld);
+          const std::vector<bool> again = overlap::gathered_in_backward(m, parts.size());
+          for (std::size_t g = 0; g < parts.size(); ++g)
+            bytes_per_step += (again[g] ? 3.0 : 2.0) * (kWorld - 1) * static_cast<double>(parts[g]) * 4;
         },
         options());
     for (const double share : {0.5, 1.0, 2.0}) {

@@ -63,17 +63,18 @@ inline Stats train_step(const Context& ctx, const ShardMesh& mesh, overlap::Make
   return overlap::slowest(mesh.world(), measure(ctx, [&] { t.step(); }));
 }
 
-/// The step's collectives alone: each group's all-gather in forward, then in backward (reverse
-/// order) its all-gather again and its reduce-scatter, over the ranks it is sharded over; hybrid
-/// adds the all-reduce of the reduced shard across nodes (in flight while the next group reduces).
+/// The step's collectives alone (overlap::communication_only says which), over the ranks the
+/// model is sharded over; hybrid adds the all-reduce of each reduced shard across nodes (in flight
+/// while the next group reduces).
 /// An int8 gather moves its wire words (codes 8 to an i64, then a scale per 2048 elements, 2 to
 /// an i64: nn's format), without the time to quantize and dequantize.
 inline Stats communication_only(const Context& ctx, const ShardMesh& mesh, overlap::Maker make,
                                 const Variant& variant) {
   Communicator& gather = variant.hybrid ? mesh.shard() : mesh.world();
   const std::int64_t world = gather.world_size();
-  const std::vector<std::int64_t> parts =
-      overlap::group_parts(make(mesh.world().world_size(), mesh.world().rank()), world);
+  const overlap::Model m = make(mesh.world().world_size(), mesh.world().rank());
+  const std::vector<std::int64_t> parts = overlap::group_parts(m, world);
+  const std::vector<bool> again = overlap::gathered_in_backward(m, parts.size());
   std::vector<Tensor> local, gathered, full, piece;
   for (std::int64_t part : parts) {
     const std::int64_t words = (part + 7) / 8 + ((part + nn::kQuantizationBlock - 1) / nn::kQuantizationBlock + 1) / 2;
@@ -87,7 +88,7 @@ inline Stats communication_only(const Context& ctx, const ShardMesh& mesh, overl
                               gather.all_gather_into(gathered[g], local[g]);
                             std::vector<Work> across;
                             for (std::size_t g = parts.size(); g-- > 0;) {
-                              gather.all_gather_into(gathered[g], local[g]);
+                              if (again[g]) gather.all_gather_into(gathered[g], local[g]);
                               gather.reduce_scatter_into(piece[g], full[g]);
                               if (variant.hybrid) across.push_back(mesh.replicate().all_reduce_async(piece[g]));
                             }

@@ -29,6 +29,9 @@ struct Model {
   std::shared_ptr<nn::Module> root;
   std::vector<nn::Module*> groups;          // sharded first, bottom-up; the root takes the rest
   std::function<Tensor(nn::Module&)> loss;  // this rank's loss, already divided by the global count
+  /// Whether the first group's backward needs its weights (not when its input needs no
+  /// gradient, as the MLP's first layer on the data).
+  bool first_needs_weights_in_backward = true;
 };
 
 inline Model make_mlp(int world, int rank) {
@@ -38,7 +41,7 @@ inline Model make_mlp(int world, int rank) {
       std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(1024, 10)});
   const std::int64_t rows = kBatch / world;
   const Tensor x = rand({rows, 784}, 10 + rank), y = randint({rows}, 0, 10, 20 + rank);
-  Model m{"MLP 784-1024-1024-10 b128", net, {(*net)[0].get(), (*net)[2].get(), (*net)[4].get()}, nullptr};
+  Model m{"MLP 784-1024-1024-10 b128", net, {(*net)[0].get(), (*net)[2].get(), (*net)[4].get()}, nullptr, false};
   m.loss = [x, y](nn::Module& module) {
     return nn::cross_entropy(static_cast<nn::Sequential&>(module).forward(x), y,
                              {.reduction = nn::LossReduction::sum}) /
@@ -131,12 +134,31 @@ inline std::vector<std::int64_t> group_parts(const Model& m, std::int64_t world)
   return parts;
 }
 
+/// Which groups (as group_parts orders them) the backward gathers again with Recompute, as the
+/// schedule does: not the root and the last max_unsharded_groups groups, which are still unsharded
+/// when the backward begins (the backward takes their values), nor a first group whose backward
+/// needs no weights.
+inline std::vector<bool> gathered_in_backward(const Model& m, std::size_t parts, int max_unsharded_groups = 2) {
+  const bool has_root = parts > m.groups.size();
+  std::vector<bool> again(parts, false);
+  const std::size_t kept_from = m.groups.size() > static_cast<std::size_t>(max_unsharded_groups)
+                                    ? m.groups.size() - static_cast<std::size_t>(max_unsharded_groups)
+                                    : 0;
+  for (std::size_t g = 0; g < m.groups.size(); ++g) {
+    again[g + (has_root ? 1 : 0)] = g < kept_from && (g > 0 || m.first_needs_weights_in_backward);
+  }
+  return again;
+}
+
 /// The collectives of one step with Recompute, in order and at their sizes: each group's
-/// all-gather in forward, then in backward (reverse order) its all-gather again and its
-/// reduce-scatter.
+/// all-gather in forward, then in backward (reverse order) its all-gather again where the
+/// schedule gathers it again (gathered_in_backward) and its reduce-scatter. One collective per
+/// group (the step has one per bucket: the same bytes, a few more latencies).
 inline Stats communication_only(const Context& ctx, Communicator& comm, Maker make) {
   const std::int64_t world = comm.world_size();
-  const std::vector<std::int64_t> parts = group_parts(make(comm.world_size(), comm.rank()), world);
+  const Model m = make(comm.world_size(), comm.rank());
+  const std::vector<std::int64_t> parts = group_parts(m, world);
+  const std::vector<bool> again = gathered_in_backward(m, parts.size());
   std::vector<Tensor> local, gathered, full, piece;
   for (std::int64_t part : parts) {
     local.push_back(ones({part}));
@@ -147,7 +169,7 @@ inline Stats communication_only(const Context& ctx, Communicator& comm, Maker ma
   return slowest(comm, measure(ctx, [&] {
                    for (std::size_t g = 0; g < parts.size(); ++g) comm.all_gather_into(gathered[g], local[g]);
                    for (std::size_t g = parts.size(); g-- > 0;) {
-                     comm.all_gather_into(gathered[g], local[g]);
+                     if (again[g]) comm.all_gather_into(gathered[g], local[g]);
                      comm.reduce_scatter_into(piece[g], full[g]);
                    }
                  }));
