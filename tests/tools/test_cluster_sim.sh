@@ -88,6 +88,13 @@ losses "$tmp/hybrid-host.jsonl" >"$tmp/hybrid-host.loss"
 losses "$tmp/full4.jsonl" >"$tmp/full4.loss"
 [ "$(wc -l <"$tmp/hybrid.loss")" -eq 4 ] || fail "expected 4 steps of hybrid losses, got: $(cat "$tmp/hybrid.loss")"
 diff "$tmp/hybrid-host.loss" "$tmp/hybrid.loss" || fail "the hybrid losses across the nodes differ from one host's"
+# And the single-process reference (dense: one rank holds everything), within rounding.
+OMP_NUM_THREADS=1 RUDA_NUM_THREADS=1 "$train" --metrics "$tmp/dense.jsonl" "${args4[@]}" >/dev/null
+losses "$tmp/dense.jsonl" >"$tmp/dense.loss"
+paste "$tmp/dense.loss" "$tmp/hybrid.loss" | awk '{
+    split($1, a, ":"); split($3, b, ":"); d = a[2] - b[2]; if (d < 0) d = -d;
+    if (d > 1e-5 * (a[2] < 0 ? -a[2] : a[2])) { print "step " NR ": dense " a[2] ", hybrid " b[2]; bad = 1 }
+  } END { exit bad }' || fail "the hybrid losses across the nodes differ from the dense ones"
 echo "bytes out of node 0 for 4 steps: full shard $full_bytes, hybrid $hybrid_bytes"
 [ $((hybrid_bytes * 2)) -lt "$full_bytes" ] || fail "hybrid sent $hybrid_bytes bytes, not under half of full shard's $full_bytes"
 
