@@ -143,11 +143,16 @@ struct FitFixture {
 
 // The concessions from (2 groups, retain, none), fewest first and in the ladder's order.
 const std::vector<nn::MemorySchedule> kLadder = {
-    {2, nn::CheckpointStrategy::retain, false},    {1, nn::CheckpointStrategy::retain, false},
-    {2, nn::CheckpointStrategy::recompute, false}, {2, nn::CheckpointStrategy::retain, true},
-    {1, nn::CheckpointStrategy::recompute, false}, {1, nn::CheckpointStrategy::retain, true},
-    {2, nn::CheckpointStrategy::recompute, true},  {1, nn::CheckpointStrategy::recompute, true},
+    {2, nn::CheckpointStrategy::retain, false, 1},    {1, nn::CheckpointStrategy::retain, false, 1},
+    {2, nn::CheckpointStrategy::recompute, false, 1}, {2, nn::CheckpointStrategy::retain, true, 1},
+    {1, nn::CheckpointStrategy::recompute, false, 1}, {1, nn::CheckpointStrategy::retain, true, 1},
+    {2, nn::CheckpointStrategy::recompute, true, 1},  {1, nn::CheckpointStrategy::recompute, true, 1},
 };
+
+int concessions_of(const nn::MemorySchedule& s) {
+  return (s.max_unsharded_groups < 2) + (s.strategy == nn::CheckpointStrategy::recompute) + s.activation_checkpointing +
+         (s.micro_batches > 1);
+}
 }  // namespace
 
 TEST_CASE("fit_schedule: the first schedule in the ladder that fits is chosen, applied, and trains under the limit") {
@@ -229,6 +234,52 @@ TEST_CASE(
     CHECK(nn::largest_fitting_batch(*f.model, 2, FitFixture::kGlobalBatch, fit.plan.probe, leanest - 1) <
           FitFixture::kGlobalBatch);
     CHECK(nn::largest_fitting_batch(*f.model, 2, FitFixture::kGlobalBatch, fit.plan.probe, 1) == 0);
+  });
+}
+
+TEST_CASE("fit_schedule: more micro-batches are the last concession, and fit where nothing else does") {
+  constexpr std::int64_t kBatch = 64;
+  run_ranks(2, [&](Communicator& comm) {
+    memory::Scope rank_memory;
+    // Activations dominate (wide inputs, a narrow layer): only splitting the batch saves much.
+    nn::manual_seed(4);
+    nn::Sequential model(
+        {std::make_shared<nn::Linear>(512, 16), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(16, 4)});
+    for (std::size_t i : {std::size_t{0}, std::size_t{2}}) nn::fully_shard(*model[i], comm);
+    nn::fully_shard(model, comm);
+    auto step = [&](std::int64_t b) {
+      const Tensor x = randn({b, 512}, 10 + static_cast<std::uint64_t>(comm.rank()));
+      return sum(square(model.forward(x))) / static_cast<double>(kBatch);
+    };
+    const nn::MemorySchedule configured{2, nn::CheckpointStrategy::recompute, false, 1};
+    nn::FitOptions options;
+    const nn::FittedSchedule without = nn::fit_schedule(model, comm, kBatch, step, 1, configured, options);
+    REQUIRE_FALSE(without.fits);
+    options.max_micro_batches = 8;  // the local batch of 32 splits into 2, 4 or 8
+    const nn::FittedSchedule leanest = nn::fit_schedule(model, comm, kBatch, step, 1, configured, options);
+    REQUIRE(leanest.schedule.micro_batches == 8);
+    REQUIRE(leanest.plan.peak() < without.plan.peak());
+    // Below the leanest schedule of one batch per step, above the leanest of all.
+    const std::int64_t limit = (leanest.plan.peak() + without.plan.peak()) / 2;
+    const nn::FittedSchedule fit = nn::fit_schedule(model, comm, kBatch, step, limit, configured, options);
+    CHECK(fit.fits);
+    CHECK(fit.schedule.micro_batches > 1);
+    CHECK(fit.plan.peak() <= limit);
+    CHECK(fit.plan.local_batch == kBatch / 2 / fit.schedule.micro_batches);
+    CHECK(fit.plan.schedule.find(" micro-batches") != std::string::npos);
+    // Fewest concessions first; among as many, one micro-batch before more.
+    for (std::size_t i = 1; i < fit.tried.size(); ++i) {
+      CAPTURE(i);
+      CHECK(concessions_of(fit.tried[i - 1]) <= concessions_of(fit.tried[i]));
+      if (concessions_of(fit.tried[i - 1]) == concessions_of(fit.tried[i])) {
+        CHECK(fit.tried[i - 1].micro_batches <= fit.tried[i].micro_batches);
+      }
+    }
+    // The configured micro-batches must divide the local batch.
+    nn::MemorySchedule three = configured;
+    three.micro_batches = 3;
+    test::check_throws<ArgumentError>([&] { (void)nn::fit_schedule(model, comm, kBatch, step, limit, three, options); },
+                                      {"fit_schedule", "3 micro-batches do not divide"});
   });
 }
 

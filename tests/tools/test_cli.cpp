@@ -408,11 +408,18 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   // ... which then runs, within the limit.
   const Run fits = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm + " --activation-checkpointing"));
   CHECK_MESSAGE(fits.exit_code == 0, fits.output);
+  // Lower, only micro-batches on top of every other concession fit.
+  const Run micro = run(train("--emulate 2 --memory-limit 3MB" + lm));
+  CHECK_MESSAGE(micro.exit_code == 0, micro.output);
+  CHECK_MESSAGE(micro.output.find("chose 1 unsharded group, recompute, activation checkpointing, 8 micro-batches") !=
+                    std::string::npos,
+                micro.output);
   // Nothing fits: the refusal names the leanest schedule and what would fit with it.
-  one_error_line(run(train("--emulate 2 --memory-limit 3MB" + lm)),
-                 {"memory plan: needs ~", " MB per rank at 2 ranks", "limit 3.00 MB",
-                  "no schedule fits (the leanest, 1 unsharded group, recompute, activation checkpointing, needs ~",
-                  "; fits at ", " ranks, or with --batch "});
+  one_error_line(run(train("--emulate 2 --memory-limit 2.5MB" + lm)),
+                 {"memory plan: needs ~", " MB per rank at 2 ranks", "limit 2.50 MB",
+                  "no schedule fits (the leanest, 1 unsharded group, recompute, activation checkpointing, 8 "
+                  "micro-batches, needs ~",
+                  "; fits at 8 ranks"});
   one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
   // The environment variable is the same limit.
   one_error_line(run(train(lm), "RUDA_MEMORY_LIMIT=300kB"), {"limit 300 KB"});
@@ -602,6 +609,31 @@ TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybr
   }
   one_error_line(run(train("--emulate 4 --grad-accum 4" + lm + tmp / "x.jsonl")),
                  {"--grad-accum 4 does not divide the local batch of 6"});
+}
+
+TEST_CASE("--memory-limit: when no schedule of one batch fits, the plan chooses micro-batches and trains alike") {
+  TempDir tmp;
+  // Activations dominate (a batch of 1024 images, a layer of 64): only splitting the batch helps.
+  const std::string mlp = " mlp --hidden 64 --batch 1024 --limit 4096 --test-limit 10 --epochs 1 --log-every 1";
+  const Run plain = run(train("--emulate 2 --metrics " + tmp / "plain.jsonl" + mlp));
+  const Run fitted = run(train("--emulate 2 --memory-limit 1.5MB --metrics " + tmp / "fitted.jsonl" + mlp));
+  REQUIRE_MESSAGE(plain.exit_code == 0, plain.output);
+  REQUIRE_MESSAGE(fitted.exit_code == 0, fitted.output);
+  INFO(fitted.output);
+  CHECK(fitted.output.find("is over the limit of 1.50 MB; chose 2 unsharded groups, recompute, 4 micro-batches") !=
+        std::string::npos);
+  CHECK(fitted.output.find("4 micro-batches per step") != std::string::npos);
+  const auto want = losses(tmp / "plain.jsonl"), got = losses(tmp / "fitted.jsonl");
+  REQUIRE(got.size() == 4);
+  for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-5));
+  auto number_after = [](const std::string& text, const std::string& key) {
+    const std::size_t at = text.find(key);
+    REQUIRE_MESSAGE(at != std::string::npos, text);
+    return std::stod(text.substr(at + key.size()));
+  };
+  CHECK(number_after(fitted.output, "peak memory per rank: ") <= 1.5);
+  // --no-auto-fit refuses instead.
+  one_error_line(run(train("--emulate 2 --memory-limit 1.5MB --no-auto-fit" + mlp)), {"memory plan: needs"});
 }
 
 TEST_CASE("a short Fashion-MNIST run on a subset reaches 75% test accuracy") {

@@ -105,7 +105,8 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
   if (task.can_checkpoint_activations()) {
     fit_options.set_activation_checkpointing = [&task](bool on) { task.set_activation_checkpointing(on); };
   }
-  const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, batch, step, limit, configured, fit_options);
+  fit_options.max_micro_batches = cfg.batch / comm.world_size();  // the last concession: any that divides
+  const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, cfg.batch, step, limit, configured, fit_options);
   const nn::MemoryPlan& first = fit.configured;
   if (fit.fits) {
     if (fit.tried.size() > 1 && comm.rank() == 0) {
@@ -124,9 +125,11 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
           (world == 1 ? " rank" : " ranks") + "; limit " + memory::format_bytes(limit) +
           "; no schedule fits (the leanest, " + fit.schedule.describe() + ", needs ~" +
           memory::format_bytes(fit.plan.peak()) + ")";
-    const int fits = nn::smallest_fitting_world(task.module(), batch, fit.plan.probe, limit, options);
+    // What fits with the leanest schedule's probe in one batch per step (more ranks, a smaller
+    // batch): micro-batches could only add to that.
+    const int fits = nn::smallest_fitting_world(task.module(), cfg.batch, fit.plan.probe, limit, options);
     const std::int64_t smaller =
-        nn::largest_fitting_batch(task.module(), world, batch, fit.plan.probe, limit, options) * cfg.grad_accum;
+        nn::largest_fitting_batch(task.module(), world, cfg.batch, fit.plan.probe, limit, options);
     if (fits > 0) out += "; fits at " + std::to_string(fits) + " ranks";
     if (smaller > 0) out += std::string(fits > 0 ? ", or" : ";") + " with --batch " + std::to_string(smaller);
     if (fits == 0 && smaller == 0) out += "; fits at no world size with --batch " + std::to_string(cfg.batch);
@@ -199,8 +202,10 @@ void run(const Config& cfg, Communicator& comm) {
   policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
   if (parse_dtype(cfg.dtype) != DType::f32) policy.compute_dtype = parse_dtype(cfg.dtype);
   if (cfg.gather_quantization == "int8") policy.gather_quantization = nn::GatherQuantization::int8;
-  const nn::PlanOptions plan_options{
-      .optimizer_states = 2, .compute_dtype = policy.compute_dtype, .shard_ranks = shard_comm.world_size()};
+  const nn::PlanOptions plan_options{.optimizer_states = 2,
+                                     .compute_dtype = policy.compute_dtype,
+                                     .shard_ranks = shard_comm.world_size(),
+                                     .accumulating = cfg.grad_accum > 1};
   // Without collectives: the options, the data, the model (deferred: no parameter is allocated)
   // and whether its sharded state alone fits the limit.
   setup_phase(comm, [&] {
@@ -239,10 +244,12 @@ void run(const Config& cfg, Communicator& comm) {
   shard(task->module());
   const nn::MemorySchedule configured{.max_unsharded_groups = cfg.unsharded_groups,
                                       .strategy = policy.strategy,
-                                      .activation_checkpointing = cfg.activation_checkpointing};
+                                      .activation_checkpointing = cfg.activation_checkpointing,
+                                      .micro_batches = cfg.grad_accum};
   const MeasuredPlan measured = measure_plan(cfg, comm, *task, configured, plan_options);
   plan = measured.plan;
   const nn::MemorySchedule& chosen = measured.schedule;
+  task->set_micro_batches(chosen.micro_batches);
   setup_phase(comm, [&] {
     if (!measured.refusal.empty()) throw OutOfMemoryError(measured.refusal);
     const nn::AdamWOptions adamw{.lr = cfg.lr, .weight_decay = cfg.weight_decay};
@@ -286,8 +293,9 @@ void run(const Config& cfg, Communicator& comm) {
               << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
               << (chosen.activation_checkpointing ? ", activation checkpointing" : "")
               << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "")
-              << (cfg.grad_accum > 1 ? ", " + std::to_string(cfg.grad_accum) + " micro-batches per step" : "") << ", "
-              << total - start_step << " steps" << std::endl;
+              << (chosen.micro_batches > 1 ? ", " + std::to_string(chosen.micro_batches) + " micro-batches per step"
+                                           : "")
+              << ", " << total - start_step << " steps" << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }
   const nn::Schedule schedule = cfg.schedule == "cosine"
@@ -369,7 +377,8 @@ void run(const Config& cfg, Communicator& comm) {
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
     optimizer->set_lr(schedule(step));
     Tensor loss;
-    if (cfg.grad_accum == 1) {
+    const std::int64_t micro_batches = chosen.micro_batches;  // --grad-accum, or more if the plan chose them
+    if (micro_batches == 1) {
       loss = task->loss(step);
       optimizer->zero_grad();
       loss.backward();
@@ -377,9 +386,9 @@ void run(const Config& cfg, Communicator& comm) {
       // Micro-batches: their gradients add up in the shards; under hybrid sharding only the last
       // backward all-reduces them across nodes.
       optimizer->zero_grad();
-      for (std::int64_t micro = 0; micro < cfg.grad_accum; ++micro) {
-        if (mesh) nn::set_requires_all_reduce(task->module(), micro + 1 == cfg.grad_accum);
-        const Tensor part = task->micro_loss(step, micro, cfg.grad_accum);
+      for (std::int64_t micro = 0; micro < micro_batches; ++micro) {
+        if (mesh) nn::set_requires_all_reduce(task->module(), micro + 1 == micro_batches);
+        const Tensor part = task->micro_loss(step, micro, micro_batches);
         part.backward();
         loss = loss.defined() ? loss + part.detach() : part.detach();
       }

@@ -98,7 +98,8 @@ struct MlpTask : Task {
     const bool epoch_end = (step + 1) % sampler->batches_per_epoch() == 0;
     if (!epoch_end && !final) return {};
     // Chunks of the local training batch keep evaluation within the memory a step was planned with.
-    const nn::ClassifierScore score = nn::evaluate_classifier(*model, comm, test, cfg.batch / comm.world_size());
+    const nn::ClassifierScore score =
+        nn::evaluate_classifier(*model, comm, test, cfg.batch / comm.world_size() / micro_batches);
     return {{"test_accuracy", score.accuracy}, {"test_loss", score.loss}};
   }
 };
@@ -171,8 +172,13 @@ struct LmTask : Task {
     for (std::int64_t b = 0; b < cfg.eval_batches; ++b) {
       // Fixed validation windows (their own stream), the same at every evaluation.
       const auto [x, y] = validation->batch(cfg.seed ^ 0x5eed, b, cfg.batch, comm.rank(), comm.world_size());
-      loss_sum +=
-          nn::cross_entropy(cast(model->forward(x), DType::f32), y, {.reduction = nn::LossReduction::sum}).item();
+      const std::int64_t rows = x.shape()[0] / micro_batches;
+      for (std::int64_t m = 0; m < micro_batches; ++m) {
+        const Tensor logits = model->forward(x.slice(0, m * rows, (m + 1) * rows));
+        loss_sum += nn::cross_entropy(cast(logits, DType::f32), y.slice(0, m * rows, (m + 1) * rows),
+                                      {.reduction = nn::LossReduction::sum})
+                        .item();
+      }
     }
     const double total = comm.all_reduce(scalar(loss_sum, DType::f64)).item();
     const double loss = total / static_cast<double>(cfg.eval_batches * cfg.batch * cfg.context);

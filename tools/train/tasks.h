@@ -33,8 +33,12 @@ struct Task {
   /// The options that decide which samples step k trains on: a resumed run must keep them, or it
   /// would not continue the same data stream.
   virtual std::map<std::string, std::string> data_stream() const = 0;
-  /// Evaluation after `step`, or an empty object when none is due.
+  /// Evaluation after `step`, or an empty object when none is due. It runs in chunks of one
+  /// micro-batch (set_micro_batches), within the memory a step was planned with.
   virtual nlohmann::json evaluate(std::int64_t step, bool final) = 0;
+  /// The micro-batches a training step runs (the memory plan's choice).
+  void set_micro_batches(std::int64_t m) { micro_batches = m; }
+  std::int64_t micro_batches = 1;
   virtual void after_training() {}
   /// This rank's loss on `local_batch` samples of the first step, for measuring a step's memory.
   virtual Tensor probe_loss(std::int64_t local_batch) = 0;

@@ -71,7 +71,7 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options) {
   MemoryPlan plan = plan_state(module, world_size, global_batch, options);
-  plan.step = probe.at(plan.local_batch);
+  plan.step = probe.at(plan.local_batch) + (options.accumulating ? plan.gradients : 0);
   plan.probe = probe;
   return plan;
 }
@@ -95,7 +95,9 @@ std::string MemorySchedule::describe() const {
   std::string out = std::to_string(max_unsharded_groups) +
                     (max_unsharded_groups == 1 ? " unsharded group, " : " unsharded groups, ") +
                     (strategy == CheckpointStrategy::retain ? "retain" : "recompute");
-  return activation_checkpointing ? out + ", activation checkpointing" : out;
+  if (activation_checkpointing) out += ", activation checkpointing";
+  if (micro_batches > 1) out += ", " + std::to_string(micro_batches) + " micro-batches";
+  return out;
 }
 
 namespace {
@@ -109,10 +111,11 @@ void apply(const Module& module, const MemorySchedule& schedule, const FitOption
 // The schedules to try after `configured`, fewest concessions first; among as many concessions,
 // those that give up less come first: fewer unsharded groups (more groups kept first), then
 // recompute, then activation checkpointing.
-std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint) {
+std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint,
+                                        const std::vector<std::int64_t>& micro_batches) {
   struct Candidate {
     MemorySchedule schedule;
-    int count, checkpointing, recomputing, groups_given_up;
+    int count, micro, checkpointing, recomputing, groups_given_up;
   };
   std::vector<Candidate> all;
   const bool may_recompute = configured.strategy == CheckpointStrategy::retain;
@@ -120,20 +123,24 @@ std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool c
   for (int groups = configured.max_unsharded_groups; groups >= 1; --groups) {
     for (int recompute = 0; recompute <= (may_recompute ? 1 : 0); ++recompute) {
       for (int checkpoint = 0; checkpoint <= (may_checkpoint ? 1 : 0); ++checkpoint) {
-        MemorySchedule s = configured;
-        s.max_unsharded_groups = groups;
-        if (recompute) s.strategy = CheckpointStrategy::recompute;
-        if (checkpoint) s.activation_checkpointing = true;
-        const int fewer = groups < configured.max_unsharded_groups ? 1 : 0;
-        if (fewer + recompute + checkpoint == 0) continue;
-        all.push_back(
-            {s, fewer + recompute + checkpoint, checkpoint, recompute, configured.max_unsharded_groups - groups});
+        for (std::size_t m = 0; m < micro_batches.size(); ++m) {
+          MemorySchedule s = configured;
+          s.max_unsharded_groups = groups;
+          if (recompute) s.strategy = CheckpointStrategy::recompute;
+          if (checkpoint) s.activation_checkpointing = true;
+          s.micro_batches = micro_batches[m];
+          const int fewer = groups < configured.max_unsharded_groups ? 1 : 0;
+          const int smaller = m > 0 ? 1 : 0;
+          if (fewer + recompute + checkpoint + smaller == 0) continue;
+          all.push_back({s, fewer + recompute + checkpoint + smaller, static_cast<int>(m), checkpoint, recompute,
+                         configured.max_unsharded_groups - groups});
+        }
       }
     }
   }
   std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.count, a.checkpointing, a.recomputing, a.groups_given_up) <
-           std::tie(b.count, b.checkpointing, b.recomputing, b.groups_given_up);
+    return std::tie(a.count, a.micro, a.checkpointing, a.recomputing, a.groups_given_up) <
+           std::tie(b.count, b.micro, b.checkpointing, b.recomputing, b.groups_given_up);
   });
   std::vector<MemorySchedule> out;
   for (const auto& c : all) out.push_back(c.schedule);
@@ -153,9 +160,21 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
                             const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                             const MemorySchedule& configured, const FitOptions& options) {
   FittedSchedule fit;
+  if (configured.micro_batches < 1 || global_batch % (configured.micro_batches * comm.world_size()) != 0) {
+    fail<ArgumentError>("fit_schedule", configured.micro_batches, " micro-batches do not divide the local batch (",
+                        global_batch, " over ", comm.world_size(), " ranks)");
+  }
+  // More micro-batches: the configured count times 2, 4, ... while they divide the local batch.
+  std::vector<std::int64_t> micro_batches = {configured.micro_batches};
+  for (std::int64_t m = 2 * configured.micro_batches;
+       m <= options.max_micro_batches && global_batch % (m * comm.world_size()) == 0; m *= 2) {
+    micro_batches.push_back(m);
+  }
   auto measure = [&](const MemorySchedule& schedule) {
     apply(module, schedule, options);  // drops any weights a previous probe left gathered
-    MemoryPlan plan = plan_memory(module, comm, global_batch, step, limit, options.plan);
+    PlanOptions plan_options = options.plan;
+    plan_options.accumulating = schedule.micro_batches > 1;
+    MemoryPlan plan = plan_memory(module, comm, global_batch / schedule.micro_batches, step, limit, plan_options);
     plan.schedule = schedule.describe();
     fit.tried.push_back(schedule);
     fit.schedule = schedule;
@@ -166,7 +185,7 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
   fit.configured = measure(configured);
   if (fit.fits) return fit;
   for (const MemorySchedule& candidate :
-       concessions(configured, static_cast<bool>(options.set_activation_checkpointing))) {
+       concessions(configured, static_cast<bool>(options.set_activation_checkpointing), micro_batches)) {
     measure(candidate);
     if (fit.fits) return fit;
   }

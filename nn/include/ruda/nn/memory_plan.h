@@ -29,6 +29,10 @@ struct PlanOptions {
   /// The ranks each parameter is sharded over: under hybrid sharding the ranks of a node
   /// (ShardMesh::ranks_per_node), each node holding a replica. 0: the world size (full sharding).
   int shard_ranks = 0;
+  /// The step runs several micro-batches (gradient accumulation): the earlier ones' gradients stay
+  /// alive through each later backward, which a probe (gradients cleared before its backward, as a
+  /// step of one batch does) does not see; the plan adds them to the step.
+  bool accumulating = false;
 };
 
 /// The transient bytes of a training step above the state held before it, as measured on this
@@ -97,13 +101,19 @@ struct MemorySchedule {
   CheckpointStrategy strategy = CheckpointStrategy::recompute;
   /// Whether the model recomputes its blocks in backward (FitOptions::set_activation_checkpointing).
   bool activation_checkpointing = false;
-  /// "2 unsharded groups, recompute", with ", activation checkpointing" when on.
+  /// Micro-batches per step (gradient accumulation, set_requires_all_reduce): each computes
+  /// 1/micro_batches of the local batch. The caller runs them; fit_schedule plans for one.
+  std::int64_t micro_batches = 1;
+  /// "2 unsharded groups, recompute", with ", activation checkpointing" and ", 4 micro-batches" when on.
   std::string describe() const;
   bool operator==(const MemorySchedule&) const = default;
 };
 
 struct FitOptions {
   PlanOptions plan;
+  /// The most micro-batches a step may be split into (powers of 2 times the configured count that
+  /// divide the local batch): the last concession, 1 (the default) offers none.
+  std::int64_t max_micro_batches = 1;
   /// Turns the model's activation checkpointing on or off; empty: the model offers none.
   std::function<void(bool)> set_activation_checkpointing;
 };
@@ -122,8 +132,9 @@ struct FittedSchedule {
 /// Measures the step (as plan_memory does) with `configured`, and, if some rank is over `limit`,
 /// with the schedules that trade speed for memory, fewest concessions first, then in this order:
 /// fewer unsharded groups (down to 1, the computing group alone), recompute instead of retain,
-/// activation checkpointing (when offered). The first schedule whose plan fits on every rank is
-/// applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
+/// activation checkpointing (when offered), more micro-batches (up to FitOptions::max_micro_batches;
+/// `global_batch` is the whole step's, and a schedule's plan is one micro-batch's). The first schedule whose plan fits
+/// on every rank is applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
 /// applied again and `fits` is false. Collective: every rank measures the same candidates.
 FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64_t global_batch,
                             const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
