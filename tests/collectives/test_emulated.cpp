@@ -345,9 +345,9 @@ TEST_CASE("emulated: ranks_per_node makes nodes of consecutive ranks, or is refu
 TEST_CASE("emulated: with nodes, a link model is one link per node: free inside it, shared by what crosses it") {
   EmulatedOptions options;
   // Little data on a slow link: the modeled times dwarf the copying, even under sanitizers.
-  options.link = LinkModel::parse("1MB/s");
+  options.link = LinkModel::parse("100kB/s");
   options.ranks_per_node = 2;
-  const std::int64_t count = 10000;  // f32: 40 kB per rank: 40 ms between two ranks
+  const std::int64_t count = 10000;  // f32: 40 kB per rank: 400 ms between two ranks
   const double world_time = std::chrono::duration<double>(options.link.all_gather_time(4, 4 * count)).count();
   const double pair_time = std::chrono::duration<double>(options.link.all_gather_time(2, 4 * count)).count();
   std::vector<double> intra(4), world(4), across(4);
