@@ -338,3 +338,67 @@ TEST_CASE("accumulation: K = 1, 2 and 4 micro-batches give one batch's gradient,
     }
   }
 }
+
+namespace {
+// A module whose first micro-batches take one branch and the last another: `a`'s group has no
+// backward in the last micro-batch, the one that all-reduces across nodes.
+struct Branches : nn::Module {
+  std::shared_ptr<nn::Linear> a = std::make_shared<nn::Linear>(5, 3), b = std::make_shared<nn::Linear>(5, 3);
+  Branches() {
+    register_module("a", a);
+    register_module("b", b);
+  }
+  Tensor loss(const Tensor& x, bool last) const { return sum(square((last ? b : a)->forward(x))) / 16.0; }
+};
+}  // namespace
+
+TEST_CASE("accumulation: a group that the last micro-batch does not reach still crosses nodes once") {
+  constexpr int kMicro = 2;
+  const Tensor x = randn({16, 5}, 77);
+  // Dense: the first half of every rank's rows through a, the second through b.
+  std::map<std::string, std::vector<double>> dense;
+  {
+    nn::manual_seed(9);
+    Branches m;
+    Tensor total;
+    for (int r = 0; r < 4; ++r) {
+      const Tensor mine = test::part(x, r, 4);
+      const Tensor l = m.loss(mine.slice(0, 0, 2), false) + m.loss(mine.slice(0, 2, 4), true);
+      total = total.defined() ? total + l : l;
+    }
+    total.backward();
+    for (const auto& [name, p] : m.named_parameters()) dense[name] = p.grad().to_vector<double>();
+  }
+  std::vector<std::map<std::string, std::vector<double>>> got(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        nn::manual_seed(9);
+        Branches m;
+        nn::fully_shard(*m.a, mesh);
+        nn::fully_shard(*m.b, mesh);
+        nn::fully_shard(m, mesh);
+        const Tensor mine = test::part(x, comm.rank(), 4);
+        for (int k = 0; k < kMicro; ++k) {
+          nn::set_requires_all_reduce(m, k == kMicro - 1);
+          m.loss(mine.slice(0, 2 * k, 2 * k + 2), k == kMicro - 1).backward();
+        }
+        for (const auto& [name, p] : m.named_parameters()) {
+          got[static_cast<std::size_t>(comm.rank())][name] = p.grad().to_vector<double>();
+          CHECK_FALSE(p.shard()->gradient_partial);
+        }
+      },
+      on_nodes(2));
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    for (const auto& [name, values] : dense) {
+      CAPTURE(name);
+      const auto& mine = got[static_cast<std::size_t>(r)].at(name);
+      const std::size_t s = mine.size(), begin = static_cast<std::size_t>(r % 2) * s;
+      for (std::size_t i = 0; i < s && begin + i < values.size(); ++i) {
+        CHECK(mine[i] == doctest::Approx(values[begin + i]).epsilon(1e-6));
+      }
+    }
+  }
+}

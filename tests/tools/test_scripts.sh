@@ -44,11 +44,12 @@ case "$case_name" in
     expect "limit 256 MB; that much fits at 2 ranks"
     grep -q "memory plan per rank" "$log" && fail "the refusal measured a step: it allocated the model"
     # The same problem at a CI size: 14 MB of state at 1 rank, ~28 MB per rank at 4 as configured,
-    # ~12 MB with activation checkpointing, under a 13 MB limit.
-    "$root/tools/demo-large" --memory-limit 13MB --d-model 128 --layers 4 --steps 2 >"$log" 2>&1 ||
+    # ~12-13 MB with activation checkpointing, under a 13.5 MB limit (at 13 MB a measurement of 13.1
+    # MB sometimes took the next rung, micro-batches).
+    "$root/tools/demo-large" --memory-limit 13.5MB --d-model 128 --layers 4 --steps 2 >"$log" 2>&1 ||
       fail "the scaled tools/demo-large exited $?"
     expect "needs at least 14.0 MB per rank at 1 rank"
-    expect "is over the limit of 13.0 MB; chose"
+    expect "is over the limit of 13.5 MB; chose"
     expect "activation checkpointing, 2 steps"
     expect "step 2/2"
     expect "fully sharded over 4 mpi ranks"

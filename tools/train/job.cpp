@@ -96,7 +96,7 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
       task.set_activation_checkpointing(false);
     }
     return {plan, configured,
-            over ? refusal(task, plan, limit, batch, plan.probe, checkpointed, options) +
+            over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) +
                        " (--no-auto-fit: no other schedule tried)"
                  : ""};
   }
@@ -177,6 +177,8 @@ void run(const Config& cfg, Communicator& comm) {
   memory::Scope rank_memory;
   if (cfg.check_collectives) comm.set_order_check(true);
   const bool main_rank = comm.rank() == 0;
+  // Declared first, destroyed last: the model's groups point at its communicators.
+  std::optional<ShardMesh> mesh;
   std::unique_ptr<Task> task;
   std::unique_ptr<nn::Optimizer> optimizer;
   std::int64_t start_step = 0;
@@ -186,7 +188,6 @@ void run(const Config& cfg, Communicator& comm) {
 
   // Hybrid sharding: the nodes (a collective split; a layout that does not tile the world is a
   // TopologyError on every rank). The model is sharded over `shard_comm`, the data over `comm`.
-  std::optional<ShardMesh> mesh;
   setup_phase(comm, [&] {
     if (cfg.hybrid && cfg.per_parameter) throw ArgumentError("--hybrid needs grouped parameters (not --per-parameter)");
     if (cfg.gather_quantization != "none" && cfg.per_parameter) {

@@ -94,6 +94,7 @@ void GradientSink::reduce_across() {
     if (!works[b].valid()) continue;
     Tensor sum = works[b].wait();
     works[b] = Work();
+    for (const std::size_t i : buckets[b].members) replaces[i] = 0;
     if (!across) {  // accumulating: the node's sum waits in the gradient for a later all-reduce
       reduced[b] = std::move(sum);
       continue;
@@ -107,7 +108,6 @@ void GradientSink::reduce_across() {
     bool own = false;
     for (std::size_t m = 0; m < bucket.members.size(); ++m) {
       const Param p = ParamAccess::lock(params[bucket.members[m]]);
-      replaces[bucket.members[m]] = 0;
       if (!p.defined() || !p.shard()->gradient_partial) continue;
       p.shard()->gradient_partial = false;
       const Tensor held = p.data().grad();
@@ -296,8 +296,9 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
         std::size_t m = 0;
         while (m + 1 < bucket.members.size() && bucket.offsets[m + 1] <= bad->offset) ++m;
         fail<ShardingError>("gather (int8)", param(bucket.members[m]).shard()->describe(),
-                            " holds a NaN or an infinity (in rank ", bad->rank,
-                            "'s slice): its gather cannot be quantized to int8");
+                            " holds a NaN or an infinity (in rank ", bad->rank, "'s slice",
+                            replicate_ ? " on node " + std::to_string(replicate_->rank()) : std::string(),
+                            "): its gather cannot be quantized to int8");
       }
     }
     for (std::size_t m = 0; m < bucket.members.size(); ++m) {
@@ -391,6 +392,26 @@ Tensor ShardGroup::value(std::size_t index) {
   return use(index);
 }
 
+void ShardGroup::all_reduce_partial_gradients(Communicator& replicate) {
+  autograd::NoGradGuard no_grad;
+  for (const auto& weak : params_) {
+    const Param p = ParamAccess::lock(weak);
+    if (!p.defined() || !p.shard()->gradient_partial) continue;
+    p.shard()->gradient_partial = false;
+    Tensor grad = p.data().grad();
+    if (!grad.defined()) continue;
+    grad.copy_(replicate.all_reduce(grad, Reduction::sum, {.tag = p.shard()->name + " (accumulated) across nodes"}));
+  }
+}
+
+bool ShardGroup::regathers_in_backward() const {
+  for (const auto& weak : params_) {
+    const Param p = ParamAccess::lock(weak);
+    if (p.defined() && p.shard()->policy.strategy == CheckpointStrategy::recompute) return true;
+  }
+  return false;
+}
+
 void ShardGroup::drop_prefetch() noexcept {
   prefetch_.reset();
   if (!unsharded()) schedule_->resharded(*this);
@@ -453,6 +474,7 @@ void ShardSchedule::enter_phase(bool backward) {
   // gradients are not wanted (the collectives still complete on every rank).
   if (!backward) {
     reducing_.clear();
+    reducing_across_.clear();
     touched_.clear();
   }
 }
@@ -507,7 +529,11 @@ void ShardSchedule::resharded(ShardGroup& group) noexcept { std::erase(unsharded
 
 ShardGroup* ShardSchedule::next_backward_gather() const {
   const std::uint64_t now = autograd::backward_serial();
-  const auto pending = [&](const ShardGroup* g) { return g->backward_done() != now && !g->unsharded(); };
+  // With a fixed order, only groups whose backward gathers again (Recompute): Retain's backward
+  // uses the values its graph kept and gathers nothing.
+  const auto pending = [&](const ShardGroup* g) {
+    return g->backward_done() != now && !g->unsharded() && (!order_fixed_ || g->regathers_in_backward());
+  };
   if (order_fixed_) {
     const auto it = std::find_if(order_.rbegin(), order_.rend(), pending);
     return it == order_.rend() ? nullptr : *it;
@@ -573,6 +599,12 @@ void ShardSchedule::end_backward() {
   std::vector<std::shared_ptr<GradientSink>> sinks;
   sinks.swap(touched_);
   for (const auto& sink : sinks) sink->flush();
+  // Hybrid accumulation: a group this backward did not reach still holds its node's partial sums
+  // from earlier micro-batches; they cross nodes now, or the replicas would step apart. The flags
+  // are alike on every rank (every rank runs the same program), and so are these all-reduces.
+  if (replicate_ && requires_all_reduce_) {
+    for (ShardGroup* g : groups_) g->all_reduce_partial_gradients(*replicate_);
+  }
   enter_phase(false);
   if (!report_.decided && probing == 0) time_step();
 }

@@ -156,6 +156,10 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   void start_prefetch();
   /// Drops a prefetched gather not used (it still completes, every rank took part).
   void drop_prefetch() noexcept;
+  /// Hybrid: all-reduces over `replicate` the gradients that still hold node-local partial sums.
+  void all_reduce_partial_gradients(Communicator& replicate);
+  /// Whether any parameter's backward gathers again (Recompute).
+  bool regathers_in_backward() const;
   /// Drops the full values and a prefetch not used (it still completes, every rank took part).
   void reshard() noexcept;
   /// When a phase begins: a backward takes the forward's values still held (no second gather);

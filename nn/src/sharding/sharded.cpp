@@ -338,11 +338,9 @@ void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy) 
 }
 
 void set_requires_all_reduce(const Module& module, bool required) {
+  // Every schedule the module's parameters are in (a module may hold several roots).
   for (const auto& [name, p] : module.named_parameters()) {
-    if (p.is_sharded() && p.shard()->group) {
-      p.shard()->group->schedule()->set_requires_all_reduce(required);
-      return;
-    }
+    if (p.is_sharded() && p.shard()->group) p.shard()->group->schedule()->set_requires_all_reduce(required);
   }
 }
 
