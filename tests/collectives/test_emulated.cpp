@@ -375,12 +375,12 @@ TEST_CASE("emulated: with nodes, a link model is one link per node: free inside 
   for (int r = 0; r < 4; ++r) {
     CAPTURE(r);
     const auto i = static_cast<std::size_t>(r);
-    CHECK(intra[i] < pair_time / 4);     // inside a node: no link time
-    CHECK(world[i] >= world_time);       // the world's ring crosses each node's link once...
-    CHECK(world[i] < 1.6 * world_time);  // ...not once per rank of the node
-    CHECK(across[i] >= pair_time);
+    CHECK(intra[i] < pair_time / 4);       // inside a node: no link time
+    CHECK(world[i] >= 0.95 * world_time);  // the world's ring crosses each node's link once...
+    CHECK(world[i] < 1.6 * world_time);    // ...not once per rank of the node
+    CHECK(across[i] >= 0.95 * pair_time);  // (a rank that starts its clock late measures a little less)
   }
-  CHECK(slowest_across >= 2 * pair_time);  // the second replicate all_gather waited for the first
+  CHECK(slowest_across >= 1.9 * pair_time);  // the second replicate all_gather waited for the first
 }
 
 TEST_CASE("emulated: a rank that fails makes the ranks waiting in a split communicator raise, never hang") {
@@ -401,8 +401,11 @@ TEST_CASE("emulated: a rank that fails makes the ranks waiting in a split commun
                           mesh.shard().all_gather(ones({4}), {"node"});
                           mesh.replicate().all_gather(ones({4}), {"across"});
                           mesh.shard().barrier();
-                        } catch (const RankFailedError& e) {
+                        } catch (const CollectiveError& e) {
+                          // Rethrown: a rank that returned instead would make its partners raise
+                          // a mismatch (it skipped their collective) rather than the failure.
                           errors[static_cast<std::size_t>(comm.rank())] = e.what();
+                          throw;
                         }
                       },
                       options),
