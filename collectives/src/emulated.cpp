@@ -62,6 +62,17 @@ struct Slot {
   }
 };
 
+// What an exception says ("unknown exception" for one that is not a std::exception).
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+  }
+  return "unknown exception";
+}
+
 // Why the world stopped. Every later collective reports it instead of waiting.
 enum class Broken : std::uint8_t { no, failed, timeout, finished };
 
@@ -139,13 +150,7 @@ class World {
 
   /// A rank's function threw: every rank waiting now or later raises RankFailedError.
   void fail(int rank, std::exception_ptr error) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
+    const std::string what = message_of(error);
     {
       std::lock_guard lock(mutex_);
       errors_[static_cast<std::size_t>(rank)] = std::move(error);
@@ -306,13 +311,7 @@ class Fabric {
   }
 
   void fail(int run_rank, std::exception_ptr error) {
-    std::string what = "unknown exception";
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
+    const std::string what = message_of(error);
     root_->fail(run_rank, error);
     const std::string reason = "rank " + std::to_string(run_rank) + " failed: " + what;
     for (const auto& w : splits(reason)) w->abandon(reason);
