@@ -70,6 +70,21 @@ void one_error_line(const Run& r, const std::vector<std::string>& fragments) {
   CHECK(r.output.find("terminate called") == std::string::npos);  // no uncaught exception, no stack trace
 }
 
+// The last JSON line of a metrics file.
+nlohmann::json last_record(const std::string& metrics) {
+  std::ifstream in(metrics);
+  std::string line, final;
+  while (std::getline(in, line)) final = line;
+  return nlohmann::json::parse(final);
+}
+
+// The number that follows `key` in `text` ("final loss 5.29": number_after(text, "final loss ")).
+double number_after(const std::string& text, const std::string& key) {
+  const std::size_t at = text.find(key);
+  REQUIRE_MESSAGE(at != std::string::npos, text);
+  return std::stod(text.substr(at + key.size()));
+}
+
 // step -> loss from a metrics file.
 std::map<std::int64_t, double> losses(const std::string& metrics) {
   std::map<std::int64_t, double> out;
@@ -154,11 +169,6 @@ TEST_CASE("lm --recompute-gelu: the same losses, less memory per rank") {
   const Run recomputed = run(train(lm + " --recompute-gelu"));
   REQUIRE_MESSAGE(kept.exit_code == 0, kept.output);
   REQUIRE_MESSAGE(recomputed.exit_code == 0, recomputed.output);
-  auto number_after = [](const std::string& text, const std::string& key) {
-    const std::size_t at = text.find(key);
-    REQUIRE_MESSAGE(at != std::string::npos, text);
-    return std::stod(text.substr(at + key.size()));
-  };
   CHECK(number_after(kept.output, "final loss ") == doctest::Approx(number_after(recomputed.output, "final loss ")));
   CHECK(number_after(recomputed.output, "peak memory per rank: ") <
         number_after(kept.output, "peak memory per rank: "));
@@ -560,13 +570,8 @@ TEST_CASE("--gather-quantization int8: half the bytes of the step's collectives,
       run(train("--emulate 4 --ranks-per-node 2 --hybrid --gather-quantization int8" + lm + tmp / "hybrid.jsonl"));
   for (const Run* r : {&exact, &int8, &hybrid}) REQUIRE_MESSAGE(r->exit_code == 0, r->output);
   CHECK(int8.output.find("int8 weight gathers") != std::string::npos);
-  auto last = [](const std::string& metrics) {
-    std::ifstream in(metrics);
-    std::string line, final;
-    while (std::getline(in, line)) final = line;
-    return nlohmann::json::parse(final);
-  };
-  const auto f = last(tmp / "f32.jsonl"), q = last(tmp / "int8.jsonl"), h = last(tmp / "hybrid.jsonl");
+  const auto f = last_record(tmp / "f32.jsonl"), q = last_record(tmp / "int8.jsonl"),
+             h = last_record(tmp / "hybrid.jsonl");
   // A group's gathers (one, or two where the backward gathers it again) now move ~1/4 of their
   // bytes, its reduce-scatter the same: (0.25 + 1) / 2 here, where the backward takes every
   // group from the forward (2 blocks, the limit of 2, and the root).
@@ -595,13 +600,7 @@ TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybr
     const auto want = losses(tmp / "k1.jsonl"), got = losses(tmp / "k3.jsonl");
     REQUIRE(got.size() == 4);
     for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));
-    auto last = [](const std::string& metrics) {
-      std::ifstream in(metrics);
-      std::string line, final;
-      while (std::getline(in, line)) final = line;
-      return nlohmann::json::parse(final);
-    };
-    const auto a = last(tmp / "k1.jsonl"), b = last(tmp / "k3.jsonl");
+    const auto a = last_record(tmp / "k1.jsonl"), b = last_record(tmp / "k3.jsonl");
     if (layout.find("--hybrid") != std::string::npos) {
       CHECK(b["comm_bytes_inter"].get<double>() == a["comm_bytes_inter"].get<double>());     // one all-reduce per group
       CHECK(b["comm_bytes_intra"].get<double>() > 2 * a["comm_bytes_intra"].get<double>());  // gathers per micro-batch
@@ -626,11 +625,6 @@ TEST_CASE("--memory-limit: when no schedule of one batch fits, the plan chooses 
   const auto want = losses(tmp / "plain.jsonl"), got = losses(tmp / "fitted.jsonl");
   REQUIRE(got.size() == 4);
   for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-5));
-  auto number_after = [](const std::string& text, const std::string& key) {
-    const std::size_t at = text.find(key);
-    REQUIRE_MESSAGE(at != std::string::npos, text);
-    return std::stod(text.substr(at + key.size()));
-  };
   CHECK(number_after(fitted.output, "peak memory per rank: ") <= 1.5);
   // --no-auto-fit refuses instead.
   one_error_line(run(train("--emulate 2 --memory-limit 1.5MB --no-auto-fit" + mlp)), {"memory plan: needs"});

@@ -73,6 +73,11 @@ echo "--- hybrid sharding across the two nodes, 2 ranks each: one host's losses,
 # nodes (only the reduced shards cross, all-reduced): the same job on one host with
 # --ranks-per-node 2 gives the same losses, and far fewer bytes cross than fully sharded over 4.
 args4=(mlp --hidden 64 --limit 256 --test-limit 100 --batch 64 --epochs 1 --seed 5 --log-every 1)
+# Two ranks' flows per link: the deeper queue README's cluster notes give for that (4 bursts of
+# 1 ms beyond the first; tc shows the queue as the latency it adds).
+RUDA_SIM_QUEUE_BURSTS=4 "$sim" rate 1gbit
+tc -n ruda-n0 qdisc show dev ruda-eth0 | grep -q "lat 4ms" ||
+  fail "RUDA_SIM_QUEUE_BURSTS=4 did not set a queue of 5 bursts: $(tc -n ruda-n0 qdisc show dev ruda-eth0)"
 before=$(sent)
 OMP_NUM_THREADS=1 RUDA_NUM_THREADS=1 "$sim" run 2 "$train" --metrics "$tmp/full4.jsonl" "${args4[@]}"
 full_bytes=$(($(sent) - before))

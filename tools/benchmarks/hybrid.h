@@ -63,37 +63,12 @@ inline Stats train_step(const Context& ctx, const ShardMesh& mesh, overlap::Make
   return overlap::slowest(mesh.world(), measure(ctx, [&] { t.step(); }));
 }
 
-/// The step's collectives alone (overlap::communication_only says which), over the ranks the
-/// model is sharded over; hybrid adds the all-reduce of each reduced shard across nodes (in flight
-/// while the next group reduces).
-/// An int8 gather moves its wire words (codes 8 to an i64, then a scale per 2048 elements, 2 to
-/// an i64: nn's format), without the time to quantize and dequantize.
+/// The step's collectives alone (overlap::communication_only), over the ranks the model is
+/// sharded over; hybrid adds the all-reduce of each reduced shard across nodes.
 inline Stats communication_only(const Context& ctx, const ShardMesh& mesh, overlap::Maker make,
                                 const Variant& variant) {
-  Communicator& gather = variant.hybrid ? mesh.shard() : mesh.world();
-  const std::int64_t world = gather.world_size();
-  const overlap::Model m = make(mesh.world().world_size(), mesh.world().rank());
-  const std::vector<std::int64_t> parts = overlap::group_parts(m, world);
-  const std::vector<bool> again = overlap::gathered_in_backward(m, parts.size());
-  std::vector<Tensor> local, gathered, full, piece;
-  for (std::int64_t part : parts) {
-    const std::int64_t words = (part + 7) / 8 + ((part + nn::kQuantizationBlock - 1) / nn::kQuantizationBlock + 1) / 2;
-    local.push_back(variant.int8 ? zeros({words}, DType::i64) : ones({part}));
-    gathered.push_back(variant.int8 ? zeros({words * world}, DType::i64) : zeros({part * world}));
-    full.push_back(ones({part * world}));
-    piece.push_back(zeros({part}));
-  }
-  return overlap::slowest(mesh.world(), measure(ctx, [&] {
-                            for (std::size_t g = 0; g < parts.size(); ++g)
-                              gather.all_gather_into(gathered[g], local[g]);
-                            std::vector<Work> across;
-                            for (std::size_t g = parts.size(); g-- > 0;) {
-                              if (again[g]) gather.all_gather_into(gathered[g], local[g]);
-                              gather.reduce_scatter_into(piece[g], full[g]);
-                              if (variant.hybrid) across.push_back(mesh.replicate().all_reduce_async(piece[g]));
-                            }
-                            for (Work& w : across) w.wait();
-                          }));
+  return overlap::communication_only(ctx, mesh.world(), variant.hybrid ? mesh.shard() : mesh.world(), make,
+                                     variant.hybrid ? &mesh.replicate() : nullptr, variant.int8);
 }
 
 /// Bytes this node's interface has sent so far, or nothing where there is no such counter.

@@ -152,26 +152,35 @@ inline std::vector<bool> gathered_in_backward(const Model& m, std::size_t parts,
 
 /// The collectives of one step with Recompute, in order and at their sizes: each group's
 /// all-gather in forward, then in backward (reverse order) its all-gather again where the
-/// schedule gathers it again (gathered_in_backward) and its reduce-scatter. One collective per
-/// group (the step has one per bucket: the same bytes, a few more latencies).
-inline Stats communication_only(const Context& ctx, Communicator& comm, Maker make) {
-  const std::int64_t world = comm.world_size();
-  const Model m = make(comm.world_size(), comm.rank());
-  const std::vector<std::int64_t> parts = group_parts(m, world);
+/// schedule gathers it again (gathered_in_backward) and its reduce-scatter, over `gather`, the
+/// ranks the model is sharded over (the model's batch is split over `world`, which also takes the
+/// slowest rank's time). One collective per group (the step has one per bucket: the same bytes, a
+/// few more latencies). Hybrid sharding (`across`): each reduced shard is then all-reduced over it,
+/// in flight while the next group reduces. `int8`: the gathers move nn's int8 wire words (codes 8
+/// to an i64, then a scale per 2048 elements, 2 to an i64), without the time to (de)quantize.
+inline Stats communication_only(const Context& ctx, Communicator& world, Communicator& gather, Maker make,
+                                Communicator* across = nullptr, bool int8 = false) {
+  const std::int64_t n = gather.world_size();
+  const Model m = make(world.world_size(), world.rank());
+  const std::vector<std::int64_t> parts = group_parts(m, n);
   const std::vector<bool> again = gathered_in_backward(m, parts.size());
   std::vector<Tensor> local, gathered, full, piece;
   for (std::int64_t part : parts) {
-    local.push_back(ones({part}));
-    gathered.push_back(zeros({part * world}));
-    full.push_back(ones({part * world}));
+    const std::int64_t words = (part + 7) / 8 + ((part + nn::kQuantizationBlock - 1) / nn::kQuantizationBlock + 1) / 2;
+    local.push_back(int8 ? zeros({words}, DType::i64) : ones({part}));
+    gathered.push_back(int8 ? zeros({words * n}, DType::i64) : zeros({part * n}));
+    full.push_back(ones({part * n}));
     piece.push_back(zeros({part}));
   }
-  return slowest(comm, measure(ctx, [&] {
-                   for (std::size_t g = 0; g < parts.size(); ++g) comm.all_gather_into(gathered[g], local[g]);
+  return slowest(world, measure(ctx, [&] {
+                   for (std::size_t g = 0; g < parts.size(); ++g) gather.all_gather_into(gathered[g], local[g]);
+                   std::vector<Work> reducing;
                    for (std::size_t g = parts.size(); g-- > 0;) {
-                     if (again[g]) comm.all_gather_into(gathered[g], local[g]);
-                     comm.reduce_scatter_into(piece[g], full[g]);
+                     if (again[g]) gather.all_gather_into(gathered[g], local[g]);
+                     gather.reduce_scatter_into(piece[g], full[g]);
+                     if (across) reducing.push_back(across->all_reduce_async(piece[g]));
                    }
+                   for (Work& w : reducing) w.wait();
                  }));
 }
 
@@ -185,7 +194,7 @@ inline void measure_model(Context& ctx, Communicator& comm, Maker make, const st
   const Stats step = train_step(ctx, comm, make, &overlapping).seconds;
   const Stats serial = train_step(ctx, comm, make, &synchronous).seconds;
   const Stats compute = train_step(ctx, comm, make, nullptr).seconds;
-  const Stats communication = communication_only(ctx, comm, make);
+  const Stats communication = communication_only(ctx, comm, comm, make);
   const Stats& bound = compute.median >= communication.median ? compute : communication;
   if (comm.rank() != 0) return;
   ctx.report(Result{"overlap", name + ": step (groups, prefetch, overlap on)", ctx.backend, "ms", scaled(step, 1e3),
