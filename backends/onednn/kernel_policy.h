@@ -15,6 +15,16 @@
 // softmax, exp, sqrt, relu and the other simple forwards, same-shape binaries) it runs. RUDA_ONEDNN_KERNELS=all sends
 // every kernel to oneDNN, e.g. on CPUs where oneDNN's kernels are the faster ones.
 //
+// Re-measured 2026-12 (Zen 4, 2 threads, 4M values, `ruda-bench --suite onednn-kernels` with the
+// default policy and with RUDA_ONEDNN_KERNELS=all), after the GCC 12 workaround had taken AVX-512
+// away from ruda's own code: in both an AVX2 build (the default with GCC 12) and an AVX-512 build,
+// Eigen's f32 tanh runs at ~0.1 Gelem/s, oneDNN's at 1.9-2.3 (16-23x), and gelu (tanh) at 16x
+// forward and 18x forward+backward, so tanh and gelu (tanh) forwards and gelu (tanh)'s backward now
+// run on oneDNN. Eigen's gelu (erf) forward is 4.5 Gelem/s with AVX-512 (1.7x oneDNN's 2.6) but
+// 0.7 under AVX2 (oneDNN 4x faster): Slower::f32_avx512 sends it to Eigen only in AVX-512 builds.
+// tanh's backward (an Eigen multiply-add reading y) stays on Eigen: 1.36 Gelem/s forward+backward
+// against 1.11 with oneDNN's use_dst backward. The rest of the table was not re-measured.
+//
 // The unary ops' part of this policy is in their descriptors (forward_slower and backward_slower
 // in engine/src/op_descriptors.h); the binary and reduction parts are below.
 #pragma once
@@ -29,6 +39,14 @@ namespace ruda::onednn::detail {
 inline constexpr std::string_view kEigenFasterReason =
     "Eigen's kernel is faster here (measured against oneDNN 2.6; RUDA_ONEDNN_KERNELS=all overrides)";
 
+/// Whether ruda (and so Eigen) is compiled for AVX-512: -march without -mno-avx512f (the GCC 12
+/// workaround in CMakeLists.txt turns it off).
+#ifdef __AVX512F__
+inline constexpr bool kEigenHasAvx512 = true;
+#else
+inline constexpr bool kEigenHasAvx512 = false;
+#endif
+
 /// A unary kernel whose descriptor says oneDNN's is slower (in this direction) for this dtype.
 inline bool eigen_faster_unary(ops::Slower slower, DType dtype) {
   if (all_kernels_requested()) return false;
@@ -37,6 +55,8 @@ inline bool eigen_faster_unary(ops::Slower slower, DType dtype) {
       return false;
     case ops::Slower::f32:
       return dtype == DType::f32;
+    case ops::Slower::f32_avx512:
+      return kEigenHasAvx512 && dtype == DType::f32;
     case ops::Slower::always:
       return true;
   }

@@ -64,7 +64,9 @@ struct DnnlEltwise {
 
 /// Where oneDNN's kernel measured slower than Eigen's, so the oneDNN backend runs Eigen's unless
 /// RUDA_ONEDNN_KERNELS=all (the measurements are in backends/onednn/kernel_policy.h).
-enum class Slower : std::uint8_t { never, f32, always };
+/// f32_avx512: in f32, when ruda itself is compiled for AVX-512 (Eigen vectorizes erf there and
+/// calls the scalar one under AVX2).
+enum class Slower : std::uint8_t { never, f32, f32_avx512, always };
 
 /// How the oneDNN backend runs an op. A backward algorithm reads what the op's Reads says: x, or y
 /// for the *_use_dst_for_bwd ones. `avoid_*`, when not empty, is why oneDNN's kernel is never used.
@@ -205,10 +207,8 @@ struct Unary<UnaryOp::tanh> {
   static constexpr std::string_view name = "tanh";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::output;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::tanh},
-                                   .backward = {DnnlAlg::tanh_use_dst_for_bwd},
-                                   .forward_slower = Slower::f32,
-                                   .backward_slower = Slower::always};
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::tanh}, .backward = {DnnlAlg::tanh_use_dst_for_bwd}, .backward_slower = Slower::always};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     y = x.tanh();
@@ -272,10 +272,7 @@ struct Unary<UnaryOp::gelu_tanh> {
   static constexpr std::string_view name = "gelu_tanh";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::input;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_tanh},
-                                   .backward = {DnnlAlg::gelu_tanh},
-                                   .forward_slower = Slower::f32,
-                                   .backward_slower = Slower::f32};
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_tanh}, .backward = {DnnlAlg::gelu_tanh}};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
@@ -298,7 +295,7 @@ struct Unary<UnaryOp::gelu_erf> {
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::input;
   static constexpr DnnlPlan onednn{
-      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32};
+      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32_avx512};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;

@@ -196,6 +196,9 @@ void ranks_suite(Context& ctx) {
   }
 }
 
+Tensor gelu_erf(const Tensor& t) { return gelu(t); }
+Tensor gelu_tanh(const Tensor& t) { return gelu(t, GeluApproximation::tanh); }
+
 void kernels_suite(Context& ctx) {
   if (ctx.backend != "onednn") return;
   Backend& eigen = get_backend("eigen");
@@ -204,24 +207,34 @@ void kernels_suite(Context& ctx) {
   struct Kernel {
     const char* name;
     Tensor (*run)(const Tensor&, const Tensor&);
+    bool positive = false;  // the op's domain: give it |x| + 1
   };
+  // Every unary op whose descriptor routes a direction by measurement (engine/src/op_descriptors.h:
+  // forward_slower / backward_slower), forward alone and forward+backward: the rows kernel_policy.h's
+  // table is measured with. log, sqrt and rsqrt get positive inputs (|x| + 1).
+#define RUDA_UNARY_KERNEL(label, fn, positive)                               \
+  {label, [](const Tensor& t, const Tensor&) { return fn(t); }, positive}, { \
+    label " forward+backward",                                               \
+        [](const Tensor& t, const Tensor& g) {                               \
+          Tensor leaf = t.detach().set_requires_grad();                      \
+          fn(leaf).backward(g);                                              \
+          return leaf.grad();                                                \
+        },                                                                   \
+        positive                                                             \
+  }
   const std::vector<Kernel> kernels = {
-      {"relu", [](const Tensor& t, const Tensor&) { return relu(t); }},
-      {"relu forward+backward",
-       [](const Tensor& t, const Tensor& g) {
-         Tensor leaf = t.detach().set_requires_grad();
-         relu(leaf).backward(g);
-         return leaf.grad();
-       }},
-      {"gelu forward+backward",
-       [](const Tensor& t, const Tensor& g) {
-         Tensor leaf = t.detach().set_requires_grad();
-         gelu(leaf).backward(g);
-         return leaf.grad();
-       }},
-      {"gelu (erf)", [](const Tensor& t, const Tensor&) { return gelu(t); }},
-      {"tanh", [](const Tensor& t, const Tensor&) { return tanh(t); }},
-      {"exp", [](const Tensor& t, const Tensor&) { return exp(t); }},
+      RUDA_UNARY_KERNEL("relu", relu, false),
+      RUDA_UNARY_KERNEL("gelu (erf)", gelu_erf, false),
+      RUDA_UNARY_KERNEL("gelu (tanh)", gelu_tanh, false),
+      RUDA_UNARY_KERNEL("tanh", tanh, false),
+      RUDA_UNARY_KERNEL("sigmoid", sigmoid, false),
+      RUDA_UNARY_KERNEL("silu", silu, false),
+      RUDA_UNARY_KERNEL("softplus", softplus, false),
+      RUDA_UNARY_KERNEL("exp", exp, false),
+      RUDA_UNARY_KERNEL("log", log, true),
+      RUDA_UNARY_KERNEL("sqrt", sqrt, true),
+      RUDA_UNARY_KERNEL("rsqrt", rsqrt, true),
+#undef RUDA_UNARY_KERNEL
       {"add", [](const Tensor& t, const Tensor& u) { return t + u; }},
       {"mul by a row", [](const Tensor& t, const Tensor& u) { return t * u.slice(0, 0, 1); }},
       {"softmax over 1024", [](const Tensor& t, const Tensor&) { return softmax(t, 1); }},
@@ -230,8 +243,10 @@ void kernels_suite(Context& ctx) {
   };
   for (DType dtype : {DType::f32, DType::bf16}) {
     const Tensor x = randn({n / 1024, 1024}, 1).to(dtype), g = randn({n / 1024, 1024}, 2).to(dtype);
+    const Tensor positive = (abs(x) + 1.0).to(dtype);
     for (const Kernel& k : kernels) {
-      const Tensor xd = x.to(dnnl), gd = g.to(dnnl), xe = x.to(eigen), ge = g.to(eigen);
+      const Tensor& in = k.positive ? positive : x;
+      const Tensor xd = in.to(dnnl), gd = g.to(dnnl), xe = in.to(eigen), ge = g.to(eigen);
       const auto [on_onednn, on_eigen] = measure_pair(
           ctx, [&] { Tensor y = k.run(xd, gd); }, [&] { Tensor y = k.run(xe, ge); });
       Result r;
