@@ -140,6 +140,25 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
   }
 }
 
+// A slice node's gradient added into its region of the producer's pending gradient (see
+// Node::input_region), in place when that gradient is ours alone; false where the node's own
+// backward must run instead (its input is a leaf, or the gradient's dtype is not the input's).
+bool add_into_region(const Node& node, const Tensor& g) {
+  if (!node.input_region || node.next.size() != 1 || !node.next[0].node) return false;
+  Node& producer = *node.next[0].node;
+  if (g.dtype() != producer.out_dtype) return false;
+  const Node::InputRegion& r = *node.input_region;
+  Tensor& into = producer.pending;
+  if (!into.defined()) {
+    into = zeros(producer.out_shape, Options(producer.out_dtype, producer.out_backend));
+  } else if (!exclusively_owned(into) || !into.is_contiguous()) {
+    into = into.clone();  // shared with another input's gradient (add passes its own on): copy first
+  }
+  Tensor part = into.slice(r.axis, r.start, r.start + r.length);
+  part.add_(g);
+  return true;
+}
+
 }  // namespace
 
 void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
@@ -204,6 +223,12 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     accumulate_leaf(*impl_of(root), grad);
   }
 
+  auto release_unless_retained = [&](Node* node) {
+    if (retain_graph || !from_root.count(node)) return;
+    node->backward = nullptr;
+    node->saved.clear();
+    node->released = true;
+  };
   for (Node* node : order) {
     if (node->released) {
       fail<AutogradError>("backward", "the graph through ", node->name,
@@ -228,6 +253,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       ~RestoreRunning() { t_running_node = previous; }
     } restore_running;
     t_running_node = node->name;
+    if (add_into_region(*node, g)) {
+      release_unless_retained(node);
+      continue;
+    }
     std::vector<Tensor> grads = node->backward(g, node->saved, GradMask(mask));
     g = Tensor();
     if (grads.size() != node->next.size()) {
@@ -248,11 +277,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
         accumulate_leaf(*e.leaf, std::move(grads[i]));
       }
     }
-    if (!retain_graph && from_root.count(node)) {
-      node->backward = nullptr;
-      node->saved.clear();
-      node->released = true;
-    }
+    release_unless_retained(node);
   }
   // A retained graph may be differentiated again; its always-run nodes must run again too.
   if (retain_graph) {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include <ruda/autograd.h>
 #include <ruda/backend.h>
@@ -146,6 +147,15 @@ class Node {
   Backend* out_backend = nullptr;
   // The gradient accumulated for the output while a backward runs.
   Tensor pending;
+  // Set by slice: the input's gradient is the output's inside [start, start + length) of `axis`
+  // and zero elsewhere. backward() then adds the output gradient into that region of the input's
+  // pending gradient in place, instead of summing one zero-padded full-size gradient per slice
+  // (the q, k and v slices of one projection would cost three [B, T, 3C] gradients and two adds).
+  struct InputRegion {
+    int axis = 0;
+    std::int64_t start = 0, length = 0;
+  };
+  std::optional<InputRegion> input_region;
 };
 
 }  // namespace ruda::autograd

@@ -59,6 +59,18 @@ Tensor rows_contiguous(const Tensor& t) {
   return impl.shape[3] <= 1 || impl.strides[3] == 1 ? t : detail::dense(t);
 }
 
+// A gradient for `t` [B, H, T, D] laid out as t is: [B, T, H, D] storage when t's heads are
+// interleaved in time (the permuted qkv projection), so that the permute, reshape and slice
+// views that made t hand the gradient back to the projection without a copy.
+Tensor gradient_like(const Tensor& t) {
+  const Shape& s = t.shape();
+  constexpr const char* kWhat = "scaled_dot_product_attention backward";
+  if (t.strides()[1] < t.strides()[2]) {
+    return make_tensor({s[0], s[2], s[1], s[3]}, t.dtype(), t.backend(), kWhat).permute({0, 2, 1, 3});
+  }
+  return make_tensor(s, t.dtype(), t.backend(), kWhat);
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -96,12 +108,9 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                        const Tensor qv = rows_contiguous(s[0].get()), kv = rows_contiguous(s[1].get()),
                                     vv = rows_contiguous(s[2].get());
                        Tensor dq, dk, dv;
-                       if (need[0])
-                         dq = make_tensor(qv.shape(), qv.dtype(), g.backend(), "scaled_dot_product_attention backward");
-                       if (need[1])
-                         dk = make_tensor(kv.shape(), kv.dtype(), g.backend(), "scaled_dot_product_attention backward");
-                       if (need[2])
-                         dv = make_tensor(vv.shape(), vv.dtype(), g.backend(), "scaled_dot_product_attention backward");
+                       if (need[0]) dq = gradient_like(qv);
+                       if (need[1]) dk = gradient_like(kv);
+                       if (need[2]) dv = gradient_like(vv);
                        if (g.numel() == 0) {
                          // No output values (Tq, Dv, B or H is 0): every gradient is zero.
                          for (Tensor* t : {&dq, &dk, &dv}) {

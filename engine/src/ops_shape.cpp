@@ -111,9 +111,13 @@ Tensor make_view(const char* op, const Tensor& x, const Shape& shape, const std:
   }
   Tensor out = detail::strided_alias(x, shape, strides, detail::impl_of(x)->offset + extra_offset);
   if (autograd::needs_grad(x)) {
-    autograd::record(op, out, {x}, {}, [backward = std::move(backward)](const Tensor& g, const Saved&, GradMask) {
-      return std::vector<Tensor>{backward(g)};
-    });
+    // A view's backward is a view op (or a copy/reduction that reads strides): it takes the
+    // gradient as it comes, so a chain of views passes a permuted gradient on without copying.
+    autograd::record(op, out, {x}, {},
+                     [backward = std::move(backward)](const Tensor& g, const Saved&, GradMask) {
+                       return std::vector<Tensor>{backward(g)};
+                     },
+                     {.strided_grad = true});
   }
   return out;
 }
@@ -230,12 +234,17 @@ Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_
   Shape shape = x.shape();
   shape[b.axis] = b.end - b.start;
   const auto& impl = *detail::impl_of(x);
-  return make_view("slice", x, shape, impl.strides.data(), b.start * impl.strides[b.axis],
-                   [b, from = x.shape()](const Tensor& g) {
-                     Tensor gx = zeros(from, Options(g.dtype(), &g.backend()));
-                     if (g.numel()) g.backend().copy(view_of(g), region(gx, b.axis, b.start, b.end - b.start));
-                     return gx;
-                   });
+  Tensor out = make_view("slice", x, shape, impl.strides.data(), b.start * impl.strides[b.axis],
+                         [b, from = x.shape()](const Tensor& g) {
+                           Tensor gx = zeros(from, Options(g.dtype(), &g.backend()));
+                           if (g.numel()) g.backend().copy(view_of(g), region(gx, b.axis, b.start, b.end - b.start));
+                           return gx;
+                         });
+  // Backward adds into the region of the input's gradient instead (autograd.cpp, add_into_region).
+  if (const auto& node = detail::impl_of(out)->grad_fn) {
+    node->input_region = autograd::Node::InputRegion{b.axis, b.start, b.end - b.start};
+  }
+  return out;
 }
 
 Tensor slice_assign(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end, const Tensor& value) {
