@@ -13,7 +13,27 @@ using namespace kernels;
 namespace {
 template <class T>
 using Stat = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+/// The sum of value(0 .. n) in 16 interleaved partial sums, combined pairwise: the compiler
+/// vectorizes it (a plain running sum is one dependent add per element, which it may not
+/// reorder), and, unlike Eigen's reductions, whose order follows each row's address alignment,
+/// the order depends on n alone, so a row gives the same bits wherever it lives.
+template <class S, class Value>
+S lane_sum(std::int64_t n, Value&& value) {
+  constexpr int kLanes = 16;
+  S lanes[kLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += value(j + l);
+  }
+  S tail = 0;
+  for (; j < n; ++j) tail += value(j);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0] + tail;
 }
+}  // namespace
 
 void EigenBackend::layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
                               const View& mean, const View& rstd) {
@@ -31,14 +51,12 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
       for (std::int64_t r = r0; r < r1; ++r) {
         const T* row = xp + r * n;
         // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
-        S sum = 0;
-        for (std::int64_t j = 0; j < n; ++j) sum += static_cast<S>(Num<T>::load(row[j]));
-        const S mu = sum / static_cast<S>(n);
-        S sq = 0;
-        for (std::int64_t j = 0; j < n; ++j) {
+        const S mu =
+            lane_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
+        const S sq = lane_sum<S>(n, [&](std::int64_t j) {
           const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
-          sq += d * d;
-        }
+          return d * d;
+        });
         const S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
         mp[r] = mu;
         rp[r] = rs;
@@ -72,13 +90,12 @@ void EigenBackend::layer_norm_backward(const View& x, const View& weight, const 
         for (std::int64_t r = r0; r < r1; ++r) {
           const T* xr = xp + r * n;
           const T* gr = g + r * n;
-          S sum_g = 0, sum_gx = 0;
           for (std::int64_t j = 0; j < n; ++j) {
             xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
             gw[j] = static_cast<S>(Num<T>::load(gr[j])) * (w ? static_cast<S>(Num<T>::load(w[j])) : S(1));
-            sum_g += gw[j];
-            sum_gx += gw[j] * xhat[j];
           }
+          const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
+          const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
           const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
           T* o = out + r * n;
           for (std::int64_t j = 0; j < n; ++j) {
