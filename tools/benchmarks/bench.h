@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ruda::bench {
@@ -54,6 +55,33 @@ Stats measure(const Context& ctx, F&& f, int warmup = 2) {
   const std::size_t n = seconds.size();
   const double median = n % 2 ? seconds[n / 2] : 0.5 * (seconds[n / 2 - 1] + seconds[n / 2]);
   return Stats{median, seconds.front(), seconds.back()};
+}
+
+// Times f and g in alternation (f, g, f, g, ...) so that a change of machine load between the
+// two does not bias their ratio; seconds per call of each, after `warmup` untimed rounds.
+template <class F, class G>
+std::pair<Stats, Stats> measure_pair(const Context& ctx, F&& f, G&& g, int warmup = 2) {
+  for (int i = 0; i < warmup; ++i) {
+    f();
+    g();
+  }
+  std::vector<double> fs, gs;
+  const int runs = ctx.quick ? 3 : ctx.repeats;
+  auto time = [](auto&& h) {
+    const auto start = std::chrono::steady_clock::now();
+    h();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  for (int i = 0; i < runs; ++i) {
+    fs.push_back(time(f));
+    gs.push_back(time(g));
+  }
+  auto stats = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return Stats{n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
+  };
+  return {stats(fs), stats(gs)};
 }
 
 /// Converts seconds per call to a rate (work / seconds): the median of a rate is the rate of the

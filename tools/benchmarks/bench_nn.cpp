@@ -199,34 +199,48 @@ double gpt_flops(const nn::GPTConfig& c, double batch) {
   return f.value;
 }
 
-// ruda's GEMM rate on [rows, inner] x [inner, cols] in `dtype`, FLOP/s (median of the run).
-Stats gemm_rate(const Context& ctx, std::int64_t rows, std::int64_t inner, std::int64_t cols, DType dtype) {
+// A model's step and ruda's GEMM rate on [rows, inner] x [inner, cols] in `dtype` (FLOP/s), timed
+// in alternation: a step, then kGemmCalls products, and again. Timed apart, the machine's drift
+// landed on one side of the fraction (this VM's GEMM rate moved between 150 and 220 GFLOP/s from
+// one run to the next).
+struct StepAndGemm {
+  Stats step, gemm_rate;
+};
+template <class Step>
+StepAndGemm time_step_and_gemm(const Context& ctx, Step&& step, std::int64_t rows, std::int64_t inner,
+                               std::int64_t cols, DType dtype, int warmup) {
+  constexpr int kGemmCalls = 5;
   const Tensor a = randn({rows, inner}, 1).to(dtype), b = randn({inner, cols}, 2).to(dtype);
-  return rate(measure(
-                  ctx, [&] { (void)matmul(a, b); }, 3),
-              2.0 * static_cast<double>(rows * inner * cols));
+  const auto [step_seconds, gemm_seconds] = measure_pair(
+      ctx, step,
+      [&] {
+        for (int i = 0; i < kGemmCalls; ++i) (void)matmul(a, b);
+      },
+      warmup);
+  return {step_seconds, rate(gemm_seconds, kGemmCalls * 2.0 * static_cast<double>(rows * inner * cols))};
 }
 
 // The two models of ruda-train, one process, as tools/compare-torch times them in PyTorch:
 // a training step of the MLP (AdamW, batch 128) and of the small GPT (Adam, batch 16, context
 // 128), in f32 and with bf16 compute (parameters stay f32). Each step also gives a "fraction of
 // GEMM" row: the model's matrix-product FLOPs per second of step (StepFlops) over ruda's GEMM
-// rate on the model's characteristic product in the same run (the MLP's [128, 1024] x [1024,
-// 1024]; the GPT's [tokens, d] x [d, 4d]), so the ratio is the fraction of the GEMM rate the
-// whole step achieves. Then the GPT-2-small shape at context 1024 (f32, batch 1): its fraction
+// rate on the model's characteristic product (the MLP's [128, 1024] x [1024, 1024]; the GPT's
+// [tokens, d] x [d, 4d]), timed in alternation with the step, so the ratio is the fraction of the
+// GEMM rate the whole step achieves. Then the GPT-2-small shape at context 1024 (f32, batch 1): its fraction
 // and its memory plan's step row.
 void models_suite(Context& ctx) {
   // One timed figure per model and dtype: a step is forward, loss (in f32), backward, update.
-  auto time_step = [](const Context& c, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
-                      const UnaryModuleFn& forward, int warmup) {
-    auto run = [&] {
+  auto step_of = [](nn::Optimizer& opt, const Tensor& x, const Tensor& y, const UnaryModuleFn& forward) {
+    return [&opt, x, y, forward] {
       const Tensor loss = nn::cross_entropy(cast(forward(x), DType::f32), y);
       opt.zero_grad();
       loss.backward();
       opt.step();
     };
-    return measure(c, run, warmup);
   };
+  auto time_step = [&](const Context& c, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
+                       const UnaryModuleFn& forward,
+                       int warmup) { return measure(c, step_of(opt, x, y, forward), warmup); };
   auto report_step = [&](const std::string& name, const Stats& seconds) {
     Result r;
     r.suite = "models";
@@ -256,11 +270,13 @@ void models_suite(Context& ctx) {
     auto mlp = make_mlp();
     nn::fully_shard(*mlp, comm, policy);
     nn::AdamW mlp_opt(mlp->parameters(), {.lr = 1e-3});
-    const Stats mlp_step = time_step(
-        ctx, mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
-        [&](const Tensor& x) { return mlp->forward(x); }, 3);
-    report_step("mlp step, " + dtype, mlp_step);
-    report_fraction("mlp step, " + dtype, mlp_step, mlp_flops(kBatch), gemm_rate(ctx, kBatch, 1024, 1024, compute),
+    const StepAndGemm mlp_step =
+        time_step_and_gemm(ctx,
+                           step_of(mlp_opt, rand({kBatch, 784}, 1), randint({kBatch}, 0, 10, 2),
+                                   [&](const Tensor& x) { return mlp->forward(x); }),
+                           kBatch, 1024, 1024, compute, 3);
+    report_step("mlp step, " + dtype, mlp_step.step);
+    report_fraction("mlp step, " + dtype, mlp_step.step, mlp_flops(kBatch), mlp_step.gemm_rate,
                     "[128, 1024] x [1024, 1024] " + dtype);
 
     nn::manual_seed(1);
@@ -268,11 +284,13 @@ void models_suite(Context& ctx) {
     nn::GPT gpt(config);
     nn::fully_shard(gpt, comm, policy);
     nn::Adam gpt_opt(gpt.parameters(), {.lr = 3e-4});
-    const Stats gpt_step = time_step(
-        ctx, gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
-        [&](const Tensor& x) { return gpt.forward(x); }, 2);
-    report_step("gpt step, " + dtype, gpt_step);
-    report_fraction("gpt step, " + dtype, gpt_step, gpt_flops(config, 16), gemm_rate(ctx, 16 * 128, 256, 1024, compute),
+    const StepAndGemm gpt_step =
+        time_step_and_gemm(ctx,
+                           step_of(gpt_opt, randint({16, 128}, 0, 256, 3), randint({16, 128}, 0, 256, 4),
+                                   [&](const Tensor& x) { return gpt.forward(x); }),
+                           16 * 128, 256, 1024, compute, 2);
+    report_step("gpt step, " + dtype, gpt_step.step);
+    report_fraction("gpt step, " + dtype, gpt_step.step, gpt_flops(config, 16), gpt_step.gemm_rate,
                     "[2048, 256] x [256, 1024] " + dtype);
   }
   if (ctx.quick) return;  // GPT-2-small takes seconds per step
@@ -293,8 +311,9 @@ void models_suite(Context& ctx) {
       0);
   Context few = ctx;
   few.repeats = std::min(ctx.repeats, 5);
-  const Stats step = time_step(
-      few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
+  const StepAndGemm timed = time_step_and_gemm(few, step_of(opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }),
+                                               1024, 768, 3072, DType::f32, 1);
+  const Stats& step = timed.step;
   report_step("gpt2-small step (d768 L12 H12 T1024 b1), f32", step);
   // The same step recomputing the MLPs' pre-activations (ruda-train lm --recompute-gelu).
   gpt.set_gelu_backward(GeluBackward::recompute);
@@ -309,8 +328,8 @@ void models_suite(Context& ctx) {
   gpt.set_gelu_backward(GeluBackward::keep_pre_activation);
   report_time(ctx, "models", "gpt2-small step recomputing the GELU pre-activations, f32", recomputing, step,
               "keeping them (the default)", "ms", 1e3);
-  report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1),
-                  gemm_rate(few, 1024, 768, 3072, DType::f32), "[1024, 768] x [768, 3072] f32");
+  report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1), timed.gemm_rate,
+                  "[1024, 768] x [768, 3072] f32");
   Result r;
   r.suite = "models";
   r.name = "gpt2-small memory plan: step row per sample (target 650 MB)";

@@ -34,33 +34,6 @@ struct Gemm {
   double gflop() const { return 2.0 * static_cast<double>(m) * static_cast<double>(k) * static_cast<double>(n) * 1e-9; }
 };
 
-// Times f and g in alternation (f, g, f, g, ...) so that a change of machine load between the
-// two does not bias their ratio; seconds per call of each, after `warmup` untimed rounds.
-template <class F, class G>
-std::pair<Stats, Stats> measure_pair(const Context& ctx, F&& f, G&& g, int warmup = 2) {
-  for (int i = 0; i < warmup; ++i) {
-    f();
-    g();
-  }
-  std::vector<double> fs, gs;
-  const int runs = ctx.quick ? 3 : ctx.repeats;
-  auto time = [](auto&& h) {
-    const auto start = std::chrono::steady_clock::now();
-    h();
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  };
-  for (int i = 0; i < runs; ++i) {
-    fs.push_back(time(f));
-    gs.push_back(time(g));
-  }
-  auto stats = [](std::vector<double>& v) {
-    std::sort(v.begin(), v.end());
-    const std::size_t n = v.size();
-    return Stats{n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]), v.front(), v.back()};
-  };
-  return {stats(fs), stats(gs)};
-}
-
 // A oneDNN matmul C = A B on row-major buffers of one dtype, built once: the peer of ruda's matmul.
 class DirectMatmul {
  public:
