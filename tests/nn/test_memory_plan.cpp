@@ -237,6 +237,57 @@ TEST_CASE(
   });
 }
 
+TEST_CASE("fit_schedule: the GELU recompute, when offered, comes after recompute and before activation checkpointing") {
+  run_ranks(2, [&](Communicator& comm) {
+    memory::Scope rank_memory;
+    FitFixture f(comm);
+    auto step = [&](std::int64_t b) { return f.loss(comm, b); };
+    bool recomputing_gelu = false;
+    nn::FitOptions options = f.fit_options();
+    options.set_recompute_gelu = [&](bool on) {
+      recomputing_gelu = on;
+      f.model->set_gelu_backward(on ? GeluBackward::recompute : GeluBackward::keep_pre_activation);
+    };
+    // Nothing fits: every schedule is tried, the single concessions in the ladder's order.
+    const std::int64_t state = nn::plan_state(*f.model, 2, FitFixture::kGlobalBatch).peak();
+    const nn::FittedSchedule all =
+        nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, state, kLadder[0], options);
+    CHECK_FALSE(all.fits);
+    CHECK_FALSE(recomputing_gelu);  // the configured schedule is in force again
+    REQUIRE(all.tried.size() == 2 * kLadder.size());
+    using S = nn::MemorySchedule;
+    const auto retain = nn::CheckpointStrategy::retain, recompute = nn::CheckpointStrategy::recompute;
+    CHECK(all.tried[1] == S{1, retain, false, 1, false});
+    CHECK(all.tried[2] == S{2, recompute, false, 1, false});
+    CHECK(all.tried[3] == S{2, retain, false, 1, true});
+    CHECK(all.tried[4] == S{2, retain, true, 1, false});
+    CHECK(all.tried.back() == S{1, recompute, true, 1, true});
+    CHECK(all.schedule.describe() == "1 unsharded group, recompute, GELU recomputed, activation checkpointing");
+    // The GELU recompute alone plans less than the configured schedule; with a limit between the
+    // two, the first schedule of the ladder below it is chosen, and it is the one measured directly.
+    std::vector<std::int64_t> peaks;
+    for (const S& s : all.tried) {
+      nn::set_max_unsharded_groups(*f.model, s.max_unsharded_groups);
+      nn::set_checkpoint_strategy(*f.model, s.strategy);
+      f.model->set_activation_checkpointing(s.activation_checkpointing);
+      options.set_recompute_gelu(s.recompute_gelu);
+      peaks.push_back(nn::plan_memory(*f.model, comm, FitFixture::kGlobalBatch, step, 0).peak());
+    }
+    options.set_recompute_gelu(false);
+    f.model->set_activation_checkpointing(false);
+    REQUIRE(peaks[3] < peaks[0]);
+    const std::int64_t limit = (peaks[3] + peaks[0]) / 2;
+    std::size_t expected = 1;
+    while (peaks[expected] > limit) ++expected;
+    const nn::FittedSchedule fit =
+        nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, limit, kLadder[0], options);
+    CHECK(fit.fits);
+    CHECK(fit.schedule == all.tried[expected]);
+    CHECK(fit.plan.peak() == peaks[expected]);
+    CHECK(recomputing_gelu == fit.schedule.recompute_gelu);  // applied
+  });
+}
+
 TEST_CASE("fit_schedule: more micro-batches are the last concession, and fit where nothing else does") {
   constexpr std::int64_t kBatch = 64;
   run_ranks(2, [&](Communicator& comm) {

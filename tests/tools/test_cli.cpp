@@ -418,6 +418,22 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   // ... which then runs, within the limit.
   const Run fits = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm + " --activation-checkpointing"));
   CHECK_MESSAGE(fits.exit_code == 0, fits.output);
+  // The lm offers its GELU recompute as a concession, after recompute and before activation
+  // checkpointing; where a limit sits between the plans with and without it, it is what is chosen.
+  const Run gelu = run(train("--emulate 2 --memory-limit 100MB" + lm + " --unsharded-groups 1 --recompute-gelu"));
+  const Run keep = run(train("--emulate 2 --memory-limit 100MB" + lm + " --unsharded-groups 1"));
+  REQUIRE_MESSAGE(gelu.exit_code == 0, gelu.output);
+  REQUIRE_MESSAGE(keep.exit_code == 0, keep.output);
+  CHECK_MESSAGE(gelu.output.find("; 1 unsharded group, recompute, GELU recomputed):") != std::string::npos,
+                gelu.output);
+  // The plans' peak rows (both in MB at this size).
+  const double gelu_mb = number_after(gelu.output, "\n  peak "), keep_mb = number_after(keep.output, "\n  peak ");
+  REQUIRE(gelu_mb < keep_mb);
+  const std::string between = std::to_string(0.5 * (gelu_mb + keep_mb)) + "MB";
+  const Run chosen = run(train("--emulate 2 --memory-limit " + between + lm + " --unsharded-groups 1"));
+  CHECK_MESSAGE(chosen.exit_code == 0, chosen.output);
+  CHECK_MESSAGE(chosen.output.find("; chose 1 unsharded group, recompute, GELU recomputed (~") != std::string::npos,
+                chosen.output);
   // Lower, only micro-batches on top of every other concession fit.
   const Run micro = run(train("--emulate 2 --memory-limit 3MB" + lm));
   CHECK_MESSAGE(micro.exit_code == 0, micro.output);
@@ -427,8 +443,8 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
   // Nothing fits: the refusal names the leanest schedule and what would fit with it.
   one_error_line(run(train("--emulate 2 --memory-limit 2.5MB" + lm)),
                  {"memory plan: needs ~", " MB per rank at 2 ranks", "limit 2.50 MB",
-                  "no schedule fits (the leanest, 1 unsharded group, recompute, activation checkpointing, 8 "
-                  "micro-batches, needs ~",
+                  "no schedule fits (the leanest, 1 unsharded group, recompute, GELU recomputed, activation "
+                  "checkpointing, 8 micro-batches, needs ~",
                   "; fits at 8 ranks"});
   one_error_line(run(train("--memory-limit lots mlp")), {"--memory-limit", "'lots' is not a size"});
   // The environment variable is the same limit.

@@ -105,6 +105,9 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
   if (task.can_checkpoint_activations()) {
     fit_options.set_activation_checkpointing = [&task](bool on) { task.set_activation_checkpointing(on); };
   }
+  if (task.can_recompute_gelu()) {
+    fit_options.set_recompute_gelu = [&task](bool on) { task.set_recompute_gelu(on); };
+  }
   fit_options.max_micro_batches = cfg.batch / comm.world_size();  // the last concession: any that divides
   const nn::FittedSchedule fit = nn::fit_schedule(task.module(), comm, cfg.batch, step, limit, configured, fit_options);
   const nn::MemoryPlan& first = fit.configured;
@@ -246,7 +249,8 @@ void run(const Config& cfg, Communicator& comm) {
   const nn::MemorySchedule configured{.max_unsharded_groups = cfg.unsharded_groups,
                                       .strategy = policy.strategy,
                                       .activation_checkpointing = cfg.activation_checkpointing,
-                                      .micro_batches = cfg.grad_accum};
+                                      .micro_batches = cfg.grad_accum,
+                                      .recompute_gelu = cfg.recompute_gelu};
   const MeasuredPlan measured = measure_plan(cfg, comm, *task, configured, plan_options);
   plan = measured.plan;
   const nn::MemorySchedule& chosen = measured.schedule;

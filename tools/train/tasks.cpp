@@ -165,6 +165,10 @@ struct LmTask : Task {
   }
   bool can_checkpoint_activations() const override { return true; }
   void set_activation_checkpointing(bool on) override { model->set_activation_checkpointing(on); }
+  bool can_recompute_gelu() const override { return true; }
+  void set_recompute_gelu(bool on) override {
+    model->set_gelu_backward(on ? GeluBackward::recompute : GeluBackward::keep_pre_activation);
+  }
   nlohmann::json evaluate(std::int64_t step, bool final) override {
     if (!final && (cfg.eval_every <= 0 || (step + 1) % cfg.eval_every != 0)) return {};
     autograd::NoGradGuard guard;

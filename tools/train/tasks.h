@@ -45,6 +45,9 @@ struct Task {
   /// Whether the model can recompute its blocks in backward (--activation-checkpointing).
   virtual bool can_checkpoint_activations() const { return false; }
   virtual void set_activation_checkpointing(bool) {}
+  /// Whether the model's MLPs can recompute their GELU pre-activations in backward (--recompute-gelu).
+  virtual bool can_recompute_gelu() const { return false; }
+  virtual void set_recompute_gelu(bool) {}
   /// Bytes this process has read from the data files so far (each rank reads only its samples).
   virtual std::int64_t data_bytes_read() const = 0;
 };

@@ -95,6 +95,7 @@ std::string MemorySchedule::describe() const {
   std::string out = std::to_string(max_unsharded_groups) +
                     (max_unsharded_groups == 1 ? " unsharded group, " : " unsharded groups, ") +
                     (strategy == CheckpointStrategy::retain ? "retain" : "recompute");
+  if (recompute_gelu) out += ", GELU recomputed";
   if (activation_checkpointing) out += ", activation checkpointing";
   if (micro_batches > 1) out += ", " + std::to_string(micro_batches) + " micro-batches";
   return out;
@@ -106,41 +107,48 @@ void apply(const Module& module, const MemorySchedule& schedule, const FitOption
   set_max_unsharded_groups(module, schedule.max_unsharded_groups);
   set_checkpoint_strategy(module, schedule.strategy);
   if (options.set_activation_checkpointing) options.set_activation_checkpointing(schedule.activation_checkpointing);
+  if (options.set_recompute_gelu) options.set_recompute_gelu(schedule.recompute_gelu);
 }
 
 // The schedules to try after `configured`, fewest concessions first; among as many concessions,
 // those that give up less come first: fewer unsharded groups (more groups kept first), then
-// recompute, then activation checkpointing.
-std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint,
+// recompute, then the GELU recompute (a GEMM more per block), then activation checkpointing (a
+// whole forward more), then more micro-batches.
+std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint, bool can_recompute_gelu,
                                         const std::vector<std::int64_t>& micro_batches) {
   struct Candidate {
     MemorySchedule schedule;
-    int count, micro, checkpointing, recomputing, groups_given_up;
+    int count, micro, checkpointing, gelu, recomputing, groups_given_up;
   };
   std::vector<Candidate> all;
   const bool may_recompute = configured.strategy == CheckpointStrategy::retain;
   const bool may_checkpoint = can_checkpoint && !configured.activation_checkpointing;
+  const bool may_recompute_gelu = can_recompute_gelu && !configured.recompute_gelu;
   for (int groups = configured.max_unsharded_groups; groups >= 1; --groups) {
     for (int recompute = 0; recompute <= (may_recompute ? 1 : 0); ++recompute) {
-      for (int checkpoint = 0; checkpoint <= (may_checkpoint ? 1 : 0); ++checkpoint) {
-        for (std::size_t m = 0; m < micro_batches.size(); ++m) {
-          MemorySchedule s = configured;
-          s.max_unsharded_groups = groups;
-          if (recompute) s.strategy = CheckpointStrategy::recompute;
-          if (checkpoint) s.activation_checkpointing = true;
-          s.micro_batches = micro_batches[m];
-          const int fewer = groups < configured.max_unsharded_groups ? 1 : 0;
-          const int smaller = m > 0 ? 1 : 0;
-          if (fewer + recompute + checkpoint + smaller == 0) continue;
-          all.push_back({s, fewer + recompute + checkpoint + smaller, static_cast<int>(m), checkpoint, recompute,
-                         configured.max_unsharded_groups - groups});
+      for (int gelu = 0; gelu <= (may_recompute_gelu ? 1 : 0); ++gelu) {
+        for (int checkpoint = 0; checkpoint <= (may_checkpoint ? 1 : 0); ++checkpoint) {
+          for (std::size_t m = 0; m < micro_batches.size(); ++m) {
+            MemorySchedule s = configured;
+            s.max_unsharded_groups = groups;
+            if (recompute) s.strategy = CheckpointStrategy::recompute;
+            if (gelu) s.recompute_gelu = true;
+            if (checkpoint) s.activation_checkpointing = true;
+            s.micro_batches = micro_batches[m];
+            const int fewer = groups < configured.max_unsharded_groups ? 1 : 0;
+            const int smaller = m > 0 ? 1 : 0;
+            const int count = fewer + recompute + gelu + checkpoint + smaller;
+            if (count == 0) continue;
+            all.push_back(
+                {s, count, static_cast<int>(m), checkpoint, gelu, recompute, configured.max_unsharded_groups - groups});
+          }
         }
       }
     }
   }
   std::stable_sort(all.begin(), all.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.count, a.micro, a.checkpointing, a.recomputing, a.groups_given_up) <
-           std::tie(b.count, b.micro, b.checkpointing, b.recomputing, b.groups_given_up);
+    return std::tie(a.count, a.micro, a.checkpointing, a.gelu, a.recomputing, a.groups_given_up) <
+           std::tie(b.count, b.micro, b.checkpointing, b.gelu, b.recomputing, b.groups_given_up);
   });
   std::vector<MemorySchedule> out;
   for (const auto& c : all) out.push_back(c.schedule);
@@ -185,7 +193,8 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
   fit.configured = measure(configured);
   if (fit.fits) return fit;
   for (const MemorySchedule& candidate :
-       concessions(configured, static_cast<bool>(options.set_activation_checkpointing), micro_batches)) {
+       concessions(configured, static_cast<bool>(options.set_activation_checkpointing),
+                   static_cast<bool>(options.set_recompute_gelu), micro_batches)) {
     measure(candidate);
     if (fit.fits) return fit;
   }

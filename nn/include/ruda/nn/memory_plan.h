@@ -104,7 +104,11 @@ struct MemorySchedule {
   /// Micro-batches per step (gradient accumulation, set_requires_all_reduce): each computes
   /// 1/micro_batches of the local batch. The caller runs them; fit_schedule plans for one.
   std::int64_t micro_batches = 1;
-  /// "2 unsharded groups, recompute", with ", activation checkpointing" and ", 4 micro-batches" when on.
+  /// Whether the model's MLPs recompute their GELU pre-activations in backward instead of keeping
+  /// them (GeluBackward::recompute; FitOptions::set_recompute_gelu).
+  bool recompute_gelu = false;
+  /// "2 unsharded groups, recompute", with ", activation checkpointing", ", GELU recomputed" and
+  /// ", 4 micro-batches" when on.
   std::string describe() const;
   bool operator==(const MemorySchedule&) const = default;
 };
@@ -116,6 +120,9 @@ struct FitOptions {
   std::int64_t max_micro_batches = 1;
   /// Turns the model's activation checkpointing on or off; empty: the model offers none.
   std::function<void(bool)> set_activation_checkpointing;
+  /// Turns the recompute of the MLPs' GELU pre-activations on or off (GPT::set_gelu_backward);
+  /// empty: the model offers none.
+  std::function<void(bool)> set_recompute_gelu;
 };
 
 struct FittedSchedule {
@@ -132,7 +139,8 @@ struct FittedSchedule {
 /// Measures the step (as plan_memory does) with `configured`, and, if some rank is over `limit`,
 /// with the schedules that trade speed for memory, fewest concessions first, then in this order:
 /// fewer unsharded groups (down to 1, the computing group alone), recompute instead of retain,
-/// activation checkpointing (when offered), more micro-batches (up to FitOptions::max_micro_batches;
+/// the GELU pre-activations recomputed (when offered: one GEMM more per block, one [tokens, 4d]
+/// tensor less), activation checkpointing (when offered), more micro-batches (up to FitOptions::max_micro_batches;
 /// `global_batch` is the whole step's, and a schedule's plan is one micro-batch's). The first schedule whose plan fits
 /// on every rank is applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
 /// applied again and `fits` is false. Collective: every rank measures the same candidates.
