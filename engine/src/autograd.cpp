@@ -142,11 +142,11 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
 
 // A slice node's gradient added into its region of the producer's pending gradient (see
 // Node::input_region), in place when that gradient is ours alone; false where the node's own
-// backward must run instead (its input is a leaf, or the gradient's dtype is not the input's).
+// backward must run instead: its input is a leaf (a parameter sliced directly gets one padded
+// gradient per slice, added into its own gradient buffer in place).
 bool add_into_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].node) return false;
   Node& producer = *node.next[0].node;
-  if (g.dtype() != producer.out_dtype) return false;
   const Node::InputRegion& r = *node.input_region;
   Tensor& into = producer.pending;
   if (!into.defined()) {

@@ -61,11 +61,14 @@ Tensor rows_contiguous(const Tensor& t) {
 
 // A gradient for `t` [B, H, T, D] laid out as t is: [B, T, H, D] storage when t's heads are
 // interleaved in time (the permuted qkv projection), so that the permute, reshape and slice
-// views that made t hand the gradient back to the projection without a copy.
+// views that made t hand the gradient back to the projection without a copy. Heads expanded
+// from one (stride 0, shared keys and values) keep the dense layout, which expand's backward
+// (a sum over heads) reads without a copy.
 Tensor gradient_like(const Tensor& t) {
   const Shape& s = t.shape();
   constexpr const char* kWhat = "scaled_dot_product_attention backward";
-  if (t.strides()[1] < t.strides()[2]) {
+  const Shape strides = t.strides();
+  if (strides[1] > 0 && strides[1] < strides[2]) {
     return make_tensor({s[0], s[2], s[1], s[3]}, t.dtype(), t.backend(), kWhat).permute({0, 2, 1, 3});
   }
   return make_tensor(s, t.dtype(), t.backend(), kWhat);

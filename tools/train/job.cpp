@@ -296,6 +296,7 @@ void run(const Config& cfg, Communicator& comm) {
     }
     std::cout << ", backend " << default_backend().name() << ", compute " << cfg.dtype << ", "
               << (chosen.strategy == nn::CheckpointStrategy::retain ? "retain" : "recompute")
+              << (chosen.recompute_gelu ? ", GELU recomputed" : "")
               << (chosen.activation_checkpointing ? ", activation checkpointing" : "")
               << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "")
               << (chosen.micro_batches > 1 ? ", " + std::to_string(chosen.micro_batches) + " micro-batches per step"
