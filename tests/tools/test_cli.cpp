@@ -411,10 +411,11 @@ TEST_CASE("--memory-limit: a configuration over it is refused before step 1, say
           std::string::npos,
       fitted.output);
   CHECK_MESSAGE(fitted.output.find("activation checkpointing):\n") != std::string::npos, fitted.output);  // the table
-  // --no-auto-fit refuses instead, naming the world size that fits, and the recomputing blocks.
+  // --no-auto-fit refuses instead, naming the world size that fits, the recomputed GELU's and the
+  // recomputing blocks'.
   const Run step = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm));
-  one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "; fits at ",
-                        " ranks, or at 2 with --activation-checkpointing", "--no-auto-fit"});
+  one_error_line(step, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "; fits at ", " with --recompute-gelu",
+                        ", or at 2 with --activation-checkpointing", "--no-auto-fit"});
   // ... which then runs, within the limit.
   const Run fits = run(train("--emulate 2 --memory-limit 6MB --no-auto-fit" + lm + " --activation-checkpointing"));
   CHECK_MESSAGE(fits.exit_code == 0, fits.output);

@@ -34,9 +34,16 @@ void setup_phase(Communicator& comm, const std::function<void()>& phase) {
 
 // --- the memory plan ---
 
+// A flag that would change the step's memory, with the step measured that way.
+struct Alternative {
+  std::string flag;
+  nn::StepProbe probe;
+};
+
 // "needs ~1.9 GB per rank at 1 rank; limit 256 MB; fits at 8 ranks, or at 4 with --activation-checkpointing"
+
 std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, std::int64_t batch,
-                    const std::optional<nn::StepProbe>& probe, const std::optional<nn::StepProbe>& checkpointed,
+                    const std::optional<nn::StepProbe>& probe, const std::vector<Alternative>& alternatives,
                     const nn::PlanOptions& options) {
   const int world = plan.world_size;
   std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
@@ -48,10 +55,9 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
   out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +
                         " ranks"
                   : "; fits at no world size with --batch " + std::to_string(batch);
-  if (checkpointed) {
-    const int with = nn::smallest_fitting_world(task.module(), batch, checkpointed, limit, options);
-    if (with > 0 && (fits == 0 || with < fits))
-      out += ", or at " + std::to_string(with) + " with --activation-checkpointing";
+  for (const Alternative& a : alternatives) {
+    const int with = nn::smallest_fitting_world(task.module(), batch, a.probe, limit, options);
+    if (with > 0 && (fits == 0 || with < fits)) out += ", or at " + std::to_string(with) + " with " + a.flag;
   }
   return out;
 }
@@ -61,7 +67,7 @@ void check_state_fits(const Config& cfg, Communicator& comm, Task& task, const n
   const std::int64_t limit = memory::limit();
   const nn::MemoryPlan state = nn::plan_state(task.module(), comm.world_size(), cfg.batch, options);
   if (limit > 0 && state.peak() > limit) {
-    throw OutOfMemoryError(refusal(task, state, limit, cfg.batch, std::nullopt, std::nullopt, options));
+    throw OutOfMemoryError(refusal(task, state, limit, cfg.batch, std::nullopt, {}, options));
   }
 }
 
@@ -87,16 +93,21 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
     nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, batch, step, limit, options);
     plan.schedule = configured.describe();
     const bool over = limit > 0 && plan.peak() > limit;
-    // Whether any rank is over: then every rank probes the recomputing blocks for the refusal's hint.
+    // Whether any rank is over: then every rank probes the recomputing flags for the refusal's hints.
     if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, configured, ""};
-    std::optional<nn::StepProbe> checkpointed;
+    std::vector<Alternative> alternatives;
+    if (task.can_recompute_gelu() && !configured.recompute_gelu) {
+      task.set_recompute_gelu(true);
+      alternatives.push_back({"--recompute-gelu", nn::probe_step(task.module(), comm, step)});
+      task.set_recompute_gelu(false);
+    }
     if (task.can_checkpoint_activations() && !configured.activation_checkpointing) {
       task.set_activation_checkpointing(true);
-      checkpointed = nn::probe_step(task.module(), comm, step);
+      alternatives.push_back({"--activation-checkpointing", nn::probe_step(task.module(), comm, step)});
       task.set_activation_checkpointing(false);
     }
     return {plan, configured,
-            over ? refusal(task, plan, limit, cfg.batch, plan.probe, checkpointed, options) +
+            over ? refusal(task, plan, limit, cfg.batch, plan.probe, alternatives, options) +
                        " (--no-auto-fit: no other schedule tried)"
                  : ""};
   }
