@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "internal.h"
+#include "stopwatch.h"
 
 namespace ruda {
 
@@ -309,7 +310,7 @@ std::string format_collective_timeout(std::chrono::milliseconds timeout) {
 struct Communicator::Call {
   std::uint64_t sequence = 0;
   std::string fingerprint;  // for the order check
-  Clock::time_point start;
+  std::uint64_t start = 0;  // a cd::Stopwatch reading
   std::uint64_t bytes = 0;  // bus bytes (Traffic::bytes)
 };
 
@@ -330,10 +331,9 @@ std::uint64_t bus_bytes(const char* op, std::int64_t count, DType dtype, int wor
 }  // namespace
 
 void Communicator::finish(const Call& call) {
-  const auto now = Clock::now();
+  const double seconds = cd::Stopwatch::seconds(call.start, cd::Stopwatch::now());
   traffic_->collectives += 1;
   traffic_->bytes += call.bytes;
-  const double seconds = std::chrono::duration<double>(now - call.start).count();
   traffic_->seconds += seconds;
   traffic_->exposed_seconds += seconds;
 }
@@ -375,7 +375,7 @@ Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64
   // Every collective, blocking or not, begins here: the one place its options enter.
   check_enum(options.accumulate, op, "Accumulate", rank_text_);
   Call call;
-  call.start = Clock::now();
+  call.start = cd::Stopwatch::now();
   call.bytes = has_data ? bus_bytes(op, count, dtype, world_size_) : 0;
   call.sequence = ++sequence_;
   if (history_.size() < kHistory) history_.emplace_back();
@@ -598,7 +598,7 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
-                                               call.start, call.bytes));
+                                               cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
   }
@@ -633,7 +633,7 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
-                                               call.start, call.bytes));
+                                               cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
   }
@@ -656,7 +656,7 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
-                                               call.start, call.bytes));
+                                               cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
   }

@@ -1,6 +1,7 @@
 // The collective suite on LocalCommunicator (world size 1), and its copy-free results.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -14,6 +15,7 @@
 
 #include "algorithm_choice.h"
 #include "progress_thread.h"
+#include "stopwatch.h"
 #include "suite.h"
 
 namespace {
@@ -361,4 +363,25 @@ TEST_CASE("algorithm choice: RUDA_RING_MIN_BYTES is a size, unset means measure,
   unsetenv("RUDA_RING_MIN_BYTES");
   CHECK_FALSE(ring_min_bytes_from_env().has_value());
   if (set) setenv("RUDA_RING_MIN_BYTES", saved.c_str(), 1);
+}
+
+// --- the stopwatch of the traffic figures (stopwatch.h): the TSC where it is invariant ---
+
+TEST_CASE("stopwatch: readings are monotonic and measure seconds as steady_clock does") {
+  using ruda::collectives_detail::Stopwatch;
+  using Steady = std::chrono::steady_clock;
+  const std::uint64_t a = Stopwatch::now();
+  const auto steady_a = Steady::now();
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const std::uint64_t b = Stopwatch::now();
+  const double steady = std::chrono::duration<double>(Steady::now() - steady_a).count();
+  CHECK(b >= a);
+  const double seconds = Stopwatch::seconds(a, b);
+  // Within 5% of steady_clock over the same 30+ ms (the calibration's own error is far smaller).
+  CHECK(seconds == doctest::Approx(steady).epsilon(0.05));
+  CHECK(Stopwatch::seconds(b, a) == 0.0);  // a reading before the start is no time, not negative
+  // The steady_clock time of the first reading is where steady_clock was then.
+  const auto converted = Stopwatch::to_steady(a);
+  CHECK(std::abs(std::chrono::duration<double>(converted - steady_a).count()) <
+        0.01);  // preemption between the two reads allowed
 }

@@ -1,0 +1,68 @@
+#include "stopwatch.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <x86intrin.h>
+#endif
+
+namespace ruda::collectives_detail {
+
+namespace {
+
+using Steady = std::chrono::steady_clock;
+
+std::uint64_t steady_ns() noexcept {
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Steady::now().time_since_epoch()).count());
+}
+
+// The TSC when it ticks at one rate whatever the core's frequency and power state (CPUID
+// 0x80000007 EDX bit 8, "invariant TSC"), and its rate: ticks over ~2 ms of steady_clock.
+struct Tsc {
+  bool usable = false;
+  double seconds_per_tick = 0;
+  Tsc() {
+#if defined(__x86_64__)
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_max(0x80000000, nullptr) < 0x80000007) return;
+    __get_cpuid(0x80000007, &eax, &ebx, &ecx, &edx);
+    if (!(edx & (1u << 8))) return;
+    const std::uint64_t ns0 = steady_ns(), t0 = __rdtsc();
+    std::uint64_t ns1 = ns0, t1 = t0;
+    while (ns1 - ns0 < 2'000'000) {
+      ns1 = steady_ns();
+      t1 = __rdtsc();
+    }
+    if (t1 <= t0) return;
+    seconds_per_tick = static_cast<double>(ns1 - ns0) * 1e-9 / static_cast<double>(t1 - t0);
+    usable = true;
+#endif
+  }
+};
+
+const Tsc& tsc() noexcept {
+  static const Tsc calibrated;
+  return calibrated;
+}
+
+}  // namespace
+
+std::uint64_t Stopwatch::now() noexcept {
+#if defined(__x86_64__)
+  if (tsc().usable) return __rdtsc();
+#endif
+  return steady_ns();
+}
+
+double Stopwatch::seconds(std::uint64_t from, std::uint64_t to) noexcept {
+  const double ticks = to > from ? static_cast<double>(to - from) : 0.0;
+  return tsc().usable ? ticks * tsc().seconds_per_tick : ticks * 1e-9;
+}
+
+Steady::time_point Stopwatch::to_steady(std::uint64_t reading) noexcept {
+  const std::uint64_t now_reading = now();
+  const auto since = std::chrono::duration<double>(seconds(reading, now_reading));
+  return Steady::now() - std::chrono::duration_cast<Steady::duration>(since);
+}
+
+}  // namespace ruda::collectives_detail
