@@ -100,6 +100,10 @@ class RawRing {
     incoming_.assign(static_cast<std::size_t>(2 * seg_), 0.0f);
   }
   void operator()(const float* send, float* recv) {
+    if (size_ == 1) {  // the reduce-scatter of one rank is its input, copied (as ruda's and MPI's)
+      std::copy(send, send + count_, recv);
+      return;
+    }
     const int right = (rank_ + 1) % size_, left = (rank_ + size_ - 1) % size_;
     const std::int64_t segments = (count_ + seg_ - 1) / seg_;
     for (int step = 0; step < size_ - 1; ++step) {
