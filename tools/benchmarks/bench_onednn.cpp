@@ -170,6 +170,11 @@ void ranks_suite(Context& ctx) {
 }
 
 Tensor gelu_erf(const Tensor& t) { return gelu(t); }
+// LayerNorm over the last axis with an affine weight and bias (both backends run Eigen's kernel).
+Tensor layer_norm_affine(const Tensor& t) {
+  const Options o(t.dtype(), &t.backend());
+  return layer_norm(t, ones({t.shape().back()}, o), zeros({t.shape().back()}, o));
+}
 Tensor gelu_tanh(const Tensor& t) { return gelu(t, GeluApproximation::tanh); }
 
 void kernels_suite(Context& ctx) {
@@ -207,6 +212,7 @@ void kernels_suite(Context& ctx) {
       RUDA_UNARY_KERNEL("log", log, true),
       RUDA_UNARY_KERNEL("sqrt", sqrt, true),
       RUDA_UNARY_KERNEL("rsqrt", rsqrt, true),
+      RUDA_UNARY_KERNEL("layer_norm over 1024", layer_norm_affine, false),
 #undef RUDA_UNARY_KERNEL
       {"add", [](const Tensor& t, const Tensor& u) { return t + u; }},
       {"mul by a row", [](const Tensor& t, const Tensor& u) { return t * u.slice(0, 0, 1); }},
