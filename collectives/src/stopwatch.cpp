@@ -1,5 +1,8 @@
 #include "stopwatch.h"
 
+#include <fstream>
+#include <string>
+
 #if defined(__x86_64__)
 #include <cpuid.h>
 #include <x86intrin.h>
@@ -16,13 +19,25 @@ std::uint64_t steady_ns() noexcept {
       std::chrono::duration_cast<std::chrono::nanoseconds>(Steady::now().time_since_epoch()).count());
 }
 
+#if defined(__x86_64__)
+// Whether Linux keeps time with the TSC itself: it does only where it found the TSC in step
+// across CPUs (a VM whose virtual CPUs' TSCs drift apart gets another clocksource).
+bool kernel_trusts_tsc() {
+  std::ifstream in("/sys/devices/system/clocksource/clocksource0/current_clocksource");
+  std::string source;
+  return static_cast<bool>(in >> source) && source == "tsc";
+}
+#endif
+
 // The TSC when it ticks at one rate whatever the core's frequency and power state (CPUID
-// 0x80000007 EDX bit 8, "invariant TSC"), and its rate: ticks over ~2 ms of steady_clock.
+// 0x80000007 EDX bit 8, "invariant TSC") and the kernel keeps time with it, and its rate: ticks
+// over ~2 ms of steady_clock.
 struct Tsc {
   bool usable = false;
   double seconds_per_tick = 0;
   Tsc() {
 #if defined(__x86_64__)
+    if (!kernel_trusts_tsc()) return;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (__get_cpuid_max(0x80000000, nullptr) < 0x80000007) return;
     __get_cpuid(0x80000007, &eax, &ebx, &ecx, &edx);

@@ -1,8 +1,9 @@
 // The clock of the per-call traffic figures (Traffic::seconds): begin() and finish() read it once
 // each for every collective. At 4 KiB a blocking collective takes ~0.6 us between two ranks, and
 // steady_clock::now() costs ~25 ns a read on the VMs measured (rdtsc ~10 ns), so the two reads
-// were a tenth of what ruda adds to MPI's call. On x86-64 with an invariant TSC it reads the TSC,
-// converted with a rate measured once per process against steady_clock; elsewhere steady_clock.
+// were a tenth of what ruda adds to MPI's call. On x86-64 with an invariant TSC that Linux keeps
+// time with, it reads the TSC, converted with a rate measured once per process against
+// steady_clock; elsewhere steady_clock.
 #pragma once
 
 #include <chrono>
