@@ -27,11 +27,27 @@ bool kernel_trusts_tsc() {
   std::string source;
   return static_cast<bool>(in >> source) && source == "tsc";
 }
+
+// A TSC reading and the steady_clock time it was taken at, from two steady_clock reads at most
+// 1 us apart around it: a thread preempted between the reads (a loaded machine) tries again, so
+// that no descheduled gap enters the rate. false after 1000 tries.
+bool paired_reading(std::uint64_t& ns, std::uint64_t& ticks) noexcept {
+  for (int attempt = 0; attempt < 1000; ++attempt) {
+    const std::uint64_t before = steady_ns();
+    ticks = __rdtsc();
+    const std::uint64_t after = steady_ns();
+    if (after - before <= 1000) {
+      ns = before + (after - before) / 2;
+      return true;
+    }
+  }
+  return false;
+}
 #endif
 
 // The TSC when it ticks at one rate whatever the core's frequency and power state (CPUID
 // 0x80000007 EDX bit 8, "invariant TSC") and the kernel keeps time with it, and its rate: ticks
-// over ~2 ms of steady_clock.
+// over ~2 ms of steady_clock between two paired readings (error within 0.1%).
 struct Tsc {
   bool usable = false;
   double seconds_per_tick = 0;
@@ -42,13 +58,11 @@ struct Tsc {
     if (__get_cpuid_max(0x80000000, nullptr) < 0x80000007) return;
     __get_cpuid(0x80000007, &eax, &ebx, &ecx, &edx);
     if (!(edx & (1u << 8))) return;
-    const std::uint64_t ns0 = steady_ns(), t0 = __rdtsc();
-    std::uint64_t ns1 = ns0, t1 = t0;
-    while (ns1 - ns0 < 2'000'000) {
-      ns1 = steady_ns();
-      t1 = __rdtsc();
+    std::uint64_t ns0 = 0, t0 = 0, ns1 = 0, t1 = 0;
+    if (!paired_reading(ns0, t0)) return;
+    while (steady_ns() - ns0 < 2'000'000) {
     }
-    if (t1 <= t0) return;
+    if (!paired_reading(ns1, t1) || t1 <= t0 || ns1 <= ns0) return;
     seconds_per_tick = static_cast<double>(ns1 - ns0) * 1e-9 / static_cast<double>(t1 - t0);
     usable = true;
 #endif
