@@ -1,9 +1,9 @@
 // The clock of the per-call traffic figures (Traffic::seconds): begin() and finish() read it once
-// each for every collective. At 4 KiB a blocking collective takes ~0.6 us between two ranks, and
-// steady_clock::now() costs ~25 ns a read on the VMs measured (rdtsc ~10 ns), so the two reads
-// were a tenth of what ruda adds to MPI's call. On x86-64 with an invariant TSC that Linux keeps
-// time with, it reads the TSC, converted with a rate measured once per process against
-// steady_clock; elsewhere steady_clock.
+// each for every collective, whose own work at 4 KiB is well under a microsecond. Reading the TSC
+// instead of steady_clock took what ruda adds to a 4 KiB MPI_Allgather from 81-86 to 58-61 ns
+// (`mpiexec -n 1 ruda-bench-mpi --suite collectives-mpi`, Zen 4 VM). On x86-64 with an invariant
+// TSC that Linux keeps time with, it reads the TSC, converted with a rate measured once per process
+// against steady_clock; elsewhere steady_clock.
 #pragma once
 
 #include <chrono>
