@@ -169,6 +169,18 @@ TEST_CASE("fused attention: several query and key blocks, causal (T = 300 and T 
   check_case({{1, 1, 600, 8}, {1, 1, 600, 8}, {1, 1, 600, 8}, {}}, DType::f64);
 }
 
+TEST_CASE("fused attention: diagonal blocks cut into chunks, whole and partial") {
+  // A causal block that crosses the diagonal is multiplied in 64-row chunks, each against the keys
+  // its last row sees (attention_kernel.h, for_each_chunk). T = 968: three 256-row blocks of four
+  // chunks and a last block of 200 rows (chunks 64, 64, 64, 8).
+  for (DType dtype : {DType::f32, DType::f64})
+    check_case({{1, 1, 968, 8}, {1, 1, 968, 8}, {1, 1, 968, 8}, causal()}, dtype);
+  // 128-row query blocks against 256-key blocks (Tq != Tk): chunks see 64, 128, 192 and 256 keys.
+  check_case({{1, 2, 300, 8}, {1, 2, 1100, 8}, {1, 2, 1100, 8}, causal()}, DType::f32);
+  // T = 128: one block per head, two chunks (the default GPT's shape, one head).
+  check_all_dtypes({{2, 1, 128, 16}, {2, 1, 128, 16}, {2, 1, 128, 16}, causal()});
+}
+
 TEST_CASE("fused attention: B x H smaller than the thread count splits heads over key blocks") {
   const int before = num_threads();
   set_num_threads(4);
@@ -194,6 +206,7 @@ TEST_CASE("fused attention with dropout draws the composed path's mask") {
     o.causal = is_causal;
     for (DType dtype : kDTypes) check_case({{2, 2, 37, 8}, {2, 2, 45, 8}, {2, 2, 45, 5}, o}, dtype);
     check_case({{1, 1, 20, 4}, {1, 1, 1030, 4}, {1, 1, 1030, 4}, o}, DType::f32);  // across key blocks
+    check_case({{1, 1, 260, 4}, {1, 1, 260, 4}, {1, 1, 260, 4}, o}, DType::f32);   // diagonal chunks
   }
   // The mask really drops: some weights are zero, so the output differs from no dropout.
   const Tensor q = randn({1, 1, 8, 4}, 1), k = randn({1, 1, 8, 4}, 2), v = randn({1, 1, 8, 4}, 3);
