@@ -144,18 +144,82 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
 // Node::input_region), in place when that gradient is ours alone; false where the node's own
 // backward must run instead: its input is a leaf (a parameter sliced directly gets one padded
 // gradient per slice, added into its own gradient buffer in place).
+// Zeroes what no slice wrote into a pending gradient that slices built (Node::written), so that
+// it is whole before anything but another slice reads it.
+void complete_pending(Node& node) {
+  Node::WrittenRegions& w = node.written;
+  if (!w.partial) return;
+  std::int64_t at = 0;
+  const std::int64_t extent = node.out_shape[static_cast<std::size_t>(w.axis)];
+  auto zero = [&](std::int64_t begin, std::int64_t end) {
+    if (begin < end) node.pending.slice(w.axis, begin, end).fill_(0);
+  };
+  for (const auto& [begin, end] : w.intervals) {
+    zero(at, begin);
+    at = end;
+  }
+  zero(at, extent);
+  w = {};
+}
+
+// Writes g into region [start, start + length) of `axis` of a pending gradient that slices are
+// building: a copy where nothing was written yet, an add where something was. A region on another
+// axis completes the gradient first and adds.
+void write_region(Node& producer, const Node::InputRegion& r, const Tensor& g) {
+  Node::WrittenRegions& w = producer.written;
+  Tensor& into = producer.pending;
+  const std::int64_t begin = r.start, end = r.start + r.length;
+  if (w.axis != r.axis) {
+    complete_pending(producer);
+    into.slice(r.axis, begin, end).add_(g);
+    return;
+  }
+  // The written intervals that meet [begin, end), and the gaps between them, in order.
+  std::int64_t at = begin;
+  for (const auto& [wb, we] : w.intervals) {
+    if (we <= at || wb >= end) continue;
+    if (at < wb) into.slice(r.axis, at, wb).copy_(g.slice(r.axis, at - begin, wb - begin));
+    const std::int64_t ob = std::max(wb, at), oe = std::min(we, end);
+    into.slice(r.axis, ob, oe).add_(g.slice(r.axis, ob - begin, oe - begin));
+    at = oe;
+  }
+  if (at < end) into.slice(r.axis, at, end).copy_(g.slice(r.axis, at - begin, end - begin));
+  // Merge [begin, end) into the intervals.
+  std::vector<std::pair<std::int64_t, std::int64_t>> merged;
+  std::pair<std::int64_t, std::int64_t> added{begin, end};
+  bool placed = false;
+  for (const auto& iv : w.intervals) {
+    if (iv.second < added.first) {
+      merged.push_back(iv);
+    } else if (iv.first > added.second) {
+      if (!placed) merged.push_back(added), placed = true;
+      merged.push_back(iv);
+    } else {
+      added = {std::min(added.first, iv.first), std::max(added.second, iv.second)};
+    }
+  }
+  if (!placed) merged.push_back(added);
+  w.intervals = std::move(merged);
+  const std::int64_t extent = producer.out_shape[static_cast<std::size_t>(r.axis)];
+  if (w.intervals.size() == 1 && w.intervals[0].first == 0 && w.intervals[0].second == extent) w = {};  // whole
+}
+
 bool add_into_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].node) return false;
   Node& producer = *node.next[0].node;
   const Node::InputRegion& r = *node.input_region;
   Tensor& into = producer.pending;
   if (!into.defined()) {
-    into = zeros(producer.out_shape, Options(producer.out_dtype, producer.out_backend));
-  } else if (!exclusively_owned(into) || !into.is_contiguous()) {
+    into = empty(producer.out_shape, Options(producer.out_dtype, producer.out_backend));
+    producer.written = {true, r.axis, {}};
+  } else if (!producer.written.partial && (!exclusively_owned(into) || !into.is_contiguous())) {
     into = into.clone();  // shared with another input's gradient (add passes its own on): copy first
   }
-  Tensor part = into.slice(r.axis, r.start, r.start + r.length);
-  part.add_(g);
+  if (producer.written.partial) {
+    write_region(producer, r, g);
+  } else {
+    into.slice(r.axis, r.start, r.start + r.length).add_(g);
+  }
   return true;
 }
 
@@ -213,7 +277,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   struct ClearPending {
     std::vector<Node*>& nodes;
     ~ClearPending() {
-      for (Node* n : nodes) n->pending = Tensor();
+      for (Node* n : nodes) {
+        n->pending = Tensor();
+        n->written = {};
+      }
     }
   } clear{order};
 
@@ -234,6 +301,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       fail<AutogradError>("backward", "the graph through ", node->name,
                           " was freed by an earlier backward; pass retain_graph=true to keep it");
     }
+    complete_pending(*node);
     Tensor g = std::move(node->pending);
     if (!g.defined()) {
       if (!node->always_run) continue;
@@ -272,6 +340,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
                             e.node->out_shape);
       }
       if (e.node) {
+        complete_pending(*e.node);
         accumulate(e.node->pending, std::move(grads[i]));
       } else {
         accumulate_leaf(*e.leaf, std::move(grads[i]));

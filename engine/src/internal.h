@@ -156,6 +156,17 @@ class Node {
     std::int64_t start = 0, length = 0;
   };
   std::optional<InputRegion> input_region;
+  // Regions of `pending` written so far, when slices built it (add_into_region): it starts
+  // uninitialized, each slice's gradient is copied into a region no other has written yet (and
+  // added where one has), and whatever no slice wrote is zeroed before anything else reads it
+  // (complete_pending). q, k and v of one projection then cover it whole: no zero fill at all.
+  // Empty intervals with `partial` false: pending is whole (or undefined).
+  struct WrittenRegions {
+    bool partial = false;
+    int axis = 0;
+    std::vector<std::pair<std::int64_t, std::int64_t>> intervals;  // [begin, end) on axis, sorted, disjoint
+  };
+  WrittenRegions written;
 };
 
 }  // namespace ruda::autograd

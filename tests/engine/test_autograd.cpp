@@ -1,6 +1,7 @@
 // Semantics of the tape: accumulation, retain_graph, detach, no_grad, explicit output gradients,
 // reverse creation order, always-run nodes, recompute, and independent graphs on threads.
 #include <atomic>
+#include <functional>
 #include <thread>
 
 #include "helpers.h"
@@ -248,6 +249,47 @@ TEST_CASE("slices of one tensor add their gradients into its regions") {
   expected = slice_assign(expected, 1, 2, 7, slice(expected, 1, 2, 7) + b);
   expected = slice_assign(expected, 1, 6, 9, slice(expected, 1, 6, 9) + c);
   CHECK_CLOSE(x.grad(), expected * 2.0, 1e-6, 1e-6);
+}
+
+// When slices reach a pending gradient first, it starts uninitialized: each slice's gradient is
+// copied into what no other slice wrote (added where one did), and the rest is zeroed before
+// anything else reads it (autograd.cpp, write_region and complete_pending).
+TEST_CASE("slices that leave gaps, overlap, cross axes or come before a whole gradient") {
+  Tensor x = randn({6, 9}, 21).set_requires_grad();
+  const Tensor a = randn({6, 3}, 22), b = randn({6, 3}, 23), c = randn({6, 2}, 24), e = randn({3, 9}, 25);
+  auto padded = [](Tensor into, int axis, std::int64_t begin, std::int64_t end, const Tensor& part) {
+    return slice_assign(into, axis, begin, end, slice(into, axis, begin, end) + part);
+  };
+  auto run = [&](const std::function<Tensor(const Tensor&)>& loss_of) {
+    x.zero_grad();
+    loss_of(x * 2.0).backward();
+    return x.grad() * 0.5;  // the gradient with respect to h = 2 x
+  };
+  SUBCASE("a gap between slices is zero, overlaps add") {
+    // Columns [0, 3) and [2, 5) overlap on column 2; [7, 9) leaves columns 5 and 6 unwritten.
+    const Tensor got = run([&](const Tensor& h) {
+      return sum(slice(h, 1, 0, 3) * a) + sum(slice(h, 1, 2, 5) * b) + sum(slice(h, 1, 7, 9) * c);
+    });
+    Tensor expected = zeros({6, 9});
+    expected = padded(expected, 1, 0, 3, a);
+    expected = padded(expected, 1, 2, 5, b);
+    expected = padded(expected, 1, 7, 9, c);
+    CHECK_CLOSE(got, expected, 1e-6, 1e-6);
+    CHECK_CLOSE(slice(got, 1, 5, 7), zeros({6, 2}), 0, 0);
+  }
+  SUBCASE("a slice on another axis") {
+    const Tensor got = run([&](const Tensor& h) { return sum(slice(h, 1, 2, 5) * b) + sum(slice(h, 0, 1, 4) * e); });
+    Tensor expected = zeros({6, 9});
+    expected = padded(expected, 0, 1, 4, e);
+    expected = padded(expected, 1, 2, 5, b);
+    CHECK_CLOSE(got, expected, 1e-6, 1e-6);
+  }
+  SUBCASE("a whole gradient after the slices") {
+    // h * h comes first in the forward, so its backward runs after the slices' backwards.
+    const Tensor got = run([&](const Tensor& h) { return sum(h * h) + sum(slice(h, 1, 7, 9) * c); });
+    const Tensor h = (x * 2.0).detach();
+    CHECK_CLOSE(got, padded(h * 2.0, 1, 7, 9, c), 1e-6, 1e-6);
+  }
 }
 
 TEST_CASE("a slice's gradient never writes into a gradient another input shares") {
