@@ -90,7 +90,11 @@ void EigenBackend::adam_update(const AdamDesc& d) {
     const T* g = d.grad.ptr<const T>();
     T* m = d.exp_avg.ptr<T>();
     T* v = d.exp_avg_sq.ptr<T>();
-    parallel_for(n, kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    // The loop reads its constants from values of its own: read through the closure's references,
+    // each store into p, m or v might have changed them, so the compiler reloaded all of them every
+    // element and kept the loop scalar (vsqrtss, vdivss). As locals it vectorizes (with its own
+    // check that the four arrays do not overlap).
+    const auto update = [=](std::int64_t begin, std::int64_t end) {
       for (std::int64_t i = begin; i < end; ++i) {
         C pi = Num<T>::load(p[i]);
         C gi = Num<T>::load(g[i]);
@@ -103,6 +107,10 @@ void EigenBackend::adam_update(const AdamDesc& d) {
         v[i] = Num<T>::store(vi);
         p[i] = Num<T>::store(pi);
       }
+    };
+    parallel_for(n, kElementGrain, [update](std::int64_t begin, std::int64_t end) {
+      const auto local = update;  // the constants as this thread's locals
+      local(begin, end);
     });
   });
 }
