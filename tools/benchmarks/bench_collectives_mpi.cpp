@@ -60,8 +60,8 @@ Stats summary(std::vector<double> seconds) {
   return Stats{median, seconds.front(), seconds.back()};
 }
 
-// Times the calls alternately (f g, f g, ...), each run started by a barrier, so that changes in
-// the machine's load hit every side alike.
+// Times the calls alternately (f g, g f, f g, ...), each run started by a barrier, so that changes
+// in the machine's load hit every side alike and no side always runs first after the warm-ups.
 std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm,
                                      const std::vector<std::function<void()>>& calls) {
   auto once = [&](const std::function<void()>& call) {
@@ -77,7 +77,8 @@ std::vector<Stats> timed_alternating(const Context& ctx, MPI_Comm comm,
   std::vector<std::vector<double>> seconds(n);
   const int runs = ctx.quick ? 3 : ctx.repeats;
   for (int i = 0; i < runs; ++i) {
-    for (std::size_t j = 0; j < n; ++j) {
+    for (std::size_t k = 0; k < n; ++k) {
+      const std::size_t j = i % 2 == 0 ? k : n - 1 - k;
       seconds[j].push_back(once(calls[j]));
     }
   }
