@@ -140,10 +140,6 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
   }
 }
 
-// A slice node's gradient added into its region of the producer's pending gradient (see
-// Node::input_region), in place when that gradient is ours alone; false where the node's own
-// backward must run instead: its input is a leaf (a parameter sliced directly gets one padded
-// gradient per slice, added into its own gradient buffer in place).
 // Zeroes what no slice wrote into a pending gradient that slices built (Node::written), so that
 // it is whole before anything but another slice reads it.
 void complete_pending(Node& node) {
@@ -204,6 +200,10 @@ void write_region(Node& producer, const Node::InputRegion& r, const Tensor& g) {
   if (w.intervals.size() == 1 && w.intervals[0].first == 0 && w.intervals[0].second == extent) w = {};  // whole
 }
 
+// A slice node's gradient added into its region of the producer's pending gradient (see
+// Node::input_region), in place when that gradient is ours alone; false where the node's own
+// backward must run instead: its input is a leaf (a parameter sliced directly gets one padded
+// gradient per slice, added into its own gradient buffer in place).
 bool add_into_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].node) return false;
   Node& producer = *node.next[0].node;

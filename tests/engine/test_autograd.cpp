@@ -2,6 +2,7 @@
 // reverse creation order, always-run nodes, recompute, and independent graphs on threads.
 #include <atomic>
 #include <functional>
+#include <limits>
 #include <thread>
 
 #include "helpers.h"
@@ -255,14 +256,19 @@ TEST_CASE("slices of one tensor add their gradients into its regions") {
 // copied into what no other slice wrote (added where one did), and the rest is zeroed before
 // anything else reads it (autograd.cpp, write_region and complete_pending).
 TEST_CASE("slices that leave gaps, overlap, cross axes or come before a whole gradient") {
-  Tensor x = randn({6, 9}, 21).set_requires_grad();
-  const Tensor a = randn({6, 3}, 22), b = randn({6, 3}, 23), c = randn({6, 2}, 24), e = randn({3, 9}, 25);
+  // 2048 rows: the pending gradient (72 KiB) comes from the block cache, which the run below first
+  // fills with a NaN block of its size, so a region nobody zeroed reads NaN, not fresh zero pages.
+  constexpr std::int64_t kRows = 2048;
+  Tensor x = randn({kRows, 9}, 21).set_requires_grad();
+  const Tensor a = randn({kRows, 3}, 22), b = randn({kRows, 3}, 23), c = randn({kRows, 2}, 24), e = randn({3, 9}, 25);
   auto padded = [](Tensor into, int axis, std::int64_t begin, std::int64_t end, const Tensor& part) {
     return slice_assign(into, axis, begin, end, slice(into, axis, begin, end) + part);
   };
   auto run = [&](const std::function<Tensor(const Tensor&)>& loss_of) {
     x.zero_grad();
-    loss_of(x * 2.0).backward();
+    const Tensor loss = loss_of(x * 2.0);
+    { const Tensor poison = full({kRows, 9}, std::numeric_limits<double>::quiet_NaN()); }
+    loss.backward();
     return x.grad() * 0.5;  // the gradient with respect to h = 2 x
   };
   SUBCASE("a gap between slices is zero, overlaps add") {
@@ -270,16 +276,16 @@ TEST_CASE("slices that leave gaps, overlap, cross axes or come before a whole gr
     const Tensor got = run([&](const Tensor& h) {
       return sum(slice(h, 1, 0, 3) * a) + sum(slice(h, 1, 2, 5) * b) + sum(slice(h, 1, 7, 9) * c);
     });
-    Tensor expected = zeros({6, 9});
+    Tensor expected = zeros({kRows, 9});
     expected = padded(expected, 1, 0, 3, a);
     expected = padded(expected, 1, 2, 5, b);
     expected = padded(expected, 1, 7, 9, c);
     CHECK_CLOSE(got, expected, 1e-6, 1e-6);
-    CHECK_CLOSE(slice(got, 1, 5, 7), zeros({6, 2}), 0, 0);
+    CHECK_CLOSE(slice(got, 1, 5, 7), zeros({kRows, 2}), 0, 0);
   }
   SUBCASE("a slice on another axis") {
     const Tensor got = run([&](const Tensor& h) { return sum(slice(h, 1, 2, 5) * b) + sum(slice(h, 0, 1, 4) * e); });
-    Tensor expected = zeros({6, 9});
+    Tensor expected = zeros({kRows, 9});
     expected = padded(expected, 0, 1, 4, e);
     expected = padded(expected, 1, 2, 5, b);
     CHECK_CLOSE(got, expected, 1e-6, 1e-6);
