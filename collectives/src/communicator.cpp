@@ -141,9 +141,14 @@ void check_input(const char* op, int rank, const Tensor& t, const char* what = "
 // Collectives move raw bytes: a blocking one reads a strided view's elements from a contiguous
 // copy; an asynchronous one (whose input must stay alive until wait) and every output must be
 // contiguous already.
-Tensor dense_input(const char* op, int rank, const Tensor& t) {
+// Returns `t` itself when it is contiguous (no handle copy: its reference count is an atomic
+// read-modify-write, a few ns of a 4 KiB collective's ~100 ns of own cost), else the copy it
+// leaves in `copy`.
+const Tensor& dense_input(const char* op, int rank, const Tensor& t, Tensor& copy) {
   check_input(op, rank, t);
-  return t.is_contiguous() ? t : t.detach().contiguous();
+  if (t.is_contiguous()) return t;
+  copy = t.detach().contiguous();
+  return copy;
 }
 
 void require_contiguous(const char* op, int rank, const Tensor& t, const char* what) {
@@ -183,14 +188,19 @@ void check_output(const char* op, int rank, int world, const Tensor& out, const 
 // Whether `out` is the all_gather of `in` over `world` ranks (in's rows times world; a 0-d input
 // gathers as one row per rank), or its reduce_scatter piece (in's rows over world), without
 // building a Shape.
+// By multiplication, not division: a 64-bit division was a third of all_gather_into's own time.
+// A product that overflows fits nothing (expected() then raises the input's ShapeError).
+bool rows_times_world(std::int64_t rows, int world, std::int64_t expected) {
+  std::int64_t product = 0;
+  return !__builtin_mul_overflow(rows, static_cast<std::int64_t>(world), &product) && product == expected;
+}
 bool gathered_fits(const Shape& out, const Shape& in, int world) {
   if (in.empty()) return out.size() == 1 && out[0] == world;
-  if (out.size() != in.size() || out[0] % world != 0 || out[0] / world != in[0]) return false;
+  if (out.size() != in.size() || !rows_times_world(in[0], world, out[0])) return false;
   return std::equal(in.begin() + 1, in.end(), out.begin() + 1);
 }
 bool scattered_fits(const Shape& out, const Shape& in, int world) {
-  if (in.empty() || in[0] % world != 0) return false;  // expected() raises the input's ShapeError
-  if (out.size() != in.size() || out[0] != in[0] / world) return false;
+  if (in.empty() || out.size() != in.size() || !rows_times_world(out[0], world, in[0])) return false;
   return std::equal(in.begin() + 1, in.end(), out.begin() + 1);
 }
 
@@ -371,7 +381,7 @@ std::vector<std::string> Communicator::history() const {
 }
 
 Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
-                                       const std::string& extra, const CollectiveOptions& options) {
+                                       std::string_view extra, const CollectiveOptions& options) {
   // Every collective, blocking or not, begins here: the one place its options enter.
   check_enum(options.accumulate, op, "Accumulate", rank_text_);
   Call call;
@@ -388,8 +398,8 @@ Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64
   r.extra.assign(extra);
   r.tag.assign(options.tag);
   if (order_check_) {
-    call.fingerprint =
-        cd::numbered(call.sequence, call_text(op, has_data, dtype, count, extra, fingerprint_tag(options.tag)));
+    call.fingerprint = cd::numbered(
+        call.sequence, call_text(op, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag)));
     try {
       check_order(call);
     } catch (...) {
@@ -447,7 +457,7 @@ Shape scattered_shape(int rank, int world, const Tensor& full) {
   return shape;
 }
 
-std::string accumulate_extra(DType dtype, Accumulate accumulate) {
+std::string_view accumulate_extra(DType dtype, Accumulate accumulate) {
   return is_16bit_float(dtype) && accumulate == Accumulate::native ? "native" : "";
 }
 
@@ -475,7 +485,8 @@ void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, con
 }
 
 Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions& options) {
-  const Tensor local = dense_input("all_gather", rank_, local_arg);
+  Tensor local_copy;
+  const Tensor& local = dense_input("all_gather", rank_, local_arg, local_copy);
   const Shape shape = gathered_shape(world_size_, local);
   if (pass_through()) {
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
@@ -487,7 +498,8 @@ Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions
 }
 
 void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, const CollectiveOptions& options) {
-  const Tensor local = dense_input("all_gather_into", rank_, local_arg);
+  Tensor local_copy;
+  const Tensor& local = dense_input("all_gather_into", rank_, local_arg, local_copy);
   check_output(
       "all_gather_into", rank_, world_size_, out, local,
       [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
@@ -496,7 +508,8 @@ void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, c
 }
 
 Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOptions& options) {
-  const Tensor full = dense_input("reduce_scatter", rank_, full_arg);
+  Tensor full_copy;
+  const Tensor& full = dense_input("reduce_scatter", rank_, full_arg, full_copy);
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
     begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
@@ -509,7 +522,8 @@ Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOpti
 }
 
 void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full_arg, const CollectiveOptions& options) {
-  const Tensor full = dense_input("reduce_scatter_into", rank_, full_arg);
+  Tensor full_copy;
+  const Tensor& full = dense_input("reduce_scatter_into", rank_, full_arg, full_copy);
   check_output(
       "reduce_scatter_into", rank_, world_size_, out, full,
       [&](const Shape& s) { return scattered_fits(s, full.shape(), world_size_); },
@@ -518,7 +532,8 @@ void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full_arg
 }
 
 Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const CollectiveOptions& options) {
-  const Tensor x = dense_input("all_reduce", rank_, x_arg);
+  Tensor x_copy;
+  const Tensor& x = dense_input("all_reduce", rank_, x_arg, x_copy);
   check_enum(op, "all_reduce", "Reduction", "rank " + std::to_string(rank_));
   std::string extra = reduction_name(op);
   if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
@@ -540,7 +555,8 @@ Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const Collect
 }
 
 Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOptions& options) {
-  const Tensor x = dense_input("broadcast", rank_, x_arg);
+  Tensor x_copy;
+  const Tensor& x = dense_input("broadcast", rank_, x_arg, x_copy);
   if (root < 0 || root >= world_size_) {
     fail<ArgumentError>("broadcast", "rank ", rank_, ": root ", root, " is outside a world of ", world_size_,
                         " (shape ", shape_text(x), ", ", dtype_name(x.dtype()), ")");

@@ -289,7 +289,7 @@ class Communicator {
  private:
   struct Call;
   // Numbers and records a call (has_data: false for a barrier), and runs the order check when enabled.
-  Call begin(const char* op, bool has_data, std::int64_t count, DType dtype, const std::string& extra,
+  Call begin(const char* op, bool has_data, std::int64_t count, DType dtype, std::string_view extra,
              const CollectiveOptions& options);
   void check_order(const Call& call);
   // Accounts a blocking collective that completed (traffic()).
