@@ -132,14 +132,34 @@ void for_each_item(std::int64_t items, MakeWorker&& make_worker) {
   if (error) std::rethrow_exception(error);
 }
 
-/// A block of `rows` rows of `cols` values at row stride `ld`, as G: the block itself when T is G,
-/// else a converted copy in `buffer` (row stride cols).
+/// Whether a block-product policy wants its q, k, v and dO operands dense (row stride = row
+/// length): a policy says so with `static constexpr bool kDenseOperands = true`.
+template <class Gemm>
+constexpr bool wants_dense_operands() {
+  if constexpr (requires { Gemm::kDenseOperands; }) {
+    return Gemm::kDenseOperands;
+  } else {
+    return false;
+  }
+}
+
+/// A block of `rows` rows of `cols` values at row stride `ld`, as G: the block itself when T is G
+/// (and it is dense, or `dense` is not asked for), else a copy in `buffer` (row stride cols),
+/// converted where T is not G.
 template <class G, class T>
 const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer,
-               std::int64_t& out_ld) {
+               std::int64_t& out_ld, bool dense = false) {
   if constexpr (std::is_same_v<G, T>) {
-    out_ld = ld;
-    return src;
+    if (!dense || ld == cols || rows == 1) {
+      out_ld = ld;
+      return src;
+    }
+    buffer.resize(static_cast<std::size_t>(rows * cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      std::copy(src + r * ld, src + r * ld + cols, buffer.data() + r * cols);
+    }
+    out_ld = cols;
+    return buffer.data();
   } else {
     buffer.resize(static_cast<std::size_t>(rows * cols));
     for (std::int64_t r = 0; r < rows; ++r) {
@@ -253,6 +273,7 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       Scratch<G> probs, qbuf, kbuf, vbuf;
       explicit Worker(Gemm g) : gemm(std::move(g)) {}
     };
+    constexpr bool dense = wants_dense_operands<Gemm>();
     auto w = std::make_shared<Worker>(make_gemm());
     w->scores.resize(static_cast<std::size_t>(bs.q * bs.kv));
     w->acc.resize(static_cast<std::size_t>(bs.q * dv));
@@ -264,7 +285,7 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       const std::int64_t bh = item % bh_count, qi = nq - 1 - item / bh_count;
       const std::int64_t b = bh / heads, h = bh % heads, i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
       std::int64_t ldq = 0, ldk = 0, ldv = 0;
-      const G* qb = stage<G>(q.row(b, h, i0), rows, dim, q.st, w->qbuf, ldq);
+      const G* qb = stage<G>(q.row(b, h, i0), rows, dim, q.st, w->qbuf, ldq, dense);
       std::fill(w->max.begin(), w->max.end(), minus_inf);
       std::fill(w->sum.begin(), w->sum.end(), Acc(0));
       std::fill(w->acc.begin(), w->acc.end(), Acc(0));
@@ -272,8 +293,8 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       const std::int64_t kend = d.causal ? std::min(nk, (i0 + rows - 1) / bs.kv + 1) : nk;
       for (std::int64_t kj = 0; kj < kend; ++kj) {
         const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
-        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk);
-        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv);
+        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk, dense);
+        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv, dense);
         for_each_chunk(d.causal, i0, rows, j0, cols, [&](const Chunk& c) {
           // Scores of the chunk's rows against its keys (row stride c.cols), then the online
           // softmax of each row over them, then their weighted values into the rows' accumulators.
@@ -350,6 +371,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       Scratch<G> pd, ds, qbuf, kbuf, vbuf, obuf;
       explicit Worker(Gemm g) : gemm(std::move(g)) {}
     };
+    constexpr bool dense = wants_dense_operands<Gemm>();
     auto w = std::make_shared<Worker>(make_gemm());
     const std::size_t block = static_cast<std::size_t>(bs.q * bs.kv);
     w->p.resize(block);
@@ -377,19 +399,23 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
         dq_acc = splits == 1 ? w->dq_acc.data() : dq_parts.data() + (bh * splits + split) * tq * dim;
         std::fill(dq_acc, dq_acc + tq * dim, Acc(0));
       }
+      // The head's queries and output gradients, staged once (every key block reads them).
+      std::int64_t ldq = 0, ldo = 0;
+      const G* q_head = stage<G>(q.row(b, h, 0), tq, dim, q.st, w->qbuf, ldq, dense);
+      const G* o_head = stage<G>(dout.row(b, h, 0), tq, dv, dout.st, w->obuf, ldo, dense);
       for (std::int64_t kj = split; kj < nk; kj += splits) {
         const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
-        std::int64_t ldk = 0, ldv = 0, ldq = 0, ldo = 0;
-        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk);
-        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv);
+        std::int64_t ldk = 0, ldv = 0;
+        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk, dense);
+        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv, dense);
         std::fill(w->dk_acc.begin(), w->dk_acc.end(), Acc(0));
         std::fill(w->dv_acc.begin(), w->dv_acc.end(), Acc(0));
         // Query blocks that see none of these keys (all rows before the block's first key) are skipped.
         const std::int64_t first = d.causal ? j0 / bs.q : 0;
         for (std::int64_t qi = first; qi < nq; ++qi) {
           const std::int64_t i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
-          const G* qb_block = stage<G>(q.row(b, h, i0), rows, dim, q.st, w->qbuf, ldq);
-          const G* ob_block = stage<G>(dout.row(b, h, i0), rows, dv, dout.st, w->obuf, ldo);
+          const G* qb_block = q_head + i0 * ldq;
+          const G* ob_block = o_head + i0 * ldo;
           for_each_chunk(d.causal, i0, rows, j0, cols, [&](const Chunk& c) {
             // The chunk's rows [ci, ci + c.rows) against the block's first c.cols keys; every
             // [c.rows, c.cols] buffer below has row stride c.cols.
