@@ -8,6 +8,7 @@
 #include "eigen_backend.h"
 #include "kernel_util.h"
 #include "op_descriptors.h"
+#include "vector_math.h"
 
 namespace ruda {
 

@@ -21,7 +21,18 @@
 // Eigen's f32 tanh runs at ~0.1 Gelem/s, oneDNN's at 1.9-2.3 (16-23x), and gelu (tanh) at 16x
 // forward and 18x forward+backward, so tanh and gelu (tanh) forwards and gelu (tanh)'s backward now
 // run on oneDNN. Eigen's gelu (erf) forward is 4.5 Gelem/s with AVX-512 (1.7x oneDNN's 2.6) but
-// 0.7 under AVX2 (oneDNN 4x faster): Slower::f32_avx512 sends it to Eigen only in AVX-512 builds.
+// 0.7 under AVX2 (oneDNN 4x faster): Slower::f32_avx512 sent it to Eigen only in AVX-512 builds.
+//
+// Re-measured 2026-12 again (same Zen 4, AVX2 build, 4M values, `ruda-bench --suite onednn-kernels`)
+// after backends/eigen/vector_math.h gave Eigen's kernels packet erf and tanh (both had been
+// scalar all along: EIGEN_FAST_MATH=0 turns them off, not AVX2 alone), Melem/s Eigen vs oneDNN:
+//   f32 forward:  gelu (erf) 4584 vs 2781 (1.65x), gelu (tanh) 3380 vs 1652 (2.0x),
+//                 tanh 5535 vs 3228 (1.7x)
+//   bf16 forward: gelu (tanh) 2765 vs 1614 (1.7x); gelu (erf) 2293 vs 2768 and tanh 4104 vs 4264
+//                 (oneDNN as fast or faster)
+//   backward (from the forward+backward rows less the forward): gelu (erf) f32 0.51 vs 0.43 ns a
+//                 value, gelu (tanh) 0.54 vs 0.40: oneDNN's stay
+// So gelu (erf) and tanh forwards run on Eigen in f32, gelu (tanh)'s in every dtype.
 // tanh's backward (an Eigen multiply-add reading y) stays on Eigen: 1.36 Gelem/s forward+backward
 // against 1.11 with oneDNN's use_dst backward. The same runs agree with the binary and reduction
 // rows below (oneDNN a broadcast multiply 0.93x, a same-shape add 0.94x, a sum over the innermost
@@ -41,14 +52,6 @@ namespace ruda::onednn::detail {
 inline constexpr std::string_view kEigenFasterReason =
     "Eigen's kernel is faster here (measured against oneDNN 2.6; RUDA_ONEDNN_KERNELS=all overrides)";
 
-/// Whether ruda (and so Eigen) is compiled for AVX-512: -march without -mno-avx512f (the GCC 12
-/// workaround in CMakeLists.txt turns it off).
-#ifdef __AVX512F__
-inline constexpr bool kEigenHasAvx512 = true;
-#else
-inline constexpr bool kEigenHasAvx512 = false;
-#endif
-
 /// A unary kernel whose descriptor says oneDNN's is slower (in this direction) for this dtype.
 inline bool eigen_faster_unary(ops::Slower slower, DType dtype) {
   if (all_kernels_requested()) return false;
@@ -57,8 +60,6 @@ inline bool eigen_faster_unary(ops::Slower slower, DType dtype) {
       return false;
     case ops::Slower::f32:
       return dtype == DType::f32;
-    case ops::Slower::f32_avx512:
-      return kEigenHasAvx512 && dtype == DType::f32;
     case ops::Slower::always:
       return true;
   }

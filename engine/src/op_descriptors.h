@@ -64,9 +64,7 @@ struct DnnlEltwise {
 
 /// Where oneDNN's kernel measured slower than Eigen's, so the oneDNN backend runs Eigen's unless
 /// RUDA_ONEDNN_KERNELS=all (the measurements are in backends/onednn/kernel_policy.h).
-/// f32_avx512: in f32, when ruda itself is compiled for AVX-512 (Eigen vectorizes erf there and
-/// calls the scalar one under AVX2).
-enum class Slower : std::uint8_t { never, f32, f32_avx512, always };
+enum class Slower : std::uint8_t { never, f32, always };
 
 /// How the oneDNN backend runs an op. A backward algorithm reads what the op's Reads says: x, or y
 /// for the *_use_dst_for_bwd ones. `avoid_*`, when not empty, is why oneDNN's kernel is never used.
@@ -98,6 +96,13 @@ struct Unary;
 
 template <class A>
 using scalar_of = typename A::Scalar;
+
+/// erf and tanh of an Eigen array expression, vectorized in f32 (backends/eigen/vector_math.h
+/// defines them: Eigen's own .erf() and .tanh() are scalar under ruda's EIGEN_FAST_MATH=0).
+template <class X>
+auto vector_erf(const X& x);
+template <class X>
+auto vector_tanh(const X& x);
 
 template <>
 struct Unary<UnaryOp::neg> {
@@ -207,11 +212,13 @@ struct Unary<UnaryOp::tanh> {
   static constexpr std::string_view name = "tanh";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::output;
-  static constexpr DnnlPlan onednn{
-      .forward = {DnnlAlg::tanh}, .backward = {DnnlAlg::tanh_use_dst_for_bwd}, .backward_slower = Slower::always};
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::tanh},
+                                   .backward = {DnnlAlg::tanh_use_dst_for_bwd},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::always};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.tanh();
+    y = vector_tanh(x);
   }
   template <class Y, class G, class GX>
   static void backward(const Y& y, const G& gy, GX& gx) {
@@ -272,18 +279,19 @@ struct Unary<UnaryOp::gelu_tanh> {
   static constexpr std::string_view name = "gelu_tanh";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::input;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_tanh}, .backward = {DnnlAlg::gelu_tanh}};
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::gelu_tanh}, .backward = {DnnlAlg::gelu_tanh}, .forward_slower = Slower::always};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
     const T half(0.5), one(1);
-    y = half * x * (one + (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh());
+    y = half * x * (one + vector_tanh(T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())));
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
     using T = scalar_of<X>;
     const T half(0.5), one(1);
-    const auto t = (T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).tanh().eval();
+    const auto t = vector_tanh(T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube())).eval();
     gx = gy *
          (half * (one + t) + half * x * (one - t.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square()));
   }
@@ -295,18 +303,19 @@ struct Unary<UnaryOp::gelu_erf> {
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::input;
   static constexpr DnnlPlan onednn{
-      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32_avx512};
+      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
     const T half(0.5), one(1);
-    y = half * x * (one + (x * T(std::numbers::sqrt2 / 2)).erf());
+    y = half * x * (one + vector_erf(x * T(std::numbers::sqrt2 / 2)));
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
     using T = scalar_of<X>;
     const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
-    gx = gy * (half * (one + (x * T(std::numbers::sqrt2 / 2)).erf()) + x * inv_sqrt_2pi * (-half * x.square()).exp());
+    gx = gy *
+         (half * (one + vector_erf(x * T(std::numbers::sqrt2 / 2))) + x * inv_sqrt_2pi * (-half * x.square()).exp());
   }
 };
 
@@ -398,7 +407,7 @@ struct Unary<UnaryOp::erf> {
   static constexpr DnnlPlan onednn{};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.erf();
+    y = vector_erf(x);
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
