@@ -192,6 +192,74 @@ TEST_CASE("erf against std::erf, forward and backward, in every float dtype") {
   test::check_throws<ArgumentError>([] { (void)erf(Tensor()); }, {"erf", "undefined"});
 }
 
+TEST_CASE("tanh and both GELUs against double references over a dense range, forward and backward") {
+  // f32 runs Eigen's packet approximations (backends/eigen/vector_math.h), on both backends where
+  // the policy sends the forwards to Eigen: a few ulp, bounded here by the f32 tolerance. 8001
+  // values over [-10, 10], far past the clamps of the approximations, and the infinities.
+  std::vector<double> xs;
+  for (int i = -4000; i <= 4000; ++i) xs.push_back(i / 400.0);
+  const auto n = static_cast<std::int64_t>(xs.size());
+  const double c = 0.7978845608028654, k = 0.044715;
+  auto gelu_ref = [](double v) { return 0.5 * v * (1 + std::erf(v / std::numbers::sqrt2)); };
+  auto gelu_ref_grad = [](double v) {
+    return 0.5 * (1 + std::erf(v / std::numbers::sqrt2)) + v * std::exp(-0.5 * v * v) / std::sqrt(2 * std::numbers::pi);
+  };
+  auto gelu_tanh_ref = [&](double v) { return 0.5 * v * (1 + std::tanh(c * (v + k * v * v * v))); };
+  auto gelu_tanh_ref_grad = [&](double v) {
+    const double t = std::tanh(c * (v + k * v * v * v));
+    return 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * c * (1 + 3 * k * v * v);
+  };
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    struct Op {
+      const char* name;
+      Tensor (*f)(const Tensor&);
+      double (*y)(double);
+      double (*g)(double);
+    };
+    const Op ops[] = {
+        {"tanh", [](const Tensor& x) { return tanh(x); }, [](double v) { return std::tanh(v); },
+         [](double v) { return 1 - std::tanh(v) * std::tanh(v); }},
+        {"gelu", [](const Tensor& x) { return gelu(x); }, +gelu_ref, +gelu_ref_grad},
+    };
+    for (const Op& op : ops) {
+      CAPTURE(op.name);
+      const Tensor x = values(xs, {n}, d).set_requires_grad();
+      const std::vector<double> xr = x.to_vector<double>();  // as rounded to d
+      std::vector<double> want_y, want_g;
+      for (double v : xr) {
+        want_y.push_back(op.y(v));
+        want_g.push_back(2 * op.g(v));
+      }
+      const Tensor y = op.f(x);
+      CHECK_CLOSE(y, want_y, {n}, tol(d), tol(d));
+      sum(y * 2.0).backward();
+      CHECK_CLOSE(x.grad(), want_g, {n}, 4 * tol(d), 4 * tol(d));
+    }
+    const Tensor x = values(xs, {n}, d).set_requires_grad();
+    const std::vector<double> xr = x.to_vector<double>();
+    std::vector<double> want_y, want_g;
+    for (double v : xr) {
+      want_y.push_back(gelu_tanh_ref(v));
+      want_g.push_back(2 * gelu_tanh_ref_grad(v));
+    }
+    const Tensor y = gelu(x, GeluApproximation::tanh);
+    CHECK_CLOSE(y, want_y, {n}, tol(d), tol(d));
+    sum(y * 2.0).backward();
+    CHECK_CLOSE(x.grad(), want_g, {n}, 4 * tol(d), 4 * tol(d));
+  }
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const Tensor special = values({inf, -inf, nan, 0.0}, {4}, DType::f32);
+  const std::vector<double> t = tanh(special).to_vector<double>(), g = gelu(special).to_vector<double>();
+  CHECK(t[0] == 1);
+  CHECK(t[1] == -1);
+  CHECK(std::isnan(t[2]));
+  CHECK(t[3] == 0);
+  CHECK(g[0] == inf);
+  CHECK(std::isnan(g[2]));
+  CHECK(g[3] == 0);
+}
+
 TEST_CASE("reductions") {
   for (DType d : kFloatTypes) {
     CAPTURE(dtype_name(d));
