@@ -18,8 +18,19 @@
 
 namespace ruda::ops::detail {
 
+// The scalar form runs the packet code on a broadcast value and takes one lane, so that a value
+// rounds the same whether it lands in a packet or in a range's scalar tail (which depends on the
+// chunking, and so on the thread count).
+template <class F>
+float through_packet(float x, F&& f) {
+  using Packet = typename Eigen::internal::packet_traits<float>::type;
+  return Eigen::internal::pfirst(f(Eigen::internal::pset1<Packet>(x)));
+}
+
 struct PacketErf {
-  float operator()(float x) const { return Eigen::internal::generic_fast_erf_float(x); }
+  float operator()(float x) const {
+    return through_packet(x, [](const auto& p) { return Eigen::internal::generic_fast_erf_float(p); });
+  }
   template <class Packet>
   Packet packetOp(const Packet& x) const {
     return Eigen::internal::generic_fast_erf_float(x);
@@ -27,7 +38,9 @@ struct PacketErf {
 };
 
 struct PacketTanh {
-  float operator()(float x) const { return Eigen::internal::generic_fast_tanh_float(x); }
+  float operator()(float x) const {
+    return through_packet(x, [](const auto& p) { return Eigen::internal::generic_fast_tanh_float(p); });
+  }
   template <class Packet>
   Packet packetOp(const Packet& x) const {
     return Eigen::internal::generic_fast_tanh_float(x);
@@ -36,14 +49,26 @@ struct PacketTanh {
 
 }  // namespace ruda::ops::detail
 
+// generic_fast_erf_float and generic_fast_tanh_float are Eigen 3.4's internal API (Debian's
+// libeigen3-dev); another Eigen may rename them, which this check makes a build error to look at.
+static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4, "vector_math.h uses Eigen 3.4 internals");
+
 namespace Eigen::internal {
+// The approximations use min, max, abs, multiply-add and division on packets.
 template <>
 struct functor_traits<ruda::ops::detail::PacketErf> {
-  enum { Cost = 30, PacketAccess = packet_traits<float>::HasDiv };
+  enum {
+    Cost = 30,
+    PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax
+  };
 };
 template <>
 struct functor_traits<ruda::ops::detail::PacketTanh> {
-  enum { Cost = 30, PacketAccess = packet_traits<float>::HasDiv };
+  enum {
+    Cost = 30,
+    PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax &&
+                   packet_traits<float>::HasAbs
+  };
 };
 }  // namespace Eigen::internal
 

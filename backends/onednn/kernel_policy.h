@@ -20,8 +20,9 @@
 // away from ruda's own code: in both an AVX2 build (the default with GCC 12) and an AVX-512 build,
 // Eigen's f32 tanh runs at ~0.1 Gelem/s, oneDNN's at 1.9-2.3 (16-23x), and gelu (tanh) at 16x
 // forward and 18x forward+backward, so tanh and gelu (tanh) forwards and gelu (tanh)'s backward now
-// run on oneDNN. Eigen's gelu (erf) forward is 4.5 Gelem/s with AVX-512 (1.7x oneDNN's 2.6) but
-// 0.7 under AVX2 (oneDNN 4x faster): Slower::f32_avx512 sent it to Eigen only in AVX-512 builds.
+// run on oneDNN. Eigen's gelu (erf) forward read 4.5 Gelem/s in an AVX-512 build (1.7x oneDNN's 2.6)
+// and 0.7 under AVX2, so it went to Eigen only in AVX-512 builds. (The difference was wider packets
+// of scalar code, not a vectorized erf: EIGEN_FAST_MATH=0 turns Eigen's packet erf off in both.)
 //
 // Re-measured 2026-12 again (same Zen 4, AVX2 build, 4M values, `ruda-bench --suite onednn-kernels`)
 // after backends/eigen/vector_math.h gave Eigen's kernels packet erf and tanh (both had been
@@ -32,7 +33,8 @@
 //                 (oneDNN as fast or faster)
 //   backward (from the forward+backward rows less the forward): gelu (erf) f32 0.51 vs 0.43 ns a
 //                 value, gelu (tanh) 0.54 vs 0.40: oneDNN's stay
-// So gelu (erf) and tanh forwards run on Eigen in f32, gelu (tanh)'s in every dtype.
+// So gelu (erf) and tanh forwards run on Eigen in f32, gelu (tanh)'s in every dtype (f16 not
+// measured: it is widened to f32 like bf16, where Eigen won).
 // tanh's backward (an Eigen multiply-add reading y) stays on Eigen: 1.36 Gelem/s forward+backward
 // against 1.11 with oneDNN's use_dst backward. The same runs agree with the binary and reduction
 // rows below (oneDNN a broadcast multiply 0.93x, a same-shape add 0.94x, a sum over the innermost

@@ -187,9 +187,9 @@ void check_output(const char* op, int rank, int world, const Tensor& out, const 
 
 // Whether `out` is the all_gather of `in` over `world` ranks (in's rows times world; a 0-d input
 // gathers as one row per rank), or its reduce_scatter piece (in's rows over world), without
-// building a Shape.
-// By multiplication, not division: a 64-bit division was a third of all_gather_into's own time.
-// A product that overflows fits nothing (expected() then raises the input's ShapeError).
+// building a Shape. By multiplication, not division: a 64-bit division was a third of
+// all_gather_into's own time. A product that overflows fits nothing, and expected() then names
+// the shape wanted (or raises the input's own ShapeError, where its gathered size overflows).
 bool rows_times_world(std::int64_t rows, int world, std::int64_t expected) {
   std::int64_t product = 0;
   return !__builtin_mul_overflow(rows, static_cast<std::int64_t>(world), &product) && product == expected;
@@ -437,7 +437,10 @@ namespace {
 Shape gathered_shape(int world, const Tensor& local) {
   Shape shape = local.shape();
   if (shape.empty()) shape = {1};  // a 0-d tensor gathers as one row per rank
-  shape[0] *= world;
+  if (__builtin_mul_overflow(shape[0], static_cast<std::int64_t>(world), &shape[0])) {
+    fail<ShapeError>("all_gather", "shape ", to_string(local.shape()), " gathered over ", world,
+                     " ranks has more rows than an int64 holds");
+  }
   shape_numel(shape, "all_gather");  // throws ShapeError if the gathered size overflows
   return shape;
 }

@@ -551,6 +551,18 @@ inline void validation(Communicator& c) {
         {"reduce_scatter", std::string("[") + std::to_string(n + 1) + ", 2]", "f32", "equal pieces"},
         "reduce_scatter of indivisible rows");
   }
+  if (n > 1) {
+    // Rows times the world overflow an int64 (an empty tensor, so nothing is allocated): refused
+    // with the op's name, into a caller's buffer too.
+    const std::int64_t huge = std::numeric_limits<std::int64_t>::max() / 2 + 1;
+    const Tensor empty_rows = zeros({huge, 0});
+    expect_throw<ShapeError>([&] { c.all_gather(empty_rows); }, {"all_gather", "int64"}, "all_gather past int64 rows");
+    expect_throw<ShapeError>(
+        [&] {
+          c.all_gather_into(zeros({2, 0}), empty_rows);
+        },
+        {"all_gather"}, "all_gather_into past int64 rows");
+  }
   // Refused calls are not collectives: the next one still matches on every rank.
   expect_values(
       c.all_reduce(scalar(2.0)), DType::f32, {}, [&](std::int64_t) { return 2.0 * n; },

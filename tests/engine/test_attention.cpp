@@ -258,7 +258,8 @@ TEST_CASE("kernel level: q, k, v read through the strides of a [B, T, 3, H, D] p
       CAPTURE(dtype_name(dtype));
       CAPTURE(is_causal);
       const Tensor qkv = randn({B, T, 3, H, D}, 5, 0, Options(dtype));
-      const Tensor dout = randn({B, H, T, D}, 6, 0, Options(dtype));
+      // dO as the GPT's backward hands it: [B, H, T, D] stored as [B, T, H, D] (a strided view).
+      const Tensor dout = permute(randn({B, T, H, D}, 6, 0, Options(dtype)), {0, 2, 1, 3});
       // The reference: the op on contiguous copies of the same heads (copies: the views alone would
       // take the kernel's strided path too, and compare it with itself).
       auto part = [&](std::int64_t p) {
@@ -310,34 +311,41 @@ TEST_CASE("kernel level: q, k, v read through the strides of a [B, T, 3, H, D] p
 }
 
 TEST_CASE("fused attention on the heads of a [B, T, 3, H, D] projection, as views, against the composed ops") {
-  // The GPT's layout: q, k, v are permuted views of one projection (T stride 3 * H * D), which the
-  // oneDNN kernel copies dense block by block. T = 300 crosses query and key blocks (128 rows) and
-  // their diagonal chunks (64 rows); the gradients reach the projection through the views.
-  const std::int64_t B = 2, T = 300, H = 3, D = 16;
-  for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
-    for (bool is_causal : {true, false}) {
-      CAPTURE(dtype_name(dtype));
-      CAPTURE(is_causal);
-      const Tensor qkv = randn({B, T, 3, H, D}, 11, 0, Options(dtype)).set_requires_grad();
-      auto head = [&](const Tensor& x, std::int64_t p) {
-        return permute(squeeze(slice(x, 2, p, p + 1), 2), {0, 2, 1, 3});
-      };
-      const Tensor q = head(qkv, 0), k = head(qkv, 1), v = head(qkv, 2);
-      REQUIRE_FALSE(q.is_contiguous());
-      AttentionOptions o;
-      o.causal = is_causal;
-      const Tensor out = scaled_dot_product_attention(q, k, v, o);
-      const Tensor dout = randn(out.shape(), 12, 0, Options(dtype));
-      out.backward(dout);
+  // The GPT's layout: q, k, v are permuted views of one projection (T stride 3 * H * D), and dO
+  // arrives as [B, H, T, D] stored [B, T, H, D]; the oneDNN kernel copies them dense block by
+  // block (q and dO once per head in the backward). T = 300 crosses query and key blocks (128
+  // rows) and their diagonal chunks (64 rows); B = H = 1 makes the backward split the head over
+  // key blocks (fewer heads than threads). The gradients reach the projection through the views.
+  const std::int64_t T = 300, D = 16;
+  for (const auto& [B, H] : {std::pair<std::int64_t, std::int64_t>{2, 3}, {1, 1}}) {
+    for (DType dtype : {DType::f32, DType::bf16, DType::f64}) {
+      for (bool is_causal : {true, false}) {
+        CAPTURE(B);
+        CAPTURE(H);
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(is_causal);
+        const Tensor qkv = randn({B, T, 3, H, D}, 11, 0, Options(dtype)).set_requires_grad();
+        auto head = [&](const Tensor& x, std::int64_t p) {
+          return permute(squeeze(slice(x, 2, p, p + 1), 2), {0, 2, 1, 3});
+        };
+        const Tensor q = head(qkv, 0), k = head(qkv, 1), v = head(qkv, 2);
+        REQUIRE_FALSE(q.is_contiguous());
+        AttentionOptions o;
+        o.causal = is_causal;
+        const Tensor out = scaled_dot_product_attention(q, k, v, o);
+        const Tensor dout = permute(randn({B, T, H, D}, 12, 0, Options(dtype)), {0, 2, 1, 3});
+        REQUIRE(dout.is_contiguous() == (H == 1));  // one head: [B, T, 1, D] is [B, 1, T, D] already
+        out.backward(dout);
 
-      const DType ref_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
-      const Tensor rqkv = qkv.detach().to(ref_dtype).set_requires_grad();
-      const Tensor ref =
-          composed(head(rqkv, 0).contiguous(), head(rqkv, 1).contiguous(), head(rqkv, 2).contiguous(), o);
-      ref.backward(dout.to(ref_dtype));
-      const double tol = tolerance(dtype);
-      CHECK(relative_error(out, ref) <= tol);
-      CHECK(relative_error(qkv.grad(), rqkv.grad()) <= tol);
+        const DType ref_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
+        const Tensor rqkv = qkv.detach().to(ref_dtype).set_requires_grad();
+        const Tensor ref =
+            composed(head(rqkv, 0).contiguous(), head(rqkv, 1).contiguous(), head(rqkv, 2).contiguous(), o);
+        ref.backward(dout.to(ref_dtype).contiguous());
+        const double tol = tolerance(dtype);
+        CHECK(relative_error(out, ref) <= tol);
+        CHECK(relative_error(qkv.grad(), rqkv.grad()) <= tol);
+      }
     }
   }
 }

@@ -248,16 +248,28 @@ TEST_CASE("tanh and both GELUs against double references over a dense range, for
     sum(y * 2.0).backward();
     CHECK_CLOSE(x.grad(), want_g, {n}, 4 * tol(d), 4 * tol(d));
   }
+  // The special values, repeated so that most of them land in packets (and some in the tail).
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  const Tensor special = values({inf, -inf, nan, 0.0}, {4}, DType::f32);
-  const std::vector<double> t = tanh(special).to_vector<double>(), g = gelu(special).to_vector<double>();
-  CHECK(t[0] == 1);
-  CHECK(t[1] == -1);
-  CHECK(std::isnan(t[2]));
-  CHECK(t[3] == 0);
-  CHECK(g[0] == inf);
-  CHECK(std::isnan(g[2]));
-  CHECK(g[3] == 0);
+  std::vector<double> specials;
+  for (int r = 0; r < 17; ++r) specials.insert(specials.end(), {inf, -inf, nan, 0.0, -0.0});
+  const auto m = static_cast<std::int64_t>(specials.size());
+  const Tensor special = values(specials, {m}, DType::f32);
+  const std::vector<double> t = tanh(special).to_vector<double>(), g = gelu(special).to_vector<double>(),
+                            gt = gelu(special, GeluApproximation::tanh).to_vector<double>();
+  for (std::int64_t i = 0; i < m; i += 5) {
+    CAPTURE(i);
+    CHECK(t[i] == 1);
+    CHECK(t[i + 1] == -1);
+    CHECK(std::isnan(t[i + 2]));
+    CHECK((t[i + 3] == 0 && !std::signbit(t[i + 3])));
+    CHECK((t[i + 4] == 0 && std::signbit(t[i + 4])));
+    for (const std::vector<double>* y : {&g, &gt}) {
+      CHECK((*y)[i] == inf);
+      CHECK(std::isnan((*y)[i + 2]));
+      CHECK(((*y)[i + 3] == 0 && !std::signbit((*y)[i + 3])));
+      CHECK(((*y)[i + 4] == 0 && std::signbit((*y)[i + 4])));
+    }
+  }
 }
 
 TEST_CASE("reductions") {
