@@ -18,32 +18,32 @@
 
 namespace ruda::ops::detail {
 
-// The scalar form runs the packet code on a broadcast value and takes one lane, so that a value
-// rounds the same whether it lands in a packet or in a range's scalar tail (which depends on the
-// chunking, and so on the thread count).
-template <class F>
-float through_packet(float x, F&& f) {
-  using Packet = typename Eigen::internal::packet_traits<float>::type;
-  return Eigen::internal::pfirst(f(Eigen::internal::pset1<Packet>(x)));
-}
-
-struct PacketErf {
-  float operator()(float x) const {
-    return through_packet(x, [](const auto& p) { return Eigen::internal::generic_fast_erf_float(p); });
-  }
+// Eigen 3.4's packet approximations, as functors over packets.
+struct ErfApproximation {
   template <class Packet>
-  Packet packetOp(const Packet& x) const {
+  Packet operator()(const Packet& x) const {
     return Eigen::internal::generic_fast_erf_float(x);
   }
 };
+struct TanhApproximation {
+  template <class Packet>
+  Packet operator()(const Packet& x) const {
+    return Eigen::internal::generic_fast_tanh_float(x);
+  }
+};
 
-struct PacketTanh {
+// An approximation as an Eigen unary functor. The scalar form runs the packet code on a broadcast
+// value and takes one lane, so that a value rounds the same whether it lands in a packet or in a
+// range's scalar tail (which depends on the chunking, and so on the thread count).
+template <class Approximation>
+struct PacketFunction {
   float operator()(float x) const {
-    return through_packet(x, [](const auto& p) { return Eigen::internal::generic_fast_tanh_float(p); });
+    using Packet = typename Eigen::internal::packet_traits<float>::type;
+    return Eigen::internal::pfirst(Approximation{}(Eigen::internal::pset1<Packet>(x)));
   }
   template <class Packet>
   Packet packetOp(const Packet& x) const {
-    return Eigen::internal::generic_fast_tanh_float(x);
+    return Approximation{}(x);
   }
 };
 
@@ -55,15 +55,8 @@ static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4, "vector_math
 
 namespace Eigen::internal {
 // The approximations use min, max, abs, multiply-add and division on packets.
-template <>
-struct functor_traits<ruda::ops::detail::PacketErf> {
-  enum {
-    Cost = 30,
-    PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax
-  };
-};
-template <>
-struct functor_traits<ruda::ops::detail::PacketTanh> {
+template <class Approximation>
+struct functor_traits<ruda::ops::detail::PacketFunction<Approximation>> {
   enum {
     Cost = 30,
     PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax &&
@@ -77,7 +70,7 @@ namespace ruda::ops {
 template <class X>
 auto vector_erf(const X& x) {
   if constexpr (std::is_same_v<typename X::Scalar, float>) {
-    return x.unaryExpr(detail::PacketErf{});
+    return x.unaryExpr(detail::PacketFunction<detail::ErfApproximation>{});
   } else {
     return x.erf();
   }
@@ -86,7 +79,7 @@ auto vector_erf(const X& x) {
 template <class X>
 auto vector_tanh(const X& x) {
   if constexpr (std::is_same_v<typename X::Scalar, float>) {
-    return x.unaryExpr(detail::PacketTanh{});
+    return x.unaryExpr(detail::PacketFunction<detail::TanhApproximation>{});
   } else {
     return x.tanh();
   }
