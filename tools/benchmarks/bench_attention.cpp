@@ -2,7 +2,9 @@
 // (matmul, scale, -inf mask through where, softmax, matmul: nn::CausalSelfAttention's path),
 // forward + backward, causal, B 1, H 12, D 64, in f32 and bf16 (16-bit scores and softmax in f32
 // in both paths). Time rows: medians, ratio fused / composed. Memory rows: the peak tensor bytes
-// during forward + backward beyond q, k, v, dO and their gradients, ratio fused / composed.
+// during forward + backward beyond q, k, v, dO and their gradients, ratio fused / composed. Then
+// the fused op on heads viewed in a computed [B, T, 3, H, D] projection against the same on heads
+// copied contiguous first, and the composed path's scores on such heads read in place.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -78,6 +80,36 @@ void attention_suite(Context& ctx) {
       r.peer = Stats{composed_bytes / 1e6, composed_bytes / 1e6, composed_bytes / 1e6};
       r.peer_name = "composed ops";
       ctx.report(r);
+    }
+  }
+  // The fused op on heads that are strided views of a computed [B, T, 3, H, D] projection, with
+  // dO stored [B, T, H, D] (the GPT's layout; the oneDNN kernel copies each block dense for its
+  // products), against the same op on heads first copied contiguous (what a kernel without
+  // strides needs), forward + backward down to the projection's input in both. Shapes: the
+  // default ruda-train GPT's attention (B 16, H 4, T 128) and B 1, H 12, T 1024.
+  struct Heads {
+    std::int64_t batch, heads, t;
+  };
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    for (const Heads& g : {Heads{16, 4, 128}, Heads{1, 12, 1024}}) {
+      if (ctx.quick && g.t > 512) continue;
+      Tensor base = randn({g.batch, g.t, 3, g.heads, kDim}, 6, 0, Options(dtype)).set_requires_grad();
+      const Tensor dout = randn({g.batch, g.t, g.heads, kDim}, 7, 0, Options(dtype)).permute({0, 2, 1, 3});
+      auto head = [](const Tensor& x, std::int64_t p) { return x.slice(2, p, p + 1).squeeze(2).permute({0, 2, 1, 3}); };
+      // A computed projection (as the GPT's is): its slices write their gradients into one tensor.
+      auto run = [&](bool copy_heads) {
+        base.zero_grad();
+        const Tensor qkv = base * 1.0;
+        auto h = [&](std::int64_t p) { return copy_heads ? head(qkv, p).contiguous() : head(qkv, p); };
+        fused(h(0), h(1), h(2)).backward(dout);
+      };
+      const Stats ours = measure(ctx, [&] { run(false); });
+      const Stats peer = measure(ctx, [&] { run(true); });
+      report_time(ctx, "attention",
+                  std::string(dtype_name(dtype)) +
+                      " causal fwd+bwd on heads viewed in a [B, T, 3, H, D] projection B=" + std::to_string(g.batch) +
+                      " H=" + std::to_string(g.heads) + " D=64 T=" + std::to_string(g.t),
+                  ours, peer, "heads copied contiguous first", "ms", 1e3);
     }
   }
   // The composed path's scores on heads that are strided views of a [B, T, 3, H, D] projection:
