@@ -434,12 +434,12 @@ void Communicator::rethrow_with_context(const Call& call) { rethrow_decorated(er
 
 namespace {
 
-Shape gathered_shape(int world, const Tensor& local) {
+Shape gathered_shape(int rank, int world, const Tensor& local) {
   Shape shape = local.shape();
   if (shape.empty()) shape = {1};  // a 0-d tensor gathers as one row per rank
   if (__builtin_mul_overflow(shape[0], static_cast<std::int64_t>(world), &shape[0])) {
-    fail<ShapeError>("all_gather", "shape ", to_string(local.shape()), " gathered over ", world,
-                     " ranks has more rows than an int64 holds");
+    fail<ShapeError>("all_gather", "rank ", rank, ": shape ", to_string(local.shape()), " (", dtype_name(local.dtype()),
+                     ") gathered over ", world, " ranks has more rows than an int64 holds");
   }
   shape_numel(shape, "all_gather");  // throws ShapeError if the gathered size overflows
   return shape;
@@ -490,7 +490,7 @@ void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, con
 Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions& options) {
   Tensor local_copy;
   const Tensor& local = dense_input("all_gather", rank_, local_arg, local_copy);
-  const Shape shape = gathered_shape(world_size_, local);
+  const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
     return local.detach().reshape(shape);
@@ -506,7 +506,7 @@ void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, c
   check_output(
       "all_gather_into", rank_, world_size_, out, local,
       [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
-      [&] { return gathered_shape(world_size_, local); });
+      [&] { return gathered_shape(rank_, world_size_, local); });
   run_all_gather(local, out, options);
 }
 
@@ -594,7 +594,7 @@ void Communicator::barrier(const CollectiveOptions& options) {
 Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions& options) {
   check_input("all_gather_async", rank_, local);
   require_contiguous("all_gather_async", rank_, local, "input");
-  const Shape shape = gathered_shape(world_size_, local);
+  const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
     begin("all_gather", true, local.numel(), local.dtype(), "", options);
     return Work(std::make_unique<FinishedState>(local.detach().reshape(shape)));
@@ -608,7 +608,7 @@ Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local,
   check_output(
       "all_gather_into_async", rank_, world_size_, out, local,
       [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
-      [&] { return gathered_shape(world_size_, local); });
+      [&] { return gathered_shape(rank_, world_size_, local); });
   return launch_all_gather(local, out, options);
 }
 

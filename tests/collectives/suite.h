@@ -556,7 +556,9 @@ inline void validation(Communicator& c) {
     // with the op's name, into a caller's buffer too.
     const std::int64_t huge = std::numeric_limits<std::int64_t>::max() / 2 + 1;
     const Tensor empty_rows = zeros({huge, 0});
-    expect_throw<ShapeError>([&] { c.all_gather(empty_rows); }, {"all_gather", "int64"}, "all_gather past int64 rows");
+    expect_throw<ShapeError>([&] { c.all_gather(empty_rows); },
+                             {"all_gather", "rank " + std::to_string(c.rank()), "f32", "int64"},
+                             "all_gather past int64 rows");
     expect_throw<ShapeError>(
         [&] {
           c.all_gather_into(zeros({2, 0}), empty_rows);
