@@ -28,11 +28,10 @@ template <class G>
 class DnnlBlockGemm {
  public:
   // oneDNN 2.6 runs its brgemm matmul only on dense operands; strided ones (the heads of a
-  // [B, T, 3, H, D] projection) fall to its gemm path, which costs a few us a call more on the
-  // kernel's small products (one thread, 64 x 64 x 64 with k^T: gemm:jit 8.4 us, brgemm on dense
-  // copies 5.4 us; 256 x 256 x 64: 83 against 78 us). So the kernel copies q, k, v and dO dense:
-  // the GPT's attention forward+backward (B 16, H 4, T 128, heads as views) measured 0.92x the
-  // time in f32 and 0.97x in bf16 (in-process paired runs), 0.96x / 0.97x at B 1, H 12, T 1024.
+  // [B, T, 3, H, D] projection) fall to its gemm path, slower on the kernel's small products:
+  // `ruda-bench --suite gemm-onednn`, "attention block scores" rows (one thread, q k^T with D 64,
+  // in place against dense copies): 0.62-0.66x the dense rate at 64 rows (the diagonal's chunks),
+  // 0.93-0.95x at 128 and 256. So the kernel copies q, k, v and dO blocks dense.
   static constexpr bool kDenseOperands = true;
 
   void operator()(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda,

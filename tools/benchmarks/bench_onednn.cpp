@@ -1,6 +1,7 @@
 // oneDNN suites (run for --backend onednn only):
 //   gemm-onednn     f32 and bf16 GEMM through ruda against a oneDNN matmul primitive called
-//                   directly (created once, executed repeatedly on preallocated buffers).
+//                   directly (created once, executed repeatedly on preallocated buffers); and
+//                   the attention's block products on strided heads against dense copies.
 //   onednn-ranks    two emulated ranks (long-lived threads) running GEMMs at once, with
 //                   cores / ranks and with all cores as intra-op threads each, against one rank
 //                   using the whole machine: the cost of oversubscribing the cores.
@@ -62,6 +63,8 @@ class DirectMatmul {
   dnnl::memory a_, b_, c_;
 };
 
+void block_product_rows(Context& ctx);
+
 void gemm_suite(Context& ctx) {
   if (ctx.backend != "onednn") return;
   std::vector<Gemm> shapes = {
@@ -96,6 +99,69 @@ void gemm_suite(Context& ctx) {
       ctx.report(r);
     }
   }
+  block_product_rows(ctx);
+}
+
+// The fused attention's block products as the oneDNN kernel runs them (one thread, scores
+// q k^T of D = 64), on q and k read in place from a [T, 3, H, D] projection (row stride
+// 3 * H * D = 768 for H = 4) against the same product on dense copies. oneDNN 2.6 takes its gemm
+// path for the strided layout and brgemm for the dense one (the names say which ran): the
+// measurement behind the kernel's copying q, k, v and dO blocks dense (kDenseOperands in
+// backends/onednn/attention.cpp).
+class BlockScores {
+ public:
+  BlockScores(std::int64_t rows, std::int64_t keys, std::int64_t ld, const float* q, const float* k, float* s)
+      : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
+    using dnnl::memory;
+    const memory::desc q_md({rows, kDim}, memory::data_type::f32, memory::dims{ld, 1});
+    const memory::desc kt_md({kDim, keys}, memory::data_type::f32, memory::dims{1, ld});
+    const memory::desc s_md({rows, keys}, memory::data_type::f32, memory::dims{keys, 1});
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(q_md, kt_md, s_md), engine_);
+    impl_ = pd.impl_info_str();
+    matmul_ = dnnl::matmul(pd);
+    q_ = memory(q_md, engine_, const_cast<float*>(q));
+    k_ = memory(kt_md, engine_, const_cast<float*>(k));
+    s_ = memory(s_md, engine_, s);
+  }
+  void operator()() {
+    matmul_.execute(stream_, {{DNNL_ARG_SRC, q_}, {DNNL_ARG_WEIGHTS, k_}, {DNNL_ARG_DST, s_}});
+    stream_.wait();
+  }
+  const std::string& impl() const { return impl_; }
+  static constexpr std::int64_t kDim = 64;
+
+ private:
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  dnnl::matmul matmul_;
+  dnnl::memory q_, k_, s_;
+  std::string impl_;
+};
+
+void block_product_rows(Context& ctx) {
+  constexpr std::int64_t kStride = 3 * 4 * BlockScores::kDim;  // [T, 3, H, D] with H = 4
+  const int threads = num_threads();
+  set_num_threads(1);  // the kernel runs its products one per thread
+  for (std::int64_t n : {64, 128, 256}) {
+    const std::vector<float> projection(static_cast<std::size_t>(n * kStride), 0.5f);
+    const std::vector<float> dense(static_cast<std::size_t>(n * BlockScores::kDim), 0.5f);
+    std::vector<float> scores(static_cast<std::size_t>(n * n));
+    BlockScores strided(n, n, kStride, projection.data(), projection.data() + BlockScores::kDim, scores.data());
+    BlockScores copied(n, n, BlockScores::kDim, dense.data(), dense.data(), scores.data());
+    const auto [in_place, on_copies] = measure_pair(ctx, strided, copied);
+    const double gflop = 2e-9 * static_cast<double>(n * n * BlockScores::kDim);
+    Result r;
+    r.suite = "gemm-onednn";
+    r.name = "f32 attention block scores q k^T " + std::to_string(n) + "x64x" + std::to_string(n) +
+             ", one thread, heads read in place (" + strided.impl() + ")";
+    r.backend = ctx.backend;
+    r.unit = "GFLOP/s";
+    r.value = rate(in_place, gflop);
+    r.peer = rate(on_copies, gflop);
+    r.peer_name = "dense operands (" + copied.impl() + ")";
+    ctx.report(r);
+  }
+  set_num_threads(threads);
 }
 
 // Emulated ranks: long-lived threads, each with its own intra-op thread count, that run their
