@@ -1,5 +1,6 @@
 // Layer normalization over the last axis, fused: one pass for statistics and output, one for the
-// input gradient, and a column pass for the affine parameters' gradients.
+// input gradient, and a column pass for the affine parameters' gradients. 16-bit x may come with
+// f32 weight and bias (mixed precision: the statistics and the affine run in f32 either way).
 #include <cmath>
 #include <vector>
 
@@ -33,6 +34,16 @@ S lane_sum(std::int64_t n, Value&& value) {
   }
   return lanes[0] + tail;
 }
+
+/// Calls f with the affine parameters' element type: x's own, or f32 beside 16-bit x (the mixed
+/// form, whose weights and their gradients stay f32; the engine checks the pairing).
+template <class T, class F>
+void with_affine_type(DType weight_dtype, F&& f) {
+  if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+    if (weight_dtype == DType::f32) return f(float{});
+  }
+  f(T{});
+}
 }  // namespace
 
 void EigenBackend::layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
@@ -41,32 +52,37 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
   dispatch_float(x.dtype, "layer_norm", [&](auto tag) {
     using T = decltype(tag);
     using S = Stat<T>;
-    const T* xp = x.ptr<const T>();
-    const T* w = weight.data ? weight.ptr<const T>() : nullptr;
-    const T* b = bias.data ? bias.ptr<const T>() : nullptr;
-    T* yp = y.ptr<T>();
-    S* mp = mean.ptr<S>();
-    S* rp = rstd.ptr<S>();
-    parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
-      for (std::int64_t r = r0; r < r1; ++r) {
-        const T* row = xp + r * n;
-        // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
-        const S mu =
-            lane_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
-        const S sq = lane_sum<S>(n, [&](std::int64_t j) {
-          const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
-          return d * d;
-        });
-        const S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
-        mp[r] = mu;
-        rp[r] = rs;
-        T* out = yp + r * n;
-        for (std::int64_t j = 0; j < n; ++j) {
-          S v = (static_cast<S>(Num<T>::load(row[j])) - mu) * rs;
-          if (w) v = v * static_cast<S>(Num<T>::load(w[j])) + (b ? static_cast<S>(Num<T>::load(b[j])) : S(0));
-          out[j] = Num<T>::store(static_cast<compute_t<T>>(v));
+    with_affine_type<T>(weight.dtype, [&](auto wtag) {
+      using W = decltype(wtag);
+      const T* xp = x.ptr<const T>();
+      const W* w = weight.data ? weight.ptr<const W>() : nullptr;
+      const W* b = bias.data ? bias.ptr<const W>() : nullptr;
+      T* yp = y.ptr<T>();
+      S* mp = mean.ptr<S>();
+      S* rp = rstd.ptr<S>();
+      parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
+        for (std::int64_t r = r0; r < r1; ++r) {
+          const T* row = xp + r * n;
+          // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
+          const S mu =
+              lane_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
+          const S sq = lane_sum<S>(n, [&](std::int64_t j) {
+            const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
+            return d * d;
+          });
+          const S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
+          mp[r] = mu;
+          rp[r] = rs;
+          T* out = yp + r * n;
+          for (std::int64_t j = 0; j < n; ++j) {
+            S v = (static_cast<S>(Num<T>::load(row[j])) - mu) * rs;
+            // An explicit fma: left to the compiler, the contraction of v * w + b differed between
+            // instantiations (f32 and bf16 x), and so did a few results' last bits.
+            if (w) v = std::fma(v, static_cast<S>(Num<W>::load(w[j])), b ? static_cast<S>(Num<W>::load(b[j])) : S(0));
+            out[j] = Num<T>::store(static_cast<compute_t<T>>(v));
+          }
         }
-      }
+      });
     });
   });
 }
@@ -77,55 +93,60 @@ void EigenBackend::layer_norm_backward(const View& x, const View& weight, const 
   dispatch_float(x.dtype, "layer_norm backward", [&](auto tag) {
     using T = decltype(tag);
     using S = Stat<T>;
-    const T* xp = x.ptr<const T>();
-    const T* w = weight.data ? weight.ptr<const T>() : nullptr;
-    const T* g = gy.ptr<const T>();
-    const S* mp = mean.ptr<const S>();
-    const S* rp = rstd.ptr<const S>();
-    if (gx.data) {
-      T* out = gx.ptr<T>();
-      // gx = rstd * (g' - mean(g') - xhat * mean(g' * xhat)), with g' = gy * weight.
-      parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
-        std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
-        for (std::int64_t r = r0; r < r1; ++r) {
-          const T* xr = xp + r * n;
-          const T* gr = g + r * n;
-          for (std::int64_t j = 0; j < n; ++j) {
-            xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
-            gw[j] = static_cast<S>(Num<T>::load(gr[j])) * (w ? static_cast<S>(Num<T>::load(w[j])) : S(1));
+    with_affine_type<T>(weight.dtype, [&](auto wtag) {
+      using W = decltype(wtag);
+      const T* xp = x.ptr<const T>();
+      const W* w = weight.data ? weight.ptr<const W>() : nullptr;
+      const T* g = gy.ptr<const T>();
+      const S* mp = mean.ptr<const S>();
+      const S* rp = rstd.ptr<const S>();
+      if (gx.data) {
+        T* out = gx.ptr<T>();
+        // gx = rstd * (g' - mean(g') - xhat * mean(g' * xhat)), with g' = gy * weight.
+        parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
+          std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
+          for (std::int64_t r = r0; r < r1; ++r) {
+            const T* xr = xp + r * n;
+            const T* gr = g + r * n;
+            for (std::int64_t j = 0; j < n; ++j) {
+              xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
+              gw[j] = static_cast<S>(Num<T>::load(gr[j])) * (w ? static_cast<S>(Num<W>::load(w[j])) : S(1));
+            }
+            const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
+            const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
+            const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
+            T* o = out + r * n;
+            for (std::int64_t j = 0; j < n; ++j) {
+              // Explicit fmas here and below, as in the forward: the same bits in every instantiation.
+              o[j] = Num<T>::store(static_cast<compute_t<T>>(rp[r] * std::fma(-xhat[j], mean_gx, gw[j] - mean_g)));
+            }
           }
-          const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
-          const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
-          const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
-          T* o = out + r * n;
-          for (std::int64_t j = 0; j < n; ++j) {
-            o[j] = Num<T>::store(static_cast<compute_t<T>>(rp[r] * (gw[j] - mean_g - xhat[j] * mean_gx)));
-          }
-        }
-      });
-    }
-    if (gweight.data || gbias.data) {
-      // Sums over rows, threads splitting the columns: the order of additions is fixed.
-      T* gwp = gweight.data ? gweight.ptr<T>() : nullptr;
-      T* gbp = gbias.data ? gbias.ptr<T>() : nullptr;
-      parallel_for(n, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
-                   [&](std::int64_t j0, std::int64_t j1) {
-                     std::vector<S> acc_w(static_cast<std::size_t>(j1 - j0)), acc_b(static_cast<std::size_t>(j1 - j0));
-                     for (std::int64_t r = 0; r < rows; ++r) {
-                       const T* xr = xp + r * n;
-                       const T* gr = g + r * n;
-                       for (std::int64_t j = j0; j < j1; ++j) {
-                         const S gv = static_cast<S>(Num<T>::load(gr[j]));
-                         acc_w[j - j0] += gv * (static_cast<S>(Num<T>::load(xr[j])) - mp[r]) * rp[r];
-                         acc_b[j - j0] += gv;
-                       }
-                     }
-                     for (std::int64_t j = j0; j < j1; ++j) {
-                       if (gwp) gwp[j] = Num<T>::store(static_cast<compute_t<T>>(acc_w[j - j0]));
-                       if (gbp) gbp[j] = Num<T>::store(static_cast<compute_t<T>>(acc_b[j - j0]));
-                     }
-                   });
-    }
+        });
+      }
+      if (gweight.data || gbias.data) {
+        // Sums over rows, threads splitting the columns: the order of additions is fixed.
+        W* gwp = gweight.data ? gweight.ptr<W>() : nullptr;
+        W* gbp = gbias.data ? gbias.ptr<W>() : nullptr;
+        parallel_for(
+            n, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
+            [&](std::int64_t j0, std::int64_t j1) {
+              std::vector<S> acc_w(static_cast<std::size_t>(j1 - j0)), acc_b(static_cast<std::size_t>(j1 - j0));
+              for (std::int64_t r = 0; r < rows; ++r) {
+                const T* xr = xp + r * n;
+                const T* gr = g + r * n;
+                for (std::int64_t j = j0; j < j1; ++j) {
+                  const S gv = static_cast<S>(Num<T>::load(gr[j]));
+                  acc_w[j - j0] = std::fma(gv * (static_cast<S>(Num<T>::load(xr[j])) - mp[r]), rp[r], acc_w[j - j0]);
+                  acc_b[j - j0] += gv;
+                }
+              }
+              for (std::int64_t j = j0; j < j1; ++j) {
+                if (gwp) gwp[j] = Num<W>::store(static_cast<compute_t<W>>(acc_w[j - j0]));
+                if (gbp) gbp[j] = Num<W>::store(static_cast<compute_t<W>>(acc_b[j - j0]));
+              }
+            });
+      }
+    });
   });
 }
 

@@ -14,13 +14,19 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
   const std::int64_t features = x.shape().back();
   for (const Tensor* p : {&weight, &bias}) {
     if (!p->defined()) continue;
-    detail::require_same_dtype("layer_norm", x, *p);
+    // The affine parameters are in x's dtype, or f32 beside 16-bit x: the mixed form that keeps
+    // f32 weights (and f32 gradients for them) without casting x to f32 and the result back.
+    if (!(p->dtype() == DType::f32 && is_16bit_float(x.dtype()))) detail::require_same_dtype("layer_norm", x, *p);
     if (p->shape() != Shape{features}) {
       fail<ShapeError>("layer_norm", "affine parameter ", p->shape(), " does not match ", x.shape(), " (expected [",
                        features, "])");
     }
   }
   if (weight.defined() != bias.defined()) fail<ArgumentError>("layer_norm", "give both weight and bias, or neither");
+  if (weight.defined() && weight.dtype() != bias.dtype()) {
+    fail<DTypeError>("layer_norm", "weight and bias dtypes differ: ", dtype_name(weight.dtype()), " and ",
+                     dtype_name(bias.dtype()), " (x is ", dtype_name(x.dtype()), ")");
+  }
   if (!(eps >= 0)) fail<ArgumentError>("layer_norm", "eps must be non-negative, got ", eps);
   const std::int64_t rows = features == 0 ? 0 : x.numel() / features;
   const DType stat = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
@@ -43,8 +49,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
                        none.dtype = g.dtype();
                        Tensor gx, gw, gb;
                        if (need[0]) gx = make_tensor(g.shape(), g.dtype(), g.backend(), "layer_norm backward");
-                       if (need[1]) gw = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
-                       if (need[2]) gb = make_tensor(wv.shape(), g.dtype(), g.backend(), "layer_norm backward");
+                       // The affine gradients in the parameters' dtype (f32 in the mixed form).
+                       if (need[1]) gw = make_tensor(wv.shape(), wv.dtype(), g.backend(), "layer_norm backward");
+                       if (need[2]) gb = make_tensor(wv.shape(), wv.dtype(), g.backend(), "layer_norm backward");
                        if (g.numel()) {
                          g.backend().layer_norm_backward(
                              view_of(xv), wv.defined() ? view_of(detail::dense(wv)) : none, view_of(s[2].get()),

@@ -482,6 +482,56 @@ TEST_CASE("layer_norm equals its composite definition, every float dtype") {
               1e-6, 1e-6);
 }
 
+TEST_CASE("layer_norm with f32 parameters beside 16-bit x: the bits of casting x to f32 and back") {
+  // The mixed form nn::LayerNorm uses for bf16 and f16 activations: its forward and all three
+  // gradients must be exactly what the f32 kernel between two casts gives.
+  for (DType d : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(d));
+    for (std::int64_t features : {67, 256})
+      for (bool strided : {false, true}) {
+        CAPTURE(features);
+        CAPTURE(strided);
+        for (bool affine : {true, false}) {
+          CAPTURE(affine);
+          // 67 features: rows that are not a multiple of the kernel's 16 lanes. 384 rows: enough
+          // values that a multiply-add the compiler contracts in one instantiation only shows.
+          const Tensor base = (randn({features, 24, 16}, 4) * 2.0 + 0.5).to(d);
+          const Tensor x0 = strided ? transpose(base, 0, 2) : base.reshape({16, 24, features});
+          const Tensor g = randn({16, 24, features}, 5).to(d);
+          const Tensor w0 = randn({features}, 6) + 1.0, b0 = randn({features}, 7);
+          auto run = [&](bool mixed) {
+            const Tensor x = x0.detach().set_requires_grad();
+            const Tensor w = w0.detach().set_requires_grad(), b = b0.detach().set_requires_grad();
+            const Tensor y =
+                mixed ? (affine ? layer_norm(x, w, b) : layer_norm(x, Tensor(), Tensor()))
+                      : (affine ? layer_norm(x.to(DType::f32), w, b) : layer_norm(x.to(DType::f32), Tensor(), Tensor()))
+                            .to(d);
+            y.backward(g);
+            return std::vector<Tensor>{y, x.grad(), affine ? w.grad() : Tensor(), affine ? b.grad() : Tensor()};
+          };
+          const std::vector<Tensor> mixed = run(true), reference = run(false);
+          CHECK(mixed[0].dtype() == d);
+          CHECK(mixed[1].dtype() == d);
+          CHECK_CLOSE(mixed[0], reference[0], 0, 0);
+          CHECK_CLOSE(mixed[1], reference[1], 0, 0);
+          if (affine) {
+            CHECK(mixed[2].dtype() == DType::f32);
+            CHECK(mixed[3].dtype() == DType::f32);
+            CHECK_CLOSE(mixed[2], reference[2], 0, 0);
+            CHECK_CLOSE(mixed[3], reference[3], 0, 0);
+          }
+        }
+      }
+  }
+  // Only f32 parameters beside 16-bit x; weight and bias in one dtype.
+  const Tensor x16 = randn({2, 8}, 1).to(DType::bf16), w32 = ones({8}), b32 = zeros({8});
+  CHECK_THROWS_AS(layer_norm(x16, w32.to(DType::f64), b32.to(DType::f64)), DTypeError);
+  CHECK_THROWS_AS(layer_norm(x16, w32, b32.to(DType::bf16)), DTypeError);
+  CHECK_THROWS_AS(layer_norm(x16.to(DType::f64), w32, b32), DTypeError);
+  CHECK_THROWS_WITH_AS(layer_norm(x16, w32.to(DType::bf16), b32), doctest::Contains("weight and bias dtypes differ"),
+                       DTypeError);
+}
+
 TEST_CASE("dropout keeps the expected fraction, scaled, reproducibly") {
   const Tensor x = ones({10000});
   const Tensor y = dropout(x, 0.25, 11);

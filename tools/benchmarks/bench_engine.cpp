@@ -88,8 +88,36 @@ void mlp_suite(Context& ctx) {
   ctx.report(r);
 }
 
+// LayerNorm forward+backward on 16-bit activations with f32 parameters (the GPT's shape, [2048,
+// 256]): layer_norm's mixed form, which nn::LayerNorm uses, against casting x to f32 and the
+// result back around the f32 kernel (what nn::LayerNorm did before; the same bits, two passes
+// more each way).
+void layer_norm_suite(Context& ctx) {
+  const std::int64_t rows = ctx.quick ? 512 : 2048, features = 256;
+  const Tensor w = (randn({features}, 3) + 1.0).set_requires_grad(), b = randn({features}, 4).set_requires_grad();
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    const Tensor x0 = randn({rows, features}, 1).to(dtype), g = randn({rows, features}, 2).to(dtype);
+    auto step = [&](bool mixed) {
+      const Tensor x = x0.detach().set_requires_grad();
+      const Tensor y = mixed ? layer_norm(x, w, b) : layer_norm(x.to(DType::f32), w, b).to(dtype);
+      y.backward(g);
+    };
+    const auto [with_mixed, with_casts] = measure_pair(
+        ctx, [&] { step(true); }, [&] { step(false); });
+    Result r;
+    r.suite = "layer-norm";
+    r.name = "fwd+bwd [" + std::to_string(rows) + ", 256] " + std::string(dtype_name(dtype)) + ", f32 weight and bias";
+    r.backend = ctx.backend;
+    r.unit = "us";
+    r.value = scaled(with_mixed, 1e6);
+    r.peer = scaled(with_casts, 1e6);
+    r.peer_name = "x cast to f32 and the result back";
+    ctx.report(r);
+  }
+}
+
 const bool registered = register_suite("gemm", gemm_suite) && register_suite("op-overhead", overhead_suite) &&
-                        register_suite("mlp", mlp_suite);
+                        register_suite("mlp", mlp_suite) && register_suite("layer-norm", layer_norm_suite);
 
 }  // namespace
 }  // namespace ruda::bench

@@ -221,10 +221,12 @@ class Backend {
   /// Normalizes each row of x [rows, n]: y = (x - mean) * rstd (* weight + bias, when given: [n],
   /// or views with null data), rstd = 1 / sqrt(var + eps). Writes mean and rstd [rows] (f32, or
   /// f64 for f64 x) for the backward. Statistics accumulate in f32 at least. Contiguous (the
-  /// engine copies strided x, weight and bias).
+  /// engine copies strided x, weight and bias). weight and bias are in x's dtype, or both f32
+  /// when x is f16 or bf16 (the mixed form: y in x's dtype, the affine computed in f32).
   virtual void layer_norm(const View& x, const View& weight, const View& bias, double eps, const View& y,
                           const View& mean, const View& rstd) = 0;
-  /// gx from gy; gweight and gbias (sums over rows; null data when not wanted).
+  /// gx from gy; gweight and gbias (sums over rows; null data when not wanted), in the weight's
+  /// dtype (f32 in the mixed form).
   virtual void layer_norm_backward(const View& x, const View& weight, const View& mean, const View& rstd,
                                    const View& gy, const View& gx, const View& gweight, const View& gbias) = 0;
   /// out = softmax(scale * q k^T (masked), dropout) v, and lse = logsumexp of each row of the
