@@ -60,9 +60,10 @@ LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : eps_(eps)
 Tensor LayerNorm::forward(const Tensor& input) {
   // Statistics and the affine in f32 at least, whatever the compute dtype. bf16 input goes to the
   // kernel as it is, beside the f32 parameters (layer_norm's mixed form: the same bits as casting
-  // it to f32 and the result back, without those two passes and their gradients' two: 0.4x the
-  // time in `ruda-bench --suite layer-norm`). f16 is still cast: its kernel loads decode each
-  // value with branches, on every pass over the row, and the mixed form measured 1.9x slower.
+  // it to f32 and the result back, without those two passes and their gradients' two: 0.8x the
+  // time at the median of `ruda-bench --suite layer-norm` runs, and no f32 copy of x kept for
+  // backward). f16 is still cast: its kernel loads decode each value with branches, on every
+  // pass over the row, and the mixed form measured 1.9-3x slower.
   const DType io = input.dtype();
   const DType work = io == DType::f64 ? DType::f64 : DType::f32;
   const Tensor x = io == DType::bf16 ? input : as_dtype(input, work);
