@@ -106,7 +106,8 @@ void layer_norm_suite(Context& ctx) {
         ctx, [&] { step(true); }, [&] { step(false); });
     Result r;
     r.suite = "layer-norm";
-    r.name = "fwd+bwd [" + std::to_string(rows) + ", 256] " + std::string(dtype_name(dtype)) + ", f32 weight and bias";
+    r.name = "fwd+bwd [" + std::to_string(rows) + ", " + std::to_string(features) + "] " +
+             std::string(dtype_name(dtype)) + ", f32 weight and bias";
     r.backend = ctx.backend;
     r.unit = "us";
     r.value = scaled(with_mixed, 1e6);
