@@ -483,13 +483,13 @@ TEST_CASE("layer_norm equals its composite definition, every float dtype") {
 }
 
 TEST_CASE("layer_norm with f32 parameters beside 16-bit x: the bits of casting x to f32 and back") {
-  // The mixed form nn::LayerNorm uses for bf16 and f16 activations: its forward and all three
-  // gradients must be exactly what the f32 kernel between two casts gives.
+  // The mixed form (nn::LayerNorm uses it for bf16; the op takes f16 too): its forward and all
+  // three gradients must be exactly what the f32 kernel between two casts gives.
   for (DType d : {DType::bf16, DType::f16}) {
     CAPTURE(dtype_name(d));
-    for (std::int64_t features : {67, 256})
+    for (std::int64_t features : {67, 256}) {
+      CAPTURE(features);
       for (bool strided : {false, true}) {
-        CAPTURE(features);
         CAPTURE(strided);
         for (bool affine : {true, false}) {
           CAPTURE(affine);
@@ -522,6 +522,7 @@ TEST_CASE("layer_norm with f32 parameters beside 16-bit x: the bits of casting x
           }
         }
       }
+    }
   }
   // Only f32 parameters beside 16-bit x; weight and bias in one dtype.
   const Tensor x16 = randn({2, 8}, 1).to(DType::bf16), w32 = ones({8}), b32 = zeros({8});
