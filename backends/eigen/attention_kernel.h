@@ -184,6 +184,25 @@ const G* as_operand(const Acc* src, std::int64_t rows, std::int64_t cols, std::i
   }
 }
 
+/// sum_c a[c] b[c] in Acc, over eight interleaved partial sums added in a fixed order at the end:
+/// the compiler keeps them in one vector register (a single running sum is a chain of dependent
+/// scalar adds), and the order does not depend on the rows' addresses.
+template <class Acc, class T>
+Acc row_dot(const T* a, const T* b, std::int64_t n) {
+  constexpr std::int64_t kLanes = 8;
+  Acc part[kLanes] = {};
+  std::int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (std::int64_t l = 0; l < kLanes; ++l)
+      part[l] += static_cast<Acc>(Num<T>::load(a[c + l])) * static_cast<Acc>(Num<T>::load(b[c + l]));
+  }
+  for (std::int64_t l = 0; c + l < n; ++l)
+    part[l] += static_cast<Acc>(Num<T>::load(a[c + l])) * static_cast<Acc>(Num<T>::load(b[c + l]));
+  Acc s = 0;
+  for (const Acc v : part) s += v;
+  return s;
+}
+
 /// A [B, H, T, D] view's rows: element (b, h, t, :) starts at row(b, h, t).
 template <class T>
 struct Rows {
@@ -298,14 +317,14 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
         for_each_chunk(d.causal, i0, rows, j0, cols, [&](const Chunk& c) {
           // Scores of the chunk's rows against its keys (row stride c.cols), then the online
           // softmax of each row over them, then their weighted values into the rows' accumulators.
+          // The scale rides on the product (its alpha), not on a pass of its own over the scores.
           Acc* const s = w->scores.data();
-          w->gemm(false, true, c.rows, c.cols, dim, qb + c.first * ldq, ldq, kb, ldk, s, c.cols, Acc(1), false);
+          w->gemm(false, true, c.rows, c.cols, dim, qb + c.first * ldq, ldq, kb, ldk, s, c.cols, scale, false);
           for (std::int64_t r = 0; r < c.rows; ++r) {
             const std::int64_t row_index = c.first + r;  // in the query block
             Acc* const sr = s + r * c.cols;
             const std::int64_t n = c.masked ? visible(true, i0 + row_index, j0, c.cols) : c.cols;
             Eigen::Map<Array> row(sr, n);
-            row *= scale;
             const Acc block_max = n ? row.maxCoeff() : minus_inf;
             const Acc m = std::max(w->max[row_index], block_max);
             std::fill(sr + n, sr + c.cols, Acc(0));
@@ -386,14 +405,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       const std::int64_t bh = item % bh_count, split = item / bh_count, b = bh / heads, h = bh % heads;
       const Acc* const lse_bh = lse + d.lse.strides[0] * b + d.lse.strides[1] * h;
       // delta_i = rowsum(dO * O): the softmax backward's row term, dO_i . O_i (dropout included).
-      for (std::int64_t i = 0; i < tq; ++i) {
-        const T* o = out.row(b, h, i);
-        const T* g = dout.row(b, h, i);
-        Acc s = 0;
-        for (std::int64_t c = 0; c < dv; ++c)
-          s += static_cast<Acc>(Num<T>::load(o[c])) * static_cast<Acc>(Num<T>::load(g[c]));
-        w->delta[i] = s;
-      }
+      for (std::int64_t i = 0; i < tq; ++i) w->delta[i] = row_dot<Acc>(out.row(b, h, i), dout.row(b, h, i), dv);
       Acc* dq_acc = nullptr;
       if (need_dq) {
         dq_acc = splits == 1 ? w->dq_acc.data() : dq_parts.data() + (bh * splits + split) * tq * dim;
@@ -422,14 +434,15 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
             const std::int64_t ci = i0 + c.first, n_rows = c.rows, n_cols = c.cols;
             const G* qb = qb_block + c.first * ldq;
             const G* ob = ob_block + c.first * ldo;
-            // S, then P = exp(scale * S - lse) on visible keys, 0 on masked ones.
+            // scale * S (the forward's scores: the same block product, with the scale as its alpha),
+            // then P = exp(scale * S - lse) on visible keys, 0 on masked ones.
             Acc* const p = w->p.data();
-            w->gemm(false, true, n_rows, n_cols, dim, qb, ldq, kb, ldk, p, n_cols, Acc(1), false);
+            w->gemm(false, true, n_rows, n_cols, dim, qb, ldq, kb, ldk, p, n_cols, scale, false);
             for (std::int64_t r = 0; r < n_rows; ++r) {
               Acc* const pr = p + r * n_cols;
               const std::int64_t n = c.masked ? visible(true, ci + r, j0, n_cols) : n_cols;
               Eigen::Map<Array> row(pr, n);
-              row = (row * scale - lse_bh[d.lse.strides[2] * (ci + r)]).exp();
+              row = (row - lse_bh[d.lse.strides[2] * (ci + r)]).exp();
               std::fill(pr + n, pr + n_cols, Acc(0));
               if (d.dropout > 0) {
                 Acc* const keep = w->keep.data() + r * n_cols;
