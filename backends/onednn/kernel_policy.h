@@ -40,6 +40,15 @@
 // rows below (oneDNN a broadcast multiply 0.93x, a same-shape add 0.94x, a sum over the innermost
 // axis 0.74x of Eigen's); the other unary rows were not re-measured in an AVX-512 build.
 //
+// gelu (erf)'s f32 backward moved to Eigen (2026-12-03) on figures from inside the training step,
+// where the isolated rows above mislead: oneDNN's eltwise backward on the default GPT's
+// [2048, 1024] read 1.9-4.3 ms a call by DNNL_VERBOSE over `ruda-train lm` (bimodal between phases
+// of one process, 1.0 ms in an isolated loop), Eigen's 1.6-1.9 ms (perf's share of the step, and a
+// timer around the call). `ruda-bench --suite models --quick`, this policy's library alternated
+// with the previous one, 10 runs each: the GPT f32 step's fraction of GEMM 0.782 against 0.768 at
+// the median (this VM's run-to-run spread is ~0.1). bf16 stays on oneDNN: Eigen widens 16-bit
+// values in chunks, and in the step the two were a coin toss (2.5-3.0 ms against 2.0-3.7).
+//
 // The unary ops' part of this policy is in their descriptors (forward_slower and backward_slower
 // in engine/src/op_descriptors.h); the binary and reduction parts are below.
 #pragma once

@@ -302,8 +302,10 @@ struct Unary<UnaryOp::gelu_erf> {
   static constexpr std::string_view name = "gelu";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::input;
-  static constexpr DnnlPlan onednn{
-      .forward = {DnnlAlg::gelu_erf}, .backward = {DnnlAlg::gelu_erf}, .forward_slower = Slower::f32};
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_erf},
+                                   .backward = {DnnlAlg::gelu_erf},
+                                   .forward_slower = Slower::f32,
+                                   .backward_slower = Slower::f32};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
