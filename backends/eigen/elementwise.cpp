@@ -1,5 +1,6 @@
 // Elementwise kernels: fill, copy, cast, unary math and its derivatives, binary ops, where.
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include <Eigen/Core>
@@ -34,7 +35,7 @@ D convert(S s) {
     if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
       return Num<D>::store(Num<S>::load(s));  // f16 <-> bf16 through f32, exact for the intermediate
     } else {
-      return static_cast<D>(Num<S>::load(s));
+      return convert<float, D>(Num<S>::load(s));
     }
   } else if constexpr (std::is_same_v<D, bfloat16> || std::is_same_v<D, float16>) {
     if constexpr (std::is_same_v<S, double>) {
@@ -52,6 +53,12 @@ D convert(S s) {
     } else {
       return Num<D>::store(static_cast<float>(s));
     }
+  } else if constexpr (std::is_same_v<D, std::int64_t> && std::is_floating_point_v<S>) {
+    // Out of range, static_cast is undefined behaviour: NaN becomes 0 and the rest saturates.
+    if (std::isnan(s)) return 0;
+    if (s >= static_cast<S>(9223372036854775808.0)) return std::numeric_limits<std::int64_t>::max();
+    if (s <= static_cast<S>(-9223372036854775808.0)) return std::numeric_limits<std::int64_t>::min();
+    return static_cast<std::int64_t>(s);
   } else {
     return static_cast<D>(s);
   }
@@ -239,14 +246,53 @@ inline bool is_nan(C v) {
   }
 }
 
+// i64 arithmetic wraps around on overflow (two's complement, as PyTorch's does) instead of being
+// undefined behaviour: computed in uint64_t, where wrapping is defined, and converted back.
+inline std::int64_t wrapped(std::uint64_t v) { return static_cast<std::int64_t>(v); }
+
+// a^b for i64 by squaring: exact (through double it was not, past 2^53) and wrapping like the other
+// ops. A negative b was refused before the kernel (EigenBackend::binary).
+inline std::int64_t integer_power(std::int64_t a, std::int64_t b) {
+  std::uint64_t result = 1, base = static_cast<std::uint64_t>(a);
+  for (auto e = static_cast<std::uint64_t>(b); e; e >>= 1) {
+    if (e & 1) result *= base;
+    base *= base;
+  }
+  return wrapped(result);
+}
+
 template <BinaryOp Op, class C>
 inline auto apply(C a, C b) {
-  if constexpr (Op == BinaryOp::add) return a + b;
-  if constexpr (Op == BinaryOp::sub) return a - b;
-  if constexpr (Op == BinaryOp::mul) return a * b;
-  if constexpr (Op == BinaryOp::div) return a / b;
+  constexpr bool kInteger = std::is_same_v<C, std::int64_t>;
+  if constexpr (Op == BinaryOp::add) {
+    if constexpr (kInteger)
+      return wrapped(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
+    else
+      return a + b;
+  }
+  if constexpr (Op == BinaryOp::sub) {
+    if constexpr (kInteger)
+      return wrapped(static_cast<std::uint64_t>(a) - static_cast<std::uint64_t>(b));
+    else
+      return a - b;
+  }
+  if constexpr (Op == BinaryOp::mul) {
+    if constexpr (kInteger)
+      return wrapped(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
+    else
+      return a * b;
+  }
+  if constexpr (Op == BinaryOp::div) {
+    // INT64_MIN / -1 overflows (and traps on x86): it wraps to INT64_MIN, i.e. -a in uint64_t.
+    if constexpr (kInteger)
+      return b == -1 ? wrapped(0 - static_cast<std::uint64_t>(a)) : a / b;
+    else
+      return a / b;
+  }
   if constexpr (Op == BinaryOp::pow) {
-    if constexpr (std::is_integral_v<C>) {
+    if constexpr (kInteger) {
+      return integer_power(a, b);
+    } else if constexpr (std::is_integral_v<C>) {
       return static_cast<C>(std::pow(static_cast<double>(a), static_cast<double>(b)));
     } else {
       return std::pow(a, b);
@@ -328,14 +374,17 @@ void binary_dispatch(BinaryOp op, const View& a, const View& b, const View& out)
 }  // namespace
 
 void EigenBackend::binary(BinaryOp op, const View& a, const View& b, const View& out) {
-  if (a.dtype == DType::i64 && op == BinaryOp::div) {
-    // Integer division by zero is undefined behaviour in C++; refuse it like an index error.
+  if (a.dtype == DType::i64 && (op == BinaryOp::div || op == BinaryOp::pow)) {
+    // Integer division by zero is undefined behaviour in C++, and an integer to a negative power
+    // is no integer (PyTorch refuses both too): refused like an index error.
     const View* views[1] = {&b};
     Layout<1> layout(views);
     for_each_run(layout, 0, b.numel(), [&](const std::int64_t* off, std::int64_t n) {
       for (std::int64_t i = 0; i < n; ++i) {
-        if (b.ptr<const std::int64_t>()[off[0] + i * layout.inner_stride(0)] == 0) {
-          fail<ArgumentError>("div", "integer division by zero");
+        const std::int64_t v = b.ptr<const std::int64_t>()[off[0] + i * layout.inner_stride(0)];
+        if (op == BinaryOp::div && v == 0) fail<ArgumentError>("div", "integer division by zero");
+        if (op == BinaryOp::pow && v < 0) {
+          fail<ArgumentError>("pow", "an i64 tensor to a negative power (", v, ") is not an integer");
         }
       }
     });

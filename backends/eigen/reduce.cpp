@@ -44,6 +44,16 @@ template <class T>
 using Acc = std::conditional_t<std::is_same_v<T, double>, double,
                                std::conditional_t<std::is_same_v<T, std::int64_t>, std::int64_t, float>>;
 
+// a += v, wrapping around for i64 (in uint64_t, where overflow is defined) as the elementwise add does.
+template <class A>
+void accumulate(A& a, A v) {
+  if constexpr (std::is_same_v<A, std::int64_t>) {
+    a = static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(v));
+  } else {
+    a += v;
+  }
+}
+
 template <class T>
 bool nan_of(T v) {
   if constexpr (std::is_floating_point_v<T>) {
@@ -66,7 +76,7 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
         }
       }
       A acc = 0;
-      for (std::int64_t i = 0; i < n; ++i) acc += Num<T>::load(p[i * stride]);
+      for (std::int64_t i = 0; i < n; ++i) accumulate<A>(acc, Num<T>::load(p[i * stride]));
       *out_value = Num<T>::store(static_cast<compute_t<T>>(acc));
       return;
     }
@@ -128,7 +138,7 @@ void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int6
   for (std::int64_t i = 1; i < b.reduce; ++i) {
     const T* row = base + i * b.inner;
     if (op == ReduceOp::sum) {
-      for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] += Num<T>::load(row[j]);
+      for (std::int64_t j = j0; j < j1; ++j) accumulate<A>(acc[j - j0], Num<T>::load(row[j]));
     } else {
       const bool is_max = op == ReduceOp::max;
       for (std::int64_t j = j0; j < j1; ++j) {
@@ -160,7 +170,7 @@ void reduce_block(ReduceOp op, const T* x, const Block& b, void* out) {
         }
       });
       Acc<T> total = 0;
-      for (const T& v : partial) total += Num<T>::load(v);
+      for (const T& v : partial) accumulate<Acc<T>>(total, Num<T>::load(v));
       values[0] = Num<T>::store(static_cast<compute_t<T>>(total));
       return;
     }

@@ -115,6 +115,10 @@ void require_writable_layout(const char* op, const Tensor& t);
 
 /// Throws DTypeError unless t is a float tensor.
 void require_float(const char* op, const Tensor& t);
+/// Throws DTypeError where a number would change value on its way into an integer tensor's
+/// arithmetic (x * 0.5 on i64 would multiply by 0): a fraction, NaN, or a value outside i64.
+/// Float tensors take any number (converted to their dtype, as documented).
+void require_exact_scalar(const char* op, double value, const Tensor& like);
 /// Throws DTypeError unless a and b have the same dtype.
 void require_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void require_defined(const char* op, const Tensor& t);

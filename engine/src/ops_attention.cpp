@@ -1,6 +1,7 @@
 // Fused scaled dot-product attention: validation, the forward kernel call, and a backward node that
 // saves q, k, v, the output and the logsumexp (never the [Tq, Tk] weights).
 #include <cmath>
+#include <limits>
 
 #include <ruda/attention.h>
 
@@ -49,6 +50,14 @@ void validate(const Tensor& q, const Tensor& k, const Tensor& v, const Attention
   }
   if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0)) {
     fail<ArgumentError>(kOp, "scale must be finite and positive, got ", *o.scale, " for q ", qs);
+  }
+  // Scores, statistics and the scale itself are f32 below f64: a scale that f32 turns into
+  // infinity or 0 would give NaN weights without a word.
+  if (o.scale && q.dtype() != DType::f64) {
+    if (*o.scale > std::numeric_limits<float>::max() || *o.scale < std::numeric_limits<float>::denorm_min()) {
+      fail<ArgumentError>(kOp, "scale ", *o.scale, " is outside f32's range, in which ", dtype_name(q.dtype()),
+                          " attention computes (q ", qs, ")");
+    }
   }
 }
 

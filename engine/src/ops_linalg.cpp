@@ -59,6 +59,10 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   out_shape.push_back(m);
   out_shape.push_back(n);
   detail::require_rank(op, out_shape);
+  // An empty product has nothing to read. Decided before any layout work: an empty tensor counts
+  // as contiguous whatever its strides, so contiguous() would not normalize them and the
+  // many-batch-axes path below would call itself on the same layout forever.
+  if (shape_numel(out_shape) == 0) return make_tensor(out_shape, a.dtype(), a.backend(), op);
 
   Tensor ea = a, eb = b;
   std::optional<MatrixRead> read_a = read_in_place(*detail::impl_of(ea));
@@ -109,7 +113,6 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   }
 
   Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
-  if (out.numel() == 0) return out;
   if (k == 0) {
     // No product: the bias alone (or zeros), and the epilogue on it (GELU(0) = 0).
     a.backend().fill(detail::view_of(out), 0.0);

@@ -35,6 +35,65 @@ Tensor scalar_like(double value, const Tensor& like) {
   return scalar(value, Options(like.dtype(), &like.backend()));
 }
 
+// A number for arithmetic with `like`: refused where an integer tensor could not hold it exactly.
+Tensor arithmetic_scalar(const char* op, double value, const Tensor& like) {
+  detail::require_defined(op, like);
+  detail::require_exact_scalar(op, value, like);
+  return scalar_like(value, like);
+}
+
+// 2^63: the first double above every i64 (and -2^63 is INT64_MIN itself).
+constexpr double kTwo63 = 9223372036854775808.0;
+
+// a <op> b for an integer (or bool) tensor and any number, exactly: converting b to the tensor's
+// dtype first would truncate it (0 < 0.5 read as 0 < 0, false). For integers x, x < b is x < ceil(b),
+// x <= b is x <= floor(b), and so on; a bound outside the dtype makes the answer the same everywhere.
+Tensor integer_comparison(BinaryOp op, const char* name, const Tensor& a, double b) {
+  auto everywhere = [&](bool value) {
+    return full(a.shape(), value ? 1.0 : 0.0, Options(DType::boolean, &a.backend()));
+  };
+  auto against = [&](double integral) {  // integral is a whole number within the dtype
+    return binary_forward(op, name, a, scalar_like(integral, a));
+  };
+  const double low = a.dtype() == DType::boolean ? 0.0 : -kTwo63;
+  const double high = a.dtype() == DType::boolean ? 1.0 : kTwo63 - 1024.0;  // the largest double below 2^63
+  if (std::isnan(b)) return everywhere(op == BinaryOp::ne);
+  switch (op) {
+    case BinaryOp::eq:
+    case BinaryOp::ne: {
+      const bool representable = std::floor(b) == b && b >= low && b <= high;
+      if (!representable) return everywhere(op == BinaryOp::ne);
+      return against(b);
+    }
+    case BinaryOp::lt:
+    case BinaryOp::ge: {  // x < b  <=>  x < ceil(b)
+      const double c = std::ceil(b);
+      if (c > high) return everywhere(op == BinaryOp::lt);
+      if (c < low) return everywhere(op == BinaryOp::ge);
+      return against(c);
+    }
+    case BinaryOp::le:
+    case BinaryOp::gt: {  // x <= b  <=>  x <= floor(b)
+      const double f = std::floor(b);
+      if (f > high) return everywhere(op == BinaryOp::le);
+      if (f < low) return everywhere(op == BinaryOp::gt);
+      return against(f);
+    }
+    default:
+      break;
+  }
+  fail<ArgumentError>(name, "is not a comparison");
+}
+
+Tensor compare_with_number(BinaryOp op, const char* name, const Tensor& a, double b) {
+  detail::require_defined(name, a);
+  if (is_floating(a.dtype())) return binary_forward(op, name, a, scalar_like(b, a));
+  if (a.dtype() == DType::boolean && !(op == BinaryOp::eq || op == BinaryOp::ne)) {
+    return binary_forward(op, name, a, scalar_like(0.0, a));  // raises: not defined on bool
+  }
+  return integer_comparison(op, name, a, b);
+}
+
 std::vector<Tensor> two(Tensor a, Tensor b) { return {std::move(a), std::move(b)}; }
 
 }  // namespace
@@ -110,7 +169,7 @@ Tensor pow(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor pow(const Tensor& a, double exponent) { return pow(a, scalar_like(exponent, a)); }
+Tensor pow(const Tensor& a, double exponent) { return pow(a, arithmetic_scalar("pow", exponent, a)); }
 
 namespace {
 Tensor extremum(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {
@@ -141,12 +200,12 @@ Tensor le(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::le
 Tensor gt(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::gt, "gt", a, b); }
 Tensor ge(const Tensor& a, const Tensor& b) { return binary_forward(BinaryOp::ge, "ge", a, b); }
 
-Tensor eq(const Tensor& a, double b) { return eq(a, scalar_like(b, a)); }
-Tensor ne(const Tensor& a, double b) { return ne(a, scalar_like(b, a)); }
-Tensor lt(const Tensor& a, double b) { return lt(a, scalar_like(b, a)); }
-Tensor le(const Tensor& a, double b) { return le(a, scalar_like(b, a)); }
-Tensor gt(const Tensor& a, double b) { return gt(a, scalar_like(b, a)); }
-Tensor ge(const Tensor& a, double b) { return ge(a, scalar_like(b, a)); }
+Tensor eq(const Tensor& a, double b) { return compare_with_number(BinaryOp::eq, "eq", a, b); }
+Tensor ne(const Tensor& a, double b) { return compare_with_number(BinaryOp::ne, "ne", a, b); }
+Tensor lt(const Tensor& a, double b) { return compare_with_number(BinaryOp::lt, "lt", a, b); }
+Tensor le(const Tensor& a, double b) { return compare_with_number(BinaryOp::le, "le", a, b); }
+Tensor gt(const Tensor& a, double b) { return compare_with_number(BinaryOp::gt, "gt", a, b); }
+Tensor ge(const Tensor& a, double b) { return compare_with_number(BinaryOp::ge, "ge", a, b); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   detail::require_defined("where", cond);
@@ -176,6 +235,14 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 
 Tensor clamp(const Tensor& x, double low, double high) {
   if (!(low <= high)) fail<ArgumentError>("clamp", "low ", low, " exceeds high ", high);
+  detail::require_defined("clamp", x);
+  if (x.dtype() == DType::i64) {
+    // Integer bounds, exactly: [ceil(low), floor(high)], cut to the dtype's range (a bound beyond
+    // it, such as -1e30, bounds nothing).
+    const double lo = std::max(std::ceil(low), -kTwo63), hi = std::min(std::floor(high), kTwo63 - 1024.0);
+    if (lo > hi) fail<ArgumentError>("clamp", "no i64 value lies in [", low, ", ", high, "]");
+    return minimum(maximum(x, scalar_like(lo, x)), scalar_like(hi, x));
+  }
   return minimum(maximum(x, scalar_like(low, x)), scalar_like(high, x));
 }
 
@@ -183,14 +250,14 @@ Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
 Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
 Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
 Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
-Tensor operator+(const Tensor& a, double b) { return add(a, scalar_like(b, a)); }
-Tensor operator-(const Tensor& a, double b) { return sub(a, scalar_like(b, a)); }
-Tensor operator*(const Tensor& a, double b) { return mul(a, scalar_like(b, a)); }
-Tensor operator/(const Tensor& a, double b) { return div(a, scalar_like(b, a)); }
-Tensor operator+(double a, const Tensor& b) { return add(scalar_like(a, b), b); }
-Tensor operator-(double a, const Tensor& b) { return sub(scalar_like(a, b), b); }
-Tensor operator*(double a, const Tensor& b) { return mul(scalar_like(a, b), b); }
-Tensor operator/(double a, const Tensor& b) { return div(scalar_like(a, b), b); }
+Tensor operator+(const Tensor& a, double b) { return add(a, arithmetic_scalar("add", b, a)); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, arithmetic_scalar("sub", b, a)); }
+Tensor operator*(const Tensor& a, double b) { return mul(a, arithmetic_scalar("mul", b, a)); }
+Tensor operator/(const Tensor& a, double b) { return div(a, arithmetic_scalar("div", b, a)); }
+Tensor operator+(double a, const Tensor& b) { return add(arithmetic_scalar("add", a, b), b); }
+Tensor operator-(double a, const Tensor& b) { return sub(arithmetic_scalar("sub", a, b), b); }
+Tensor operator*(double a, const Tensor& b) { return mul(arithmetic_scalar("mul", a, b), b); }
+Tensor operator/(double a, const Tensor& b) { return div(arithmetic_scalar("div", a, b), b); }
 Tensor operator-(const Tensor& a) { return neg(a); }
 
 // --- unary ---
@@ -275,3 +342,14 @@ Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offs
 }
 
 }  // namespace ruda
+
+namespace ruda::detail {
+
+void require_exact_scalar(const char* op, double value, const Tensor& like) {
+  if (like.dtype() != DType::i64) return;
+  if (std::floor(value) == value && value >= -kTwo63 && value < kTwo63) return;
+  fail<DTypeError>(op, "the number ", value, " is not an i64 value, and the tensor is i64 ", like.shape(),
+                   " (cast it to a float dtype first)");
+}
+
+}  // namespace ruda::detail

@@ -116,10 +116,13 @@ Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uin
   if (low >= high) fail<ArgumentError>("randint", "empty range [", low, ", ", high, ")");
   Tensor t = detail::make_tensor(shape, DType::i64, default_backend(), "randint");
   auto* out = t.data<std::int64_t>();
-  const double span = static_cast<double>(high - low);
+  // The span in uint64_t: high - low overflows int64_t for ranges wider than INT64_MAX.
+  const std::uint64_t span = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
   for (std::int64_t i = 0; i < t.numel(); ++i) {
     const double u = random::uniform_double(seed, offset + static_cast<std::uint64_t>(i));
-    out[i] = std::min(high - 1, low + static_cast<std::int64_t>(u * span));
+    // u < 1, so u * span < 2^64 and converts; the min guards rounding up to span itself.
+    const std::uint64_t draw = std::min(span - 1, static_cast<std::uint64_t>(u * static_cast<double>(span)));
+    out[i] = static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + draw);
   }
   return t;
 }

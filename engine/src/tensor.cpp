@@ -450,6 +450,12 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
     fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
   }
   detail::require_writable_layout("add_", *this);
+  if (!is_floating(dtype()) && is_floating(other.dtype())) {
+    // The sum would be truncated on its way in (x.add_(1.7) adding 1), as PyTorch refuses too.
+    fail<DTypeError>("add_", "cannot add a ", dtype_name(other.dtype()), " ", other.shape(), " operand into the ",
+                     dtype_name(dtype()), " ", shape(), " tensor in place (cast one of them first)");
+  }
+  detail::require_exact_scalar("add_", alpha, *this);
   Tensor operand = other.dtype() == dtype() ? other : other.detach().to(dtype());
   // The binary kernel allows its output to alias an input exactly, never in part.
   if (detail::may_overlap(operand, *this) && !same_elements(operand, *this)) operand = operand.detach().clone();
@@ -466,6 +472,7 @@ Tensor& Tensor::mul_(double factor) {
   checked(*this, "mul_");
   begin_inplace(*this, "mul_");
   detail::require_writable_layout("mul_", *this);
+  detail::require_exact_scalar("mul_", factor, *this);
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
   backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);

@@ -409,6 +409,21 @@ TEST_CASE("fused attention refuses bad inputs with typed errors") {
     o.scale = s;
     check_throws<ArgumentError>([&] { sdpa(q, k, v, o); }, {"scale must be finite and positive", "[1, 2, 4, 3]"});
   }
+  // Finite as a double but not as the f32 the scores are computed in: NaN outputs without a word.
+  for (double s : {1e40, 1e-50}) {
+    AttentionOptions o;
+    o.scale = s;
+    check_throws<ArgumentError>([&] { sdpa(q, k, v, o); }, {"outside f32's range", "f32 attention"});
+    check_throws<ArgumentError>([&] { sdpa(q.to(DType::bf16), k.to(DType::bf16), v.to(DType::bf16), o); },
+                                {"outside f32's range", "bf16 attention"});
+  }
+  {
+    AttentionOptions o;
+    o.scale = 1e40;  // f64 computes in f64, where it is a scale like any other
+    const Tensor out = sdpa(q.to(DType::f64), k.to(DType::f64), v.to(DType::f64), o);
+    CHECK(out.dtype() == DType::f64);
+    CHECK(out.shape()[2] == q.shape()[2]);
+  }
   if (available_backends().size() == 1) {
     MESSAGE("one backend built: the mixed-backend error is not reachable here");
   } else {

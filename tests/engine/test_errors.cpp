@@ -1,4 +1,8 @@
 // Caller errors raise typed exceptions whose messages name the op, shapes and dtypes.
+#include <algorithm>
+#include <limits>
+#include <set>
+
 #include "helpers.h"
 
 using namespace ruda;
@@ -146,4 +150,103 @@ TEST_CASE("an enum value that is none of its enumerators is a typed error where 
         linear(zeros({2, 3}), zeros({3, 4}), {}, static_cast<WeightLayout>(7));
       },
       {"linear", "not a valid WeightLayout: 7"});
+}
+
+TEST_CASE("i64 arithmetic: numbers that would change value are refused, comparisons are exact, nothing traps") {
+  const Tensor x = full({3}, 4, DType::i64);
+  // A fraction would be truncated on its way into the tensor (x * 0.5 multiplying by 0).
+  check_throws<DTypeError>([&] { (void)(x * 0.5); }, {"mul", "0.5", "i64 [3]", "cast"});
+  check_throws<DTypeError>([&] { (void)(x + 0.7); }, {"add", "0.7", "i64"});
+  check_throws<DTypeError>([&] { (void)(x / 0.5); }, {"div", "0.5", "i64"});
+  check_throws<DTypeError>([&] { (void)(2.5 - x); }, {"sub", "2.5", "i64"});
+  check_throws<DTypeError>([&] { (void)(x * 1e30); }, {"mul", "i64"});
+  check_throws<DTypeError>([&] { (void)(x * std::nan("")); }, {"mul", "nan", "i64"});
+  check_throws<DTypeError>([&] { (void)pow(x, 0.5); }, {"pow", "0.5", "i64"});
+  check_throws<ArgumentError>([&] { (void)pow(x, -1.0); }, {"pow", "negative power", "-1"});
+  Tensor y = x.clone();
+  check_throws<DTypeError>([&] { y.mul_(0.5); }, {"mul_", "0.5", "i64"});
+  check_throws<DTypeError>([&] { y.add_(ones({3}, DType::i64), 0.5); }, {"add_", "0.5", "i64"});
+  check_throws<DTypeError>([&] { y.add_(full({3}, 1.7)); }, {"add_", "f32 [3]", "i64 [3]", "cast"});
+  CHECK(y.to_vector<std::int64_t>() == std::vector<std::int64_t>{4, 4, 4});  // no refused op wrote
+  // Whole numbers still work, and in place too.
+  CHECK((x * 2.0 + 1.0).to_vector<std::int64_t>() == std::vector<std::int64_t>{9, 9, 9});
+  y.mul_(-3);
+  y.add_(ones({3}, DType::i64), 2);
+  CHECK(y.to_vector<std::int64_t>() == std::vector<std::int64_t>{-10, -10, -10});
+  CHECK(pow(x, 3.0).to_vector<std::int64_t>() == std::vector<std::int64_t>{64, 64, 64});
+  // Exact past 2^53, where the former route through double was not: 3^39 = 4052555153018976267.
+  CHECK(pow(full({1}, 3, DType::i64), 39.0).to_vector<std::int64_t>()[0] == 4052555153018976267LL);
+
+  // Comparisons with any number are the mathematical ones (0 < 0.5 is true), also beyond i64.
+  const Tensor r = arange(-2, 3, 1, DType::i64);  // -2 .. 2
+  auto bits = [](const Tensor& t) { return t.to_vector<bool>(); };
+  using B = std::vector<bool>;
+  CHECK(bits(lt(r, 0.5)) == B{true, true, true, false, false});
+  CHECK(bits(le(r, 0.5)) == B{true, true, true, false, false});
+  CHECK(bits(gt(r, -0.5)) == B{false, false, true, true, true});
+  CHECK(bits(ge(r, -0.5)) == B{false, false, true, true, true});
+  CHECK(bits(lt(r, -1.5)) == B{true, false, false, false, false});
+  CHECK(bits(eq(r, 0.5)) == B{false, false, false, false, false});
+  CHECK(bits(ne(r, 0.5)) == B{true, true, true, true, true});
+  CHECK(bits(eq(r, 1.0)) == B{false, false, false, true, false});
+  CHECK(bits(lt(r, 1e30)) == B{true, true, true, true, true});
+  CHECK(bits(gt(r, -1e30)) == B{true, true, true, true, true});
+  CHECK(bits(ge(r, 1e30)) == B{false, false, false, false, false});
+  CHECK(bits(le(r, std::nan(""))) == B{false, false, false, false, false});
+  CHECK(bits(ne(r, std::nan(""))) == B{true, true, true, true, true});
+  const Tensor flags = from_vector<bool>({true, false}, {2});
+  CHECK(bits(eq(flags, 2.0)) == B{false, false});
+  CHECK(bits(eq(flags, 1.0)) == B{true, false});
+  // clamp takes whole bounds inside the range; a bound beyond i64 bounds nothing.
+  CHECK(clamp(r, -0.5, 1.5).to_vector<std::int64_t>() == std::vector<std::int64_t>{0, 0, 0, 1, 1});
+  CHECK(clamp(r, -1e30, 1e30).to_vector<std::int64_t>() == std::vector<std::int64_t>{-2, -1, 0, 1, 2});
+  check_throws<ArgumentError>([&] { (void)clamp(r, 0.2, 0.8); }, {"clamp", "no i64 value", "0.2", "0.8"});
+
+  // Overflow wraps around (two's complement, as PyTorch's does) instead of trapping: INT64_MIN / -1
+  // was a SIGFPE. Division by zero stays an error.
+  constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const Tensor lowest = from_vector<std::int64_t>({kMin, kMin}, {2});
+  CHECK(div(lowest, full({2}, -1, DType::i64)).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMin, kMin});
+  CHECK((lowest / -1.0).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMin, kMin});
+  CHECK((lowest * -1.0).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMin, kMin});
+  CHECK((from_vector<std::int64_t>({kMax}, {1}) + 1.0).to_vector<std::int64_t>()[0] == kMin);
+  CHECK(sum(from_vector<std::int64_t>({kMax, 1, 1}, {3})).to_vector<std::int64_t>()[0] == kMin + 1);
+  check_throws<ArgumentError>([&] { (void)div(lowest, zeros({2}, DType::i64)); }, {"div", "division by zero"});
+  // Floats too large for i64 saturate and NaN becomes 0, where static_cast was undefined.
+  const Tensor wide = from_vector<double>({1e30, -1e30, std::nan(""), -7.9}, {4});
+  CHECK(cast(wide, DType::i64).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMax, kMin, 0, -7});
+  CHECK(cast(cast(wide, DType::bf16), DType::i64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{kMax, kMin, 0, -7});
+}
+
+TEST_CASE("randint over ranges wider than INT64_MAX") {
+  constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
+  const std::vector<std::int64_t> v = randint({4000}, kMin, kMax, 7).to_vector<std::int64_t>();
+  std::int64_t negative = 0;
+  for (std::int64_t x : v) negative += x < 0;
+  // Half of them below zero, give or take; the overflowing span gave 4000 copies of INT64_MIN.
+  CHECK(negative > 1800);
+  CHECK(negative < 2200);
+  CHECK(std::set<std::int64_t>(v.begin(), v.end()).size() > 3990);
+  // The small ranges draw what they drew before.
+  const std::vector<std::int64_t> dice = randint({1000}, 1, 7, 3).to_vector<std::int64_t>();
+  CHECK(*std::min_element(dice.begin(), dice.end()) == 1);
+  CHECK(*std::max_element(dice.begin(), dice.end()) == 6);
+}
+
+TEST_CASE("empty products never recurse, whatever the operands' strides") {
+  // An empty tensor counts as contiguous whatever its strides, so contiguous() kept [0, 1, 0, 4, 0]
+  // here and the many-batch-axes path of matmul called itself until the stack ran out.
+  const Tensor a = zeros({0}).reshape({2, 0, 4, 1}).unsqueeze(1).permute({1, 3, 0, 2, 4}).expand({2, 4, 2, 0, 1});
+  const Tensor out = matmul(a, ones({1, 1}));
+  CHECK(out.shape() == Shape{2, 4, 2, 0, 1});
+  const Tensor b = zeros({0}).reshape({2, 0, 4, 1}).unsqueeze(1).permute({1, 3, 0, 2, 4});
+  CHECK(matmul(b, ones({2, 1, 2, 1, 1})).shape() == Shape{2, 4, 2, 0, 1});
+  // And through autograd: the gradients of an empty product are empty too.
+  Tensor w = ones({1, 3});
+  w.set_requires_grad();
+  sum(matmul(a, w)).backward();
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{0, 0, 0});
 }

@@ -59,3 +59,23 @@ TEST_CASE("sharding: bad strategies, accumulations, compute dtypes and overlap m
   check_throws<DTypeError>([&] { nn::plan_state(*layer, 1, 8, {.compute_dtype = static_cast<DType>(33)}); },
                            {"plan_state", "compute dtype: 33"});
 }
+
+TEST_CASE("losses name themselves when input and target disagree on dtype; GPT refuses an empty sequence") {
+  const Tensor x = zeros({2, 3});
+  // The sub or mul inside the loss used to be the one to refuse ("mul: dtypes differ").
+  check_throws<DTypeError>([&] { nn::mse_loss(x, x.to(DType::f64)); }, {"mse_loss", "f32 [2, 3]", "f64 [2, 3]"});
+  check_throws<DTypeError>([&] { nn::l1_loss(x, x.to(DType::i64)); }, {"l1_loss", "i64"});
+  check_throws<DTypeError>([&] { nn::binary_cross_entropy_with_logits(x, x.to(DType::i64)); },
+                           {"binary_cross_entropy_with_logits", "f32 [2, 3]", "i64 [2, 3]"});
+  check_throws<DTypeError>(
+      [&] { nn::binary_cross_entropy_with_logits(x, x, nn::LossReduction::mean, ones({3}, DType::f64)); },
+      {"binary_cross_entropy_with_logits", "pos_weight", "f64"});
+  check_throws<DTypeError>([&] { nn::mse_loss(x.to(DType::i64), x.to(DType::i64)); }, {"mse_loss", "floating-point"});
+  check_throws<ArgumentError>([&] { nn::mse_loss(Tensor(), x); }, {"mse_loss", "undefined"});
+  check_throws<DTypeError>([&] { nn::counted_targets(x, -100); }, {"counted_targets", "i64", "f32 [2, 3]"});
+  CHECK(nn::counted_targets(from_vector<std::int64_t>({1, -100, 0}, {3}), -100) == 2);
+
+  nn::manual_seed(1);
+  nn::GPT gpt({.vocabulary = 16, .context = 8, .d_model = 8, .layers = 1, .heads = 2});
+  check_throws<ShapeError>([&] { gpt.forward(zeros({1, 0}, DType::i64)); }, {"GPT", "1 <= time <= 8", "[1, 0]"});
+}

@@ -209,8 +209,8 @@ GPT::GPT(const GPTConfig& config) : config_(config) {
 }
 
 Tensor GPT::forward(const Tensor& tokens) {
-  if (tokens.ndim() != 2 || tokens.shape()[1] > config_.context) {
-    fail<ShapeError>("GPT", "expects tokens [batch, time <= ", config_.context, "], got ", tokens.shape());
+  if (tokens.ndim() != 2 || tokens.shape()[1] > config_.context || tokens.shape()[1] < 1) {
+    fail<ShapeError>("GPT", "expects tokens [batch, 1 <= time <= ", config_.context, "], got ", tokens.shape());
   }
   const std::int64_t time = tokens.shape()[1];
   const Tensor positions = arange(0, static_cast<double>(time), 1, DType::i64);

@@ -17,7 +17,14 @@ Tensor reduce(const Tensor& loss, LossReduction reduction) {
   return loss;
 }
 
+// An elementwise loss's input and target: float, one dtype, one shape, named as the loss (not as
+// the sub or mul inside it that would otherwise refuse them).
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined()) fail<ArgumentError>(op, "got an undefined tensor");
+  if (!is_floating(a.dtype()) || b.dtype() != a.dtype()) {
+    fail<DTypeError>(op, "input and target must share one floating-point dtype, got input ", dtype_name(a.dtype()), " ",
+                     a.shape(), " and target ", dtype_name(b.dtype()), " ", b.shape());
+  }
   if (a.shape() != b.shape()) fail<ShapeError>(op, "input ", a.shape(), " and target ", b.shape(), " differ");
 }
 
@@ -124,7 +131,13 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
   check_same_shape("binary_cross_entropy_with_logits", logits, targets);
   // (1 - t) x + w_t softplus(-x), with w_t = 1 + (pos_weight - 1) t: stable for any logit.
   Tensor log_weight = ones({}, Options(logits.dtype(), &logits.backend()));
-  if (pos_weight.defined()) log_weight = (pos_weight - 1.0) * targets + 1.0;
+  if (pos_weight.defined()) {
+    if (pos_weight.dtype() != logits.dtype()) {
+      fail<DTypeError>("binary_cross_entropy_with_logits", "pos_weight ", dtype_name(pos_weight.dtype()), " ",
+                       pos_weight.shape(), " must have the logits' dtype ", dtype_name(logits.dtype()));
+    }
+    log_weight = (pos_weight - 1.0) * targets + 1.0;
+  }
   const Tensor loss = (1.0 - targets) * logits + log_weight * softplus(-logits);
   return reduce(loss, reduction);
 }
@@ -135,6 +148,11 @@ double global_count(Communicator& comm, double local) {
 }
 
 std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index) {
+  if (!targets.defined()) fail<ArgumentError>("counted_targets", "got an undefined tensor");
+  if (targets.dtype() != DType::i64) {
+    fail<DTypeError>("counted_targets", "targets must be i64 class indices, got ", dtype_name(targets.dtype()), " ",
+                     targets.shape());
+  }
   autograd::NoGradGuard guard;
   return static_cast<std::int64_t>(
       sum(ne(targets, full({}, static_cast<double>(ignore_index), DType::i64)).to(DType::i64)).item());
