@@ -547,6 +547,187 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
   CHECK(tensors.size() == 2);
 }
 
+namespace {
+
+// A safetensors file as another writer may have made it: `header` (padded to 8 bytes), then `data`.
+void write_raw(const fs::path& path, std::string header, const std::string& data) {
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::ofstream out(path, std::ios::binary);
+  for (int i = 0; i < 8; ++i) out.put(static_cast<char>(static_cast<std::uint64_t>(header.size()) >> (8 * i)));
+  out << header << data;
+}
+
+// No file and no temporary at `path`.
+void check_nothing_at(const fs::path& path) {
+  CHECK_FALSE(fs::exists(path));
+  CHECK_FALSE(fs::exists(path.string() + ".tmp"));
+}
+
+// A Writer of `headers` at `path` raises E with every fragment and leaves nothing there.
+template <class E>
+void writer_refuses(const fs::path& path, const std::vector<safetensors::TensorHeader>& headers,
+                    const std::vector<std::string>& fragments,
+                    const std::map<std::string, std::string>& metadata = {}) {
+  test::check_throws<E>([&] { safetensors::Writer w(path.string(), headers, metadata); }, fragments);
+  check_nothing_at(path);
+}
+
+}  // namespace
+
+TEST_CASE("safetensors::Writer refuses what its Reader would reject, naming the tensor, before writing") {
+  TempDir dir;
+  const fs::path path = dir.path / "w.safetensors";
+  // 2^61 f64 elements are 2^64 bytes: the byte count wrapped to 0 and the header said [0, 0).
+  writer_refuses<ShapeError>(path, {{"a", DType::f64, {std::int64_t{1} << 61}}}, {"w.safetensors", "'a'", "F64"});
+  // Each fits; together they pass what a file's offsets hold.
+  writer_refuses<ShapeError>(path,
+                             {{"a", DType::f32, {std::int64_t{1} << 60}}, {"b", DType::f32, {std::int64_t{1} << 60}}},
+                             {"'b'", "more bytes than a file can hold"});
+  writer_refuses<ShapeError>(path, {{"a", DType::f32, {0, std::int64_t{1} << 40, std::int64_t{1} << 40}}},
+                             {"'a'", "overflows"});
+  writer_refuses<ShapeError>(path, {{"a", DType::f32, {2, -1}}}, {"'a'", "negative extent"});
+  writer_refuses<ShapeError>(path, {{"a", DType::f32, Shape(9, 1)}}, {"'a'", "9 dimensions"});
+  // A number cast to DType was written as dtype "?".
+  writer_refuses<DTypeError>(path, {{"a", static_cast<DType>(42), {3}}}, {"w.safetensors", "'a'", "42"});
+  writer_refuses<ArgumentError>(path, {{"\xff", DType::f32, {1}}}, {"w.safetensors", "JSON"});
+  writer_refuses<ArgumentError>(path, {{"a", DType::f32, {1}}}, {"header", "readers accept"},
+                                {{"big", std::string((std::size_t{100} << 20) + 1, 'x')}});
+
+  // An empty tensor's other extents may be anything whose product fits: it round-trips.
+  const Shape wide = {100, 100, 100, 100, 100, 100, 100, 0};
+  safetensors::write(path.string(), {{"e", zeros(wide)}, {"x", ones({2})}});
+  safetensors::Reader r(path.string());
+  CHECK(r.read("e").shape() == wide);
+  test::check_close(r.read("x"), {1, 1}, {2});
+}
+
+TEST_CASE("a failed commit leaves no temporary behind") {
+  TempDir dir;
+  SUBCASE("write() whose rename fails: the destination is a directory") {
+    const fs::path target = dir.path / "somedir";
+    fs::create_directories(target / "inside");
+    test::check_throws<IOError>(
+        [&] {
+          safetensors::write(target.string(), {{"a", ones({2})}});
+        },
+        {"somedir", "rename failed"});
+    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+    CHECK(fs::is_directory(target / "inside"));
+  }
+  SUBCASE("a Writer whose rename fails, and a second commit") {
+    const fs::path target = dir.path / "empty-dir";
+    fs::create_directories(target);
+    safetensors::Writer w(target.string(), {{"a", DType::f32, {1}}});
+    const float one = 1;
+    w.write(&one, 4);
+    test::check_throws<IOError>([&] { w.commit(); }, {"empty-dir", "rename failed"});
+    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+    test::check_throws<IOError>([&] { w.commit(); }, {"empty-dir", "after its commit"});
+    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+  }
+}
+
+TEST_CASE("safetensors: BOOL bytes other than 0 and 1 are refused by every read, naming the element") {
+  TempDir dir;
+  const fs::path path = dir.path / "b.safetensors";
+  write_raw(path,
+            "{\"b\": {\"dtype\": \"BOOL\", \"shape\": [4], \"data_offsets\": [0, 4]},"
+            " \"ok\": {\"dtype\": \"BOOL\", \"shape\": [2], \"data_offsets\": [4, 6]}}",
+            std::string("\x02\x01\x00\xff\x01\x00", 6));
+  safetensors::Reader r(path.string());  // the header is valid: the values are checked as read
+  test::check_close(r.read("ok"), from_values({1, 0}, {2}, DType::boolean), 0, 0);
+  test::check_throws<IOError>([&] { r.read("b"); }, {"b.safetensors", "'b'", "0x02", "element 0", "BOOL"});
+  test::check_close(r.read_range("b", 1, 2), from_values({1, 0}, {2}, DType::boolean), 0, 0);
+  test::check_throws<IOError>([&] { r.read_range("b", 1, 3); }, {"'b'", "0xff", "element 3"});
+  char out[4];
+  test::check_throws<IOError>([&] { r.read_range_into("b", 0, 1, out); }, {"'b'", "element 0"});
+  test::check_throws<IOError>([&] { r.read_range_chunked("b", 2, 2, [](const char*, std::size_t) {}); },
+                              {"'b'", "element 3"});
+  safetensors::Writer copy((dir.path / "copy.safetensors").string(), {{"b", DType::boolean, {4}}});
+  test::check_throws<IOError>([&] { r.copy_range("b", 0, 4, copy); }, {"'b'", "element 0"});
+
+  // Past the first chunk, the element named is the tensor's, not the chunk's.
+  const std::size_t n = safetensors::kChunkBytes + 10;
+  std::string data(n, '\1');
+  data[n - 3] = '\7';
+  write_raw(dir.path / "long.safetensors",
+            "{\"b\": {\"dtype\": \"BOOL\", \"shape\": [" + std::to_string(n) + "], \"data_offsets\": [0, " +
+                std::to_string(n) + "]}}",
+            data);
+  safetensors::Reader long_file((dir.path / "long.safetensors").string());
+  const std::string at = "element " + std::to_string(n - 3);
+  test::check_throws<IOError>(
+      [&] { long_file.read_range_chunked("b", 5, static_cast<std::int64_t>(n - 5), [](const char*, std::size_t) {}); },
+      {"0x07", at});
+  test::check_throws<IOError>([&] { long_file.read("b"); }, {"0x07", at});
+}
+
+TEST_CASE("safetensors: a range read checks its range against the tensor before allocating") {
+  TempDir dir;
+  const std::string path = (dir.path / "r.safetensors").string();
+  safetensors::write(path, {{"a", from_values({1, 2}, {2})}});
+  safetensors::Reader r(path);
+  // Was an attempt to allocate 4.4 TB (OutOfMemoryError) and a ShapeError from "empty".
+  test::check_throws<IOError>([&] { r.read_range("a", 0, std::int64_t{1} << 40); },
+                              {"r.safetensors", "read_range", "'a'", "of 2 elements"});
+  test::check_throws<IOError>([&] { r.read_range("a", 0, -1); }, {"read_range", "'a'", "of 2 elements"});
+  test::check_throws<IOError>([&] { r.read_range("a", -1, 1); }, {"read_range", "'a'"});
+  test::check_throws<IOError>([&] { r.read_range("a", INT64_MAX, 1); }, {"read_range", "'a'"});
+  float out[2];
+  test::check_throws<IOError>([&] { r.read_range_into("a", 1, 2, out); }, {"read_range_into", "'a'", "of 2"});
+  test::check_throws<IOError>([&] { r.read_range_chunked("a", 3, 0, [](const char*, std::size_t) {}); },
+                              {"read_range_chunked", "'a'"});
+  CHECK(r.read_range("a", 2, 0).numel() == 0);
+  test::check_close(r.read_range("a", 1, 1), {2}, {1});
+}
+
+TEST_CASE("safetensors: a repeated key is refused, and any zero extent makes a tensor empty") {
+  TempDir dir;
+  auto parse = [](const std::string& header, std::uint64_t data_bytes) {
+    std::vector<safetensors::TensorInfo> tensors;
+    std::map<std::string, std::string> metadata;
+    safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata);
+    return tensors;
+  };
+  // Last one won: the file read as another than a reader keeping the first would see.
+  const std::string twice =
+      "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
+      " \"a\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 8]}}";
+  test::check_throws<IOError>([&] { parse(twice, 8); }, {"'a' twice"});
+  write_raw(dir.path / "twice.safetensors", twice, std::string(8, '\0'));
+  test::check_throws<IOError>([&] { safetensors::Reader r((dir.path / "twice.safetensors").string()); },
+                              {"twice.safetensors", "'a' twice"});
+  test::check_throws<IOError>(
+      [&] { parse("{\"a\": {\"dtype\": \"F32\", \"dtype\": \"F64\", \"shape\": [0], \"data_offsets\": [0, 0]}}", 0); },
+      {"'dtype' twice"});
+  test::check_throws<IOError>([&] { parse("{\"__metadata__\": {\"k\": \"1\", \"k\": \"2\"}}", 0); }, {"'k' twice"});
+
+  // The zero may come last: the product before it is no element count.
+  for (const char* shape :
+       {"[100, 100, 100, 100, 100, 100, 100, 0]", "[0, 100, 100, 100, 100, 100, 100, 100]", "[4294967296, 0]"}) {
+    CAPTURE(shape);
+    const auto tensors =
+        parse(std::string("{\"e\": {\"dtype\": \"F32\", \"shape\": ") + shape + ", \"data_offsets\": [0, 0]}}", 8);
+    REQUIRE(tensors.size() == 1);
+    CHECK(tensors[0].numel() == 0);
+  }
+  const std::string last = "{\"e\": {\"dtype\": \"F32\", \"shape\": [100, 100, 100, 0], \"data_offsets\": [0, 0]}}";
+  write_raw(dir.path / "empty.safetensors", last, "");
+  CHECK(safetensors::Reader((dir.path / "empty.safetensors").string()).read("e").shape() == Shape{100, 100, 100, 0});
+  // The nonzero extents' product must still fit (strides are products of extents).
+  for (const char* shape : {"[4294967296, 4294967296, 0]", "[0, 4294967296, 4294967296]", "[9223372036854775808, 0]"}) {
+    CAPTURE(shape);
+    test::check_throws<IOError>(
+        [&] {
+          parse(std::string("{\"e\": {\"dtype\": \"F32\", \"shape\": ") + shape + ", \"data_offsets\": [0, 0]}}", 8);
+        },
+        {"'e'", "overflows"});
+  }
+  test::check_throws<IOError>(
+      [&] { parse("{\"x\": {\"dtype\": \"F32\", \"shape\": [3, 3], \"data_offsets\": [0, 36]}}", 8); },
+      {"larger than the file"});
+}
+
 TEST_CASE("an independent reader (Python) reads the files") {
   TempDir dir;
   const std::string path = (dir.path / "x.safetensors").string();

@@ -177,6 +177,13 @@ TEST_CASE("files that are not regular never block and are named") {
     fs::remove(step / "index.json");
     REQUIRE(::mkfifo((step / "index.json").c_str(), 0644) == 0);
     test::check_throws<IOError>([&] { nn::verify_checkpoint(step.string()); }, {"index.json", "FIFO"});
+    // The checkpoint code's error, not the safetensors reader's.
+    try {
+      nn::verify_checkpoint(step.string());
+    } catch (const IOError& e) {
+      CHECK(std::string(e.what()).rfind("checkpoint ", 0) == 0);
+      CHECK(std::string(e.what()).find("safetensors") == std::string::npos);
+    }
   }
 }
 
@@ -212,6 +219,8 @@ TEST_CASE("verify, load, list and consolidate refuse the same index damage") {
       {"a negative step", [](json& j) { j["step"] = -4; }, {"'step' is -4"}},
       {"the optimizer's steps missing", [](json& j) { j["optimizer"].erase("steps"); }, {"'optimizer'", "no 'steps'"}},
       {"the learning rate as a string", [](json& j) { j["optimizer"]["lr"] = "0.1"; }, {"'lr'"}},
+      // Was the optimizer's ArgumentError at load, naming no file.
+      {"a negative learning rate", [](json& j) { j["optimizer"]["lr"] = -1; }, {"index.json", "'lr'", ">= 0"}},
       {"the optimizer's state names missing", [](json& j) { j["optimizer"].erase("state"); }, {"no 'state'"}},
       {"extra state that is not a string", [](json& j) { j["extra"]["epoch"] = 3; }, {"extra 'epoch'"}},
       {"a piece's count as a string", [](json& j) { j["params"]["weight"]["pieces"][0]["count"] = "10"; }, {"'count'"}},
@@ -308,4 +317,155 @@ TEST_CASE("a version 1 checkpoint (before checksums) still loads and verifies") 
   CHECK_FALSE(summary.checksums);
   CHECK(nn::verify_checkpoint(dir.str()) > 0);
   for (const auto& e : load_layer(dir, 3)) CHECK(e.empty());
+}
+
+namespace {
+
+// The error fn() raises, as IOError ("" and a failed check if none or another type).
+template <class F>
+std::string io_error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const IOError& e) {
+    return e.what();
+  }
+  FAIL_CHECK("no IOError");
+  return "";
+}
+
+std::string file_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+TEST_CASE("resolve and the latest pointer: messages say what the path is, as checkpoint errors") {
+  TempDir dir;
+  save_layer(dir, 1, 1);
+  const fs::path file = dir.path / "step-00000001" / rank_file(0, 1);
+  // A regular file exists: "does not exist" was wrong.
+  const std::string regular = io_error_of([&] { nn::resolve_checkpoint(file.string()); });
+  check_contains(regular, {rank_file(0, 1), "is a regular file", "not a checkpoint"});
+  CHECK(regular.find("does not exist") == std::string::npos);
+  check_contains(io_error_of([&] { nn::resolve_checkpoint((dir.path / "nothing").string()); }), {"does not exist"});
+  check_contains(io_error_of([&] { nn::resolve_checkpoint((file / "below").string()); }), {"does not exist"});
+  // An oversized pointer: named by the checkpoint code, not as a safetensors error.
+  std::ofstream(dir.path / "latest") << std::string(5000, 's');
+  const std::string oversized = io_error_of([&] { nn::resolve_checkpoint(dir.str()); });
+  check_contains(oversized, {"latest", "5000 bytes"});
+  CHECK(oversized.rfind("checkpoint ", 0) == 0);
+  CHECK(oversized.find("safetensors") == std::string::npos);
+}
+
+TEST_CASE("an index.json that repeats a key is refused") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path index_path = dir.path / "step-00000001" / "index.json";
+  std::string text = file_text(index_path);
+  // A second "step" (the parser kept the last one).
+  const std::size_t at = text.find("\"step\"");
+  REQUIRE(at != std::string::npos);
+  text.insert(at, "\"step\": 7, ");
+  std::ofstream(index_path) << text;
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"index.json", "'step' twice"});
+  for (const auto& e : load_layer(dir, 2)) check_contains(e, {"'step' twice"});
+}
+
+TEST_CASE("split and consolidate: filesystem failures are IOErrors naming the path") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const std::string full = (dir.path / "full.safetensors").string();
+  nn::consolidate_checkpoint(dir.str(), full);
+  // out_dir is a regular file (was std::filesystem::filesystem_error).
+  const fs::path file = dir.path / "a-file";
+  std::ofstream(file) << "x";
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, 2, file.string()); }, {"a-file", "not a directory"});
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, 2, (file / "below").string()); },
+                              {"a-file", "not a directory"});
+  CHECK(file_text(file) == "x");
+  // Its step directory is a file.
+  fs::create_directories(dir.path / "out");
+  std::ofstream(dir.path / "out" / "step-00000000") << "x";
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, 2, (dir.path / "out").string()); },
+                              {"step-00000000", "not a directory"});
+  // A save into a regular file fails on every rank as IOError too.
+  std::vector<std::string> errors(2);
+  std::mutex m;
+  run_ranks(2, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    try {
+      nn::save_checkpoint(file.string(), 2, *layer, nullptr, comm);
+    } catch (const IOError& e) {
+      std::lock_guard lock(m);
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  for (const auto& e : errors) check_contains(e, {"a-file", "not a directory"});
+  // A consolidation whose output's directory is a file.
+  test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (file / "x.safetensors").string()); },
+                              {"x.safetensors", "cannot create"});
+  CHECK_FALSE(fs::exists(file.string() + ".tmp"));
+}
+
+TEST_CASE("consolidate never writes over its own checkpoint, and split never over its input") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path step = dir.path / "step-00000001";
+  const std::string before = file_text(step / rank_file(0, 2));
+  fs::create_directories(dir.path / "links");
+  fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "symlink.safetensors");
+  fs::create_hard_link(step / rank_file(1, 2), dir.path / "links" / "hardlink.safetensors");
+  fs::create_symlink(step, dir.path / "links" / "step-link");
+  fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "out.safetensors.tmp");
+  const std::vector<fs::path> outputs = {
+      step / rank_file(0, 2),  // was overwritten: the checkpoint destroyed
+      step / rank_file(1, 2),
+      step / "index.json",
+      step / "new.safetensors",  // beside its files
+      step,
+      dir.path / "step-00000001" / ".." / "step-00000001" / rank_file(1, 2),
+      dir.path / "links" / "symlink.safetensors",
+      dir.path / "links" / "hardlink.safetensors",
+      dir.path / "links" / "step-link" / rank_file(0, 2),
+      dir.path / "links" / "out.safetensors",  // its temporary is a link to a rank file
+      dir.path / "latest",
+  };
+  for (const fs::path& out : outputs) {
+    CAPTURE(out.string());
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), out.string()); },
+                                {out.filename().string()});
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(step.string(), out.string()); }, {"consolidated"});
+  }
+  CHECK(file_text(step / rank_file(0, 2)) == before);
+  CHECK(file_text(dir.path / "latest") == "step-00000001\n");
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  CHECK_FALSE(fs::exists(step / "new.safetensors"));
+  // Beside the step directories is fine.
+  const fs::path full = dir.path / "full.safetensors";
+  nn::consolidate_checkpoint(dir.str(), full.string());
+  CHECK(safetensors::Reader(full.string()).tensors().size() == 2);
+
+  // Split: an input inside the step directory it writes, the pointer publishing replaces, or a
+  // step directory without an index (which publishing removes) is refused before anything is written.
+  const std::string full_text = file_text(full);
+  const fs::path out = dir.path / "out";
+  auto refused = [&](const fs::path& input, std::int64_t step_number, const std::string& fragment) {
+    CAPTURE(input.string());
+    fs::create_directories(input.parent_path());
+    fs::copy_file(full, input, fs::copy_options::overwrite_existing);
+    test::check_throws<IOError>([&] { nn::split_checkpoint(input.string(), 2, out.string(), step_number); },
+                                {input.filename().string(), fragment});
+    CHECK(file_text(input) == full_text);
+  };
+  refused(out / "step-00000003" / "model.safetensors", 3, "lies inside the step directory");
+  refused(out / "step-00000003" / rank_file(0, 2), 3, "lies inside the step directory");
+  refused(out / "latest", 3, "latest");
+  refused(out / "step-00000009" / "model.safetensors", 3, "without an index");
+  // A split beside its input, into a directory that held it in a complete step, works.
+  nn::split_checkpoint(full.string(), 2, dir.str(), 4);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000004").string());
 }

@@ -75,6 +75,61 @@ bool is_complete_step(const fs::path& step_dir) {
   return fs::is_regular_file(step_dir / "index.json", ec);
 }
 
+// std::filesystem's create_directories without its exception: an IOError naming what is in the
+// way (a file where a directory of the path should be), else the directory and the system's reason.
+void create_directories(const fs::path& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!ec) return;
+  for (fs::path p = dir; !p.empty(); p = p.parent_path()) {
+    std::error_code probing;
+    const fs::file_status status = fs::status(p, probing);
+    if (fs::exists(status) && !fs::is_directory(status))
+      fail(p.string(), "is not a directory, so " + dir.string() + " cannot be created in it");
+    if (p == p.parent_path()) break;
+  }
+  fail(dir.string(), "cannot create the directory: " + ec.message());
+}
+
+// What an entry is, for messages.
+std::string kind_of(fs::file_type type) {
+  switch (type) {
+    case fs::file_type::regular:
+      return "regular file";
+    case fs::file_type::directory:
+      return "directory";
+    case fs::file_type::symlink:
+      return "symbolic link";
+    case fs::file_type::fifo:
+      return "FIFO";
+    case fs::file_type::socket:
+      return "socket";
+    default:
+      return "special file";
+  }
+}
+
+// Whether `inner` is `outer` or lies inside it, compared as canonical paths (links resolved as far
+// as the paths exist), so that another spelling of the same place is caught too.
+bool lies_within(const fs::path& inner, const fs::path& outer) {
+  std::error_code ec_inner, ec_outer;
+  const fs::path a = fs::weakly_canonical(inner, ec_inner), b = fs::weakly_canonical(outer, ec_outer);
+  if (ec_inner || ec_outer) return false;
+  auto i = a.begin();
+  for (auto o = b.begin(); o != b.end(); ++o, ++i) {
+    if (o->empty()) continue;  // a trailing separator
+    if (i == a.end() || *i != *o) return false;
+  }
+  return true;
+}
+
+// Whether `a` and `b` name one file: an existing one (hard links and symbolic links included), or
+// one path that does not exist yet.
+bool same_file(const fs::path& a, const fs::path& b) {
+  std::error_code ec;
+  return (fs::equivalent(a, b, ec) && !ec) || (lies_within(a, b) && lies_within(b, a));
+}
+
 // The newest step directory of `dir` that has an index ("" when none): what a checkpoint
 // directory holds when its `latest` pointer is missing or points at nothing (a kill between a
 // step's index and its pointer leaves exactly that).
@@ -193,7 +248,13 @@ std::string resolve_checkpoint(const std::string& path) {
   std::error_code ec;
   // A step directory (its index.json is read and checked later, by name, whatever it is).
   if (fs::exists(fs::symlink_status(fs::path(path) / "index.json", ec))) return path;
-  if (!fs::is_directory(path, ec)) fail(path, "does not exist");
+  const fs::file_status status = fs::status(path, ec);
+  if (status.type() == fs::file_type::not_found) fail(path, "does not exist");
+  if (ec) fail(path, "cannot be inspected: " + ec.message());
+  if (status.type() != fs::file_type::directory) {
+    fail(path, "is a " + kind_of(status.type()) +
+                   ", not a checkpoint (a step directory with its index.json, or a directory of steps)");
+  }
   // The latest pointer, else the newest complete step directory.
   check_latest_pointer(path);
   const fs::path latest = fs::path(path) / "latest";
@@ -362,6 +423,15 @@ std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_d
   return reports;
 }
 
+// A step directory about to be rewritten stops being a checkpoint first (its index goes), so that a
+// kill while its files are replaced never leaves old and new files under a complete-looking index.
+void unpublish(const std::string& step_dir) {
+  std::error_code ec;
+  const fs::path index = fs::path(step_dir) / "index.json";
+  if (fs::remove(index, ec)) sync_directory(step_dir);
+  if (ec) fail(index.string(), "cannot be removed before the step is rewritten: " + ec.message());
+}
+
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
@@ -393,8 +463,8 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   run_agreed_or_fail(comm, step_dir, "preparing the directory", [&] {
     if (rank != 0) return;
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
-    fs::create_directories(step_dir);
-    if (fs::remove(fs::path(step_dir) / "index.json")) sync_directory(step_dir);
+    create_directories(step_dir);
+    unpublish(step_dir);
   });
 
   // 2. Every rank writes its file and reports where its pieces lie and their checksums; 3. every
@@ -402,7 +472,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   json report;
   std::string error;
   try {
-    fs::create_directories(step_dir);
+    create_directories(step_dir);
     report =
         write_rank_file((fs::path(step_dir) / rank_file(rank, world)).string(), step, rank, world, params, optimizer);
   } catch (const std::exception& e) {
@@ -511,7 +581,11 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
   }
   if (optimizer && index.has_optimizer) {
     optimizer->set_steps(index.optimizer_steps);
-    optimizer->set_lr(index.lr);
+    try {
+      optimizer->set_lr(index.lr);
+    } catch (const ArgumentError& e) {  // a value of the index, not of the caller
+      fail(index.path, std::string("holds optimizer state the optimizer refuses: ") + e.what());
+    }
   }
   info.bytes_read = files.bytes_read();
   return info;
@@ -594,6 +668,25 @@ std::map<std::string, std::string> consolidated_metadata(const Index& index) {
 
 void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
   const Index index = read_index(resolve_checkpoint(path));
+  // The output (and its temporary) must not replace what is being read: a file of the checkpoint,
+  // anything inside its step directory, or its checkpoint directory's latest pointer.
+  const fs::path step_dir(index.dir);
+  if (lies_within(output_file, step_dir)) {
+    fail(output_file, "lies inside the step directory " + index.dir +
+                          " being consolidated: writing it there would damage the checkpoint");
+  }
+  std::vector<fs::path> inputs = {index.path};
+  for (const auto& f : index.files) inputs.push_back(step_dir / f);
+  std::error_code ec;
+  const fs::path canonical_step = fs::weakly_canonical(step_dir, ec);
+  if (!ec && is_step_name(canonical_step.filename().string()))
+    inputs.push_back(canonical_step.parent_path() / "latest");
+  for (const fs::path& input : inputs) {
+    for (const fs::path& written : {fs::path(output_file), fs::path(output_file + ".tmp")}) {
+      if (same_file(written, input))
+        fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
+    }
+  }
   // Streamed: the header first (the index gives every shape), then each parameter's pieces in
   // offset order, copied from the rank files through one bounded buffer and checked on the way.
   // No tensor is held, so a model of any size consolidates in safetensors::kChunkBytes of memory.
@@ -661,7 +754,29 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
   extra.erase("step");
   extra.erase("source");
   const std::string step_dir = (fs::path(out_dir) / step_name(step)).string();
-  fs::create_directories(step_dir);
+  // The input must survive the split: not inside the step directory it writes, not the pointer
+  // publishing replaces, not inside a step directory without an index (publishing removes those).
+  const fs::path input_path(input_file);
+  auto refuse_input = [&](const std::string& why) {
+    fail(input_file, "cannot be split into " + out_dir + ": it " + why + ", which the split would overwrite or remove");
+  };
+  if (lies_within(input_path, step_dir)) refuse_input("lies inside the step directory " + step_dir);
+  for (const char* pointer : {"latest", "latest.tmp"}) {
+    const fs::path p = fs::path(out_dir) / pointer;
+    if (same_file(input_path, p)) refuse_input("is " + p.string());
+  }
+  {
+    std::error_code ec;
+    for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code probing;
+      if (is_step_name(it->path().filename().string()) && it->is_directory(probing) && !is_complete_step(it->path()) &&
+          lies_within(input_path, it->path()))
+        refuse_input("lies inside " + it->path().string() + ", a step directory without an index");
+    }
+  }
+  check_latest_pointer(out_dir);  // as a save: a pointer that cannot be replaced fails before any file is written
+  create_directories(step_dir);
+  unpublish(step_dir);
   std::vector<json> reports;
   for (int rank = 0; rank < world_size; ++rank) {
     reports.push_back(

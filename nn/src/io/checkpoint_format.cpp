@@ -160,8 +160,9 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     index.has_optimizer = true;
     index.optimizer_steps = integer(o, "steps", "index.json's 'optimizer'", 0, INT64_MAX);
     const json& lr = member(o, "lr", "index.json's 'optimizer'");
-    if (!lr.is_number() || !std::isfinite(lr.get<double>()))
-      fail("index.json's optimizer 'lr' must be a finite number, not " + lr.dump());
+    // The optimizer's own range: a rate it would refuse is the index's fault, not the caller's.
+    if (!lr.is_number() || !std::isfinite(lr.get<double>()) || lr.get<double>() < 0)
+      fail("index.json's optimizer 'lr' must be a finite number >= 0, not " + lr.dump());
     index.lr = lr.get<double>();
     index.optimizer_state = strings(member(o, "state", "index.json's 'optimizer'"), "index.json's optimizer 'state'");
     if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
@@ -291,19 +292,15 @@ Index read_index(const std::string& dir) {
   const std::string path = (fs::path(dir) / "index.json").string();
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(path, ec))) fail(dir, "no index.json (not a checkpoint, or an incomplete one)");
-  const std::string text = [&] {
-    try {
-      return safetensors::read_text_file(path, kMaxIndexBytes);
-    } catch (const IOError& e) {
-      fail(dir, e.what());
-    }
-  }();
+  const std::string text = safetensors::read_text_file(path, kMaxIndexBytes);
   json j;
+  std::string duplicate;
   try {
-    j = json::parse(text);
+    j = safetensors::parse_distinct_keys(text, duplicate);
   } catch (const json::exception& e) {
     fail(path, std::string("is not valid JSON: ") + e.what());
   }
+  if (!duplicate.empty()) fail(path, "names '" + duplicate + "' twice in one object");
   return parse_index(j, path, dir);
 }
 

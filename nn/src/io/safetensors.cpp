@@ -6,10 +6,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include <ruda/nn/safetensors.h>
@@ -24,8 +27,18 @@ namespace {
 constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;  // as the reference implementation
 constexpr int kMaxJsonDepth = 16;
 
+// Errors of this file's operations read "safetensors: <path>: <what>"; the text files nn's
+// checkpoints keep (files.h) read "checkpoint <path>: <what>", as every checkpoint error does.
+constexpr const char* kSafetensors = "safetensors: ";
+constexpr const char* kCheckpoint = "checkpoint ";
+
+template <class E = IOError>
+[[noreturn]] void fail_as(const char* origin, const std::string& path, const std::string& what) {
+  throw E(origin + path + ": " + what);
+}
+template <class E = IOError>
 [[noreturn]] void io_fail(const std::string& path, const std::string& what) {
-  throw IOError("safetensors: " + path + ": " + what);
+  fail_as<E>(kSafetensors, path, what);
 }
 std::string os_error() { return std::strerror(errno); }
 
@@ -75,6 +88,19 @@ bool nesting_within_limit(const std::string& text) {
   return true;
 }
 
+// BOOL bytes other than 0 and 1 are no value of the dtype (the kernels would compare and cast them
+// inconsistently): refused as they are read, naming the first one. `first` is the element of data[0].
+void check_bools(const std::string& path, const std::string& tensor, const char* data, std::size_t bytes,
+                 std::uint64_t first) {
+  const auto* p = reinterpret_cast<const unsigned char*>(data);
+  const auto* bad = std::find_if(p, p + bytes, [](unsigned char b) { return b > 1; });
+  if (bad == p + bytes) return;
+  char hex[8];
+  std::snprintf(hex, sizeof hex, "0x%02x", *bad);
+  io_fail(path, "tensor '" + tensor + "' holds the byte " + hex + " at element " +
+                    std::to_string(first + static_cast<std::uint64_t>(bad - p)) + ", not a BOOL (0 or 1)");
+}
+
 std::atomic<std::int64_t> g_bytes_written{0};
 
 }  // namespace
@@ -102,12 +128,14 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
   const std::string where = "header";
   if (!nesting_within_limit(header)) io_fail(where, "JSON nested too deeply");
   nlohmann::json j;
+  std::string duplicate;
   try {
-    j = nlohmann::json::parse(header);
+    j = parse_distinct_keys(header, duplicate);
   } catch (const nlohmann::json::exception& e) {
     io_fail(where, std::string("not valid JSON: ") + e.what());
   }
   if (!j.is_object()) io_fail(where, "is not a JSON object");
+  if (!duplicate.empty()) io_fail(where, "names '" + duplicate + "' twice in one object");
   const std::uint64_t data_start = 8 + header.size();
   if (data_start > file_size) io_fail(where, "runs past the end of the file");
   const std::uint64_t data_size = file_size - data_start;
@@ -138,21 +166,27 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
     if (!shape.is_array() || shape.size() > static_cast<std::size_t>(kMaxDims)) {
       io_fail(where, what + " has an invalid shape " + shape.dump());
     }
-    // The element count, refused as soon as it exceeds the data bytes (so it cannot overflow).
-    std::uint64_t numel = 1;
+    // A zero extent anywhere makes the tensor empty, whatever the others are; the product of the
+    // nonzero extents is refused as soon as it passes the data bytes (a tensor with elements) or
+    // int64 (an empty one, whose strides are still products of its extents), so it cannot overflow.
     bool empty = false;
     for (const auto& d : shape) {
       if (!d.is_number_unsigned()) io_fail(where, what + " has an invalid extent " + d.dump());
-      const std::uint64_t e = d.get<std::uint64_t>();
-      if (e > data_size && e != 0) io_fail(where, what + " has a shape larger than the file");
-      info.shape.push_back(static_cast<std::int64_t>(e));
-      if (e == 0) empty = true;
-      if (!empty) {
-        if (numel > data_size / e) io_fail(where, what + " has a shape larger than the file");
-        numel *= e;
-      }
+      if (d.get<std::uint64_t>() == 0) empty = true;
     }
-    if (empty) numel = 0;
+    const std::uint64_t limit =
+        empty ? static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) : data_size;
+    std::uint64_t product = 1;
+    for (const auto& d : shape) {
+      const std::uint64_t e = d.get<std::uint64_t>();
+      if (e != 0) {
+        if (product > limit / e)
+          io_fail(where, what + (empty ? " has extents whose product overflows" : " has a shape larger than the file"));
+        product *= e;
+      }
+      info.shape.push_back(static_cast<std::int64_t>(e));
+    }
+    const std::uint64_t numel = empty ? 0 : product;
     const auto& off = v["data_offsets"];
     if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() || !off[1].is_number_unsigned()) {
       io_fail(where, what + " has invalid data_offsets " + off.dump());
@@ -256,34 +290,50 @@ const TensorInfo& Reader::info(const std::string& name) const {
 Tensor Reader::read(const std::string& name) const {
   const TensorInfo& t = info(name);
   Tensor out = empty(t.shape, t.dtype);
-  if (t.end > t.begin) read_bytes(t.begin, t.end - t.begin, out.data_ptr());
+  read_elements("read", name, 0, t.numel(), out.data_ptr());
   return out;
 }
 
-std::pair<std::uint64_t, std::uint64_t> Reader::byte_range(const std::string& name, std::int64_t first,
+std::pair<std::uint64_t, std::uint64_t> Reader::byte_range(const char* op, const std::string& name, std::int64_t first,
                                                            std::int64_t count) const {
   const TensorInfo& t = info(name);
   if (first < 0 || count < 0 || first > t.numel() || count > t.numel() - first) {
-    io_fail(path_, "elements [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                       ") are outside tensor '" + name + "' of " + std::to_string(t.numel()));
+    // Not first + count: it may overflow.
+    io_fail(path_, std::string(op) + " of " + std::to_string(count) + " elements from element " +
+                       std::to_string(first) + " is outside tensor '" + name + "' of " + std::to_string(t.numel()) +
+                       " elements");
   }
   const std::uint64_t size = dtype_size(t.dtype);
   return {t.begin + static_cast<std::uint64_t>(first) * size, static_cast<std::uint64_t>(count) * size};
 }
 
+void Reader::read_elements(const char* op, const std::string& name, std::int64_t first, std::int64_t count,
+                           void* destination) const {
+  const auto [offset, size] = byte_range(op, name, first, count);
+  if (size == 0) return;
+  read_bytes(offset, size, destination);
+  if (info(name).dtype == DType::boolean) {
+    check_bools(path_, name, static_cast<const char*>(destination), static_cast<std::size_t>(size),
+                static_cast<std::uint64_t>(first));
+  }
+}
+
 void Reader::read_range_into(const std::string& name, std::int64_t first, std::int64_t count, void* destination) const {
-  const auto [offset, size] = byte_range(name, first, count);
-  if (size > 0) read_bytes(offset, size, destination);
+  read_elements("read_range_into", name, first, count, destination);
 }
 
 void Reader::read_range_chunked(const std::string& name, std::int64_t first, std::int64_t count,
                                 const std::function<void(const char*, std::size_t)>& consume) const {
-  auto [offset, size] = byte_range(name, first, count);
+  auto [offset, size] = byte_range("read_range_chunked", name, first, count);
+  const bool bools = info(name).dtype == DType::boolean;
+  const std::uint64_t begin = offset, elem = dtype_size(info(name).dtype);
   // One buffer of at most kChunkBytes, reused for every chunk: the only memory the range costs.
   std::vector<char> buffer(static_cast<std::size_t>(std::min<std::uint64_t>(size, kChunkBytes)));
   while (size > 0) {
     const std::size_t chunk = static_cast<std::size_t>(std::min<std::uint64_t>(size, buffer.size()));
     read_bytes(offset, chunk, buffer.data());
+    if (bools)
+      check_bools(path_, name, buffer.data(), chunk, static_cast<std::uint64_t>(first) + (offset - begin) / elem);
     consume(buffer.data(), chunk);
     offset += chunk;
     size -= chunk;
@@ -291,9 +341,25 @@ void Reader::read_range_chunked(const std::string& name, std::int64_t first, std
 }
 
 Tensor Reader::read_range(const std::string& name, std::int64_t first, std::int64_t count) const {
+  byte_range("read_range", name, first, count);  // before the allocation the range sizes
   Tensor out = empty({count}, info(name).dtype);
-  read_range_into(name, first, count, out.data_ptr());
+  read_elements("read_range", name, first, count, out.data_ptr());
   return out;
+}
+
+// The library keeps the last of a repeated key; a reader that keeps the first would see another
+// file, so a repeated key is reported instead of resolved.
+nlohmann::json parse_distinct_keys(const std::string& text, std::string& duplicate) {
+  std::vector<std::set<std::string>> keys;  // one set per object being parsed
+  return nlohmann::json::parse(text, [&](int, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+    using Event = nlohmann::json::parse_event_t;
+    if (event == Event::object_start) keys.emplace_back();
+    if (event == Event::object_end && !keys.empty()) keys.pop_back();
+    if (event == Event::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
+        duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
+  });
 }
 
 namespace testing {
@@ -310,17 +376,15 @@ namespace detail {
 
 class AtomicFile {
  public:
-  explicit AtomicFile(std::string path) : path_(std::move(path)), temp_(path_ + ".tmp") {
+  // `origin` starts every error message (kSafetensors or kCheckpoint).
+  AtomicFile(std::string path, const char* origin) : path_(std::move(path)), temp_(path_ + ".tmp"), origin_(origin) {
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) io_fail(path_, "cannot create " + temp_ + ": " + os_error());
+    if (fd_ < 0) fail("cannot create " + temp_ + ": " + os_error());
   }
-  ~AtomicFile() {
-    if (fd_ >= 0) {  // not committed: leave no temporary behind
-      ::close(fd_);
-      ::unlink(temp_.c_str());
-    }
-  }
+  // Not committed, or the commit failed at any point before its rename: leave no temporary behind.
+  ~AtomicFile() { discard(); }
   void write(const void* data, std::size_t size) {
+    if (fd_ < 0) fail("written after its commit (or a failed one)");
     const auto* p = static_cast<const char*>(data);
     const std::int64_t crash = testing::crash_after_bytes();
     while (size > 0) {
@@ -333,7 +397,7 @@ class AtomicFile {
       const ssize_t n = ::write(fd_, p, chunk);
       if (n < 0) {
         if (errno == EINTR) continue;
-        io_fail(path_, "write failed: " + os_error());
+        fail("write failed: " + os_error());
       }
       g_bytes_written += n;
       p += n;
@@ -341,13 +405,17 @@ class AtomicFile {
     }
   }
   void commit() {
-    if (::fsync(fd_) != 0) io_fail(path_, "fsync failed: " + os_error());
-    if (::close(fd_) != 0) {
-      fd_ = -1;
-      io_fail(path_, "close failed: " + os_error());
+    if (fd_ < 0) fail("committed again after its commit (or a failed one)");
+    try {
+      if (::fsync(fd_) != 0) fail("fsync failed: " + os_error());
+      const int fd = std::exchange(fd_, -1);
+      if (::close(fd) != 0) fail("close failed: " + os_error());
+      if (::rename(temp_.c_str(), path_.c_str()) != 0) fail("rename failed: " + os_error());
+    } catch (...) {
+      discard();
+      throw;
     }
-    fd_ = -1;
-    if (::rename(temp_.c_str(), path_.c_str()) != 0) io_fail(path_, "rename failed: " + os_error());
+    settled_ = true;
     // The rename itself is durable once the directory is.
     const std::string dir = std::filesystem::path(path_).parent_path().string();
     const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -358,8 +426,16 @@ class AtomicFile {
   }
 
  private:
+  [[noreturn]] void fail(const std::string& what) const { fail_as(origin_, path_, what); }
+  void discard() noexcept {
+    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
+    if (!settled_) ::unlink(temp_.c_str());
+    settled_ = true;  // unlinked once: a later temporary of the same name is another writer's
+  }
   std::string path_, temp_;
+  const char* origin_;
   int fd_ = -1;
+  bool settled_ = false;  // renamed into place, or its temporary removed
 };
 
 }  // namespace detail
@@ -367,22 +443,64 @@ class AtomicFile {
 Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
                const std::map<std::string, std::string>& metadata)
     : path_(path) {
+  // Everything a reader would refuse is refused here, before any byte is written: a file this
+  // Writer commits is one the Reader accepts.
+  constexpr std::uint64_t kMaxBytes = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
   nlohmann::json header = nlohmann::json::object();
   for (const auto& t : tensors) {
+    const std::string what = "tensor '" + t.name + "'";
     if (t.name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
     if (header.contains(t.name)) io_fail(path, "tensor name '" + t.name + "' repeats");
-    const std::uint64_t bytes = static_cast<std::uint64_t>(shape_numel(t.shape)) * dtype_size(t.dtype);
+    if (!is_valid(t.dtype)) {
+      io_fail<DTypeError>(
+          path, what + " has the invalid dtype " + std::to_string(static_cast<int>(t.dtype)) + " (not a DType)");
+    }
+    if (t.shape.size() > static_cast<std::size_t>(kMaxDims)) {
+      io_fail<ShapeError>(
+          path, what + " has " + std::to_string(t.shape.size()) + " dimensions, more than " + std::to_string(kMaxDims));
+    }
+    // As the reader counts: no negative extent, a product of the nonzero extents within int64, and
+    // a byte count that does not overflow the file's offsets (it would wrap to a wrong header).
+    bool empty = false;
+    std::uint64_t product = 1;
+    for (const std::int64_t e : t.shape) {
+      if (e < 0) io_fail<ShapeError>(path, what + " has a negative extent in its shape " + to_string(t.shape));
+      if (e == 0) {
+        empty = true;
+        continue;
+      }
+      if (product > kMaxBytes / static_cast<std::uint64_t>(e))
+        io_fail<ShapeError>(path, what + " has the shape " + to_string(t.shape) + ", whose size overflows");
+      product *= static_cast<std::uint64_t>(e);
+    }
+    const std::uint64_t numel = empty ? 0 : product, size = dtype_size(t.dtype);
+    if (numel > (kMaxBytes - data_bytes_) / size) {
+      io_fail<ShapeError>(path, what + " (" + format_dtype(t.dtype) + " " + to_string(t.shape) +
+                                    ") takes more bytes than a file can hold after the tensors before it");
+    }
+    const std::uint64_t bytes = numel * size;
     header[t.name] = {
         {"dtype", format_dtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {data_bytes_, data_bytes_ + bytes}}};
     data_bytes_ += bytes;
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // a name or metadata string that is not UTF-8
+    io_fail<ArgumentError>(path, std::string("the header cannot be written as JSON: ") + e.what());
+  }
   text.append((8 - text.size() % 8) % 8, ' ');  // data starts 8-byte aligned
+  if (text.size() > kMaxHeaderBytes) {
+    io_fail<ArgumentError>(path, "the header takes " + std::to_string(text.size()) + " bytes, more than the " +
+                                     std::to_string(kMaxHeaderBytes) + " readers accept");
+  }
+  if (data_bytes_ > kMaxBytes - 8 - text.size())
+    io_fail<ShapeError>(path, "the tensors take more bytes than a file can hold");
   unsigned char len_bytes[8];
   for (int i = 0; i < 8; ++i)
     len_bytes[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
-  file_ = std::make_unique<detail::AtomicFile>(path);
+  file_ = std::make_unique<detail::AtomicFile>(path, kSafetensors);
   file_->write(len_bytes, 8);
   file_->write(text.data(), text.size());
 }
@@ -425,29 +543,31 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
 }
 
 void write_text_atomically(const std::string& path, const std::string& text) {
-  detail::AtomicFile file(path);
+  detail::AtomicFile file(path, kCheckpoint);
   file.write(text.data(), text.size());
   file.commit();
 }
 
 std::string read_text_file(const std::string& path, std::size_t max_bytes) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // see Reader: a FIFO never blocks
-  if (fd < 0) io_fail(path, "cannot open: " + os_error());
+  if (fd < 0) fail_as(kCheckpoint, path, "cannot open: " + os_error());
   std::string text;
   try {
     struct stat st {};
-    if (::fstat(fd, &st) != 0) io_fail(path, "cannot stat: " + os_error());
-    if (!S_ISREG(st.st_mode)) io_fail(path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
+    if (::fstat(fd, &st) != 0) fail_as(kCheckpoint, path, "cannot stat: " + os_error());
+    if (!S_ISREG(st.st_mode))
+      fail_as(kCheckpoint, path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
     if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
-      io_fail(path, "is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
-                        " this file may have");
+      fail_as(kCheckpoint, path,
+              "is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
+                  " this file may have");
     }
     text.resize(static_cast<std::size_t>(st.st_size));
     std::size_t done = 0;
     while (done < text.size()) {
       const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
       if (n < 0 && errno == EINTR) continue;
-      if (n < 0) io_fail(path, "read failed: " + os_error());
+      if (n < 0) fail_as(kCheckpoint, path, "read failed: " + os_error());
       if (n == 0) break;  // shrank while reading
       done += static_cast<std::size_t>(n);
     }

@@ -71,7 +71,8 @@ struct LoadOptions {
 CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm,
                                const LoadOptions& options = {});
 
-/// The step directory `path` designates (itself, or the latest complete step under it); IOError if none.
+/// The step directory `path` designates (itself, or the latest complete step under it); IOError if none,
+/// saying whether `path` does not exist or is something else than a checkpoint (a file, say).
 std::string resolve_checkpoint(const std::string& path);
 /// Whether checkpoint directory `dir` holds a complete checkpoint (a step with its index), whatever
 /// its `latest` pointer says. IOError naming it if `latest` is there but not a pointer file.
@@ -112,10 +113,15 @@ std::uint64_t verify_checkpoint(const std::string& path);
 
 /// Writes one full safetensors file with every parameter at its logical shape (names without
 /// prefix, the checkpoint's extra state as metadata): for other tools, or to change layouts.
+/// IOError, before anything is written, if `output_file` (or its temporary) is a file of the
+/// checkpoint, lies inside its step directory or is its `latest` pointer, however spelled or linked.
 void consolidate_checkpoint(const std::string& path, const std::string& output_file);
 
 /// Cuts a full safetensors file (a consolidated checkpoint, or any file of float tensors) into a
 /// sharded checkpoint for `world_size` ranks at out_dir/step-<step>, without optimizer state.
+/// IOError, before anything is written, if the input lies where the split writes or removes (inside
+/// that step directory, out_dir's `latest`, a step directory of out_dir without an index), and
+/// for any directory it cannot create (a file in the way), naming the path.
 CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
                                 std::int64_t step = 0);
 

@@ -37,8 +37,10 @@ struct TensorInfo {
 class Reader {
  public:
   /// Opens and validates a file; throws IOError naming the file and the problem (missing,
-  /// truncated, header too large or not JSON, unknown dtype, offsets outside the file or not
-  /// matching the shape, overlapping tensors).
+  /// truncated, header too large or not JSON, a key repeated in one object, unknown dtype, offsets
+  /// outside the file or not matching the shape, overlapping tensors). Every read below refuses
+  /// elements outside the tensor (IOError naming the call, the tensor and its size) before it
+  /// allocates anything, and BOOL bytes other than 0 and 1 (IOError naming the element).
   explicit Reader(const std::string& path);
   ~Reader();
   Reader(const Reader&) = delete;
@@ -68,9 +70,13 @@ class Reader {
 
  private:
   void read_bytes(std::uint64_t offset, std::uint64_t size, void* destination) const;
-  /// The absolute byte offset and size of elements [first, first + count); IOError outside the tensor.
-  std::pair<std::uint64_t, std::uint64_t> byte_range(const std::string& name, std::int64_t first,
+  /// The absolute byte offset and size of elements [first, first + count); IOError naming `op`
+  /// outside the tensor.
+  std::pair<std::uint64_t, std::uint64_t> byte_range(const char* op, const std::string& name, std::int64_t first,
                                                      std::int64_t count) const;
+  /// Elements [first, first + count) into `destination`, BOOL values checked.
+  void read_elements(const char* op, const std::string& name, std::int64_t first, std::int64_t count,
+                     void* destination) const;
   std::string path_;
   int fd_ = -1;
   std::uint64_t file_size_ = 0;
@@ -99,7 +105,10 @@ class AtomicFile;
 /// Writes a safetensors file without holding its tensors: the header (every name, dtype, shape
 /// and offset) at construction, then the tensors' bytes in header order, in pieces of any size.
 /// Atomic as write(): nothing appears at `path` before commit(), and a Writer destroyed without
-/// commit() (an exception while streaming) leaves no temporary file behind.
+/// commit() (an exception while streaming) or whose commit failed leaves no temporary file behind.
+/// The constructor refuses what no reader would accept, naming the tensor: a dtype that is no
+/// DType (DTypeError), a negative extent, more than kMaxDims dimensions or a size whose bytes
+/// overflow (ShapeError), a header over the readers' limit or not UTF-8 (ArgumentError).
 class Writer {
  public:
   Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
