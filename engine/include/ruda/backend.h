@@ -218,8 +218,8 @@ class Backend {
   /// x[r, index[r, j]] += src[r, j].
   virtual void put_add_along_rows(const View& src, const View& index, const View& x) = 0;
   virtual void adam_update(const AdamDesc& desc) = 0;
-  /// Normalizes each row of x [rows, n]: y = (x - mean) * rstd (* weight + bias, when given: [n],
-  /// or views with null data), rstd = 1 / sqrt(var + eps). Writes mean and rstd [rows] (f32, or
+  /// Normalizes each row of x [rows, n]: y = (x - mean) * rstd (* weight + bias, when given: both
+  /// [n], or both views with null data), rstd = 1 / sqrt(var + eps). Writes mean and rstd [rows] (f32, or
   /// f64 for f64 x) for the backward. Statistics accumulate in f32 at least. Contiguous (the
   /// engine copies strided x, weight and bias). weight and bias are in x's dtype, or both f32
   /// when x is f16 or bf16 (the mixed form: y in x's dtype, the affine computed in f32).
