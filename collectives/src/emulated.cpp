@@ -120,7 +120,10 @@ class World {
     present_[static_cast<std::size_t>(rank)] = 1;
     const std::uint64_t generation = generation_;
     if (count_in(lock, generation)) return;
-    const auto deadline = Clock::now() + timeout_;
+    // A timeout longer than a century waits as long as one (now + timeout in the clock's
+    // nanoseconds would overflow past ~292 years and wrap into the past).
+    constexpr auto kLongestWait = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::hours(24 * 36525));
+    const auto deadline = Clock::now() + std::min(timeout_, kLongestWait);
     while (generation_ == generation) {
       if (broken_ != Broken::no) throw_broken(broken_generation_ == generation);
       if (const std::vector<int> gone = missing(true); !gone.empty()) {

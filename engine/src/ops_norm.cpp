@@ -1,4 +1,5 @@
 // Normalization ops with fused kernels.
+#include <cmath>
 #include "internal.h"
 
 namespace ruda {
@@ -27,7 +28,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     fail<DTypeError>("layer_norm", "weight and bias dtypes differ: ", dtype_name(weight.dtype()), " and ",
                      dtype_name(bias.dtype()), " (x is ", dtype_name(x.dtype()), ")");
   }
-  if (!(eps >= 0)) fail<ArgumentError>("layer_norm", "eps must be non-negative, got ", eps);
+  // Infinite eps would make every rstd 0 (the output the bias alone): refused with NaN and negatives.
+  if (!(eps >= 0 && std::isfinite(eps)))
+    fail<ArgumentError>("layer_norm", "eps must be finite and non-negative, got ", eps);
   const std::int64_t rows = features == 0 ? 0 : x.numel() / features;
   const DType stat = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
   Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), "layer_norm");

@@ -142,6 +142,22 @@ TEST_CASE("emulated: a rank that fails before any collective, with a non-standar
   CHECK(failed_ranks == 2);
 }
 
+TEST_CASE("emulated: a timeout of centuries (milliseconds::max()) waits, instead of expiring at once") {
+  // now + timeout overflowed the clock's nanoseconds and wrapped into the past: every rank that had
+  // to wait for another timed out at its first collective.
+  EmulatedOptions options;
+  options.timeout = std::chrono::milliseconds::max();
+  std::vector<double> sums(2, 0.0);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        if (comm.rank() == 1) std::this_thread::sleep_for(50ms);  // rank 0 waits for it
+        sums[static_cast<std::size_t>(comm.rank())] = comm.all_reduce(ones({1})).item();
+      },
+      options);
+  CHECK(sums == std::vector<double>{2.0, 2.0});
+}
+
 TEST_CASE("emulated: a rank that never arrives times out the others, naming the collective and the missing rank") {
   EmulatedOptions options;
   options.timeout = 200ms;

@@ -1,5 +1,8 @@
 // nn's entry points refuse enum values that are none of the enumerators (a number cast to the
 // enum, uninitialized memory) with a typed error naming the op, before anything runs.
+#include <fstream>
+#include <limits>
+
 #include "helpers.h"
 
 using namespace ruda;
@@ -78,4 +81,118 @@ TEST_CASE("losses name themselves when input and target disagree on dtype; GPT r
   nn::manual_seed(1);
   nn::GPT gpt({.vocabulary = 16, .context = 8, .d_model = 8, .layers = 1, .heads = 2});
   check_throws<ShapeError>([&] { gpt.forward(zeros({1, 0}, DType::i64)); }, {"GPT", "1 <= time <= 8", "[1, 0]"});
+}
+
+TEST_CASE("modules: a module that would contain itself is refused, so no walk over the tree recurses forever") {
+  auto s = std::make_shared<nn::Sequential>();
+  check_throws<ArgumentError>([&] { s->push_back(s); }, {"register_module", "own submodule"});
+  auto a = std::make_shared<nn::Sequential>(), b = std::make_shared<nn::Sequential>();
+  a->push_back(b);
+  check_throws<ArgumentError>([&] { b->push_back(a); }, {"register_module", "'0'"});
+  const auto shared = std::make_shared<nn::Linear>(2, 2);
+  b->push_back(shared);
+  a->push_back(shared);  // one submodule under two parents is no cycle
+  CHECK(a->parameters().size() == 2);
+  CHECK(a->forward(ones({1, 2})).shape() == Shape{1, 2});
+}
+
+TEST_CASE("memory planners: a world or a batch that is not positive is refused, and no product overflows") {
+  const auto layer = std::make_shared<nn::Linear>(4, 3);
+  const nn::StepProbe probe{100, 10};
+  check_throws<ArgumentError>([&] { nn::plan_state(*layer, 1, 0); }, {"plan_state", "global batch must be positive"});
+  check_throws<ArgumentError>([&] { nn::plan_memory(*layer, 2, -4, probe); }, {"plan_state", "-4"});
+  check_throws<ArgumentError>([&] { nn::largest_fitting_batch(*layer, 0, 8, probe, 1000); },
+                              {"largest_fitting_batch", "world size must be positive, got 0"});
+  check_throws<ArgumentError>([&] { nn::largest_fitting_batch(*layer, -3, 8, probe, 1000); },
+                              {"largest_fitting_batch", "-3"});
+  check_throws<ArgumentError>([&] { nn::smallest_fitting_world(*layer, 0, std::nullopt, 1000); },
+                              {"smallest_fitting_world", "global batch"});
+  check_throws<ArgumentError>([&] { nn::smallest_fitting_world(*layer, 8, std::nullopt, 1000, {}, 0); },
+                              {"smallest_fitting_world", "world size"});
+  auto step = [&](std::int64_t b) { return sum(layer->forward(ones({b, 4}))); };
+  LocalCommunicator one;
+  check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, one, 0, step, 0, {}, {}); }, {"fit_schedule", "batch"});
+  // The largest allowed doubling stops where the micro-batches stop dividing the batch (it used to
+  // double until the count wrapped to 0 and divided by it).
+  nn::FitOptions most;
+  most.max_micro_batches = INT64_MAX;
+  const nn::FittedSchedule fit = nn::fit_schedule(*layer, one, 8, step, 0, {}, most);
+  CHECK(fit.fits);
+  // micro_batches x world overflowing int64 does not divide the batch (it wrapped to 0, then % 0).
+  run_ranks(4, [&](Communicator& comm) {
+    const auto local = std::make_shared<nn::Linear>(4, 3);
+    auto local_step = [&](std::int64_t b) { return sum(local->forward(ones({b, 4}))); };
+    check_throws<ArgumentError>(
+        [&] { nn::fit_schedule(*local, comm, 64, local_step, 0, {.micro_batches = std::int64_t{1} << 62}, {}); },
+        {"fit_schedule", "do not divide"});
+  });
+}
+
+TEST_CASE("norm layers check eps when made and the input's features when run") {
+  for (double eps : {-1.0, std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+    CAPTURE(eps);
+    check_throws<ArgumentError>([&] { nn::LayerNorm(8, eps); }, {"LayerNorm", "eps must be finite"});
+    check_throws<ArgumentError>([&] { nn::RMSNorm(8, eps); }, {"RMSNorm", "eps must be finite"});
+    check_throws<ArgumentError>([&] { layer_norm(ones({2, 8}), Tensor(), Tensor(), eps); }, {"layer_norm", "eps"});
+  }
+  nn::LayerNorm plain(8, 1e-5, false);
+  nn::RMSNorm rms(8);
+  // [2, 1] broadcast against RMSNorm's [8] weight into a [2, 8] result.
+  check_throws<ShapeError>([&] { rms.forward(ones({2, 1})); }, {"RMSNorm", "[2, 1]", "8 features"});
+  check_throws<ShapeError>([&] { plain.forward(ones({2, 3})); }, {"LayerNorm", "[2, 3]", "8 features"});
+  check_throws<ShapeError>([&] { plain.forward(scalar(1.0)); }, {"LayerNorm"});
+  CHECK(rms.forward(ones({2, 8})).shape() == Shape{2, 8});
+}
+
+TEST_CASE("optimizers, schedules and sampling refuse counts, rates and temperatures that would give NaN or overflow") {
+  nn::Linear layer(2, 2);
+  nn::Adam adam(layer.parameters(), {.lr = 1e-3});
+  check_throws<ArgumentError>([&] { adam.set_steps(-1); }, {"set_steps", "-1"});
+  check_throws<ArgumentError>([&] { adam.set_steps(INT64_MAX); }, {"set_steps"});
+  adam.set_steps(5);
+  CHECK(adam.steps() == 5);
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  check_throws<ArgumentError>([&] { nn::schedules::cosine(1e-3, 1000, 0, -1e-3); }, {"schedules::cosine", "min_lr"});
+  check_throws<ArgumentError>([&] { nn::schedules::linear_warmup(nan, 10); }, {"schedules::linear_warmup", "lr"});
+  check_throws<ArgumentError>([&] { nn::schedules::constant(-1); }, {"schedules::constant"});
+  CHECK(nn::schedules::cosine(1e-3, 10)(10) == doctest::Approx(0.0));
+
+  nn::manual_seed(1);
+  nn::GPT gpt({.vocabulary = 256, .context = 8, .d_model = 8, .layers = 1, .heads = 2});
+  gpt.eval();
+  for (double t : {nan, 1e-40, std::numeric_limits<double>::infinity()}) {
+    CAPTURE(t);
+    check_throws<ArgumentError>([&] { nn::sample_bytes(gpt, "ab", 2, 8, t, 1); }, {"sample_bytes", "temperature"});
+  }
+  check_throws<ArgumentError>([&] { nn::sample_bytes(gpt, "ab", -1, 8, 0.0, 1); }, {"sample_bytes", "count -1"});
+  CHECK(nn::sample_bytes(gpt, "ab", 3, 8, 0.7, 1).size() == 3);
+}
+
+TEST_CASE("GPT checks its whole configuration, naming the field, before building a layer") {
+  check_throws<ArgumentError>([] { nn::GPT({.d_model = 0}); }, {"GPT", "d_model must be positive, got 0"});
+  check_throws<ArgumentError>([] { nn::GPT({.heads = -2}); }, {"GPT", "heads must be positive"});
+  check_throws<ArgumentError>([] { nn::GPT({.d_model = 10, .heads = 4}); }, {"GPT", "not a multiple of heads 4"});
+  check_throws<ArgumentError>([] { nn::GPT({.layers = -1}); }, {"GPT", "layers must be >= 0"});
+  check_throws<ArgumentError>([] { nn::GPT({.dropout = 1.0}); }, {"GPT", "dropout"});
+  {
+    nn::DeferredInit deferred;  // nothing is allocated: only the sizes' arithmetic is at stake
+    check_throws<ShapeError>(
+        [] { nn::GPT({.vocabulary = 2, .d_model = std::int64_t{1} << 61, .layers = 1, .heads = 1}); },
+        {"GPT", "overflow"});
+    check_throws<ShapeError>([] { nn::CausalSelfAttention(std::int64_t{1} << 62, 1); },
+                             {"CausalSelfAttention", "3 * d_model overflows"});
+  }
+}
+
+TEST_CASE("text: ranges and contexts whose sums would overflow are refused, before anything is allocated") {
+  test::TempDir dir;
+  const std::string path = dir.str() + "/text.txt";
+  std::ofstream(path) << "hello, world: a few bytes of text for windows";
+  const nn::TextCorpus corpus(path);
+  std::vector<std::uint8_t> buffer(8);
+  check_throws<IndexError>([&] { corpus.read(1, INT64_MAX, buffer.data()); }, {"TextCorpus::read", "outside"});
+  check_throws<IndexError>([&] { corpus.read(0, std::int64_t{1} << 50); }, {"TextCorpus::read", "outside"});
+  CHECK(corpus.read(0, 5).size() == 5);
+  check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, corpus.size(), INT64_MAX); },
+                              {"TextWindows", "too few"});
 }

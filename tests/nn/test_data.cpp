@@ -230,6 +230,10 @@ TEST_CASE("IdxImages reads the samples load_idx loads, bit for bit, from raw and
         {"IdxImages::images", "index 100", "100 samples", "img"});
     test::check_throws<IndexError>([&] { copy.labels(from_vector<std::int64_t>({-1}, {1})); }, {"index -1"});
     test::check_throws<DTypeError>([&] { copy.images(from_values({1}, {1})); }, {"IdxImages::images", "i64"});
+    // A range past the samples is an IndexError before anything the size of the range is allocated.
+    test::check_throws<IndexError>([&] { copy.images(0, std::int64_t{1} << 40); },
+                                   {"IdxImages::images", "outside the 100 samples"});
+    test::check_throws<IndexError>([&] { copy.labels(99, 101); }, {"IdxImages::labels", "[99, 101)"});
   }
   // An index tensor of any shape, as take_rows takes.
   const nn::IdxImages files(dir.str() + "/img.gz", dir.str() + "/lab", 0, cache.str());

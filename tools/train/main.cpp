@@ -122,6 +122,11 @@ int main(int argc, char** argv) {
            } catch (const ArgumentError& e) {
              throw CLI::ValidationError("--memory-limit", e.what());
            }
+           // The library reads a limit of 0 as none: a typo (0, 0.4) must not silently lift it.
+           if (cfg.memory_limit == 0) {
+             throw CLI::ValidationError("--memory-limit",
+                                        "'" + text + "' is 0 bytes; leave the option out for no limit");
+           }
          },
          "Tensor bytes per rank, e.g. 512MB, 2GiB (default: RUDA_MEMORY_LIMIT, else none). The plan "
          "printed "

@@ -66,7 +66,14 @@ struct MlpTask : Task {
     return layers;
   }
   std::int64_t data_bytes_read() const override { return train.bytes_read() + test.bytes_read(); }
-  std::int64_t total_steps() const override { return cfg.epochs * sampler->batches_per_epoch(); }
+  std::int64_t total_steps() const override {
+    std::int64_t steps = 0;
+    if (__builtin_mul_overflow(cfg.epochs, sampler->batches_per_epoch(), &steps)) {
+      throw ArgumentError("mlp: --epochs " + std::to_string(cfg.epochs) + " of " +
+                          std::to_string(sampler->batches_per_epoch()) + " steps each overflow a step count");
+    }
+    return steps;
+  }
   std::int64_t samples_per_step() const override { return cfg.batch; }
   std::map<std::string, std::string> data_stream() const override {
     return {{"--seed", std::to_string(cfg.seed)},
@@ -114,7 +121,8 @@ struct LmTask : Task {
   LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
     const nn::TextCorpus corpus(c.text);
     const std::int64_t train_end = corpus.size() * 9 / 10;
-    if (corpus.size() - train_end < cfg.context + 2 || train_end < cfg.context + 2) {
+    // "- 2 < context", not "< context + 2", which wraps for a context near INT64_MAX.
+    if (corpus.size() - train_end - 2 < cfg.context || train_end - 2 < cfg.context) {
       throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
                     std::to_string(cfg.context));
     }

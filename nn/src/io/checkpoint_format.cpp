@@ -158,7 +158,7 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
   if (j.contains("optimizer")) {
     const json& o = j["optimizer"];
     index.has_optimizer = true;
-    index.optimizer_steps = integer(o, "steps", "index.json's 'optimizer'", 0, INT64_MAX);
+    index.optimizer_steps = integer(o, "steps", "index.json's 'optimizer'", 0, INT64_MAX - 1);  // as set_steps
     const json& lr = member(o, "lr", "index.json's 'optimizer'");
     // The optimizer's own range: a rate it would refuse is the index's fault, not the caller's.
     if (!lr.is_number() || !std::isfinite(lr.get<double>()) || lr.get<double>() < 0)

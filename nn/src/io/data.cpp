@@ -194,8 +194,10 @@ std::vector<std::int64_t> index_values(const Tensor& indices, const char* op) {
   return indices.to_vector<std::int64_t>();
 }
 
-std::vector<std::int64_t> index_range(std::int64_t first, std::int64_t last, const char* op) {
+std::vector<std::int64_t> index_range(std::int64_t first, std::int64_t last, std::int64_t size, const char* op) {
   if (first < 0 || last < first) fail<IndexError>(op, "range [", first, ", ", last, ") is not a range of samples");
+  // Before the allocation the range sizes: a range past the dataset is refused here, not by a failed allocation.
+  if (last > size) fail<IndexError>(op, "range [", first, ", ", last, ") is outside the ", size, " samples");
   std::vector<std::int64_t> picks(static_cast<std::size_t>(last - first));
   std::iota(picks.begin(), picks.end(), first);
   return picks;
@@ -401,12 +403,12 @@ Tensor IdxImages::labels(const Tensor& indices) const {
 }
 
 Tensor IdxImages::images(std::int64_t first, std::int64_t last) const {
-  const auto picks = index_range(first, last, "IdxImages::images");
+  const auto picks = index_range(first, last, size(), "IdxImages::images");
   return images(from_vector(picks, {last - first}));
 }
 
 Tensor IdxImages::labels(std::int64_t first, std::int64_t last) const {
-  const auto picks = index_range(first, last, "IdxImages::labels");
+  const auto picks = index_range(first, last, size(), "IdxImages::labels");
   return labels(from_vector(picks, {last - first}));
 }
 
@@ -425,10 +427,21 @@ TextCorpus::TextCorpus(const std::string& path) {
   if (size_ == 0) data_fail(path, "holds no text");
 }
 
-void TextCorpus::read(std::int64_t pos, std::int64_t len, std::uint8_t* out) const {
-  if (pos < 0 || len < 0 || pos + len > size_) {
-    fail<IndexError>("TextCorpus::read", "bytes [", pos, ", ", pos + len, ") outside the ", size_, " of the corpus");
+namespace {
+// Bytes [pos, pos + len) of a corpus of `size`, compared without forming pos + len (it may overflow).
+void check_corpus_range(std::int64_t pos, std::int64_t len, std::int64_t size) {
+  if (pos < 0 || len < 0 || pos > size || len > size - pos) {
+    std::int64_t end = 0;
+    const std::string end_text = __builtin_add_overflow(pos, len, &end)
+                                     ? std::to_string(pos) + " + " + std::to_string(len)
+                                     : std::to_string(end);
+    fail<IndexError>("TextCorpus::read", "bytes [", pos, ", ", end_text, ") outside the ", size, " of the corpus");
   }
+}
+}  // namespace
+
+void TextCorpus::read(std::int64_t pos, std::int64_t len, std::uint8_t* out) const {
+  check_corpus_range(pos, len, size_);
   // The last file starting at or before `pos` holds it (empty files there come before it).
   auto file =
       std::upper_bound(files_.begin(), files_.end(), pos, [](std::int64_t p, const File& f) { return p < f.offset; }) -
@@ -445,7 +458,8 @@ void TextCorpus::read(std::int64_t pos, std::int64_t len, std::uint8_t* out) con
 }
 
 std::vector<std::uint8_t> TextCorpus::read(std::int64_t pos, std::int64_t len) const {
-  std::vector<std::uint8_t> out(static_cast<std::size_t>(std::max<std::int64_t>(len, 0)));
+  check_corpus_range(pos, len, size_);  // before the allocation the range sizes
+  std::vector<std::uint8_t> out(static_cast<std::size_t>(len));
   read(pos, len, out.data());
   return out;
 }

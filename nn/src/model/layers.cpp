@@ -47,8 +47,21 @@ Embedding::Embedding(std::int64_t vocabulary, std::int64_t features, EmbeddingOp
 
 Tensor Embedding::forward(const Tensor& indices) { return embedding(weight.value(), indices); }
 
-LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : eps_(eps) {
-  if (features <= 0) fail<ArgumentError>("LayerNorm", "features must be positive, got ", features);
+namespace {
+// A norm layer's arguments (checked at construction, not at the first forward) and its input's last axis.
+void check_norm_arguments(const char* layer, std::int64_t features, double eps) {
+  if (features <= 0) fail<ArgumentError>(layer, "features must be positive, got ", features);
+  if (!(eps >= 0 && std::isfinite(eps))) fail<ArgumentError>(layer, "eps must be finite and non-negative, got ", eps);
+}
+void check_norm_input(const char* layer, std::int64_t features, const Tensor& x) {
+  if (x.ndim() == 0 || x.shape().back() != features) {
+    fail<ShapeError>(layer, "input ", x.shape(), " should end in the layer's ", features, " features");
+  }
+}
+}  // namespace
+
+LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : features_(features), eps_(eps) {
+  check_norm_arguments("LayerNorm", features, eps);
   if (affine) {
     weight = Param({features}, init::ones());
     bias = Param({features}, init::zeros());
@@ -64,6 +77,7 @@ Tensor LayerNorm::forward(const Tensor& input) {
   // time at the median of `ruda-bench --suite layer-norm` runs, and no f32 copy of x kept for
   // backward). f16 is still cast: its kernel loads decode each value with branches, on every
   // pass over the row, and the mixed form measured 1.9-3x slower.
+  check_norm_input("LayerNorm", features_, input);
   const DType io = input.dtype();
   const DType work = io == DType::f64 ? DType::f64 : DType::f32;
   const Tensor x = io == DType::bf16 ? input : as_dtype(input, work);
@@ -72,13 +86,14 @@ Tensor LayerNorm::forward(const Tensor& input) {
   return as_dtype(y, io);
 }
 
-RMSNorm::RMSNorm(std::int64_t features, double eps) : eps_(eps) {
-  if (features <= 0) fail<ArgumentError>("RMSNorm", "features must be positive, got ", features);
+RMSNorm::RMSNorm(std::int64_t features, double eps) : features_(features), eps_(eps) {
+  check_norm_arguments("RMSNorm", features, eps);
   weight = Param({features}, init::ones());
   register_parameter("weight", &weight);
 }
 
 Tensor RMSNorm::forward(const Tensor& input) {
+  check_norm_input("RMSNorm", features_, input);
   const DType io = input.dtype();
   const DType work = io == DType::f64 ? DType::f64 : DType::f32;
   const Tensor x = as_dtype(input, work);
@@ -104,8 +119,11 @@ Tensor Sigmoid::forward(const Tensor& x) { return sigmoid(x); }
 
 CausalSelfAttention::CausalSelfAttention(std::int64_t d_model, std::int64_t heads, double dropout)
     : d_model_(d_model), heads_(heads) {
-  if (heads <= 0 || d_model % heads != 0) {
+  if (heads <= 0 || d_model <= 0 || d_model % heads != 0) {
     fail<ArgumentError>("CausalSelfAttention", "d_model ", d_model, " must be a positive multiple of heads ", heads);
+  }
+  if (d_model > std::numeric_limits<std::int64_t>::max() / 3) {  // the qkv projection's 3 * d_model
+    fail<ShapeError>("CausalSelfAttention", "d_model ", d_model, " is too large: 3 * d_model overflows int64");
   }
   qkv = std::make_shared<Linear>(d_model, 3 * d_model);
   proj = std::make_shared<Linear>(d_model, d_model);
@@ -187,10 +205,36 @@ Tensor TransformerBlock::forward(const Tensor& x) {
   return h + mlp->forward(ln2->forward(h));
 }
 
-GPT::GPT(const GPTConfig& config) : config_(config) {
-  if (config.vocabulary <= 0 || config.context <= 0 || config.layers < 0) {
-    fail<ArgumentError>("GPT", "vocabulary, context and layers must be positive");
+namespace {
+// The whole configuration, checked before any layer is built, so that its errors name GPT and its
+// field rather than a layer inside it, and so that no size below overflows on the way.
+void check_gpt_config(const GPTConfig& c) {
+  const std::pair<const char*, std::int64_t> positive[] = {
+      {"vocabulary", c.vocabulary}, {"context", c.context}, {"d_model", c.d_model}, {"heads", c.heads}};
+  for (const auto& [field, value] : positive) {
+    if (value <= 0) fail<ArgumentError>("GPT", field, " must be positive, got ", value);
   }
+  if (c.layers < 0) fail<ArgumentError>("GPT", "layers must be >= 0, got ", c.layers);
+  if (c.d_model % c.heads != 0) {
+    fail<ArgumentError>("GPT", "d_model ", c.d_model, " is not a multiple of heads ", c.heads);
+  }
+  if (!(c.dropout >= 0.0 && c.dropout < 1.0)) fail<ArgumentError>("GPT", "dropout must be in [0, 1), got ", c.dropout);
+  // The largest parameters: [vocabulary, d], [context, d], the MLP's [d, 4d] (whose 4d, the qkv's 3d
+  // and every other size are below these).
+  std::int64_t hidden = 0, elements = 0;
+  const bool overflows = __builtin_mul_overflow(c.d_model, std::int64_t{4}, &hidden) ||
+                         __builtin_mul_overflow(c.d_model, hidden, &elements) ||
+                         __builtin_mul_overflow(c.vocabulary, c.d_model, &elements) ||
+                         __builtin_mul_overflow(c.context, c.d_model, &elements);
+  if (overflows) {
+    fail<ShapeError>("GPT", "vocabulary ", c.vocabulary, ", context ", c.context, " and d_model ", c.d_model,
+                     " give parameters whose element counts overflow int64");
+  }
+}
+}  // namespace
+
+GPT::GPT(const GPTConfig& config) : config_(config) {
+  check_gpt_config(config);
   token_embedding = std::make_shared<Embedding>(config.vocabulary, config.d_model, EmbeddingOptions{.std = 0.02});
   position_embedding = std::make_shared<Embedding>(config.context, config.d_model, EmbeddingOptions{.std = 0.02});
   register_module("token_embedding", token_embedding);

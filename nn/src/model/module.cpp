@@ -1,5 +1,6 @@
 #include <atomic>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <ruda/nn/module.h>
 
@@ -139,6 +140,22 @@ void Module::register_parameter(std::string name, Param* param) {
 
 void Module::register_module(std::string name, std::shared_ptr<Module> child) {
   if (!child) fail<ArgumentError>("register_module", "module '", name, "' is null");
+  // Every walk over the tree (parameters, named_modules, train, a Sequential's forward) recurses
+  // into the children: a module that contains itself, directly or through its children, would
+  // recurse until the stack overflows. The tree stays acyclic, so this walk ends (a submodule
+  // shared by two parents is visited once).
+  std::vector<const Module*> pending = {child.get()};
+  std::unordered_set<const Module*> seen;
+  while (!pending.empty()) {
+    const Module* m = pending.back();
+    pending.pop_back();
+    if (m == this) {
+      fail<ArgumentError>("register_module", "module '", name,
+                          "' is this module or contains it: a module cannot be its own submodule");
+    }
+    if (!seen.insert(m).second) continue;
+    for (const auto& [sub, grandchild] : m->children_) pending.push_back(grandchild.get());
+  }
   children_.emplace_back(std::move(name), std::move(child));
 }
 

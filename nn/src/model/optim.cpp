@@ -1,4 +1,5 @@
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <unordered_map>
 
@@ -61,6 +62,13 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr) : groups_(std::m
     }
   }
   set_lr(lr);
+}
+
+void Optimizer::set_steps(std::int64_t steps) {
+  if (steps < 0 || steps == std::numeric_limits<std::int64_t>::max()) {
+    fail<ArgumentError>("Optimizer::set_steps", "the step count must be in [0, 2^63 - 1), got ", steps);
+  }
+  steps_ = steps;
 }
 
 void Optimizer::set_lr(double lr) {
@@ -179,16 +187,28 @@ AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions o)
                                           .decoupled_weight_decay = true}) {}
 
 namespace schedules {
+namespace {
+// A schedule's rates are checked when it is made, as an optimizer checks its own: a bad one used to
+// fail only at the step whose rate went wrong, in Optimizer::set_lr.
+void check_rate(const char* schedule, const char* what, double lr) {
+  if (!(std::isfinite(lr) && lr >= 0)) fail<ArgumentError>(schedule, what, " must be finite and >= 0, got ", lr);
+}
+}  // namespace
+
 Schedule constant(double lr) {
+  check_rate("schedules::constant", "lr", lr);
   return [lr](std::int64_t) { return lr; };
 }
 Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
+  check_rate("schedules::linear_warmup", "lr", lr);
   return [lr, warmup_steps](std::int64_t step) {
     if (warmup_steps <= 0 || step >= warmup_steps) return lr;
     return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   };
 }
 Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, double min_lr) {
+  check_rate("schedules::cosine", "lr", lr);
+  check_rate("schedules::cosine", "min_lr", min_lr);
   return [=](std::int64_t step) {
     if (warmup_steps > 0 && step < warmup_steps)
       return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cmath>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/losses.h>
@@ -37,7 +38,8 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
 
 TextWindows::TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end, std::int64_t context)
     : corpus_(std::move(corpus)), begin_(begin), end_(end), context_(context) {
-  if (context <= 0 || begin < 0 || end > corpus_.size() || end - begin < context + 2) {
+  // end - begin - 2 < context, not end - begin < context + 2: a context near INT64_MAX would wrap.
+  if (context <= 0 || begin < 0 || end > corpus_.size() || end < begin || end - begin - 2 < context) {
     throw ArgumentError("TextWindows: bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
                         std::to_string(corpus_.size()) + " are too few for windows of context " +
                         std::to_string(context) + " (it needs context + 2)");
@@ -52,7 +54,11 @@ std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t st
                         std::to_string(rank) + ")");
   }
   const std::int64_t local = global_batch / world_size, t = context_;
-  std::vector<std::int64_t> x(static_cast<std::size_t>(local * t)), y(x.size());
+  // The batch's tokens as tensors from the start: sized and counted by the tensor allocator (a
+  // typed error, under any memory limit, for a batch too large), not a std::vector's bad_alloc.
+  Tensor x = empty({local, t}, DType::i64), y = empty({local, t}, DType::i64);
+  auto* xp = static_cast<std::int64_t*>(x.data_ptr());
+  auto* yp = static_cast<std::int64_t*>(y.data_ptr());
   std::vector<std::uint8_t> window(static_cast<std::size_t>(t + 1));
   for (std::int64_t i = 0; i < local; ++i) {
     const std::int64_t index = step * global_batch + rank * local + i;
@@ -60,15 +66,23 @@ std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t st
     const std::int64_t pos = begin_ + static_cast<std::int64_t>(u * static_cast<double>(end_ - begin_ - t - 1));
     corpus_.read(pos, t + 1, window.data());
     bytes_read_ += t + 1;
-    std::copy(window.begin(), window.end() - 1, x.begin() + i * t);
-    std::copy(window.begin() + 1, window.end(), y.begin() + i * t);
+    std::copy(window.begin(), window.end() - 1, xp + i * t);
+    std::copy(window.begin() + 1, window.end(), yp + i * t);
   }
-  return {from_vector(x, {local, t}), from_vector(y, {local, t})};
+  return {x, y};
 }
 
 std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int64_t count, std::int64_t context,
                          double temperature, std::uint64_t seed) {
   if (context <= 0) throw ArgumentError("sample_bytes: context " + std::to_string(context) + " is not positive");
+  if (count < 0) throw ArgumentError("sample_bytes: count " + std::to_string(count) + " is negative");
+  // 0 (or less) samples greedily; otherwise the logits are divided by it in f32, so it must be a
+  // finite number whose quotient stays finite (NaN, or 1e-40 rounding to 0 in f32, gave NaN
+  // probabilities and a text of 0xFF bytes).
+  if (std::isnan(temperature) || (temperature > 0 && !(temperature >= 1e-30 && std::isfinite(temperature)))) {
+    throw ArgumentError("sample_bytes: temperature " + std::to_string(temperature) +
+                        " is not a finite number >= 1e-30 (or <= 0 for greedy sampling)");
+  }
   autograd::NoGradGuard guard;
   std::vector<std::int64_t> tokens;
   for (char c : prompt) tokens.push_back(static_cast<unsigned char>(c));
@@ -89,6 +103,10 @@ std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int
       next = static_cast<std::int64_t>(argmax(logits, 0).item());
     } else {
       const auto p = softmax(logits / temperature, 0).to_vector<double>();
+      if (!std::all_of(p.begin(), p.end(), [](double v) { return std::isfinite(v); })) {  // NaN or inf logits
+        throw ArgumentError("sample_bytes: the model's logits give no probabilities (not finite) at byte " +
+                            std::to_string(i));
+      }
       const double u = random::uniform_double(seed, static_cast<std::uint64_t>(i));
       double acc = 0;
       for (int k = 0; k < 256; ++k) {

@@ -10,8 +10,36 @@
 
 namespace ruda::nn {
 
+namespace {
+
+// Every planner's arguments: a world of at least one rank and a step of at least one sample (a
+// batch of 0 planned a local batch of 0 that "fit", and divided by 0 in fit_schedule).
+void require_world_and_batch(const char* op, std::int64_t world_size, std::int64_t global_batch) {
+  if (world_size <= 0) fail<ArgumentError>(op, "world size must be positive, got ", world_size);
+  if (global_batch <= 0) fail<ArgumentError>(op, "the global batch must be positive, got ", global_batch);
+}
+
+// a * b bytes of parameter `name`; a ShapeError where the count overflows int64 (a model built
+// under DeferredInit may have parameters whose bytes no machine holds, but plans still compare).
+std::int64_t bytes_of(const std::string& name, std::int64_t a, std::int64_t b) {
+  std::int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    fail<ShapeError>("plan_state", "parameter '", name, "': ", a, " x ", b, " bytes overflow int64");
+  }
+  return out;
+}
+
+std::int64_t add_bytes(const std::string& name, std::int64_t a, std::int64_t b) {
+  std::int64_t out = 0;
+  if (__builtin_add_overflow(a, b, &out))
+    fail<ShapeError>("plan_state", "the plan's bytes overflow int64 at '", name, "'");
+  return out;
+}
+
+}  // namespace
+
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
-  if (world_size <= 0) fail<ArgumentError>("plan_state", "world size must be positive, got ", world_size);
+  require_world_and_batch("plan_state", world_size, global_batch);
   if (options.compute_dtype) check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
   const int shard_ranks = options.shard_ranks > 0 ? options.shard_ranks : world_size;
   if (world_size % shard_ranks != 0) {
@@ -25,12 +53,12 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
   for (const auto& [name, p] : module.named_parameters()) {
     const std::int64_t numel = shape_numel(p.shape());
     const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
-    const std::int64_t shard = ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size * item;
-    plan.parameters += shard;
-    plan.gradients += shard;
-    plan.optimizer += options.optimizer_states * shard;
+    const std::int64_t shard = bytes_of(name, ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size, item);
+    plan.parameters = add_bytes(name, plan.parameters, shard);
+    plan.gradients = add_bytes(name, plan.gradients, shard);
+    plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, shard));
     const auto compute = static_cast<std::int64_t>(dtype_size(options.compute_dtype.value_or(p.dtype())));
-    plan.gathered = std::max(plan.gathered, 2 * numel * compute);
+    plan.gathered = std::max(plan.gathered, bytes_of(name, 2, bytes_of(name, numel, compute)));
   }
   return plan;
 }
@@ -168,14 +196,21 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
                             const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                             const MemorySchedule& configured, const FitOptions& options) {
   FittedSchedule fit;
-  if (configured.micro_batches < 1 || global_batch % (configured.micro_batches * comm.world_size()) != 0) {
+  require_world_and_batch("fit_schedule", comm.world_size(), global_batch);
+  // Whether m micro-batches on every rank divide the global batch (a product that overflows does not).
+  auto divides = [&](std::int64_t m) {
+    std::int64_t per_step = 0;
+    return m >= 1 && !__builtin_mul_overflow(m, static_cast<std::int64_t>(comm.world_size()), &per_step) &&
+           global_batch % per_step == 0;
+  };
+  if (!divides(configured.micro_batches)) {
     fail<ArgumentError>("fit_schedule", configured.micro_batches, " micro-batches do not divide the local batch (",
                         global_batch, " over ", comm.world_size(), " ranks)");
   }
   // More micro-batches: the configured count times 2, 4, ... while they divide the local batch.
   std::vector<std::int64_t> micro_batches = {configured.micro_batches};
-  for (std::int64_t m = 2 * configured.micro_batches;
-       m <= options.max_micro_batches && global_batch % (m * comm.world_size()) == 0; m *= 2) {
+  for (std::int64_t m = configured.micro_batches; m <= options.max_micro_batches / 2 && divides(2 * m);) {
+    m *= 2;
     micro_batches.push_back(m);
   }
   auto measure = [&](const MemorySchedule& schedule) {
@@ -205,6 +240,7 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
 
 std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
                                    const StepProbe& probe, std::int64_t limit, const PlanOptions& options) {
+  require_world_and_batch("largest_fitting_batch", world_size, global_batch);
   for (std::int64_t batch = global_batch - world_size; batch > 0; batch -= world_size) {
     if (batch % world_size != 0) continue;
     if (limit <= 0 || plan_memory(module, world_size, batch, probe, options).peak() <= limit) return batch;
@@ -214,6 +250,7 @@ std::int64_t largest_fitting_batch(const Module& module, int world_size, std::in
 
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
                            std::int64_t limit, const PlanOptions& options, int max_world) {
+  require_world_and_batch("smallest_fitting_world", max_world, global_batch);
   PlanOptions full = options;  // the answer is a fully sharded world
   full.shard_ranks = 0;
   for (int world = 1; world <= max_world; ++world) {

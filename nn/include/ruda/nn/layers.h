@@ -46,7 +46,9 @@ class Embedding : public UnaryModule {
   Param weight;
 };
 
-/// Normalizes over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
+/// Normalizes over the last axis: (x - mean) / sqrt(var + eps) * weight + bias. ArgumentError
+/// for features <= 0 or an eps that is not finite and >= 0; forward: ShapeError when x's last
+/// axis is not `features`.
 class LayerNorm : public UnaryModule {
  public:
   explicit LayerNorm(std::int64_t features, double eps = 1e-5, bool affine = true);
@@ -54,10 +56,11 @@ class LayerNorm : public UnaryModule {
   Param weight, bias;
 
  private:
+  std::int64_t features_;
   double eps_;
 };
 
-/// x / sqrt(mean(x^2) + eps) * weight over the last axis.
+/// x / sqrt(mean(x^2) + eps) * weight over the last axis. Checked as LayerNorm is.
 class RMSNorm : public UnaryModule {
  public:
   explicit RMSNorm(std::int64_t features, double eps = 1e-6);
@@ -65,6 +68,7 @@ class RMSNorm : public UnaryModule {
   Param weight;
 
  private:
+  std::int64_t features_;
   double eps_;
 };
 
@@ -168,6 +172,8 @@ struct GPTConfig {
 /// forward: i64 tokens [batch, time] -> logits [batch, time, vocabulary].
 class GPT : public UnaryModule {
  public:
+  /// ArgumentError for a size that is not positive (layers may be 0), d_model not a multiple of
+  /// heads, or dropout outside [0, 1); ShapeError where a parameter's element count overflows.
   explicit GPT(const GPTConfig& config);
   Tensor forward(const Tensor& tokens) override;
   const GPTConfig& config() const noexcept { return config_; }

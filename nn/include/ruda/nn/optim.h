@@ -44,7 +44,9 @@ class Optimizer {
   void set_lr(double lr);
   /// Updates taken so far.
   std::int64_t steps() const noexcept { return steps_; }
-  void set_steps(std::int64_t steps) noexcept { steps_ = steps; }
+  /// ArgumentError for a negative count (Adam's bias corrections would divide by 0 or turn the
+  /// update around) or INT64_MAX (the next step's count would overflow).
+  void set_steps(std::int64_t steps);
   /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
   const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
@@ -130,7 +132,8 @@ class AdamW : public Adam {
   AdamW(std::vector<ParamGroup> groups, AdamWOptions options = {});
 };
 
-/// Learning-rate schedules: the rate at a 0-based step.
+/// Learning-rate schedules: the rate at a 0-based step. Each refuses (ArgumentError) a rate that is
+/// not finite and >= 0 when it is made.
 using Schedule = std::function<double(std::int64_t step)>;
 namespace schedules {
 Schedule constant(double lr);

@@ -52,7 +52,9 @@ class TextWindows {
 /// logits [1, t, 256]), feeding back at most `context` bytes: the likeliest byte at temperature 0,
 /// else one drawn from the softmax at `temperature` with stream `seed`. Every rank draws the same
 /// bytes from the same logits, so call it on every rank of a sharded model. Put the model in eval
-/// mode first for sampling without dropout. Runs without gradients; ShapeError for other logits.
+/// mode first for sampling without dropout. Runs without gradients; ShapeError for other logits,
+/// ArgumentError for a negative count, a NaN temperature or one in (0, 1e-30) or infinite, and
+/// logits that are not finite.
 std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int64_t count, std::int64_t context,
                          double temperature, std::uint64_t seed);
 
