@@ -196,3 +196,14 @@ TEST_CASE("text: ranges and contexts whose sums would overflow are refused, befo
   check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, corpus.size(), INT64_MAX); },
                               {"TextWindows", "too few"});
 }
+
+TEST_CASE("initializers and SGD refuse values that give NaN weights or an update uphill") {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  check_throws<ArgumentError>([&] { nn::init::normal(nan, 1); }, {"init::normal", "mean"});
+  check_throws<ArgumentError>([&] { nn::init::normal(0, inf); }, {"init::normal", "standard deviation"});
+  check_throws<ArgumentError>([&] { nn::init::uniform(-inf, inf); }, {"init::uniform", "finite"});
+  check_throws<ArgumentError>([&] { nn::init::constant(nan); }, {"init::constant", "NaN"});
+  nn::Linear layer(2, 2);
+  check_throws<ArgumentError>([&] { nn::SGD(layer.parameters(), {.lr = 0.1, .momentum = 0.9, .dampening = 1.5}); },
+                              {"SGD", "dampening must be <= 1"});
+}

@@ -79,15 +79,25 @@ Initializer make(Initializer::Kind kind, double a = 0.0, double b = 0.0, std::ui
   init.seed = seed;
   return init;
 }
-Initializer constant(double value) { return make(Initializer::Kind::constant, value); }
+Initializer constant(double value) {
+  if (std::isnan(value)) fail<ArgumentError>("init::constant", "value is NaN");
+  return make(Initializer::Kind::constant, value);
+}
 Initializer zeros() { return constant(0.0); }
 Initializer ones() { return constant(1.0); }
 Initializer uniform(double low, double high, std::uint64_t seed) {
+  // Infinite bounds draw NaN or inf weights, as NaN bounds do.
+  if (!std::isfinite(low) || !std::isfinite(high)) {
+    fail<ArgumentError>("init::uniform", "bounds must be finite, got ", low, " and ", high);
+  }
   if (!(low <= high)) fail<ArgumentError>("init::uniform", "low ", low, " exceeds high ", high);
   return make(Initializer::Kind::uniform, low, high, seed);
 }
 Initializer normal(double mean, double std, std::uint64_t seed) {
-  if (!(std >= 0)) fail<ArgumentError>("init::normal", "standard deviation must be non-negative, got ", std);
+  if (!std::isfinite(mean)) fail<ArgumentError>("init::normal", "mean must be finite, got ", mean);
+  if (!(std >= 0 && std::isfinite(std))) {
+    fail<ArgumentError>("init::normal", "standard deviation must be finite and non-negative, got ", std);
+  }
   return make(Initializer::Kind::normal, mean, std, seed);
 }
 Initializer kaiming_uniform(std::int64_t fan_in, std::uint64_t seed) {

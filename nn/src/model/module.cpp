@@ -212,7 +212,11 @@ void Module::zero_grad() const {
 
 std::int64_t Module::parameter_count() const {
   std::int64_t n = 0;
-  for (const auto& [name, p] : named_parameters()) n += shape_numel(p.shape());
+  for (const auto& [name, p] : named_parameters()) {
+    if (__builtin_add_overflow(n, shape_numel(p.shape()), &n)) {
+      fail<ShapeError>("parameter_count", "the parameters' element count overflows int64 at '", name, "'");
+    }
+  }
   return n;
 }
 

@@ -87,6 +87,8 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
     : Optimizer(std::move(groups), options.lr), options_(options) {
   require_at_least("SGD", "momentum", options.momentum, 0.0);
   require_at_least("SGD", "dampening", options.dampening, 0.0);
+  // Above 1 the gradient enters the momentum buffer with a negative weight: ascent, not descent.
+  if (options.dampening > 1) fail<ArgumentError>("SGD", "dampening must be <= 1, got ", options.dampening);
   require_at_least("SGD", "weight_decay", options.weight_decay, 0.0);
   if (options.nesterov && (options.momentum <= 0 || options.dampening != 0)) {
     fail<ArgumentError>("SGD", "Nesterov momentum needs momentum > 0 and no dampening");
