@@ -6,6 +6,7 @@
 #include <limits>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -61,19 +62,41 @@ void reset_peak() {
 }
 
 namespace {
-std::atomic<std::int64_t>& limit_bytes() {
-  static std::atomic<std::int64_t> limit{[] {
+// RUDA_MEMORY_LIMIT, parsed once. A text that is no size is an error naming the variable at every
+// allocation until set_limit() replaces it (the limit's initializer threw before, so it was parsed
+// again at each call, the message did not name the variable, and set_limit could not recover).
+struct EnvLimit {
+  std::int64_t bytes = 0;
+  std::string error;
+};
+const EnvLimit& env_limit() {
+  static const EnvLimit parsed = [] {
+    EnvLimit e;
     const char* env = std::getenv("RUDA_MEMORY_LIMIT");
-    return env && *env ? parse_size(env) : std::int64_t{0};
-  }()};
-  return limit;
+    if (!env || !*env) return e;
+    try {
+      e.bytes = parse_size(env);
+    } catch (const ArgumentError& x) {
+      e.error = std::string("RUDA_MEMORY_LIMIT: ") + x.what() + " (set a size such as 512MB, or unset it)";
+    }
+    return e;
+  }();
+  return parsed;
 }
+std::atomic<std::int64_t> g_limit{0};
+std::atomic<bool> g_limit_set{false};  // set_limit() called: the environment no longer applies
 }  // namespace
 
-std::int64_t limit() { return limit_bytes().load(std::memory_order_relaxed); }
+std::int64_t limit() {
+  if (g_limit_set.load(std::memory_order_acquire)) return g_limit.load(std::memory_order_relaxed);
+  const EnvLimit& e = env_limit();
+  if (!e.error.empty()) throw ArgumentError(e.error);
+  return e.bytes;
+}
 void set_limit(std::int64_t bytes) {
   if (bytes < 0) fail<ArgumentError>("memory::set_limit", "limit must be 0 (none) or positive, got ", bytes);
-  limit_bytes().store(bytes, std::memory_order_relaxed);
+  g_limit.store(bytes, std::memory_order_relaxed);
+  g_limit_set.store(true, std::memory_order_release);
 }
 
 std::int64_t parse_size(std::string_view text) {
@@ -163,7 +186,15 @@ class BlockCache {
  public:
   BlockCache() {
     limit_ = kCacheByDefault ? std::size_t{1} << 30 : 0;  // idle bytes kept at most
-    if (const char* env = std::getenv("RUDA_CACHE_BYTES"); env && *env) limit_ = std::strtoull(env, nullptr, 10);
+    // A size as RUDA_MEMORY_LIMIT takes one (strtoull read "1GB" as 1 byte and "-1" as unlimited);
+    // a text that is none keeps the default, with a warning (this runs inside an allocation).
+    if (const char* env = std::getenv("RUDA_CACHE_BYTES"); env && *env) {
+      try {
+        limit_ = static_cast<std::size_t>(memory::parse_size(env));
+      } catch (const ArgumentError& e) {
+        std::fprintf(stderr, "ruda: ignoring RUDA_CACHE_BYTES: %s\n", e.what());
+      }
+    }
   }
   ~BlockCache() {
     for (auto& [size, blocks] : free_) {

@@ -104,11 +104,18 @@ Tensor randn(const Shape& shape, std::uint64_t seed, std::uint64_t offset, Optio
   return draw("randn", shape, Draw::normal, 0.0, 1.0, seed, offset, options);
 }
 Tensor uniform(const Shape& shape, double low, double high, std::uint64_t seed, std::uint64_t offset, Options options) {
+  // Infinite bounds, or finite ones whose difference overflows, draw NaN or inf for every element.
+  if (!std::isfinite(low) || !std::isfinite(high) || !std::isfinite(high - low)) {
+    fail<ArgumentError>("uniform", "bounds must be finite with a finite difference, got ", low, " and ", high);
+  }
   if (!(low <= high)) fail<ArgumentError>("uniform", "low ", low, " exceeds high ", high);
   return draw("uniform", shape, Draw::uniform, low, high, seed, offset, options);
 }
 Tensor normal(const Shape& shape, double mean, double std, std::uint64_t seed, std::uint64_t offset, Options options) {
-  if (!(std >= 0)) fail<ArgumentError>("normal", "standard deviation must be non-negative, got ", std);
+  if (!std::isfinite(mean)) fail<ArgumentError>("normal", "mean must be finite, got ", mean);
+  if (!(std >= 0 && std::isfinite(std))) {
+    fail<ArgumentError>("normal", "standard deviation must be finite and non-negative, got ", std);
+  }
   return draw("normal", shape, Draw::normal, mean, std, seed, offset, options);
 }
 

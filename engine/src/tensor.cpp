@@ -398,14 +398,14 @@ bool same_elements(const Tensor& a, const Tensor& b) {
                     y.strides.begin());
 }
 
-// Every in-place op starts here: refuse to overwrite a tensor the graph may depend on, and mark
-// the write for saved-tensor checks.
+// Every in-place op starts here: refuse to overwrite a tensor the graph may depend on. The write
+// is marked for saved-tensor checks (bump_version) only after every other check has passed, right
+// before the write: a refused call changes nothing, its version included.
 void begin_inplace(const Tensor& self, const char* op) {
   if (self.requires_grad() && autograd::is_grad_enabled()) {
     fail<AutogradError>(op, "in-place update of a ", self.shape(),
                         " tensor that requires grad; run it under autograd::NoGradGuard");
   }
-  self.bump_version();
 }
 }  // namespace
 
@@ -426,6 +426,7 @@ Tensor& Tensor::copy_(const Tensor& source) {
   }
   detail::require_writable_layout("copy_", *this);
   Tensor src = source.dtype() == dtype() ? source : source.detach().to(dtype());
+  bump_version();
   if (same_elements(src, *this)) return *this;  // nothing to move
   // A source that overlaps the destination otherwise (x.copy_(x.transpose(0, 1))) is read
   // whole before anything is written.
@@ -438,6 +439,8 @@ Tensor& Tensor::fill_(double value) {
   checked(*this, "fill_");
   begin_inplace(*this, "fill_");
   detail::require_writable_layout("fill_", *this);
+  detail::require_exact_scalar("fill_", value, *this);  // fill_(2.7) on i64 filled 2
+  bump_version();
   backend().fill(detail::view_of(*this), value);
   return *this;
 }
@@ -464,6 +467,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
     operand = operand.detach() * alpha;
   }
   const View self_view = detail::view_of(*this);
+  bump_version();
   backend().binary(BinaryOp::add, self_view, detail::broadcast_view(operand, shape()), self_view);
   return *this;
 }
@@ -475,6 +479,7 @@ Tensor& Tensor::mul_(double factor) {
   detail::require_exact_scalar("mul_", factor, *this);
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
+  bump_version();
   backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);
   return *this;
 }
@@ -487,6 +492,7 @@ Tensor empty(const Shape& shape, Options options) {
 
 Tensor full(const Shape& shape, double value, Options options) {
   Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), "full");
+  detail::require_exact_scalar("full", value, t);  // full(.., 2.7, i64) gave 2, NaN gave 0
   if (t.numel()) t.backend().fill(detail::view_of(t), value);
   return finish(std::move(t), options);
 }

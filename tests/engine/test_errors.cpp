@@ -250,3 +250,43 @@ TEST_CASE("empty products never recurse, whatever the operands' strides") {
   sum(matmul(a, w)).backward();
   CHECK(w.grad().to_vector<float>() == std::vector<float>{0, 0, 0});
 }
+
+TEST_CASE("random draws refuse parameters that make every value NaN or inf") {
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  test::check_throws<ArgumentError>([&] { uniform({3}, -inf, inf, 0); }, {"uniform", "finite"});
+  test::check_throws<ArgumentError>([&] { uniform({3}, -1e308, 1e308, 0); }, {"uniform", "finite difference"});
+  test::check_throws<ArgumentError>([&] { normal({3}, nan, 1, 0); }, {"normal", "mean must be finite"});
+  test::check_throws<ArgumentError>([&] { normal({3}, 0, inf, 0); }, {"normal", "standard deviation"});
+  CHECK(uniform({3}, -1, 1, 0).shape() == Shape{3});
+}
+
+TEST_CASE("fill_ and full on i64 refuse numbers that are no i64 value, as add_ and mul_ do") {
+  Tensor x = zeros({3}, Options(DType::i64));
+  test::check_throws<DTypeError>([&] { x.fill_(2.7); }, {"fill_", "2.7", "i64"});
+  test::check_throws<DTypeError>([&] { full({3}, std::numeric_limits<double>::quiet_NaN(), Options(DType::i64)); },
+                                 {"full", "i64"});
+  test::check_throws<DTypeError>([&] { full({2}, 1e30, Options(DType::i64)); }, {"full"});
+  CHECK(x.fill_(-4).to_vector<std::int64_t>() == std::vector<std::int64_t>{-4, -4, -4});
+  CHECK(full({2}, 0.5).to_vector<float>() == std::vector<float>{0.5f, 0.5f});
+}
+
+TEST_CASE("a refused in-place op changes nothing, its version included") {
+  Tensor x = ones({2, 3});
+  const std::uint64_t before = x.version();
+  CHECK_THROWS_AS(x.copy_(ones({4})), ShapeError);
+  CHECK_THROWS_AS(x.add_(ones({5})), ShapeError);
+  Tensor i = zeros({2}, Options(DType::i64));
+  const std::uint64_t i_before = i.version();
+  CHECK_THROWS_AS(i.mul_(0.5), DTypeError);
+  CHECK_THROWS_AS(i.fill_(0.5), DTypeError);
+  CHECK(x.version() == before);
+  CHECK(i.version() == i_before);
+  // A backward through a node that saved x still runs after the refused writes.
+  Tensor w = ones({3}).set_requires_grad();
+  Tensor y = sum(x * w);
+  CHECK_THROWS_AS(x.copy_(ones({7})), ShapeError);
+  y.backward();
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{2, 2, 2});
+  x.fill_(3);
+  CHECK(x.version() == before + 1);
+}

@@ -207,3 +207,19 @@ TEST_CASE("initializers and SGD refuse values that give NaN weights or an update
   check_throws<ArgumentError>([&] { nn::SGD(layer.parameters(), {.lr = 0.1, .momentum = 0.9, .dampening = 1.5}); },
                               {"SGD", "dampening must be <= 1"});
 }
+
+TEST_CASE("samplers, shard layouts and int8 blocks: no read before the data, no division by 0, no wrapped sums") {
+  nn::BatchSampler sampler(100, 10, 0, 1, 0);
+  // -1 was the "nothing cached" mark: indices(-1, 0) read an order that was never made.
+  check_throws<IndexError>([&] { sampler.indices(-1, 0); }, {"BatchSampler", "epoch -1"});
+  CHECK(sampler.indices(INT64_MAX, 0).shape() == Shape{10});  // epoch + 1 no longer overflows
+  nn::BatchSampler huge(std::int64_t{1} << 62, 2, 0, 1, 0);
+  check_throws<OutOfMemoryError>([&] { huge.indices(0, 0); }, {"BatchSampler", "out of memory"});
+  check_throws<nn::ShardingError>([] { nn::ShardInfo::layout({4, 3}, 0, 0); }, {"ShardInfo::layout", "world size"});
+  check_throws<nn::ShardingError>([] { nn::ShardInfo::layout({4, 3}, 2, 2); }, {"ShardInfo::layout", "rank 2"});
+  CHECK(nn::ShardInfo::layout({INT64_MAX}, 0, 2).shard_size == INT64_MAX / 2 + 1);
+  const Tensor x = randn({5}, 1);
+  const nn::Int8Blocks blocks = nn::quantize_int8(x, INT64_MAX);  // one block (n + block - 1 wrapped)
+  CHECK(blocks.scales.size() == 1);
+  CHECK_CLOSE(nn::dequantize_int8(blocks, DType::f32, INT64_MAX), x, 0.02, 0.02);
+}

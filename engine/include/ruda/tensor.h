@@ -213,8 +213,8 @@ Tensor gt(const Tensor& a, const Tensor& b);
 Tensor ge(const Tensor& a, const Tensor& b);
 /// Comparisons with a number (converted to a float tensor's dtype; for i64 and bool tensors the
 /// exact comparison: lt(x, 0.5) is x <= 0). i64 arithmetic wraps around on overflow
-/// (INT64_MIN / -1 == INT64_MIN); a number it cannot hold exactly (x * 0.5) is a DTypeError, and
-/// float-to-i64 casts saturate, NaN becoming 0.
+/// (INT64_MIN / -1 == INT64_MIN); a number it cannot hold exactly (x * 0.5, fill_(2.7), full with
+/// NaN) is a DTypeError, and float-to-i64 casts saturate, NaN becoming 0.
 Tensor eq(const Tensor& a, double b);
 Tensor ne(const Tensor& a, double b);
 Tensor lt(const Tensor& a, double b);

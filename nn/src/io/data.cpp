@@ -494,12 +494,19 @@ Tensor BatchSampler::indices(std::int64_t epoch, std::int64_t batch) {
   if (batch < 0 || batch >= batches_per_epoch_) {
     fail<IndexError>("BatchSampler", "batch ", batch, " of an epoch of ", batches_per_epoch_);
   }
+  // A negative epoch is none (and -1, the "nothing cached" mark, read the order before it existed).
+  if (epoch < 0) fail<IndexError>("BatchSampler", "epoch ", epoch, " is negative");
   if (epoch != cached_epoch_) {
-    order_.resize(static_cast<std::size_t>(size_));
+    try {
+      order_.resize(static_cast<std::size_t>(size_));
+    } catch (const std::exception&) {  // bad_alloc, length_error: a dataset size no memory holds
+      fail<OutOfMemoryError>("BatchSampler", "out of memory: the order of ", size_,
+                             " samples (8 bytes each) cannot be allocated");
+    }
     std::iota(order_.begin(), order_.end(), std::int64_t{0});
     if (shuffle_) {
       // Fisher-Yates with counter-based draws: the order depends on (seed, epoch) only.
-      const std::uint64_t stream = seed_ ^ (0x9e3779b97f4a7c15ull * static_cast<std::uint64_t>(epoch + 1));
+      const std::uint64_t stream = seed_ ^ (0x9e3779b97f4a7c15ull * (static_cast<std::uint64_t>(epoch) + 1));
       for (std::int64_t i = size_ - 1; i > 0; --i) {
         const double u = random::uniform_double(stream, static_cast<std::uint64_t>(i));
         const auto j = std::min(i, static_cast<std::int64_t>(u * static_cast<double>(i + 1)));

@@ -54,7 +54,8 @@ void dequantize(const std::int8_t* codes, const float* scales, std::int64_t n, s
   }
 }
 
-std::int64_t blocks_of(std::int64_t n, std::int64_t block) { return (n + block - 1) / block; }
+// Rounded up without n + block - 1, which overflows for a block near INT64_MAX.
+std::int64_t blocks_of(std::int64_t n, std::int64_t block) { return n / block + (n % block != 0 ? 1 : 0); }
 
 Tensor as_f32(const Tensor& x) { return cast(x.reshape({-1}), DType::f32).contiguous(); }
 

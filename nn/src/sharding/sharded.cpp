@@ -35,10 +35,16 @@ std::string ShardInfo::describe() const {
 }
 
 ShardInfo ShardInfo::layout(const Shape& logical_shape, int rank, int world_size) {
+  // Public, and every sharding path's arithmetic: a world of 0 divided by zero here.
+  if (world_size <= 0) fail<ShardingError>("ShardInfo::layout", "world size must be positive, got ", world_size);
+  if (rank < 0 || rank >= world_size) {
+    fail<ShardingError>("ShardInfo::layout", "rank ", rank, " is outside world size ", world_size);
+  }
   ShardInfo info;
   info.logical_shape = logical_shape;
   info.numel = shape_numel(logical_shape);
-  info.shard_size = (info.numel + world_size - 1) / world_size;
+  // Rounded up without numel + world - 1, which overflows for a numel near INT64_MAX.
+  info.shard_size = info.numel / world_size + (info.numel % world_size != 0 ? 1 : 0);
   info.rank = rank;
   info.world_size = world_size;
   return info;
