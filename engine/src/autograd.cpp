@@ -74,8 +74,6 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());
   if (!any) return;
-  if (inputs.size() > 64)
-    fail<AutogradError>(name, "an op may have at most 64 differentiable inputs, got ", inputs.size());
 
   auto node = std::make_shared<Node>();
   node->name = name;
@@ -311,9 +309,17 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     // function receives a contiguous gradient, so none has to ask, unless its node says it
     // reads strides (strided_grad).
     if (!node->strided_grad) g = detail::dense(g);
-    std::uint64_t mask = 0;
-    for (std::size_t i = 0; i < node->next.size(); ++i) {
-      if (node->next[i].connected()) mask |= std::uint64_t{1} << i;
+    GradMask mask;
+    if (node->next.size() <= 64) {
+      std::uint64_t bits = 0;
+      for (std::size_t i = 0; i < node->next.size(); ++i) {
+        if (node->next[i].connected()) bits |= std::uint64_t{1} << i;
+      }
+      mask = GradMask(bits);
+    } else {  // more inputs than bits (concat of many tensors): a flag per input
+      auto flags = std::make_shared<std::vector<bool>>(node->next.size());
+      for (std::size_t i = 0; i < node->next.size(); ++i) (*flags)[i] = node->next[i].connected();
+      mask = GradMask(std::move(flags));
     }
     // Restored, not cleared: a node's backward may run a nested backward (activation checkpointing).
     struct RestoreRunning {
@@ -325,7 +331,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       release_unless_retained(node);
       continue;
     }
-    std::vector<Tensor> grads = node->backward(g, node->saved, GradMask(mask));
+    std::vector<Tensor> grads = node->backward(g, node->saved, mask);
     g = Tensor();
     if (grads.size() != node->next.size()) {
       fail<AutogradError>("backward", node->name, " returned ", grads.size(), " gradients for ", node->next.size(),

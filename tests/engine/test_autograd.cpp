@@ -331,3 +331,16 @@ TEST_CASE("three slices of a projection cost one full-size gradient, not three")
   CHECK(backward_peak < full * 5 / 2);
   CHECK_CLOSE(slice(x.grad(), 1, c, 2 * c), wk * 2.0, 1e-6, 1e-6);
 }
+
+TEST_CASE("an op of more than 64 inputs, some of which require grad, differentiates (no 64-input cap)") {
+  // concat of 70 rows, the 3rd and the 67th requiring grad: the node's mask needs more than 64 bits.
+  std::vector<Tensor> rows;
+  for (int i = 0; i < 70; ++i) rows.push_back(full({1, 2}, static_cast<double>(i)));
+  rows[2].set_requires_grad();
+  rows[66].set_requires_grad();
+  const Tensor weights = from_values(std::vector<double>(140, 0.0), {70, 2}) + arange(0, 140).reshape({70, 2});
+  sum(concat(rows, 0) * weights).backward();
+  CHECK(rows[2].grad().to_vector<float>() == std::vector<float>{4, 5});
+  CHECK(rows[66].grad().to_vector<float>() == std::vector<float>{132, 133});
+  CHECK_FALSE(rows[65].grad().defined());
+}

@@ -67,14 +67,20 @@ class SavedTensor {
   std::shared_ptr<const std::function<Tensor()>> recipe_;
 };
 
-/// Which inputs of a node need a gradient.
+/// Which inputs of a node need a gradient: bits for up to 64 inputs, a shared flag per input for
+/// more (a concat of many tensors), so that no node is limited in its inputs.
 class GradMask {
  public:
   explicit GradMask(std::uint64_t bits = 0) : bits_(bits) {}
-  bool operator[](std::size_t input) const noexcept { return (bits_ >> input) & 1u; }
+  explicit GradMask(std::shared_ptr<const std::vector<bool>> flags) : flags_(std::move(flags)) {}
+  bool operator[](std::size_t input) const noexcept {
+    if (flags_) return input < flags_->size() && (*flags_)[input];
+    return input < 64 && ((bits_ >> input) & 1u);
+  }
 
  private:
-  std::uint64_t bits_;
+  std::uint64_t bits_ = 0;
+  std::shared_ptr<const std::vector<bool>> flags_;
 };
 
 using Saved = std::vector<SavedTensor>;
