@@ -113,3 +113,18 @@ TEST_CASE("sizes the system cannot give become OutOfMemoryError; impossible ones
   test::check_throws<ShapeError>([] { (void)empty({1LL << 61}, DType::f64); }, {"empty", "2^63 bytes"});
   test::check_throws<ShapeError>([] { (void)zeros({1LL << 62, 4}); }, {"overflows"});
 }
+
+// Run by the ctest entry test_engine_memory_bad_env, with RUDA_MEMORY_LIMIT=not-a-size in its
+// environment (skipped in the plain run: the variable is read once per process).
+TEST_CASE("RUDA_MEMORY_LIMIT that is no size: a typed error naming it, until set_limit replaces it" * doctest::skip()) {
+  REQUIRE(std::string(std::getenv("RUDA_MEMORY_LIMIT") ? std::getenv("RUDA_MEMORY_LIMIT") : "") == "not-a-size");
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the same error each time, parsed once
+    CHECK_THROWS_WITH_AS((void)zeros({4}), doctest::Contains("RUDA_MEMORY_LIMIT: "), ArgumentError);
+    CHECK_THROWS_WITH_AS((void)memory::limit(), doctest::Contains("not-a-size"), ArgumentError);
+  }
+  memory::set_limit(0);  // recovers: no limit
+  CHECK(zeros({4}).numel() == 4);
+  memory::set_limit(1 << 20);
+  CHECK(memory::limit() == 1 << 20);
+  memory::set_limit(0);
+}
