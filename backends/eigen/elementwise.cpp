@@ -233,6 +233,60 @@ void EigenBackend::unary_backward(UnaryOp op, const View& x, const View& y, cons
   });
 }
 
+namespace {
+
+// y = f(x) and dydx = f'(x) on n values in chunks whose x is first copied (16-bit: widened) onto
+// the stack, so that dydx may be x itself; f32 and f64 outputs are written in place, 16-bit ones
+// through the stack.
+template <class D, class T>
+void unary_with_derivative_range(const T* x, T* y, T* dydx, std::int64_t n) {
+  using C = compute_t<T>;
+  constexpr bool wide = std::is_same_v<C, T>;
+  C xs[kChunk], ys[wide ? 1 : kChunk], ds[wide ? 1 : kChunk];
+  for (std::int64_t c = 0; c < n; c += kChunk) {
+    const std::int64_t m = std::min(kChunk, n - c);
+    for (std::int64_t i = 0; i < m; ++i) xs[i] = Num<T>::load(x[c + i]);
+    const ConstArrayMap<C> xa(xs, m);
+    if constexpr (wide) {
+      ArrayMap<C> ya(y + c, m), da(dydx + c, m);
+      D::forward_and_derivative(xa, ya, da);
+    } else {
+      ArrayMap<C> ya(ys, m), da(ds, m);
+      D::forward_and_derivative(xa, ya, da);
+      for (std::int64_t i = 0; i < m; ++i) {
+        y[c + i] = Num<T>::store(ys[i]);
+        dydx[c + i] = Num<T>::store(ds[i]);
+      }
+    }
+  }
+}
+
+template <class D>
+concept HasForwardAndDerivative = requires(const ConstArrayMap<float>& x, ArrayMap<float>& y) {
+  D::forward_and_derivative(x, y, y);
+};
+
+}  // namespace
+
+void EigenBackend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  const std::int64_t n = x.numel();
+  bool fused = false;
+  ops::visit_unary(op, [&]<class D>(D) {
+    if constexpr (HasForwardAndDerivative<D>) {
+      if (x.dtype == DType::i64) return;  // the default's unary names the refusal
+      fused = true;
+      dispatch_float(x.dtype, D::name.data(), [&](auto tag) {
+        using T = decltype(tag);
+        parallel_for(n, kElementGrain / 4, [&](std::int64_t begin, std::int64_t end) {
+          unary_with_derivative_range<D, T>(x.ptr<const T>() + begin, y.ptr<T>() + begin, dydx.ptr<T>() + begin,
+                                            end - begin);
+        });
+      });
+    }
+  });
+  if (!fused) Backend::unary_with_derivative(op, x, y, dydx);
+}
+
 // --- binary ---
 
 namespace {

@@ -1,10 +1,12 @@
 #include <algorithm>
+#include <cstddef>
 #include <atomic>
 #include <cstdlib>
 #include <initializer_list>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ruda/backend.h>
 #include <ruda/error.h>
@@ -63,6 +65,28 @@ Backend& instance_of(Entry& e) {
 }
 
 }  // namespace
+
+void Backend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  unary(op, x, y);
+  // Contiguous buffers shaped like x: gy = 1, and the derivative's own where dydx is x (the
+  // backward reads x while it writes: a kernel need not allow its output to be its input).
+  auto buffer_like = [&x](std::vector<std::byte>& bytes) {
+    bytes.resize(static_cast<std::size_t>(x.numel()) * dtype_size(x.dtype));
+    View v = x;
+    v.data = bytes.data();
+    return v;
+  };
+  std::vector<std::byte> ones_bytes, out_bytes;
+  const View ones = buffer_like(ones_bytes);
+  fill(ones, 1.0);
+  if (dydx.data != x.data) {
+    unary_backward(op, x, y, ones, dydx);
+    return;
+  }
+  const View out = buffer_like(out_bytes);
+  unary_backward(op, x, y, ones, out);
+  copy(out, dydx);
+}
 
 void register_backend(std::string name, std::function<std::unique_ptr<Backend>()> factory) {
   Registry& r = storage();

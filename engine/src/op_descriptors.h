@@ -295,6 +295,16 @@ struct Unary<UnaryOp::gelu_tanh> {
     gx = gy *
          (half * (one + t) + half * x * (one - t.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square()));
   }
+  /// forward's y and backward's factor of gy from one tanh (Backend::unary_with_derivative; x
+  /// overlaps neither output): y holds the tanh until its own value is written.
+  template <class X, class Y, class DX>
+  static void forward_and_derivative(const X& x, Y& y, DX& dydx) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1);
+    y = vector_tanh(T(kSqrt2OverPi) * (x + T(kGeluCubic) * x.cube()));
+    dydx = half * (one + y) + half * x * (one - y.square()) * T(kSqrt2OverPi) * (one + T(3 * kGeluCubic) * x.square());
+    y = half * x * (one + y);
+  }
 };
 
 template <>
@@ -318,6 +328,16 @@ struct Unary<UnaryOp::gelu_erf> {
     const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
     gx = gy *
          (half * (one + vector_erf(x * T(std::numbers::sqrt2 / 2))) + x * inv_sqrt_2pi * (-half * x.square()).exp());
+  }
+  /// forward's y and backward's factor of gy from one erf (Backend::unary_with_derivative; x
+  /// overlaps neither output): y holds the erf until its own value is written.
+  template <class X, class Y, class DX>
+  static void forward_and_derivative(const X& x, Y& y, DX& dydx) {
+    using T = scalar_of<X>;
+    const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
+    y = vector_erf(x * T(std::numbers::sqrt2 / 2));
+    dydx = half * (one + y) + x * inv_sqrt_2pi * (-half * x.square()).exp();
+    y = half * x * (one + y);
   }
 };
 

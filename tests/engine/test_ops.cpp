@@ -272,6 +272,42 @@ TEST_CASE("tanh and both GELUs against double references over a dense range, for
   }
 }
 
+TEST_CASE("Backend::unary_with_derivative: unary's values and unary_backward's with gy = 1, in place or not") {
+  // The suite's backend, with its fused form for the GELUs and the base class's default (unary,
+  // then unary_backward) for tanh, and that default called directly on every op.
+  Backend& backend = zeros({1}).backend();
+  std::vector<double> xs;
+  for (int i = -1200; i <= 1200; ++i) xs.push_back(i / 160.0);  // [-7.5, 7.5]: past the tails
+  const auto n = static_cast<std::int64_t>(xs.size());
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    for (UnaryOp op : {UnaryOp::gelu_erf, UnaryOp::gelu_tanh, UnaryOp::tanh}) {
+      CAPTURE(static_cast<int>(op));
+      const Tensor x = values(xs, {n}, d);
+      const Tensor want_y = empty({n}, Options(d)), want_d = empty({n}, Options(d));
+      backend.unary(op, x.view(), want_y.view());
+      backend.unary_backward(op, x.view(), want_y.view(), full({n}, 1.0, Options(d)).view(), want_d.view());
+      const Tensor y = empty({n}, Options(d)), dydx = empty({n}, Options(d));
+      backend.unary_with_derivative(op, x.view(), y.view(), dydx.view());
+      CHECK_CLOSE(y, want_y, tol(d), tol(d));
+      CHECK_CLOSE(dydx, want_d, 2 * tol(d), 2 * tol(d));
+      // Written over x itself, by the backend's form and by the base class's default.
+      for (bool base_default : {false, true}) {
+        CAPTURE(base_default);
+        const Tensor in_place = x.clone(), y2 = empty({n}, Options(d));
+        if (base_default) {
+          backend.Backend::unary_with_derivative(op, in_place.view(), y2.view(), in_place.view());
+        } else {
+          backend.unary_with_derivative(op, in_place.view(), y2.view(), in_place.view());
+        }
+        CHECK_CLOSE(y2, want_y, tol(d), tol(d));
+        CHECK_CLOSE(in_place, want_d, 2 * tol(d), 2 * tol(d));
+        if (!base_default) CHECK(in_place.to_vector<double>() == dydx.to_vector<double>());
+      }
+    }
+  }
+}
+
 TEST_CASE("reductions") {
   for (DType d : kFloatTypes) {
     CAPTURE(dtype_name(d));
@@ -420,7 +456,8 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping o
   const Tensor b = randn({3}, 7);
   CHECK_CLOSE(linear_gelu(zeros({4, 0}), zeros({0, 3}), b), gelu(b).expand({4, 3}), 1e-6, 1e-6);
   // What backward keeps: with recompute, x, the weight and the bias, not the [rows, out]
-  // pre-activation; keeping it, the pre-activation too, as the composed ops do.
+  // pre-activation; keeping it, one [rows, out] tensor more (GELU's derivative there, written over
+  // the pre-activation), as the composed ops keep the pre-activation.
   memory::Scope scope;
   const Tensor big_x = randn({64, 32}, 8).set_requires_grad(), big_w = randn({32, 512}, 9).set_requires_grad();
   memory::reset_peak();
@@ -428,14 +465,16 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping o
   Tensor fused = linear_gelu(big_x, big_w, {}, GeluApproximation::erf, WeightLayout::in_out, GeluBackward::recompute);
   const std::int64_t fused_kept = scope.stats().live_bytes - before;
   fused = Tensor();
+  memory::reset_peak();
   Tensor kept = linear_gelu(big_x, big_w);
   const std::int64_t kept_bytes = scope.stats().live_bytes - before;
+  CHECK(scope.stats().peak_bytes - before == 2 * 64 * 512 * 4);  // the derivative took h's memory
   kept = Tensor();
   const Tensor composed = gelu(linear(big_x, big_w));
   const std::int64_t composed_kept = scope.stats().live_bytes - before;
   const std::int64_t activation = 64 * 512 * 4;
   CHECK(fused_kept == activation);         // the output alone
-  CHECK(kept_bytes == 2 * activation);     // the output and the pre-activation
+  CHECK(kept_bytes == 2 * activation);     // the output and GELU's derivative at the pre-activation
   CHECK(composed_kept == 2 * activation);  // the output and the pre-activation GELU's backward reads
   // Bad input is named as linear's is.
   CHECK_THROWS_AS(linear_gelu(zeros({2, 3}), zeros({4, 5})), ShapeError);

@@ -193,6 +193,12 @@ class Backend {
   virtual void unary(UnaryOp op, const View& x, const View& y) = 0;
   /// gx = gy * f'(x); y = f(x) is passed too for ops whose derivative reads it. Contiguous.
   virtual void unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) = 0;
+  /// y = f(x) and dydx = f'(x) together, for ops whose derivative reads the input: a caller can
+  /// then keep f'(x) for its backward (gx = gy * f'(x), one multiply) instead of x (linear_gelu
+  /// does, for GELU, whose derivative costs what its forward does). Contiguous, same shape and
+  /// dtype; dydx may be x itself (overwritten), y overlaps neither. Not pure: this default runs
+  /// unary, then unary_backward with gy = 1; a backend overrides it with one pass.
+  virtual void unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx);
   /// out = a (op) b; a and b are broadcast to out's shape through their strides (0 = broadcast,
   /// any other stride a view's). out may be a view too (in-place updates through a view) and may
   /// alias a or b exactly, never in part (the engine copies a partially overlapping operand).

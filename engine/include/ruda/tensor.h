@@ -324,10 +324,11 @@ constexpr bool is_valid(WeightLayout layout) noexcept {
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {},
               WeightLayout layout = WeightLayout::in_out);
 
-/// What linear_gelu keeps for its backward, which needs GELU's input (the pre-activation):
-/// keep it (one [.., out] tensor more from forward to backward; the GELU then runs as its own
-/// pass after the GEMM), or recompute it from x in backward (one more GEMM of the forward's size;
-/// the GELU runs as the GEMM's epilogue and the pre-activation never exists in forward).
+/// What linear_gelu keeps for its backward, which needs GELU's derivative at the pre-activation:
+/// keep it (one [.., out] tensor more from forward to backward: the GELU runs as its own pass
+/// after the GEMM and writes the derivative over the pre-activation, so that the backward is a
+/// multiply), or recompute the pre-activation from x in backward (one more GEMM of the forward's
+/// size; the GELU runs as the GEMM's epilogue and the pre-activation never exists in forward).
 enum class GeluBackward { keep_pre_activation, recompute };
 constexpr bool is_valid(GeluBackward b) noexcept {
   switch (b) {

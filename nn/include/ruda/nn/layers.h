@@ -21,8 +21,9 @@ class Linear : public UnaryModule {
  public:
   Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
   Tensor forward(const Tensor& x) override;
-  /// gelu(forward(x)) as one op (ruda::linear_gelu): `backward` says whether the pre-activation
-  /// is kept for backward or recomputed there (one more GEMM, GELU fused into the forward's).
+  /// gelu(forward(x)) as one op (ruda::linear_gelu): `backward` says whether one [.., out]
+  /// tensor (GELU's derivative at the pre-activation) is kept for backward or the pre-activation
+  /// recomputed there (one more GEMM, GELU fused into the forward's).
   Tensor forward_gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf,
                       GeluBackward backward = GeluBackward::keep_pre_activation);
   std::int64_t in_features() const noexcept { return in_; }
@@ -136,7 +137,8 @@ class MLP : public UnaryModule {
  public:
   MLP(std::int64_t d_model, std::int64_t hidden, double dropout = 0.0);
   Tensor forward(const Tensor& x) override;
-  /// Whether fc1's [.., hidden] pre-activation is kept for backward (the default: faster) or
+  /// Whether one [.., hidden] tensor of fc1 (GELU's derivative at its pre-activation) is kept for
+  /// backward (the default: faster) or the pre-activation
   /// recomputed there (one GEMM more per step, that tensor less from forward to backward).
   void set_gelu_backward(GeluBackward backward);
   std::shared_ptr<Linear> fc1, fc2;
