@@ -1,6 +1,6 @@
 #include <algorithm>
-#include <cstddef>
 #include <atomic>
+#include <cstddef>
 #include <cstdlib>
 #include <initializer_list>
 #include <mutex>

@@ -312,8 +312,7 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
                        const Tensor d = saved[2].get();
                        Tensor gh = make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
                        if (gh.numel()) {
-                         d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d),
-                                            detail::view_of(gh));
+                         d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d), detail::view_of(gh));
                        }
                        return linear_backward(
                            reshape(gh, {-1, s.out}), [&] { return saved[0].get(); }, [&] { return saved[1].get(); },
