@@ -269,6 +269,7 @@ concept HasForwardAndDerivative = requires(const ConstArrayMap<float>& x, ArrayM
 }  // namespace
 
 void EigenBackend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  ops::check_unary_with_derivative(op, x, y, dydx);
   const std::int64_t n = x.numel();
   bool fused = false;
   ops::visit_unary(op, [&]<class D>(D) {

@@ -69,6 +69,21 @@ memory::desc flat(std::int64_t n, memory::data_type type) { return memory::desc(
 
 }  // namespace
 
+namespace {
+
+// Why unary() runs Eigen's kernel for this op and x, or nothing where it asks oneDNN (which may
+// still refuse the primitive, and then runs Eigen's too).
+std::optional<std::string_view> eigen_forward_reason(const ops::UnaryInfo& info, const View& x) {
+  if (!to_dnnl(info.onednn.forward.alg)) return "oneDNN 2.6 has no eltwise algorithm for this op";
+  if (!dnnl_type(x.dtype)) return "oneDNN 2.6 has no eltwise for this dtype";
+  if (x.numel() < kMinElements) return kSmallReason;
+  if (!info.onednn.avoid_forward.empty()) return info.onednn.avoid_forward;
+  if (eigen_faster_unary(info.onednn.forward_slower, x.dtype)) return kEigenFasterReason;
+  return std::nullopt;
+}
+
+}  // namespace
+
 // Every op runs on oneDNN where its descriptor names an algorithm, the dtype has a oneDNN type,
 // the tensor is large enough and no measurement or caveat says otherwise; each other case runs
 // Eigen's kernel, recorded once as a fallback with its reason.
@@ -79,13 +94,9 @@ void OneDnnBackend::unary(UnaryOp op, const View& x, const View& y) {
     note_fallback(info.name, x.dtype, reason);
     EigenBackend::unary(op, x, y);
   };
+  if (const auto reason = eigen_forward_reason(info, x)) return on_eigen(*reason);
   const std::optional<algorithm> alg = to_dnnl(e.alg);
-  if (!alg) return on_eigen("oneDNN 2.6 has no eltwise algorithm for this op");
   const auto type = dnnl_type(x.dtype);
-  if (!type) return on_eigen("oneDNN 2.6 has no eltwise for this dtype");
-  if (x.numel() < kMinElements) return on_eigen(kSmallReason);
-  if (!info.onednn.avoid_forward.empty()) return on_eigen(info.onednn.avoid_forward);
-  if (eigen_faster_unary(info.onednn.forward_slower, x.dtype)) return on_eigen(kEigenFasterReason);
   const std::int64_t n = x.numel();
   Key key;
   key << std::int64_t{2} << static_cast<std::int64_t>(*alg) << e.alpha << e.beta << static_cast<std::int64_t>(x.dtype)
@@ -135,6 +146,21 @@ void OneDnnBackend::unary_backward(UnaryOp op, const View& x, const View& y, con
   });
   if (p->refused()) return on_eigen(p->refusal);
   execute(p, {{data_arg, data.data}, {DNNL_ARG_DIFF_DST, gy.data}, {DNNL_ARG_DIFF_SRC, gx.data}});
+}
+
+// y from the kernel unary() runs for the same op and x, so that linear_gelu's forward gives the
+// same bits with grad (this call) and without (unary; a checkpointed block's first pass): where
+// unary() runs Eigen's kernel, Eigen's one pass for both (the same formula); where it asks
+// oneDNN (bf16 ops oneDNN is faster at; every op under RUDA_ONEDNN_KERNELS=all), unary() and then
+// the derivative as unary_backward with gy = 1, the base class's default.
+void OneDnnBackend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  ops::check_unary_with_derivative(op, x, y, dydx);
+  const ops::UnaryInfo info = ops::unary_info(op);
+  if (const auto reason = eigen_forward_reason(info, x)) {
+    note_fallback(std::string(info.name) + " with derivative", x.dtype, *reason);
+    return EigenBackend::unary_with_derivative(op, x, y, dydx);
+  }
+  Backend::unary_with_derivative(op, x, y, dydx);
 }
 
 }  // namespace ruda::onednn

@@ -49,6 +49,13 @@
 // the median (this VM's run-to-run spread is ~0.1). bf16 stays on oneDNN: Eigen widens 16-bit
 // values in chunks, and in the step the two were a coin toss (2.5-3.0 ms against 2.0-3.7).
 //
+// gelu (erf)'s forward moved to Eigen in bf16 too (2026-12-03, third session), for linear_gelu:
+// with grad it computes the GELU and its derivative in one Eigen pass
+// (Backend::unary_with_derivative), and its no-grad forward must run the same kernel as that
+// pass (a checkpointed block's first pass and its recompute give the same bits). The bf16 step
+// gained more (~17 -> ~10 ms of GELU work a step) than the standalone forward loses (Eigen's
+// bf16 gelu (erf) read ~0.83x oneDNN's rate in the rows above).
+//
 // The unary ops' part of this policy is in their descriptors (forward_slower and backward_slower
 // in engine/src/op_descriptors.h); the binary and reduction parts are below.
 #pragma once

@@ -18,6 +18,7 @@ class OneDnnBackend : public EigenBackend {
   void gemm(const GemmDesc& desc) override;
   void unary(UnaryOp op, const View& x, const View& y) override;
   void unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) override;
+  void unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) override;
   void binary(BinaryOp op, const View& a, const View& b, const View& out) override;
   void reduce(ReduceOp op, const View& x, const View& out) override;
   void softmax(const View& x, const View& y, int axis, bool log) override;

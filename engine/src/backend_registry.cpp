@@ -10,6 +10,9 @@
 
 #include <ruda/backend.h>
 #include <ruda/error.h>
+#include <ruda/tensor.h>
+
+#include "op_descriptors.h"
 
 #ifdef RUDA_HAVE_OPENMP
 #include <omp.h>
@@ -66,26 +69,56 @@ Backend& instance_of(Entry& e) {
 
 }  // namespace
 
-void Backend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
-  unary(op, x, y);
-  // Contiguous buffers shaped like x: gy = 1, and the derivative's own where dydx is x (the
-  // backward reads x while it writes: a kernel need not allow its output to be its input).
-  auto buffer_like = [&x](std::vector<std::byte>& bytes) {
-    bytes.resize(static_cast<std::size_t>(x.numel()) * dtype_size(x.dtype));
-    View v = x;
-    v.data = bytes.data();
-    return v;
+namespace ops {
+
+void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  const std::string name = std::string(unary_info(op).name) + " with derivative";
+  const std::int64_t n = x.numel();
+  if (y.numel() != n || dydx.numel() != n) {
+    fail<ShapeError>(name, "x has ", n, " values, y ", y.numel(), ", dydx ", dydx.numel(), "; all three must match");
+  }
+  if (y.dtype != x.dtype || dydx.dtype != x.dtype) {
+    fail<DTypeError>(name, "x is ", dtype_name(x.dtype), ", y ", dtype_name(y.dtype), ", dydx ", dtype_name(dydx.dtype),
+                     "; all three must match");
+  }
+  if (!x.is_contiguous() || !y.is_contiguous() || !dydx.is_contiguous()) {
+    fail<ShapeError>(name, "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) must be contiguous");
+  }
+  if (n == 0) return;
+  if (!x.data || !y.data || !dydx.data) {
+    fail<ArgumentError>(name, "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) all need data");
+  }
+  const std::size_t bytes = static_cast<std::size_t>(n) * dtype_size(x.dtype);
+  auto overlap = [bytes](const View& a, const View& b) {
+    const auto* pa = static_cast<const std::byte*>(a.data);
+    const auto* pb = static_cast<const std::byte*>(b.data);
+    return pa < pb + bytes && pb < pa + bytes;
   };
-  std::vector<std::byte> ones_bytes, out_bytes;
-  const View ones = buffer_like(ones_bytes);
-  fill(ones, 1.0);
+  if (overlap(y, x) || overlap(y, dydx)) {
+    fail<ArgumentError>(name, "y (", dtype_name(x.dtype), ", ", n, " values) overlaps x or dydx");
+  }
+  if (dydx.data != x.data && overlap(dydx, x)) {
+    fail<ArgumentError>(name, "dydx overlaps x (", dtype_name(x.dtype), ", ", n, " values) without being x itself");
+  }
+}
+
+}  // namespace ops
+
+void Backend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
+  ops::check_unary_with_derivative(op, x, y, dydx);
+  unary(op, x, y);
+  // gy = 1, and the derivative's own buffer where dydx is x (the backward reads x while it
+  // writes: a kernel need not allow its output to be its input); engine tensors, so that the
+  // memory limit and statistics see them.
+  const Shape shape(x.shape.begin(), x.shape.begin() + x.ndim);
+  const Tensor ones = full(shape, 1.0, Options(x.dtype, this));
   if (dydx.data != x.data) {
-    unary_backward(op, x, y, ones, dydx);
+    unary_backward(op, x, y, ones.view(), dydx);
     return;
   }
-  const View out = buffer_like(out_bytes);
-  unary_backward(op, x, y, ones, out);
-  copy(out, dydx);
+  const Tensor out = empty(shape, Options(x.dtype, this));
+  unary_backward(op, x, y, ones.view(), out.view());
+  copy(out.view(), dydx);
 }
 
 void register_backend(std::string name, std::function<std::unique_ptr<Backend>()> factory) {

@@ -89,7 +89,9 @@ inline constexpr std::string_view kReluNanReason = "oneDNN's relu maps NaN to 0"
 ///   backward(gy, gx)     gx = gy * f'(x), when reads is nothing,
 ///   backward(x, gy, gx)  when it is input,
 ///   backward(y, gy, gx)  when it is output,
-/// on Eigen arrays (1-D maps of the tensors; 16-bit values are widened to f32 first). An op whose
+/// on Eigen arrays (1-D maps of the tensors; 16-bit values are widened to f32 first); optionally
+///   forward_and_derivative(x, y, dydx)  y = f(x) and dydx = f'(x) in one pass (x overlaps neither),
+/// which the Eigen backend's unary_with_derivative runs where it exists. An op whose
 /// domain is `numbers` has a forward that compiles for std::int64_t too.
 template <UnaryOp Op>
 struct Unary;
@@ -314,7 +316,7 @@ struct Unary<UnaryOp::gelu_erf> {
   static constexpr Reads reads = Reads::input;
   static constexpr DnnlPlan onednn{.forward = {DnnlAlg::gelu_erf},
                                    .backward = {DnnlAlg::gelu_erf},
-                                   .forward_slower = Slower::f32,
+                                   .forward_slower = Slower::always,
                                    .backward_slower = Slower::f32};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
@@ -498,5 +500,11 @@ constexpr decltype(auto) visit_unary(UnaryOp op, F&& f) {
 constexpr UnaryInfo unary_info(UnaryOp op) {
   return visit_unary(op, []<class D>(D) { return UnaryInfo{D::name, D::domain, D::reads, D::onednn}; });
 }
+
+/// Refuses the Views of Backend::unary_with_derivative that its contract excludes (a typed error
+/// naming the op, dtypes and sizes): an unknown op; sizes or dtypes that differ; a non-contiguous
+/// View; null data where there are values; y overlapping x or dydx; dydx overlapping x other than
+/// being x itself. Every implementation calls it first (the default in backend_registry.cpp).
+void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx);
 
 }  // namespace ruda::ops

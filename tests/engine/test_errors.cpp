@@ -74,6 +74,36 @@ TEST_CASE("ArgumentError") {
     check_throws<ArgumentError>([&] { b.unary_backward(UnaryOp::erf, none, none, gy.view(), gx.view()); },
                                 {"erf backward", "saved input", "f32"});
   }
+  // Backend::unary_with_derivative refuses Views outside its contract, in every backend and in the
+  // base class's default, before touching memory.
+  for (const std::string& name : available_backends()) {
+    CAPTURE(name);
+    Backend& b = get_backend(name);
+    const Tensor x = ones({5000}, Options(DType::f32, &b)), y = empty({5000}, Options(DType::f32, &b)),
+                 d = empty({5000}, Options(DType::f32, &b)), short_d = empty({4999}, Options(DType::f32, &b)),
+                 half_d = empty({5000}, Options(DType::bf16, &b)), pairs = empty({5000, 2}, Options(DType::f32, &b));
+    const View none;
+    View no_data = d.view();
+    no_data.data = nullptr;
+    const View strided = pairs.slice(1, 0, 1).squeeze(1).view();  // stride 2
+    for (bool base_default : {false, true}) {
+      CAPTURE(base_default);
+      auto call = [&](const View& xv, const View& yv, const View& dv) {
+        if (base_default) {
+          b.Backend::unary_with_derivative(UnaryOp::gelu_erf, xv, yv, dv);
+        } else {
+          b.unary_with_derivative(UnaryOp::gelu_erf, xv, yv, dv);
+        }
+      };
+      check_throws<ShapeError>([&] { call(x.view(), y.view(), none); }, {"gelu with derivative", "5000"});
+      check_throws<ArgumentError>([&] { call(x.view(), y.view(), no_data); }, {"gelu with derivative", "need data"});
+      check_throws<ShapeError>([&] { call(x.view(), y.view(), short_d.view()); }, {"gelu with derivative", "4999"});
+      check_throws<DTypeError>([&] { call(x.view(), y.view(), half_d.view()); }, {"gelu with derivative", "bf16"});
+      check_throws<ShapeError>([&] { call(strided, y.view(), d.view()); }, {"gelu with derivative", "contiguous"});
+      check_throws<ArgumentError>([&] { call(x.view(), x.view(), d.view()); }, {"gelu with derivative", "overlaps"});
+      check_throws<ArgumentError>([&] { call(x.view(), y.view(), y.view()); }, {"gelu with derivative", "overlaps"});
+    }
+  }
 }
 
 TEST_CASE("AutogradError") {
