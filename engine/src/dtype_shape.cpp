@@ -36,11 +36,15 @@ DType parse_dtype(std::string_view name) {
 }
 
 std::int64_t shape_numel(const Shape& shape, const char* op) {
-  std::int64_t n = 1;
+  // `span`, the product of the extents with 0 counted as 1, is what contiguous strides and
+  // flattened extents multiply to even when the shape holds no element: it must fit too.
+  std::int64_t n = 1, span = 1;
   for (std::int64_t d : shape) {
     if (d < 0) fail<ShapeError>(op, "negative extent in shape ", shape);
-    if (d != 0 && n > std::numeric_limits<std::int64_t>::max() / d) fail<ShapeError>(op, "shape ", shape, " overflows");
-    n *= d;
+    const std::int64_t e = d == 0 ? 1 : d;
+    if (span > std::numeric_limits<std::int64_t>::max() / e) fail<ShapeError>(op, "shape ", shape, " overflows");
+    span *= e;
+    n = d == 0 ? 0 : n * d;  // n <= span: no overflow
   }
   return n;
 }

@@ -79,6 +79,11 @@ Tensor mean(const Tensor& x, const Axes& axes, bool keepdim) {
   detail::require_float("mean", x);
   const Reduction r = plan("mean", x, axes, keepdim);
   if (r.count == 0) fail<ShapeError>("mean", "cannot average over zero elements of ", x.shape());
+  // 16-bit values are summed and divided in f32 and rounded once: an f16 sum or count past 65504
+  // is infinite (a mean of 70000 halves read 0), and a bf16 one rounds twice.
+  if (is_16bit_float(x.dtype())) {
+    return cast(sum(cast(x, DType::f32), axes, keepdim) / static_cast<double>(r.count), x.dtype());
+  }
   return sum(x, axes, keepdim) / static_cast<double>(r.count);
 }
 

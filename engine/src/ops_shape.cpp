@@ -82,8 +82,8 @@ Shape checked_target(const char* op, const Tensor& x, Shape shape) {
       infer = static_cast<int>(i);
     } else if (shape[i] < 0) {
       fail<ShapeError>(op, "negative extent in target shape ", shape);
-    } else {
-      known *= shape[i];
+    } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+      fail<ShapeError>(op, "target shape ", shape, " overflows (reshaping ", x.shape(), ")");
     }
   }
   if (infer >= 0) {
@@ -158,7 +158,15 @@ Tensor view(const Tensor& x, Shape shape) {
 
 Tensor flatten(const Tensor& x, std::int64_t start_axis, std::int64_t end_axis) {
   detail::require_defined("flatten", x);
-  if (x.ndim() == 0) return reshape(x, {1});
+  if (x.ndim() == 0) {
+    // A scalar flattens to [1]; its only axes are 0 and -1, as PyTorch's.
+    for (const std::int64_t axis : {start_axis, end_axis}) {
+      if (axis != 0 && axis != -1) {
+        fail<IndexError>("flatten", "axis ", axis, " is out of range for a scalar (0 or -1)");
+      }
+    }
+    return reshape(x, {1});
+  }
   const int s = normalize_axis(start_axis, x.ndim(), "flatten");
   const int e = normalize_axis(end_axis, x.ndim(), "flatten");
   if (s > e)
@@ -287,7 +295,10 @@ Tensor concat(const std::vector<Tensor>& tensors, std::int64_t axis) {
     bool fits = t.ndim() == first.ndim();
     for (std::int64_t i = 0; fits && i < t.ndim(); ++i) fits = i == a || t.shape()[i] == first.shape()[i];
     if (!fits) fail<ShapeError>("concat", "shapes ", first.shape(), " and ", t.shape(), " differ off axis ", axis);
-    shape[a] += t.shape()[a];
+    if (__builtin_add_overflow(shape[a], t.shape()[a], &shape[a])) {
+      fail<ShapeError>("concat", "the extents along axis ", axis, " of ", tensors.size(), " tensors shaped like ",
+                       first.shape(), " add up past an int64");
+    }
   }
   Tensor out = make_tensor(shape, first.dtype(), first.backend(), "concat");
   std::vector<std::int64_t> offsets;

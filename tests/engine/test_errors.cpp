@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <limits>
 #include <set>
+#include <vector>
 
 #include "helpers.h"
 
@@ -319,4 +320,32 @@ TEST_CASE("a refused in-place op changes nothing, its version included") {
   CHECK(w.grad().to_vector<float>() == std::vector<float>{2, 2, 2});
   x.fill_(3);
   CHECK(x.version() == before + 1);
+}
+
+TEST_CASE("16-bit means, shapes whose strides overflow, reshape/concat extents, flatten of a scalar") {
+  // An f16 mean of more than 65504 values: summed and divided in f32, rounded once.
+  CHECK(mean(full({70000}, 0.5, Options(DType::f16))).item() == 0.5);
+  CHECK(mean(full({70000}, 1.0, Options(DType::f16))).item() == 1.0);
+  CHECK(mean(full({2, 70000}, 1.5, Options(DType::f16)), {1}).to_vector<double>() == std::vector<double>{1.5, 1.5});
+  CHECK(mean(full({70001}, 0.1, Options(DType::bf16))).item() == full({}, 0.1, Options(DType::bf16)).item());
+  // Gradients through the f32 detour keep the dtype.
+  const Tensor h = full({70000}, 2.0, Options(DType::f16)).set_requires_grad();
+  mean(h).backward();
+  CHECK(h.grad().dtype() == DType::f16);
+  CHECK(h.grad().at({0}) == doctest::Approx(1.0 / 70000).epsilon(1e-3));
+  // No element, but extents whose strides overflow: refused as the same extents without a 0 are.
+  check_throws<ShapeError>([] { (void)zeros({0, std::int64_t{1} << 62, 4}); }, {"overflows"});
+  check_throws<ShapeError>([] { (void)zeros({0, std::int64_t{1} << 40, std::int64_t{1} << 40}); }, {"overflows"});
+  CHECK(zeros({0, std::int64_t{1} << 40}).numel() == 0);
+  // reshape's known extents and concat's summed extent, overflow-checked.
+  check_throws<ShapeError>(
+      [] {
+        (void)zeros({4}).reshape({-1, std::numeric_limits<std::int64_t>::max(), 2});
+      },
+      {"reshape", "overflows"});
+  const std::int64_t big = std::numeric_limits<std::int64_t>::max();
+  check_throws<ShapeError>([&] { (void)concat({zeros({big, 0}), zeros({big, 0})}); }, {"concat", "int64"});
+  // A scalar's only axes are 0 and -1.
+  CHECK(flatten(scalar(1.0), 0, -1).shape() == Shape{1});
+  check_throws<IndexError>([] { (void)flatten(scalar(1.0), 5, 7); }, {"flatten", "scalar"});
 }

@@ -1,5 +1,6 @@
 // nn's entry points refuse enum values that are none of the enumerators (a number cast to the
 // enum, uninitialized memory) with a typed error naming the op, before anything runs.
+#include <cmath>
 #include <fstream>
 #include <limits>
 
@@ -222,4 +223,31 @@ TEST_CASE("samplers, shard layouts and int8 blocks: no read before the data, no 
   const nn::Int8Blocks blocks = nn::quantize_int8(x, INT64_MAX);  // one block (n + block - 1 wrapped)
   CHECK(blocks.scales.size() == 1);
   CHECK_CLOSE(nn::dequantize_int8(blocks, DType::f32, INT64_MAX), x, 0.02, 0.02);
+}
+
+TEST_CASE("losses: integer log-probabilities refused, ignore_index exact past 2^53, f16 means past 65504") {
+  const Tensor int_log_probs = from_vector<std::int64_t>({-3, 0, -2, 0}, {2, 2});
+  check_throws<DTypeError>(
+      [&] {
+        (void)nn::nll_loss(int_log_probs, from_vector<std::int64_t>({0, 0}, {2}));
+      },
+      {"nll_loss", "floating point", "i64"});
+  // ignore_index compared as an i64: INT64_MAX is a valid choice, and 2^53 + 1 masks exactly that target.
+  const Tensor logits = randn({3, 4}, 1);
+  const Tensor targets = from_vector<std::int64_t>({1, 2, 3}, {3});
+  const double all = nn::cross_entropy(logits, targets).item();
+  CHECK(nn::cross_entropy(logits, targets, {.ignore_index = std::numeric_limits<std::int64_t>::max()}).item() == all);
+  const std::int64_t odd = (std::int64_t{1} << 53) + 1;
+  const Tensor with_ignored = from_vector<std::int64_t>({1, odd, 3}, {3});
+  const double two = nn::cross_entropy(logits, with_ignored, {.ignore_index = odd}).item();
+  const double want = nn::cross_entropy(logits, from_vector<std::int64_t>({1, 0, 3}, {3}), {.ignore_index = 0}).item();
+  CHECK(two == doctest::Approx(want));
+  CHECK(nn::counted_targets(with_ignored, odd) == 2);
+  CHECK(nn::counted_targets(with_ignored, odd - 1) == 3);
+  // f16 losses averaged over more than 65504 values.
+  const Tensor a = full({300, 300}, 1.5, Options(DType::f16)), b = full({300, 300}, 1.0, Options(DType::f16));
+  CHECK(nn::mse_loss(a, b).item() == 0.25);
+  const Tensor f16_logits = zeros({70000, 2}, Options(DType::f16));
+  const double ce = nn::cross_entropy(f16_logits, zeros({70000}, Options(DType::i64))).item();
+  CHECK(ce == doctest::Approx(std::log(2.0)).epsilon(1e-3));
 }

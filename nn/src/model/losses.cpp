@@ -60,6 +60,12 @@ void check_targets(const char* op, const Tensor& targets, std::int64_t classes, 
   }
 }
 
+// ignore_index as an i64 scalar, exactly (through a double, indices past 2^53 round, and
+// INT64_MAX is refused as no i64 value).
+Tensor ignore_scalar(std::int64_t ignore_index) {
+  return from_vector<std::int64_t>({ignore_index}, {}, Options(DType::i64));
+}
+
 Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
   if (!log_probs.defined() || !targets.defined()) fail<ArgumentError>(op, "got an undefined tensor");
   check_enum(options.reduction, op, "LossReduction");
@@ -68,6 +74,10 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
   }
   if (targets.dtype() != DType::i64) {
     fail<DTypeError>(op, "targets must be i64 class indices, got ", dtype_name(targets.dtype()), " ", targets.shape());
+  }
+  if (!is_floating(log_probs.dtype())) {
+    fail<DTypeError>(op, "log-probabilities must be floating point, got ", dtype_name(log_probs.dtype()), " ",
+                     log_probs.shape());
   }
   if (log_probs.ndim() < 1) fail<ShapeError>(op, "log-probabilities need a class axis, got ", log_probs.shape());
   const Shape expected(log_probs.shape().begin(), log_probs.shape().end() - 1);
@@ -81,7 +91,7 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
   Options like(dtype, &log_probs.backend());
 
   // Ignored targets pick class 0 and are masked out.
-  const Tensor keep = ne(targets, full({}, static_cast<double>(options.ignore_index), DType::i64));
+  const Tensor keep = ne(targets, ignore_scalar(options.ignore_index));
   const Tensor safe = where(keep, targets, zeros({}, DType::i64));
   const Tensor keep_f = cast(keep, dtype);
   Tensor target_weight = keep_f;
@@ -105,6 +115,11 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
     case LossReduction::sum:
       return sum(loss);
     case LossReduction::mean:
+      // 16-bit losses are summed and divided in f32, then rounded once (an f16 sum or count
+      // past 65504 is infinite).
+      if (is_16bit_float(dtype)) {
+        return cast(sum(cast(loss, DType::f32)) / sum(cast(target_weight, DType::f32)).detach(), dtype);
+      }
       return sum(loss) / sum(target_weight).detach();
   }
   return loss;
@@ -154,8 +169,7 @@ std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index) {
                      targets.shape());
   }
   autograd::NoGradGuard guard;
-  return static_cast<std::int64_t>(
-      sum(ne(targets, full({}, static_cast<double>(ignore_index), DType::i64)).to(DType::i64)).item());
+  return static_cast<std::int64_t>(sum(ne(targets, ignore_scalar(ignore_index)).to(DType::i64)).item());
 }
 
 }  // namespace ruda::nn
