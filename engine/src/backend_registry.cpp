@@ -72,21 +72,23 @@ Backend& instance_of(Entry& e) {
 namespace ops {
 
 void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
-  const std::string name = std::string(unary_info(op).name) + " with derivative";
+  // The name is built only for a message: this runs on every call.
+  const std::string_view op_name = unary_info(op).name;
+  auto name = [op_name] { return std::string(op_name) + " with derivative"; };
   const std::int64_t n = x.numel();
   if (y.numel() != n || dydx.numel() != n) {
-    fail<ShapeError>(name, "x has ", n, " values, y ", y.numel(), ", dydx ", dydx.numel(), "; all three must match");
+    fail<ShapeError>(name(), "x has ", n, " values, y ", y.numel(), ", dydx ", dydx.numel(), "; all three must match");
   }
   if (y.dtype != x.dtype || dydx.dtype != x.dtype) {
-    fail<DTypeError>(name, "x is ", dtype_name(x.dtype), ", y ", dtype_name(y.dtype), ", dydx ", dtype_name(dydx.dtype),
-                     "; all three must match");
+    fail<DTypeError>(name(), "x is ", dtype_name(x.dtype), ", y ", dtype_name(y.dtype), ", dydx ",
+                     dtype_name(dydx.dtype), "; all three must match");
   }
   if (!x.is_contiguous() || !y.is_contiguous() || !dydx.is_contiguous()) {
-    fail<ShapeError>(name, "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) must be contiguous");
+    fail<ShapeError>(name(), "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) must be contiguous");
   }
   if (n == 0) return;
   if (!x.data || !y.data || !dydx.data) {
-    fail<ArgumentError>(name, "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) all need data");
+    fail<ArgumentError>(name(), "x, y and dydx (", dtype_name(x.dtype), ", ", n, " values) all need data");
   }
   const std::size_t bytes = static_cast<std::size_t>(n) * dtype_size(x.dtype);
   auto overlap = [bytes](const View& a, const View& b) {
@@ -95,10 +97,10 @@ void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const
     return pa < pb + bytes && pb < pa + bytes;
   };
   if (overlap(y, x) || overlap(y, dydx)) {
-    fail<ArgumentError>(name, "y (", dtype_name(x.dtype), ", ", n, " values) overlaps x or dydx");
+    fail<ArgumentError>(name(), "y (", dtype_name(x.dtype), ", ", n, " values) overlaps x or dydx");
   }
   if (dydx.data != x.data && overlap(dydx, x)) {
-    fail<ArgumentError>(name, "dydx overlaps x (", dtype_name(x.dtype), ", ", n, " values) without being x itself");
+    fail<ArgumentError>(name(), "dydx overlaps x (", dtype_name(x.dtype), ", ", n, " values) without being x itself");
   }
 }
 
