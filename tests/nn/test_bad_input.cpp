@@ -250,4 +250,8 @@ TEST_CASE("losses: integer log-probabilities refused, ignore_index exact past 2^
   const Tensor f16_logits = zeros({70000, 2}, Options(DType::f16));
   const double ce = nn::cross_entropy(f16_logits, zeros({70000}, Options(DType::i64))).item();
   CHECK(ce == doctest::Approx(std::log(2.0)).epsilon(1e-3));
+  // Label smoothing's mean over 70000 classes of f16 log-probabilities (their f16 sum is -inf).
+  const Tensor log_probs = full({2, 70000}, -10.0, Options(DType::f16));
+  const double smoothed = nn::nll_loss(log_probs, zeros({2}, Options(DType::i64)), {.label_smoothing = 0.1}).item();
+  CHECK(smoothed == doctest::Approx(10.0).epsilon(1e-2));
 }

@@ -106,7 +106,13 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
   Tensor loss = -(picked * target_weight);
   if (options.label_smoothing > 0.0) {
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
-    const Tensor smooth = -sum(log_probs * class_weight, {-1}) * keep_f / static_cast<double>(classes);
+    // The classes' mean in f32 for 16-bit log-probabilities (an f16 sum over many classes is
+    // infinite), as the mean reduction below.
+    const Tensor weighted = log_probs * class_weight;
+    const Tensor class_mean = is_16bit_float(dtype)
+                                  ? cast(sum(cast(weighted, DType::f32), {-1}) / static_cast<double>(classes), dtype)
+                                  : sum(weighted, {-1}) / static_cast<double>(classes);
+    const Tensor smooth = -class_mean * keep_f;
     loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
   }
   switch (options.reduction) {
