@@ -209,6 +209,93 @@ TEST_CASE("initializers and SGD refuse values that give NaN weights or an update
                               {"SGD", "dampening must be <= 1"});
 }
 
+namespace {
+struct TwoParams : nn::Module {
+  nn::Param a, b;
+  TwoParams(nn::Param first, nn::Param second) : a(std::move(first)), b(std::move(second)) {
+    register_parameter("a", &a);
+    register_parameter("b", &b);
+  }
+};
+}  // namespace
+
+TEST_CASE("sharding: a refused fully_shard changes no parameter; gathers and int8 buckets check their dtypes") {
+  // b's empty extent is refused after a was checked: a used to be sliced in place by then, so the
+  // module could neither be sharded again ("sharded already") nor used whole (each rank kept half).
+  for (const bool group : {false, true}) {
+    CAPTURE(group);
+    run_ranks(2, [&](Communicator& comm) {
+      TwoParams m(nn::Param(arange(0, 16, 1).reshape({4, 4})), nn::Param(zeros({0})));
+      check_throws<nn::ShardingError>([&] { nn::fully_shard(m, comm, nn::FullyShardOptions{.group = group}); },
+                                      {"fully_shard", "every logical extent must be positive"});
+      CHECK_FALSE(m.a.is_sharded());
+      CHECK(m.a.data().shape() == Shape{4, 4});
+      CHECK(m.a.data().to_vector<float>() == arange(0, 16, 1).to_vector<float>());
+      CHECK(m.a.data().requires_grad());
+    });
+  }
+  // The gather's own compute dtype is checked as fully_shard's policy is (i64 truncated the weights).
+  LocalCommunicator one;
+  TwoParams s(nn::Param(full({4}, 2.5)), nn::Param(ones({2})));
+  nn::fully_shard(s, one);
+  check_throws<DTypeError>([&] { (void)nn::gather_param(s.a, one, DType::i64); },
+                           {"gather", "the compute dtype must be a float, got i64"});
+  check_throws<DTypeError>([&] { (void)nn::gather_param(s.a, one, static_cast<DType>(77)); },
+                           {"gather", "not a valid compute dtype: 77"});
+  // A module with no replicated parameter makes no broadcast, which checked the root before.
+  check_throws<ArgumentError>([&] { nn::broadcast_replicated(s, one, 3); },
+                              {"broadcast_replicated", "root 3 is outside a world of 1"});
+  // An int8 bucket of parameters stored in different float dtypes (one compute dtype): concat
+  // refused the mixed parts ("dtypes differ"); they quantize from f32 like any other.
+  run_ranks(2, [](Communicator& comm) {
+    TwoParams m(nn::Param(arange(0, 16, 1).reshape({4, 4}) * 0.25),
+                nn::Param(from_vector<double>({1.5, -2.0, 0.5}, {3})));
+    nn::FullyShardOptions options{.group = true};
+    options.policy.compute_dtype = DType::f32;
+    options.policy.gather_quantization = nn::GatherQuantization::int8;
+    nn::fully_shard(m, comm, options);
+    autograd::NoGradGuard no_grad;
+    const Tensor a = m.a.value(), b = m.b.value();
+    CHECK(a.dtype() == DType::f32);
+    CHECK(b.dtype() == DType::f32);
+    // Within half a step of each rank's part (largest |value| 2 and 3.75, / 127 / 2).
+    CHECK_CLOSE(a, arange(0, 16, 1).reshape({4, 4}) * 0.25, 0.015, 0);
+    CHECK_CLOSE(b, from_vector<float>({1.5f, -2.0f, 0.5f}, {3}), 0.015, 0);
+  });
+  // A block holding +-FLT_MAX: its scale rounded so that 127 * scale was inf, and the largest
+  // finite weights came back infinite.
+  const float largest = std::numeric_limits<float>::max();
+  const nn::Int8Blocks extreme = nn::quantize_int8(from_vector<float>({largest, -largest, 1.0f}, {3}));
+  const std::vector<float> back = nn::dequantize_int8(extreme, DType::f32).to_vector<float>();
+  CHECK(std::isfinite(back[0]));
+  CHECK(back[0] > 0.999f * largest);
+  CHECK(back[1] == -back[0]);
+  CHECK(back[2] == 0.0f);
+}
+
+TEST_CASE("memory planners: the largest fitting batch is the largest; negative options and overflowing probes") {
+  const auto layer = std::make_shared<nn::Linear>(4, 3);
+  const nn::StepProbe probe{100, 10};
+  // It started at batch - world and skipped what the world does not divide: (4, 10) gave 0, not 8;
+  // near INT64_MAX it walked down by the world size for ever.
+  CHECK(nn::largest_fitting_batch(*layer, 4, 10, probe, 0) == 8);
+  CHECK(nn::largest_fitting_batch(*layer, 2, (std::int64_t{1} << 31) + 1, probe, 0) == std::int64_t{1} << 31);
+  CHECK(nn::largest_fitting_batch(*layer, 3, INT64_MAX, probe, 0) == (INT64_MAX - 1) / 3 * 3);
+  CHECK(nn::largest_fitting_batch(*layer, 4, 4, probe, 0) == 0);  // none below the batch
+  const std::int64_t limit = nn::plan_memory(*layer, 2, 40, probe).peak();
+  CHECK(nn::plan_memory(*layer, 2, 42, probe).peak() > limit);
+  CHECK(nn::largest_fitting_batch(*layer, 2, 100, probe, limit) == 40);
+  CHECK(nn::largest_fitting_batch(*layer, 2, INT64_MAX, probe, limit) == 40);  // its step overflows: does not fit
+  CHECK(nn::largest_fitting_batch(*layer, 2, 100, probe, 1) == 0);
+  check_throws<ArgumentError>([&] { nn::plan_state(*layer, 2, 8, {.optimizer_states = -5}); },
+                              {"plan_state", "optimizer_states must not be negative, got -5"});
+  check_throws<ArgumentError>([&] { nn::plan_state(*layer, 2, 8, {.shard_ranks = -7}); },
+                              {"plan_state", "shard_ranks", "-7"});
+  // A probe's product saturates (it wrapped: {0, 2^40} at 2^40 samples planned a step of 0 bytes).
+  CHECK(nn::StepProbe{0, std::int64_t{1} << 40}.at(std::int64_t{1} << 40) == INT64_MAX);
+  CHECK(nn::plan_memory(*layer, 1, std::int64_t{1} << 40, nn::StepProbe{0, std::int64_t{1} << 40}).peak() == INT64_MAX);
+}
+
 TEST_CASE("samplers, shard layouts and int8 blocks: no read before the data, no division by 0, no wrapped sums") {
   nn::BatchSampler sampler(100, 10, 0, 1, 0);
   // -1 was the "nothing cached" mark: indices(-1, 0) read an order that was never made.

@@ -41,6 +41,12 @@ std::int64_t add_bytes(const std::string& name, std::int64_t a, std::int64_t b) 
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
   require_world_and_batch("plan_state", world_size, global_batch);
   if (options.compute_dtype) check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
+  if (options.optimizer_states < 0) {
+    fail<ArgumentError>("plan_state", "optimizer_states must not be negative, got ", options.optimizer_states);
+  }
+  if (options.shard_ranks < 0) {
+    fail<ArgumentError>("plan_state", "shard_ranks must be positive (or 0: the world size), got ", options.shard_ranks);
+  }
   const int shard_ranks = options.shard_ranks > 0 ? options.shard_ranks : world_size;
   if (world_size % shard_ranks != 0) {
     fail<ArgumentError>("plan_state", "state sharded over ", shard_ranks, " ranks does not tile a world of ",
@@ -99,7 +105,9 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options) {
   MemoryPlan plan = plan_state(module, world_size, global_batch, options);
-  plan.step = probe.at(plan.local_batch) + (options.accumulating ? plan.gradients : 0);
+  // Saturating, as StepProbe::at: a batch whose step overflows fits no limit.
+  if (__builtin_add_overflow(probe.at(plan.local_batch), options.accumulating ? plan.gradients : 0, &plan.step))
+    plan.step = INT64_MAX;
   plan.probe = probe;
   return plan;
 }
@@ -241,11 +249,21 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
 std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
                                    const StepProbe& probe, std::int64_t limit, const PlanOptions& options) {
   require_world_and_batch("largest_fitting_batch", world_size, global_batch);
-  for (std::int64_t batch = global_batch - world_size; batch > 0; batch -= world_size) {
-    if (batch % world_size != 0) continue;
-    if (limit <= 0 || plan_memory(module, world_size, batch, probe, options).peak() <= limit) return batch;
+  // Candidates are k * world_size for k in [1, largest]: below global_batch, divisible by the world.
+  const std::int64_t largest = (global_batch - 1) / world_size;
+  auto fits = [&](std::int64_t k) {
+    return limit <= 0 || plan_memory(module, world_size, k * world_size, probe, options).peak() <= limit;
+  };
+  if (largest < 1) return 0;
+  if (fits(largest)) return largest * world_size;
+  // The plan grows with the batch (the probe is linear in it): bisect for the last k that fits,
+  // a few dozen plans even for a batch near INT64_MAX (a walk down by world_size never ended).
+  std::int64_t lo = 0, hi = largest;  // fits(lo) (or lo == 0), !fits(hi)
+  while (hi - lo > 1) {
+    const std::int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
   }
-  return 0;
+  return lo * world_size;
 }
 
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,

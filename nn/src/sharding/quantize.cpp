@@ -33,7 +33,11 @@ void quantize(const float* x, std::int64_t n, std::int64_t block, std::int8_t* c
       for (std::int64_t i = begin; i < end; ++i) codes[i] = std::isfinite(x[i]) ? 0 : 1;
       continue;
     }
-    const float scale = largest / 127.0f;
+    float scale = largest / 127.0f;
+    // Near FLT_MAX, largest / 127 rounds up so that 127 * scale is infinite: a finite weight would
+    // come back as inf. The next smaller scale keeps every code's value finite (the largest
+    // element's code clamps to 127).
+    while (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
     scales[b] = scale;
     if (scale == 0) {  // a block of zeros (padding among them) stays exactly zero
       std::fill(codes + begin, codes + end, std::int8_t{0});

@@ -259,7 +259,9 @@ PendingGather ShardGroup::start_gather() const {
     // current full-precision values into int8 codes and scales.
     std::vector<Tensor> part;
     for (const std::size_t i : bucket.members) {
-      part.push_back(bucket.int8 ? gather.sources[i] : cast(gather.sources[i], bucket.dtype));
+      // int8 codes quantize f32 values: a bucket's members may be stored in different float dtypes
+      // (they share the compute dtype), and concat takes one.
+      part.push_back(cast(gather.sources[i], bucket.int8 ? DType::f32 : bucket.dtype));
     }
     Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
     if (bucket.int8) local = pack_int8(local);

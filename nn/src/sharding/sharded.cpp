@@ -175,6 +175,12 @@ Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const 
 
 Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype) {
   const char* op = "gather";
+  if (compute_dtype) {  // as fully_shard's policy: a float, or the weights would be truncated
+    check_enum<DTypeError>(*compute_dtype, op, "compute dtype");
+    if (!is_floating(*compute_dtype)) {
+      fail<DTypeError>(op, "the compute dtype must be a float, got ", dtype_name(*compute_dtype));
+    }
+  }
   if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
   if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
@@ -246,8 +252,17 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
   check_enum(options.overlap, op, "Overlap");
   if (options.max_unsharded_groups < 1)
     fail<ArgumentError>(op, "max_unsharded_groups must be at least 1, got ", options.max_unsharded_groups);
-  std::vector<Param> fresh;
-  std::vector<std::shared_ptr<ShardGroup>> inner;  // groups of earlier calls on submodules
+  // Everything that can fail (the checks, each slice's allocation) runs before any parameter
+  // changes: a refused call leaves the module as it was, not half sliced and unrecoverable.
+  struct Planned {
+    Param param;
+    std::shared_ptr<ShardInfo> info;
+    Tensor slice;
+    bool requires_grad = false;
+  };
+  std::vector<Planned> planned;
+  std::vector<std::pair<Param, std::string>> renamed;  // sharded by an earlier call on a submodule
+  std::vector<std::shared_ptr<ShardGroup>> inner;      // groups of earlier calls on submodules
   for (auto& [name, param] : module.named_parameters()) {
     if (param.is_sharded()) {
       const auto& held = param.shard()->group;
@@ -259,7 +274,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
                             held->replicate() ? "replicated over another communicator" : "fully sharded",
                             " already; shard a model's modules all hybrid or all full");
       }
-      param.shard()->name = name;  // named from the enclosing module from now on
+      renamed.emplace_back(param, name);
       if (std::find(inner.begin(), inner.end(), held) == inner.end()) inner.push_back(held);
       continue;
     }
@@ -270,13 +285,19 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
     info->comm = &comm;
     info->replicate = options.replicate;
     info->name = name;
-    // In place: the module's members (and every tied use) see the same Param, now a slice. A
-    // frozen parameter stays frozen.
+    Tensor slice = local_slice(param, *info);
+    // A frozen parameter stays frozen.
     const bool requires_grad = param.is_deferred() || param.data().requires_grad();
-    ParamAccess::replace_data(param, local_slice(param, *info));
-    param.data().set_requires_grad(requires_grad);
-    param.set_shard(std::move(info));
-    fresh.push_back(param);
+    planned.push_back({param, std::move(info), std::move(slice), requires_grad});
+  }
+  for (auto& [param, name] : renamed) param.shard()->name = name;  // named from the enclosing module from now on
+  std::vector<Param> fresh;
+  for (Planned& p : planned) {
+    // In place: the module's members (and every tied use) see the same Param, now a slice.
+    ParamAccess::replace_data(p.param, std::move(p.slice));
+    p.param.data().set_requires_grad(p.requires_grad);
+    p.param.set_shard(std::move(p.info));
+    fresh.push_back(p.param);
   }
   if (!options.group) return fresh.size();
 
@@ -416,6 +437,11 @@ Tensor FullyShardedEmbedding::forward(const Tensor& indices, Communicator& comm)
 }
 
 std::size_t broadcast_replicated(const Module& module, Communicator& comm, int root) {
+  // Checked here too: a module with no replicated parameter makes no broadcast that would.
+  if (root < 0 || root >= comm.world_size()) {
+    fail<ArgumentError>("broadcast_replicated", "rank ", comm.rank(), ": root ", root, " is outside a world of ",
+                        comm.world_size());
+  }
   autograd::NoGradGuard guard;
   std::size_t count = 0;
   for (const auto& [name, p] : module.named_parameters()) {

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -40,7 +41,13 @@ struct PlanOptions {
 struct StepProbe {
   std::int64_t fixed = 0;
   std::int64_t per_sample = 0;
-  std::int64_t at(std::int64_t local_batch) const { return fixed + per_sample * local_batch; }
+  /// Saturates at INT64_MAX (a plan no limit admits) where the product or the sum overflows.
+  std::int64_t at(std::int64_t local_batch) const {
+    std::int64_t scaled = 0, out = 0;
+    if (__builtin_mul_overflow(per_sample, local_batch, &scaled) || __builtin_add_overflow(fixed, scaled, &out))
+      return INT64_MAX;
+    return out;
+  }
 };
 
 /// Per-rank bytes at one world size.
@@ -56,7 +63,14 @@ struct MemoryPlan {
   StepProbe probe;              // what `step` was read from, when measured
   std::string schedule;         // the schedule `step` was measured with (MemorySchedule::describe), if given
   /// The predicted peak: the state plus the step (or, unmeasured, plus `gathered` only: a lower bound).
-  std::int64_t peak() const { return parameters + gradients + optimizer + (step >= 0 ? step : gathered); }
+  /// Saturates at INT64_MAX, as StepProbe::at does.
+  std::int64_t peak() const {
+    std::int64_t out = 0;
+    for (const std::int64_t bytes : {parameters, gradients, optimizer, step >= 0 ? step : gathered}) {
+      if (__builtin_add_overflow(out, bytes, &out)) return INT64_MAX;
+    }
+    return out;
+  }
   bool measured() const { return step >= 0; }
   /// A short table, one line per part, and the total against `limit` (0: none).
   std::string table(std::int64_t limit = 0) const;
