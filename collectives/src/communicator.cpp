@@ -234,8 +234,12 @@ std::string fingerprint_tag(const std::string& tag) {
 bool order_check_from_env() {
   const char* env = std::getenv("RUDA_CHECK_COLLECTIVES");
   if (!env) return false;
-  const std::string v = env;
-  return v == "1" || v == "true" || v == "on" || v == "yes" || v == "TRUE" || v == "ON" || v == "YES";
+  std::string v;
+  for (char c : std::string_view(env)) v += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  if (v.empty() || v == "0" || v == "false" || v == "off" || v == "no") return false;
+  fail<ArgumentError>("RUDA_CHECK_COLLECTIVES", "'", env,
+                      "' is neither on (1, true, on, yes) nor off (0, false, off, no)");
 }
 
 bool launched_by_mpi() {
@@ -266,19 +270,20 @@ std::chrono::milliseconds parse_collective_timeout(std::string_view text, std::s
     fail<ArgumentError>(what, "'", original, "' is not a collective timeout (", why,
                         "; examples: 300, 300s, 5m, 500ms, off)");
   };
+  // A decimal number of digits and one point, then a unit, with spaces only around them: not
+  // strtod's whole grammar ("0x10" read as 16 s, "1e3" as 1000 s), nor spaces inside ("3 0 0").
+  auto blank = [](char c) { return c == ' ' || c == '\t'; };
   std::string s;
-  for (char c : text) {
-    if (c != ' ' && c != '\t') s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  }
+  for (char c : text) s += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const std::size_t first = s.find_first_not_of(" \t"), last = s.find_last_not_of(" \t");
+  s = first == std::string::npos ? std::string() : s.substr(first, last - first + 1);
   if (s == "off" || s == "none") return std::chrono::milliseconds(0);
-  if (s.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.')) return bad("not a number");
   std::size_t used = 0;
-  double number = 0;
-  try {
-    number = std::stod(s, &used);
-  } catch (const std::exception&) {
-    return bad("not a number");
-  }
+  while (used < s.size() && (std::isdigit(static_cast<unsigned char>(s[used])) || s[used] == '.')) ++used;
+  const std::string digits = s.substr(0, used);
+  if (digits.empty() || digits == "." || std::count(digits.begin(), digits.end(), '.') > 1) return bad("not a number");
+  const double number = std::strtod(digits.c_str(), nullptr);
+  while (used < s.size() && blank(s[used])) ++used;
   const std::string unit = s.substr(used);
   double scale = 0;  // milliseconds per unit
   if (unit.empty() || unit == "s" || unit == "sec") {

@@ -53,12 +53,20 @@ struct Slot {
   const void* send = nullptr;
   void* recv = nullptr;
   int color = 0, key = 0;                       // split: not compared (ranks pass different ones)
+  bool by_node = false;                         // split: split_by_node rather than split
   const EmulatedCommunicator* owner = nullptr;  // whose call it is, described only for messages
   std::uint64_t sequence = 0;
 
+  // How a 16-bit sum accumulates changes its result; elsewhere (f32, f64 and i64 sums, max) the
+  // option has no effect, so ranks that pass different ones still call the same collective (as
+  // they do under MPI).
+  bool accumulate_matters() const {
+    return is_16bit_float(dtype) &&
+           (kind == Kind::reduce_scatter || (kind == Kind::all_reduce && reduction == Reduction::sum));
+  }
   bool same_collective(const Slot& o) const {
     return kind == o.kind && dtype == o.dtype && count == o.count && root == o.root && reduction == o.reduction &&
-           accumulate == o.accumulate;
+           by_node == o.by_node && (!accumulate_matters() || accumulate == o.accumulate);
   }
 };
 
@@ -409,8 +417,8 @@ class EmulatedCommunicator final : public Communicator {
     return Work(std::make_unique<LinkedState>(std::move(out), done));
   }
 
-  std::unique_ptr<Communicator> do_split(int color, int key) override { return split_world(color, key); }
-  std::unique_ptr<Communicator> do_split_by_node() override { return split_world(node_, rank()); }
+  std::unique_ptr<Communicator> do_split(int color, int key) override { return split_world(color, key, false); }
+  std::unique_ptr<Communicator> do_split_by_node() override { return split_world(node_, rank(), true); }
 
   void do_all_gather(const void* send, void* recv, std::int64_t count, DType dtype) override {
     Slot s = slot(Kind::all_gather, dtype, count);
@@ -487,10 +495,11 @@ class EmulatedCommunicator final : public Communicator {
 
   // The ranks of `color` ordered by (key, rank) become a world of their own, registered with the
   // fabric under this world and this call's number, so that every member finds the same one.
-  std::unique_ptr<Communicator> split_world(int color, int key) {
+  std::unique_ptr<Communicator> split_world(int color, int key, bool by_node) {
     Slot s = slot(Kind::split, DType::f32, 0);
     s.color = color;
     s.key = key;
+    s.by_node = by_node;
     std::vector<int> members;
     int new_rank = -1;
     run(s, [&] {

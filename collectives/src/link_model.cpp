@@ -1,4 +1,5 @@
 // The simulated link of emulated ranks: parsing "1GB/s,20us" and the ring's time per collective.
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -51,8 +52,13 @@ double latency_unit(const std::string& unit) {
   return 0;
 }
 
+// Modeled times saturate at ~31 years: a product of a huge size, a slow link and many steps must
+// not overflow int64 nanoseconds (llround out of range, or a signed multiply) into the past.
+constexpr double kLongestModeledNs = 1e18;
+
 std::chrono::nanoseconds nanoseconds(double seconds) {
-  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(seconds * 1e9)));
+  const double ns = std::min(seconds * 1e9, kLongestModeledNs);
+  return std::chrono::nanoseconds(static_cast<std::int64_t>(std::llround(std::max(ns, 0.0))));
 }
 
 }  // namespace
@@ -66,10 +72,12 @@ LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
   if (rate == 0) bad_link(source, text, "a bandwidth of 0 (say 'off' for no link model)");
   LinkModel link;
   link.bytes_per_second = rate * scale;
+  if (!(link.bytes_per_second >= 1.0 / 8)) bad_link(source, text, "a bandwidth below 1 bit/s");
   if (comma != std::string::npos) {
     const auto [lat, lat_unit] = number_and_unit(text.substr(comma + 1), source, text);
     const double ns = latency_unit(lat_unit);
     if (ns == 0) bad_link(source, text, "unknown latency unit '" + lat_unit + "' (ns, us, ms or s)");
+    if (lat * ns > 3600e9) bad_link(source, text, "a latency above 1 hour");
     link.latency = nanoseconds(lat * ns * 1e-9);
   }
   return link;
@@ -85,7 +93,8 @@ LinkModel LinkModel::from_env() {
 static std::chrono::nanoseconds ring(const LinkModel& link, int world, int steps_per_rank, double step_bytes) {
   if (!link.enabled() || world <= 1) return std::chrono::nanoseconds(0);
   const double steps = static_cast<double>(steps_per_rank) * (world - 1);
-  return nanoseconds(steps * step_bytes / link.bytes_per_second) + link.latency * static_cast<std::int64_t>(steps);
+  return nanoseconds(steps * step_bytes / link.bytes_per_second +
+                     steps * static_cast<double>(link.latency.count()) * 1e-9);
 }
 
 std::chrono::nanoseconds LinkModel::all_gather_time(int world, std::uint64_t bytes) const {
@@ -99,7 +108,8 @@ std::chrono::nanoseconds LinkModel::all_reduce_time(int world, std::uint64_t byt
 }
 std::chrono::nanoseconds LinkModel::broadcast_time(int world, std::uint64_t bytes) const {
   if (!enabled() || world <= 1) return std::chrono::nanoseconds(0);
-  return nanoseconds(static_cast<double>(bytes) / bytes_per_second) + latency * (world - 1);
+  return nanoseconds(static_cast<double>(bytes) / bytes_per_second +
+                     static_cast<double>(world - 1) * static_cast<double>(latency.count()) * 1e-9);
 }
 std::chrono::nanoseconds LinkModel::barrier_time(int world) const { return ring(*this, world, 1, 0); }
 

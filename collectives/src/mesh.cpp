@@ -93,6 +93,24 @@ ShardMesh::ShardMesh(Communicator& world, std::unique_ptr<Communicator> shard, s
   }
 }
 
+void ShardMesh::require_communicators(const char* what) const {
+  if (!shard_ || !replicate_) {
+    fail<ArgumentError>(what, "this ShardMesh was moved from and holds no communicators");
+  }
+}
+Communicator& ShardMesh::world() const {
+  require_communicators("ShardMesh::world");
+  return *world_;
+}
+Communicator& ShardMesh::shard() const {
+  require_communicators("ShardMesh::shard");
+  return *shard_;
+}
+Communicator& ShardMesh::replicate() const {
+  require_communicators("ShardMesh::replicate");
+  return *replicate_;
+}
+
 std::string ShardMesh::describe() const {
   return std::to_string(nodes()) + (nodes() == 1 ? " node" : " nodes") + " x " + std::to_string(ranks_per_node()) +
          (ranks_per_node() == 1 ? " rank" : " ranks");

@@ -808,18 +808,23 @@ std::string_view MpiCommunicator::reduce_scatter_algorithm(std::size_t bytes) co
 
 void MpiCommunicator::set_ring_min_bytes(std::optional<std::size_t> bytes) {
   impl_->progress_thread.drain();
-  // Collective: every rank must choose alike. Agree on the smallest and the largest value passed
-  // (none: the largest number), so that a disagreement raises on every rank instead of hanging later.
-  constexpr unsigned long long kMeasure = ~0ULL;
-  const unsigned long long mine = bytes ? static_cast<unsigned long long>(*bytes) : kMeasure;
-  unsigned long long range[2] = {mine, ~mine};  // max of the values, max of their complements
-  check(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_UNSIGNED_LONG_LONG, MPI_MAX, impl_->data),
+  // Collective: every rank must choose alike. Agree on whether a value was passed and on the
+  // smallest and the largest value (each as the max of it and of its complement), so that a
+  // disagreement raises on every rank instead of hanging later. The flag is separate: no size,
+  // SIZE_MAX included, may read as "none".
+  const unsigned long long has = bytes ? 1 : 0, mine = bytes ? static_cast<unsigned long long>(*bytes) : 0;
+  unsigned long long range[4] = {has, ~has, mine, ~mine};
+  check(MPI_Allreduce(MPI_IN_PLACE, range, 4, MPI_UNSIGNED_LONG_LONG, MPI_MAX, impl_->data),
         "MPI_Allreduce (set_ring_min_bytes)");
-  if (range[0] != ~range[1]) {
-    auto text = [&](unsigned long long v) { return v == kMeasure ? std::string("none (measure)") : std::to_string(v); };
+  if (range[0] != ~range[1] || range[2] != ~range[3]) {
+    const std::string self = bytes ? std::to_string(mine) : std::string("none (measure)");
+    const std::string others =
+        range[0] != ~range[1]
+            ? "some ranks passed none (measure), others a size (the largest " + std::to_string(range[2]) + ")"
+            : "the smallest " + std::to_string(~range[3]) + ", the largest " + std::to_string(range[2]);
     fail<ArgumentError>("MpiCommunicator::set_ring_min_bytes", "rank ", rank(), " of ", world_size(),
-                        ": the ranks passed different thresholds (this rank ", text(mine), ", the smallest ",
-                        text(~range[1]), ", the largest ", text(range[0]), "); every rank must pass the same");
+                        ": the ranks passed different thresholds (this rank ", self, ", ", others,
+                        "); every rank must pass the same");
   }
   impl_->scatter_choice.set_threshold(bytes);
 }

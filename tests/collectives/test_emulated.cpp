@@ -451,6 +451,55 @@ TEST_CASE("emulated: a link model is parsed from text and names its source when 
   CHECK(link.all_gather_time(4, 1000000) == 3ms + 30us);
   CHECK(link.all_reduce_time(4, 4000000) == 6ms + 60us);
   CHECK(link.all_gather_time(1, 1000000) == 0ns);
+  // Values whose modeled times overflowed int64 nanoseconds into the past (a latency of 1e20 s
+  // read as INT64_MIN ns, a 1e-300 B/s link's all_gather as INT64_MIN) are refused when parsed...
+  expect_throw<ArgumentError>([] { LinkModel::parse("1GB/s,1e20s", "RUDA_EMULATE_LINK"); },
+                              {"RUDA_EMULATE_LINK", "a latency above 1 hour"}, "huge latency");
+  expect_throw<ArgumentError>([] { LinkModel::parse("1e-300B/s", "RUDA_EMULATE_LINK"); },
+                              {"RUDA_EMULATE_LINK", "a bandwidth below 1 bit/s"}, "tiny bandwidth");
+  CHECK(LinkModel::parse("1GB/s,3600s").latency == 1h);
+  // ... and saturate (at ~31 years) where the fields are set directly.
+  LinkModel slow;
+  slow.bytes_per_second = 1e-300;
+  CHECK(slow.all_gather_time(16, 1) == std::chrono::nanoseconds(1000000000000000000));
+  LinkModel late;
+  late.bytes_per_second = 1e9;
+  late.latency = std::chrono::nanoseconds(INT64_MAX / 2);
+  CHECK(late.all_gather_time(16, 1) == std::chrono::nanoseconds(1000000000000000000));
+  CHECK(late.broadcast_time(16, 1) == std::chrono::nanoseconds(1000000000000000000));
+}
+
+TEST_CASE("emulated: a ShardMesh moved from raises ArgumentError from every accessor, instead of a null dereference") {
+  run_ranks(2, [](Communicator& comm) {
+    ShardMesh mesh = ShardMesh::by_node(comm, 1);
+    const ShardMesh moved = std::move(mesh);
+    CHECK(moved.describe() == "2 nodes x 1 rank");
+    expect_throw<ArgumentError>([&] { (void)mesh.describe(); }, {"ShardMesh::", "moved from"}, "describe");
+    expect_throw<ArgumentError>([&] { (void)mesh.shard(); }, {"ShardMesh::shard", "moved from"}, "shard");
+    expect_throw<ArgumentError>([&] { (void)mesh.replicate(); }, {"ShardMesh::replicate"}, "replicate");
+    expect_throw<ArgumentError>([&] { (void)mesh.world(); }, {"ShardMesh::world"}, "world");
+  });
+}
+
+TEST_CASE("emulated: an Accumulate that changes nothing is no mismatch; split against split_by_node is one") {
+  run_ranks(2, [](Communicator& comm) {
+    const Accumulate mine = comm.rank() == 0 ? Accumulate::f32 : Accumulate::native;
+    // A max and f32 sums ignore the option, as under MPI: the ranks call the same collective (this
+    // was a CollectiveMismatchError whose two sides read the same).
+    const Tensor x = from_vector<float>({1.0f, comm.rank() == 0 ? 5.0f : 2.0f}, {2}).to(DType::bf16);
+    CHECK(comm.all_reduce(x, Reduction::max, {.accumulate = mine}).to_vector<float>() == std::vector<float>{1, 5});
+    CHECK(comm.all_reduce(ones({2}), Reduction::sum, {.accumulate = mine}).sum().item() == 4.0);
+    CHECK(comm.reduce_scatter(ones({4}), {.accumulate = mine}).sum().item() == 4.0);
+    // A 16-bit sum's result depends on it: a mismatch still.
+    expect_throw<CollectiveMismatchError>(
+        [&] { (void)comm.all_reduce(ones({2}, DType::bf16), Reduction::sum, {.accumulate = mine}); },
+        {"differs", "native"}, "a 16-bit sum accumulated two ways");
+  });
+  // split and split_by_node used to meet as one collective: each rank got a communicator of its own.
+  run_ranks(2, [](Communicator& comm) {
+    expect_throw<CollectiveMismatchError>([&] { (void)(comm.rank() == 0 ? comm.split(0, 0) : comm.split_by_node()); },
+                                          {"differs", "split_by_node"}, "split against split_by_node");
+  });
 }
 
 TEST_CASE("emulated: under a link model a collective takes its modeled time, and compute hides a non-blocking one") {

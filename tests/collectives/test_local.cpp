@@ -79,6 +79,32 @@ TEST_CASE("local: the order check follows RUDA_CHECK_COLLECTIVES, and can be set
   CHECK(comm.order_check());
   // One rank agrees with itself: the check passes.
   CHECK(comm.all_reduce(scalar(3.0)).item() == 3.0);
+  // Its values in any case; a value that is neither on nor off is refused, not read as off.
+  const char* set = std::getenv("RUDA_CHECK_COLLECTIVES");
+  const std::optional<std::string> before = set ? std::optional<std::string>(set) : std::nullopt;
+  for (const char* on : {"1", "true", "True", "ON", "Yes"}) {
+    CAPTURE(on);
+    ::setenv("RUDA_CHECK_COLLECTIVES", on, 1);
+    CHECK(order_check_from_env());
+    CHECK(LocalCommunicator().order_check());
+  }
+  for (const char* off : {"", "0", "false", "Off", "NO"}) {
+    CAPTURE(off);
+    ::setenv("RUDA_CHECK_COLLECTIVES", off, 1);
+    CHECK_FALSE(order_check_from_env());
+  }
+  ::setenv("RUDA_CHECK_COLLECTIVES", "maybe", 1);
+  try {
+    (void)LocalCommunicator();
+    FAIL("no error");
+  } catch (const ArgumentError& e) {
+    CHECK(std::string(e.what()).find("RUDA_CHECK_COLLECTIVES: 'maybe' is neither on") != std::string::npos);
+  }
+  if (before) {
+    ::setenv("RUDA_CHECK_COLLECTIVES", before->c_str(), 1);
+  } else {
+    ::unsetenv("RUDA_CHECK_COLLECTIVES");
+  }
 }
 
 TEST_CASE("collective timeouts: durations as written in RUDA_COLLECTIVE_TIMEOUT and --collective-timeout") {
@@ -96,8 +122,9 @@ TEST_CASE("collective timeouts: durations as written in RUDA_COLLECTIVE_TIMEOUT 
   CHECK(parse("OFF") == milliseconds(0));
   CHECK(parse("0") == milliseconds(0));
   CHECK(parse("0ms") == milliseconds(0));
-  for (const char* bad :
-       {"", "abc", "-5", "5x", "5 minutes", "0.1ms", "1.2.3", "nan", "inf", "400d", "9000h", "1e300"}) {
+  for (const char* bad : {"", "abc", "-5", "5x", "5 minutes", "0.1ms", "1.2.3", "nan", "inf", "400d", "9000h", "1e300",
+                          // strtod's grammar beyond decimals, and spaces inside the number, are not timeouts
+                          "0x10", "0x1p3m", "1e3", "3 0 0", ".", "5 m s"}) {
     CAPTURE(bad);
     CHECK_THROWS_AS(parse(bad), ArgumentError);
   }

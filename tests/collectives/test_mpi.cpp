@@ -6,6 +6,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <chrono>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -264,6 +265,21 @@ TEST_CASE("mpi: set_ring_min_bytes with different values on the ranks is an Argu
   // None on one rank, a value on the others: refused too.
   const std::optional<std::size_t> some = comm.rank() == 0 ? std::nullopt : std::optional<std::size_t>(4096);
   CHECK_THROWS_AS(comm.set_ring_min_bytes(some), ArgumentError);
+  CHECK(comm.ring_min_bytes() == before);
+  // The largest size against none: no size may read as "none" (SIZE_MAX did, and the ranks then
+  // ran different reduce-scatter algorithms).
+  const std::optional<std::size_t> largest =
+      comm.rank() == 0 ? std::optional<std::size_t>(std::numeric_limits<std::size_t>::max()) : std::nullopt;
+  std::string largest_message;
+  try {
+    comm.set_ring_min_bytes(largest);
+  } catch (const ArgumentError& e) {
+    largest_message = e.what();
+  }
+  CHECK_MESSAGE(
+      largest_message.find("some ranks passed none (measure), others a size (the largest " +
+                           std::to_string(std::numeric_limits<std::size_t>::max()) + ")") != std::string::npos,
+      largest_message);
   CHECK(comm.ring_min_bytes() == before);
   CHECK(comm.all_reduce(scalar(1.0)).item() == double(comm.world_size()));
 }

@@ -126,7 +126,9 @@ struct Traffic {
   double exposed_seconds = 0;
 };
 
-/// Whether RUDA_CHECK_COLLECTIVES asks for the order check ("1", "true", "on" or "yes").
+/// Whether RUDA_CHECK_COLLECTIVES asks for the order check: "1", "true", "on" or "yes" (any case)
+/// turn it on; unset, empty, "0", "false", "off" or "no" leave it off; anything else is an
+/// ArgumentError naming the variable (a misspelt value must not silently mean off).
 bool order_check_from_env();
 
 /// Whether an MPI launcher started this process (mpiexec/mpirun, or srun and others through PMI or
@@ -407,19 +409,21 @@ class ShardMesh {
   ShardMesh(ShardMesh&&) noexcept = default;
   ShardMesh& operator=(ShardMesh&&) noexcept = default;
 
-  Communicator& world() const noexcept { return *world_; }
+  // Every accessor of a mesh moved from raises ArgumentError (it holds no communicators).
+  Communicator& world() const;
   /// Within a node: all-gathers and reduce-scatters of the shards.
-  Communicator& shard() const noexcept { return *shard_; }
+  Communicator& shard() const;
   /// Across nodes: the all-reduce of the reduced shards.
-  Communicator& replicate() const noexcept { return *replicate_; }
-  int ranks_per_node() const noexcept { return shard_->world_size(); }
-  int nodes() const noexcept { return replicate_->world_size(); }
+  Communicator& replicate() const;
+  int ranks_per_node() const { return shard().world_size(); }
+  int nodes() const { return replicate().world_size(); }
   /// This rank's node: its place in replicate() (0 is the first replica, which writes checkpoints).
-  int node() const noexcept { return replicate_->rank(); }
+  int node() const { return replicate().rank(); }
   /// "2 nodes x 2 ranks".
   std::string describe() const;
 
  private:
+  void require_communicators(const char* what) const;
   Communicator* world_;
   std::unique_ptr<Communicator> shard_, replicate_;
 };
