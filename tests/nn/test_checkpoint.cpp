@@ -221,6 +221,9 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   CHECK(fs::exists(dir.path / "step-00000020"));
   // An incomplete step (a crash before its index) does not count towards the two kept.
   fs::create_directories(dir.path / "step-00000035");
+  // A directory that only starts with "step-" is the user's: upkeep used to remove it, contents and all.
+  fs::create_directories(dir.path / "step-notes");
+  std::ofstream(dir.path / "step-notes" / "precious.txt") << "keep";
   run_ranks(2, [&](Communicator& comm) {
     nn::manual_seed(1);
     nn::Linear layer(4, 3);
@@ -232,6 +235,8 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   CHECK(fs::exists(dir.path / "step-00000030" / "index.json"));
   CHECK(fs::exists(dir.path / "step-00000036" / "index.json"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000020"));
+  CHECK(fs::exists(dir.path / "step-notes" / "precious.txt"));
+  fs::remove_all(dir.path / "step-notes");
   fs::remove_all(dir.path / "step-00000035");
   fs::remove_all(dir.path / "step-00000036");
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());

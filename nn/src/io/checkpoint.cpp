@@ -68,7 +68,12 @@ void sync_directory(const std::string& dir) {
   }
 }
 
-bool is_step_name(const std::string& name) { return name.rfind("step-", 0) == 0; }
+// "step-" and digits only, as step_dir_name writes them: a directory of the user's that merely starts
+// with "step-" (step-notes/) is not ruda's, and upkeep must never remove it.
+bool is_step_name(const std::string& name) {
+  return name.size() > 5 && name.rfind("step-", 0) == 0 &&
+         std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
 
 bool is_complete_step(const fs::path& step_dir) {
   std::error_code ec;
