@@ -173,14 +173,15 @@ Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const 
   return full;
 }
 
+// A compute dtype from outside (a policy, a gather's own): a float, or the weights would be truncated.
+static void check_compute_dtype(DType dtype, const char* op) {
+  check_enum<DTypeError>(dtype, op, "compute dtype");
+  if (!is_floating(dtype)) fail<DTypeError>(op, "the compute dtype must be a float, got ", dtype_name(dtype));
+}
+
 Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype) {
   const char* op = "gather";
-  if (compute_dtype) {  // as fully_shard's policy: a float, or the weights would be truncated
-    check_enum<DTypeError>(*compute_dtype, op, "compute dtype");
-    if (!is_floating(*compute_dtype)) {
-      fail<DTypeError>(op, "the compute dtype must be a float, got ", dtype_name(*compute_dtype));
-    }
-  }
+  if (compute_dtype) check_compute_dtype(*compute_dtype, op);
   if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
   if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
@@ -218,12 +219,7 @@ static void check_policy(const ShardPolicy& policy, const char* op) {
   check_enum(policy.strategy, op, "CheckpointStrategy");
   check_enum(policy.gather_quantization, op, "GatherQuantization");
   check_enum(policy.reduce, op, "Accumulate");
-  if (policy.compute_dtype) {
-    check_enum<DTypeError>(*policy.compute_dtype, op, "compute dtype");
-    if (!is_floating(*policy.compute_dtype)) {
-      fail<DTypeError>(op, "the compute dtype must be a float, got ", dtype_name(*policy.compute_dtype));
-    }
-  }
+  if (policy.compute_dtype) check_compute_dtype(*policy.compute_dtype, op);
 }
 
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) {
