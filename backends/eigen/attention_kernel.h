@@ -28,6 +28,7 @@
 #include <ruda/random.h>
 
 #include "kernel_util.h"
+#include "vector_math.h"
 
 namespace ruda::kernels::attention {
 
@@ -333,7 +334,7 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
               continue;
             }
             const Acc rescale = std::exp(w->max[row_index] - m);  // 0 on the first visible block
-            row = (row - m).exp();
+            row = ops::vector_exp(row - m);
             w->sum[row_index] = w->sum[row_index] * rescale + row.sum();
             w->max[row_index] = m;
             if (rescale != Acc(1)) Eigen::Map<Array>(w->acc.data() + row_index * dv, dv) *= rescale;
@@ -442,7 +443,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
               Acc* const pr = p + r * n_cols;
               const std::int64_t n = c.masked ? visible(true, ci + r, j0, n_cols) : n_cols;
               Eigen::Map<Array> row(pr, n);
-              row = (row - lse_bh[d.lse.strides[2] * (ci + r)]).exp();
+              row = ops::vector_exp(row - lse_bh[d.lse.strides[2] * (ci + r)]);
               std::fill(pr + n, pr + n_cols, Acc(0));
               if (d.dropout > 0) {
                 Acc* const keep = w->keep.data() + r * n_cols;

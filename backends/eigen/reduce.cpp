@@ -7,6 +7,7 @@
 
 #include "eigen_backend.h"
 #include "kernel_util.h"
+#include "vector_math.h"
 
 namespace ruda {
 
@@ -111,9 +112,13 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
         fail<DTypeError>("logsumexp", "is not defined on i64");
       } else {
         using C = compute_t<T>;
+        // The maximum, NaN once any value is NaN (std::max would skip it: an all-NaN line read -inf).
         C m = -std::numeric_limits<C>::infinity();
-        for (std::int64_t i = 0; i < n; ++i) m = std::max(m, Num<T>::load(p[i * stride]));
-        if (!std::isfinite(m)) {
+        for (std::int64_t i = 0; i < n && !std::isnan(m); ++i) {
+          const C v = Num<T>::load(p[i * stride]);
+          if (std::isnan(v) || v > m) m = v;
+        }
+        if (!std::isfinite(m)) {  // NaN, +inf (the sum is infinite) or -inf (every value is)
           *out_value = Num<T>::store(m);
           return;
         }
@@ -276,7 +281,7 @@ void softmax_line(const T* x, T* y, std::int64_t n, std::int64_t s, bool log) {
       Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> in(x, n);
       Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> out(y, n);
       const T m = in.maxCoeff();
-      out = (in - m).exp();
+      out = ops::vector_exp(in - m);
       const T total = out.sum();
       if (log) {
         out = in - (m + std::log(total));
@@ -307,7 +312,7 @@ void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::
       Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> yv(y, n), g(gy, n);
       Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> out(gx, n);
       if (log) {
-        out = g - yv.exp() * g.sum();
+        out = g - ops::vector_exp(yv) * g.sum();
       } else {
         out = yv * (g - (g * yv).sum());
       }

@@ -1,4 +1,5 @@
-// erf and tanh of Eigen array expressions, vectorized in f32.
+// erf and tanh of Eigen array expressions, vectorized in f32; exp and the logistic function
+// without Eigen's underflow clamp.
 //
 // ruda compiles its Eigen kernels with EIGEN_FAST_MATH=0 (backends/CMakeLists.txt: Eigen's
 // fast-math psqrt returns NaN for +inf). That switch also turns off Eigen's packet erf and tanh
@@ -6,7 +7,15 @@
 // f32 erf ~2.8 ns a value and tanh ~10 ns under AVX2. Their packet forms are Eigen's own
 // rational approximations (generic_fast_erf_float, generic_fast_tanh_float, a few ulp), applied
 // here through a packet functor without the fast-math sqrt. f64 keeps Eigen's exact scalar erf
-// and tanh. Private to the Eigen backend; op_descriptors.h declares the two functions.
+// and tanh.
+//
+// Eigen 3.4's packet exp clamps its argument at -88.723 (f32) and -709.784 (f64), so exp(-inf)
+// read 2.9e-39 (f32) or 5.6e-309 (f64), not 0: a softmax's masked (-inf) slots held that instead
+// of 0, and exp(-100) in f32 was 2.9e-39, not 3.8e-44. vector_exp computes exp(x) below the clamp
+// as exp(x + k ln 2) * 2^-k, which is in Eigen's accurate range down to where exp(x) rounds to 0;
+// above it the values are Eigen's own, bit for bit. The logistic function is computed from it in a
+// form that stays accurate for large negative x. Private to the Eigen backend;
+// op_descriptors.h declares the functions.
 #pragma once
 
 #include <type_traits>
@@ -32,13 +41,48 @@ struct TanhApproximation {
   }
 };
 
+// exp(x) for every x, Eigen's pexp where it does not clamp: below kLow, exp(x + k ln 2) * 2^-k,
+// exact in the scaling (a power of two) and rounded once where the result is subnormal.
+struct ExpWithoutClamp {
+  template <class Packet>
+  Packet operator()(const Packet& x) const {
+    using namespace Eigen::internal;
+    using S = typename unpacket_traits<Packet>::type;
+    constexpr bool f32 = std::is_same_v<S, float>;
+    // Eigen's clamp is at -88.723 (f32) / -709.784 (f64); shifted by k ln 2, the smallest x whose
+    // exp is not 0 (-103.98 / -745.14) lands above it.
+    constexpr S kLow = f32 ? S(-87) : S(-708);
+    constexpr S kShift = f32 ? S(32 * 0.6931471805599453) : S(64 * 0.6931471805599453);
+    constexpr S kScale = f32 ? S(0x1p-32) : S(0x1p-64);
+    const Packet low = pcmp_lt(x, pset1<Packet>(kLow));
+    if (!predux_any(low)) return pexp(x);
+    const Packet e = pexp(pselect(low, padd(x, pset1<Packet>(kShift)), x));
+    return pselect(low, pmul(e, pset1<Packet>(kScale)), e);
+  }
+};
+
+// 1 / (1 + exp(-x)) as e / (1 + e) below 0 and 1 / (1 + e) above, with e = exp(-|x|) <= 1: exact
+// to a few ulp everywhere, down to subnormal results. (Eigen's f32 logistic took exp(x) for it
+// below -9, 1e-4 off at -9.5, and clamped; its f64 form 1 / (1 + exp(-x)) gave 0 below -709.)
+struct StableLogistic {
+  template <class Packet>
+  Packet operator()(const Packet& x) const {
+    using namespace Eigen::internal;
+    using S = typename unpacket_traits<Packet>::type;
+    const Packet one = pset1<Packet>(S(1));
+    const Packet e = ExpWithoutClamp{}(pnegate(pabs(x)));
+    const Packet r = pdiv(one, padd(one, e));
+    return pselect(pcmp_lt(x, pzero(x)), pmul(e, r), r);
+  }
+};
+
 // An approximation as an Eigen unary functor. The scalar form runs the packet code on a broadcast
 // value and takes one lane, so that a value rounds the same whether it lands in a packet or in a
 // range's scalar tail (which depends on the chunking, and so on the thread count).
-template <class Approximation>
+template <class Approximation, class Scalar = float>
 struct PacketFunction {
-  float operator()(float x) const {
-    using Packet = typename Eigen::internal::packet_traits<float>::type;
+  Scalar operator()(Scalar x) const {
+    using Packet = typename Eigen::internal::packet_traits<Scalar>::type;
     return Eigen::internal::pfirst(Approximation{}(Eigen::internal::pset1<Packet>(x)));
   }
   template <class Packet>
@@ -56,11 +100,20 @@ static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4, "vector_math
 namespace Eigen::internal {
 // The approximations use min, max, abs, multiply-add and division on packets.
 template <class Approximation>
-struct functor_traits<ruda::ops::detail::PacketFunction<Approximation>> {
+struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, float>> {
   enum {
     Cost = 30,
     PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax &&
-                   packet_traits<float>::HasAbs
+                   packet_traits<float>::HasAbs && packet_traits<float>::HasExp
+  };
+};
+// exp and the logistic use compares, selects, abs, add, multiply and division beside pexp.
+template <class Approximation>
+struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, double>> {
+  enum {
+    Cost = 30,
+    PacketAccess = packet_traits<double>::HasExp && packet_traits<double>::HasCmp && packet_traits<double>::HasDiv &&
+                   packet_traits<double>::HasAbs
   };
 };
 }  // namespace Eigen::internal
@@ -74,6 +127,20 @@ auto vector_erf(const X& x) {
   } else {
     return x.erf();
   }
+}
+
+template <class X>
+auto vector_exp(const X& x) {
+  using S = typename X::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_exp: f32 or f64 arrays");
+  return x.unaryExpr(detail::PacketFunction<detail::ExpWithoutClamp, S>{});
+}
+
+template <class X>
+auto vector_logistic(const X& x) {
+  using S = typename X::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_logistic: f32 or f64 arrays");
+  return x.unaryExpr(detail::PacketFunction<detail::StableLogistic, S>{});
 }
 
 template <class X>

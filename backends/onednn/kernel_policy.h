@@ -12,7 +12,9 @@
 //   f32 sums:     over the innermost axis 0.7-0.85x
 // In bf16 Eigen widens values in scalar chunks and oneDNN's native kernels win by 1.5-16x, so
 // only the kernels slow in both dtypes are listed for bf16. Where oneDNN wins or ties (matmul,
-// softmax, exp, sqrt, relu and the other simple forwards, same-shape binaries) it runs. RUDA_ONEDNN_KERNELS=all sends
+// softmax, sqrt and the other simple forwards, same-shape binaries) it runs, unless its kernel gets
+// special values wrong (exp, log, rsqrt, relu forwards; abs, relu backwards: the `avoid_*` reasons
+// of the descriptors, which RUDA_ONEDNN_KERNELS=all does not override). RUDA_ONEDNN_KERNELS=all sends
 // every kernel to oneDNN, e.g. on CPUs where oneDNN's kernels are the faster ones.
 //
 // Re-measured 2026-12 (Zen 4, 2 threads, 4M values, `ruda-bench --suite onednn-kernels` with the

@@ -1,9 +1,13 @@
 // Sums over the innermost axis on oneDNN's reduction primitive, and softmax / log_softmax
 // forward and backward on its softmax (v2) primitives.
 #include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "context.h"
+#include "eigen/kernel_util.h"
 #include "kernel_policy.h"
 #include "onednn_backend.h"
 
@@ -145,6 +149,41 @@ Key softmax_key(std::int64_t kind, const View& x, int axis, bool log) {
 
 algorithm softmax_algorithm(bool log) { return log ? algorithm::softmax_log : algorithm::softmax_accurate; }
 
+// oneDNN 2.6's softmax turns a line holding NaN or +inf into [0, NaN, 0, ...] ([-inf, NaN, ...]
+// for log_softmax), where the softmax of such a line is NaN throughout: its normalizer is NaN
+// (inf - inf), as PyTorch and the Eigen kernel have it. A NaN in y marks such a line, and only
+// such a line (a finite line has no NaN in oneDNN's result, nor one of -infs only, which it
+// makes NaN throughout already), so lines with a NaN become all NaN. The check reads y once.
+void nan_lines_to_nan(const View& y, int axis) {
+  std::int64_t outer = 1, inner = 1;
+  for (int d = 0; d < axis; ++d) outer *= y.shape[d];
+  for (int d = axis + 1; d < y.ndim; ++d) inner *= y.shape[d];
+  const std::int64_t n = y.shape[axis];
+  kernels::dispatch_float(y.dtype, "softmax", [&](auto tag) {
+    using T = decltype(tag);
+    T* const p = y.ptr<T>();
+    std::atomic<bool> any{false};
+    kernels::parallel_for(y.numel(), kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+      bool found = false;
+      for (std::int64_t i = begin; i < end; ++i) found |= std::isnan(static_cast<float>(kernels::Num<T>::load(p[i])));
+      if (found) any.store(true, std::memory_order_relaxed);
+    });
+    if (!any.load(std::memory_order_relaxed)) return;
+    const T nan = kernels::Num<T>::store(std::numeric_limits<float>::quiet_NaN());
+    for (std::int64_t o = 0; o < outer; ++o) {
+      for (std::int64_t j = 0; j < inner; ++j) {
+        T* const line = p + o * n * inner + j;
+        bool found = false;
+        for (std::int64_t i = 0; i < n && !found; ++i)
+          found = std::isnan(static_cast<float>(kernels::Num<T>::load(line[i * inner])));
+        if (found) {
+          for (std::int64_t i = 0; i < n; ++i) line[i * inner] = nan;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void OneDnnBackend::softmax(const View& x, const View& y, int axis, bool log) {
@@ -172,6 +211,7 @@ void OneDnnBackend::softmax(const View& x, const View& y, int axis, bool log) {
     return EigenBackend::softmax(x, y, axis, log);
   }
   execute(p, {{DNNL_ARG_SRC, x.data}, {DNNL_ARG_DST, y.data}});
+  nan_lines_to_nan(y, axis);
 }
 
 void OneDnnBackend::softmax_backward(const View& y, const View& gy, const View& gx, int axis, bool log) {

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <numbers>
 #include <string_view>
+#include <type_traits>
 
 #include <ruda/backend.h>
 #include <ruda/error.h>
@@ -100,11 +101,26 @@ template <class A>
 using scalar_of = typename A::Scalar;
 
 /// erf and tanh of an Eigen array expression, vectorized in f32 (backends/eigen/vector_math.h
-/// defines them: Eigen's own .erf() and .tanh() are scalar under ruda's EIGEN_FAST_MATH=0).
+/// defines them: Eigen's own .erf() and .tanh() are scalar under ruda's EIGEN_FAST_MATH=0), and
+/// exp and the logistic function without Eigen's underflow clamp (Eigen's exp(-inf) is 2.9e-39 in
+/// f32): the formulas below use these, never Eigen's .exp() or .logistic().
 template <class X>
 auto vector_erf(const X& x);
 template <class X>
 auto vector_tanh(const X& x);
+template <class X>
+auto vector_exp(const X& x);
+template <class X>
+auto vector_logistic(const X& x);
+
+/// i64 x as uint64_t, where wrapping on overflow is defined: neg, abs and square of i64 wrap
+/// (-INT64_MIN is INT64_MIN), as i64 arithmetic does, instead of being undefined behaviour.
+template <class X>
+constexpr bool is_i64_array = std::is_same_v<scalar_of<X>, std::int64_t>;
+template <class X>
+auto wrapping(const X& x) {
+  return x.template cast<std::uint64_t>();
+}
 
 template <>
 struct Unary<UnaryOp::neg> {
@@ -114,7 +130,11 @@ struct Unary<UnaryOp::neg> {
   static constexpr DnnlPlan onednn{.forward = {DnnlAlg::linear, -1.0f, 0.0f}};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = -x;
+    if constexpr (is_i64_array<X>) {
+      y = (-wrapping(x)).template cast<std::int64_t>();
+    } else {
+      y = -x;
+    }
   }
   template <class G, class GX>
   static void backward(const G& gy, GX& gx) {
@@ -127,10 +147,17 @@ struct Unary<UnaryOp::abs> {
   static constexpr std::string_view name = "abs";
   static constexpr Domain domain = Domain::numbers;
   static constexpr Reads reads = Reads::input;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::abs}, .backward = {DnnlAlg::abs}};
+  static constexpr DnnlPlan onednn{
+      .forward = {DnnlAlg::abs},
+      .backward = {DnnlAlg::abs},
+      .avoid_backward = "oneDNN's abs backward passes the gradient at NaN (PyTorch's is 0)"};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.abs();
+    if constexpr (is_i64_array<X>) {
+      y = (x < std::int64_t{0}).select(-wrapping(x), wrapping(x)).template cast<std::int64_t>();
+    } else {
+      y = x.abs();
+    }
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
@@ -145,10 +172,12 @@ struct Unary<UnaryOp::exp> {
   static constexpr std::string_view name = "exp";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::output;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::exp}, .backward = {DnnlAlg::exp_use_dst_for_bwd}};
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::exp},
+                                   .backward = {DnnlAlg::exp_use_dst_for_bwd},
+                                   .avoid_forward = "oneDNN's exp maps NaN to +inf"};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.exp();
+    y = vector_exp(x);
   }
   template <class Y, class G, class GX>
   static void backward(const Y& y, const G& gy, GX& gx) {
@@ -163,8 +192,8 @@ struct Unary<UnaryOp::log> {
   static constexpr Reads reads = Reads::input;
   static constexpr DnnlPlan onednn{.forward = {DnnlAlg::log},
                                    .backward = {DnnlAlg::log},
-                                   .forward_slower = Slower::f32,
-                                   .backward_slower = Slower::always};
+                                   .backward_slower = Slower::always,
+                                   .avoid_forward = "oneDNN's bf16 log(1) is -1.4e-6, not 0"};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     y = x.log();
@@ -198,7 +227,9 @@ struct Unary<UnaryOp::rsqrt> {
   static constexpr std::string_view name = "rsqrt";
   static constexpr Domain domain = Domain::floating;
   static constexpr Reads reads = Reads::output;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::pow, 1.0f, -0.5f}, .forward_slower = Slower::always};
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::pow, 1.0f, -0.5f},
+                                   .forward_slower = Slower::always,
+                                   .avoid_forward = "oneDNN's pow(x, -1/2) is 0 at -inf, not NaN"};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     y = x.rsqrt();
@@ -239,7 +270,7 @@ struct Unary<UnaryOp::sigmoid> {
                                    .backward_slower = Slower::always};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.logistic();
+    y = vector_logistic(x);
   }
   template <class Y, class G, class GX>
   static void backward(const Y& y, const G& gy, GX& gx) {
@@ -328,8 +359,8 @@ struct Unary<UnaryOp::gelu_erf> {
   static void backward(const X& x, const G& gy, GX& gx) {
     using T = scalar_of<X>;
     const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
-    gx = gy *
-         (half * (one + vector_erf(x * T(std::numbers::sqrt2 / 2))) + x * inv_sqrt_2pi * (-half * x.square()).exp());
+    gx = gy * (half * (one + vector_erf(x * T(std::numbers::sqrt2 / 2))) +
+               x * inv_sqrt_2pi * vector_exp(-half * x.square()));
   }
   /// forward's y and backward's factor of gy from one erf (Backend::unary_with_derivative; x
   /// overlaps neither output): y holds the erf until its own value is written.
@@ -338,7 +369,7 @@ struct Unary<UnaryOp::gelu_erf> {
     using T = scalar_of<X>;
     const T half(0.5), one(1), inv_sqrt_2pi(0.3989422804014327);
     y = vector_erf(x * T(std::numbers::sqrt2 / 2));
-    dydx = half * (one + y) + x * inv_sqrt_2pi * (-half * x.square()).exp();
+    dydx = half * (one + y) + x * inv_sqrt_2pi * vector_exp(-half * x.square());
     y = half * x * (one + y);
   }
 };
@@ -354,13 +385,13 @@ struct Unary<UnaryOp::silu> {
                                    .backward_slower = Slower::f32};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x * x.logistic();
+    y = x * vector_logistic(x);
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
     using T = scalar_of<X>;
     const T one(1);
-    const auto s = x.logistic().eval();
+    const auto s = vector_logistic(x).eval();
     gx = gy * s * (one + x * (one - s));
   }
 };
@@ -381,11 +412,11 @@ struct Unary<UnaryOp::softplus> {
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
     const T zero(0);
-    y = x.max(zero) + (-x.abs()).exp().log1p();
+    y = x.max(zero) + vector_exp(-x.abs()).log1p();
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
-    gx = gy * x.logistic();
+    gx = gy * vector_logistic(x);
   }
 };
 
@@ -397,7 +428,11 @@ struct Unary<UnaryOp::square> {
   static constexpr DnnlPlan onednn{.forward = {DnnlAlg::square}, .backward = {DnnlAlg::square}};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.square();
+    if constexpr (is_i64_array<X>) {
+      y = wrapping(x).square().template cast<std::int64_t>();
+    } else {
+      y = x.square();
+    }
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
@@ -436,7 +471,7 @@ struct Unary<UnaryOp::erf> {
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
     using T = scalar_of<X>;
-    gx = gy * T(2 * std::numbers::inv_sqrtpi) * (-x.square()).exp();  // d/dx erf(x) = 2 / sqrt(pi) * exp(-x^2)
+    gx = gy * T(2 * std::numbers::inv_sqrtpi) * vector_exp(-x.square());  // d/dx erf(x) = 2 / sqrt(pi) * exp(-x^2)
   }
 };
 

@@ -1,5 +1,6 @@
 // Elementwise ops: arithmetic with broadcasting, comparisons, where, unary math, casts, dropout.
 #include <cmath>
+#include <limits>
 
 #include "internal.h"
 #include "op_descriptors.h"
@@ -238,10 +239,18 @@ Tensor clamp(const Tensor& x, double low, double high) {
   detail::require_defined("clamp", x);
   if (x.dtype() == DType::i64) {
     // Integer bounds, exactly: [ceil(low), floor(high)], cut to the dtype's range (a bound beyond
-    // it, such as -1e30, bounds nothing).
-    const double lo = std::max(std::ceil(low), -kTwo63), hi = std::min(std::floor(high), kTwo63 - 1024.0);
-    if (lo > hi) fail<ArgumentError>("clamp", "no i64 value lies in [", low, ", ", high, "]");
-    return minimum(maximum(x, scalar_like(lo, x)), scalar_like(hi, x));
+    // it, such as 1e30, bounds nothing: INT64_MAX stays INT64_MAX, not the largest double below 2^63).
+    const std::int64_t lo = low <= -kTwo63             ? std::numeric_limits<std::int64_t>::min()
+                            : std::ceil(low) >= kTwo63 ? std::numeric_limits<std::int64_t>::max()
+                                                       : static_cast<std::int64_t>(std::ceil(low));
+    const std::int64_t hi = high >= kTwo63                ? std::numeric_limits<std::int64_t>::max()
+                            : std::floor(high) <= -kTwo63 ? std::numeric_limits<std::int64_t>::min()
+                                                          : static_cast<std::int64_t>(std::floor(high));
+    if (lo > hi || std::ceil(low) >= kTwo63 || std::floor(high) < -kTwo63) {
+      fail<ArgumentError>("clamp", "no i64 value lies in [", low, ", ", high, "]");
+    }
+    auto bound = [&](std::int64_t v) { return from_vector<std::int64_t>({v}, {}, Options(DType::i64, &x.backend())); };
+    return minimum(maximum(x, bound(lo)), bound(hi));
   }
   return minimum(maximum(x, scalar_like(low, x)), scalar_like(high, x));
 }

@@ -24,8 +24,11 @@ Reduction plan(const char* op, const Tensor& x, const Axes& axes, bool keepdim) 
   Reduction r;
   r.reduced.assign(static_cast<std::size_t>(nd), axes.empty());
   for (std::int64_t a : axes) {
+    if (nd == 0) {  // a scalar reduces over axis 0 or -1 to itself, as in PyTorch
+      if (a != 0 && a != -1) fail<IndexError>(op, "axis ", a, " is out of range for a scalar (0 or -1 allowed)");
+      continue;
+    }
     const int axis = normalize_axis(a, nd, op);
-    if (nd == 0) continue;
     if (r.reduced[axis]) fail<IndexError>(op, "axis ", a, " is listed twice for shape ", x.shape());
     r.reduced[axis] = true;
   }

@@ -502,11 +502,44 @@ Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), Options(like.
 Tensor ones_like(const Tensor& like) { return ones(like.shape(), Options(like.dtype(), &like.backend())); }
 Tensor scalar(double value, Options options) { return full({}, value, options); }
 
+namespace {
+// arange in i64, exactly: through f64, values past 2^53 repeated (2^53, 2^53, 2^53 + 2) and a
+// fractional step truncated them ([0, 0, 1, 1] for a step of 0.5). start and step must be integers
+// in i64's range (a fractional one is a DTypeError, as for other numbers mixed into i64); end may
+// be any finite number, and the values are start + i * step on the side of it that step points.
+Tensor arange_i64(double start, double end, double step, const Options& options) {
+  constexpr double kTwo63 = 9223372036854775808.0;
+  auto integer = [&](const char* what, double v) {
+    if (v != std::floor(v) || v < -kTwo63 || v >= kTwo63) {
+      fail<DTypeError>("arange", "an i64 arange needs an integer ", what, " in i64's range, got ", v);
+    }
+    return static_cast<std::int64_t>(v);
+  };
+  const std::int64_t first = integer("start", start), by = integer("step", step);
+  // The integer bound that excludes the same values as end does: v < end is v < ceil(end) for an
+  // integer v, and v > end is v > floor(end); cut to i64's range (values never pass it).
+  const double bound = std::clamp(step > 0 ? std::ceil(end) : std::floor(end), -kTwo63, kTwo63 - 1024.0);
+  const auto last = static_cast<__int128>(bound);
+  const __int128 span = step > 0 ? last - first : first - last, stride = step > 0 ? by : -static_cast<__int128>(by);
+  const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
+  if (count >= (__int128{1} << 62)) {
+    fail<ShapeError>("arange", "[", start, ", ", end, ") in steps of ", step,
+                     " has more elements than a tensor can index");
+  }
+  const auto n = static_cast<std::int64_t>(count);
+  Tensor t = detail::make_tensor({n}, DType::i64, backend_or_default(options), "arange");
+  std::int64_t* out = t.data<std::int64_t>();
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<std::int64_t>(first + static_cast<__int128>(i) * by);
+  return t;
+}
+}  // namespace
+
 Tensor arange(double start, double end, double step, Options options) {
   if (step == 0 || !std::isfinite(start) || !std::isfinite(end) || !std::isfinite(step)) {
     fail<ArgumentError>("arange", "needs finite bounds and a non-zero step, got start ", start, ", end ", end,
                         ", step ", step);
   }
+  if (options.dtype == DType::i64) return finish(arange_i64(start, end, step, options), options);
   const double count = std::ceil((end - start) / step);
   if (!(count < 0x1p62)) {
     fail<ShapeError>("arange", "[", start, ", ", end, ") in steps of ", step, " has ", count,
@@ -565,15 +598,13 @@ template Tensor from_vector<bool>(const std::vector<bool>&, const Shape&, Option
 // --- printing ---
 
 namespace {
-void print_values(std::ostream& out, const std::vector<double>& values, const Shape& shape, std::size_t axis,
-                  std::int64_t offset, bool integral) {
+// Values are printed from their own type: i64 through a double would round past 2^53 (and
+// INT64_MAX, rounded up to 2^63, has no long long to print as).
+template <class V>
+void print_values(std::ostream& out, const std::vector<V>& values, const Shape& shape, std::size_t axis,
+                  std::int64_t offset) {
   if (axis == shape.size()) {
-    const double v = values[static_cast<std::size_t>(offset)];
-    if (integral) {
-      out << static_cast<long long>(v);
-    } else {
-      out << v;
-    }
+    out << values[static_cast<std::size_t>(offset)];
     return;
   }
   std::int64_t stride = 1;
@@ -586,7 +617,7 @@ void print_values(std::ostream& out, const std::vector<double>& values, const Sh
       out << "..., ";
       i = shape[axis] - kEdge;
     }
-    print_values(out, values, shape, axis + 1, offset + i * stride, integral);
+    print_values(out, values, shape, axis + 1, offset + i * stride);
   }
   out << ']';
 }
@@ -595,8 +626,20 @@ void print_values(std::ostream& out, const std::vector<double>& values, const Sh
 std::ostream& operator<<(std::ostream& out, const Tensor& t) {
   if (!t.defined()) return out << "tensor(undefined)";
   out << "tensor(" << dtype_name(t.dtype()) << ' ' << to_string(t.shape()) << ", ";
-  const bool integral = t.dtype() == DType::i64 || t.dtype() == DType::boolean;
-  print_values(out, t.to_vector<double>(), t.shape(), 0, 0, integral);
+  switch (t.dtype()) {
+    case DType::i64:
+      print_values(out, t.to_vector<std::int64_t>(), t.shape(), 0, 0);
+      break;
+    case DType::boolean:  // 0 and 1
+      print_values(out, t.to_vector<bool>(), t.shape(), 0, 0);
+      break;
+    case DType::f32:
+    case DType::f64:
+    case DType::f16:
+    case DType::bf16:
+      print_values(out, t.to_vector<double>(), t.shape(), 0, 0);
+      break;
+  }
   if (t.requires_grad()) out << ", requires_grad";
   return out << ')';
 }

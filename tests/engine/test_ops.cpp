@@ -274,6 +274,125 @@ TEST_CASE("tanh and both GELUs against double references over a dense range, for
   }
 }
 
+namespace {
+// got against want (both as rounded to the dtype): the same NaN-ness and the same infinities, an
+// exact 0 where want is 0 (exp(-inf) is 0, not Eigen's clamped 2.9e-39), else within the relative
+// tolerance plus an absolute one for results that a kernel may flush to 0 (oneDNN's f32 exp does
+// from about -87, its bf16 GELU backward below ~1e-19); f64 runs Eigen only, down to subnormals.
+void check_special(const std::string& what, const std::vector<double>& x, const std::vector<double>& got,
+                   const std::vector<double>& want, DType d, double rel) {
+  REQUIRE(got.size() == want.size());
+  const double flush = d == DType::f64 ? 2 * std::numeric_limits<double>::min() : 1e-15;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double g = got[i], w = want[i];
+    bool ok;
+    if (std::isnan(w) || std::isnan(g) || std::isinf(w) || std::isinf(g) || w == 0) {
+      ok = (std::isnan(w) && std::isnan(g)) || g == w;
+    } else {
+      ok = std::abs(g - w) <= flush + rel * std::abs(w);
+    }
+    if (!ok) {
+      FAIL_CHECK(what << " at x = " << x[i] << " (element " << i << "): got " << g << ", want " << w);
+      return;
+    }
+  }
+}
+
+double sigmoid_ref(double v) { return v >= 0 ? 1 / (1 + std::exp(-v)) : std::exp(v) / (1 + std::exp(v)); }
+constexpr double kGeluC = 0.7978845608028654, kGeluK = 0.044715;
+}  // namespace
+
+TEST_CASE(
+    "every unary op at the special values (infinities, NaN, signed zeros, underflow) against double "
+    "references of its formula, forward and backward, at sizes oneDNN runs") {
+  // The reference is the op's formula evaluated in double on the input as rounded to the dtype,
+  // then rounded to the dtype: what PyTorch's kernels compute (inf * 0 in a derivative is NaN, as
+  // there). 4160 values (above oneDNN's minimum kernel size), the specials repeated so that they
+  // land both in packets and in the scalar tails.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<double> specials = {inf,   -inf,  nan, 0.0, -0.0, -1000, -745, -709,  -104,  -100, -90,
+                                        -88.5, -87.5, -87, -50, -20,  -9.5,  -1,   0.5,   1,     20,   50,
+                                        87,    88,    89,  100, 709,  710,   1000, 1e-30, -1e-30};
+  std::vector<double> xs;
+  while (xs.size() < 4160) xs.insert(xs.end(), specials.begin(), specials.end());
+  const auto n = static_cast<std::int64_t>(xs.size());
+  struct Op {
+    const char* name;
+    Tensor (*f)(const Tensor&);
+    double (*y)(double);
+    double (*g)(double x, double y);  // dy/dx (gy = 1), from x or from y as the dtype holds it
+  };
+  const Op ops[] = {
+      {"neg", [](const Tensor& x) { return neg(x); }, [](double v) { return -v; }, [](double, double) { return -1.0; }},
+      {"abs", [](const Tensor& x) { return abs(x); }, [](double v) { return std::abs(v); },
+       [](double v, double) { return v > 0   ? 1.0
+                                     : v < 0 ? -1.0
+                                             : 0.0; }},  // 0 at NaN, as PyTorch's sign
+      {"exp", [](const Tensor& x) { return exp(x); }, [](double v) { return std::exp(v); },
+       [](double, double y) { return y; }},
+      {"log", [](const Tensor& x) { return log(x); }, [](double v) { return std::log(v); },
+       [](double v, double) { return 1 / v; }},
+      {"sqrt", [](const Tensor& x) { return sqrt(x); }, [](double v) { return std::sqrt(v); },
+       [](double, double y) { return 0.5 / y; }},
+      {"rsqrt", [](const Tensor& x) { return rsqrt(x); }, [](double v) { return 1 / std::sqrt(v); },
+       [](double, double y) { return -0.5 * y * y * y; }},
+      {"tanh", [](const Tensor& x) { return tanh(x); }, [](double v) { return std::tanh(v); },
+       [](double, double y) { return 1 - y * y; }},
+      {"sigmoid", [](const Tensor& x) { return sigmoid(x); }, [](double v) { return sigmoid_ref(v); },
+       [](double, double y) { return y * (1 - y); }},
+      {"relu", [](const Tensor& x) { return relu(x); }, [](double v) { return v < 0 ? 0.0 : v; },
+       [](double, double y) { return y <= 0 ? 0.0 : 1.0; }},  // passes gy where y is NaN
+      {"gelu", [](const Tensor& x) { return gelu(x); },
+       [](double v) { return 0.5 * v * (1 + std::erf(v / std::numbers::sqrt2)); },
+       [](double v, double) {
+         return 0.5 * (1 + std::erf(v / std::numbers::sqrt2)) +
+                v * std::exp(-0.5 * v * v) / std::sqrt(2 * std::numbers::pi);
+       }},
+      {"gelu (tanh)", [](const Tensor& x) { return gelu(x, GeluApproximation::tanh); },
+       [](double v) { return 0.5 * v * (1 + std::tanh(kGeluC * (v + kGeluK * v * v * v))); },
+       [](double v, double) {
+         const double t = std::tanh(kGeluC * (v + kGeluK * v * v * v));
+         return 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * kGeluC * (1 + 3 * kGeluK * v * v);
+       }},
+      {"silu", [](const Tensor& x) { return silu(x); }, [](double v) { return v * sigmoid_ref(v); },
+       [](double v, double) {
+         const double sv = sigmoid_ref(v);
+         return sv * (1 + v * (1 - sv));
+       }},
+      {"softplus", [](const Tensor& x) { return softplus(x); },
+       [](double v) { return std::max(v, 0.0) + std::log1p(std::exp(-std::abs(v))); },
+       [](double v, double) { return sigmoid_ref(v); }},
+      {"square", [](const Tensor& x) { return square(x); }, [](double v) { return v * v; },
+       [](double v, double) { return 2 * v; }},
+      {"reciprocal", [](const Tensor& x) { return reciprocal(x); }, [](double v) { return 1 / v; },
+       [](double, double y) { return -y * y; }},
+      {"erf", [](const Tensor& x) { return erf(x); }, [](double v) { return std::erf(v); },
+       [](double v, double) { return 2 / std::sqrt(std::numbers::pi) * std::exp(-v * v); }},
+  };
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    auto rounded = [&](const std::vector<double>& v) { return values(v, {n}, DType::f64).to(d).to_vector<double>(); };
+    const std::vector<double> xr = rounded(xs);
+    // The approximations (f32 erf and tanh, Eigen's f32 logistic) are a few ulp off; 16-bit
+    // values are computed in f32 and rounded once.
+    const double rel = d == DType::f64 ? 1e-12 : d == DType::f32 ? 1e-5 : 2 * tol(d);
+    for (const Op& op : ops) {
+      const std::string name = op.name;
+      CAPTURE(name);
+      const Tensor x = values(xr, {n}, d).set_requires_grad();
+      std::vector<double> want_y(xr.size()), want_g(xr.size());
+      for (std::size_t i = 0; i < xr.size(); ++i) want_y[i] = op.y(xr[i]);
+      const std::vector<double> yr = rounded(want_y);
+      // The derivative of ops that read y uses y as the dtype holds it.
+      for (std::size_t i = 0; i < xr.size(); ++i) want_g[i] = op.g(xr[i], yr[i]);
+      const Tensor y = op.f(x);
+      check_special(name, xr, y.to_vector<double>(), yr, d, rel);
+      sum(y).backward();
+      check_special(name + " backward", xr, x.grad().to_vector<double>(), rounded(want_g), d, 4 * rel);
+    }
+  }
+}
+
 TEST_CASE("Backend::unary_with_derivative: unary's values and unary_backward's with gy = 1, in place or not") {
   // The suite's backend, with its fused form for the GELUs and the base class's default (unary,
   // then unary_backward) for tanh, and that default called directly on every op.
@@ -347,6 +466,131 @@ TEST_CASE("reductions") {
   // Empty reductions.
   CHECK_CLOSE(sum(zeros({0, 3}), {0}), {0, 0, 0}, {3});
   CHECK_CLOSE(sum_to(ones({2, 3, 4}), {3, 1}), {8, 8, 8}, {3, 1});
+}
+
+TEST_CASE("softmax, log_softmax and logsumexp of lines holding NaN, infinities and masks, at sizes oneDNN runs") {
+  // Lines of 8 over the last axis and, transposed, over the first; 640 lines (5120 values, above
+  // oneDNN's minimum kernel size), the special lines repeated. A line with a NaN or a +inf is NaN
+  // throughout (its normalizer is NaN), as is a line of -infs only; a -inf beside finite values
+  // is a masked slot: exactly 0 after softmax (Eigen's clamped exp left 1.5e-39 there), -inf after
+  // log_softmax.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<std::vector<double>> lines = {{0, nan, 1, 2, 0, 0, 0, 0},
+                                                  {0, inf, 1, 2, 0, 0, 0, 0},
+                                                  {0, -inf, 1, 2, -inf, 0, 0, 0},
+                                                  {-inf, -inf, -inf, -inf, -inf, -inf, -inf, -inf},
+                                                  {nan, nan, nan, nan, nan, nan, nan, nan},
+                                                  {0, 1, 2, 3, 4, 5, 6, 7},
+                                                  {-1000, 0, -200, 0, 0, 0, 0, 0},
+                                                  {80, -80, 0, 0, 0, 0, 0, 0}};
+  std::vector<double> flat;
+  for (int r = 0; r < 80; ++r) {
+    for (const auto& line : lines) flat.insert(flat.end(), line.begin(), line.end());
+  }
+  const std::int64_t count = static_cast<std::int64_t>(flat.size()) / 8;
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values(flat, {count, 8}, d);
+    const std::vector<double> xr = x.to_vector<double>();
+    for (bool transposed : {false, true}) {
+      CAPTURE(transposed);
+      // The same lines, laid out down the columns of an [8, count] tensor: softmax over axis 0.
+      const Tensor in = transposed ? x.transpose(0, 1).contiguous() : x;
+      const std::int64_t axis = transposed ? 0 : 1;
+      const Tensor sm = softmax(in, axis), lsm = log_softmax(in, axis), lse = logsumexp(in, {axis});
+      const std::vector<double> p = (transposed ? sm.transpose(0, 1) : sm).contiguous().to_vector<double>();
+      const std::vector<double> lp = (transposed ? lsm.transpose(0, 1) : lsm).contiguous().to_vector<double>();
+      const std::vector<double> l = lse.to_vector<double>();
+      for (std::int64_t r = 0; r < count; ++r) {
+        CAPTURE(r);
+        const double* v = xr.data() + r * 8;
+        bool has_nan = false, has_inf = false, all_neg_inf = true;
+        double m = -inf;
+        for (int i = 0; i < 8; ++i) {
+          has_nan |= std::isnan(v[i]);
+          has_inf |= v[i] == inf;
+          all_neg_inf &= v[i] == -inf;
+          if (v[i] > m) m = v[i];
+        }
+        // logsumexp: NaN with any NaN, +inf with a +inf, -inf when every value is.
+        if (has_nan) {
+          CHECK(std::isnan(l[r]));
+        } else if (has_inf || all_neg_inf) {
+          CHECK(l[r] == (has_inf ? inf : -inf));
+        } else {
+          double total = 0;
+          for (int i = 0; i < 8; ++i) total += std::exp(v[i] - m);
+          CHECK(l[r] == doctest::Approx(m + std::log(total)).epsilon(tol(d) * 4));
+        }
+        double total = 0;
+        for (int i = 0; i < 8; ++i) total += std::exp(v[i] - m);
+        for (int i = 0; i < 8; ++i) {
+          CAPTURE(i);
+          const double got = p[r * 8 + i], got_log = lp[r * 8 + i];
+          if (has_nan || has_inf || all_neg_inf) {
+            CHECK(std::isnan(got));
+            CHECK(std::isnan(got_log));
+          } else if (v[i] == -inf) {
+            CHECK(got == 0);
+            CHECK(got_log == -inf);
+          } else {
+            const double want = std::exp(v[i] - m) / total;
+            CHECK(got == doctest::Approx(want).epsilon(tol(d) * 4).scale(1e-30));
+            CHECK(got_log == doctest::Approx(v[i] - m - std::log(total)).epsilon(tol(d) * 4));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("reductions of a scalar over axis 0 or -1 give the scalar, as in PyTorch; other axes are refused") {
+  const Tensor s = scalar(3.5);
+  for (std::int64_t axis : {0, -1}) {
+    CAPTURE(axis);
+    CHECK(sum(s, {axis}).item() == 3.5);
+    CHECK(mean(s, {axis}).item() == 3.5);
+    CHECK(max(s, {axis}).item() == 3.5);
+    CHECK(min(s, {axis}, true).item() == 3.5);
+    CHECK(sum(s, {axis}, true).shape().empty());
+    CHECK(logsumexp(s, {axis}).item() == 3.5);
+  }
+  test::check_throws<IndexError>([&] { (void)sum(s, {1}); }, {"sum", "axis 1", "scalar"});
+  test::check_throws<IndexError>([&] { (void)max(s, {-2}); }, {"max", "axis -2", "scalar"});
+}
+
+TEST_CASE(
+    "i64 at its limits: neg, abs and square wrap; clamp to an out-of-range bound keeps INT64_MAX; printing "
+    "is exact; arange is exact past 2^53 and refuses a fractional start or step") {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max(),
+                         kMin = std::numeric_limits<std::int64_t>::min();
+  const Tensor x = from_vector<std::int64_t>({kMax, kMin, -1, 3037000500}, {4});
+  // Two's complement wrap, as the README says of i64 arithmetic (and no UB: the sanitizer preset checks).
+  CHECK(neg(x).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMin + 1, kMin, 1, -3037000500});
+  CHECK(abs(x).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMax, kMin, 1, 3037000500});
+  CHECK(square(x).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{1, 0, 1, static_cast<std::int64_t>(3037000500ULL * 3037000500ULL)});
+  // Bounds beyond i64 bound nothing; inside, they are exact integers.
+  CHECK(clamp(x, 0, 1e30).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMax, 0, 0, 3037000500});
+  CHECK(clamp(x, -1e30, 1e30).to_vector<std::int64_t>() == x.to_vector<std::int64_t>());
+  CHECK(clamp(x, -0.5, 2.5).to_vector<std::int64_t>() == std::vector<std::int64_t>{2, 0, 0, 2});
+  test::check_throws<ArgumentError>([&] { (void)clamp(x, 1e19, 1e20); }, {"clamp", "no i64 value"});
+  test::check_throws<ArgumentError>([&] { (void)clamp(x, 0.25, 0.75); }, {"clamp", "no i64 value"});
+  // Printing goes through the values' own type.
+  CHECK(to_string(x) == "tensor(i64 [4], [9223372036854775807, -9223372036854775808, -1, 3037000500])");
+  CHECK(to_string(from_vector<bool>({true, false}, {2})) == "tensor(bool [2], [1, 0])");
+  // arange in i64: exact integers, end exclusive on the side the step points.
+  CHECK(arange(9007199254740992.0, 9007199254740996.0, 1, DType::i64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{9007199254740992, 9007199254740993, 9007199254740994, 9007199254740995});
+  CHECK(arange(0, 2.5, 1, DType::i64).to_vector<std::int64_t>() == std::vector<std::int64_t>{0, 1, 2});
+  CHECK(arange(3, -0.5, -2, DType::i64).to_vector<std::int64_t>() == std::vector<std::int64_t>{3, 1});
+  CHECK(arange(5, 5, 1, DType::i64).numel() == 0);
+  CHECK(arange(0, 3, -1, DType::i64).numel() == 0);
+  CHECK(arange(-9223372036854775808.0, -9223372036854775808.0 + 4096, 2048, DType::i64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{kMin, kMin + 2048});
+  test::check_throws<DTypeError>([] { (void)arange(0, 2, 0.5, DType::i64); }, {"arange", "step", "0.5"});
+  test::check_throws<DTypeError>([] { (void)arange(0.5, 2, 1, DType::i64); }, {"arange", "start", "0.5"});
+  test::check_throws<DTypeError>([] { (void)arange(1e19, 2e19, 1, DType::i64); }, {"arange", "start"});
 }
 
 TEST_CASE("reshape, permute, slice and expand share storage; concat copies, as documented") {

@@ -310,10 +310,11 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
         eigen().unary(op, x.view(), ye.view());
         const std::int64_t forward_runs = executions_of([&] { dnnl().unary(op, x.view(), yd.view()); });
         check_routed(forward_runs, std::string(op_name(op)), dtype);
-        // RUDA_ONEDNN_KERNELS=all: everything but softplus (inaccurate on oneDNN) and relu (oneDNN's
-        // turns NaN into 0) runs there.
-        // erf has no oneDNN 2.6 eltwise algorithm at all.
-        const bool kept_on_eigen = op == UnaryOp::softplus || op == UnaryOp::relu || op == UnaryOp::erf;
+        // RUDA_ONEDNN_KERNELS=all: everything runs there but what oneDNN 2.6 gets wrong: softplus
+        // (inaccurate), relu (NaN becomes 0), exp (NaN becomes +inf), log (bf16 log(1) is not 0),
+        // rsqrt (0 at -inf). erf has no oneDNN 2.6 eltwise algorithm at all.
+        const bool kept_on_eigen = op == UnaryOp::softplus || op == UnaryOp::relu || op == UnaryOp::erf ||
+                                   op == UnaryOp::exp || op == UnaryOp::log || op == UnaryOp::rsqrt;
         if (native_dtype && onednn::all_kernels()) CHECK(forward_runs == (kept_on_eigen ? 0 : 1));
         test::check_close(yd, ye, atol_of(dtype), rtol_of(dtype));
 
@@ -323,8 +324,9 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
         eigen().unary_backward(op, x.view(), ye.view(), gy.view(), ge.view());
         const std::int64_t backward_runs =
             executions_of([&] { dnnl().unary_backward(op, x.view(), ye.view(), gy.view(), gd.view()); });
+        // (abs: oneDNN's passes the gradient at NaN, where it is 0.)
         const bool has_backward = op != UnaryOp::neg && op != UnaryOp::rsqrt && op != UnaryOp::reciprocal &&
-                                  op != UnaryOp::relu && op != UnaryOp::erf;
+                                  op != UnaryOp::relu && op != UnaryOp::erf && op != UnaryOp::abs;
         check_routed(backward_runs, std::string(op_name(op)) + " backward", dtype);
         if (native_dtype && onednn::all_kernels()) CHECK(backward_runs == (has_backward ? 1 : 0));
         // Derivatives through y = f(x) rounded to bf16 amplify its rounding (e.g. sqrt: 0.5 / y).
@@ -382,7 +384,9 @@ TEST_CASE("eltwise special values follow IEEE evaluation of the formulas") {
     const Tensor y = empty(x.shape(), Options(DType::f32, &dnnl()));
     const std::int64_t runs = executions_of([&] { dnnl().unary(c.op, x.view(), y.view()); });
     check_routed(runs, std::string(op_name(c.op)), DType::f32);
-    if (onednn::all_kernels() && c.op != UnaryOp::relu) CHECK(runs == 1);
+    if (onednn::all_kernels() && c.op != UnaryOp::relu && c.op != UnaryOp::exp && c.op != UnaryOp::log) {
+      CHECK(runs == 1);  // (relu, exp and log stay on Eigen: see the test above)
+    }
     test::check_close(y, want, x.shape(), 1e-6, 1e-5);
   }
 }
@@ -649,9 +653,9 @@ TEST_CASE("the cache keeps at most its capacity and rebuilds what it evicted") {
   for (int round = 0; round < 2; ++round) {
     for (const Tensor& x : inputs) {
       Tensor y;
-      CHECK(executions_of([&] { y = exp(x.to(dnnl())); }) == 1);
+      CHECK(executions_of([&] { y = square(x.to(dnnl())); }) == 1);
       CHECK(onednn::stats().cached <= 4);
-      test::check_close(y, exp(x.to(eigen())), 1e-6, 1e-6);
+      test::check_close(y, square(x.to(eigen())), 1e-6, 1e-6);
     }
   }
   onednn::set_cache_capacity(own);
