@@ -7,6 +7,7 @@
 #               allocated), then a scaled-down model of the same shape of problem: refused at 1
 #               rank, over the limit as configured at 4 MPI ranks, fitted and trained there
 #   bench-list  tools/bench --list
+#   fuzz-safetensors  tools/fuzz-safetensors for a few seconds: it builds its fuzzer and finds nothing
 set -euo pipefail
 case_name=$1
 export RUDA_BIN_DIR=$2
@@ -58,6 +59,10 @@ case "$case_name" in
   bench-list)
     "$root/tools/bench" --list >"$log" 2>&1 || fail "tools/bench --list exited $?"
     for suite in gemm mlp models train-step checkpoint; do grep -qx "$suite" "$log" || fail "no suite $suite"; done
+    ;;
+  fuzz-safetensors)
+    RUDA_FUZZ_DIR=$work/fuzz "$root/tools/fuzz-safetensors" 5 >"$log" 2>&1 || fail "tools/fuzz-safetensors exited $?"
+    expect "fuzzed for 5s: 0 failing inputs"
     ;;
   *)
     echo "test_scripts.sh: unknown case $case_name" >&2
