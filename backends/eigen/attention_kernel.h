@@ -28,7 +28,6 @@
 #include <ruda/random.h>
 
 #include "kernel_util.h"
-#include "vector_math.h"
 
 namespace ruda::kernels::attention {
 
@@ -334,7 +333,10 @@ void forward(const AttentionDesc& d, MakeGemm&& make_gemm) {
               continue;
             }
             const Acc rescale = std::exp(w->max[row_index] - m);  // 0 on the first visible block
-            row = ops::vector_exp(row - m);
+            // Eigen's exp, not ops::vector_exp: its clamp at -88.7 (2.9e-39 instead of 0) reaches only
+            // weights negligible beside the row's largest (1), and masked keys are zeroed, never
+            // exponentiated from -inf.
+            row = (row - m).exp();
             w->sum[row_index] = w->sum[row_index] * rescale + row.sum();
             w->max[row_index] = m;
             if (rescale != Acc(1)) Eigen::Map<Array>(w->acc.data() + row_index * dv, dv) *= rescale;
@@ -443,7 +445,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
               Acc* const pr = p + r * n_cols;
               const std::int64_t n = c.masked ? visible(true, ci + r, j0, n_cols) : n_cols;
               Eigen::Map<Array> row(pr, n);
-              row = ops::vector_exp(row - lse_bh[d.lse.strides[2] * (ci + r)]);
+              row = (row - lse_bh[d.lse.strides[2] * (ci + r)]).exp();  // (Eigen's exp: as in the forward)
               std::fill(pr + n, pr + n_cols, Acc(0));
               if (d.dropout > 0) {
                 Acc* const keep = w->keep.data() + r * n_cols;

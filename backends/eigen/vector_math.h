@@ -13,8 +13,8 @@
 // read 2.9e-39 (f32) or 5.6e-309 (f64), not 0: a softmax's masked (-inf) slots held that instead
 // of 0, and exp(-100) in f32 was 2.9e-39, not 3.8e-44. vector_exp computes exp(x) below the clamp
 // as exp(x + k ln 2) * 2^-k, which is in Eigen's accurate range down to where exp(x) rounds to 0;
-// above it the values are Eigen's own, bit for bit. The logistic function is computed from it in a
-// form that stays accurate for large negative x. Private to the Eigen backend;
+// above it the values are Eigen's own, bit for bit. The logistic function takes it where Eigen's
+// took its clamped exp. Private to the Eigen backend;
 // op_descriptors.h declares the functions.
 #pragma once
 
@@ -61,18 +61,28 @@ struct ExpWithoutClamp {
   }
 };
 
-// 1 / (1 + exp(-x)) as e / (1 + e) below 0 and 1 / (1 + e) above, with e = exp(-|x|) <= 1: exact
-// to a few ulp everywhere, down to subnormal results. (Eigen's f32 logistic took exp(x) for it
-// below -9, 1e-4 off at -9.5, and clamped; its f64 form 1 / (1 + exp(-x)) gave 0 below -709.)
+// The logistic function 1 / (1 + exp(-x)). In f32, Eigen's rational approximation (a couple of
+// ulp on [-9, 18], 1 above) where it holds, and e / (1 + e) with e = exp(x) below -9, where Eigen
+// takes exp(x) alone (1e-4 off at -9.5) and clamps it. In f64 (no approximation in Eigen), the
+// stable form everywhere: 1 / (1 + e) above 0 and e / (1 + e) below, e = exp(-|x|) <= 1, exact to
+// a few ulp down to subnormal results (Eigen's 1 / (1 + exp(-x)) read 5.6e-309 at -1000, not 0).
 struct StableLogistic {
   template <class Packet>
   Packet operator()(const Packet& x) const {
     using namespace Eigen::internal;
     using S = typename unpacket_traits<Packet>::type;
     const Packet one = pset1<Packet>(S(1));
-    const Packet e = ExpWithoutClamp{}(pnegate(pabs(x)));
-    const Packet r = pdiv(one, padd(one, e));
-    return pselect(pcmp_lt(x, pzero(x)), pmul(e, r), r);
+    if constexpr (std::is_same_v<S, float>) {
+      const Packet y = scalar_logistic_op<float>{}.packetOp(x);
+      const Packet low = pcmp_lt(x, pset1<Packet>(-9.0f));
+      if (!predux_any(low)) return y;
+      const Packet e = ExpWithoutClamp{}(x);
+      return pselect(low, pdiv(e, padd(one, e)), y);
+    } else {
+      const Packet e = ExpWithoutClamp{}(pnegate(pabs(x)));
+      const Packet r = pdiv(one, padd(one, e));
+      return pselect(pcmp_lt(x, pzero(x)), pmul(e, r), r);
+    }
   }
 };
 

@@ -90,4 +90,10 @@ inline bool eigen_faster_broadcast_binary(DType dtype) { return !all_kernels_req
 
 inline bool eigen_faster_innermost_sum(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
 
+// softmax / log_softmax forward in f32 (2026-12-04, Zen 4, 2 threads, `ruda-bench --suite
+// onednn-kernels`, softmax over 1024 of 4M values, two alternated runs): Eigen 2227-2692 Melem/s
+// against oneDNN's 2001 before its NaN-line scan (reduce.cpp) and 1663 after it. bf16 stays on
+// oneDNN (Eigen's widening loop: 266-295 against 1525-2671).
+inline bool eigen_faster_softmax(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
+
 }  // namespace ruda::onednn::detail

@@ -2,8 +2,6 @@
 // forward and backward on its softmax (v2) primitives.
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <limits>
 #include <vector>
 
 #include "context.h"
@@ -153,35 +151,53 @@ algorithm softmax_algorithm(bool log) { return log ? algorithm::softmax_log : al
 // for log_softmax), where the softmax of such a line is NaN throughout: its normalizer is NaN
 // (inf - inf), as PyTorch and the Eigen kernel have it. A NaN in y marks such a line, and only
 // such a line (a finite line has no NaN in oneDNN's result, nor one of -infs only, which it
-// makes NaN throughout already), so lines with a NaN become all NaN. The check reads y once.
-void nan_lines_to_nan(const View& y, int axis) {
+// makes NaN throughout already), so lines with a NaN become all NaN. The check reads y once, as
+// integers (a NaN's magnitude bits are above the infinity's), in a loop the compiler vectorizes.
+template <class Bits>
+bool any_nan(const Bits* p, std::int64_t n, Bits infinity) {
+  constexpr Bits kMagnitude = static_cast<Bits>(static_cast<Bits>(~Bits{0}) >> 1);  // (~ promotes to int)
+  unsigned found = 0;
+  for (std::int64_t i = 0; i < n; ++i) found |= static_cast<unsigned>((p[i] & kMagnitude) > infinity);
+  return found != 0;
+}
+
+template <class Bits>
+void nan_lines_to_nan(Bits* p, const View& y, int axis, Bits infinity) {
   std::int64_t outer = 1, inner = 1;
   for (int d = 0; d < axis; ++d) outer *= y.shape[d];
   for (int d = axis + 1; d < y.ndim; ++d) inner *= y.shape[d];
   const std::int64_t n = y.shape[axis];
-  kernels::dispatch_float(y.dtype, "softmax", [&](auto tag) {
-    using T = decltype(tag);
-    T* const p = y.ptr<T>();
-    std::atomic<bool> any{false};
-    kernels::parallel_for(y.numel(), kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+  std::atomic<bool> any{false};
+  kernels::parallel_for(y.numel(), kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    if (any_nan(p + begin, end - begin, infinity)) any.store(true, std::memory_order_relaxed);
+  });
+  if (!any.load(std::memory_order_relaxed)) return;
+  const Bits nan = static_cast<Bits>(infinity | (infinity >> 1));  // the quiet NaN: exponent and top fraction bit
+  for (std::int64_t o = 0; o < outer; ++o) {
+    for (std::int64_t j = 0; j < inner; ++j) {
+      Bits* const line = p + o * n * inner + j;
       bool found = false;
-      for (std::int64_t i = begin; i < end; ++i) found |= std::isnan(static_cast<float>(kernels::Num<T>::load(p[i])));
-      if (found) any.store(true, std::memory_order_relaxed);
-    });
-    if (!any.load(std::memory_order_relaxed)) return;
-    const T nan = kernels::Num<T>::store(std::numeric_limits<float>::quiet_NaN());
-    for (std::int64_t o = 0; o < outer; ++o) {
-      for (std::int64_t j = 0; j < inner; ++j) {
-        T* const line = p + o * n * inner + j;
-        bool found = false;
-        for (std::int64_t i = 0; i < n && !found; ++i)
-          found = std::isnan(static_cast<float>(kernels::Num<T>::load(line[i * inner])));
-        if (found) {
-          for (std::int64_t i = 0; i < n; ++i) line[i * inner] = nan;
-        }
+      for (std::int64_t i = 0; i < n && !found; ++i) found = any_nan(line + i * inner, 1, infinity);
+      if (found) {
+        for (std::int64_t i = 0; i < n; ++i) line[i * inner] = nan;
       }
     }
-  });
+  }
+}
+
+void nan_lines_to_nan(const View& y, int axis) {
+  switch (y.dtype) {
+    case DType::f32:
+      return nan_lines_to_nan(y.ptr<std::uint32_t>(), y, axis, std::uint32_t{0x7f800000});
+    case DType::bf16:
+      return nan_lines_to_nan(y.ptr<std::uint16_t>(), y, axis, std::uint16_t{0x7f80});
+    case DType::f16:
+      return nan_lines_to_nan(y.ptr<std::uint16_t>(), y, axis, std::uint16_t{0x7c00});
+    case DType::f64:
+    case DType::i64:
+    case DType::boolean:
+      fail<DTypeError>("softmax", "no oneDNN softmax for ", dtype_name(y.dtype));
+  }
 }
 
 }  // namespace
@@ -195,6 +211,10 @@ void OneDnnBackend::softmax(const View& x, const View& y, int axis, bool log) {
   }
   if (x.numel() < kMinElements) {
     note_fallback(name, x.dtype, kSmallReason);
+    return EigenBackend::softmax(x, y, axis, log);
+  }
+  if (eigen_faster_softmax(x.dtype)) {
+    note_fallback(name, x.dtype, kEigenFasterReason);
     return EigenBackend::softmax(x, y, axis, log);
   }
   const auto p = lookup(softmax_key(6, x, axis, log), threads_for(x.numel()), [&] {
