@@ -386,7 +386,7 @@ std::vector<std::string> Communicator::history() const {
 }
 
 Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
-                                       std::string_view extra, const CollectiveOptions& options) {
+                                       std::string_view extra, const CollectiveOptions& options, const Shape* shape) {
   // Every collective, blocking or not, begins here: the one place its options enter.
   check_enum(options.accumulate, op, "Accumulate", rank_text_);
   Call call;
@@ -402,9 +402,16 @@ Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64
   r.count = count;
   r.extra.assign(extra);
   r.tag.assign(options.tag);
+  if (shape) {
+    r.shape.assign(shape->begin(), shape->end());
+  } else {
+    r.shape.clear();
+  }
   if (order_check_) {
-    call.fingerprint = cd::numbered(
-        call.sequence, call_text(op, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag)));
+    call.fingerprint = cd::with_shape(
+        cd::numbered(call.sequence,
+                     call_text(op, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag))),
+        has_data ? to_string(r.shape) : std::string());
     try {
       check_order(call);
     } catch (...) {
@@ -419,12 +426,17 @@ void Communicator::check_order(const Call& call) {
   bool same = true;
   for (const auto& f : all) same = same && f == call.fingerprint;
   if (same) return;
+  // The shapes are shown only where nothing else tells the calls apart (same op, dtype and count).
+  const std::string mine = cd::without_shape(call.fingerprint);
+  bool only_shapes = true;
+  for (const auto& f : all) only_shapes = only_shapes && cd::without_shape(f) == mine;
   std::vector<std::string> calls;
   for (const auto& f : all) {
-    auto [n, text] = cd::split_fingerprint(f);
+    const std::string shown = only_shapes ? cd::shape_shown(f) : cd::without_shape(f);
+    auto [n, text] = cd::split_fingerprint(shown);
     // A rank at another sequence number (it called more or fewer collectives with the check
     // off) shows its own number.
-    calls.push_back(n == call.sequence ? text : f);
+    calls.push_back(n == call.sequence ? text : shown);
   }
   throw CollectiveMismatchError(cd::mismatch_message(call.sequence, calls));
 }
@@ -472,7 +484,7 @@ std::string_view accumulate_extra(DType dtype, Accumulate accumulate) {
 }  // namespace
 
 void Communicator::run_all_gather(const Tensor& local, const Tensor& out, const CollectiveOptions& options) {
-  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
+  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     do_all_gather(local.data_ptr(), out.data_ptr(), local.numel(), local.dtype());
   } catch (...) {
@@ -483,7 +495,7 @@ void Communicator::run_all_gather(const Tensor& local, const Tensor& out, const 
 
 void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, const CollectiveOptions& options) {
   const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
-                          accumulate_extra(full.dtype(), options.accumulate), options);
+                          accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     do_reduce_scatter(full.data_ptr(), out.data_ptr(), out.numel(), full.dtype(), options.accumulate);
   } catch (...) {
@@ -497,7 +509,7 @@ Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions
   const Tensor& local = dense_input("all_gather", rank_, local_arg, local_copy);
   const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
-    begin("all_gather", true, local.numel(), local.dtype(), "", options);
+    begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
     return local.detach().reshape(shape);
   }
   Tensor out = new_like(local, shape);
@@ -521,7 +533,7 @@ Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOpti
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
     begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
-          options);
+          options, &full.shape());
     return full.detach();
   }
   Tensor out = new_like(full, shape);
@@ -548,11 +560,11 @@ Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const Collect
     extra += ", native";
   }
   if (pass_through()) {
-    begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+    begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
     return x.detach();
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     do_all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), op, options.accumulate);
   } catch (...) {
@@ -571,11 +583,11 @@ Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOp
   }
   const std::string extra = "root " + std::to_string(root);
   if (pass_through()) {
-    begin("broadcast", true, x.numel(), x.dtype(), extra, options);
+    begin("broadcast", true, x.numel(), x.dtype(), extra, options, &x.shape());
     return x.detach();
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("broadcast", true, x.numel(), x.dtype(), extra, options);
+  const Call call = begin("broadcast", true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     do_broadcast(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), root);
   } catch (...) {
@@ -601,7 +613,7 @@ Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions
   require_contiguous("all_gather_async", rank_, local, "input");
   const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
-    begin("all_gather", true, local.numel(), local.dtype(), "", options);
+    begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
     return Work(std::make_unique<FinishedState>(local.detach().reshape(shape)));
   }
   return launch_all_gather(local, new_like(local, shape), options);
@@ -618,7 +630,7 @@ Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local,
 }
 
 Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options) {
-  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options);
+  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
@@ -634,7 +646,7 @@ Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOpti
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
     begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
-          options);
+          options, &full.shape());
     return Work(std::make_unique<FinishedState>(full.detach()));
   }
   return launch_reduce_scatter(full, new_like(full, shape), options);
@@ -653,7 +665,7 @@ Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& fu
 Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options) {
   const std::int64_t count = out.numel();
   const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
-                          accumulate_extra(full.dtype(), options.accumulate), options);
+                          accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
@@ -672,11 +684,11 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
     extra += ", native";
   }
   if (pass_through()) {
-    begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+    begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
     return Work(std::make_unique<FinishedState>(x.detach()));
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options);
+  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,

@@ -11,6 +11,7 @@
 // timeout. The world is then "broken" and every later collective fails at once, so no rank hangs.
 // The second phase cannot fail: by then every rank is inside the collective and only copies.
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -56,6 +57,14 @@ struct Slot {
   bool by_node = false;                         // split: split_by_node rather than split
   const EmulatedCommunicator* owner = nullptr;  // whose call it is, described only for messages
   std::uint64_t sequence = 0;
+  // The input tensor's shape (the call's record's): equal counts of different shapes ([2, 3] and
+  // [3, 2]) are different collectives. A fixed array: slots are built for every call.
+  int ndim = 0;
+  std::array<std::int64_t, kMaxDims> shape{};
+
+  bool same_shape(const Slot& o) const {
+    return ndim == o.ndim && std::equal(shape.begin(), shape.begin() + ndim, o.shape.begin());
+  }
 
   // How a 16-bit sum accumulates changes its result; elsewhere (f32, f64 and i64 sums, max) the
   // option has no effect, so ranks that pass different ones still call the same collective (as
@@ -66,7 +75,7 @@ struct Slot {
   }
   bool same_collective(const Slot& o) const {
     return kind == o.kind && dtype == o.dtype && count == o.count && root == o.root && reduction == o.reduction &&
-           by_node == o.by_node && (!accumulate_matters() || accumulate == o.accumulate);
+           by_node == o.by_node && (!accumulate_matters() || accumulate == o.accumulate) && same_shape(o);
   }
 };
 
@@ -537,6 +546,12 @@ class EmulatedCommunicator final : public Communicator {
     s.count = count;
     s.owner = this;
     s.sequence = current_sequence();
+    // (An order check's fingerprints carry the shape in their text: its slot compares none.)
+    if (kind != Kind::fingerprint) {
+      const Shape& shape = current_record().shape;
+      s.ndim = static_cast<int>(std::min<std::size_t>(shape.size(), kMaxDims));
+      std::copy(shape.begin(), shape.begin() + s.ndim, s.shape.begin());
+    }
     return s;
   }
 
@@ -621,10 +636,18 @@ class EmulatedCommunicator final : public Communicator {
       same_sequence = same_sequence && world_.slot(k).sequence == first.sequence;
     }
     if (same) return {};
+    // The shapes are shown only where nothing else tells the calls apart.
+    bool only_shapes = true;
+    for (int k = 1; k < world_size(); ++k) {
+      Slot a = world_.slot(k), b = first;
+      a.ndim = b.ndim = 0;
+      only_shapes = only_shapes && a.same_collective(b) && world_.slot(k).sequence == first.sequence;
+    }
     std::vector<std::string> calls;
     for (int k = 0; k < world_size(); ++k) {
       const Slot& s = world_.slot(k);
       std::string call = s.owner->current_call();
+      if (only_shapes) call += " of " + to_string(Shape(s.shape.begin(), s.shape.begin() + s.ndim));
       if (s.kind == Kind::fingerprint) call = "order check of " + call;
       calls.push_back(same_sequence ? call : cd::numbered(s.sequence, call));
     }

@@ -37,6 +37,11 @@ inline constexpr std::size_t kStreamingBytes = std::size_t(8) << 20;
 
 /// all_gather(f32, 8192, "layers.3.weight"), reduce_scatter(bf16, 4096, native), broadcast(f32, 8, root 1).
 std::string describe(const char* op, DType dtype, std::int64_t count, const std::string& extra, const std::string& tag);
+/// An order-check fingerprint with the call's shape after a separator ("#17 all_gather(f32, 6)\x1f[2, 3]"),
+/// the fingerprint without it, and with it shown as text ("#17 all_gather(f32, 6) of [2, 3]").
+std::string with_shape(std::string fingerprint, const std::string& shape);
+std::string without_shape(const std::string& fingerprint);
+std::string shape_shown(const std::string& fingerprint);
 /// The two-sided message of a mismatch: ranks with the same call are grouped,
 /// "collective #17 differs: rank 0 all_gather(...), rank 1 reduce_scatter(...)".
 std::string mismatch_message(std::uint64_t sequence, const std::vector<std::string>& calls);

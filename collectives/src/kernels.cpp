@@ -272,6 +272,27 @@ std::string numbered(std::uint64_t sequence, const std::string& call) {
   return out;
 }
 
+namespace {
+constexpr char kShapeSeparator = '\x1f';  // ASCII unit separator: in no op, dtype, count or shape text
+}  // namespace
+
+std::string with_shape(std::string fingerprint, const std::string& shape) {
+  if (shape.empty()) return fingerprint;
+  fingerprint += kShapeSeparator;
+  fingerprint += shape;
+  return fingerprint;
+}
+
+std::string without_shape(const std::string& fingerprint) {
+  return fingerprint.substr(0, fingerprint.find(kShapeSeparator));
+}
+
+std::string shape_shown(const std::string& fingerprint) {
+  const std::size_t at = fingerprint.find(kShapeSeparator);
+  if (at == std::string::npos) return fingerprint;
+  return fingerprint.substr(0, at) + " of " + fingerprint.substr(at + 1);
+}
+
 std::pair<std::uint64_t, std::string> split_fingerprint(const std::string& fingerprint) {
   if (fingerprint.size() > 1 && fingerprint[0] == '#') {
     const std::size_t space = fingerprint.find(' ');

@@ -619,6 +619,16 @@ inline void order_check(Communicator& c) {
   const std::string long_tag(300, 'w');
   expect_mismatch([&] { c.all_gather(w8, {long_tag + (odd ? "b" : "a")}); },
                   "collective #" + std::to_string(before + 4) + " differs: ", "long tags");
+  // Same count, different shapes ([2, 4] against [4, 2]): different collectives, whose shapes the
+  // message shows since nothing else tells them apart. (Under MPI the bytes would move and each
+  // rank read them in its own shape.)
+  expect_mismatch(
+      [&] {
+        c.all_reduce(zeros(odd ? Shape{4, 2} : Shape{2, 4}), Reduction::sum, {"w"});
+      },
+      "collective #" + std::to_string(before + 5) + " differs: " + others +
+          " all_reduce(f32, 8, sum, \"w\") of [2, 4], rank 1 all_reduce(f32, 8, sum, \"w\") of [4, 2]",
+      "different shapes");
   // After mismatches the ranks are still in step.
   expect_values(
       c.all_reduce(scalar(1.0), Reduction::sum, {"after"}), DType::f32, {}, [&](std::int64_t) { return double(n); },

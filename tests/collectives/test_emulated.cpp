@@ -65,6 +65,14 @@ TEST_CASE("emulated: ranks calling different collectives or counts raise even wi
         expect_throw<CollectiveMismatchError>(
             [&] { comm.all_gather(zeros({comm.rank() == 2 ? 9 : 8})); },
             {"collective #3 differs: ranks 0, 1 all_gather(f32, 8), rank 2 all_gather(f32, 9)"}, "different counts");
+        // Equal counts of different shapes are different collectives too (each rank would read the
+        // gathered rows in its own shape), shown with their shapes.
+        expect_throw<CollectiveMismatchError>(
+            [&] {
+              comm.all_gather(zeros(comm.rank() == 2 ? Shape{3, 2} : Shape{2, 3}));
+            },
+            {"collective #4 differs: ranks 0, 1 all_gather(f32, 6) of [2, 3], rank 2 all_gather(f32, 6) of [3, 2]"},
+            "different shapes");
         // Tags are compared by the order check only.
         CHECK(comm.all_gather(ones({2}), {comm.rank() == 0 ? "a" : "b"}).sum().item() == 6.0);
       },

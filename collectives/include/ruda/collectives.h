@@ -253,6 +253,7 @@ class Communicator {
     std::int64_t count = 0;
     std::string extra;  // what else defines the call: "max", "root 1", "native"
     std::string tag;
+    Shape shape;  // the tensor's (the input's; the one tensor of all_reduce and broadcast); none for a barrier
     /// all_gather(f32, 8192, "w"), without the number.
     std::string text() const;
   };
@@ -284,15 +285,18 @@ class Communicator {
   virtual std::unique_ptr<Communicator> do_split_by_node() = 0;
   /// Agrees `fingerprint` across ranks for the order check; returns every rank's fingerprint
   /// (index = rank). Implementations may exchange fixed-size records of kFingerprintBytes:
-  /// fingerprints are shorter (long tags are cut, keeping a hash of the whole tag).
+  /// fingerprints are shorter (long tags are cut, keeping a hash of the whole tag; with the
+  /// sequence number, op, count, extra and the shape, at most ~270 bytes).
   virtual std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) = 0;
-  static constexpr std::size_t kFingerprintBytes = 256;
+  static constexpr std::size_t kFingerprintBytes = 320;
 
  private:
   struct Call;
-  // Numbers and records a call (has_data: false for a barrier), and runs the order check when enabled.
+  // Numbers and records a call (has_data: false for a barrier), and runs the order check when
+  // enabled. `shape` is the input tensor's: ranks whose counts agree but whose shapes do not
+  // ([2, 3] against [3, 2]) call different collectives.
   Call begin(const char* op, bool has_data, std::int64_t count, DType dtype, std::string_view extra,
-             const CollectiveOptions& options);
+             const CollectiveOptions& options, const Shape* shape = nullptr);
   void check_order(const Call& call);
   // Accounts a blocking collective that completed (traffic()).
   void finish(const Call& call);
