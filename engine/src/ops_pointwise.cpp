@@ -157,12 +157,15 @@ Tensor pow(const Tensor& a, const Tensor& b) {
     autograd::record("pow", out, {a, b}, {a, b, b.requires_grad() ? out : Tensor()},
                      [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
                        const Tensor av = s[0].get(), bv = s[1].get();
+                       const Tensor zero = zeros({}, Options(g.dtype(), &g.backend()));
                        Tensor ga, gb;
-                       if (need[0]) ga = sum_to(g * bv * pow(av, bv - 1.0), sa);
+                       // As PyTorch's pow_backward: d(a^b)/da = b * a^(b-1), exactly 0 where b == 0
+                       // (0 * 0^-1 would be NaN at a == 0); d(a^b)/db = a^b * log(a), 0 where a == 0
+                       // and b >= 0 (the limit), so 0^-1's is -inf.
+                       if (need[0]) ga = sum_to(where(eq(bv, 0.0), zero, g * bv * pow(av, bv - 1.0)), sa);
                        if (need[1]) {
-                         // d(a^b)/db = a^b * log(a), taken as 0 where a == 0 (the limit of b*log(a) paths)
-                         const Tensor safe_log = where(eq(av, zeros_like(av)), zeros_like(av), log(av));
-                         gb = sum_to(g * s[2].get() * safe_log, sb);
+                         const Tensor term = s[2].get() * log(av);
+                         gb = sum_to(g * where(eq(av, 0.0), where(ge(bv, 0.0), zero, term), term), sb);
                        }
                        return two(std::move(ga), std::move(gb));
                      });
@@ -179,12 +182,15 @@ Tensor extremum(BinaryOp op, const char* name, const Tensor& a, const Tensor& b)
     autograd::record(name, out, {a, b}, {a, b},
                      [sa = a.shape(), sb = b.shape(), op](const Tensor& g, const Saved& s, GradMask need) {
                        const Tensor av = s[0].get(), bv = s[1].get();
-                       // The winner takes the gradient; ties split it evenly (the central difference there).
-                       const Tensor a_wins = op == BinaryOp::maximum ? gt(av, bv) : lt(av, bv);
-                       const Tensor tie = eq(av, bv);
-                       const Tensor a_share = cast(a_wins, g.dtype()) + cast(tie, g.dtype()) * 0.5;
-                       const Tensor ga = g * a_share;
-                       return two(need[0] ? sum_to(ga, sa) : Tensor(), need[1] ? sum_to(g - ga, sb) : Tensor());
+                       // The winner takes the gradient; ties split it evenly (the central difference
+                       // there). As PyTorch's: each side gets it unless the other wins, so where a
+                       // value is NaN (neither wins, no tie) both do.
+                       const Tensor a_loses = op == BinaryOp::maximum ? lt(av, bv) : gt(av, bv);
+                       const Tensor b_loses = op == BinaryOp::maximum ? gt(av, bv) : lt(av, bv);
+                       const Tensor half_tie = cast(eq(av, bv), g.dtype()) * 0.5;
+                       auto share = [&](const Tensor& loses) { return g * (1.0 - cast(loses, g.dtype()) - half_tie); };
+                       return two(need[0] ? sum_to(share(a_loses), sa) : Tensor(),
+                                  need[1] ? sum_to(share(b_loses), sb) : Tensor());
                      });
   }
   return out;
@@ -252,7 +258,21 @@ Tensor clamp(const Tensor& x, double low, double high) {
     auto bound = [&](std::int64_t v) { return from_vector<std::int64_t>({v}, {}, Options(DType::i64, &x.backend())); };
     return minimum(maximum(x, bound(lo)), bound(hi));
   }
-  return minimum(maximum(x, scalar_like(low, x)), scalar_like(high, x));
+  const Tensor lo = scalar_like(low, x), hi = scalar_like(high, x);
+  Tensor out;
+  {
+    autograd::NoGradGuard no_grad;
+    out = minimum(maximum(x, lo), hi);
+  }
+  if (autograd::needs_grad(x)) {
+    // The gradient passes where low <= x <= high, bounds included (PyTorch's clamp_backward; as
+    // maximum and minimum it would split at a bound), and is 0 where x is NaN.
+    autograd::record("clamp", out, {x}, {x}, [lo, hi](const Tensor& g, const Saved& s, GradMask) {
+      const Tensor& xv = s[0].get();
+      return std::vector<Tensor>{g * cast(ge(xv, lo), g.dtype()) * cast(le(xv, hi), g.dtype())};
+    });
+  }
+  return out;
 }
 
 Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
@@ -342,8 +362,9 @@ Tensor cast(const Tensor& x, DType dtype) {
 
 Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offset) {
   detail::require_float("dropout", x);
-  if (!(p >= 0.0 && p < 1.0)) fail<ArgumentError>("dropout", "probability must be in [0, 1), got ", p);
+  if (!(p >= 0.0 && p <= 1.0)) fail<ArgumentError>("dropout", "probability must be in [0, 1], got ", p);
   if (p == 0.0) return x;
+  if (p == 1.0) return x * 0.0;  // everything dropped, as PyTorch's (a NaN stays NaN; the gradient is 0)
   // Draws in f32 whatever x's dtype: a bf16 draw has too few bits to hit p accurately.
   const Tensor draws = rand(x.shape(), seed, offset, Options(DType::f32, &x.backend()));
   const Tensor keep = cast(ge(draws, scalar_like(p, draws)), x.dtype()) * (1.0 / (1.0 - p));

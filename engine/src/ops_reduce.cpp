@@ -1,5 +1,6 @@
 // Reductions over axes, and sum_to (the gradient of broadcasting).
 #include <algorithm>
+#include <limits>
 
 #include "internal.h"
 
@@ -50,8 +51,12 @@ Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Redu
   Tensor out = make_tensor(r.kept, out_dtype, x.backend(), name);
   if (out.numel()) {
     if (x.numel() == 0) {
-      if (op != ReduceOp::sum) fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
-      x.backend().fill(view_of(out), 0.0);
+      // Over no elements a sum is 0 and a logsumexp -inf (log 0), as in PyTorch; a max, min or
+      // arg-search has no answer.
+      if (op != ReduceOp::sum && op != ReduceOp::logsumexp) {
+        fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
+      }
+      x.backend().fill(view_of(out), op == ReduceOp::sum ? 0.0 : -std::numeric_limits<double>::infinity());
     } else {
       x.backend().reduce(op, view_of(detail::dense(x)), view_of(out));
     }
@@ -81,7 +86,7 @@ Tensor sum(const Tensor& x, const Axes& axes, bool keepdim) {
 Tensor mean(const Tensor& x, const Axes& axes, bool keepdim) {
   detail::require_float("mean", x);
   const Reduction r = plan("mean", x, axes, keepdim);
-  if (r.count == 0) fail<ShapeError>("mean", "cannot average over zero elements of ", x.shape());
+  // Over zero elements the mean is 0 / 0, NaN, as in PyTorch (an all-empty batch's loss).
   // 16-bit values are summed and divided in f32 and rounded once: an f16 sum or count past 65504
   // is infinite (a mean of 70000 halves read 0), and a bf16 one rounds twice.
   if (is_16bit_float(x.dtype())) {

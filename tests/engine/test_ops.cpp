@@ -593,6 +593,62 @@ TEST_CASE(
   test::check_throws<DTypeError>([] { (void)arange(1e19, 2e19, 1, DType::i64); }, {"arange", "start"});
 }
 
+TEST_CASE(
+    "gradients at PyTorch's edge cases: pow at a zero exponent or base, clamp at its bounds, maximum and "
+    "minimum at NaN; means and logsumexps over no elements") {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  // pow: d/da is exactly 0 where b == 0 (0 * 0^-1 was NaN at a == 0); d/db is 0 where a == 0 and
+  // b >= 0, and a^b log a elsewhere (0^-1: inf * -inf = -inf).
+  {
+    const Tensor a = values({0, 0, 2, 0, nan}, {5}, DType::f64).set_requires_grad();
+    const Tensor b = values({0, 2, 0, -1, 0}, {5}, DType::f64).set_requires_grad();
+    sum(pow(a, b)).backward();
+    const std::vector<double> ga = a.grad().to_vector<double>(), gb = b.grad().to_vector<double>();
+    CHECK(ga[0] == 0);
+    CHECK(ga[1] == 0);  // 2 * 0^1
+    CHECK(ga[2] == 0);
+    CHECK(ga[4] == 0);  // NaN^0 = 1 has no dependence on a
+    CHECK(gb[0] == 0);
+    CHECK(gb[1] == 0);
+    CHECK(gb[2] == doctest::Approx(std::log(2.0)));
+    CHECK(gb[3] == -inf);
+    const Tensor x = values({0, 3}, {2}, DType::f64).set_requires_grad();
+    sum(pow(x, 0.0)).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{0, 0});
+  }
+  // clamp passes the whole gradient at its bounds (inclusive), none outside or at NaN.
+  for (DType d : {DType::f32, DType::f64}) {
+    const Tensor x = values({-1, 1, 0, -2, 2, nan}, {6}, d).set_requires_grad();
+    sum(clamp(x, -1, 1)).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{1, 1, 1, 0, 0, 0});
+    const Tensor y = values({1}, {1}, d).set_requires_grad();
+    sum(clamp(y, 1, 1)).backward();
+    CHECK(y.grad().item() == 1);
+  }
+  // maximum / minimum: the winner takes the gradient, a tie splits it, and where a value is NaN
+  // neither wins, so both take it (PyTorch's masked_fill of the loser).
+  for (bool is_max : {true, false}) {
+    CAPTURE(is_max);
+    const Tensor a = values({3, 1, 2, nan, 1}, {5}, DType::f64).set_requires_grad();
+    const Tensor b = values({1, 3, 2, 1, nan}, {5}, DType::f64).set_requires_grad();
+    sum(is_max ? maximum(a, b) : minimum(a, b)).backward();
+    const std::vector<double> ga = a.grad().to_vector<double>(), gb = b.grad().to_vector<double>();
+    CHECK(ga == std::vector<double>{is_max ? 1.0 : 0.0, is_max ? 0.0 : 1.0, 0.5, 1, 1});
+    CHECK(gb == std::vector<double>{is_max ? 0.0 : 1.0, is_max ? 1.0 : 0.0, 0.5, 1, 1});
+  }
+  // Over no elements: the mean is NaN (0 / 0) and the logsumexp -inf (log 0); a sum is 0.
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    CHECK(std::isnan(mean(zeros({0}, d)).item()));
+    const Tensor m = mean(zeros({3, 0}, d), {1});
+    CHECK(m.shape() == Shape{3});
+    for (double v : m.to_vector<double>()) CHECK(std::isnan(v));
+    CHECK(logsumexp(zeros({0}, d)).item() == -inf);
+    CHECK(logsumexp(zeros({2, 0}, d), {1}).to_vector<double>() == std::vector<double>{-inf, -inf});
+  }
+  test::check_throws<ShapeError>([] { (void)max(zeros({0})); }, {"max", "empty"});
+}
+
 TEST_CASE("reshape, permute, slice and expand share storage; concat copies, as documented") {
   const Tensor x = arange(0, 24).reshape({2, 3, 4});
   CHECK(x.reshape({6, 4}).shares_storage(x));

@@ -105,7 +105,15 @@ TEST_CASE("activations and Dropout modes") {
   CHECK(a.to_vector<float>() != b.to_vector<float>());  // fresh draws each call
   drop.eval();
   CHECK(drop.forward(ones_in).shares_storage(ones_in));
-  test::check_throws<ArgumentError>([] { nn::Dropout(1.0); }, {"Dropout", "1"});
+  // p = 1 drops everything, as PyTorch's (its gradient is 0); beyond 1 is an error.
+  nn::Dropout all(1.0, 9);
+  const Tensor in = values({1, -2, 3}, {3}).set_requires_grad();
+  const Tensor dropped = all.forward(in);
+  CHECK(dropped.to_vector<double>() == std::vector<double>{0, -0.0, 0});
+  sum(dropped).backward();
+  CHECK(in.grad().to_vector<double>() == std::vector<double>{0, 0, 0});
+  test::check_throws<ArgumentError>([] { nn::Dropout(1.5); }, {"Dropout", "1.5"});
+  test::check_throws<ArgumentError>([] { (void)dropout(ones({2}), -0.1, 1); }, {"dropout", "[0, 1]"});
 }
 
 TEST_CASE("modules: dotted names, tied parameters once, train/eval everywhere") {
@@ -228,6 +236,32 @@ TEST_CASE("losses: values") {
         {"cross_entropy", "label_smoothing must be in [0, 1)"});
   }
   test::check_throws<DTypeError>([&] { nn::cross_entropy(logits, values({1, 1}, {2})); }, {"i64", "f32"});
+}
+
+TEST_CASE("a mean loss over a batch whose every target is ignored is NaN with a zero gradient, as in PyTorch") {
+  // A fully masked batch (say one of prompt tokens only): a NaN gradient would reach every
+  // parameter through the optimizer.
+  const Tensor targets = values({-100, -100, -100}, {3}, DType::i64);
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    for (const nn::CrossEntropyOptions& o : {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
+                                             nn::CrossEntropyOptions{.weight = values({2, 1, 0.5, 1}, {4}, d)}}) {
+      const Tensor logits = randn({3, 4}, 5, 0, d).set_requires_grad();
+      const Tensor loss = nn::cross_entropy(logits, targets, o);
+      CHECK(std::isnan(loss.item()));
+      loss.backward();
+      for (double g : logits.grad().to_vector<double>()) CHECK(g == 0);
+      const Tensor lp = log_softmax(randn({3, 4}, 6, 0, d), -1).set_requires_grad();
+      const Tensor nll = nn::nll_loss(lp, targets, o);
+      CHECK(std::isnan(nll.item()));
+      nll.backward();
+      for (double g : lp.grad().to_vector<double>()) CHECK(g == 0);
+    }
+  }
+  // With one target kept, the mean is over it alone (unchanged).
+  const Tensor logits = values({0, 1, 2, 3, 0, 0, 0, 0}, {2, 4}, DType::f64).set_requires_grad();
+  const Tensor loss = nn::cross_entropy(logits, values({3, -100}, {2}, DType::i64));
+  CHECK(loss.item() == doctest::Approx(std::log(1 + std::exp(-1) + std::exp(-2) + std::exp(-3))).epsilon(1e-12));
 }
 
 TEST_CASE("losses: gradients") {

@@ -80,6 +80,27 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   CHECK(untouched.data().item() == 5);
 }
 
+TEST_CASE("Adam in f32 rounds its constants as PyTorch does (1 - beta in double, its order of operations)") {
+  // One step, lr 0.1, gradient [2, 1e-3]. PyTorch 1.13 (torch.optim.Adam, f32) gives
+  // [0.900000036, 0.900000989]; 1 - float(0.999) (11 ulp off float(0.001)) gave [0.899999321,
+  // 0.900000334]. The reference below is PyTorch's f32 arithmetic: the constants rounded from
+  // double, then denom = sqrt(v) / sqrt(bc2) + eps and p -= step_size * (m / denom).
+  nn::Param p(values({1, 1}, {2}));
+  nn::Adam adam({p}, {.lr = 0.1});
+  p.data().set_grad(values({2, 1e-3}, {2}));
+  adam.step();
+  const std::vector<double> got = p.data().to_vector<double>();
+  for (int i = 0; i < 2; ++i) {
+    const float g = i == 0 ? 2.0f : 1e-3f;
+    const float m = float(1.0 - 0.9) * g, v = float(1.0 - 0.999) * g * g;
+    const float denom = std::sqrt(v) / float(std::sqrt(1.0 - 0.999)) + float(1e-8);
+    const float want = 1.0f - float(0.1 / (1.0 - 0.9)) * (m / denom);
+    CHECK(static_cast<float>(got[static_cast<std::size_t>(i)]) == want);
+  }
+  CHECK(got[0] == doctest::Approx(0.900000036).epsilon(2e-8));
+  CHECK(got[1] == doctest::Approx(0.900000989).epsilon(2e-8));
+}
+
 TEST_CASE("learning-rate schedules") {
   CHECK(nn::schedules::constant(0.1)(100) == 0.1);
   const auto warm = nn::schedules::linear_warmup(1.0, 4);

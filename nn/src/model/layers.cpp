@@ -102,7 +102,7 @@ Tensor RMSNorm::forward(const Tensor& input) {
 }
 
 Dropout::Dropout(double p, std::uint64_t seed) : p_(p), generator_(seed) {
-  if (!(p >= 0.0 && p < 1.0)) fail<ArgumentError>("Dropout", "probability must be in [0, 1), got ", p);
+  if (!(p >= 0.0 && p <= 1.0)) fail<ArgumentError>("Dropout", "probability must be in [0, 1], got ", p);
 }
 
 Tensor Dropout::forward(const Tensor& x) {

@@ -1,3 +1,5 @@
+#include <limits>
+
 #include <ruda/autograd.h>
 #include <ruda/nn/losses.h>
 
@@ -120,13 +122,22 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
       return loss;
     case LossReduction::sum:
       return sum(loss);
-    case LossReduction::mean:
+    case LossReduction::mean: {
       // 16-bit losses are summed and divided in f32, then rounded once (an f16 sum or count
       // past 65504 is infinite).
-      if (is_16bit_float(dtype)) {
-        return cast(sum(cast(loss, DType::f32)) / sum(cast(target_weight, DType::f32)).detach(), dtype);
-      }
-      return sum(loss) / sum(target_weight).detach();
+      const DType acc = is_16bit_float(dtype) ? DType::f32 : dtype;
+      const Tensor total = sum(cast(target_weight, acc)).detach();
+      // Every target ignored: the loss is NaN (0 / 0) as in PyTorch, and so is its gradient's
+      // 1 / 0 times the 0s of the mask, which an optimizer step would spread over every
+      // parameter; PyTorch's gradient is 0 there. So the division's gradient is 0 where the
+      // total is, and the NaN rides on a detached term.
+      const Tensor none = eq(total, 0.0);
+      const Tensor zero = zeros({}, Options(acc, &log_probs.backend()));
+      const Tensor inverse = where(none, zero, 1.0 / where(none, zero + 1.0, total));
+      const Tensor nan_if_none = where(none, zero + std::numeric_limits<double>::quiet_NaN(), zero);
+      const Tensor mean_loss = sum(cast(loss, acc)) * inverse + nan_if_none;
+      return acc == dtype ? mean_loss : cast(mean_loss, dtype);
+    }
   }
   return loss;
 }
