@@ -80,6 +80,37 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   CHECK(untouched.data().item() == 5);
 }
 
+TEST_CASE("Adam counts each parameter's own steps for its bias corrections, as PyTorch's state['step']") {
+  // q has no gradient in the first step (frozen, or first used later): its first update must be
+  // corrected as a first step, not a second. Values from PyTorch 1.13 (torch.optim.Adam / AdamW,
+  // f64, lr 0.1, zero_grad each step; loss sum(p^2), plus sum(q^2 * [1, 3]) from the second step).
+  for (bool decoupled : {false, true}) {
+    CAPTURE(decoupled);
+    auto p = param({1.0, -2.0}), q = param({0.5, 0.3});
+    nn::Adam opt({p, q}, {.lr = 0.1, .weight_decay = decoupled ? 0.1 : 0.0, .decoupled_weight_decay = decoupled});
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      const std::vector<double> pv = p.data().to_vector<double>(), qv = q.data().to_vector<double>();
+      set_grad(p, {2 * pv[0], 2 * pv[1]});
+      if (step > 0) set_grad(q, {2 * qv[0], 6 * qv[1]});
+      opt.step();
+    }
+    CHECK(opt.steps() == 3);
+    const std::vector<double> pv = p.data().to_vector<double>(), qv = q.data().to_vector<double>();
+    const std::vector<double> want_p = decoupled ? std::vector<double>{0.6751012216400698, -1.6443686835605893}
+                                                 : std::vector<double>{0.70158627294603015, -1.7006233920464651};
+    const std::vector<double> want_q = decoupled ? std::vector<double>{0.29233870425507857, 0.098169135041767011}
+                                                 : std::vector<double>{0.30118742165916679, 0.10296478834861994};
+    for (int i = 0; i < 2; ++i) {
+      CHECK(pv[i] == doctest::Approx(want_p[i]).epsilon(1e-12));
+      CHECK(qv[i] == doctest::Approx(want_q[i]).epsilon(1e-12));
+    }
+    // set_steps (a checkpoint's resume) gives every parameter that count.
+    opt.set_steps(10);
+    CHECK(opt.steps() == 10);
+  }
+}
+
 TEST_CASE("Adam in f32 rounds its constants as PyTorch does (1 - beta in double, its order of operations)") {
   // One step, lr 0.1, gradient [2, 1e-3]. PyTorch 1.13 (torch.optim.Adam, f32) gives
   // [0.900000036, 0.900000989]; 1 - float(0.999) (11 ulp off float(0.001)) gave [0.899999321,

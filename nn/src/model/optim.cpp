@@ -69,6 +69,7 @@ void Optimizer::set_steps(std::int64_t steps) {
     fail<ArgumentError>("Optimizer::set_steps", "the step count must be in [0, 2^63 - 1), got ", steps);
   }
   steps_ = steps;
+  steps_set();
 }
 
 void Optimizer::set_lr(double lr) {
@@ -152,7 +153,11 @@ void Adam::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
-    if (!g.defined()) continue;
+    if (!g.defined()) {
+      ++skipped_[p.id()];
+      continue;
+    }
+    const auto skipped = skipped_.find(p.id());
     Moments& m = moments(p);
     const Tensor& data = p.data();
     AdamDesc d;
@@ -165,7 +170,7 @@ void Adam::step() {
     d.beta2 = options_.beta2;
     d.eps = options_.eps;
     d.weight_decay = weight_decay_of(i, options_.weight_decay);
-    d.step = steps_;
+    d.step = steps_ - (skipped == skipped_.end() ? 0 : skipped->second);  // this parameter's own count
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
     data.bump_version();

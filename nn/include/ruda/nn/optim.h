@@ -45,7 +45,8 @@ class Optimizer {
   /// Updates taken so far.
   std::int64_t steps() const noexcept { return steps_; }
   /// ArgumentError for a negative count (Adam's bias corrections would divide by 0 or turn the
-  /// update around) or INT64_MAX (the next step's count would overflow).
+  /// update around) or INT64_MAX (the next step's count would overflow). Every parameter then
+  /// counts that many steps (a checkpoint records the optimizer's count, not each parameter's).
   void set_steps(std::int64_t steps);
   /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
@@ -61,6 +62,9 @@ class Optimizer {
   double weight_decay_of(std::size_t i, double decay) const noexcept {
     return groups_[group_of_[i]].weight_decay.value_or(decay);
   }
+
+  /// What an optimizer with per-parameter counts does when set_steps sets the count.
+  virtual void steps_set() {}
 
   std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
@@ -99,7 +103,9 @@ struct AdamOptions {
   bool decoupled_weight_decay = false;
 };
 
-/// Adam / AdamW in one fused kernel per parameter (PyTorch's formulation).
+/// Adam / AdamW in one fused kernel per parameter (PyTorch's formulation). As PyTorch's, each
+/// parameter counts its own steps for the bias corrections: the steps it had a gradient in (a
+/// parameter frozen for a while, or first used late, is not corrected as if it had taken all).
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Param> params, AdamOptions options = {});
@@ -113,8 +119,11 @@ class Adam : public Optimizer {
     Tensor exp_avg, exp_avg_sq;
   };
   Moments& moments(const Param& param);
+  void steps_set() override { skipped_.clear(); }
   AdamOptions options_;
   std::unordered_map<ParamId, Moments> moments_;
+  // Steps a parameter had no gradient in (since the last set_steps): its own count is steps_ less these.
+  std::unordered_map<ParamId, std::int64_t> skipped_;
 };
 
 /// AdamW's options: Adam's, with PyTorch AdamW's default weight decay.
