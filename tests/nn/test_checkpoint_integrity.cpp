@@ -261,18 +261,29 @@ TEST_CASE("a save removes what killed saves left, and only that") {
   save_layer(dir, 2, 1);
   // What kills leave: a temporary pointer, a temporary rank file in a complete step, and a step
   // directory without an index (killed before its index) holding a temporary file.
+  // (Temporary files are name.tmp-XXXXXX; earlier versions' name.tmp are cleaned too.)
   std::ofstream(dir.path / "latest.tmp") << "step-00000009";
+  std::ofstream(dir.path / "latest.tmp-a1b2c3") << "step-00000009";
   std::ofstream(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")) << "partial";
+  std::ofstream(dir.path / "step-00000001" / (rank_file(0, 2) + ".tmp-zz0099")) << "partial";
   std::ofstream(dir.path / "step-00000001" / "index.json.tmp") << "{";
+  std::ofstream(dir.path / "step-00000001" / "index.json.tmp-000000") << "{";
   fs::create_directories(dir.path / "step-00000009");
   std::ofstream(dir.path / "step-00000009" / (rank_file(0, 2) + ".tmp")) << "partial";
   // Not ruda's: left alone.
   std::ofstream(dir.path / "notes.tmp") << "mine";
   std::ofstream(dir.path / "step-00000001" / "mine.tmp") << "mine";
+  std::ofstream(dir.path / "step-00000001" / "mine.tmp-a1b2c3") << "mine";
+  std::ofstream(dir.path / "latest.tmp-notours") << "mine";
   save_layer(dir, 2, 2);
   CHECK_FALSE(fs::exists(dir.path / "latest.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "latest.tmp-a1b2c3"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / (rank_file(0, 2) + ".tmp-zz0099")));
   CHECK_FALSE(fs::exists(dir.path / "step-00000001" / "index.json.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / "index.json.tmp-000000"));
+  CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp-a1b2c3"));
+  CHECK(fs::exists(dir.path / "latest.tmp-notours"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000009"));
   CHECK(fs::exists(dir.path / "notes.tmp"));
   CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp"));
@@ -283,8 +294,8 @@ TEST_CASE("a save removes what killed saves left, and only that") {
 TEST_CASE("a failed save names the failing rank and its cause on every rank") {
   TempDir dir;
   save_layer(dir, 2, 1);
-  // Rank 1 cannot create its temporary file: a directory is in the way.
-  fs::create_directories(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp"));
+  // Rank 1 cannot write its file: a directory is in the way.
+  fs::create_directories(dir.path / "step-00000002" / rank_file(1, 2));
   std::vector<std::string> errors(2);
   std::mutex m;
   run_ranks(2, [&](Communicator& comm) {
@@ -297,7 +308,7 @@ TEST_CASE("a failed save names the failing rank and its cause on every rank") {
     }
   });
   for (const auto& e : errors)
-    check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "cannot create"});
+    check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "is a directory"});
   // Nothing was published: the previous checkpoint is still the latest.
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000001").string());
 }
@@ -407,7 +418,7 @@ TEST_CASE("split and consolidate: filesystem failures are IOErrors naming the pa
   // A consolidation whose output's directory is a file.
   test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (file / "x.safetensors").string()); },
                               {"x.safetensors", "cannot create"});
-  CHECK_FALSE(fs::exists(file.string() + ".tmp"));
+  CHECK(test::temporaries_in(dir.path).empty());
 }
 
 TEST_CASE("consolidate never writes over its own checkpoint, and split never over its input") {
@@ -419,6 +430,7 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
   fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "symlink.safetensors");
   fs::create_hard_link(step / rank_file(1, 2), dir.path / "links" / "hardlink.safetensors");
   fs::create_symlink(step, dir.path / "links" / "step-link");
+  // A link planted at the name the output's temporary file once had.
   fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "out.safetensors.tmp");
   const std::vector<fs::path> outputs = {
       step / rank_file(0, 2),  // was overwritten: the checkpoint destroyed
@@ -430,7 +442,6 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
       dir.path / "links" / "symlink.safetensors",
       dir.path / "links" / "hardlink.safetensors",
       dir.path / "links" / "step-link" / rank_file(0, 2),
-      dir.path / "links" / "out.safetensors",  // its temporary is a link to a rank file
       dir.path / "latest",
   };
   for (const fs::path& out : outputs) {
@@ -439,6 +450,9 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
                                 {out.filename().string()});
     test::check_throws<IOError>([&] { nn::consolidate_checkpoint(step.string(), out.string()); }, {"consolidated"});
   }
+  // The temporary file is a new one of its own: the link at the old fixed name is not followed.
+  nn::consolidate_checkpoint(dir.str(), (dir.path / "links" / "out.safetensors").string());
+  CHECK(fs::is_symlink(dir.path / "links" / "out.safetensors.tmp"));
   CHECK(file_text(step / rank_file(0, 2)) == before);
   CHECK(file_text(dir.path / "latest") == "step-00000001\n");
   CHECK(nn::verify_checkpoint(dir.str()) > 0);

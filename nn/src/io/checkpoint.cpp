@@ -199,12 +199,31 @@ struct Upkeep {
   }
 };
 
-// Removes what killed saves leave behind: temporary files (ruda's own names only) and step
-// directories without an index, except `current` (the step being saved). Run by rank 0 once the
-// new checkpoint is published, so that a kill during the cleaning loses nothing.
+// Whether `name` is a temporary file of one of ruda's files in a step directory (a rank file's,
+// the index's) or, with `pointer`, of the latest pointer: see safetensors::temporary_base.
+bool is_our_temporary(const std::string& name, bool pointer) {
+  const auto base = safetensors::temporary_base(name);
+  if (!base) return false;
+  return pointer ? *base == "latest" : base->rfind("rank-", 0) == 0 || *base == "index.json";
+}
+
+// Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
+// only: a link planted at such a name is not ruda's) and step directories without an index, except
+// `current` (the step being saved). Run by rank 0 once the new checkpoint is published, so that a
+// kill during the cleaning loses nothing.
 void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   std::error_code ec;
-  fs::remove(dir / "latest.tmp", ec);
+  {
+    fs::directory_iterator it(dir, ec);
+    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+      if (!is_our_temporary(it->path().filename().string(), true) || upkeep.type_of(*it) != fs::file_type::regular)
+        continue;
+      std::error_code removing;
+      fs::remove(it->path(), removing);
+      if (removing) upkeep.skip(it->path(), removing);
+    }
+    if (ec) upkeep.skip(dir, ec);
+  }
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (entry.path().filename() == current) continue;
     if (!is_complete_step(entry.path())) {
@@ -213,9 +232,8 @@ void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& u
     }
     fs::directory_iterator it(entry.path(), ec);
     for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
-      const std::string fn = it->path().filename().string();
-      const bool ours = fn.rfind("rank-", 0) == 0 || fn.rfind("index.json", 0) == 0;
-      if (!ours || it->path().extension() != ".tmp" || upkeep.type_of(*it) != fs::file_type::regular) continue;
+      if (!is_our_temporary(it->path().filename().string(), false) || upkeep.type_of(*it) != fs::file_type::regular)
+        continue;
       std::error_code removing;
       fs::remove(it->path(), removing);
       if (removing) upkeep.skip(it->path(), removing);
@@ -673,8 +691,9 @@ std::map<std::string, std::string> consolidated_metadata(const Index& index) {
 
 void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
   const Index index = read_index(resolve_checkpoint(path));
-  // The output (and its temporary) must not replace what is being read: a file of the checkpoint,
-  // anything inside its step directory, or its checkpoint directory's latest pointer.
+  // The output must not replace what is being read: a file of the checkpoint, anything inside its
+  // step directory, or its checkpoint directory's latest pointer. (Its temporary file is always a
+  // new one, never an existing file: see safetensors::detail::AtomicFile.)
   const fs::path step_dir(index.dir);
   if (lies_within(output_file, step_dir)) {
     fail(output_file, "lies inside the step directory " + index.dir +
@@ -687,10 +706,8 @@ void consolidate_checkpoint(const std::string& path, const std::string& output_f
   if (!ec && is_step_name(canonical_step.filename().string()))
     inputs.push_back(canonical_step.parent_path() / "latest");
   for (const fs::path& input : inputs) {
-    for (const fs::path& written : {fs::path(output_file), fs::path(output_file + ".tmp")}) {
-      if (same_file(written, input))
-        fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
-    }
+    if (same_file(output_file, input))
+      fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
   }
   // Streamed: the header first (the index gives every shape), then each parameter's pieces in
   // offset order, copied from the rank files through one bounded buffer and checked on the way.
@@ -766,10 +783,8 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     fail(input_file, "cannot be split into " + out_dir + ": it " + why + ", which the split would overwrite or remove");
   };
   if (lies_within(input_path, step_dir)) refuse_input("lies inside the step directory " + step_dir);
-  for (const char* pointer : {"latest", "latest.tmp"}) {
-    const fs::path p = fs::path(out_dir) / pointer;
-    if (same_file(input_path, p)) refuse_input("is " + p.string());
-  }
+  if (same_file(input_path, fs::path(out_dir) / "latest"))
+    refuse_input("is " + (fs::path(out_dir) / "latest").string());
   {
     std::error_code ec;
     for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {

@@ -17,6 +17,8 @@
 #include <ruda/nn/data.h>
 #include <ruda/random.h>
 
+#include "io/files.h"
+
 namespace ruda::nn {
 
 namespace fs = std::filesystem;
@@ -245,26 +247,13 @@ std::string cache_name(const std::string& path) {
   return (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hash;
 }
 
-// Decompresses `source` into `target`, a new file, flushed to disk before the caller renames it.
+// Decompresses `source` into `target` atomically: a temporary file of its own beside it, flushed
+// and renamed into place (AtomicFile, as every file nn writes), so processes and threads racing to
+// make the copy each rename a complete one, and a killed one leaves none.
 void decompress_to(const std::string& source, const std::string& target) {
-  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) data_fail(target, std::string("cannot create: ") + std::strerror(errno));
-  try {
-    read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) {
-      for (std::size_t done = 0; done < n;) {
-        const ssize_t put = ::write(fd, p + done, n - done);
-        if (put < 0 && errno == EINTR) continue;
-        if (put < 0) data_fail(target, std::string("write failed: ") + std::strerror(errno));
-        done += static_cast<std::size_t>(put);
-      }
-    });
-    if (::fsync(fd) != 0) data_fail(target, std::string("fsync failed: ") + std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    fs::remove(target);
-    throw;
-  }
-  ::close(fd);
+  safetensors::detail::AtomicFile file(target, "", /*crash_simulation=*/false);
+  read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) { file.write(p, n); });
+  file.commit();
 }
 
 std::vector<std::string> text_files(const std::string& path) {
@@ -353,17 +342,9 @@ std::string uncompressed_file(const std::string& path, const std::string& cache_
   std::error_code error;
   fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
   if (!fs::is_directory(dir)) data_fail(dir.string(), "cannot create the cache directory: " + error.message());
-  // A temporary name no other process or thread uses; an identical copy renamed over by a racing
-  // writer replaces nothing anyone reads, since readers open the final name only once it is complete.
-  static std::atomic<std::uint64_t> counter{0};
-  const std::string temp =
-      target.string() + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
-  decompress_to(path, temp);
-  fs::rename(temp, target, error);
-  if (error) {
-    fs::remove(temp);
-    data_fail(target.string(), "cannot rename the decompressed copy into place: " + error.message());
-  }
+  // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
+  // open the final name only once it is complete.
+  decompress_to(path, target.string());
   return target.string();
 }
 

@@ -113,8 +113,9 @@ std::uint64_t verify_checkpoint(const std::string& path);
 
 /// Writes one full safetensors file with every parameter at its logical shape (names without
 /// prefix, the checkpoint's extra state as metadata): for other tools, or to change layouts.
-/// IOError, before anything is written, if `output_file` (or its temporary) is a file of the
-/// checkpoint, lies inside its step directory or is its `latest` pointer, however spelled or linked.
+/// IOError, before anything is written, if `output_file` is a file of the checkpoint, lies inside
+/// its step directory or is its `latest` pointer, however spelled or linked, or is not a regular
+/// file (a FIFO, a device, a directory, a symbolic link: see safetensors::write).
 void consolidate_checkpoint(const std::string& path, const std::string& output_file);
 
 /// Cuts a full safetensors file (a consolidated checkpoint, or any file of float tensors) into a
