@@ -537,3 +537,22 @@ TEST_CASE(
   // A missing file is still "no such file".
   test::check_throws<IOError>([&] { nn::load_text_bytes(dir.str() + "/missing"); }, {"missing", "no such file"});
 }
+
+TEST_CASE("IDX: a header whose extents multiply past 64 bits is refused, not read as 0 bytes") {
+  TempDir dir, cache;
+  const std::string img = dir.str() + "/img", lab = dir.str() + "/lab";
+  // 4 x 2^31 x 2^31 = 2^64 bytes: the product wrapped to 0, which matched an empty data part.
+  write_raw(img, idx_file({4, 1u << 31, 1u << 31}, {}));
+  write_raw(lab, idx_file({4}, {1, 2, 3, 4}));
+  for (const std::int64_t limit : {0, 4, 2}) {
+    CAPTURE(limit);
+    test::check_throws<IOError>([&] { nn::load_idx(img, lab, limit); }, {img});
+    test::check_throws<IOError>([&] { nn::IdxImages(img, lab, limit, cache.str()); }, {img});
+  }
+  test::check_throws<IOError>([&] { nn::load_idx(img, lab); }, {img, "4 x 2147483648 x 2147483648", "overflow"});
+  test::check_throws<IOError>([&] { nn::IdxImages(img, lab, 0, cache.str()); }, {img, "overflow"});
+  // Every extent at its largest, gzip-compressed: the same.
+  write_gzip(img + ".gz", idx_file({0xffffffffu, 0xffffffffu, 0xffffffffu}, {}));
+  test::check_throws<IOError>([&] { nn::load_idx(img + ".gz", lab, 3); }, {img + ".gz"});
+  test::check_throws<IOError>([&] { nn::IdxImages(img + ".gz", lab, 0, cache.str()); }, {img + ".gz", "overflow"});
+}

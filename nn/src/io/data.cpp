@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include <ruda/autograd.h>
@@ -90,11 +91,13 @@ std::uint32_t big_endian(const std::uint8_t* p) {
   return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) | p[3];
 }
 
-// IDX: zero, zero, type 0x08 (unsigned byte), the number of dimensions, the big-endian extents, the data.
-// `head` holds the file's first bytes (at least the header, unless the file is shorter), `file_bytes`
-// its size. With `limit`, only the first `limit` items are used: the data must hold at least those.
-std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::uint64_t file_bytes,
-                                    const std::string& path, int expected_dims, std::int64_t limit) {
+// The extents of an IDX header (`head`: the file's first bytes), checked: the magic, the number
+// of dimensions, and the product of the extents (the data's bytes) within int64 with room for the
+// f32 samples made of them, zeros left out (as for a safetensors shape: an empty data set's other
+// extents still size its samples), so that no count computed from them wraps: 4 x 2^31 x 2^31
+// wrapped to 0, which an empty data part then matched.
+std::vector<std::uint32_t> header_dims(const std::vector<std::uint8_t>& head, const std::string& path,
+                                       int expected_dims) {
   if (head.size() < 4) data_fail(path, "truncated IDX header");
   if (head[0] != 0 || head[1] != 0 || head[2] != 0x08 || head[3] != expected_dims) {
     data_fail(path, "not an IDX file of unsigned bytes with " + std::to_string(expected_dims) + " dimensions");
@@ -103,9 +106,31 @@ std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::
   if (head.size() < header) data_fail(path, "truncated IDX header");
   std::vector<std::uint32_t> dims;
   for (int i = 0; i < expected_dims; ++i) dims.push_back(big_endian(head.data() + 4 + 4 * i));
+  constexpr std::uint64_t kMaxProduct = std::numeric_limits<std::int64_t>::max() / 8;
+  std::uint64_t product = 1;
+  bool overflows = false;
+  for (const std::uint64_t d : dims) {
+    if (d == 0) continue;
+    overflows = overflows || __builtin_mul_overflow(product, d, &product) || product > kMaxProduct;
+  }
+  if (overflows) {
+    std::string extents;
+    for (const auto d : dims) extents += (extents.empty() ? "" : " x ") + std::to_string(d);
+    data_fail(path, "its IDX header's extents " + extents + " make more bytes than 64 bits count (overflow)");
+  }
+  return dims;
+}
+
+// IDX: zero, zero, type 0x08 (unsigned byte), the number of dimensions, the big-endian extents, the data.
+// `head` holds the file's first bytes (at least the header, unless the file is shorter), `file_bytes`
+// its size. With `limit`, only the first `limit` items are used: the data must hold at least those.
+std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::uint64_t file_bytes,
+                                    const std::string& path, int expected_dims, std::int64_t limit) {
+  std::vector<std::uint32_t> dims = header_dims(head, path, expected_dims);
+  const std::size_t header = 4 + 4 * static_cast<std::size_t>(expected_dims);
   if (limit > 0 && limit < static_cast<std::int64_t>(dims[0])) dims[0] = static_cast<std::uint32_t>(limit);
   std::uint64_t count = 1;
-  for (auto d : dims) count *= d;
+  for (auto d : dims) count *= d;  // at most the header's own product: no overflow
   // (With a limit, bytes past the items used are never read, so they are not counted either.)
   const std::uint64_t data = limit > 0 ? std::min(file_bytes - header, count) : file_bytes - header;
   if (data != count) {
@@ -335,10 +360,10 @@ ImageDataset load_idx_files(const std::string& images_path, const std::string& l
   auto read = [&](const std::string& path, int dims) {
     if (limit <= 0) return read_maybe_gzip(path);
     auto head = read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims));
-    if (head.size() < 4 + 4 * static_cast<std::size_t>(dims)) data_fail(path, "truncated IDX header");
+    const auto extents = header_dims(head, path, dims);  // checked: the products below do not overflow
     std::uint64_t item = 1;
-    for (int i = 1; i < dims; ++i) item *= big_endian(head.data() + 4 + 4 * i);
-    const std::uint64_t items = std::min<std::uint64_t>(big_endian(head.data() + 4), static_cast<std::uint64_t>(limit));
+    for (int i = 1; i < dims; ++i) item *= extents[static_cast<std::size_t>(i)];
+    const std::uint64_t items = std::min<std::uint64_t>(extents[0], static_cast<std::uint64_t>(limit));
     return read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims) + items * item);
   };
   const auto images = read(images_path, 3);
