@@ -248,6 +248,31 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
 }
 
+TEST_CASE("steps are ordered by number, not as text: step 100000000 is newer than 99999999") {
+  // step-%08lld has nine digits from 100000000 on, and "step-100000000" sorts before "step-99999999".
+  TempDir dir;
+  LocalCommunicator comm;
+  nn::manual_seed(1);
+  nn::Linear layer(4, 3);
+  for (const std::int64_t step : {99999998LL, 99999999LL, 100000000LL, 100000001LL})
+    nn::save_checkpoint(dir.str(), step, layer, nullptr, comm, {}, /*keep=*/2);
+  // Pruning kept the two newest.
+  CHECK_FALSE(fs::exists(dir.path / "step-99999998"));
+  CHECK_FALSE(fs::exists(dir.path / "step-99999999"));
+  CHECK(fs::exists(dir.path / "step-100000000" / "index.json"));
+  CHECK(fs::exists(dir.path / "step-100000001" / "index.json"));
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
+  // Without the pointer, the newest complete step by number.
+  nn::save_checkpoint(dir.str(), 99999999, layer, nullptr, comm, {}, /*keep=*/0);
+  fs::remove(dir.path / "latest");
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
+  // The same number spelled with more zeros (another writer's) is the same step: either may win,
+  // but no shorter number is taken for a longer one.
+  fs::create_directories(dir.path / "step-0000000000000000000099999999");
+  std::ofstream(dir.path / "step-0000000000000000000099999999" / "index.json") << "{}";
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
+}
+
 namespace {
 // Makes a file impossible to remove, even for root (the immutable attribute), or says why not.
 bool set_immutable(const fs::path& path, bool on) {

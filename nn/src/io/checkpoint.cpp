@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <string_view>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
@@ -73,6 +74,21 @@ void sync_directory(const std::string& dir) {
 bool is_step_name(const std::string& name) {
   return name.size() > 5 && name.rfind("step-", 0) == 0 &&
          std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Whether step directory name `a` names an earlier step than `b` (both is_step_name): by number,
+// not as text, since step_name's %08lld grows a digit at 100000000 ("step-100000000" sorted
+// before "step-99999999"). Digit strings are compared without converting them, so no number of
+// digits overflows; one number spelled with more leading zeros orders by its spelling, after.
+bool step_before(const std::string& a, const std::string& b) {
+  auto digits = [](const std::string& name) {
+    const std::size_t first = name.find_first_not_of('0', 5);
+    return first == std::string::npos ? std::string_view() : std::string_view(name).substr(first);
+  };
+  const std::string_view x = digits(a), y = digits(b);
+  if (x.size() != y.size()) return x.size() < y.size();
+  if (x != y) return x < y;
+  return a < b;
 }
 
 bool is_complete_step(const fs::path& step_dir) {
@@ -143,7 +159,7 @@ std::string newest_complete_step(const fs::path& dir) {
   std::string best;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
-    if (is_step_name(n) && is_complete_step(it->path()) && n > best) best = n;
+    if (is_step_name(n) && is_complete_step(it->path()) && (best.empty() || step_before(best, n))) best = n;
   }
   return best;
 }
@@ -251,7 +267,7 @@ void prune(const fs::path& dir, int keep, const std::string& current, Upkeep& up
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (is_complete_step(entry.path())) steps.push_back(entry.path().filename().string());
   }
-  std::sort(steps.begin(), steps.end());
+  std::sort(steps.begin(), steps.end(), step_before);
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
     if (steps[i] == current) continue;
     std::error_code ec;
