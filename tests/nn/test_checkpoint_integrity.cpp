@@ -3,6 +3,8 @@
 // clean what killed saves left; a failure on one rank reaches every rank with its cause.
 #include <sys/stat.h>
 
+#include <cstring>
+
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -482,4 +484,112 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
   nn::split_checkpoint(full.string(), 2, dir.str(), 4);
   CHECK(nn::verify_checkpoint(dir.str()) > 0);
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000004").string());
+}
+
+namespace {
+
+// A dense 4x3 layer (dtype `dtype`) after one step of `opt`, saved at step 5 into `dir`.
+template <class MakeOptimizer>
+void save_after_one_step(const TempDir& dir, MakeOptimizer make, DType dtype = DType::f32) {
+  LocalCommunicator comm;
+  nn::manual_seed(4);
+  nn::Linear layer(4, 3, {.dtype = dtype});
+  auto opt = make(layer.parameters());
+  sum(layer.forward(ones({2, 4}, dtype))).backward();
+  for (int i = 0; i < 5; ++i) opt->step();
+  nn::save_checkpoint(dir.str(), 5, layer, opt.get(), comm, {}, /*keep=*/0);
+}
+
+// Loads `dir` into a fresh layer and the optimizer `make` gives; returns the IOError ("" if none).
+template <class MakeOptimizer>
+std::string load_with(const TempDir& dir, MakeOptimizer make, DType dtype = DType::f32) {
+  LocalCommunicator comm;
+  nn::manual_seed(4);
+  nn::Linear layer(4, 3, {.dtype = dtype});
+  auto opt = make(layer.parameters());
+  try {
+    nn::load_checkpoint(dir.str(), layer, opt.get(), comm);
+  } catch (const IOError& e) {
+    return e.what();
+  }
+  if (opt->steps() != 5) return "loaded, but the optimizer's steps are " + std::to_string(opt->steps());
+  return "";
+}
+
+auto adamw = [](std::vector<nn::Param> p) { return std::make_unique<nn::AdamW>(std::move(p)); };
+auto adam = [](std::vector<nn::Param> p) { return std::make_unique<nn::Adam>(std::move(p)); };
+auto sgd = [](std::vector<nn::Param> p) { return std::make_unique<nn::SGD>(std::move(p)); };
+auto momentum = [](std::vector<nn::Param> p) {
+  return std::make_unique<nn::SGD>(std::move(p), nn::SGDOptions{.momentum = 0.9});
+};
+
+}  // namespace
+
+TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint no longer loads into SGD") {
+  TempDir dir;
+  save_after_one_step(dir, adamw);
+  const json index = read_json(dir.path / "step-00000005" / "index.json");
+  CHECK(index["optimizer"]["kind"] == "AdamW");
+  CHECK(load_with(dir, adamw).empty());
+  // SGD without momentum keeps no state: the moments were ignored and the step count set.
+  check_contains(load_with(dir, sgd), {"step-00000005", "AdamW", "SGD"});
+  check_contains(load_with(dir, momentum), {"AdamW", "SGD"});
+  // Adam and AdamW keep the same state, but are not the same optimizer.
+  check_contains(load_with(dir, adam), {"the AdamW optimizer", "loading it is Adam "});
+
+  // A checkpoint written before the kind was recorded: the state names decide.
+  json old = index;
+  old["optimizer"].erase("kind");
+  for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
+  std::ofstream(dir.path / "step-00000005" / "index.json") << old.dump(1);
+  CHECK(load_with(dir, adamw).empty());
+  CHECK(load_with(dir, adam).empty());
+  check_contains(load_with(dir, sgd), {"exp_avg", "exp_avg_sq", "SGD"});
+  check_contains(load_with(dir, momentum), {"exp_avg", "momentum_buffer"});
+
+  // SGD with momentum into SGD without: the momentum is not dropped silently either.
+  TempDir with_momentum;
+  save_after_one_step(with_momentum, momentum);
+  CHECK(load_with(with_momentum, momentum).empty());
+  check_contains(load_with(with_momentum, sgd), {"momentum_buffer"});
+  check_contains(load_with(with_momentum, adamw), {"SGD", "AdamW"});
+  // A damaged kind is refused by every reader.
+  json bad = read_json(with_momentum.path / "step-00000005" / "index.json");
+  bad["optimizer"]["kind"] = 7;
+  std::ofstream(with_momentum.path / "step-00000005" / "index.json") << bad.dump(1);
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(with_momentum.str()); }, {"'kind'"});
+}
+
+TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelled I64 is refused") {
+  TempDir dir;
+  save_after_one_step(dir, adamw, DType::f64);
+  const fs::path step = dir.path / "step-00000005", file = step / rank_file(0, 1);
+  // The same bytes (so the checksums still match) under another dtype of the same size.
+  {
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    std::map<std::string, std::string> metadata;
+    {
+      safetensors::Reader reader(file.string());
+      metadata = reader.metadata();
+      for (const auto& t : reader.tensors()) {
+        Tensor value = reader.read(t.name);
+        if (t.name == "optim/weight/exp_avg") {
+          Tensor relabelled = empty(value.shape(), DType::i64);
+          std::memcpy(relabelled.data_ptr(), value.data_ptr(), value.nbytes());
+          value = relabelled;
+        }
+        tensors.emplace_back(t.name, value);
+      }
+    }
+    fs::remove(file);
+    safetensors::write(file.string(), tensors, metadata);
+  }
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                              {rank_file(0, 1), "optim/weight/exp_avg", "I64", "f64"});
+  check_contains(load_with(dir, adamw, DType::f64), {rank_file(0, 1), "optim/weight/exp_avg", "I64", "f64"});
+  // An index from before the dtypes were recorded: the load still checks against the optimizer's.
+  json old = read_json(step / "index.json");
+  for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
+  std::ofstream(step / "index.json") << old.dump(1);
+  check_contains(load_with(dir, adamw, DType::f64), {"optim/weight/exp_avg", "I64", "f64"});
 }

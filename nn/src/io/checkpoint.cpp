@@ -2,17 +2,20 @@
 // index; loading reshards by reading only the element ranges each rank needs, checking every
 // block it reads. The format itself (names, checksums, the index parser, the rank files) is in
 // checkpoint_format.cpp; this file holds the operations and the checkpoint directory's upkeep.
+#include <cxxabi.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <string_view>
+#include <typeinfo>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
@@ -31,6 +34,16 @@ using namespace ckpt;
 
 namespace {
 
+// The dtype the index records for tensor `name` of parameter `p`: the parameter's for its values,
+// the optimizer state's own where the index records it (nullopt in older checkpoints).
+std::optional<DType> recorded_dtype(const IndexParam& p, const std::string& name) {
+  if (name == model_tensor(p.name)) return p.dtype;
+  for (const auto& [state, dtype] : p.state_dtypes) {
+    if (name == optim_tensor(p.name, state)) return dtype;
+  }
+  return std::nullopt;
+}
+
 // Calls visit(file, tensor name, param, piece) for every piece of every tensor (parameter values
 // and optimizer state) of a checkpoint, after opening every file (so each one's identity is checked,
 // including files that hold no piece).
@@ -40,8 +53,7 @@ void for_each_piece(const Index& index, RankFiles& files, Visit&& visit) {
   for (const IndexParam& p : index.params) {
     for (const IndexPiece& piece : p.pieces) {
       for (const auto& name : index.tensors(p)) {
-        const bool values = name == model_tensor(p.name);
-        files.tensor(piece.rank, name, piece.count, values ? std::optional<DType>(p.dtype) : std::nullopt, piece);
+        files.tensor(piece.rank, name, piece.count, recorded_dtype(p, name), piece);
         visit(files.open(piece.rank), name, p, piece);
       }
     }
@@ -344,7 +356,27 @@ struct ParamHeader {
   Shape shape;
   DType dtype = DType::f32;
   bool sharded = false;
+  std::vector<std::pair<std::string, DType>> state;  // the optimizer's state tensors: names and dtypes
 };
+
+// What the index records as the optimizer's kind: the optimizers of nn by name (an Adam with
+// decoupled weight decay is AdamW), any other by its C++ type. A load into another kind is refused.
+std::string optimizer_kind(const Optimizer& optimizer) {
+  if (const auto* adam = dynamic_cast<const Adam*>(&optimizer))
+    return adam->options().decoupled_weight_decay ? "AdamW" : "Adam";
+  if (dynamic_cast<const SGD*>(&optimizer)) return "SGD";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(typeid(optimizer).name(), nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled ? demangled : typeid(optimizer).name();
+  std::free(demangled);
+  return name;
+}
+
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out.empty() ? "none" : out;
+}
 
 // The optimizer's groups as a checkpoint records them: settings and parameter names.
 std::vector<ckpt::IndexGroup> groups_of(const Optimizer& optimizer,
@@ -383,8 +415,8 @@ std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
 // The index of a checkpoint from each rank's report of the pieces it wrote
 // ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
 json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& params, const Optimizer* optimizer,
-                 const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::vector<std::string>& state_names,
-                 const std::map<std::string, std::string>& extra, const std::vector<json>& reports) {
+                 const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::map<std::string, std::string>& extra,
+                 const std::vector<json>& reports) {
   json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
   json files = json::array();
   for (int r = 0; r < world; ++r) files.push_back(rank_file(r, world));
@@ -402,6 +434,11 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
     jparams[p.name] = {
         {"id", p.id},           {"shape", p.shape}, {"dtype", dtype_name(p.dtype)}, {"numel", shape_numel(p.shape)},
         {"sharded", p.sharded}, {"pieces", pieces}};
+    if (optimizer) {
+      json dtypes = json::object();
+      for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
+      jparams[p.name]["state_dtypes"] = dtypes;
+    }
   }
   index["params"] = jparams;
   if (optimizer) {
@@ -412,8 +449,15 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                         {"weight_decay", g.weight_decay ? json(*g.weight_decay) : json(nullptr)},
                         {"params", g.params}});
     }
-    index["optimizer"] = {
-        {"steps", optimizer->steps()}, {"lr", optimizer->lr()}, {"state", state_names}, {"groups", groups}};
+    std::vector<std::string> state_names;
+    if (!params.empty()) {
+      for (const auto& [state, dtype] : params.front().state) state_names.push_back(state);
+    }
+    index["optimizer"] = {{"kind", optimizer_kind(*optimizer)},
+                          {"steps", optimizer->steps()},
+                          {"lr", optimizer->lr()},
+                          {"state", state_names},
+                          {"groups", groups}};
   }
   index["extra"] = extra;
   return index;
@@ -524,14 +568,14 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
-    for (const auto& [name, p] : params) headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded()});
-    std::vector<std::string> states;
-    if (optimizer && !params.empty()) {
-      for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
+    for (const auto& [name, p] : params) {
+      headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}});
+      if (optimizer) {
+        for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
+      }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
-    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, states, extra, reports),
-                      keep);
+    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, extra, reports), keep);
   });
   CheckpointInfo info{step_dir, step, world, extra};
   if (!skipped.empty()) {
@@ -551,6 +595,28 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
                         std::to_string(params.size()));
   }
   if (optimizer && index.has_optimizer) {
+    // The state must be this optimizer's: of its kind (where the index records it), and with the
+    // same state tensors, none left over (an AdamW checkpoint loaded into SGD without momentum used to
+    // drop its moments silently and take its step count).
+    const std::string kind = optimizer_kind(*optimizer);
+    if (index.optimizer_kind && *index.optimizer_kind != kind) {
+      fail(index.dir, "holds the state of the " + *index.optimizer_kind + " optimizer; the optimizer loading it is " +
+                          kind + " (one optimizer's state does not continue another's)");
+    }
+    for (const auto& [name, p] : params) {
+      std::vector<std::string> mine;
+      for (const auto& [state, t] : optimizer->state(p)) mine.push_back(state);
+      std::vector<std::string> saved = index.optimizer_state;
+      std::sort(saved.begin(), saved.end());
+      std::vector<std::string> sorted = mine;
+      std::sort(sorted.begin(), sorted.end());
+      if (sorted != saved) {
+        fail(index.dir, "holds the optimizer state " + quoted_list(index.optimizer_state) + " of every parameter" +
+                            (index.optimizer_kind ? " (" + *index.optimizer_kind + ")" : std::string()) + ", but the " +
+                            kind + " optimizer loading it keeps " + quoted_list(mine) + " for parameter '" + name +
+                            "': a checkpoint of another optimizer, or of other settings");
+      }
+    }
     // The groups decide each parameter's rate and decay: a resume must continue with the same.
     // A checkpoint from before groups existed had one group of every parameter.
     const auto mine = groups_of(*optimizer, params);
@@ -608,12 +674,15 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     gather_range(entry, model_tensor(name), entry.dtype, dtype_size(entry.dtype), want, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
     if (optimizer && index.has_optimizer) {
-      for (auto& [state, t] : optimizer->state(p)) {
-        if (std::find(index.optimizer_state.begin(), index.optimizer_state.end(), state) == index.optimizer_state.end())
-          fail(index.dir, "has no optimizer state '" + state + "' (it holds the optimizer's steps and lr)");
+      for (auto& [state, t] : optimizer->state(p)) {  // (the same names as the index's: checked above)
+        const auto recorded = entry.state_dtypes.find(state);
+        if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
+          fail(index.dir, "optimizer state '" + state + "' of parameter '" + name + "' is " +
+                              std::string(dtype_name(recorded->second)) + " in the checkpoint but " +
+                              std::string(dtype_name(t.dtype())) + " in the optimizer");
+        }
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
-        gather_range(entry, optim_tensor(name, state), std::nullopt, dtype_size(t.dtype()), want,
-                     staged_state.data_ptr());
+        gather_range(entry, optim_tensor(name, state), t.dtype(), dtype_size(t.dtype()), want, staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
       }
     }
@@ -786,7 +855,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
   std::vector<ParamHeader> headers;
   for (const auto& t : input.tensors()) {
     if (!is_floating(t.dtype)) fail(input_file, "tensor '" + t.name + "' is not floating-point");
-    headers.push_back({t.name, 0, t.shape, t.dtype, true});
+    headers.push_back({t.name, 0, t.shape, t.dtype, true, {}});
   }
   std::map<std::string, std::string> extra = input.metadata();
   extra.erase("step");
@@ -818,7 +887,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     reports.push_back(
         write_split_rank(input, rank, world_size, step, (fs::path(step_dir) / rank_file(rank, world_size)).string()));
   }
-  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, {}, extra, reports), 0);
+  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
   return CheckpointInfo{step_dir, step, world_size, extra};
 }
 

@@ -165,6 +165,13 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
       fail("index.json's optimizer 'lr' must be a finite number >= 0, not " + lr.dump());
     index.lr = lr.get<double>();
     index.optimizer_state = strings(member(o, "state", "index.json's 'optimizer'"), "index.json's optimizer 'state'");
+    if (std::set<std::string>(index.optimizer_state.begin(), index.optimizer_state.end()).size() !=
+        index.optimizer_state.size())
+      fail("index.json's optimizer 'state' names a state twice");
+    if (o.contains("kind")) {
+      index.optimizer_kind = string(o, "kind", "index.json's 'optimizer'");
+      if (index.optimizer_kind->empty()) fail("index.json's optimizer 'kind' is empty");
+    }
     if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
   }
   if (j.contains("extra")) {
@@ -247,6 +254,20 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
   if (jp.contains("sharded")) {
     if (!jp["sharded"].is_boolean()) fail(where + "'s 'sharded' must be true or false, not " + jp["sharded"].dump());
     p.sharded = jp["sharded"].get<bool>();
+  }
+  if (jp.contains("state_dtypes")) {
+    // One dtype for each optimizer state the index names, and none other.
+    const json& dtypes = jp["state_dtypes"];
+    if (!dtypes.is_object() || dtypes.size() != index.optimizer_state.size())
+      fail(where + "'s 'state_dtypes' must give the dtype of each optimizer state, not " + dtypes.dump());
+    for (const auto& state : index.optimizer_state) {
+      const std::string d = string(dtypes, state, where + "'s 'state_dtypes'");
+      try {
+        p.state_dtypes[state] = parse_dtype(d);
+      } catch (const ArgumentError&) {
+        fail(where + "'s optimizer state '" + state + "' has the unknown dtype '" + d + "'");
+      }
+    }
   }
   const json& pieces = member(jp, "pieces", where);
   if (!pieces.is_array()) fail(where + "'s 'pieces' must be an array");

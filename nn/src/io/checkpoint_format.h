@@ -62,6 +62,9 @@ struct IndexParam {
   std::uint64_t id = 0;
   bool sharded = false;
   std::vector<IndexPiece> pieces;  // by offset, tiling [0, numel) exactly
+  // The dtype of each of its optimizer state tensors (by state name; recorded since the index
+  // has them: empty in older checkpoints, whose state is checked against the optimizer only).
+  std::map<std::string, DType> state_dtypes;
 };
 
 // One optimizer parameter group as saved: its settings and its parameters by name.
@@ -83,6 +86,8 @@ struct Index {
   std::vector<std::string> files;
   std::vector<IndexParam> params;
   bool has_optimizer = false;
+  // The optimizer that wrote the state ("AdamW", "SGD", ...; absent in older checkpoints).
+  std::optional<std::string> optimizer_kind;
   std::int64_t optimizer_steps = 0;
   double lr = 0;
   std::vector<std::string> optimizer_state;

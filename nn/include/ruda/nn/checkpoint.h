@@ -6,8 +6,8 @@
 //       in its metadata the rank, world size and step it was written for;
 //   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
 //       which element range of each parameter with an XXH3-64 hash of every 64 KiB block of it,
-//       the optimizer's scalar state (steps, lr), and the caller's extra state (step, RNG, data
-//       position, model description).
+//       the optimizer's kind, scalar state (steps, lr) and state tensors' dtypes, and the caller's
+//       extra state (step, RNG, data position, model description).
 // Writes are atomic and ordered: every rank writes its file (temporary file, flush, rename) and
 // reports its checksums, all ranks agree that every file is complete, rank 0 writes index.json the
 // same way, and then points dir/latest at the new directory. Killed at any moment, the previous
@@ -64,7 +64,8 @@ struct LoadOptions {
 /// Loads a checkpoint into `module` (sharded at comm's world size, or dense) and `optimizer` (may
 /// be null). `path` is a step directory or a checkpoint directory (its latest complete step).
 /// Parameters are matched by name; a missing name, a shape or dtype mismatch, a missing, swapped,
-/// stale, damaged or non-regular file raise IOError naming what is wrong. Collective: the ranks
+/// stale, damaged or non-regular file raise IOError naming what is wrong, as does optimizer state
+/// of another kind of optimizer, with other state tensors, or of another dtype. Collective: the ranks
 /// agree on the outcome, so that if any rank fails every rank raises (the failing rank its own
 /// error, the others an IOError naming it and its error). After a failure the module's values
 /// are unspecified.
