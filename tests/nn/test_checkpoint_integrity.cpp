@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -592,4 +593,64 @@ TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelle
   for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
   std::ofstream(step / "index.json") << old.dump(1);
   check_contains(load_with(dir, adamw, DType::f64), {"optim/weight/exp_avg", "I64", "f64"});
+}
+
+namespace {
+// The names of the files in `dir`.
+std::set<std::string> names_in(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("bad save and split arguments are refused before anything is written") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const std::string before = file_text(dir.path / "latest");
+  auto save_into = [&](const std::string& where, std::int64_t step, std::map<std::string, std::string> extra,
+                       int keep) {
+    run_ranks(2, [&](Communicator& comm) {
+      auto layer = make_layer(comm);
+      nn::save_checkpoint(where, step, *layer, nullptr, comm, extra, keep);
+    });
+  };
+  auto save = [&](std::int64_t step, std::map<std::string, std::string> extra, int keep) {
+    save_into(dir.str(), step, std::move(extra), keep);
+  };
+  const std::set<std::string> entries = names_in(dir.path);
+  // A negative step (its directory, step--0000001, was written in full and never cleaned).
+  test::check_throws<IOError>([&] { save(-1, {}, 2); }, {"step", "-1"});
+  // Extra state the index cannot hold (not UTF-8): found only when the index was written, after
+  // every rank file, the step's old index already removed.
+  test::check_throws<IOError>([&] { save(2, {{"note", "\xff\xfe"}}, 2); }, {"extra", "note"});
+  test::check_throws<IOError>([&] { save(1, {{"\xff", "x"}}, 2); }, {"extra"});
+  // A negative keep (it kept every step, as 0 does: documented is 0 only).
+  test::check_throws<IOError>([&] { save(2, {}, -1); }, {"keep", "-1"});
+  CHECK(names_in(dir.path) == entries);
+  CHECK(file_text(dir.path / "latest") == before);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+
+  // Split: a world size no index may have, before a single one of its files.
+  const std::string full = (dir.path / "full.safetensors").string();
+  nn::consolidate_checkpoint(dir.str(), full);
+  const fs::path out = dir.path / "out";
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, (1 << 24) + 1, out.string()); },
+                              {"world size", "16777217"});
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, 2, out.string(), -1); }, {"step", "-1"});
+  CHECK_FALSE(fs::exists(out));
+
+  // Empty names: refused before anything is read or written (consolidate wrote ".tmp" in the
+  // working directory, then failed to rename it). Run from inside the temporary directory.
+  const fs::path cwd = fs::current_path();
+  TempDir here;
+  fs::current_path(here.path);
+  CHECK_THROWS_WITH_AS(nn::consolidate_checkpoint(dir.str(), ""), doctest::Contains("not a file name"), IOError);
+  CHECK_THROWS_WITH_AS(nn::consolidate_checkpoint((dir.path / "nothing").string(), ""),
+                       doctest::Contains("not a file name"), IOError);  // up front: before the checkpoint
+  CHECK_THROWS_AS(nn::split_checkpoint(full, 2, ""), IOError);
+  CHECK_THROWS_AS(save_into("", 2, {}, 2), IOError);
+  CHECK(names_in(here.path).empty());
+  fs::current_path(cwd);
 }

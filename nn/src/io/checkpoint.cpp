@@ -515,6 +515,32 @@ void unpublish(const std::string& step_dir) {
   if (ec) fail(index.string(), "cannot be removed before the step is rewritten: " + ec.message());
 }
 
+// What a save or a split would otherwise find wrong only when it publishes the index, after every
+// rank file is written: refused before anything is written, naming the checkpoint directory.
+void check_save_arguments(const std::string& dir, std::int64_t step, int world,
+                          const std::map<std::string, std::string>& extra, int keep) {
+  if (dir.empty()) fail("''", "is no checkpoint directory (the name is empty; '.' is the working directory)");
+  if (step < 0) fail(dir, "the step must not be negative, got " + std::to_string(step));
+  if (world < 1 || world > kMaxWorldSize) {
+    fail(dir,
+         "the world size must be between 1 and " + std::to_string(kMaxWorldSize) + ", got " + std::to_string(world));
+  }
+  if (keep < 0) fail(dir, "keep must be at least 0 (0 keeps every step), got " + std::to_string(keep));
+  for (const auto& [key, value] : extra) {
+    // The index is JSON: its strings must be UTF-8.
+    try {
+      (void)json(key).dump();
+    } catch (const json::exception&) {
+      fail(dir, "an extra state key is not UTF-8 text, which the index cannot hold");
+    }
+    try {
+      (void)json(value).dump();
+    } catch (const json::exception&) {
+      fail(dir, "extra state '" + key + "' is not UTF-8 text, which the index cannot hold");
+    }
+  }
+}
+
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
@@ -539,11 +565,13 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
 
-  // 1. A step directory written before (a run resumed from an earlier step reaches it again)
+  // 1. Every rank checks the arguments (what would fail only at publishing, after every file is
+  // written). A step directory written before (a run resumed from an earlier step reaches it again)
   // stops being a checkpoint before any of its files is replaced: rank 0 removes its index, and
   // no rank writes until that is done, so a kill from here on never leaves old and new files
   // under a complete-looking index.
-  run_agreed_or_fail(comm, step_dir, "preparing the directory", [&] {
+  run_agreed_or_fail(comm, dir.empty() ? "''" : dir, "preparing the directory", [&] {
+    check_save_arguments(dir, step, world, extra, keep);
     if (rank != 0) return;
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
     create_directories(step_dir);
@@ -775,6 +803,12 @@ std::map<std::string, std::string> consolidated_metadata(const Index& index) {
 }  // namespace
 
 void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  // Before anything is read: a name that is no file's (it used to fail only at the rename, after
+  // the whole output was written to ".tmp" in the working directory).
+  const std::string name = fs::path(output_file).filename().string();
+  if (name.empty() || name == "." || name == "..") {
+    fail(path, "cannot be consolidated into '" + output_file + "': not a file name (empty, or a directory's path)");
+  }
   const Index index = read_index(resolve_checkpoint(path));
   // The output must not replace what is being read: a file of the checkpoint, anything inside its
   // step directory, or its checkpoint directory's latest pointer. (Its temporary file is always a
@@ -849,8 +883,7 @@ json write_split_rank(const safetensors::Reader& input, int rank, int world, std
 
 CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
                                 std::int64_t step) {
-  if (world_size <= 0) fail(out_dir, "world size must be positive, got " + std::to_string(world_size));
-  if (step < 0) fail(out_dir, "step must not be negative, got " + std::to_string(step));
+  check_save_arguments(out_dir, step, world_size, {}, 0);  // before the input is read (its extra below)
   safetensors::Reader input(input_file);
   std::vector<ParamHeader> headers;
   for (const auto& t : input.tensors()) {
@@ -860,6 +893,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
   std::map<std::string, std::string> extra = input.metadata();
   extra.erase("step");
   extra.erase("source");
+  check_save_arguments(out_dir, step, world_size, extra, 0);
   const std::string step_dir = (fs::path(out_dir) / step_name(step)).string();
   // The input must survive the split: not inside the step directory it writes, not the pointer
   // publishing replaces, not inside a step directory without an index (publishing removes those).

@@ -145,7 +145,7 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     fail("has format version " + std::to_string(index.version) + ", this build reads 1 to " + std::to_string(kVersion));
   }
   index.step = integer(j, "step", "index.json", 0, INT64_MAX);
-  index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, 1 << 24));
+  index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, kMaxWorldSize));
   index.files = strings(member(j, "files", "index.json"), "index.json's 'files'");
   if (static_cast<std::int64_t>(index.files.size()) != index.world_size) {
     fail("lists " + std::to_string(index.files.size()) + " files for world size " + std::to_string(index.world_size));

@@ -22,6 +22,7 @@ inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
 // Version 1 checkpoints still load and verify, with no checksums to check their data against.
 inline constexpr int kVersion = 2;
 inline constexpr std::size_t kMaxLatestBytes = 4096;
+inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
 
 // A piece's bytes are checked in blocks (kChecksumBlockBytes), each with its own XXH3-64 hash: a
 // load that reshards reads parts of pieces and checks the whole blocks around what it reads (at

@@ -45,7 +45,9 @@ struct CheckpointInfo {
 };
 
 /// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
-/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm.
+/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm. IOError
+/// on every rank, before anything is written, for an empty `dir`, a negative step or keep, or
+/// extra state that is not UTF-8.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 
