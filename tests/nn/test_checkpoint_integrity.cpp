@@ -604,6 +604,44 @@ std::set<std::string> names_in(const fs::path& dir) {
 }
 }  // namespace
 
+TEST_CASE("a step saved again keeps its old files until the new index replaces the old one") {
+  TempDir dir;
+  save_layer(dir, 2, 3);
+  const fs::path step = dir.path / "step-00000003";
+  const std::string old_index = file_text(step / "index.json");
+  // Rank 1 fails to write its new file (a directory where it goes: the old temporary name, and the
+  // name beside the old file a rewrite uses). The save used to remove the index first and rank 0
+  // to replace its file: the step was lost. Now the failed save leaves it as it was.
+  fs::create_directories(step / (rank_file(1, 2) + ".tmp"));
+  fs::create_directories(step / "rank-00001-of-00002.b.safetensors");
+  CHECK_THROWS_AS(save_layer(dir, 2, 3), IOError);
+  CHECK(file_text(step / "index.json") == old_index);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+  CHECK(nn::resolve_checkpoint(dir.str()) == step.string());
+  // (What the successful rank wrote is gone: no file but the index's, and the planted directories.)
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 2), rank_file(1, 2),
+                                                rank_file(1, 2) + ".tmp", "rank-00001-of-00002.b.safetensors"});
+  fs::remove_all(step / (rank_file(1, 2) + ".tmp"));
+  fs::remove_all(step / "rank-00001-of-00002.b.safetensors");
+  // Saved again successfully: the new files, under the names the new index gives, and nothing else.
+  save_layer(dir, 2, 3);
+  const json index = read_json(step / "index.json");
+  const std::set<std::string> listed(index["files"].begin(), index["files"].end());
+  std::set<std::string> expected = listed;
+  expected.insert("index.json");
+  CHECK(names_in(step) == expected);
+  CHECK(listed == std::set<std::string>{"rank-00000-of-00002.b.safetensors", "rank-00001-of-00002.b.safetensors"});
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 3)) CHECK(e.empty());
+  // Once more: back to the plain names. At another world size: its own names, the old files removed.
+  save_layer(dir, 2, 3);
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 2), rank_file(1, 2)});
+  save_layer(dir, 3, 3);
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 3), rank_file(1, 3), rank_file(2, 3)});
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+}
+
 TEST_CASE("bad save and split arguments are refused before anything is written") {
   TempDir dir;
   save_layer(dir, 2, 1);

@@ -418,8 +418,8 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                  const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::map<std::string, std::string>& extra,
                  const std::vector<json>& reports) {
   json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
-  json files = json::array();
-  for (int r = 0; r < world; ++r) files.push_back(rank_file(r, world));
+  json files = json::array();  // each rank's file by the name it wrote (see new_rank_file)
+  for (int r = 0; r < world; ++r) files.push_back(reports[static_cast<std::size_t>(r)].at("file"));
   index["files"] = files;
   json jparams = json::object();
   for (const ParamHeader& p : params) {
@@ -486,7 +486,7 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
     if (piece.count > 0) pieces[name] = {{"offset", piece.offset}, {"count", piece.count}, {"xxh3", hashes}};
   }
   safetensors::write(path, tensors, rank_file_metadata(rank, world, step));
-  return {{"pieces", pieces}};
+  return {{"file", fs::path(path).filename().string()}, {"pieces", pieces}};
 }
 
 // Every rank's report of its rank file, on every rank; if any rank failed to write its file (its
@@ -506,13 +506,65 @@ std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_d
   return reports;
 }
 
-// A step directory about to be rewritten stops being a checkpoint first (its index goes), so that a
-// kill while its files are replaced never leaves old and new files under a complete-looking index.
+// A step directory whose index cannot be read is no checkpoint: it stops looking like one before
+// it is rewritten (its index goes).
 void unpublish(const std::string& step_dir) {
   std::error_code ec;
   const fs::path index = fs::path(step_dir) / "index.json";
   if (fs::remove(index, ec)) sync_directory(step_dir);
   if (ec) fail(index.string(), "cannot be removed before the step is rewritten: " + ec.message());
+}
+
+// Removes the rank files of `step_dir` (regular files of either name form) that `listed` does not
+// name: what a rewrite replaced, or what a killed or failed one left. With `upkeep`, a file that
+// cannot be removed is noted there; without, it is an error (the rewrite needs it gone).
+void remove_unlisted_rank_files(const fs::path& step_dir, const std::vector<std::string>& listed, Upkeep* upkeep) {
+  std::error_code ec;
+  fs::directory_iterator it(step_dir, ec);
+  for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!is_rank_file_name(name) || std::find(listed.begin(), listed.end(), name) != listed.end()) continue;
+    std::error_code probing, removing;
+    if (it->symlink_status(probing).type() != fs::file_type::regular || probing) continue;
+    fs::remove(it->path(), removing);
+    if (!removing) continue;
+    if (!upkeep) fail(it->path().string(), "cannot be removed before the step is rewritten: " + removing.message());
+    upkeep->skip(it->path(), removing);
+  }
+  if (ec && !upkeep) fail(step_dir.string(), "cannot be listed before the step is rewritten: " + ec.message());
+  if (ec) upkeep->skip(step_dir, ec);
+}
+
+// Makes `step_dir` ready for a save or a split (one process: rank 0). A step saved again (a run
+// resumed from an earlier step reaches it again) keeps its files and its index until the new index
+// replaces it: the new rank files are written beside the ones the index names (new_rank_file),
+// and renaming the new index over the old one swaps them in at once, so that a save that fails
+// or is killed at any point leaves the old step whole. For that, no file the index names may be
+// taken for a new one: a rank file it does not name (left by a killed rewrite) goes now. An index
+// that cannot be read goes too: the step is no checkpoint to keep.
+void prepare_step(const std::string& step_dir) {
+  create_directories(step_dir);
+  std::error_code ec;
+  if (fs::symlink_status(fs::path(step_dir) / "index.json", ec).type() == fs::file_type::not_found) return;
+  std::vector<std::string> listed;
+  try {
+    listed = read_index(step_dir).files;
+  } catch (const std::exception&) {
+    unpublish(step_dir);
+    return;
+  }
+  remove_unlisted_rank_files(step_dir, listed, nullptr);
+}
+
+// The name rank `rank` writes its new file under: the plain name, unless a regular file has it
+// (the file the step's index names, when the step is saved again), then the alternate one. After
+// prepare_step, at most one of the two names is a file the index names, so a new file never
+// replaces one. Each rank decides for its own names, which only it writes.
+std::string new_rank_file(const std::string& step_dir, int rank, int world) {
+  const std::string plain = rank_file(rank, world);
+  std::error_code ec;
+  const bool taken = fs::symlink_status(fs::path(step_dir) / plain, ec).type() == fs::file_type::regular;
+  return taken ? rank_file(rank, world, /*alternate=*/true) : plain;
 }
 
 // What a save or a split would otherwise find wrong only when it publishes the index, after every
@@ -547,10 +599,11 @@ void check_save_arguments(const std::string& dir, std::int64_t step, int world,
 std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step, const json& index,
                                  int keep) {
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
-  parse_index(index, index_path, step_dir);
-  safetensors::write_text_atomically(index_path, index.dump(1));
+  const Index parsed = parse_index(index, index_path, step_dir);
+  safetensors::write_text_atomically(index_path, index.dump(1));  // the swap: the new files are the step's
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");
   Upkeep upkeep;
+  remove_unlisted_rank_files(step_dir, parsed.files, &upkeep);  // the files the new ones replaced
   remove_leftovers(dir, step_name(step), upkeep);
   prune(dir, keep, step_name(step), upkeep);
   return upkeep.skipped;
@@ -566,30 +619,38 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   const auto params = module.named_parameters();
 
   // 1. Every rank checks the arguments (what would fail only at publishing, after every file is
-  // written). A step directory written before (a run resumed from an earlier step reaches it again)
-  // stops being a checkpoint before any of its files is replaced: rank 0 removes its index, and
-  // no rank writes until that is done, so a kill from here on never leaves old and new files
-  // under a complete-looking index.
+  // written), and rank 0 prepares the step directory; no rank writes until both are done. A step
+  // directory written before (a run resumed from an earlier step reaches it again) keeps its
+  // files and index until step 4 replaces the index (prepare_step).
   run_agreed_or_fail(comm, dir.empty() ? "''" : dir, "preparing the directory", [&] {
     check_save_arguments(dir, step, world, extra, keep);
     if (rank != 0) return;
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
-    create_directories(step_dir);
-    unpublish(step_dir);
+    prepare_step(step_dir);
   });
 
-  // 2. Every rank writes its file and reports where its pieces lie and their checksums; 3. every
-  // rank learns every rank's report, or the failing ranks' own errors.
+  // 2. Every rank writes its file, beside any the step's index names, and reports its name, where
+  // its pieces lie and their checksums; 3. every rank learns every rank's report, or the failing
+  // ranks' own errors (then each removes the file it wrote: no index names it).
   json report;
   std::string error;
+  const std::string file = (fs::path(step_dir) / new_rank_file(step_dir, rank, world)).string();
+  bool written = false;
   try {
     create_directories(step_dir);
-    report =
-        write_rank_file((fs::path(step_dir) / rank_file(rank, world)).string(), step, rank, world, params, optimizer);
+    report = write_rank_file(file, step, rank, world, params, optimizer);
+    written = true;
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const std::vector<json> reports = agree_on_reports(comm, step_dir, report, error);
+  std::vector<json> reports;
+  try {
+    reports = agree_on_reports(comm, step_dir, report, error);
+  } catch (...) {
+    std::error_code ec;
+    if (written) fs::remove(file, ec);
+    throw;
+  }
 
   // 4. Rank 0 publishes.
   std::vector<std::string> skipped;
@@ -877,7 +938,7 @@ json write_split_rank(const safetensors::Reader& input, int rank, int world, std
       pieces[t.name] = {{"offset", p.offset}, {"count", p.count}, {"xxh3", {{model_tensor(t.name), hashes}}}};
   }
   out.commit();
-  return {{"pieces", pieces}};
+  return {{"file", fs::path(path).filename().string()}, {"pieces", pieces}};
 }
 }  // namespace
 
@@ -914,12 +975,19 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     }
   }
   check_latest_pointer(out_dir);  // as a save: a pointer that cannot be replaced fails before any file is written
-  create_directories(step_dir);
-  unpublish(step_dir);
+  prepare_step(step_dir);         // as a save: a step split again keeps its files until the new index replaces it
   std::vector<json> reports;
-  for (int rank = 0; rank < world_size; ++rank) {
-    reports.push_back(
-        write_split_rank(input, rank, world_size, step, (fs::path(step_dir) / rank_file(rank, world_size)).string()));
+  std::vector<std::string> written;
+  try {
+    for (int rank = 0; rank < world_size; ++rank) {
+      const std::string file = (fs::path(step_dir) / new_rank_file(step_dir, rank, world_size)).string();
+      reports.push_back(write_split_rank(input, rank, world_size, step, file));
+      written.push_back(file);
+    }
+  } catch (...) {
+    std::error_code ec;
+    for (const auto& file : written) fs::remove(file, ec);  // no index names them
+    throw;
   }
   publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
   return CheckpointInfo{step_dir, step, world_size, extra};

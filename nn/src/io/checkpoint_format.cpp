@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -32,10 +33,28 @@ std::string step_name(std::int64_t step) {
   return buf;
 }
 
-std::string rank_file(int rank, int world) {
+std::string rank_file(int rank, int world, bool alternate) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.safetensors", rank, world);
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d%s.safetensors", rank, world, alternate ? ".b" : "");
   return buf;
+}
+
+bool is_rank_file_name(const std::string& name) {
+  // rank-<digits>-of-<digits>[.b].safetensors
+  auto digits = [&](std::size_t& at) {
+    const std::size_t from = at;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+    return at > from;
+  };
+  auto literal = [&](std::size_t& at, std::string_view text) {
+    if (name.compare(at, text.size(), text) != 0) return false;
+    at += text.size();
+    return true;
+  };
+  std::size_t at = 0;
+  if (!literal(at, "rank-") || !digits(at) || !literal(at, "-of-") || !digits(at)) return false;
+  literal(at, ".b");
+  return literal(at, ".safetensors") && at == name.size();
 }
 
 std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step) {

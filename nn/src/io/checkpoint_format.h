@@ -36,7 +36,12 @@ static_assert(safetensors::kChunkBytes % kChecksumBlock == 0, "chunked reads mus
 [[noreturn]] void fail(const std::string& where, const std::string& what);
 
 std::string step_name(std::int64_t step);
-std::string rank_file(int rank, int world);
+/// rank-00000-of-00002.safetensors; with `alternate`, rank-00000-of-00002.b.safetensors: the name a
+/// step saved again writes beside the plain one, which the index in place may still name (its
+/// files are replaced only when the new index replaces it).
+std::string rank_file(int rank, int world, bool alternate = false);
+/// Whether `name` is a rank file's name of either form (for the upkeep of a rewritten step).
+bool is_rank_file_name(const std::string& name);
 inline std::string model_tensor(const std::string& param) { return "model/" + param; }
 inline std::string optim_tensor(const std::string& param, const std::string& state) {
   return "optim/" + param + "/" + state;

@@ -3,7 +3,9 @@
 // Layout of a checkpoint directory (dir/step-00001234/):
 //   rank-00000-of-00004.safetensors ... one file per rank: its unpadded slices of every parameter
 //       ("model/<name>") and of its optimizer state ("optim/<name>/<state>"), dtypes kept, and
-//       in its metadata the rank, world size and step it was written for;
+//       in its metadata the rank, world size and step it was written for (a step saved again
+//       writes rank-00000-of-00004.b.safetensors beside the old files, and back the next time;
+//       the index names each rank's file, and replacing the index swaps the new files in);
 //   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
 //       which element range of each parameter with an XXH3-64 hash of every 64 KiB block of it,
 //       the optimizer's kind, scalar state (steps, lr) and state tensors' dtypes, and the caller's
@@ -45,9 +47,10 @@ struct CheckpointInfo {
 };
 
 /// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
-/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm. IOError
-/// on every rank, before anything is written, for an empty `dir`, a negative step or keep, or
-/// extra state that is not UTF-8.
+/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm. A step
+/// saved again keeps its old files and index until the new index replaces it: a failed or killed
+/// save leaves it whole. IOError on every rank, before anything is written, for an empty `dir`, a
+/// negative step or keep, or extra state that is not UTF-8.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 
