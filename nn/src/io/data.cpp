@@ -44,9 +44,13 @@ auto filesystem_errors_as_io(const char* op, const std::string& path, F&& fn) ->
 // what was looked for); a FIFO is refused by name, never waited on, as anything else that is not a
 // regular file (safetensors::open_regular_file).
 int open_data_file(const std::string& path, const char* missing = "no such file") {
-  std::error_code ec;  // (another error, a name too long say, is left to open to report)
-  if (fs::status(path, ec).type() == fs::file_type::not_found) data_fail(path, missing);
-  return safetensors::open_regular_file(path, "");
+  try {
+    return safetensors::open_regular_file(path, "");
+  } catch (const IOError&) {
+    std::error_code ec;  // (another reason, a name too long say, is the one open gave)
+    if (fs::status(path, ec).type() == fs::file_type::not_found) data_fail(path, missing);
+    throw;
+  }
 }
 
 // Streams the (decompressed) content of a gzip or plain file, up to max_bytes, to `sink` in pieces.
