@@ -73,6 +73,18 @@ struct TempDir {
   std::string str() const { return path.string(); }
 };
 
+/// The names in `dir` that are temporary files of an atomic write (name.tmp-XXXXXX, or the fixed
+/// name.tmp of earlier versions): none should outlive a write, failed or not.
+inline std::vector<std::string> temporaries_in(const std::filesystem::path& dir) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.find(".tmp") != std::string::npos) out.push_back(name);
+  }
+  return out;
+}
+
 }  // namespace ruda::test
 
 /// check_close that reports the caller's line on failure.

@@ -1,9 +1,14 @@
 // Option bounds for ruda's command-line programs, stated in words rather than CLI11's range text.
 #pragma once
 
+#include <algorithm>
+#include <charconv>
 #include <limits>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -39,5 +44,52 @@ inline CLI::Validator at_least(double low, std::string note = {}) {
 }
 inline CLI::Validator positive() { return bounded(0, kNoBound, true); }
 inline CLI::Validator between(double low, double high) { return bounded(low, high, false); }
+
+// Whole numbers as CLI11 2.1 does not read them: it converts with strtoll/strtoull in base 0, which
+// saturates a number out of range (--step 99999999999999999999 became INT64_MAX), wraps a negative
+// number into an unsigned option (--seed -1 became 2^64 - 1) and reads a leading 0 as octal
+// (--emulate 010 ran 8 ranks). This transform, which every integer option gets (add_whole), takes
+// only a decimal whole number that T holds, says so in words otherwise ("--step: must be a whole
+// number between -9223372036854775808 and 9223372036854775807, got 99999999999999999999"), and
+// hands CLI11 the number as it reads it (no leading zeros, no '+'). The option's bounds
+// (at_least, ...) are then checked on that number.
+template <class T>
+CLI::Validator whole_number() {
+  static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool>);
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        const std::string whole = "must be a whole number between " + std::to_string(std::numeric_limits<T>::min()) +
+                                  " and " + std::to_string(std::numeric_limits<T>::max());
+        const char* first = text.data();
+        const char* last = first + text.size();
+        if (first != last && *first == '+') ++first;
+        const bool negative = first != last && *first == '-';
+        const char* digits = first + (negative ? 1 : 0);
+        if (digits == last || !std::all_of(digits, last, [](char c) { return c >= '0' && c <= '9'; }))
+          return whole + ", got '" + text + "'";
+        T value{};
+        const auto [end, error] = std::from_chars(first, last, value);
+        if ((negative && std::is_unsigned_v<T> && std::any_of(digits, last, [](char c) { return c != '0'; })) ||
+            error == std::errc::result_out_of_range)
+          return whole + ", got " + text;
+        if (negative && std::is_unsigned_v<T>)
+          value = 0;  // "-0"
+        else if (error != std::errc() || end != last)
+          return whole + ", got '" + text + "'";
+        text = std::to_string(value);
+        return {};
+      },
+      "");
+}
+
+/// app.add_option for an integer (or a list of integers): the same, with the whole_number transform.
+template <class T>
+CLI::Option* add_whole(CLI::App& app, std::string name, T& variable, std::string description) {
+  return app.add_option(std::move(name), variable, std::move(description))->transform(whole_number<T>());
+}
+template <class T>
+CLI::Option* add_whole(CLI::App& app, std::string name, std::vector<T>& variable, std::string description) {
+  return app.add_option(std::move(name), variable, std::move(description))->transform(whole_number<T>());
+}
 
 }  // namespace ruda::cli

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <fstream>
 #include <mutex>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -244,6 +246,31 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   fs::create_directories(dir.path / "step-00000040");
   fs::remove(dir.path / "latest");
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+}
+
+TEST_CASE("steps are ordered by number, not as text: step 100000000 is newer than 99999999") {
+  // step-%08lld has nine digits from 100000000 on, and "step-100000000" sorts before "step-99999999".
+  TempDir dir;
+  LocalCommunicator comm;
+  nn::manual_seed(1);
+  nn::Linear layer(4, 3);
+  for (const std::int64_t step : {99999998LL, 99999999LL, 100000000LL, 100000001LL})
+    nn::save_checkpoint(dir.str(), step, layer, nullptr, comm, {}, /*keep=*/2);
+  // Pruning kept the two newest.
+  CHECK_FALSE(fs::exists(dir.path / "step-99999998"));
+  CHECK_FALSE(fs::exists(dir.path / "step-99999999"));
+  CHECK(fs::exists(dir.path / "step-100000000" / "index.json"));
+  CHECK(fs::exists(dir.path / "step-100000001" / "index.json"));
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
+  // Without the pointer, the newest complete step by number.
+  nn::save_checkpoint(dir.str(), 99999999, layer, nullptr, comm, {}, /*keep=*/0);
+  fs::remove(dir.path / "latest");
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
+  // The same number spelled with more zeros (another writer's) is the same step: either may win,
+  // but no shorter number is taken for a longer one.
+  fs::create_directories(dir.path / "step-0000000000000000000099999999");
+  std::ofstream(dir.path / "step-0000000000000000000099999999" / "index.json") << "{}";
+  CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-100000001").string());
 }
 
 namespace {
@@ -503,7 +530,7 @@ TEST_CASE("safetensors::Writer streams data after its header and refuses a wrong
   }
   // Neither the short file nor its temporary is left behind.
   CHECK_FALSE(fs::exists(dir.path / "short.safetensors"));
-  CHECK_FALSE(fs::exists(dir.path / "short.safetensors.tmp"));
+  CHECK(test::temporaries_in(dir.path).empty());
 }
 
 TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
@@ -565,7 +592,7 @@ void write_raw(const fs::path& path, std::string header, const std::string& data
 // No file and no temporary at `path`.
 void check_nothing_at(const fs::path& path) {
   CHECK_FALSE(fs::exists(path));
-  CHECK_FALSE(fs::exists(path.string() + ".tmp"));
+  CHECK(test::temporaries_in(path.parent_path()).empty());
 }
 
 // A Writer of `headers` at `path` raises E with every fragment and leaves nothing there.
@@ -608,28 +635,144 @@ TEST_CASE("safetensors::Writer refuses what its Reader would reject, naming the 
 
 TEST_CASE("a failed commit leaves no temporary behind") {
   TempDir dir;
-  SUBCASE("write() whose rename fails: the destination is a directory") {
+  SUBCASE("write() whose destination is a directory") {
     const fs::path target = dir.path / "somedir";
     fs::create_directories(target / "inside");
     test::check_throws<IOError>(
         [&] {
           safetensors::write(target.string(), {{"a", ones({2})}});
         },
-        {"somedir", "rename failed"});
-    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+        {"somedir", "directory"});
+    CHECK(test::temporaries_in(dir.path).empty());
     CHECK(fs::is_directory(target / "inside"));
   }
-  SUBCASE("a Writer whose rename fails, and a second commit") {
+  SUBCASE("a Writer whose destination became a directory before its commit, and a second commit") {
     const fs::path target = dir.path / "empty-dir";
-    fs::create_directories(target);
     safetensors::Writer w(target.string(), {{"a", DType::f32, {1}}});
+    fs::create_directories(target);
     const float one = 1;
     w.write(&one, 4);
-    test::check_throws<IOError>([&] { w.commit(); }, {"empty-dir", "rename failed"});
-    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+    test::check_throws<IOError>([&] { w.commit(); }, {"empty-dir", "directory"});
+    CHECK(test::temporaries_in(dir.path).empty());
     test::check_throws<IOError>([&] { w.commit(); }, {"empty-dir", "after its commit"});
-    CHECK_FALSE(fs::exists(target.string() + ".tmp"));
+    CHECK(test::temporaries_in(dir.path).empty());
+    CHECK(fs::is_directory(target));
   }
+}
+
+namespace {
+std::string text_of(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+bool is_a_fifo(const fs::path& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
+}
+}  // namespace
+
+TEST_CASE(
+    "atomic writes: a link at the temporary's name is not followed; a FIFO, a device or a link at the destination is "
+    "refused") {
+  TempDir dir;
+  const fs::path victim = dir.path / "victim.txt";
+  std::ofstream(victim) << "victim";
+  const fs::path out = dir.path / "out.safetensors";
+  // A link planted where the temporary file was always made (out.safetensors.tmp): the write used
+  // to go through it, overwriting the victim, and then renamed the link itself into place.
+  fs::create_symlink(victim, out.string() + ".tmp");
+  safetensors::write(out.string(), {{"a", ones({3})}});
+  CHECK(text_of(victim) == "victim");
+  CHECK(fs::is_symlink(out.string() + ".tmp"));  // not ours: left alone
+  CHECK_FALSE(fs::is_symlink(out));
+  test::check_close(safetensors::Reader(out.string()).read("a"), {1, 1, 1}, {3});
+
+  // A FIFO at the destination: refused by name, and still a FIFO (it was replaced by a regular file).
+  const fs::path fifo = dir.path / "fifo.safetensors";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  test::check_throws<IOError>(
+      [&] {
+        safetensors::write(fifo.string(), {{"a", ones({3})}});
+      },
+      {"fifo.safetensors", "FIFO", "not replaced"});
+  CHECK(is_a_fifo(fifo));
+  // A symbolic link at the destination, even to a regular file: refused; the link and its target stay.
+  const fs::path link = dir.path / "link.safetensors";
+  fs::create_symlink(victim, link);
+  test::check_throws<IOError>(
+      [&] {
+        safetensors::write(link.string(), {{"a", ones({3})}});
+      },
+      {"link.safetensors", "symbolic link"});
+  CHECK(fs::is_symlink(link));
+  CHECK(text_of(victim) == "victim");
+  // A link to a device (a FIFO of our own stands in for one): refused, the FIFO untouched.
+  const fs::path to_fifo = dir.path / "to-fifo.safetensors";
+  fs::create_symlink(fifo, to_fifo);
+  CHECK_THROWS_AS(safetensors::write(to_fifo.string(), {{"a", ones({3})}}), IOError);
+  CHECK(is_a_fifo(fifo));
+  // Nothing to write to: an empty name, or a directory's.
+  {
+    // (From inside the temporary directory: an empty name used to write ".tmp" in the working directory.)
+    const fs::path cwd = fs::current_path();
+    fs::current_path(dir.path);
+    CHECK_THROWS_WITH_AS(safetensors::write("", {{"a", ones({3})}}), doctest::Contains("not a file name"), IOError);
+    fs::current_path(cwd);
+  }
+  test::check_throws<IOError>([&] { safetensors::write(dir.str() + "/", {{"a", ones({3})}}); }, {"not a file name"});
+  const std::vector<std::string> left = test::temporaries_in(dir.path);
+  CHECK(left == std::vector<std::string>{"out.safetensors.tmp"});  // the planted link only
+
+  // A checkpoint's writes alike: links planted at the fixed temporary names are not followed.
+  const fs::path ckpt = dir.path / "ckpt";
+  fs::create_directories(ckpt / "step-00000001");
+  fs::create_symlink(victim, ckpt / "latest.tmp");
+  fs::create_symlink(victim, ckpt / "step-00000001" / "index.json.tmp");
+  fs::create_symlink(victim, ckpt / "step-00000001" / "rank-00000-of-00001.safetensors.tmp");
+  {
+    LocalCommunicator comm;
+    nn::manual_seed(1);
+    nn::Linear layer(4, 3);
+    nn::save_checkpoint(ckpt.string(), 1, layer, nullptr, comm);
+  }
+  CHECK(text_of(victim) == "victim");
+  CHECK(nn::verify_checkpoint(ckpt.string()) > 0);
+  // ... and consolidate refuses a FIFO as its output, leaving it a FIFO.
+  test::check_throws<IOError>([&] { nn::consolidate_checkpoint(ckpt.string(), fifo.string()); },
+                              {"fifo.safetensors", "FIFO"});
+  CHECK(is_a_fifo(fifo));
+}
+
+TEST_CASE("atomic writes: concurrent writers of one path each write their own temporary file") {
+  // They shared path.tmp: one renamed the other's half-written file into place, or found it gone.
+  TempDir dir;
+  const fs::path path = dir.path / "shared.safetensors";
+  const std::int64_t n = 1 << 18;  // 1 MiB of f32: long enough for the writes to overlap
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> writers;
+  for (int w = 0; w < 2; ++w) {
+    writers.emplace_back([&, w] {
+      const Tensor t = full({n}, static_cast<double>(w + 1));
+      for (int i = 0; i < 20 && errors[static_cast<std::size_t>(w)].empty(); ++i) {
+        try {
+          safetensors::write(path.string(), {{"t", t}});
+        } catch (const std::exception& e) {
+          errors[static_cast<std::size_t>(w)] = e.what();
+        }
+      }
+    });
+  }
+  for (auto& t : writers) t.join();
+  CHECK_MESSAGE(errors[0].empty(), errors[0]);
+  CHECK_MESSAGE(errors[1].empty(), errors[1]);
+  // One writer's complete file.
+  const auto values = safetensors::Reader(path.string()).read("t").to_vector<float>();
+  REQUIRE(values.size() == static_cast<std::size_t>(n));
+  CHECK((values.front() == 1.0f || values.front() == 2.0f));
+  CHECK(std::all_of(values.begin(), values.end(), [&](float v) { return v == values.front(); }));
+  CHECK(test::temporaries_in(dir.path).empty());
 }
 
 TEST_CASE("safetensors: BOOL bytes other than 0 and 1 are refused by every read, naming the element") {

@@ -3,9 +3,12 @@
 // clean what killed saves left; a failure on one rank reaches every rank with its cause.
 #include <sys/stat.h>
 
+#include <cstring>
+
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -261,18 +264,29 @@ TEST_CASE("a save removes what killed saves left, and only that") {
   save_layer(dir, 2, 1);
   // What kills leave: a temporary pointer, a temporary rank file in a complete step, and a step
   // directory without an index (killed before its index) holding a temporary file.
+  // (Temporary files are name.tmp-XXXXXX; earlier versions' name.tmp are cleaned too.)
   std::ofstream(dir.path / "latest.tmp") << "step-00000009";
+  std::ofstream(dir.path / "latest.tmp-a1b2c3") << "step-00000009";
   std::ofstream(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")) << "partial";
+  std::ofstream(dir.path / "step-00000001" / (rank_file(0, 2) + ".tmp-zz0099")) << "partial";
   std::ofstream(dir.path / "step-00000001" / "index.json.tmp") << "{";
+  std::ofstream(dir.path / "step-00000001" / "index.json.tmp-000000") << "{";
   fs::create_directories(dir.path / "step-00000009");
   std::ofstream(dir.path / "step-00000009" / (rank_file(0, 2) + ".tmp")) << "partial";
   // Not ruda's: left alone.
   std::ofstream(dir.path / "notes.tmp") << "mine";
   std::ofstream(dir.path / "step-00000001" / "mine.tmp") << "mine";
+  std::ofstream(dir.path / "step-00000001" / "mine.tmp-a1b2c3") << "mine";
+  std::ofstream(dir.path / "latest.tmp-notours") << "mine";
   save_layer(dir, 2, 2);
   CHECK_FALSE(fs::exists(dir.path / "latest.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "latest.tmp-a1b2c3"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000001" / (rank_file(1, 2) + ".tmp")));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / (rank_file(0, 2) + ".tmp-zz0099")));
   CHECK_FALSE(fs::exists(dir.path / "step-00000001" / "index.json.tmp"));
+  CHECK_FALSE(fs::exists(dir.path / "step-00000001" / "index.json.tmp-000000"));
+  CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp-a1b2c3"));
+  CHECK(fs::exists(dir.path / "latest.tmp-notours"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000009"));
   CHECK(fs::exists(dir.path / "notes.tmp"));
   CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp"));
@@ -283,8 +297,8 @@ TEST_CASE("a save removes what killed saves left, and only that") {
 TEST_CASE("a failed save names the failing rank and its cause on every rank") {
   TempDir dir;
   save_layer(dir, 2, 1);
-  // Rank 1 cannot create its temporary file: a directory is in the way.
-  fs::create_directories(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp"));
+  // Rank 1 cannot write its file: a directory is in the way.
+  fs::create_directories(dir.path / "step-00000002" / rank_file(1, 2));
   std::vector<std::string> errors(2);
   std::mutex m;
   run_ranks(2, [&](Communicator& comm) {
@@ -297,7 +311,7 @@ TEST_CASE("a failed save names the failing rank and its cause on every rank") {
     }
   });
   for (const auto& e : errors)
-    check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "cannot create"});
+    check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "is a directory"});
   // Nothing was published: the previous checkpoint is still the latest.
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000001").string());
 }
@@ -407,7 +421,7 @@ TEST_CASE("split and consolidate: filesystem failures are IOErrors naming the pa
   // A consolidation whose output's directory is a file.
   test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (file / "x.safetensors").string()); },
                               {"x.safetensors", "cannot create"});
-  CHECK_FALSE(fs::exists(file.string() + ".tmp"));
+  CHECK(test::temporaries_in(dir.path).empty());
 }
 
 TEST_CASE("consolidate never writes over its own checkpoint, and split never over its input") {
@@ -419,6 +433,7 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
   fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "symlink.safetensors");
   fs::create_hard_link(step / rank_file(1, 2), dir.path / "links" / "hardlink.safetensors");
   fs::create_symlink(step, dir.path / "links" / "step-link");
+  // A link planted at the name the output's temporary file once had.
   fs::create_symlink(step / rank_file(0, 2), dir.path / "links" / "out.safetensors.tmp");
   const std::vector<fs::path> outputs = {
       step / rank_file(0, 2),  // was overwritten: the checkpoint destroyed
@@ -430,7 +445,6 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
       dir.path / "links" / "symlink.safetensors",
       dir.path / "links" / "hardlink.safetensors",
       dir.path / "links" / "step-link" / rank_file(0, 2),
-      dir.path / "links" / "out.safetensors",  // its temporary is a link to a rank file
       dir.path / "latest",
   };
   for (const fs::path& out : outputs) {
@@ -439,6 +453,9 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
                                 {out.filename().string()});
     test::check_throws<IOError>([&] { nn::consolidate_checkpoint(step.string(), out.string()); }, {"consolidated"});
   }
+  // The temporary file is a new one of its own: the link at the old fixed name is not followed.
+  nn::consolidate_checkpoint(dir.str(), (dir.path / "links" / "out.safetensors").string());
+  CHECK(fs::is_symlink(dir.path / "links" / "out.safetensors.tmp"));
   CHECK(file_text(step / rank_file(0, 2)) == before);
   CHECK(file_text(dir.path / "latest") == "step-00000001\n");
   CHECK(nn::verify_checkpoint(dir.str()) > 0);
@@ -468,4 +485,210 @@ TEST_CASE("consolidate never writes over its own checkpoint, and split never ove
   nn::split_checkpoint(full.string(), 2, dir.str(), 4);
   CHECK(nn::verify_checkpoint(dir.str()) > 0);
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000004").string());
+}
+
+namespace {
+
+// A dense 4x3 layer (dtype `dtype`) after one step of `opt`, saved at step 5 into `dir`.
+template <class MakeOptimizer>
+void save_after_one_step(const TempDir& dir, MakeOptimizer make, DType dtype = DType::f32) {
+  LocalCommunicator comm;
+  nn::manual_seed(4);
+  nn::Linear layer(4, 3, {.dtype = dtype});
+  auto opt = make(layer.parameters());
+  sum(layer.forward(ones({2, 4}, dtype))).backward();
+  for (int i = 0; i < 5; ++i) opt->step();
+  nn::save_checkpoint(dir.str(), 5, layer, opt.get(), comm, {}, /*keep=*/0);
+}
+
+// Loads `dir` into a fresh layer and the optimizer `make` gives; returns the IOError ("" if none).
+template <class MakeOptimizer>
+std::string load_with(const TempDir& dir, MakeOptimizer make, DType dtype = DType::f32) {
+  LocalCommunicator comm;
+  nn::manual_seed(4);
+  nn::Linear layer(4, 3, {.dtype = dtype});
+  auto opt = make(layer.parameters());
+  try {
+    nn::load_checkpoint(dir.str(), layer, opt.get(), comm);
+  } catch (const IOError& e) {
+    return e.what();
+  }
+  if (opt->steps() != 5) return "loaded, but the optimizer's steps are " + std::to_string(opt->steps());
+  return "";
+}
+
+auto adamw = [](std::vector<nn::Param> p) { return std::make_unique<nn::AdamW>(std::move(p)); };
+auto adam = [](std::vector<nn::Param> p) { return std::make_unique<nn::Adam>(std::move(p)); };
+auto sgd = [](std::vector<nn::Param> p) { return std::make_unique<nn::SGD>(std::move(p)); };
+auto momentum = [](std::vector<nn::Param> p) {
+  return std::make_unique<nn::SGD>(std::move(p), nn::SGDOptions{.momentum = 0.9});
+};
+
+}  // namespace
+
+TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint no longer loads into SGD") {
+  TempDir dir;
+  save_after_one_step(dir, adamw);
+  const json index = read_json(dir.path / "step-00000005" / "index.json");
+  CHECK(index["optimizer"]["kind"] == "AdamW");
+  CHECK(load_with(dir, adamw).empty());
+  // SGD without momentum keeps no state: the moments were ignored and the step count set.
+  check_contains(load_with(dir, sgd), {"step-00000005", "AdamW", "SGD"});
+  check_contains(load_with(dir, momentum), {"AdamW", "SGD"});
+  // Adam and AdamW keep the same state, but are not the same optimizer.
+  check_contains(load_with(dir, adam), {"the AdamW optimizer", "loading it is Adam "});
+
+  // A checkpoint written before the kind was recorded: the state names decide.
+  json old = index;
+  old["optimizer"].erase("kind");
+  for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
+  std::ofstream(dir.path / "step-00000005" / "index.json") << old.dump(1);
+  CHECK(load_with(dir, adamw).empty());
+  CHECK(load_with(dir, adam).empty());
+  check_contains(load_with(dir, sgd), {"exp_avg", "exp_avg_sq", "SGD"});
+  check_contains(load_with(dir, momentum), {"exp_avg", "momentum_buffer"});
+
+  // SGD with momentum into SGD without: the momentum is not dropped silently either.
+  TempDir with_momentum;
+  save_after_one_step(with_momentum, momentum);
+  CHECK(load_with(with_momentum, momentum).empty());
+  check_contains(load_with(with_momentum, sgd), {"momentum_buffer"});
+  check_contains(load_with(with_momentum, adamw), {"SGD", "AdamW"});
+  // A damaged kind is refused by every reader.
+  json bad = read_json(with_momentum.path / "step-00000005" / "index.json");
+  bad["optimizer"]["kind"] = 7;
+  std::ofstream(with_momentum.path / "step-00000005" / "index.json") << bad.dump(1);
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(with_momentum.str()); }, {"'kind'"});
+}
+
+TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelled I64 is refused") {
+  TempDir dir;
+  save_after_one_step(dir, adamw, DType::f64);
+  const fs::path step = dir.path / "step-00000005", file = step / rank_file(0, 1);
+  // The same bytes (so the checksums still match) under another dtype of the same size.
+  {
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    std::map<std::string, std::string> metadata;
+    {
+      safetensors::Reader reader(file.string());
+      metadata = reader.metadata();
+      for (const auto& t : reader.tensors()) {
+        Tensor value = reader.read(t.name);
+        if (t.name == "optim/weight/exp_avg") {
+          Tensor relabelled = empty(value.shape(), DType::i64);
+          std::memcpy(relabelled.data_ptr(), value.data_ptr(), value.nbytes());
+          value = relabelled;
+        }
+        tensors.emplace_back(t.name, value);
+      }
+    }
+    fs::remove(file);
+    safetensors::write(file.string(), tensors, metadata);
+  }
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                              {rank_file(0, 1), "optim/weight/exp_avg", "I64", "f64"});
+  check_contains(load_with(dir, adamw, DType::f64), {rank_file(0, 1), "optim/weight/exp_avg", "I64", "f64"});
+  // An index from before the dtypes were recorded: the load still checks against the optimizer's.
+  json old = read_json(step / "index.json");
+  for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
+  std::ofstream(step / "index.json") << old.dump(1);
+  check_contains(load_with(dir, adamw, DType::f64), {"optim/weight/exp_avg", "I64", "f64"});
+}
+
+namespace {
+// The names of the files in `dir`.
+std::set<std::string> names_in(const fs::path& dir) {
+  std::set<std::string> out;
+  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a step saved again keeps its old files until the new index replaces the old one") {
+  TempDir dir;
+  save_layer(dir, 2, 3);
+  const fs::path step = dir.path / "step-00000003";
+  const std::string old_index = file_text(step / "index.json");
+  // Rank 1 fails to write its new file (a directory where it goes: the old temporary name, and the
+  // name beside the old file a rewrite uses). The save used to remove the index first and rank 0
+  // to replace its file: the step was lost. Now the failed save leaves it as it was.
+  fs::create_directories(step / (rank_file(1, 2) + ".tmp"));
+  fs::create_directories(step / "rank-00001-of-00002.b.safetensors");
+  CHECK_THROWS_AS(save_layer(dir, 2, 3), IOError);
+  CHECK(file_text(step / "index.json") == old_index);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+  CHECK(nn::resolve_checkpoint(dir.str()) == step.string());
+  // (What the successful rank wrote is gone: no file but the index's, and the planted directories.)
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 2), rank_file(1, 2),
+                                                rank_file(1, 2) + ".tmp", "rank-00001-of-00002.b.safetensors"});
+  fs::remove_all(step / (rank_file(1, 2) + ".tmp"));
+  fs::remove_all(step / "rank-00001-of-00002.b.safetensors");
+  // Saved again successfully: the new files, under the names the new index gives, and nothing else.
+  save_layer(dir, 2, 3);
+  const json index = read_json(step / "index.json");
+  const std::set<std::string> listed(index["files"].begin(), index["files"].end());
+  std::set<std::string> expected = listed;
+  expected.insert("index.json");
+  CHECK(names_in(step) == expected);
+  CHECK(listed == std::set<std::string>{"rank-00000-of-00002.b.safetensors", "rank-00001-of-00002.b.safetensors"});
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 3)) CHECK(e.empty());
+  // Once more: back to the plain names. At another world size: its own names, the old files removed.
+  save_layer(dir, 2, 3);
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 2), rank_file(1, 2)});
+  save_layer(dir, 3, 3);
+  CHECK(names_in(step) == std::set<std::string>{"index.json", rank_file(0, 3), rank_file(1, 3), rank_file(2, 3)});
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+}
+
+TEST_CASE("bad save and split arguments are refused before anything is written") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const std::string before = file_text(dir.path / "latest");
+  auto save_into = [&](const std::string& where, std::int64_t step, std::map<std::string, std::string> extra,
+                       int keep) {
+    run_ranks(2, [&](Communicator& comm) {
+      auto layer = make_layer(comm);
+      nn::save_checkpoint(where, step, *layer, nullptr, comm, extra, keep);
+    });
+  };
+  auto save = [&](std::int64_t step, std::map<std::string, std::string> extra, int keep) {
+    save_into(dir.str(), step, std::move(extra), keep);
+  };
+  const std::set<std::string> entries = names_in(dir.path);
+  // A negative step (its directory, step--0000001, was written in full and never cleaned).
+  test::check_throws<IOError>([&] { save(-1, {}, 2); }, {"step", "-1"});
+  // Extra state the index cannot hold (not UTF-8): found only when the index was written, after
+  // every rank file, the step's old index already removed.
+  test::check_throws<IOError>([&] { save(2, {{"note", "\xff\xfe"}}, 2); }, {"extra", "note"});
+  test::check_throws<IOError>([&] { save(1, {{"\xff", "x"}}, 2); }, {"extra"});
+  // A negative keep (it kept every step, as 0 does: documented is 0 only).
+  test::check_throws<IOError>([&] { save(2, {}, -1); }, {"keep", "-1"});
+  CHECK(names_in(dir.path) == entries);
+  CHECK(file_text(dir.path / "latest") == before);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
+
+  // Split: a world size no index may have, before a single one of its files.
+  const std::string full = (dir.path / "full.safetensors").string();
+  nn::consolidate_checkpoint(dir.str(), full);
+  const fs::path out = dir.path / "out";
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, (1 << 24) + 1, out.string()); },
+                              {"world size", "16777217"});
+  test::check_throws<IOError>([&] { nn::split_checkpoint(full, 2, out.string(), -1); }, {"step", "-1"});
+  CHECK_FALSE(fs::exists(out));
+
+  // Empty names: refused before anything is read or written (consolidate wrote ".tmp" in the
+  // working directory, then failed to rename it). Run from inside the temporary directory.
+  const fs::path cwd = fs::current_path();
+  TempDir here;
+  fs::current_path(here.path);
+  CHECK_THROWS_WITH_AS(nn::consolidate_checkpoint(dir.str(), ""), doctest::Contains("not a file name"), IOError);
+  CHECK_THROWS_WITH_AS(nn::consolidate_checkpoint((dir.path / "nothing").string(), ""),
+                       doctest::Contains("not a file name"), IOError);  // up front: before the checkpoint
+  CHECK_THROWS_AS(nn::split_checkpoint(full, 2, ""), IOError);
+  CHECK_THROWS_AS(save_into("", 2, {}, 2), IOError);
+  CHECK(names_in(here.path).empty());
+  fs::current_path(cwd);
 }

@@ -1,8 +1,13 @@
 // Datasets and batching: IDX files written here (raw and gzip), text loading, the data-parallel
 // sampler's partition of every global batch, and row gathers; the datasets read from their files at
 // each request (IdxImages, TextCorpus) against the ones loaded whole, their cache and their memory.
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
+
+#include <atomic>
+#include <chrono>
 
 #include <cstring>
 #include <fstream>
@@ -419,4 +424,135 @@ TEST_CASE("TextCorpus over Debian's fortunes gives the bytes of its files, conca
     const auto got = corpus.read(pos, len);
     CHECK(std::string(got.begin(), got.end()) == all.substr(pos, len));
   }
+}
+
+namespace {
+
+// Runs fn, which must not wait on `fifo` (a FIFO nobody writes to). A reader that opens it anyway
+// would block forever: a watchdog then opens the FIFO for writing (which lets a blocked open
+// return), again as often as needed, so that the test fails instead of hanging. Returns whether
+// the watchdog had to.
+template <class F>
+bool blocked_on(const std::string& fifo, F&& fn) {
+  std::atomic<bool> done{false}, fired{false};
+  std::thread watchdog([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    while (!done) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        const int fd = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);  // only while a reader waits
+        if (fd >= 0) {
+          fired = true;
+          ::close(fd);
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  try {
+    fn();
+  } catch (...) {
+    done = true;
+    watchdog.join();
+    throw;
+  }
+  done = true;
+  watchdog.join();
+  return fired;
+}
+
+// Checks that fn raises an IOError naming `fifo` as a FIFO, without waiting on it.
+template <class F>
+void refuses_fifo(const std::string& fifo, F&& fn, const std::string& what) {
+  CAPTURE(what);
+  std::string message;
+  const bool blocked = blocked_on(fifo, [&] {
+    try {
+      fn();
+    } catch (const IOError& e) {
+      message = e.what();
+    }
+  });
+  CHECK_FALSE_MESSAGE(blocked, "blocked opening the FIFO");
+  CHECK_MESSAGE(message.find(fifo) != std::string::npos, "'" << message << "' lacks the FIFO's path");
+  CHECK_MESSAGE(message.find("FIFO") != std::string::npos, "'" << message << "' does not say FIFO");
+}
+
+}  // namespace
+
+TEST_CASE("data readers never wait on a FIFO: each refuses it by name") {
+  TempDir dir, cache;
+  const std::string fifo = dir.str() + "/fifo";
+  REQUIRE(::mkfifo(fifo.c_str(), 0644) == 0);
+  const std::string lab = dir.str() + "/lab";
+  write_raw(lab, labels());
+  refuses_fifo(
+      fifo, [&] { nn::TextCorpus corpus(fifo); }, "TextCorpus");
+  refuses_fifo(
+      fifo, [&] { nn::load_text_bytes(fifo); }, "load_text_bytes");
+  refuses_fifo(
+      fifo, [&] { nn::load_idx(fifo, lab); }, "load_idx");
+  refuses_fifo(
+      fifo, [&] { nn::load_idx(fifo, lab, 2); }, "load_idx with a limit");
+  refuses_fifo(
+      fifo, [&] { nn::IdxImages(fifo, lab, 0, cache.str()); }, "IdxImages");
+  refuses_fifo(
+      fifo, [&] { nn::uncompressed_file(fifo, cache.str()); }, "uncompressed_file");
+  // A FIFO where the decompressed copy of a gzip file goes: refused by the copy's name.
+  write_gzip(dir.str() + "/img.gz", images());
+  const std::string copy = nn::uncompressed_file(dir.str() + "/img.gz", cache.str());
+  std::filesystem::remove(copy);
+  REQUIRE(::mkfifo(copy.c_str(), 0644) == 0);
+  refuses_fifo(
+      copy, [&] { nn::IdxImages(dir.str() + "/img.gz", lab, 0, cache.str()); }, "IdxImages's copy");
+  // A directory of text files skips it.
+  write_raw(dir.str() + "/text", {'t'});
+  const auto bytes = nn::load_text_bytes(dir.str());
+  CHECK(std::string(bytes.begin(), bytes.end()).find('t') != std::string::npos);
+}
+
+TEST_CASE(
+    "data readers: what std::filesystem refuses (a name too long, a loop of links) is an IOError naming the file") {
+  TempDir dir, cache;
+  const std::string lab = dir.str() + "/lab";
+  write_raw(lab, labels());
+  const std::string long_name = dir.str() + "/" + std::string(300, 'n');  // longer than a name may be
+  std::filesystem::create_symlink("loop", dir.path / "loop");
+  const std::string loop = dir.str() + "/loop/x";
+  for (const std::string& bad : {long_name, loop}) {
+    CAPTURE(bad);
+    const std::string shown = bad.substr(0, 40);  // the start of the path, in any message
+    test::check_throws<IOError>([&] { nn::TextCorpus corpus(bad); }, {shown});
+    test::check_throws<IOError>([&] { nn::load_text_bytes(bad); }, {shown});
+    test::check_throws<IOError>([&] { nn::load_idx(bad, lab); }, {shown});
+    test::check_throws<IOError>([&] { nn::load_idx(bad, lab, 2); }, {shown});
+    test::check_throws<IOError>([&] { nn::IdxImages(bad, lab, 0, cache.str()); }, {shown});
+    test::check_throws<IOError>([&] { nn::uncompressed_file(bad, cache.str()); }, {shown});
+    test::check_throws<IOError>([&] { nn::load_fashion_mnist(bad, true); }, {shown});
+    test::check_throws<IOError>([&] { nn::open_fashion_mnist(bad, true, 0, cache.str()); }, {shown});
+  }
+  // A cache directory that cannot be made (a name too long in it).
+  write_gzip(dir.str() + "/img.gz", images());
+  test::check_throws<IOError>([&] { nn::uncompressed_file(dir.str() + "/img.gz", long_name + "/cache"); },
+                              {long_name.substr(0, 40)});
+  // A missing file is still "no such file".
+  test::check_throws<IOError>([&] { nn::load_text_bytes(dir.str() + "/missing"); }, {"missing", "no such file"});
+}
+
+TEST_CASE("IDX: a header whose extents multiply past 64 bits is refused, not read as 0 bytes") {
+  TempDir dir, cache;
+  const std::string img = dir.str() + "/img", lab = dir.str() + "/lab";
+  // 4 x 2^31 x 2^31 = 2^64 bytes: the product wrapped to 0, which matched an empty data part.
+  write_raw(img, idx_file({4, 1u << 31, 1u << 31}, {}));
+  write_raw(lab, idx_file({4}, {1, 2, 3, 4}));
+  for (const std::int64_t limit : {0, 4, 2}) {
+    CAPTURE(limit);
+    test::check_throws<IOError>([&] { nn::load_idx(img, lab, limit); }, {img});
+    test::check_throws<IOError>([&] { nn::IdxImages(img, lab, limit, cache.str()); }, {img});
+  }
+  test::check_throws<IOError>([&] { nn::load_idx(img, lab); }, {img, "4 x 2147483648 x 2147483648", "overflow"});
+  test::check_throws<IOError>([&] { nn::IdxImages(img, lab, 0, cache.str()); }, {img, "overflow"});
+  // Every extent at its largest, gzip-compressed: the same.
+  write_gzip(img + ".gz", idx_file({0xffffffffu, 0xffffffffu, 0xffffffffu}, {}));
+  test::check_throws<IOError>([&] { nn::load_idx(img + ".gz", lab, 3); }, {img + ".gz"});
+  test::check_throws<IOError>([&] { nn::IdxImages(img + ".gz", lab, 0, cache.str()); }, {img + ".gz", "overflow"});
 }

@@ -147,6 +147,52 @@ TEST_CASE("option bounds in words, and an option given twice takes its last valu
   CHECK_MESSAGE(twice.output.find("epoch 1/1 ") != std::string::npos, twice.output);
 }
 
+TEST_CASE("whole numbers: out of range, negative for an unsigned option, or not decimal are refused in words") {
+  TempDir tmp;
+  const std::string split = "split " + tmp / "x.safetensors" + " --out " + tmp / "y";
+  // CLI11 read 99999999999999999999 as INT64_MAX (strtoll saturates): a checkpoint at step 2^63 - 1.
+  one_error_line(run(ckpt(split + " --world 2 --step 99999999999999999999")),
+                 {"--step: must be a whole number between -9223372036854775808 and 9223372036854775807, got "
+                  "99999999999999999999"});
+  one_error_line(run(ckpt(split + " --world 99999999999")),
+                 {"--world: must be a whole number between -2147483648 and 2147483647, got 99999999999"});
+  one_error_line(run(ckpt(split + " --world 2 --step 1.5")), {"--step: must be a whole number", "got '1.5'"});
+  // ruda-train's integer options alike (each run fails on its data before training, were the option taken).
+  const std::string no_data = " --data " + tmp / "none";
+  one_error_line(run(train("mlp --steps 99999999999999999999" + no_data)),
+                 {"--steps: must be a whole number", "got 99999999999999999999"});
+  one_error_line(run(train("--seed -1 mlp" + no_data)),  // was 2^64 - 1 (strtoull wraps)
+                 {"--seed: must be a whole number between 0 and 18446744073709551615, got -1"});
+  one_error_line(run(train("--epochs 0x10 mlp" + no_data)), {"--epochs: must be a whole number", "'0x10'"});
+  one_error_line(run(train("mlp --hidden 32,99999999999999999999" + no_data)),
+                 {"--hidden: must be a whole number", "got 99999999999999999999"});
+  // A leading zero is decimal: --emulate 010 ran 8 ranks (octal).
+  one_error_line(run(train("--emulate 010 mlp --batch 12" + no_data)), {"--batch 12 does not divide over 10 ranks"});
+  // The bounds still apply to the number read.
+  one_error_line(run(train("mlp --epochs 00" + no_data)), {"--epochs: must be at least 1, got 0"});
+}
+
+TEST_CASE("ruda-ckpt list: a total of elements past int64 is printed exactly, not wrapped negative") {
+  TempDir tmp;
+  const fs::path step = tmp.path / "c" / "step-00000001";
+  fs::create_directories(step);
+  // An index alone (list reads no rank file): three parameters of 2^62 elements each.
+  nlohmann::json params = nlohmann::json::object();
+  const std::int64_t huge = std::int64_t{1} << 62;
+  for (const char* name : {"a", "b", "c"}) {
+    params[name] = {{"shape", {huge}},
+                    {"dtype", "f32"},
+                    {"pieces", nlohmann::json::array({{{"rank", 0}, {"offset", 0}, {"count", huge}}})}};
+  }
+  const nlohmann::json index = {
+      {"format", "ruda-sharded-checkpoint"},          {"version", 1},    {"step", 1}, {"world_size", 1},
+      {"files", {"rank-00000-of-00001.safetensors"}}, {"params", params}};
+  std::ofstream(step / "index.json") << index.dump();
+  const Run list = run(ckpt("list " + step.string()));
+  CHECK_MESSAGE(list.exit_code == 0, list.output);
+  CHECK_MESSAGE(list.output.find("  13835058055282163712 elements") != std::string::npos, list.output);
+}
+
 TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resumed with them, refused without") {
   TempDir tmp;
   const std::string lm =

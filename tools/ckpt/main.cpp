@@ -1,10 +1,22 @@
 // ruda-ckpt: lists, verifies, consolidates and splits ruda's sharded safetensors checkpoints.
 #include <iostream>
+#include <string>
 
 #include <ruda/nn.h>
 #include <CLI/CLI.hpp>
 
 #include "../cli_bounds.h"
+
+namespace {
+std::string decimal(unsigned __int128 value) {
+  std::string digits;
+  do {
+    digits.insert(digits.begin(), static_cast<char>('0' + static_cast<int>(value % 10)));
+    value /= 10;
+  } while (value != 0);
+  return digits;
+}
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace ruda;
@@ -24,9 +36,9 @@ int main(int argc, char** argv) {
   consolidate->add_option("output", output, "The .safetensors file to write")->required();
   auto* split = app.add_subcommand("split", "Cut a full safetensors file into a sharded checkpoint");
   split->add_option("input", path, "A full .safetensors file (e.g. from consolidate)")->required();
-  split->add_option("--world", world, "Number of ranks")->required()->check(ruda::cli::at_least(1));
+  ruda::cli::add_whole(*split, "--world", world, "Number of ranks")->required()->check(ruda::cli::at_least(1));
   split->add_option("--out", output, "Checkpoint directory to create")->required();
-  split->add_option("--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
+  ruda::cli::add_whole(*split, "--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
@@ -43,15 +55,17 @@ int main(int argc, char** argv) {
                 << s.params.size() << " parameters" << (s.checksums ? "" : ", no checksums (format version 1)");
       if (s.optimizer_steps >= 0) std::cout << ", optimizer state after " << s.optimizer_steps << " steps";
       std::cout << "\n";
-      std::int64_t total = 0;
+      // Each parameter's count fits int64 (the index is validated), their sum need not: counted in
+      // 128 bits, it is exact for any index (it wrapped negative in int64).
+      unsigned __int128 total = 0;
       for (const auto& p : s.params) {
         std::cout << "  " << p.name << "  " << dtype_name(p.dtype) << " " << to_string(p.shape)
                   << (p.sharded ? "" : "  (dense)");
         for (const auto& st : p.optimizer_state) std::cout << "  +" << st;
         std::cout << "\n";
-        total += shape_numel(p.shape);
+        total += static_cast<unsigned __int128>(shape_numel(p.shape));
       }
-      std::cout << "  " << total << " elements\n";
+      std::cout << "  " << decimal(total) << " elements\n";
       for (const auto& [k, v] : s.info.extra) std::cout << "  " << k << " = " << v << "\n";
     } else if (verify->parsed()) {
       const std::uint64_t bytes = nn::verify_checkpoint(path);

@@ -50,34 +50,34 @@ int main(int argc, char** argv) {
                  "Move the weight all-gathers as int8 codes with a scale per 2048 elements (int8: about a quarter "
                  "of the bytes; weights, gradients and optimizer state stay full precision) or as they are (none)")
       ->check(CLI::IsMember({"none", "int8"}));
-  app.add_option("--grad-accum", cfg.grad_accum,
-                 "Split each rank's batch into K micro-batches and accumulate their gradients (less activation "
-                 "memory; the same gradient). With --hybrid only the last one all-reduces across nodes")
+  add_whole(app, "--grad-accum", cfg.grad_accum,
+            "Split each rank's batch into K micro-batches and accumulate their gradients (less activation "
+            "memory; the same gradient). With --hybrid only the last one all-reduces across nodes")
       ->check(at_least(1));
-  app.add_option("--ranks-per-node", cfg.ranks_per_node,
-                 "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
-                 "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")
+  add_whole(app, "--ranks-per-node", cfg.ranks_per_node,
+            "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
+            "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")
       ->check(at_least(1, "a node holds at least one rank"));
-  app.add_option("--unsharded-groups", cfg.unsharded_groups,
-                 "At most this many layers hold full weights at once, besides the model's own (default 2)")
+  add_whole(app, "--unsharded-groups", cfg.unsharded_groups,
+            "At most this many layers hold full weights at once, besides the model's own (default 2)")
       ->check(at_least(1, "1 keeps only the computing group unsharded"));
   app.add_flag("--no-auto-fit", cfg.no_auto_fit,
                "Refuse a memory plan over --memory-limit instead of trying leaner schedules (fewer unsharded "
                "groups, recompute, activation checkpointing) and training with the first that fits");
-  app.add_option("--epochs", cfg.epochs, "Epochs (mlp)")->check(at_least(1));
-  app.add_option("--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(at_least(0));
-  app.add_option("--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")
+  add_whole(app, "--epochs", cfg.epochs, "Epochs (mlp)")->check(at_least(1));
+  add_whole(app, "--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(at_least(0));
+  add_whole(app, "--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")
       ->check(at_least(1));
   app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(positive());
   app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(at_least(0));
   app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")
       ->check(CLI::IsMember({"constant", "cosine"}));
-  app.add_option("--warmup", cfg.warmup, "Linear warm-up steps")->check(at_least(0));
-  app.add_option("--seed", cfg.seed, "Seed of initialization, data order and sampling");
+  add_whole(app, "--warmup", cfg.warmup, "Linear warm-up steps")->check(at_least(0));
+  add_whole(app, "--seed", cfg.seed, "Seed of initialization, data order and sampling");
   app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")->check(at_least(0));
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
                  "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
-  app.add_option("--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")
+  add_whole(app, "--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")
       ->check(at_least(0));
   auto* resume =
       app.add_option("--resume", cfg.resume,
@@ -91,13 +91,13 @@ int main(int argc, char** argv) {
   app.add_option("--metrics", cfg.metrics,
                  "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per "
                  "rank, communication) to FILE");
-  auto* emulate = app.add_option("--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
+  auto* emulate = add_whole(app, "--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
                       ->check(between(1, 64));
   app.add_option("--emulate-link", cfg.emulate_link,
                  "Give the emulated ranks a simulated link, e.g. 1GB/s or 10Gbit/s,20us: each collective takes "
                  "the time a ring over it would (default: RUDA_EMULATE_LINK, else none)")
       ->needs(emulate);
-  app.add_option("--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
+  add_whole(app, "--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
       ->check(at_least(0));
   app.add_flag("--check-collectives", cfg.check_collectives,
                "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
@@ -137,18 +137,18 @@ int main(int argc, char** argv) {
       app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
   mlp->fallthrough();
   mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
-  mlp->add_option("--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(at_least(1));
-  mlp->add_option("--limit", cfg.limit, "Train on the first N training images only")->check(at_least(0));
-  mlp->add_option("--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(at_least(0));
+  add_whole(*mlp, "--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(at_least(1));
+  add_whole(*mlp, "--limit", cfg.limit, "Train on the first N training images only")->check(at_least(0));
+  add_whole(*mlp, "--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(at_least(0));
 
   auto* lm =
       app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
   lm->fallthrough();
   lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)");
-  lm->add_option("--context", cfg.context, "Context length in bytes")->check(at_least(1));
-  lm->add_option("--d-model", cfg.d_model, "Model width")->check(at_least(1));
-  lm->add_option("--layers", cfg.layers, "Transformer blocks")->check(at_least(1));
-  lm->add_option("--heads", cfg.heads, "Attention heads")->check(at_least(1));
+  add_whole(*lm, "--context", cfg.context, "Context length in bytes")->check(at_least(1));
+  add_whole(*lm, "--d-model", cfg.d_model, "Model width")->check(at_least(1));
+  add_whole(*lm, "--layers", cfg.layers, "Transformer blocks")->check(at_least(1));
+  add_whole(*lm, "--heads", cfg.heads, "Attention heads")->check(at_least(1));
   lm->add_flag("--activation-checkpointing", cfg.activation_checkpointing,
                "Keep only each block's input through the forward pass and recompute the block in backward");
   lm->add_flag("--recompute-gelu", cfg.recompute_gelu,
@@ -158,10 +158,10 @@ int main(int argc, char** argv) {
                "Decay only the 2-D weights (linear layers, embeddings), not biases and norms, as GPT recipes do "
                "(two optimizer groups, saved in checkpoints)");
   lm->add_flag("--untied", cfg.untied, "Give the output head its own weights (default: tied to the token embedding)");
-  lm->add_option("--eval-every", cfg.eval_every, "Validate every N steps")->check(at_least(0));
-  lm->add_option("--eval-batches", cfg.eval_batches, "Validation batches")->check(at_least(1));
-  lm->add_option("--sample", cfg.sample,
-                 "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
+  add_whole(*lm, "--eval-every", cfg.eval_every, "Validate every N steps")->check(at_least(0));
+  add_whole(*lm, "--eval-batches", cfg.eval_batches, "Validation batches")->check(at_least(1));
+  add_whole(*lm, "--sample", cfg.sample,
+            "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
       ->check(at_least(0));
   lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
   lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(at_least(0));

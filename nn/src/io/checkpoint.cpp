@@ -2,16 +2,20 @@
 // index; loading reshards by reading only the element ranges each rank needs, checking every
 // block it reads. The format itself (names, checksums, the index parser, the rank files) is in
 // checkpoint_format.cpp; this file holds the operations and the checkpoint directory's upkeep.
+#include <cxxabi.h>
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <optional>
 #include <sstream>
+#include <string_view>
+#include <typeinfo>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
@@ -30,6 +34,16 @@ using namespace ckpt;
 
 namespace {
 
+// The dtype the index records for tensor `name` of parameter `p`: the parameter's for its values,
+// the optimizer state's own where the index records it (nullopt in older checkpoints).
+std::optional<DType> recorded_dtype(const IndexParam& p, const std::string& name) {
+  if (name == model_tensor(p.name)) return p.dtype;
+  for (const auto& [state, dtype] : p.state_dtypes) {
+    if (name == optim_tensor(p.name, state)) return dtype;
+  }
+  return std::nullopt;
+}
+
 // Calls visit(file, tensor name, param, piece) for every piece of every tensor (parameter values
 // and optimizer state) of a checkpoint, after opening every file (so each one's identity is checked,
 // including files that hold no piece).
@@ -39,8 +53,7 @@ void for_each_piece(const Index& index, RankFiles& files, Visit&& visit) {
   for (const IndexParam& p : index.params) {
     for (const IndexPiece& piece : p.pieces) {
       for (const auto& name : index.tensors(p)) {
-        const bool values = name == model_tensor(p.name);
-        files.tensor(piece.rank, name, piece.count, values ? std::optional<DType>(p.dtype) : std::nullopt, piece);
+        files.tensor(piece.rank, name, piece.count, recorded_dtype(p, name), piece);
         visit(files.open(piece.rank), name, p, piece);
       }
     }
@@ -73,6 +86,21 @@ void sync_directory(const std::string& dir) {
 bool is_step_name(const std::string& name) {
   return name.size() > 5 && name.rfind("step-", 0) == 0 &&
          std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// Whether step directory name `a` names an earlier step than `b` (both is_step_name): by number,
+// not as text, since step_name's %08lld grows a digit at 100000000 ("step-100000000" sorted
+// before "step-99999999"). Digit strings are compared without converting them, so no number of
+// digits overflows; one number spelled with more leading zeros orders by its spelling, after.
+bool step_before(const std::string& a, const std::string& b) {
+  auto digits = [](const std::string& name) {
+    const std::size_t first = name.find_first_not_of('0', 5);
+    return first == std::string::npos ? std::string_view() : std::string_view(name).substr(first);
+  };
+  const std::string_view x = digits(a), y = digits(b);
+  if (x.size() != y.size()) return x.size() < y.size();
+  if (x != y) return x < y;
+  return a < b;
 }
 
 bool is_complete_step(const fs::path& step_dir) {
@@ -143,7 +171,7 @@ std::string newest_complete_step(const fs::path& dir) {
   std::string best;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string n = it->path().filename().string();
-    if (is_step_name(n) && is_complete_step(it->path()) && n > best) best = n;
+    if (is_step_name(n) && is_complete_step(it->path()) && (best.empty() || step_before(best, n))) best = n;
   }
   return best;
 }
@@ -199,12 +227,31 @@ struct Upkeep {
   }
 };
 
-// Removes what killed saves leave behind: temporary files (ruda's own names only) and step
-// directories without an index, except `current` (the step being saved). Run by rank 0 once the
-// new checkpoint is published, so that a kill during the cleaning loses nothing.
+// Whether `name` is a temporary file of one of ruda's files in a step directory (a rank file's,
+// the index's) or, with `pointer`, of the latest pointer: see safetensors::temporary_base.
+bool is_our_temporary(const std::string& name, bool pointer) {
+  const auto base = safetensors::temporary_base(name);
+  if (!base) return false;
+  return pointer ? *base == "latest" : base->rfind("rank-", 0) == 0 || *base == "index.json";
+}
+
+// Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
+// only: a link planted at such a name is not ruda's) and step directories without an index, except
+// `current` (the step being saved). Run by rank 0 once the new checkpoint is published, so that a
+// kill during the cleaning loses nothing.
 void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   std::error_code ec;
-  fs::remove(dir / "latest.tmp", ec);
+  {
+    fs::directory_iterator it(dir, ec);
+    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+      if (!is_our_temporary(it->path().filename().string(), true) || upkeep.type_of(*it) != fs::file_type::regular)
+        continue;
+      std::error_code removing;
+      fs::remove(it->path(), removing);
+      if (removing) upkeep.skip(it->path(), removing);
+    }
+    if (ec) upkeep.skip(dir, ec);
+  }
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (entry.path().filename() == current) continue;
     if (!is_complete_step(entry.path())) {
@@ -213,9 +260,8 @@ void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& u
     }
     fs::directory_iterator it(entry.path(), ec);
     for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
-      const std::string fn = it->path().filename().string();
-      const bool ours = fn.rfind("rank-", 0) == 0 || fn.rfind("index.json", 0) == 0;
-      if (!ours || it->path().extension() != ".tmp" || upkeep.type_of(*it) != fs::file_type::regular) continue;
+      if (!is_our_temporary(it->path().filename().string(), false) || upkeep.type_of(*it) != fs::file_type::regular)
+        continue;
       std::error_code removing;
       fs::remove(it->path(), removing);
       if (removing) upkeep.skip(it->path(), removing);
@@ -233,7 +279,7 @@ void prune(const fs::path& dir, int keep, const std::string& current, Upkeep& up
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (is_complete_step(entry.path())) steps.push_back(entry.path().filename().string());
   }
-  std::sort(steps.begin(), steps.end());
+  std::sort(steps.begin(), steps.end(), step_before);
   for (std::size_t i = 0; i + static_cast<std::size_t>(keep) < steps.size(); ++i) {
     if (steps[i] == current) continue;
     std::error_code ec;
@@ -310,7 +356,27 @@ struct ParamHeader {
   Shape shape;
   DType dtype = DType::f32;
   bool sharded = false;
+  std::vector<std::pair<std::string, DType>> state;  // the optimizer's state tensors: names and dtypes
 };
+
+// What the index records as the optimizer's kind: the optimizers of nn by name (an Adam with
+// decoupled weight decay is AdamW), any other by its C++ type. A load into another kind is refused.
+std::string optimizer_kind(const Optimizer& optimizer) {
+  if (const auto* adam = dynamic_cast<const Adam*>(&optimizer))
+    return adam->options().decoupled_weight_decay ? "AdamW" : "Adam";
+  if (dynamic_cast<const SGD*>(&optimizer)) return "SGD";
+  int status = 0;
+  char* demangled = abi::__cxa_demangle(typeid(optimizer).name(), nullptr, nullptr, &status);
+  std::string name = status == 0 && demangled ? demangled : typeid(optimizer).name();
+  std::free(demangled);
+  return name;
+}
+
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out.empty() ? "none" : out;
+}
 
 // The optimizer's groups as a checkpoint records them: settings and parameter names.
 std::vector<ckpt::IndexGroup> groups_of(const Optimizer& optimizer,
@@ -349,11 +415,11 @@ std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
 // The index of a checkpoint from each rank's report of the pieces it wrote
 // ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
 json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& params, const Optimizer* optimizer,
-                 const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::vector<std::string>& state_names,
-                 const std::map<std::string, std::string>& extra, const std::vector<json>& reports) {
+                 const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::map<std::string, std::string>& extra,
+                 const std::vector<json>& reports) {
   json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
-  json files = json::array();
-  for (int r = 0; r < world; ++r) files.push_back(rank_file(r, world));
+  json files = json::array();  // each rank's file by the name it wrote (see new_rank_file)
+  for (int r = 0; r < world; ++r) files.push_back(reports[static_cast<std::size_t>(r)].at("file"));
   index["files"] = files;
   json jparams = json::object();
   for (const ParamHeader& p : params) {
@@ -368,6 +434,11 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
     jparams[p.name] = {
         {"id", p.id},           {"shape", p.shape}, {"dtype", dtype_name(p.dtype)}, {"numel", shape_numel(p.shape)},
         {"sharded", p.sharded}, {"pieces", pieces}};
+    if (optimizer) {
+      json dtypes = json::object();
+      for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
+      jparams[p.name]["state_dtypes"] = dtypes;
+    }
   }
   index["params"] = jparams;
   if (optimizer) {
@@ -378,8 +449,15 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                         {"weight_decay", g.weight_decay ? json(*g.weight_decay) : json(nullptr)},
                         {"params", g.params}});
     }
-    index["optimizer"] = {
-        {"steps", optimizer->steps()}, {"lr", optimizer->lr()}, {"state", state_names}, {"groups", groups}};
+    std::vector<std::string> state_names;
+    if (!params.empty()) {
+      for (const auto& [state, dtype] : params.front().state) state_names.push_back(state);
+    }
+    index["optimizer"] = {{"kind", optimizer_kind(*optimizer)},
+                          {"steps", optimizer->steps()},
+                          {"lr", optimizer->lr()},
+                          {"state", state_names},
+                          {"groups", groups}};
   }
   index["extra"] = extra;
   return index;
@@ -408,7 +486,7 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
     if (piece.count > 0) pieces[name] = {{"offset", piece.offset}, {"count", piece.count}, {"xxh3", hashes}};
   }
   safetensors::write(path, tensors, rank_file_metadata(rank, world, step));
-  return {{"pieces", pieces}};
+  return {{"file", fs::path(path).filename().string()}, {"pieces", pieces}};
 }
 
 // Every rank's report of its rank file, on every rank; if any rank failed to write its file (its
@@ -428,13 +506,91 @@ std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_d
   return reports;
 }
 
-// A step directory about to be rewritten stops being a checkpoint first (its index goes), so that a
-// kill while its files are replaced never leaves old and new files under a complete-looking index.
+// A step directory whose index cannot be read is no checkpoint: it stops looking like one before
+// it is rewritten (its index goes).
 void unpublish(const std::string& step_dir) {
   std::error_code ec;
   const fs::path index = fs::path(step_dir) / "index.json";
   if (fs::remove(index, ec)) sync_directory(step_dir);
   if (ec) fail(index.string(), "cannot be removed before the step is rewritten: " + ec.message());
+}
+
+// Removes the rank files of `step_dir` (regular files of either name form) that `listed` does not
+// name: what a rewrite replaced, or what a killed or failed one left. With `upkeep`, a file that
+// cannot be removed is noted there; without, it is an error (the rewrite needs it gone).
+void remove_unlisted_rank_files(const fs::path& step_dir, const std::vector<std::string>& listed, Upkeep* upkeep) {
+  std::error_code ec;
+  fs::directory_iterator it(step_dir, ec);
+  for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (!is_rank_file_name(name) || std::find(listed.begin(), listed.end(), name) != listed.end()) continue;
+    std::error_code probing, removing;
+    if (it->symlink_status(probing).type() != fs::file_type::regular || probing) continue;
+    fs::remove(it->path(), removing);
+    if (!removing) continue;
+    if (!upkeep) fail(it->path().string(), "cannot be removed before the step is rewritten: " + removing.message());
+    upkeep->skip(it->path(), removing);
+  }
+  if (ec && !upkeep) fail(step_dir.string(), "cannot be listed before the step is rewritten: " + ec.message());
+  if (ec) upkeep->skip(step_dir, ec);
+}
+
+// Makes `step_dir` ready for a save or a split (one process: rank 0). A step saved again (a run
+// resumed from an earlier step reaches it again) keeps its files and its index until the new index
+// replaces it: the new rank files are written beside the ones the index names (new_rank_file),
+// and renaming the new index over the old one swaps them in at once, so that a save that fails
+// or is killed at any point leaves the old step whole. For that, no file the index names may be
+// taken for a new one: a rank file it does not name (left by a killed rewrite) goes now. An index
+// that cannot be read goes too: the step is no checkpoint to keep.
+void prepare_step(const std::string& step_dir) {
+  create_directories(step_dir);
+  std::error_code ec;
+  if (fs::symlink_status(fs::path(step_dir) / "index.json", ec).type() == fs::file_type::not_found) return;
+  std::vector<std::string> listed;
+  try {
+    listed = read_index(step_dir).files;
+  } catch (const std::exception&) {
+    unpublish(step_dir);
+    return;
+  }
+  remove_unlisted_rank_files(step_dir, listed, nullptr);
+}
+
+// The name rank `rank` writes its new file under: the plain name, unless a regular file has it
+// (the file the step's index names, when the step is saved again), then the alternate one. After
+// prepare_step, at most one of the two names is a file the index names, so a new file never
+// replaces one. Each rank decides for its own names, which only it writes.
+std::string new_rank_file(const std::string& step_dir, int rank, int world) {
+  const std::string plain = rank_file(rank, world);
+  std::error_code ec;
+  const bool taken = fs::symlink_status(fs::path(step_dir) / plain, ec).type() == fs::file_type::regular;
+  return taken ? rank_file(rank, world, /*alternate=*/true) : plain;
+}
+
+// What a save or a split would otherwise find wrong only when it publishes the index, after every
+// rank file is written: refused before anything is written, naming the checkpoint directory.
+void check_save_arguments(const std::string& dir, std::int64_t step, int world,
+                          const std::map<std::string, std::string>& extra, int keep) {
+  if (dir.empty()) fail("''", "is no checkpoint directory (the name is empty; '.' is the working directory)");
+  if (step < 0) fail(dir, "the step must not be negative, got " + std::to_string(step));
+  if (world < 1 || world > kMaxWorldSize) {
+    fail(dir,
+         "the world size must be between 1 and " + std::to_string(kMaxWorldSize) + ", got " + std::to_string(world));
+  }
+  if (keep < 0) fail(dir, "keep must be at least 0 (0 keeps every step), got " + std::to_string(keep));
+  for (const auto& [key, value] : extra) {
+    // The index is JSON: its strings must be UTF-8.
+    try {
+      (void)json(key).dump();
+    } catch (const json::exception&) {
+      fail(dir, "an extra state key is not UTF-8 text, which the index cannot hold");
+    }
+    try {
+      (void)json(value).dump();
+    } catch (const json::exception&) {
+      fail(dir, "extra state '" + key + "' is not UTF-8 text, which the index cannot hold");
+    }
+  }
 }
 
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
@@ -443,10 +599,11 @@ void unpublish(const std::string& step_dir) {
 std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step, const json& index,
                                  int keep) {
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
-  parse_index(index, index_path, step_dir);
-  safetensors::write_text_atomically(index_path, index.dump(1));
+  const Index parsed = parse_index(index, index_path, step_dir);
+  safetensors::write_text_atomically(index_path, index.dump(1));  // the swap: the new files are the step's
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");
   Upkeep upkeep;
+  remove_unlisted_rank_files(step_dir, parsed.files, &upkeep);  // the files the new ones replaced
   remove_leftovers(dir, step_name(step), upkeep);
   prune(dir, keep, step_name(step), upkeep);
   return upkeep.skipped;
@@ -461,43 +618,53 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
 
-  // 1. A step directory written before (a run resumed from an earlier step reaches it again)
-  // stops being a checkpoint before any of its files is replaced: rank 0 removes its index, and
-  // no rank writes until that is done, so a kill from here on never leaves old and new files
-  // under a complete-looking index.
-  run_agreed_or_fail(comm, step_dir, "preparing the directory", [&] {
+  // 1. Every rank checks the arguments (what would fail only at publishing, after every file is
+  // written), and rank 0 prepares the step directory; no rank writes until both are done. A step
+  // directory written before (a run resumed from an earlier step reaches it again) keeps its
+  // files and index until step 4 replaces the index (prepare_step).
+  run_agreed_or_fail(comm, dir.empty() ? "''" : dir, "preparing the directory", [&] {
+    check_save_arguments(dir, step, world, extra, keep);
     if (rank != 0) return;
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
-    create_directories(step_dir);
-    unpublish(step_dir);
+    prepare_step(step_dir);
   });
 
-  // 2. Every rank writes its file and reports where its pieces lie and their checksums; 3. every
-  // rank learns every rank's report, or the failing ranks' own errors.
+  // 2. Every rank writes its file, beside any the step's index names, and reports its name, where
+  // its pieces lie and their checksums; 3. every rank learns every rank's report, or the failing
+  // ranks' own errors (then each removes the file it wrote: no index names it).
   json report;
   std::string error;
+  const std::string file = (fs::path(step_dir) / new_rank_file(step_dir, rank, world)).string();
+  bool written = false;
   try {
     create_directories(step_dir);
-    report =
-        write_rank_file((fs::path(step_dir) / rank_file(rank, world)).string(), step, rank, world, params, optimizer);
+    report = write_rank_file(file, step, rank, world, params, optimizer);
+    written = true;
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const std::vector<json> reports = agree_on_reports(comm, step_dir, report, error);
+  std::vector<json> reports;
+  try {
+    reports = agree_on_reports(comm, step_dir, report, error);
+  } catch (...) {
+    std::error_code ec;
+    if (written) fs::remove(file, ec);
+    throw;
+  }
 
   // 4. Rank 0 publishes.
   std::vector<std::string> skipped;
   run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
-    for (const auto& [name, p] : params) headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded()});
-    std::vector<std::string> states;
-    if (optimizer && !params.empty()) {
-      for (const auto& [state, t] : optimizer->state(params.front().second)) states.push_back(state);
+    for (const auto& [name, p] : params) {
+      headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}});
+      if (optimizer) {
+        for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
+      }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
-    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, states, extra, reports),
-                      keep);
+    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, extra, reports), keep);
   });
   CheckpointInfo info{step_dir, step, world, extra};
   if (!skipped.empty()) {
@@ -517,6 +684,28 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
                         std::to_string(params.size()));
   }
   if (optimizer && index.has_optimizer) {
+    // The state must be this optimizer's: of its kind (where the index records it), and with the
+    // same state tensors, none left over (an AdamW checkpoint loaded into SGD without momentum used to
+    // drop its moments silently and take its step count).
+    const std::string kind = optimizer_kind(*optimizer);
+    if (index.optimizer_kind && *index.optimizer_kind != kind) {
+      fail(index.dir, "holds the state of the " + *index.optimizer_kind + " optimizer; the optimizer loading it is " +
+                          kind + " (one optimizer's state does not continue another's)");
+    }
+    for (const auto& [name, p] : params) {
+      std::vector<std::string> mine;
+      for (const auto& [state, t] : optimizer->state(p)) mine.push_back(state);
+      std::vector<std::string> saved = index.optimizer_state;
+      std::sort(saved.begin(), saved.end());
+      std::vector<std::string> sorted = mine;
+      std::sort(sorted.begin(), sorted.end());
+      if (sorted != saved) {
+        fail(index.dir, "holds the optimizer state " + quoted_list(index.optimizer_state) + " of every parameter" +
+                            (index.optimizer_kind ? " (" + *index.optimizer_kind + ")" : std::string()) + ", but the " +
+                            kind + " optimizer loading it keeps " + quoted_list(mine) + " for parameter '" + name +
+                            "': a checkpoint of another optimizer, or of other settings");
+      }
+    }
     // The groups decide each parameter's rate and decay: a resume must continue with the same.
     // A checkpoint from before groups existed had one group of every parameter.
     const auto mine = groups_of(*optimizer, params);
@@ -574,12 +763,15 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     gather_range(entry, model_tensor(name), entry.dtype, dtype_size(entry.dtype), want, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
     if (optimizer && index.has_optimizer) {
-      for (auto& [state, t] : optimizer->state(p)) {
-        if (std::find(index.optimizer_state.begin(), index.optimizer_state.end(), state) == index.optimizer_state.end())
-          fail(index.dir, "has no optimizer state '" + state + "' (it holds the optimizer's steps and lr)");
+      for (auto& [state, t] : optimizer->state(p)) {  // (the same names as the index's: checked above)
+        const auto recorded = entry.state_dtypes.find(state);
+        if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
+          fail(index.dir, "optimizer state '" + state + "' of parameter '" + name + "' is " +
+                              std::string(dtype_name(recorded->second)) + " in the checkpoint but " +
+                              std::string(dtype_name(t.dtype())) + " in the optimizer");
+        }
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
-        gather_range(entry, optim_tensor(name, state), std::nullopt, dtype_size(t.dtype()), want,
-                     staged_state.data_ptr());
+        gather_range(entry, optim_tensor(name, state), t.dtype(), dtype_size(t.dtype()), want, staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
       }
     }
@@ -672,9 +864,16 @@ std::map<std::string, std::string> consolidated_metadata(const Index& index) {
 }  // namespace
 
 void consolidate_checkpoint(const std::string& path, const std::string& output_file) {
+  // Before anything is read: a name that is no file's (it used to fail only at the rename, after
+  // the whole output was written to ".tmp" in the working directory).
+  const std::string name = fs::path(output_file).filename().string();
+  if (name.empty() || name == "." || name == "..") {
+    fail(path, "cannot be consolidated into '" + output_file + "': not a file name (empty, or a directory's path)");
+  }
   const Index index = read_index(resolve_checkpoint(path));
-  // The output (and its temporary) must not replace what is being read: a file of the checkpoint,
-  // anything inside its step directory, or its checkpoint directory's latest pointer.
+  // The output must not replace what is being read: a file of the checkpoint, anything inside its
+  // step directory, or its checkpoint directory's latest pointer. (Its temporary file is always a
+  // new one, never an existing file: see safetensors::detail::AtomicFile.)
   const fs::path step_dir(index.dir);
   if (lies_within(output_file, step_dir)) {
     fail(output_file, "lies inside the step directory " + index.dir +
@@ -687,10 +886,8 @@ void consolidate_checkpoint(const std::string& path, const std::string& output_f
   if (!ec && is_step_name(canonical_step.filename().string()))
     inputs.push_back(canonical_step.parent_path() / "latest");
   for (const fs::path& input : inputs) {
-    for (const fs::path& written : {fs::path(output_file), fs::path(output_file + ".tmp")}) {
-      if (same_file(written, input))
-        fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
-    }
+    if (same_file(output_file, input))
+      fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
   }
   // Streamed: the header first (the index gives every shape), then each parameter's pieces in
   // offset order, copied from the rank files through one bounded buffer and checked on the way.
@@ -741,23 +938,23 @@ json write_split_rank(const safetensors::Reader& input, int rank, int world, std
       pieces[t.name] = {{"offset", p.offset}, {"count", p.count}, {"xxh3", {{model_tensor(t.name), hashes}}}};
   }
   out.commit();
-  return {{"pieces", pieces}};
+  return {{"file", fs::path(path).filename().string()}, {"pieces", pieces}};
 }
 }  // namespace
 
 CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, const std::string& out_dir,
                                 std::int64_t step) {
-  if (world_size <= 0) fail(out_dir, "world size must be positive, got " + std::to_string(world_size));
-  if (step < 0) fail(out_dir, "step must not be negative, got " + std::to_string(step));
+  check_save_arguments(out_dir, step, world_size, {}, 0);  // before the input is read (its extra below)
   safetensors::Reader input(input_file);
   std::vector<ParamHeader> headers;
   for (const auto& t : input.tensors()) {
     if (!is_floating(t.dtype)) fail(input_file, "tensor '" + t.name + "' is not floating-point");
-    headers.push_back({t.name, 0, t.shape, t.dtype, true});
+    headers.push_back({t.name, 0, t.shape, t.dtype, true, {}});
   }
   std::map<std::string, std::string> extra = input.metadata();
   extra.erase("step");
   extra.erase("source");
+  check_save_arguments(out_dir, step, world_size, extra, 0);
   const std::string step_dir = (fs::path(out_dir) / step_name(step)).string();
   // The input must survive the split: not inside the step directory it writes, not the pointer
   // publishing replaces, not inside a step directory without an index (publishing removes those).
@@ -766,10 +963,8 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     fail(input_file, "cannot be split into " + out_dir + ": it " + why + ", which the split would overwrite or remove");
   };
   if (lies_within(input_path, step_dir)) refuse_input("lies inside the step directory " + step_dir);
-  for (const char* pointer : {"latest", "latest.tmp"}) {
-    const fs::path p = fs::path(out_dir) / pointer;
-    if (same_file(input_path, p)) refuse_input("is " + p.string());
-  }
+  if (same_file(input_path, fs::path(out_dir) / "latest"))
+    refuse_input("is " + (fs::path(out_dir) / "latest").string());
   {
     std::error_code ec;
     for (fs::directory_iterator it(out_dir, ec), end; !ec && it != end; it.increment(ec)) {
@@ -780,14 +975,21 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     }
   }
   check_latest_pointer(out_dir);  // as a save: a pointer that cannot be replaced fails before any file is written
-  create_directories(step_dir);
-  unpublish(step_dir);
+  prepare_step(step_dir);         // as a save: a step split again keeps its files until the new index replaces it
   std::vector<json> reports;
-  for (int rank = 0; rank < world_size; ++rank) {
-    reports.push_back(
-        write_split_rank(input, rank, world_size, step, (fs::path(step_dir) / rank_file(rank, world_size)).string()));
+  std::vector<std::string> written;
+  try {
+    for (int rank = 0; rank < world_size; ++rank) {
+      const std::string file = (fs::path(step_dir) / new_rank_file(step_dir, rank, world_size)).string();
+      reports.push_back(write_split_rank(input, rank, world_size, step, file));
+      written.push_back(file);
+    }
+  } catch (...) {
+    std::error_code ec;
+    for (const auto& file : written) fs::remove(file, ec);  // no index names them
+    throw;
   }
-  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, {}, extra, reports), 0);
+  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
   return CheckpointInfo{step_dir, step, world_size, extra};
 }
 

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <set>
+#include <string_view>
 
 #include <nlohmann/json.hpp>
 
@@ -32,10 +33,28 @@ std::string step_name(std::int64_t step) {
   return buf;
 }
 
-std::string rank_file(int rank, int world) {
+std::string rank_file(int rank, int world, bool alternate) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.safetensors", rank, world);
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d%s.safetensors", rank, world, alternate ? ".b" : "");
   return buf;
+}
+
+bool is_rank_file_name(const std::string& name) {
+  // rank-<digits>-of-<digits>[.b].safetensors
+  auto digits = [&](std::size_t& at) {
+    const std::size_t from = at;
+    while (at < name.size() && name[at] >= '0' && name[at] <= '9') ++at;
+    return at > from;
+  };
+  auto literal = [&](std::size_t& at, std::string_view text) {
+    if (name.compare(at, text.size(), text) != 0) return false;
+    at += text.size();
+    return true;
+  };
+  std::size_t at = 0;
+  if (!literal(at, "rank-") || !digits(at) || !literal(at, "-of-") || !digits(at)) return false;
+  literal(at, ".b");
+  return literal(at, ".safetensors") && at == name.size();
 }
 
 std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step) {
@@ -145,7 +164,7 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     fail("has format version " + std::to_string(index.version) + ", this build reads 1 to " + std::to_string(kVersion));
   }
   index.step = integer(j, "step", "index.json", 0, INT64_MAX);
-  index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, 1 << 24));
+  index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, kMaxWorldSize));
   index.files = strings(member(j, "files", "index.json"), "index.json's 'files'");
   if (static_cast<std::int64_t>(index.files.size()) != index.world_size) {
     fail("lists " + std::to_string(index.files.size()) + " files for world size " + std::to_string(index.world_size));
@@ -165,6 +184,13 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
       fail("index.json's optimizer 'lr' must be a finite number >= 0, not " + lr.dump());
     index.lr = lr.get<double>();
     index.optimizer_state = strings(member(o, "state", "index.json's 'optimizer'"), "index.json's optimizer 'state'");
+    if (std::set<std::string>(index.optimizer_state.begin(), index.optimizer_state.end()).size() !=
+        index.optimizer_state.size())
+      fail("index.json's optimizer 'state' names a state twice");
+    if (o.contains("kind")) {
+      index.optimizer_kind = string(o, "kind", "index.json's 'optimizer'");
+      if (index.optimizer_kind->empty()) fail("index.json's optimizer 'kind' is empty");
+    }
     if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
   }
   if (j.contains("extra")) {
@@ -247,6 +273,20 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
   if (jp.contains("sharded")) {
     if (!jp["sharded"].is_boolean()) fail(where + "'s 'sharded' must be true or false, not " + jp["sharded"].dump());
     p.sharded = jp["sharded"].get<bool>();
+  }
+  if (jp.contains("state_dtypes")) {
+    // One dtype for each optimizer state the index names, and none other.
+    const json& dtypes = jp["state_dtypes"];
+    if (!dtypes.is_object() || dtypes.size() != index.optimizer_state.size())
+      fail(where + "'s 'state_dtypes' must give the dtype of each optimizer state, not " + dtypes.dump());
+    for (const auto& state : index.optimizer_state) {
+      const std::string d = string(dtypes, state, where + "'s 'state_dtypes'");
+      try {
+        p.state_dtypes[state] = parse_dtype(d);
+      } catch (const ArgumentError&) {
+        fail(where + "'s optimizer state '" + state + "' has the unknown dtype '" + d + "'");
+      }
+    }
   }
   const json& pieces = member(jp, "pieces", where);
   if (!pieces.is_array()) fail(where + "'s 'pieces' must be an array");

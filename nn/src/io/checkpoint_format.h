@@ -22,6 +22,7 @@ inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
 // Version 1 checkpoints still load and verify, with no checksums to check their data against.
 inline constexpr int kVersion = 2;
 inline constexpr std::size_t kMaxLatestBytes = 4096;
+inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
 
 // A piece's bytes are checked in blocks (kChecksumBlockBytes), each with its own XXH3-64 hash: a
 // load that reshards reads parts of pieces and checks the whole blocks around what it reads (at
@@ -35,7 +36,12 @@ static_assert(safetensors::kChunkBytes % kChecksumBlock == 0, "chunked reads mus
 [[noreturn]] void fail(const std::string& where, const std::string& what);
 
 std::string step_name(std::int64_t step);
-std::string rank_file(int rank, int world);
+/// rank-00000-of-00002.safetensors; with `alternate`, rank-00000-of-00002.b.safetensors: the name a
+/// step saved again writes beside the plain one, which the index in place may still name (its
+/// files are replaced only when the new index replaces it).
+std::string rank_file(int rank, int world, bool alternate = false);
+/// Whether `name` is a rank file's name of either form (for the upkeep of a rewritten step).
+bool is_rank_file_name(const std::string& name);
 inline std::string model_tensor(const std::string& param) { return "model/" + param; }
 inline std::string optim_tensor(const std::string& param, const std::string& state) {
   return "optim/" + param + "/" + state;
@@ -62,6 +68,9 @@ struct IndexParam {
   std::uint64_t id = 0;
   bool sharded = false;
   std::vector<IndexPiece> pieces;  // by offset, tiling [0, numel) exactly
+  // The dtype of each of its optimizer state tensors (by state name; recorded since the index
+  // has them: empty in older checkpoints, whose state is checked against the optimizer only).
+  std::map<std::string, DType> state_dtypes;
 };
 
 // One optimizer parameter group as saved: its settings and its parameters by name.
@@ -83,6 +92,8 @@ struct Index {
   std::vector<std::string> files;
   std::vector<IndexParam> params;
   bool has_optimizer = false;
+  // The optimizer that wrote the state ("AdamW", "SGD", ...; absent in older checkpoints).
+  std::optional<std::string> optimizer_kind;
   std::int64_t optimizer_steps = 0;
   double lr = 0;
   std::vector<std::string> optimizer_state;

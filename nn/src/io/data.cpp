@@ -11,11 +11,14 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <numeric>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/data.h>
 #include <ruda/random.h>
+
+#include "io/files.h"
 
 namespace ruda::nn {
 
@@ -25,12 +28,40 @@ namespace {
 
 [[noreturn]] void data_fail(const std::string& path, const std::string& what) { throw IOError(path + ": " + what); }
 
+// Runs fn, turning what std::filesystem throws (a name too long, a loop of symbolic links, a
+// directory that cannot be read) into the IOError every data error is, naming the file and `op`.
+// Each public entry point of this file runs through it; the calls inside prefer error codes.
+template <class F>
+auto filesystem_errors_as_io(const char* op, const std::string& path, F&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const fs::filesystem_error& e) {
+    data_fail(e.path1().empty() ? path : e.path1().string(), std::string(op) + ": " + e.code().message());
+  }
+}
+
+// Opens `path`, a regular file, for reading: a missing one is "no such file" (`missing` says
+// what was looked for); a FIFO is refused by name, never waited on, as anything else that is not a
+// regular file (safetensors::open_regular_file).
+int open_data_file(const std::string& path, const char* missing = "no such file") {
+  try {
+    return safetensors::open_regular_file(path, "");
+  } catch (const IOError&) {
+    std::error_code ec;  // (another reason, a name too long say, is the one open gave)
+    if (fs::status(path, ec).type() == fs::file_type::not_found) data_fail(path, missing);
+    throw;
+  }
+}
+
 // Streams the (decompressed) content of a gzip or plain file, up to max_bytes, to `sink` in pieces.
 void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
                       const std::function<void(const std::uint8_t*, std::size_t)>& sink) {
-  if (!fs::exists(path)) data_fail(path, "no such file");
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) data_fail(path, "cannot open");
+  const int fd = open_data_file(path);
+  gzFile f = gzdopen(fd, "rb");  // owns fd from here
+  if (!f) {
+    ::close(fd);
+    data_fail(path, "cannot open");
+  }
   std::uint8_t buf[1 << 16];
   std::uint64_t done = 0;
   while (done < max_bytes) {
@@ -64,11 +95,13 @@ std::uint32_t big_endian(const std::uint8_t* p) {
   return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) | p[3];
 }
 
-// IDX: zero, zero, type 0x08 (unsigned byte), the number of dimensions, the big-endian extents, the data.
-// `head` holds the file's first bytes (at least the header, unless the file is shorter), `file_bytes`
-// its size. With `limit`, only the first `limit` items are used: the data must hold at least those.
-std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::uint64_t file_bytes,
-                                    const std::string& path, int expected_dims, std::int64_t limit) {
+// The extents of an IDX header (`head`: the file's first bytes), checked: the magic, the number
+// of dimensions, and the product of the extents (the data's bytes) within int64 with room for the
+// f32 samples made of them, zeros left out (as for a safetensors shape: an empty data set's other
+// extents still size its samples), so that no count computed from them wraps: 4 x 2^31 x 2^31
+// wrapped to 0, which an empty data part then matched.
+std::vector<std::uint32_t> header_dims(const std::vector<std::uint8_t>& head, const std::string& path,
+                                       int expected_dims) {
   if (head.size() < 4) data_fail(path, "truncated IDX header");
   if (head[0] != 0 || head[1] != 0 || head[2] != 0x08 || head[3] != expected_dims) {
     data_fail(path, "not an IDX file of unsigned bytes with " + std::to_string(expected_dims) + " dimensions");
@@ -77,9 +110,31 @@ std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::
   if (head.size() < header) data_fail(path, "truncated IDX header");
   std::vector<std::uint32_t> dims;
   for (int i = 0; i < expected_dims; ++i) dims.push_back(big_endian(head.data() + 4 + 4 * i));
+  constexpr std::uint64_t kMaxProduct = std::numeric_limits<std::int64_t>::max() / 8;
+  std::uint64_t product = 1;
+  bool overflows = false;
+  for (const std::uint64_t d : dims) {
+    if (d == 0) continue;
+    overflows = overflows || __builtin_mul_overflow(product, d, &product) || product > kMaxProduct;
+  }
+  if (overflows) {
+    std::string extents;
+    for (const auto d : dims) extents += (extents.empty() ? "" : " x ") + std::to_string(d);
+    data_fail(path, "its IDX header's extents " + extents + " make more bytes than 64 bits count (overflow)");
+  }
+  return dims;
+}
+
+// IDX: zero, zero, type 0x08 (unsigned byte), the number of dimensions, the big-endian extents, the data.
+// `head` holds the file's first bytes (at least the header, unless the file is shorter), `file_bytes`
+// its size. With `limit`, only the first `limit` items are used: the data must hold at least those.
+std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& head, std::uint64_t file_bytes,
+                                    const std::string& path, int expected_dims, std::int64_t limit) {
+  std::vector<std::uint32_t> dims = header_dims(head, path, expected_dims);
+  const std::size_t header = 4 + 4 * static_cast<std::size_t>(expected_dims);
   if (limit > 0 && limit < static_cast<std::int64_t>(dims[0])) dims[0] = static_cast<std::uint32_t>(limit);
   std::uint64_t count = 1;
-  for (auto d : dims) count *= d;
+  for (auto d : dims) count *= d;  // at most the header's own product: no overflow
   // (With a limit, bytes past the items used are never read, so they are not counted either.)
   const std::uint64_t data = limit > 0 ? std::min(file_bytes - header, count) : file_bytes - header;
   if (data != count) {
@@ -97,11 +152,7 @@ std::vector<std::uint32_t> idx_dims(const std::vector<std::uint8_t>& bytes, cons
 // position behind, so threads (emulated ranks) can read through one descriptor at once.
 class ReadFile {
  public:
-  explicit ReadFile(const std::string& path) : path_(path) {
-    if (!fs::exists(path)) data_fail(path, "no such file");
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) data_fail(path, std::string("cannot open: ") + std::strerror(errno));
-  }
+  explicit ReadFile(const std::string& path) : path_(path), fd_(open_data_file(path)) {}
   ~ReadFile() { ::close(fd_); }
   ReadFile(const ReadFile&) = delete;
   ReadFile& operator=(const ReadFile&) = delete;
@@ -236,48 +287,47 @@ bool is_gzip(const std::string& path) {
 // The cache copy's name: the source's name without .gz, and a hash of what identifies this version
 // of it (its absolute path, size and modification time), so an edited source gets a new copy.
 std::string cache_name(const std::string& path) {
-  const fs::path source = fs::weakly_canonical(fs::absolute(path));
-  const std::string key = source.string() + "|" + std::to_string(fs::file_size(source)) + "|" +
-                          std::to_string(fs::last_write_time(source).time_since_epoch().count());
+  std::error_code ec;
+  fs::path source = fs::absolute(path, ec);
+  if (!ec) source = fs::weakly_canonical(source, ec);
+  const std::uintmax_t size = ec ? 0 : fs::file_size(source, ec);
+  const fs::file_time_type time = ec ? fs::file_time_type{} : fs::last_write_time(source, ec);
+  if (ec) data_fail(path, "cannot be identified for its decompressed copy: " + ec.message());
+  const std::string key =
+      source.string() + "|" + std::to_string(size) + "|" + std::to_string(time.time_since_epoch().count());
   char hash[17];
   std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
   const fs::path name = source.filename();
   return (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hash;
 }
 
-// Decompresses `source` into `target`, a new file, flushed to disk before the caller renames it.
+// Decompresses `source` into `target` atomically: a temporary file of its own beside it, flushed
+// and renamed into place (AtomicFile, as every file nn writes), so processes and threads racing to
+// make the copy each rename a complete one, and a killed one leaves none.
 void decompress_to(const std::string& source, const std::string& target) {
-  const int fd = ::open(target.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) data_fail(target, std::string("cannot create: ") + std::strerror(errno));
-  try {
-    read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) {
-      for (std::size_t done = 0; done < n;) {
-        const ssize_t put = ::write(fd, p + done, n - done);
-        if (put < 0 && errno == EINTR) continue;
-        if (put < 0) data_fail(target, std::string("write failed: ") + std::strerror(errno));
-        done += static_cast<std::size_t>(put);
-      }
-    });
-    if (::fsync(fd) != 0) data_fail(target, std::string("fsync failed: ") + std::strerror(errno));
-  } catch (...) {
-    ::close(fd);
-    fs::remove(target);
-    throw;
-  }
-  ::close(fd);
+  safetensors::detail::AtomicFile file(target, "", /*crash_simulation=*/false);
+  read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) { file.write(p, n); });
+  file.commit();
 }
 
 std::vector<std::string> text_files(const std::string& path) {
   std::vector<std::string> files;
-  if (fs::is_directory(path)) {
-    for (const auto& entry : fs::directory_iterator(path)) {
-      if (!entry.is_regular_file() || entry.is_symlink() || entry.path().extension() == ".dat") continue;
-      files.push_back(entry.path().string());
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  if (status.type() == fs::file_type::not_found) data_fail(path, "no such file or directory");
+  if (fs::is_directory(status)) {
+    // Regular files only, not through links (a FIFO would block, a link may lead anywhere).
+    fs::directory_iterator it(path, ec);
+    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+      std::error_code probing;
+      if (it->symlink_status(probing).type() != fs::file_type::regular || probing || it->path().extension() == ".dat")
+        continue;
+      files.push_back(it->path().string());
     }
+    if (ec) data_fail(path, "cannot list the directory: " + ec.message());
     std::sort(files.begin(), files.end());
   } else {
-    if (!fs::exists(path)) data_fail(path, "no such file or directory");
-    files.push_back(path);
+    files.push_back(path);  // whatever it is: opening it says what is wrong with it
   }
   return files;
 }
@@ -287,7 +337,9 @@ std::pair<std::string, std::string> fashion_mnist_files(const std::string& direc
   auto find = [&](const std::string& stem) {
     for (const char* suffix : {".gz", ""}) {
       const fs::path p = fs::path(directory) / (stem + suffix);
-      if (fs::exists(p)) return p.string();
+      std::error_code ec;
+      if (fs::exists(p, ec)) return p.string();
+      if (ec) data_fail(p.string(), "cannot be inspected: " + ec.message());
     }
     data_fail((fs::path(directory) / (stem + ".gz")).string(),
               "no such file (install Debian's dataset-fashion-mnist, or pass the directory holding the IDX files)");
@@ -306,15 +358,16 @@ void check_counts(const std::string& images_path, std::uint32_t images, const st
 
 }  // namespace
 
-ImageDataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
+namespace {
+ImageDataset load_idx_files(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
   // With a limit, read the header, then only as many bytes as `limit` items need.
   auto read = [&](const std::string& path, int dims) {
     if (limit <= 0) return read_maybe_gzip(path);
     auto head = read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims));
-    if (head.size() < 4 + 4 * static_cast<std::size_t>(dims)) data_fail(path, "truncated IDX header");
+    const auto extents = header_dims(head, path, dims);  // checked: the products below do not overflow
     std::uint64_t item = 1;
-    for (int i = 1; i < dims; ++i) item *= big_endian(head.data() + 4 + 4 * i);
-    const std::uint64_t items = std::min<std::uint64_t>(big_endian(head.data() + 4), static_cast<std::uint64_t>(limit));
+    for (int i = 1; i < dims; ++i) item *= extents[static_cast<std::size_t>(i)];
+    const std::uint64_t items = std::min<std::uint64_t>(extents[0], static_cast<std::uint64_t>(limit));
     return read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims) + items * item);
   };
   const auto images = read(images_path, 3);
@@ -330,9 +383,16 @@ ImageDataset load_idx(const std::string& images_path, const std::string& labels_
   d.labels = labels_to_i64(std::vector<std::uint8_t>(labels.begin() + 8, labels.end()), {n});
   return d;
 }
+}  // namespace
+
+ImageDataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
+  return filesystem_errors_as_io("load_idx", images_path,
+                                 [&] { return load_idx_files(images_path, labels_path, limit); });
+}
 
 ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::int64_t limit) {
-  const auto [images, labels] = fashion_mnist_files(directory, train);
+  const auto [images, labels] =
+      filesystem_errors_as_io("load_fashion_mnist", directory, [&] { return fashion_mnist_files(directory, train); });
   return load_idx(images, labels, limit);
 }
 
@@ -341,30 +401,32 @@ std::string default_cache_dir() {
   if (xdg && *xdg == '/') return (fs::path(xdg) / "ruda").string();  // (the spec ignores relative ones)
   const char* home = std::getenv("HOME");
   if (home && *home) return (fs::path(home) / ".cache" / "ruda").string();
-  return (fs::temp_directory_path() / "ruda-cache").string();
+  std::error_code ec;
+  const fs::path temp = fs::temp_directory_path(ec);
+  return ((ec ? fs::path("/tmp") : temp) / "ruda-cache").string();
 }
 
 std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
-  if (!is_gzip(path)) return path;
-  const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
-  const fs::path target = dir / cache_name(path);
-  // Only a rename puts a file at `target`, so one found there is complete.
-  if (fs::exists(target)) return target.string();
-  std::error_code error;
-  fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
-  if (!fs::is_directory(dir)) data_fail(dir.string(), "cannot create the cache directory: " + error.message());
-  // A temporary name no other process or thread uses; an identical copy renamed over by a racing
-  // writer replaces nothing anyone reads, since readers open the final name only once it is complete.
-  static std::atomic<std::uint64_t> counter{0};
-  const std::string temp =
-      target.string() + ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
-  decompress_to(path, temp);
-  fs::rename(temp, target, error);
-  if (error) {
-    fs::remove(temp);
-    data_fail(target.string(), "cannot rename the decompressed copy into place: " + error.message());
-  }
-  return target.string();
+  return filesystem_errors_as_io("uncompressed_file", path, [&] {
+    if (!is_gzip(path)) return path;
+    const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
+    const fs::path target = dir / cache_name(path);
+    // Only a rename puts a file at `target`, so one found there is complete (and whatever else is
+    // there, a FIFO say, is refused by name when it is opened).
+    std::error_code error;
+    const fs::file_status found = fs::symlink_status(target, error);
+    if (!error && found.type() != fs::file_type::not_found) return target.string();
+    if (error && found.type() != fs::file_type::not_found)
+      data_fail(target.string(), "cannot be inspected: " + error.message());
+    fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
+    std::error_code probing;
+    if (!fs::is_directory(dir, probing))
+      data_fail(dir.string(), "cannot create the cache directory: " + (error ? error : probing).message());
+    // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
+    // open the final name only once it is complete.
+    decompress_to(path, target.string());
+    return target.string();
+  });
 }
 
 struct IdxImages::State {
@@ -375,8 +437,10 @@ struct IdxImages::State {
 IdxImages::IdxImages(const std::string& images_path, const std::string& labels_path, std::int64_t limit,
                      const std::string& cache_dir)
     : state_(std::make_shared<State>()) {
-  state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
-  state_->labels = open_idx(labels_path, 1, limit, cache_dir);
+  filesystem_errors_as_io("IdxImages", images_path, [&] {
+    state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
+    state_->labels = open_idx(labels_path, 1, limit, cache_dir);
+  });
   check_counts(images_path, state_->images.dims[0], labels_path, state_->labels.dims[0]);
 }
 
@@ -414,16 +478,19 @@ Tensor IdxImages::labels(std::int64_t first, std::int64_t last) const {
 
 IdxImages open_fashion_mnist(const std::string& directory, bool train, std::int64_t limit,
                              const std::string& cache_dir) {
-  const auto [images, labels] = fashion_mnist_files(directory, train);
+  const auto [images, labels] =
+      filesystem_errors_as_io("open_fashion_mnist", directory, [&] { return fashion_mnist_files(directory, train); });
   return IdxImages(images, labels, limit, cache_dir);
 }
 
 TextCorpus::TextCorpus(const std::string& path) {
-  for (auto& name : text_files(path)) {
-    const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
-    files_.push_back({std::move(name), size_, bytes});
-    size_ += bytes;
-  }
+  filesystem_errors_as_io("TextCorpus", path, [&] {
+    for (auto& name : text_files(path)) {
+      const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
+      files_.push_back({std::move(name), size_, bytes});
+      size_ += bytes;
+    }
+  });
   if (size_ == 0) data_fail(path, "holds no text");
 }
 

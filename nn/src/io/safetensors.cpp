@@ -1,15 +1,10 @@
 // safetensors reading (bounds-checked, partial) and atomic writing.
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <limits>
 #include <set>
 #include <utility>
@@ -27,29 +22,14 @@ namespace {
 constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;  // as the reference implementation
 constexpr int kMaxJsonDepth = 16;
 
-// Errors of this file's operations read "safetensors: <path>: <what>"; the text files nn's
-// checkpoints keep (files.h) read "checkpoint <path>: <what>", as every checkpoint error does.
+// Errors of this file's operations read "safetensors: <path>: <what>".
 constexpr const char* kSafetensors = "safetensors: ";
-constexpr const char* kCheckpoint = "checkpoint ";
 
-template <class E = IOError>
-[[noreturn]] void fail_as(const char* origin, const std::string& path, const std::string& what) {
-  throw E(origin + path + ": " + what);
-}
 template <class E = IOError>
 [[noreturn]] void io_fail(const std::string& path, const std::string& what) {
-  fail_as<E>(kSafetensors, path, what);
+  throw E(kSafetensors + path + ": " + what);
 }
 std::string os_error() { return std::strerror(errno); }
-
-const char* file_kind(mode_t mode) {
-  if (S_ISDIR(mode)) return "directory";
-  if (S_ISFIFO(mode)) return "FIFO";
-  if (S_ISSOCK(mode)) return "socket";
-  if (S_ISCHR(mode)) return "character device";
-  if (S_ISBLK(mode)) return "block device";
-  return "special file";
-}
 
 bool dtype_from_format(const std::string& name, DType& out) {
   static const std::pair<const char*, DType> names[] = {{"F32", DType::f32}, {"F64", DType::f64},
@@ -100,8 +80,6 @@ void check_bools(const std::string& path, const std::string& tensor, const char*
   io_fail(path, "tensor '" + tensor + "' holds the byte " + hex + " at element " +
                     std::to_string(first + static_cast<std::uint64_t>(bad - p)) + ", not a BOOL (0 or 1)");
 }
-
-std::atomic<std::int64_t> g_bytes_written{0};
 
 }  // namespace
 
@@ -218,20 +196,8 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
 }
 
 Reader::Reader(const std::string& path) : path_(path) {
-  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever. Only a
-  // regular file is read (the flag changes nothing for one).
-  fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd_ < 0) io_fail(path, "cannot open: " + os_error());
-  struct stat st {};
-  if (::fstat(fd_, &st) != 0) {
-    ::close(fd_);
-    io_fail(path, "cannot stat: " + os_error());
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd_);
-    io_fail(path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
-  }
-  file_size_ = static_cast<std::uint64_t>(st.st_size);
+  // Only a regular file is read; a FIFO is refused, never waited on (open_regular_file).
+  fd_ = open_regular_file(path, kSafetensors, &file_size_);
   try {
     if (file_size_ < 8) io_fail(path, "truncated: " + std::to_string(file_size_) + " bytes, no header length");
     unsigned char len_bytes[8];
@@ -362,84 +328,6 @@ nlohmann::json parse_distinct_keys(const std::string& text, std::string& duplica
   });
 }
 
-namespace testing {
-std::int64_t crash_after_bytes() {
-  static const std::int64_t limit = [] {
-    const char* env = std::getenv("RUDA_TEST_CRASH_AFTER_BYTES");
-    return env && *env ? std::atoll(env) : -1;
-  }();
-  return limit;
-}
-}  // namespace testing
-
-namespace detail {
-
-class AtomicFile {
- public:
-  // `origin` starts every error message (kSafetensors or kCheckpoint).
-  AtomicFile(std::string path, const char* origin) : path_(std::move(path)), temp_(path_ + ".tmp"), origin_(origin) {
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd_ < 0) fail("cannot create " + temp_ + ": " + os_error());
-  }
-  // Not committed, or the commit failed at any point before its rename: leave no temporary behind.
-  ~AtomicFile() { discard(); }
-  void write(const void* data, std::size_t size) {
-    if (fd_ < 0) fail("written after its commit (or a failed one)");
-    const auto* p = static_cast<const char*>(data);
-    const std::int64_t crash = testing::crash_after_bytes();
-    while (size > 0) {
-      std::size_t chunk = size;
-      if (crash >= 0) {
-        const std::int64_t left = crash - g_bytes_written.load();
-        if (left <= 0) ::_exit(86);  // a simulated kill in the middle of a checkpoint
-        chunk = std::min<std::size_t>(chunk, static_cast<std::size_t>(left));
-      }
-      const ssize_t n = ::write(fd_, p, chunk);
-      if (n < 0) {
-        if (errno == EINTR) continue;
-        fail("write failed: " + os_error());
-      }
-      g_bytes_written += n;
-      p += n;
-      size -= static_cast<std::size_t>(n);
-    }
-  }
-  void commit() {
-    if (fd_ < 0) fail("committed again after its commit (or a failed one)");
-    try {
-      if (::fsync(fd_) != 0) fail("fsync failed: " + os_error());
-      const int fd = std::exchange(fd_, -1);
-      if (::close(fd) != 0) fail("close failed: " + os_error());
-      if (::rename(temp_.c_str(), path_.c_str()) != 0) fail("rename failed: " + os_error());
-    } catch (...) {
-      discard();
-      throw;
-    }
-    settled_ = true;
-    // The rename itself is durable once the directory is.
-    const std::string dir = std::filesystem::path(path_).parent_path().string();
-    const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);
-      ::close(dfd);
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& what) const { fail_as(origin_, path_, what); }
-  void discard() noexcept {
-    if (fd_ >= 0) ::close(std::exchange(fd_, -1));
-    if (!settled_) ::unlink(temp_.c_str());
-    settled_ = true;  // unlinked once: a later temporary of the same name is another writer's
-  }
-  std::string path_, temp_;
-  const char* origin_;
-  int fd_ = -1;
-  bool settled_ = false;  // renamed into place, or its temporary removed
-};
-
-}  // namespace detail
-
 Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
                const std::map<std::string, std::string>& metadata)
     : path_(path) {
@@ -540,44 +428,6 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
     if (t.numel()) file.write(t.is_contiguous() ? t.data_ptr() : t.detach().contiguous().data_ptr(), t.nbytes());
   }
   file.commit();
-}
-
-void write_text_atomically(const std::string& path, const std::string& text) {
-  detail::AtomicFile file(path, kCheckpoint);
-  file.write(text.data(), text.size());
-  file.commit();
-}
-
-std::string read_text_file(const std::string& path, std::size_t max_bytes) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // see Reader: a FIFO never blocks
-  if (fd < 0) fail_as(kCheckpoint, path, "cannot open: " + os_error());
-  std::string text;
-  try {
-    struct stat st {};
-    if (::fstat(fd, &st) != 0) fail_as(kCheckpoint, path, "cannot stat: " + os_error());
-    if (!S_ISREG(st.st_mode))
-      fail_as(kCheckpoint, path, std::string("is not a regular file but a ") + file_kind(st.st_mode));
-    if (static_cast<std::uint64_t>(st.st_size) > max_bytes) {
-      fail_as(kCheckpoint, path,
-              "is " + std::to_string(st.st_size) + " bytes, more than the " + std::to_string(max_bytes) +
-                  " this file may have");
-    }
-    text.resize(static_cast<std::size_t>(st.st_size));
-    std::size_t done = 0;
-    while (done < text.size()) {
-      const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0) fail_as(kCheckpoint, path, "read failed: " + os_error());
-      if (n == 0) break;  // shrank while reading
-      done += static_cast<std::size_t>(n);
-    }
-    text.resize(done);
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  ::close(fd);
-  return text;
 }
 
 }  // namespace ruda::safetensors

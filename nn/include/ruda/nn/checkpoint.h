@@ -3,11 +3,13 @@
 // Layout of a checkpoint directory (dir/step-00001234/):
 //   rank-00000-of-00004.safetensors ... one file per rank: its unpadded slices of every parameter
 //       ("model/<name>") and of its optimizer state ("optim/<name>/<state>"), dtypes kept, and
-//       in its metadata the rank, world size and step it was written for;
+//       in its metadata the rank, world size and step it was written for (a step saved again
+//       writes rank-00000-of-00004.b.safetensors beside the old files, and back the next time;
+//       the index names each rank's file, and replacing the index swaps the new files in);
 //   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
 //       which element range of each parameter with an XXH3-64 hash of every 64 KiB block of it,
-//       the optimizer's scalar state (steps, lr), and the caller's extra state (step, RNG, data
-//       position, model description).
+//       the optimizer's kind, scalar state (steps, lr) and state tensors' dtypes, and the caller's
+//       extra state (step, RNG, data position, model description).
 // Writes are atomic and ordered: every rank writes its file (temporary file, flush, rename) and
 // reports its checksums, all ranks agree that every file is complete, rank 0 writes index.json the
 // same way, and then points dir/latest at the new directory. Killed at any moment, the previous
@@ -45,7 +47,10 @@ struct CheckpointInfo {
 };
 
 /// Saves `module` (sharded over comm or dense) and `optimizer` (may be null) as checkpoint `step`
-/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm.
+/// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm. A step
+/// saved again keeps its old files and index until the new index replaces it: a failed or killed
+/// save leaves it whole. IOError on every rank, before anything is written, for an empty `dir`, a
+/// negative step or keep, or extra state that is not UTF-8.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 
@@ -64,7 +69,8 @@ struct LoadOptions {
 /// Loads a checkpoint into `module` (sharded at comm's world size, or dense) and `optimizer` (may
 /// be null). `path` is a step directory or a checkpoint directory (its latest complete step).
 /// Parameters are matched by name; a missing name, a shape or dtype mismatch, a missing, swapped,
-/// stale, damaged or non-regular file raise IOError naming what is wrong. Collective: the ranks
+/// stale, damaged or non-regular file raise IOError naming what is wrong, as does optimizer state
+/// of another kind of optimizer, with other state tensors, or of another dtype. Collective: the ranks
 /// agree on the outcome, so that if any rank fails every rank raises (the failing rank its own
 /// error, the others an IOError naming it and its error). After a failure the module's values
 /// are unspecified.
@@ -113,8 +119,9 @@ std::uint64_t verify_checkpoint(const std::string& path);
 
 /// Writes one full safetensors file with every parameter at its logical shape (names without
 /// prefix, the checkpoint's extra state as metadata): for other tools, or to change layouts.
-/// IOError, before anything is written, if `output_file` (or its temporary) is a file of the
-/// checkpoint, lies inside its step directory or is its `latest` pointer, however spelled or linked.
+/// IOError, before anything is written, if `output_file` is a file of the checkpoint, lies inside
+/// its step directory or is its `latest` pointer, however spelled or linked, or is not a regular
+/// file (a FIFO, a device, a directory, a symbolic link: see safetensors::write).
 void consolidate_checkpoint(const std::string& path, const std::string& output_file);
 
 /// Cuts a full safetensors file (a consolidated checkpoint, or any file of float tensors) into a

@@ -2,7 +2,10 @@
 // level text, and a sampler that gives each rank its part of every global batch. Each dataset
 // comes in two forms: loaded whole into memory (ImageDataset, load_text_bytes), or read from its
 // files at each request (IdxImages, TextCorpus), so that an MPI process holds only the samples it
-// trains and evaluates on. Both forms give the same values, bit for bit.
+// trains and evaluates on. Both forms give the same values, bit for bit. Only regular files are
+// read: a FIFO or a device given as data is refused by name, never waited on, and every problem
+// with a file (missing, unreadable, a name too long, a header that does not add up) is an IOError
+// naming it.
 #pragma once
 
 #include <cstdint>

@@ -128,8 +128,10 @@ class Writer {
 };
 
 /// Writes tensors (contiguous; any dtype) and string metadata. Atomic: the data goes to a
-/// temporary file beside `path`, is flushed to disk, and then renamed over `path`, so `path`
-/// always holds either the old complete file or the new complete file.
+/// temporary file of its own beside `path` (a new name, never an existing file or link), is
+/// flushed to disk, and then renamed over `path`, so `path` always holds either the old complete
+/// file or the new complete file. `path` must be missing or a regular file: a directory, a FIFO, a
+/// device or a symbolic link there is refused (IOError naming it), never replaced.
 void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
            const std::map<std::string, std::string>& metadata = {});
 
