@@ -119,6 +119,8 @@ void require_float(const char* op, const Tensor& t);
 /// arithmetic (x * 0.5 on i64 would multiply by 0): a fraction, NaN, or a value outside i64.
 /// Float tensors take any number (converted to their dtype, as documented).
 void require_exact_scalar(const char* op, double value, const Tensor& like);
+/// The same check for a tensor not made yet (full: checked before its memory is allocated).
+void require_exact_scalar(const char* op, double value, DType dtype, const Shape& shape);
 /// Throws DTypeError unless a and b have the same dtype.
 void require_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void require_defined(const char* op, const Tensor& t);

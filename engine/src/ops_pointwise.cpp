@@ -375,11 +375,15 @@ Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offs
 
 namespace ruda::detail {
 
-void require_exact_scalar(const char* op, double value, const Tensor& like) {
-  if (like.dtype() != DType::i64) return;
+void require_exact_scalar(const char* op, double value, DType dtype, const Shape& shape) {
+  if (dtype != DType::i64) return;
   if (std::floor(value) == value && value >= -kTwo63 && value < kTwo63) return;
-  fail<DTypeError>(op, "the number ", value, " is not an i64 value, and the tensor is i64 ", like.shape(),
+  fail<DTypeError>(op, "the number ", value, " is not an i64 value, and the tensor is i64 ", shape,
                    " (cast it to a float dtype first)");
+}
+
+void require_exact_scalar(const char* op, double value, const Tensor& like) {
+  require_exact_scalar(op, value, like.dtype(), like.shape());
 }
 
 }  // namespace ruda::detail

@@ -491,8 +491,10 @@ Tensor empty(const Shape& shape, Options options) {
 }
 
 Tensor full(const Shape& shape, double value, Options options) {
+  check_enum<DTypeError>(options.dtype, "full", "dtype");
+  // Before allocating: a refused value must not first cost (or fail on) a large allocation.
+  detail::require_exact_scalar("full", value, options.dtype, shape);  // full(.., 2.7, i64) gave 2, NaN gave 0
   Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), "full");
-  detail::require_exact_scalar("full", value, t);  // full(.., 2.7, i64) gave 2, NaN gave 0
   if (t.numel()) t.backend().fill(detail::view_of(t), value);
   return finish(std::move(t), options);
 }

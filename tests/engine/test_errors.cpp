@@ -297,6 +297,12 @@ TEST_CASE("fill_ and full on i64 refuse numbers that are no i64 value, as add_ a
   test::check_throws<DTypeError>([&] { full({3}, std::numeric_limits<double>::quiet_NaN(), Options(DType::i64)); },
                                  {"full", "i64"});
   test::check_throws<DTypeError>([&] { full({2}, 1e30, Options(DType::i64)); }, {"full"});
+  // Refused before the 8 PiB it asks for is allocated (an OutOfMemoryError otherwise).
+  test::check_throws<DTypeError>(
+      [&] {
+        full({1LL << 40, 1LL << 10}, 2.5, Options(DType::i64));
+      },
+      {"full", "2.5", "[1099511627776, 1024]"});
   CHECK(x.fill_(-4).to_vector<std::int64_t>() == std::vector<std::int64_t>{-4, -4, -4});
   CHECK(full({2}, 0.5).to_vector<float>() == std::vector<float>{0.5f, 0.5f});
 }
