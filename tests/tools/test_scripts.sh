@@ -59,6 +59,9 @@ case "$case_name" in
   bench-list)
     "$root/tools/bench" --list >"$log" 2>&1 || fail "tools/bench --list exited $?"
     for suite in gemm mlp models train-step checkpoint; do grep -qx "$suite" "$log" || fail "no suite $suite"; done
+    # Integer options refuse what CLI11 would saturate (as ruda-train's and ruda-ckpt's do).
+    if "$root/tools/bench" --repeats 99999999999999999999 --suite gemm >"$log" 2>&1; then fail "--repeats past int accepted"; fi
+    expect "--repeats: must be a whole number"
     ;;
   fuzz-safetensors)
     RUDA_FUZZ_DIR=$work/fuzz "$root/tools/fuzz-safetensors" 5 >"$log" 2>&1 || fail "tools/fuzz-safetensors exited $?"

@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "../cli_bounds.h"
 #include "bench.h"
 
 namespace ruda::bench {
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--suite", selected, "Suites to run (repeatable; default: all)");
   app.add_option("--backend", backends, "Backends to measure (repeatable; default: every built backend)");
   app.add_flag("--json", json, "One JSON object per figure instead of a table");
-  app.add_option("--repeats", ctx.repeats, "Timed runs per figure")->check(CLI::PositiveNumber);
+  ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(CLI::PositiveNumber);
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
   CLI11_PARSE(app, argc, argv);
