@@ -76,7 +76,7 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
 void EigenBackend::adam_update(const AdamDesc& d) {
   const std::int64_t n = d.param.numel();
   // PyTorch's formulation, so results compare with it: decay, moments, then
-  // p -= (lr / bc1) * (m / (sqrt(v) / sqrt(bc2) + eps)).
+  // p -= ((lr / bc1) * m) / (sqrt(v) / sqrt(bc2) + eps).
   const double bc1 = 1.0 - std::pow(d.beta1, static_cast<double>(d.step));
   const double bc2 = 1.0 - std::pow(d.beta2, static_cast<double>(d.step));
   dispatch_float(d.param.dtype, "adam", [&](auto tag) {
@@ -101,12 +101,16 @@ void EigenBackend::adam_update(const AdamDesc& d) {
       for (std::int64_t i = begin; i < end; ++i) {
         C pi = Num<T>::load(p[i]);
         C gi = Num<T>::load(g[i]);
-        if (l2) gi += wd * pi;
+        // Each operation as PyTorch's CPU kernels round it (torch 1.13's _single_tensor_adam; the
+        // file is compiled without fp-contract, so only these fmas are fused): grad.add(param,
+        // alpha=wd) and exp_avg.mul_(b1).add_(grad, alpha=1-b1) are fmas in its vectorized add,
+        // exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1-b2) one over (value * grad) * grad,
+        // denom = sqrt(v) / sqrt(bc2) + eps, and addcdiv_ p - (step_size * m) / denom.
+        if (l2) gi = std::fma(pi, wd, gi);
         pi *= decay;
-        const C mi = b1 * Num<T>::load(m[i]) + one_minus_b1 * gi;
-        const C vi = b2 * Num<T>::load(v[i]) + one_minus_b2 * gi * gi;
-        // In PyTorch's order: denom = sqrt(v) / sqrt(bc2) + eps; p -= step_size * (m / denom).
-        pi -= step_size * (mi / (std::sqrt(vi) / sqrt_bc2 + eps));
+        const C mi = std::fma(gi, one_minus_b1, Num<T>::load(m[i]) * b1);
+        const C vi = std::fma(one_minus_b2 * gi, gi, Num<T>::load(v[i]) * b2);
+        pi -= step_size * mi / (std::sqrt(vi) / sqrt_bc2 + eps);
         m[i] = Num<T>::store(mi);
         v[i] = Num<T>::store(vi);
         p[i] = Num<T>::store(pi);

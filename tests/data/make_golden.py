@@ -140,6 +140,36 @@ out["param_groups"] = {
     "sgd": grouped_run(lambda p: torch.optim.SGD(two_groups(p, 0.05), lr=0.01, momentum=0.9)),
 }
 
+# Adam and AdamW in f32, as ruda's fused kernel runs them: 4096 values through three steps at
+# lr 0.1 (the rounding of 1 - beta and the order of the update show at this rate), and a second
+# parameter that first has a gradient in the second step (each parameter counts its own steps).
+def adam_f32(make_optimizer):
+    g = torch.Generator().manual_seed(7)
+    p = torch.randn(4096, generator=g, dtype=torch.float32).requires_grad_(True)
+    q = torch.randn(64, generator=g, dtype=torch.float32).requires_grad_(True)
+    grads = [torch.randn(4096, generator=g, dtype=torch.float32) * 10 ** (i - 2) for i in range(3)]
+    q_grads = [None] + [torch.randn(64, generator=g, dtype=torch.float32) for _ in range(2)]
+    case = {"p0": {"shape": [4096], "values": t(p)}, "q0": {"shape": [64], "values": t(q)}}
+    opt = make_optimizer([p, q])
+    for i in range(3):
+        opt.zero_grad()
+        p.grad = grads[i].clone()
+        if q_grads[i] is not None:
+            q.grad = q_grads[i].clone()
+        case["g%d" % i] = {"shape": [4096], "values": t(grads[i])}
+        if q_grads[i] is not None:
+            case["qg%d" % i] = {"shape": [64], "values": t(q_grads[i])}
+        opt.step()
+    case["p3"] = {"shape": [4096], "values": t(p)}
+    case["q3"] = {"shape": [64], "values": t(q)}
+    return case
+
+
+out["adam_f32"] = {
+    "adam": adam_f32(lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01)),
+    "adamw": adam_f32(lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1)),
+}
+
 path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden.json")
 with open(path, "w") as f:
     json.dump(out, f)

@@ -357,6 +357,7 @@ struct ParamHeader {
   DType dtype = DType::f32;
   bool sharded = false;
   std::vector<std::pair<std::string, DType>> state;  // the optimizer's state tensors: names and dtypes
+  std::optional<std::int64_t> steps;  // the parameter's own step count, where it differs from the optimizer's
 };
 
 // What the index records as the optimizer's kind: the optimizers of nn by name (an Adam with
@@ -438,6 +439,7 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
       json dtypes = json::object();
       for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
       jparams[p.name]["state_dtypes"] = dtypes;
+      if (p.steps) jparams[p.name]["steps"] = *p.steps;
     }
   }
   index["params"] = jparams;
@@ -658,9 +660,11 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
     for (const auto& [name, p] : params) {
-      headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}});
+      headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}, {}});
       if (optimizer) {
         for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
+        // (Adam counts each parameter's steps: one that had no gradient in some is resumed so.)
+        if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
       }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
@@ -778,6 +782,10 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
   }
   if (optimizer && index.has_optimizer) {
     optimizer->set_steps(index.optimizer_steps);
+    for (const auto& [name, p] : params) {
+      const auto found = by_name.find(name);
+      if (found != by_name.end() && found->second->steps) optimizer->set_steps_of(p, *found->second->steps);
+    }
     try {
       optimizer->set_lr(index.lr);
     } catch (const ArgumentError& e) {  // a value of the index, not of the caller
@@ -949,7 +957,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
   std::vector<ParamHeader> headers;
   for (const auto& t : input.tensors()) {
     if (!is_floating(t.dtype)) fail(input_file, "tensor '" + t.name + "' is not floating-point");
-    headers.push_back({t.name, 0, t.shape, t.dtype, true, {}});
+    headers.push_back({t.name, 0, t.shape, t.dtype, true, {}, {}});
   }
   std::map<std::string, std::string> extra = input.metadata();
   extra.erase("step");

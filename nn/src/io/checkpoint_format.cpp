@@ -288,6 +288,10 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
       }
     }
   }
+  if (jp.contains("steps")) {
+    if (!index.has_optimizer) fail(where + " has a 'steps' count but the index holds no optimizer state");
+    p.steps = integer(jp, "steps", where, 0, index.optimizer_steps);
+  }
   const json& pieces = member(jp, "pieces", where);
   if (!pieces.is_array()) fail(where + "'s 'pieces' must be an array");
   for (const json& jpiece : pieces) {

@@ -72,6 +72,29 @@ void Optimizer::set_steps(std::int64_t steps) {
   steps_set();
 }
 
+std::int64_t Optimizer::steps_of(const Param&) const { return steps_; }
+
+void Optimizer::set_steps_of(const Param& param, std::int64_t steps) {
+  if (steps < 0 || steps > steps_) {
+    fail<ArgumentError>("Optimizer::set_steps_of", "a parameter's step count must be in [0, ", steps_,
+                        "] (the optimizer's), got ", steps, " for parameter ", param.shape());
+  }
+}
+
+std::int64_t Adam::steps_of(const Param& param) const {
+  const auto skipped = skipped_.find(param.id());
+  return steps_ - (skipped == skipped_.end() ? 0 : skipped->second);
+}
+
+void Adam::set_steps_of(const Param& param, std::int64_t steps) {
+  Optimizer::set_steps_of(param, steps);  // the range check
+  if (steps == steps_) {
+    skipped_.erase(param.id());
+  } else {
+    skipped_[param.id()] = steps_ - steps;
+  }
+}
+
 void Optimizer::set_lr(double lr) {
   require_at_least("Optimizer", "learning rate", lr, 0.0);
   lr_ = lr;
@@ -157,7 +180,6 @@ void Adam::step() {
       ++skipped_[p.id()];
       continue;
     }
-    const auto skipped = skipped_.find(p.id());
     Moments& m = moments(p);
     const Tensor& data = p.data();
     AdamDesc d;
@@ -170,7 +192,7 @@ void Adam::step() {
     d.beta2 = options_.beta2;
     d.eps = options_.eps;
     d.weight_decay = weight_decay_of(i, options_.weight_decay);
-    d.step = steps_ - (skipped == skipped_.end() ? 0 : skipped->second);  // this parameter's own count
+    d.step = steps_of(p);  // this parameter's own count
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
     data.bump_version();

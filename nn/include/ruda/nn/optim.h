@@ -46,8 +46,13 @@ class Optimizer {
   std::int64_t steps() const noexcept { return steps_; }
   /// ArgumentError for a negative count (Adam's bias corrections would divide by 0 or turn the
   /// update around) or INT64_MAX (the next step's count would overflow). Every parameter then
-  /// counts that many steps (a checkpoint records the optimizer's count, not each parameter's).
+  /// counts that many steps.
   void set_steps(std::int64_t steps);
+  /// The steps `param` itself has taken, where the optimizer counts them per parameter (Adam: the
+  /// steps it had a gradient in); steps() elsewhere. Checkpoints record it where it differs.
+  virtual std::int64_t steps_of(const Param& param) const;
+  /// Sets it after set_steps (a checkpoint's resume): ArgumentError outside [0, steps()].
+  virtual void set_steps_of(const Param& param, std::int64_t steps);
   /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
   const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
@@ -120,6 +125,12 @@ class Adam : public Optimizer {
   };
   Moments& moments(const Param& param);
   void steps_set() override { skipped_.clear(); }
+
+ public:
+  std::int64_t steps_of(const Param& param) const override;
+  void set_steps_of(const Param& param, std::int64_t steps) override;
+
+ private:
   AdamOptions options_;
   std::unordered_map<ParamId, Moments> moments_;
   // Steps a parameter had no gradient in (since the last set_steps): its own count is steps_ less these.
