@@ -13,8 +13,7 @@
 // read 2.9e-39 (f32) or 5.6e-309 (f64), not 0: a softmax's masked (-inf) slots held that instead
 // of 0, and exp(-100) in f32 was 2.9e-39, not 3.8e-44. vector_exp computes exp(x) below the clamp
 // as exp(x + k ln 2) * 2^-k, which is in Eigen's accurate range down to where exp(x) rounds to 0;
-// above it the values are Eigen's own, bit for bit. The logistic function takes it where Eigen's
-// took its clamped exp. Private to the Eigen backend;
+// above it the values are Eigen's own, bit for bit. The logistic function is built on it. Private to the Eigen backend;
 // op_descriptors.h declares the functions.
 #pragma once
 
@@ -41,19 +40,22 @@ struct TanhApproximation {
   }
 };
 
-// exp(x) for every x, Eigen's pexp where it does not clamp: below kLow, exp(x + k ln 2) * 2^-k,
-// exact in the scaling (a power of two) and rounded once where the result is subnormal.
+// exp(x) for every x, Eigen's pexp where it does not clamp: below kLow, exp(x + k) * exp(-k).
+// The shift k is an integer, so x + k is exact (x's spacing there is no finer than the sum's); the
+// only roundings are pexp's, the constant exp(-k)'s (half an ulp) and the product's, which is the
+// single rounding into the subnormal range: 2 ulp at most where a multiple of ln 2 as the shift
+// (itself rounded, then added to x with a rounding) lost up to 39 ulp in f64.
 struct ExpWithoutClamp {
   template <class Packet>
   Packet operator()(const Packet& x) const {
     using namespace Eigen::internal;
     using S = typename unpacket_traits<Packet>::type;
     constexpr bool f32 = std::is_same_v<S, float>;
-    // Eigen's clamp is at -88.723 (f32) / -709.784 (f64); shifted by k ln 2, the smallest x whose
-    // exp is not 0 (-103.98 / -745.14) lands above it.
+    // Eigen's clamp is at -88.723 (f32) / -709.784 (f64); shifted by k, the smallest x whose exp
+    // is not 0 (-103.98 / -745.14) lands above it.
     constexpr S kLow = f32 ? S(-87) : S(-708);
-    constexpr S kShift = f32 ? S(32 * 0.6931471805599453) : S(64 * 0.6931471805599453);
-    constexpr S kScale = f32 ? S(0x1p-32) : S(0x1p-64);
+    constexpr S kShift = f32 ? S(32) : S(64);
+    constexpr S kScale = f32 ? S(1.2664165549094176e-14) : S(1.6038108905486379e-28);  // exp(-32), exp(-64)
     const Packet low = pcmp_lt(x, pset1<Packet>(kLow));
     if (!predux_any(low)) return pexp(x);
     const Packet e = pexp(pselect(low, padd(x, pset1<Packet>(kShift)), x));
@@ -61,28 +63,17 @@ struct ExpWithoutClamp {
   }
 };
 
-// The logistic function 1 / (1 + exp(-x)). In f32, Eigen's rational approximation (a couple of
-// ulp on [-9, 18], 1 above) where it holds, and e / (1 + e) with e = exp(x) below -9, where Eigen
-// takes exp(x) alone (1e-4 off at -9.5) and clamps it. In f64 (no approximation in Eigen), the
-// stable form everywhere: 1 / (1 + e) above 0 and e / (1 + e) below, e = exp(-|x|) <= 1, exact to
-// a few ulp down to subnormal results (Eigen's 1 / (1 + exp(-x)) read 5.6e-309 at -1000, not 0).
-struct StableLogistic {
+// The logistic function as PyTorch computes it, 1 / (1 + exp(-x)) with an exp of its own accuracy:
+// a few ulp everywhere, 0 where exp(-x) overflows (x below -88.7 in f32, -709.8 in f64: the true
+// values are subnormal), 1 at +inf, 0 at -inf. (Eigen's f32 logistic, a rational approximation
+// with exp(x) below -9, was 2.3e-4 relative off at -8.6 and clamped.)
+struct Logistic {
   template <class Packet>
   Packet operator()(const Packet& x) const {
     using namespace Eigen::internal;
     using S = typename unpacket_traits<Packet>::type;
     const Packet one = pset1<Packet>(S(1));
-    if constexpr (std::is_same_v<S, float>) {
-      const Packet y = scalar_logistic_op<float>{}.packetOp(x);
-      const Packet low = pcmp_lt(x, pset1<Packet>(-9.0f));
-      if (!predux_any(low)) return y;
-      const Packet e = ExpWithoutClamp{}(x);
-      return pselect(low, pdiv(e, padd(one, e)), y);
-    } else {
-      const Packet e = ExpWithoutClamp{}(pnegate(pabs(x)));
-      const Packet r = pdiv(one, padd(one, e));
-      return pselect(pcmp_lt(x, pzero(x)), pmul(e, r), r);
-    }
+    return pdiv(one, padd(one, ExpWithoutClamp{}(pnegate(x))));
   }
 };
 
@@ -150,7 +141,7 @@ template <class X>
 auto vector_logistic(const X& x) {
   using S = typename X::Scalar;
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_logistic: f32 or f64 arrays");
-  return x.unaryExpr(detail::PacketFunction<detail::StableLogistic, S>{});
+  return x.unaryExpr(detail::PacketFunction<detail::Logistic, S>{});
 }
 
 template <class X>

@@ -4,7 +4,9 @@
 // 64K and 1M values, 10th-percentile times of interleaved runs (tools/bench: onednn-kernels shows
 // the same comparison through the engine). A kernel is listed when oneDNN took at least ~15% longer
 // at both sizes:
-//   f32 forward:  log 0.6x, rsqrt (pow -1/2) 0.02x, tanh 0.7-0.85x, sigmoid 0.7x, gelu 0.7-0.9x,
+//   f32 forward:  log 0.6x, rsqrt (pow -1/2) 0.02x, tanh 0.7-0.85x, sigmoid 0.7x (against Eigen's
+//                 rational approximation; its exact form since 2026-12-04 is 1.5x slower than
+//                 oneDNN's, so sigmoid runs there again), gelu 0.7-0.9x,
 //                 silu 0.4x (oneDNN's time relative to Eigen's, as a speed ratio)
 //   backward:     every *_use_dst_for_bwd algorithm (relu, tanh, sigmoid, sqrt) and log 0.25x in
 //                 f32, 0.45x in bf16; softplus 0.45x; silu 0.5-0.75x; f32 gelu (tanh) 0.8x

@@ -187,8 +187,10 @@ Tensor extremum(BinaryOp op, const char* name, const Tensor& a, const Tensor& b)
                        // value is NaN (neither wins, no tie) both do.
                        const Tensor a_loses = op == BinaryOp::maximum ? lt(av, bv) : gt(av, bv);
                        const Tensor b_loses = op == BinaryOp::maximum ? gt(av, bv) : lt(av, bv);
-                       const Tensor half_tie = cast(eq(av, bv), g.dtype()) * 0.5;
-                       auto share = [&](const Tensor& loses) { return g * (1.0 - cast(loses, g.dtype()) - half_tie); };
+                       // (Selected, not masked by a multiply: an infinite gradient stays off the loser.)
+                       const Tensor tie = eq(av, bv);
+                       const Tensor zero = zeros({}, Options(g.dtype(), &g.backend()));
+                       auto share = [&](const Tensor& loses) { return where(loses, zero, where(tie, g * 0.5, g)); };
                        return two(need[0] ? sum_to(share(a_loses), sa) : Tensor(),
                                   need[1] ? sum_to(share(b_loses), sb) : Tensor());
                      });
@@ -267,9 +269,12 @@ Tensor clamp(const Tensor& x, double low, double high) {
   if (autograd::needs_grad(x)) {
     // The gradient passes where low <= x <= high, bounds included (PyTorch's clamp_backward; as
     // maximum and minimum it would split at a bound), and is 0 where x is NaN.
+    // Selected, not multiplied by a mask: an infinite or NaN gradient outside the bounds (sqrt or
+    // log of the clamped value at 0) stays out instead of becoming inf * 0 = NaN.
     autograd::record("clamp", out, {x}, {x}, [lo, hi](const Tensor& g, const Saved& s, GradMask) {
       const Tensor& xv = s[0].get();
-      return std::vector<Tensor>{g * cast(ge(xv, lo), g.dtype()) * cast(le(xv, hi), g.dtype())};
+      const Tensor zero = zeros({}, Options(g.dtype(), &g.backend()));
+      return std::vector<Tensor>{where(lt(xv, lo), zero, where(gt(xv, hi), zero, where(eq(xv, xv), g, zero)))};
     });
   }
   return out;

@@ -393,6 +393,40 @@ TEST_CASE(
   }
 }
 
+TEST_CASE("sigmoid, SiLU and exp over dense ranges: a few ulp of a double reference, down to subnormal results") {
+  // f32: sigmoid over [-20, 20] (Eigen's rational approximation was 2.3e-4 relative off at -8.6),
+  // SiLU through it. f64: exp over [-745, -700], where the unclamped exp takes over from Eigen's.
+  std::vector<double> xs;
+  for (int i = -8000; i <= 8000; ++i) xs.push_back(i / 400.0);
+  const auto n = static_cast<std::int64_t>(xs.size());
+  const Tensor x = values(xs, {n}, DType::f32);
+  const std::vector<double> xr = x.to_vector<double>();
+  auto ulps = [](double got, double want) {
+    const auto w = static_cast<float>(want);
+    const double ulp = std::max<double>(std::nextafter(std::abs(w), INFINITY) - std::abs(w), 1.4e-45);
+    return std::abs(got - static_cast<double>(w)) / ulp;
+  };
+  double worst_sigmoid = 0, worst_silu = 0;
+  const std::vector<double> s = sigmoid(x).to_vector<double>(), u = silu(x).to_vector<double>();
+  for (std::size_t i = 0; i < xr.size(); ++i) {
+    const double ref = 1 / (1 + std::exp(-xr[i]));
+    worst_sigmoid = std::max(worst_sigmoid, ulps(s[i], ref));
+    worst_silu = std::max(worst_silu, ulps(u[i], xr[i] * ref));
+  }
+  CHECK(worst_sigmoid <= 4);
+  CHECK(worst_silu <= 5);
+  std::vector<double> deep;
+  for (int i = 0; i <= 4500; ++i) deep.push_back(-745.0 + i / 100.0);
+  const std::vector<double> e = exp(values(deep, {4501}, DType::f64)).to_vector<double>();
+  double worst_exp = 0;
+  for (std::size_t i = 0; i < deep.size(); ++i) {
+    const double want = std::exp(deep[i]);
+    const double ulp = std::nextafter(want, INFINITY) - want;
+    worst_exp = std::max(worst_exp, std::abs(e[i] - want) / ulp);
+  }
+  CHECK(worst_exp <= 2.5);
+}
+
 TEST_CASE("Backend::unary_with_derivative: unary's values and unary_backward's with gy = 1, in place or not") {
   // The suite's backend, with its fused form for the GELUs and the base class's default (unary,
   // then unary_backward) for tanh, and that default called directly on every op.
@@ -624,6 +658,15 @@ TEST_CASE(
     const Tensor y = values({1}, {1}, d).set_requires_grad();
     sum(clamp(y, 1, 1)).backward();
     CHECK(y.grad().item() == 1);
+  }
+  // An infinite gradient beyond a bound stays out: sqrt's at the clamped 0 (inf * 0 was NaN).
+  for (DType d : {DType::f32, DType::f64}) {
+    const Tensor x = values({-1, 0.25, 4}, {3}, d).set_requires_grad();
+    sum(sqrt(clamp(x, 0, 1))).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{0, 1, 0});
+    const Tensor y = values({-1, 0.25}, {2}, d).set_requires_grad();
+    sum(log(maximum(y, zeros({}, d)))).backward();
+    CHECK(y.grad().to_vector<double>() == std::vector<double>{0, 4});
   }
   // maximum / minimum: the winner takes the gradient, a tie splits it, and where a value is NaN
   // neither wins, so both take it (PyTorch's masked_fill of the loser).
