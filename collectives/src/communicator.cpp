@@ -411,7 +411,7 @@ Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64
     call.fingerprint = cd::with_shape(
         cd::numbered(call.sequence,
                      call_text(op, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag))),
-        has_data ? to_string(r.shape) : std::string());
+        has_data ? to_string(r.shape) : std::string());  // (a barrier's: none)
     try {
       check_order(call);
     } catch (...) {

@@ -277,19 +277,19 @@ constexpr char kShapeSeparator = '\x1f';  // ASCII unit separator: in no op, dty
 }  // namespace
 
 std::string with_shape(std::string fingerprint, const std::string& shape) {
-  if (shape.empty()) return fingerprint;
-  fingerprint += kShapeSeparator;
+  fingerprint += kShapeSeparator;  // always, even with no shape: the last separator is this one
   fingerprint += shape;
   return fingerprint;
 }
 
+// The last separator: the shape comes last, and a tag (user text) may hold the byte itself.
 std::string without_shape(const std::string& fingerprint) {
-  return fingerprint.substr(0, fingerprint.find(kShapeSeparator));
+  return fingerprint.substr(0, fingerprint.rfind(kShapeSeparator));
 }
 
 std::string shape_shown(const std::string& fingerprint) {
-  const std::size_t at = fingerprint.find(kShapeSeparator);
-  if (at == std::string::npos) return fingerprint;
+  const std::size_t at = fingerprint.rfind(kShapeSeparator);
+  if (at == std::string::npos || at + 1 == fingerprint.size()) return fingerprint.substr(0, at);
   return fingerprint.substr(0, at) + " of " + fingerprint.substr(at + 1);
 }
 

@@ -24,9 +24,12 @@ Reduction plan(const char* op, const Tensor& x, const Axes& axes, bool keepdim) 
   const std::int64_t nd = x.ndim();
   Reduction r;
   r.reduced.assign(static_cast<std::size_t>(nd), axes.empty());
+  bool scalar_axis = false;
   for (std::int64_t a : axes) {
-    if (nd == 0) {  // a scalar reduces over axis 0 or -1 to itself, as in PyTorch
+    if (nd == 0) {  // a scalar reduces over axis 0 or -1 to itself, as in PyTorch (once)
       if (a != 0 && a != -1) fail<IndexError>(op, "axis ", a, " is out of range for a scalar (0 or -1 allowed)");
+      if (scalar_axis) fail<IndexError>(op, "axis ", a, " is listed twice for a scalar");
+      scalar_axis = true;
       continue;
     }
     const int axis = normalize_axis(a, nd, op);

@@ -519,9 +519,13 @@ Tensor arange_i64(double start, double end, double step, const Options& options)
   };
   const std::int64_t first = integer("start", start), by = integer("step", step);
   // The integer bound that excludes the same values as end does: v < end is v < ceil(end) for an
-  // integer v, and v > end is v > floor(end); cut to i64's range (values never pass it).
-  const double bound = std::clamp(step > 0 ? std::ceil(end) : std::floor(end), -kTwo63, kTwo63 - 1024.0);
-  const auto last = static_cast<__int128>(bound);
+  // integer v, and v > end is v > floor(end); beyond i64's range, just beyond it (2^63, or
+  // -2^63 - 1), so that INT64_MAX and INT64_MIN themselves stay reachable. In 128 bits: 2^63
+  // has no i64, and a double cut to one would drop the values above 2^63 - 1024.
+  const double edge = step > 0 ? std::ceil(end) : std::floor(end);
+  const __int128 last = edge >= kTwo63   ? __int128{1} << 63
+                        : edge < -kTwo63 ? -(__int128{1} << 63) - 1
+                                         : static_cast<__int128>(static_cast<std::int64_t>(edge));
   const __int128 span = step > 0 ? last - first : first - last, stride = step > 0 ? by : -static_cast<__int128>(by);
   const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
   if (count >= (__int128{1} << 62)) {

@@ -629,6 +629,15 @@ inline void order_check(Communicator& c) {
       "collective #" + std::to_string(before + 5) + " differs: " + others +
           " all_reduce(f32, 8, sum, \"w\") of [2, 4], rank 1 all_reduce(f32, 8, sum, \"w\") of [4, 2]",
       "different shapes");
+  // A tag holding the fingerprint's own separator byte still shows the shapes whole.
+  const std::string odd_tag = std::string("a") + '\x1f' + "b";
+  expect_mismatch(
+      [&] {
+        c.all_gather(zeros(odd ? Shape{3, 2} : Shape{2, 3}), {odd_tag});
+      },
+      "collective #" + std::to_string(before + 6) + " differs: " + others + " all_gather(f32, 6, \"" + odd_tag +
+          "\") of [2, 3], rank 1 all_gather(f32, 6, \"" + odd_tag + "\") of [3, 2]",
+      "a tag with the separator");
   // After mismatches the ranks are still in step.
   expect_values(
       c.all_reduce(scalar(1.0), Reduction::sum, {"after"}), DType::f32, {}, [&](std::int64_t) { return double(n); },

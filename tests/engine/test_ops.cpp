@@ -591,6 +591,7 @@ TEST_CASE("reductions of a scalar over axis 0 or -1 give the scalar, as in PyTor
   }
   test::check_throws<IndexError>([&] { (void)sum(s, {1}); }, {"sum", "axis 1", "scalar"});
   test::check_throws<IndexError>([&] { (void)max(s, {-2}); }, {"max", "axis -2", "scalar"});
+  test::check_throws<IndexError>([&] { (void)sum(s, {0, -1}); }, {"sum", "listed twice"});
 }
 
 TEST_CASE(
@@ -622,6 +623,14 @@ TEST_CASE(
   CHECK(arange(0, 3, -1, DType::i64).numel() == 0);
   CHECK(arange(-9223372036854775808.0, -9223372036854775808.0 + 4096, 2048, DType::i64).to_vector<std::int64_t>() ==
         std::vector<std::int64_t>{kMin, kMin + 2048});
+  // Up to the ends of i64 (a bound cut to a double below 2^63 dropped the last 1023 values).
+  const Tensor top = arange(9223372036854774784.0, 9223372036854775808.0, 1, DType::i64);
+  CHECK(top.numel() == 1024);
+  CHECK(top.to_vector<std::int64_t>().back() == kMax);
+  CHECK(arange(9223372036854773760.0, 1e300, 1024, DType::i64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{kMax - 2047, kMax - 1023});
+  CHECK(arange(-9223372036854775808.0, -1e30, -1, DType::i64).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{kMin});
   test::check_throws<DTypeError>([] { (void)arange(0, 2, 0.5, DType::i64); }, {"arange", "step", "0.5"});
   test::check_throws<DTypeError>([] { (void)arange(0.5, 2, 1, DType::i64); }, {"arange", "start", "0.5"});
   test::check_throws<DTypeError>([] { (void)arange(1e19, 2e19, 1, DType::i64); }, {"arange", "start"});
