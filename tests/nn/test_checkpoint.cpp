@@ -256,6 +256,24 @@ TEST_CASE("a resume keeps each parameter's own Adam step count: one that had no 
   }
   // A count past the optimizer's is a damaged index, refused by name.
   test::check_throws<ArgumentError>([&] { opt.set_steps_of(b.back(), 5); }, {"set_steps_of", "[0, 4]", "5"});
+  // A parameter the optimizer does not update is refused, not given a count.
+  test::check_throws<ArgumentError>([&] { opt.set_steps_of(straight.parameters().back(), 1); },
+                                    {"set_steps_of", "not one this optimizer updates"});
+  test::check_throws<ArgumentError>([&] { (void)opt.steps_of(straight.parameters().back()); },
+                                    {"steps_of", "not one this optimizer updates"});
+  // An optimizer over part of the module (the rest frozen) saves and resumes as before.
+  TempDir part_dir;
+  nn::Sequential partial = make();
+  const auto all = partial.parameters();
+  nn::Adam part_opt(std::vector<nn::Param>(all.begin(), all.begin() + 2), {.lr = 0.1});
+  run(partial, part_opt, 0, 2);
+  nn::save_checkpoint(part_dir.str(), 2, partial, &part_opt, comm, {});
+  nn::Sequential partial_again = make();
+  const auto again = partial_again.parameters();
+  nn::Adam again_opt(std::vector<nn::Param>(again.begin(), again.begin() + 2), {.lr = 0.1});
+  nn::load_checkpoint(part_dir.str(), partial_again, &again_opt, comm);
+  CHECK(again_opt.steps() == 2);
+  CHECK(again[0].data().to_vector<double>() == all[0].data().to_vector<double>());
 }
 
 TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {

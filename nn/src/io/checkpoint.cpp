@@ -664,7 +664,10 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
       if (optimizer) {
         for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
         // (Adam counts each parameter's steps: one that had no gradient in some is resumed so.)
-        if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
+        // (A module's parameter the optimizer does not update has no count of its own.)
+        if (optimizer->updates(p)) {
+          if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
+        }
       }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
@@ -784,7 +787,9 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     optimizer->set_steps(index.optimizer_steps);
     for (const auto& [name, p] : params) {
       const auto found = by_name.find(name);
-      if (found != by_name.end() && found->second->steps) optimizer->set_steps_of(p, *found->second->steps);
+      if (found != by_name.end() && found->second->steps && optimizer->updates(p)) {
+        optimizer->set_steps_of(p, *found->second->steps);
+      }
     }
     try {
       optimizer->set_lr(index.lr);

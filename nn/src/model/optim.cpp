@@ -47,7 +47,7 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr) : groups_(std::m
   if (params_.empty()) fail<ArgumentError>("Optimizer", "got no parameters to optimize");
   // A parameter listed twice would be updated twice per step: refuse it (tied weights are one
   // Param, listed once by Module::parameters()).
-  std::unordered_map<ParamId, std::size_t> seen;
+  std::unordered_map<ParamId, std::size_t>& seen = position_;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const std::string& group = groups_[group_of_[i]].name;
@@ -72,9 +72,20 @@ void Optimizer::set_steps(std::int64_t steps) {
   steps_set();
 }
 
-std::int64_t Optimizer::steps_of(const Param&) const { return steps_; }
+void Optimizer::require_own(const char* op, const Param& param) const {
+  if (!updates(param)) {
+    fail<ArgumentError>(op, "the parameter ", param.defined() ? to_string(param.shape()) : std::string("(undefined)"),
+                        " is not one this optimizer updates");
+  }
+}
+
+std::int64_t Optimizer::steps_of(const Param& param) const {
+  require_own("Optimizer::steps_of", param);
+  return steps_;
+}
 
 void Optimizer::set_steps_of(const Param& param, std::int64_t steps) {
+  require_own("Optimizer::set_steps_of", param);
   if (steps < 0 || steps > steps_) {
     fail<ArgumentError>("Optimizer::set_steps_of", "a parameter's step count must be in [0, ", steps_,
                         "] (the optimizer's), got ", steps, " for parameter ", param.shape());
@@ -82,6 +93,11 @@ void Optimizer::set_steps_of(const Param& param, std::int64_t steps) {
 }
 
 std::int64_t Adam::steps_of(const Param& param) const {
+  require_own("Adam::steps_of", param);
+  return own_steps(param);
+}
+
+std::int64_t Adam::own_steps(const Param& param) const {
   const auto skipped = skipped_.find(param.id());
   return steps_ - (skipped == skipped_.end() ? 0 : skipped->second);
 }
@@ -192,7 +208,7 @@ void Adam::step() {
     d.beta2 = options_.beta2;
     d.eps = options_.eps;
     d.weight_decay = weight_decay_of(i, options_.weight_decay);
-    d.step = steps_of(p);  // this parameter's own count
+    d.step = own_steps(p);  // this parameter's own count
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
     data.bump_version();

@@ -55,6 +55,8 @@ class Optimizer {
   virtual void set_steps_of(const Param& param, std::int64_t steps);
   /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
+  /// Whether `param` is one of params().
+  bool updates(const Param& param) const { return param.defined() && position_.contains(param.id()); }
   const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
 
   /// Per-parameter state tensors by name ("exp_avg", "momentum_buffer", ...), for checkpoints.
@@ -70,12 +72,17 @@ class Optimizer {
 
   /// What an optimizer with per-parameter counts does when set_steps sets the count.
   virtual void steps_set() {}
+  /// ArgumentError naming `op` unless `param` is one of params().
+  void require_own(const char* op, const Param& param) const;
 
   std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
   std::vector<std::size_t> group_of_;  // params_[i] is in groups_[group_of_[i]]
   double lr_;
   std::int64_t steps_ = 0;
+
+ private:
+  std::unordered_map<ParamId, std::size_t> position_;  // params_[position_[id]] has that id
 };
 
 struct SGDOptions {
@@ -124,6 +131,7 @@ class Adam : public Optimizer {
     Tensor exp_avg, exp_avg_sq;
   };
   Moments& moments(const Param& param);
+  std::int64_t own_steps(const Param& param) const;  // steps_of without the membership check
   void steps_set() override { skipped_.clear(); }
 
  public:
