@@ -12,9 +12,9 @@
 // Eigen 3.4's packet exp clamps its argument at -88.723 (f32) and -709.784 (f64), so exp(-inf)
 // read 2.9e-39 (f32) or 5.6e-309 (f64), not 0: a softmax's masked (-inf) slots held that instead
 // of 0, and exp(-100) in f32 was 2.9e-39, not 3.8e-44. vector_exp computes exp(x) below the clamp
-// as exp(x + k ln 2) * 2^-k, which is in Eigen's accurate range down to where exp(x) rounds to 0;
-// above it the values are Eigen's own, bit for bit. The logistic function is built on it. Private to the Eigen backend;
-// op_descriptors.h declares the functions.
+// from exp(x + k) * exp(-k) (ExpWithoutClamp), down to where exp(x) rounds to 0; above it the values
+// are Eigen's own, bit for bit. The logistic function is built on it. Private to the Eigen
+// backend; op_descriptors.h declares the functions.
 #pragma once
 
 #include <type_traits>
@@ -108,13 +108,12 @@ struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, float>> {
                    packet_traits<float>::HasAbs && packet_traits<float>::HasExp
   };
 };
-// exp and the logistic use compares, selects, abs, add, multiply and division beside pexp.
+// exp and the logistic use compares, selects, add, multiply and division beside pexp.
 template <class Approximation>
 struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, double>> {
   enum {
     Cost = 30,
-    PacketAccess = packet_traits<double>::HasExp && packet_traits<double>::HasCmp && packet_traits<double>::HasDiv &&
-                   packet_traits<double>::HasAbs
+    PacketAccess = packet_traits<double>::HasExp && packet_traits<double>::HasCmp && packet_traits<double>::HasDiv
   };
 };
 }  // namespace Eigen::internal

@@ -73,10 +73,12 @@ struct Slot {
     return is_16bit_float(dtype) &&
            (kind == Kind::reduce_scatter || (kind == Kind::all_reduce && reduction == Reduction::sum));
   }
-  bool same_collective(const Slot& o) const {
+  // Everything but the shape (which messages show only where nothing else differs), then all.
+  bool same_call(const Slot& o) const {
     return kind == o.kind && dtype == o.dtype && count == o.count && root == o.root && reduction == o.reduction &&
-           by_node == o.by_node && (!accumulate_matters() || accumulate == o.accumulate) && same_shape(o);
+           by_node == o.by_node && (!accumulate_matters() || accumulate == o.accumulate);
   }
+  bool same_collective(const Slot& o) const { return same_call(o) && same_shape(o); }
 };
 
 // What an exception says ("unknown exception" for one that is not a std::exception).
@@ -639,9 +641,7 @@ class EmulatedCommunicator final : public Communicator {
     // The shapes are shown only where nothing else tells the calls apart.
     bool only_shapes = true;
     for (int k = 1; k < world_size(); ++k) {
-      Slot a = world_.slot(k), b = first;
-      a.ndim = b.ndim = 0;
-      only_shapes = only_shapes && a.same_collective(b) && world_.slot(k).sequence == first.sequence;
+      only_shapes = only_shapes && world_.slot(k).same_call(first) && world_.slot(k).sequence == first.sequence;
     }
     std::vector<std::string> calls;
     for (int k = 0; k < world_size(); ++k) {

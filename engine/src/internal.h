@@ -115,6 +115,8 @@ void require_writable_layout(const char* op, const Tensor& t);
 
 /// Throws DTypeError unless t is a float tensor.
 void require_float(const char* op, const Tensor& t);
+/// 2^63: the first double above every i64 (and -2^63 is INT64_MIN itself).
+inline constexpr double kTwo63 = 9223372036854775808.0;
 /// Throws DTypeError where a number would change value on its way into an integer tensor's
 /// arithmetic (x * 0.5 on i64 would multiply by 0): a fraction, NaN, or a value outside i64.
 /// Float tensors take any number (converted to their dtype, as documented).

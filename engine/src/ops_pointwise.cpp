@@ -43,8 +43,7 @@ Tensor arithmetic_scalar(const char* op, double value, const Tensor& like) {
   return scalar_like(value, like);
 }
 
-// 2^63: the first double above every i64 (and -2^63 is INT64_MIN itself).
-constexpr double kTwo63 = 9223372036854775808.0;
+using detail::kTwo63;
 
 // a <op> b for an integer (or bool) tensor and any number, exactly: converting b to the tensor's
 // dtype first would truncate it (0 < 0.5 read as 0 < 0, false). For integers x, x < b is x < ceil(b),
@@ -248,15 +247,14 @@ Tensor clamp(const Tensor& x, double low, double high) {
   if (x.dtype() == DType::i64) {
     // Integer bounds, exactly: [ceil(low), floor(high)], cut to the dtype's range (a bound beyond
     // it, such as 1e30, bounds nothing: INT64_MAX stays INT64_MAX, not the largest double below 2^63).
-    const std::int64_t lo = low <= -kTwo63             ? std::numeric_limits<std::int64_t>::min()
-                            : std::ceil(low) >= kTwo63 ? std::numeric_limits<std::int64_t>::max()
-                                                       : static_cast<std::int64_t>(std::ceil(low));
-    const std::int64_t hi = high >= kTwo63                ? std::numeric_limits<std::int64_t>::max()
-                            : std::floor(high) <= -kTwo63 ? std::numeric_limits<std::int64_t>::min()
-                                                          : static_cast<std::int64_t>(std::floor(high));
-    if (lo > hi || std::ceil(low) >= kTwo63 || std::floor(high) < -kTwo63) {
+    const double ceil_low = std::ceil(low), floor_high = std::floor(high);
+    if (ceil_low > floor_high || ceil_low >= kTwo63 || floor_high < -kTwo63) {
       fail<ArgumentError>("clamp", "no i64 value lies in [", low, ", ", high, "]");
     }
+    const std::int64_t lo =
+        ceil_low <= -kTwo63 ? std::numeric_limits<std::int64_t>::min() : static_cast<std::int64_t>(ceil_low);
+    const std::int64_t hi =
+        floor_high >= kTwo63 ? std::numeric_limits<std::int64_t>::max() : static_cast<std::int64_t>(floor_high);
     auto bound = [&](std::int64_t v) { return from_vector<std::int64_t>({v}, {}, Options(DType::i64, &x.backend())); };
     return minimum(maximum(x, bound(lo)), bound(hi));
   }
@@ -274,7 +272,7 @@ Tensor clamp(const Tensor& x, double low, double high) {
     autograd::record("clamp", out, {x}, {x}, [lo, hi](const Tensor& g, const Saved& s, GradMask) {
       const Tensor& xv = s[0].get();
       const Tensor zero = zeros({}, Options(g.dtype(), &g.backend()));
-      return std::vector<Tensor>{where(lt(xv, lo), zero, where(gt(xv, hi), zero, where(eq(xv, xv), g, zero)))};
+      return std::vector<Tensor>{where(ge(xv, lo), where(le(xv, hi), g, zero), zero)};  // (false at NaN)
     });
   }
   return out;

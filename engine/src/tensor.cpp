@@ -510,7 +510,7 @@ namespace {
 // in i64's range (a fractional one is a DTypeError, as for other numbers mixed into i64); end may
 // be any finite number, and the values are start + i * step on the side of it that step points.
 Tensor arange_i64(double start, double end, double step, const Options& options) {
-  constexpr double kTwo63 = 9223372036854775808.0;
+  using detail::kTwo63;
   auto integer = [&](const char* what, double v) {
     if (v != std::floor(v) || v < -kTwo63 || v >= kTwo63) {
       fail<DTypeError>("arange", "an i64 arange needs an integer ", what, " in i64's range, got ", v);

@@ -239,34 +239,30 @@ bool is_our_temporary(const std::string& name, bool pointer) {
 // only: a link planted at such a name is not ruda's) and step directories without an index, except
 // `current` (the step being saved). Run by rank 0 once the new checkpoint is published, so that a
 // kill during the cleaning loses nothing.
-void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
+// Removes ruda's temporary files (regular files only: a link planted at such a name is not ruda's)
+// in the checkpoint directory (`pointer`: the latest pointer's too) or in a step directory.
+void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
   std::error_code ec;
-  {
-    fs::directory_iterator it(dir, ec);
-    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
-      if (!is_our_temporary(it->path().filename().string(), true) || upkeep.type_of(*it) != fs::file_type::regular)
-        continue;
-      std::error_code removing;
-      fs::remove(it->path(), removing);
-      if (removing) upkeep.skip(it->path(), removing);
-    }
-    if (ec) upkeep.skip(dir, ec);
+  fs::directory_iterator it(dir, ec);
+  for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+    if (!is_our_temporary(it->path().filename().string(), pointer) || upkeep.type_of(*it) != fs::file_type::regular)
+      continue;
+    std::error_code removing;
+    fs::remove(it->path(), removing);
+    if (removing) upkeep.skip(it->path(), removing);
   }
+  if (ec) upkeep.skip(dir, ec);
+}
+
+void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
+  remove_temporaries(dir, true, upkeep);
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (entry.path().filename() == current) continue;
     if (!is_complete_step(entry.path())) {
       upkeep.remove_all(entry.path());
       continue;
     }
-    fs::directory_iterator it(entry.path(), ec);
-    for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
-      if (!is_our_temporary(it->path().filename().string(), false) || upkeep.type_of(*it) != fs::file_type::regular)
-        continue;
-      std::error_code removing;
-      fs::remove(it->path(), removing);
-      if (removing) upkeep.skip(it->path(), removing);
-    }
-    if (ec) upkeep.skip(entry.path(), ec);
+    remove_temporaries(entry.path(), false, upkeep);
   }
 }
 

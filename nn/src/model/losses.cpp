@@ -127,15 +127,11 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
       // past 65504 is infinite).
       const DType acc = is_16bit_float(dtype) ? DType::f32 : dtype;
       const Tensor total = sum(cast(target_weight, acc)).detach();
-      // Every target ignored: the loss is NaN (0 / 0) as in PyTorch, and so is its gradient's
-      // 1 / 0 times the 0s of the mask, which an optimizer step would spread over every
-      // parameter; PyTorch's gradient is 0 there. So the division's gradient is 0 where the
-      // total is, and the NaN rides on a detached term.
-      const Tensor none = eq(total, 0.0);
-      const Tensor zero = zeros({}, Options(acc, &log_probs.backend()));
-      const Tensor inverse = where(none, zero, 1.0 / where(none, zero + 1.0, total));
-      const Tensor nan_if_none = where(none, zero + std::numeric_limits<double>::quiet_NaN(), zero);
-      const Tensor mean_loss = sum(cast(loss, acc)) * inverse + nan_if_none;
+      // Every target ignored: the loss is NaN (0 / 0) as in PyTorch, but its gradient must be 0,
+      // as PyTorch's, not 1 / 0 times the mask's 0s (NaN), which an optimizer step would spread
+      // over every parameter: the sum times 0, plus a NaN that carries no gradient.
+      const Tensor mean_loss = total.item() == 0 ? sum(cast(loss, acc)) * 0.0 + std::numeric_limits<double>::quiet_NaN()
+                                                 : sum(cast(loss, acc)) / total;
       return acc == dtype ? mean_loss : cast(mean_loss, dtype);
     }
   }

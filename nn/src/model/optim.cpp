@@ -47,13 +47,12 @@ Optimizer::Optimizer(std::vector<ParamGroup> groups, double lr) : groups_(std::m
   if (params_.empty()) fail<ArgumentError>("Optimizer", "got no parameters to optimize");
   // A parameter listed twice would be updated twice per step: refuse it (tied weights are one
   // Param, listed once by Module::parameters()).
-  std::unordered_map<ParamId, std::size_t>& seen = position_;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const std::string& group = groups_[group_of_[i]].name;
     if (!p.defined())
       fail<ArgumentError>("Optimizer", "got an undefined parameter (position ", i, ", group '", group, "')");
-    const auto [it, fresh] = seen.try_emplace(p.id(), i);
+    const auto [it, fresh] = position_.try_emplace(p.id(), i);
     if (!fresh) {
       const std::string& first = groups_[group_of_[it->second]].name;
       fail<ArgumentError>("Optimizer", "parameter ", p.shape(), " (id ", p.id(), ") is given twice, at positions ",
