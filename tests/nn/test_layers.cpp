@@ -264,6 +264,39 @@ TEST_CASE("a mean loss over a batch whose every target is ignored is NaN with a 
   CHECK(loss.item() == doctest::Approx(std::log(1 + std::exp(-1) + std::exp(-2) + std::exp(-3))).epsilon(1e-12));
 }
 
+TEST_CASE("a mean loss whose kept targets' class weights sum to 0 is NaN, with PyTorch's NaN gradient on the kept rows") {
+  // PyTorch 1.13: the kept rows' gradients are their weight times 1 / 0 (NaN at the target for
+  // nll_loss, through log_softmax the whole row for cross_entropy); ignored rows get 0.
+  const Tensor targets = values({0, 0, -100}, {3}, DType::i64);
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    const Tensor w = values({0, 1, 1, 1}, {4}, d);
+    for (const double smoothing : {0.0, 0.1}) {
+      CAPTURE(smoothing);
+      const Tensor logits = randn({3, 4}, 5, 0, d).set_requires_grad();
+      const Tensor loss = nn::cross_entropy(logits, targets, {.label_smoothing = smoothing, .weight = w});
+      CHECK(std::isnan(loss.item()));
+      loss.backward();
+      const std::vector<double> g = logits.grad().to_vector<double>();
+      for (int i = 0; i < 12; ++i) {
+        CAPTURE(i);
+        const bool expected = i < 8 ? std::isnan(g[i]) : g[i] == 0;
+        CHECK(expected);
+      }
+    }
+    const Tensor lp = log_softmax(randn({3, 4}, 6, 0, d), -1).set_requires_grad();
+    const Tensor nll = nn::nll_loss(lp, targets, {.weight = w});
+    CHECK(std::isnan(nll.item()));
+    nll.backward();
+    const std::vector<double> g = lp.grad().to_vector<double>();
+    for (int i = 0; i < 12; ++i) {
+      CAPTURE(i);
+      const bool expected = i == 0 || i == 4 ? std::isnan(g[i]) : g[i] == 0;
+      CHECK(expected);
+    }
+  }
+}
+
 TEST_CASE("losses: gradients") {
   const Tensor targets = values({2, 0, 1, -100}, {4}, DType::i64);
   const Tensor w = values({2, 1, 0.5}, {3}, DType::f64);

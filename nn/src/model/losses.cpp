@@ -127,11 +127,21 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
       // past 65504 is infinite).
       const DType acc = is_16bit_float(dtype) ? DType::f32 : dtype;
       const Tensor total = sum(cast(target_weight, acc)).detach();
-      // Every target ignored: the loss is NaN (0 / 0) as in PyTorch, but its gradient must be 0,
-      // as PyTorch's, not 1 / 0 times the mask's 0s (NaN), which an optimizer step would spread
-      // over every parameter: the sum times 0, plus a NaN that carries no gradient.
-      const Tensor mean_loss = total.item() == 0 ? sum(cast(loss, acc)) * 0.0 + std::numeric_limits<double>::quiet_NaN()
-                                                 : sum(cast(loss, acc)) / total;
+      Tensor mean_loss;
+      if (total.item() != 0) {
+        mean_loss = sum(cast(loss, acc)) / total;
+      } else if (sum(keep_f).item() == 0) {
+        // Every target ignored: the loss is NaN (0 / 0) as in PyTorch, but its gradient must be 0,
+        // as PyTorch's, not 1 / 0 times the mask's 0s (NaN), which an optimizer step would spread
+        // over every parameter: the sum times 0, plus a NaN that carries no gradient.
+        mean_loss = sum(cast(loss, acc)) * 0.0 + std::numeric_limits<double>::quiet_NaN();
+      } else {
+        // Kept targets whose class weights sum to 0: 0 / 0 as well, and PyTorch's gradient is
+        // NaN on the kept rows (their weight times 1 / 0) and 0 on the ignored ones. A select,
+        // not the mask's product, keeps the ignored rows' 1 / 0 from reaching them. The NaN added
+        // makes the value PyTorch's too where label smoothing leaves a non-zero sum over 0 (inf).
+        mean_loss = sum(cast(where(keep, loss, zeros({}, like)), acc)) / total + std::numeric_limits<double>::quiet_NaN();
+      }
       return acc == dtype ? mean_loss : cast(mean_loss, dtype);
     }
   }
