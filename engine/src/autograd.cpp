@@ -107,21 +107,24 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
 
 std::size_t pending_always_run() noexcept { return t_always_run.size(); }
 
+bool exclusively_owned(const Tensor& t) {
+  return impl_ptr_of(t).use_count() == 1 && impl_of(t)->storage.use_count() == 1 && !impl_of(t)->grad_fn;
+}
+
 namespace {
 
-// Gradients flowing into one place are summed out of place: a backward may hand the same tensor to
-// several inputs (add passes its gradient through), so no accumulator may be written in place
-// unless it is provably owned by us alone.
+// Gradients flowing into one place are summed. A backward may hand the same tensor to several
+// inputs (add passes its gradient through), so the sum goes into the accumulator in place only
+// where it is provably ours alone; out of place otherwise. In place, the residual stream's sums
+// (one per block input in a transformer's backward) neither allocate nor touch fresh memory.
 void accumulate(Tensor& into, Tensor grad) {
   if (!into.defined()) {
     into = std::move(grad);
+  } else if (exclusively_owned(into) && into.is_contiguous() && !into.shares_storage(grad)) {
+    into.add_(grad);
   } else {
     into = into + grad;
   }
-}
-
-bool exclusively_owned(const Tensor& t) {
-  return impl_ptr_of(t).use_count() == 1 && impl_of(t)->storage.use_count() == 1 && !impl_of(t)->grad_fn;
 }
 
 void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {

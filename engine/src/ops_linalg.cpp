@@ -310,7 +310,10 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
     autograd::record("linear_gelu", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor(), derivative},
                      [x_shape = x.shape(), s](const Tensor& g, const Saved& saved, GradMask need) {
                        const Tensor d = saved[2].get();
-                       Tensor gh = make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
+                       // Into g itself where it is ours alone (fc2's input gradient, as a rule):
+                       // no [rows, 4d] buffer, and the product reads and writes the same lines.
+                       const bool in_place = autograd::exclusively_owned(g) && g.is_contiguous();
+                       Tensor gh = in_place ? g : make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
                        if (gh.numel()) {
                          d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d), detail::view_of(gh));
                        }

@@ -344,3 +344,62 @@ TEST_CASE("an op of more than 64 inputs, some of which require grad, differentia
   CHECK(rows[66].grad().to_vector<float>() == std::vector<float>{132, 133});
   CHECK_FALSE(rows[65].grad().defined());
 }
+
+TEST_CASE("gradients summed and multiplied in place never reach a tensor someone else holds") {
+  // accumulate() adds into a pending gradient, and linear_gelu's backward multiplies its incoming
+  // gradient by GELU's derivative, in place only where nothing else holds that gradient. A
+  // caller's output gradient, one gradient handed to both inputs of add, and one a slice shares
+  // must each come out unchanged, and every result must equal the out-of-place arithmetic.
+  Tensor x = randn({8, 5}, 21).set_requires_grad(), w = randn({5, 6}, 22).set_requires_grad();
+  Tensor b = randn({6}, 23).set_requires_grad();
+  const Tensor reference = gelu(linear(x.detach(), w.detach(), b.detach()));
+  const Tensor grad_out = randn({8, 6}, 24);
+  const std::vector<double> grad_out_before = grad_out.to_vector<double>();
+  // 1. The caller's gradient of the op's own output.
+  linear_gelu(x, w, b).backward(grad_out);
+  CHECK(grad_out.to_vector<double>() == grad_out_before);
+  const Tensor gx = x.grad().clone(), gw = w.grad().clone();
+  x.zero_grad();
+  w.zero_grad();
+  b.zero_grad();
+  {
+    const Tensor xr = x.detach().set_requires_grad(), wr = w.detach().set_requires_grad();
+    gelu(linear(xr, wr, b.detach())).backward(grad_out);
+    CHECK_CLOSE(gx, xr.grad(), 1e-6, 1e-6);
+    CHECK_CLOSE(gw, wr.grad(), 1e-6, 1e-6);
+  }
+  // 2. y + y: add hands one gradient to both sides; the sum of the two is 2 g, then multiplied.
+  {
+    const Tensor y = linear_gelu(x, w, b);
+    (y + y).backward(grad_out);
+    CHECK(grad_out.to_vector<double>() == grad_out_before);
+    CHECK_CLOSE(x.grad(), gx * 2.0, 1e-5, 1e-5);
+  }
+  x.zero_grad();
+  // 3. Two consumers, one of them a slice, and the sum's operands kept alive by the test.
+  {
+    const Tensor y = linear_gelu(x, w, b);
+    const Tensor kept = y * 1.0;
+    const Tensor loss = sum(kept * grad_out) + sum(slice(y, 1, 2, 4) * slice(grad_out, 1, 2, 4)) + sum(y * grad_out);
+    loss.backward();
+    const Tensor twice = grad_out * 2.0;
+    const Tensor expected_grad = slice_assign(twice, 1, 2, 4, slice(twice, 1, 2, 4) + slice(grad_out, 1, 2, 4));
+    const Tensor xr = x.detach().set_requires_grad();
+    gelu(linear(xr, w.detach(), b.detach())).backward(expected_grad);
+    CHECK_CLOSE(x.grad(), xr.grad(), 1e-5, 1e-5);
+    CHECK(grad_out.to_vector<double>() == grad_out_before);
+  }
+  // 4. add's one gradient, pending for both h1 and h2, then another term for h1 alone (its other
+  // consumer was created before the add, so its backward runs after): h2's must stay as it was.
+  {
+    const Tensor x1 = randn({4, 6}, 25).set_requires_grad(), x2 = randn({4, 6}, 26).set_requires_grad();
+    const Tensor c = randn({4, 6}, 27), e = randn({4, 6}, 28);
+    const Tensor h1 = x1 * 1.0, h2 = x2 * 1.0;
+    const Tensor p = h1 * e;
+    const Tensor loss = sum((h1 + h2) * c) + sum(p);
+    loss.backward();
+    CHECK_CLOSE(x2.grad(), c, 0, 0);
+    CHECK_CLOSE(x1.grad(), c + e, 1e-6, 1e-6);
+  }
+  CHECK_CLOSE(linear_gelu(x, w, b).detach(), reference, 1e-6, 1e-6);
+}
