@@ -276,6 +276,52 @@ TEST_CASE("a resume keeps each parameter's own Adam step count: one that had no 
   CHECK(again[0].data().to_vector<double>() == all[0].data().to_vector<double>());
 }
 
+TEST_CASE("SGD with dampening resumes as it trains straight through, from a save before a parameter's first step") {
+  // PyTorch's momentum buffer starts as the first gradient, undampened. Saving asks the optimizer
+  // for its state, which exists (as zeros) from then on: the saved per-parameter step count is
+  // what tells the resumed optimizer that the buffer has not started. Saves at step 0 (no
+  // parameter stepped) and at step 1 (the second layer not yet, as it has no gradient in step 0).
+  auto run = [](nn::Sequential& model, nn::SGD& opt, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      Tensor x = ones({2, 4}, DType::f64);
+      const Tensor h = model[0]->forward(x);
+      sum(square(step == 0 ? h : model[1]->forward(h))).backward();
+      opt.step();
+    }
+  };
+  auto make = [] {
+    nn::manual_seed(12);
+    return nn::Sequential({std::make_shared<nn::Linear>(4, 3, nn::LinearOptions{.dtype = DType::f64}),
+                           std::make_shared<nn::Linear>(3, 2, nn::LinearOptions{.dtype = DType::f64})});
+  };
+  const nn::SGDOptions options{.lr = 0.01, .momentum = 0.9, .dampening = 0.5};
+  nn::Sequential straight = make();
+  nn::SGD straight_opt(straight.parameters(), options);
+  run(straight, straight_opt, 0, 3);
+  LocalCommunicator comm;
+  for (int at : {0, 1}) {
+    CAPTURE(at);
+    TempDir dir;
+    {
+      nn::Sequential first = make();
+      nn::SGD opt(first.parameters(), options);
+      run(first, opt, 0, at);
+      nn::save_checkpoint(dir.str(), at, first, &opt, comm, {});
+    }
+    nn::Sequential resumed = make();
+    nn::SGD opt(resumed.parameters(), options);
+    nn::load_checkpoint(dir.str(), resumed, &opt, comm);
+    CHECK(opt.steps_of(resumed.parameters().back()) == 0);
+    run(resumed, opt, at, 3);
+    const auto a = straight.parameters(), b = resumed.parameters();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(i);
+      CHECK(a[i].data().to_vector<double>() == b[i].data().to_vector<double>());
+    }
+  }
+}
+
 TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   TempDir dir;
   run_ranks(2, [&](Communicator& comm) {

@@ -80,6 +80,37 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   CHECK(untouched.data().item() == 5);
 }
 
+TEST_CASE("SGD's momentum buffer starts as a parameter's first gradient, even where state() made it earlier") {
+  // With dampening, PyTorch's buffer is the first gradient itself, undampened; later ones enter
+  // dampened. A checkpoint saved before a parameter's first step asks for its state (zeros), and
+  // q has no gradient in the first step: neither may make the first update a dampened one.
+  // Values from PyTorch 1.13 (torch.optim.SGD, f64, lr 0.1, momentum 0.9, dampening 0.5; loss
+  // sum(p^2), plus sum(q^2 * [1, 3]) from the second step).
+  for (bool state_first : {false, true}) {
+    CAPTURE(state_first);
+    auto p = param({1.0, -2.0}), q = param({0.5, 0.3});
+    nn::SGD opt({p, q}, {.lr = 0.1, .momentum = 0.9, .dampening = 0.5});
+    for (int step = 0; step < 3; ++step) {
+      if (state_first) {
+        (void)opt.state(p);
+        (void)opt.state(q);
+      }
+      opt.zero_grad();
+      const std::vector<double> pv = p.data().to_vector<double>(), qv = q.data().to_vector<double>();
+      set_grad(p, {2 * pv[0], 2 * pv[1]});
+      if (step > 0) set_grad(q, {2 * qv[0], 6 * qv[1]});
+      opt.step();
+    }
+    CHECK(opt.steps_of(p) == 3);
+    CHECK(opt.steps_of(q) == 2);
+    const std::vector<double> pv = p.data().to_vector<double>(), qv = q.data().to_vector<double>();
+    CHECK(pv[0] == doctest::Approx(0.252).epsilon(1e-12));
+    CHECK(pv[1] == doctest::Approx(-0.504).epsilon(1e-12));
+    CHECK(qv[0] == doctest::Approx(0.27).epsilon(1e-12));
+    CHECK(qv[1] == doctest::Approx(-0.078).epsilon(1e-12));
+  }
+}
+
 TEST_CASE("Adam counts each parameter's own steps for its bias corrections, as PyTorch's state['step']") {
   // q has no gradient in the first step (frozen, or first used later): its first update must be
   // corrected as a first step, not a second. Values from PyTorch 1.13 (torch.optim.Adam / AdamW,

@@ -68,7 +68,7 @@ void Optimizer::set_steps(std::int64_t steps) {
     fail<ArgumentError>("Optimizer::set_steps", "the step count must be in [0, 2^63 - 1), got ", steps);
   }
   steps_ = steps;
-  steps_set();
+  skipped_.clear();
 }
 
 void Optimizer::require_own(const char* op, const Param& param) const {
@@ -80,7 +80,12 @@ void Optimizer::require_own(const char* op, const Param& param) const {
 
 std::int64_t Optimizer::steps_of(const Param& param) const {
   require_own("Optimizer::steps_of", param);
-  return steps_;
+  return own_steps(param);
+}
+
+std::int64_t Optimizer::own_steps(const Param& param) const {
+  const auto skipped = skipped_.find(param.id());
+  return steps_ - (skipped == skipped_.end() ? 0 : skipped->second);
 }
 
 void Optimizer::set_steps_of(const Param& param, std::int64_t steps) {
@@ -89,20 +94,6 @@ void Optimizer::set_steps_of(const Param& param, std::int64_t steps) {
     fail<ArgumentError>("Optimizer::set_steps_of", "a parameter's step count must be in [0, ", steps_,
                         "] (the optimizer's), got ", steps, " for parameter ", param.shape());
   }
-}
-
-std::int64_t Adam::steps_of(const Param& param) const {
-  require_own("Adam::steps_of", param);
-  return own_steps(param);
-}
-
-std::int64_t Adam::own_steps(const Param& param) const {
-  const auto skipped = skipped_.find(param.id());
-  return steps_ - (skipped == skipped_.end() ? 0 : skipped->second);
-}
-
-void Adam::set_steps_of(const Param& param, std::int64_t steps) {
-  Optimizer::set_steps_of(param, steps);  // the range check
   if (steps == steps_) {
     skipped_.erase(param.id());
   } else {
@@ -139,12 +130,17 @@ void SGD::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     Tensor g = p.grad();
-    if (!g.defined()) continue;
+    if (!g.defined()) {
+      skip(p);
+      continue;
+    }
     const double decay = weight_decay_of(i, options_.weight_decay);
     if (decay != 0) g = g + p.data() * decay;
     if (options_.momentum != 0) {
       Tensor& buffer = momentum_[p.id()];
-      if (!buffer.defined()) {
+      // The buffer starts as the first gradient, as PyTorch's: one that state() made for a
+      // checkpoint before this parameter's first step holds zeros, not a history to dampen.
+      if (!buffer.defined() || own_steps(p) == 0) {
         buffer = g.clone();
       } else {
         buffer.mul_(options_.momentum).add_(g, 1.0 - options_.dampening);
@@ -192,7 +188,7 @@ void Adam::step() {
     const Param& p = params_[i];
     const Tensor g = p.grad();
     if (!g.defined()) {
-      ++skipped_[p.id()];
+      skip(p);
       continue;
     }
     Moments& m = moments(p);

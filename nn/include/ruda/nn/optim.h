@@ -39,6 +39,8 @@ class Optimizer {
   virtual ~Optimizer() = default;
   /// One update of every parameter that has a gradient.
   virtual void step() = 0;
+  /// Drops every parameter's gradient (PyTorch 2's default, set_to_none=True): a parameter that
+  /// gets none in the next backward is skipped by step(), not updated with zeros.
   void zero_grad();
   double lr() const noexcept { return lr_; }
   void set_lr(double lr);
@@ -48,11 +50,12 @@ class Optimizer {
   /// update around) or INT64_MAX (the next step's count would overflow). Every parameter then
   /// counts that many steps.
   void set_steps(std::int64_t steps);
-  /// The steps `param` itself has taken, where the optimizer counts them per parameter (Adam: the
-  /// steps it had a gradient in); steps() elsewhere. Checkpoints record it where it differs.
-  virtual std::int64_t steps_of(const Param& param) const;
+  /// The steps `param` itself has taken: those it had a gradient in (PyTorch keeps this per
+  /// parameter as well: Adam's bias corrections use it, and SGD's momentum buffer starts as the
+  /// first gradient). Checkpoints record it where it differs from steps().
+  std::int64_t steps_of(const Param& param) const;
   /// Sets it after set_steps (a checkpoint's resume): ArgumentError outside [0, steps()].
-  virtual void set_steps_of(const Param& param, std::int64_t steps);
+  void set_steps_of(const Param& param, std::int64_t steps);
   /// Every parameter, group by group.
   const std::vector<Param>& params() const noexcept { return params_; }
   /// Whether `param` is one of params().
@@ -70,10 +73,11 @@ class Optimizer {
     return groups_[group_of_[i]].weight_decay.value_or(decay);
   }
 
-  /// What an optimizer with per-parameter counts does when set_steps sets the count.
-  virtual void steps_set() {}
   /// ArgumentError naming `op` unless `param` is one of params().
   void require_own(const char* op, const Param& param) const;
+  /// steps_of without the membership check; step() calls skip() for a parameter without a gradient.
+  std::int64_t own_steps(const Param& param) const;
+  void skip(const Param& param) { ++skipped_[param.id()]; }
 
   std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
@@ -83,6 +87,8 @@ class Optimizer {
 
  private:
   std::unordered_map<ParamId, std::size_t> position_;  // params_[position_[id]] has that id
+  // Steps a parameter had no gradient in (since the last set_steps): its own count is steps_ less these.
+  std::unordered_map<ParamId, std::int64_t> skipped_;
 };
 
 struct SGDOptions {
@@ -93,7 +99,8 @@ struct SGDOptions {
   double weight_decay = 0.0;
 };
 
-/// Stochastic gradient descent with optional momentum (Nesterov) and L2 weight decay (PyTorch semantics).
+/// Stochastic gradient descent with optional momentum (Nesterov) and L2 weight decay (PyTorch
+/// semantics: the momentum buffer starts as a parameter's first gradient, undampened).
 class SGD : public Optimizer {
  public:
   SGD(std::vector<Param> params, SGDOptions options = {});
@@ -131,18 +138,9 @@ class Adam : public Optimizer {
     Tensor exp_avg, exp_avg_sq;
   };
   Moments& moments(const Param& param);
-  std::int64_t own_steps(const Param& param) const;  // steps_of without the membership check
-  void steps_set() override { skipped_.clear(); }
 
- public:
-  std::int64_t steps_of(const Param& param) const override;
-  void set_steps_of(const Param& param, std::int64_t steps) override;
-
- private:
   AdamOptions options_;
   std::unordered_map<ParamId, Moments> moments_;
-  // Steps a parameter had no gradient in (since the last set_steps): its own count is steps_ less these.
-  std::unordered_map<ParamId, std::int64_t> skipped_;
 };
 
 /// AdamW's options: Adam's, with PyTorch AdamW's default weight decay.
