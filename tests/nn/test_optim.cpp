@@ -187,6 +187,17 @@ TEST_CASE("clip_grad_norm on dense parameters") {
   CHECK_CLOSE(a.grad(), {0.6, 0}, {2}, 1e-6, 1e-6);
   CHECK_CLOSE(b.grad(), {0, 0.8}, {2}, 1e-6, 1e-6);
   test::check_throws<ArgumentError>([&] { nn::clip_grad_norm({a}, 0); }, {"max_norm"});
+  // As PyTorch 1.13 and 2.x: a NaN norm makes every gradient NaN (the step would otherwise apply
+  // the finite ones and the NaN); a norm equal to max_norm scales by max_norm / (max_norm + 1e-6).
+  auto c = param({3, 0}), d = param({12});
+  set_grad(c, {3, std::nan("")});
+  set_grad(d, {12});
+  CHECK(std::isnan(nn::clip_grad_norm({c, d}, 1)));
+  for (double g : c.grad().to_vector<double>()) CHECK(std::isnan(g));
+  CHECK(std::isnan(d.grad().item()));
+  set_grad(c, {5, 12});
+  CHECK(nn::clip_grad_norm({c}, 13) == doctest::Approx(13));
+  CHECK(c.grad().to_vector<double>()[1] == 12 * (13 / (13 + 1e-6)));
 }
 
 TEST_CASE("optimizer options are validated where they are given") {

@@ -296,9 +296,12 @@ double grad_norm(const std::vector<Param>& params, Communicator* comm) { return 
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm) {
   if (!(max_norm > 0)) fail<ArgumentError>("clip_grad_norm", "max_norm must be positive, got ", max_norm);
   const double norm = grad_norm(params, comm);
-  if (norm > max_norm) {
+  // PyTorch's factor, clamped at 1: it scales from max_norm - 1e-6 up (the norm equal to max_norm
+  // included), and a NaN norm makes every gradient NaN (no comparison is true for NaN, so a
+  // "norm > max_norm" test left such gradients as they were, for the optimizer to step on).
+  const double factor = max_norm / (norm + 1e-6);
+  if (!(factor >= 1.0)) {
     autograd::NoGradGuard guard;
-    const double factor = max_norm / (norm + 1e-6);
     for (const Param& p : params) {
       Tensor g = p.grad();
       if (g.defined()) g.mul_(factor);
