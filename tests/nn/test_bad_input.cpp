@@ -74,6 +74,17 @@ TEST_CASE("losses name themselves when input and target disagree on dtype; GPT r
   check_throws<DTypeError>(
       [&] { nn::binary_cross_entropy_with_logits(x, x, nn::LossReduction::mean, ones({3}, DType::f64)); },
       {"binary_cross_entropy_with_logits", "pos_weight", "f64"});
+  // A pos_weight that would widen the loss's shape, or does not broadcast at all, is refused by
+  // the loss (PyTorch: "output with shape [2, 3] doesn't match the broadcast shape [2, 2, 3]").
+  for (const Shape& bad : {Shape{2, 2, 3}, Shape{2}, Shape{3, 3}}) {
+    CAPTURE(to_string(bad));
+    check_throws<ShapeError>([&] { nn::binary_cross_entropy_with_logits(x, x, nn::LossReduction::mean, ones(bad)); },
+                             {"binary_cross_entropy_with_logits", "pos_weight", "[2, 3]"});
+  }
+  for (const Shape& good : {Shape{3}, Shape{1}, Shape{}, Shape{2, 1}, Shape{2, 3}}) {
+    CAPTURE(to_string(good));
+    CHECK(nn::binary_cross_entropy_with_logits(x, x, nn::LossReduction::none, ones(good)).shape() == x.shape());
+  }
   check_throws<DTypeError>([&] { nn::mse_loss(x.to(DType::i64), x.to(DType::i64)); }, {"mse_loss", "floating-point"});
   check_throws<ArgumentError>([&] { nn::mse_loss(Tensor(), x); }, {"mse_loss", "undefined"});
   check_throws<DTypeError>([&] { nn::counted_targets(x, -100); }, {"counted_targets", "i64", "f32 [2, 3]"});

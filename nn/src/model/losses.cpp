@@ -163,6 +163,18 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
   return nll("cross_entropy", log_softmax(logits, -1), targets, options);
 }
 
+namespace {
+// Whether a tensor of shape `from` broadcasts to `to` without widening it (numpy's rules, one way).
+bool broadcasts_to(const Shape& from, const Shape& to) {
+  if (from.size() > to.size()) return false;
+  for (std::size_t i = 1; i <= from.size(); ++i) {
+    const std::int64_t f = from[from.size() - i], t = to[to.size() - i];
+    if (f != t && f != 1) return false;
+  }
+  return true;
+}
+}  // namespace
+
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets, LossReduction reduction,
                                         const Tensor& pos_weight) {
   check_enum(reduction, "binary_cross_entropy_with_logits", "LossReduction");
@@ -173,6 +185,12 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
     if (pos_weight.dtype() != logits.dtype()) {
       fail<DTypeError>("binary_cross_entropy_with_logits", "pos_weight ", dtype_name(pos_weight.dtype()), " ",
                        pos_weight.shape(), " must have the logits' dtype ", dtype_name(logits.dtype()));
+    }
+    // It weighs the logits' elements: it must broadcast to their shape, not widen it ([2, 2, 4]
+    // against [2, 4] logits would turn the loss into [2, 2, 4] and its mean into one over 16).
+    if (!broadcasts_to(pos_weight.shape(), logits.shape())) {
+      fail<ShapeError>("binary_cross_entropy_with_logits", "pos_weight ", pos_weight.shape(),
+                       " does not broadcast to the logits' shape ", logits.shape());
     }
     log_weight = (pos_weight - 1.0) * targets + 1.0;
   }
