@@ -242,6 +242,8 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
 }
 
 Tensor clamp(const Tensor& x, double low, double high) {
+  if (std::isnan(low) || std::isnan(high))
+    fail<ArgumentError>("clamp", "a bound is NaN (low ", low, ", high ", high, ")");
   if (!(low <= high)) fail<ArgumentError>("clamp", "low ", low, " exceeds high ", high);
   detail::require_defined("clamp", x);
   if (x.dtype() == DType::i64) {

@@ -232,6 +232,9 @@ TEST_CASE("i64 arithmetic: numbers that would change value are refused, comparis
   CHECK(clamp(r, -0.5, 1.5).to_vector<std::int64_t>() == std::vector<std::int64_t>{0, 0, 0, 1, 1});
   CHECK(clamp(r, -1e30, 1e30).to_vector<std::int64_t>() == std::vector<std::int64_t>{-2, -1, 0, 1, 2});
   check_throws<ArgumentError>([&] { (void)clamp(r, 0.2, 0.8); }, {"clamp", "no i64 value", "0.2", "0.8"});
+  // Bounds out of order, or NaN, are refused by what is wrong with them.
+  check_throws<ArgumentError>([&] { (void)clamp(r, 6, 4); }, {"clamp", "low 6 exceeds high 4"});
+  check_throws<ArgumentError>([&] { (void)clamp(r.to(DType::f32), std::nan(""), 1); }, {"clamp", "bound is NaN"});
 
   // Overflow wraps around (two's complement, as PyTorch's does) instead of trapping: INT64_MIN / -1
   // was a SIGFPE. Division by zero stays an error.

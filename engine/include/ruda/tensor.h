@@ -274,6 +274,9 @@ Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offs
 // --- reductions: over `axes` (all axes when empty), keeping reduced axes as 1 when keepdim ---
 Tensor sum(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
 Tensor mean(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
+/// The largest/smallest values, NaN where a reduced line holds one: PyTorch's amax/amin, gradient
+/// included (split evenly among tied elements; with a NaN, NaN). torch.max(x, dim) instead gives
+/// the whole gradient to the first tied element, and to the NaN: use argmax and take_along_axis.
 Tensor max(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
 Tensor min(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
 Tensor logsumexp(const Tensor& x, const Axes& axes = {}, bool keepdim = false);
