@@ -17,9 +17,13 @@ using dnnl::memory;
 
 namespace {
 
-// The longest line oneDNN sums: 2^16 values in its f32 accumulators stay well inside bf16's and
-// f16's rounding (2^12 additions a lane at most, ~2.4e-4 relative against bf16's 3.9e-3 half ulp).
-constexpr std::int64_t kLongestAccurateSum = 1 << 16;
+// The longest line oneDNN sums in a dtype. Its f32 accumulators take up to line / 16 additions
+// each: for 2^16 bf16 or f16 values ~2.4e-4 relative, well inside their rounding (bf16's half ulp
+// is 3.9e-3); f32 (which runs there only with RUDA_ONEDNN_KERNELS=all) keeps to 2^12, where 20000
+// values of 0.1 already read 1999.98.
+std::int64_t longest_accurate_sum(DType dtype) {
+  return dtype == DType::f32 ? std::int64_t{1} << 12 : std::int64_t{1} << 16;
+}
 
 const char* unsupported_reduction(ReduceOp op) {
   switch (op) {
@@ -109,7 +113,7 @@ void OneDnnBackend::reduce(ReduceOp op, const View& x, const View& out) {
     note_fallback(op_name(op), x.dtype, kEigenFasterReason);
     return EigenBackend::reduce(op, x, out);
   }
-  if (r > kLongestAccurateSum) {
+  if (r > longest_accurate_sum(x.dtype)) {
     // oneDNN's f32 accumulators drift on long lines: 20M bf16 values of 0.1 summed 1.5 bf16 ulps
     // off (2023424 for 2001953, where 1998848 is the nearest bf16); Eigen's kernel sums in double.
     note_fallback(op_name(op), x.dtype, "a line longer than oneDNN's f32 accumulation keeps to the dtype's precision");
