@@ -1,5 +1,5 @@
 // Layer normalization over the last axis, fused: one pass for statistics and output, one for the
-// input gradient, and a column pass for the affine parameters' gradients. 16-bit x may come with
+// input gradient and the affine parameters' (per block of rows, then added across blocks). 16-bit x may come with
 // f32 weight and bias (mixed precision: the statistics and the affine run in f32 either way).
 #include <cmath>
 #include <vector>
@@ -111,56 +111,70 @@ void EigenBackend::layer_norm_backward(const View& x, const View& weight, const 
       const T* g = gy.ptr<const T>();
       const S* mp = mean.ptr<const S>();
       const S* rp = rstd.ptr<const S>();
-      if (gx.data) {
-        T* out = gx.ptr<T>();
-        // gx = rstd * (g' - mean(g') - xhat * mean(g' * xhat)), with g' = gy * weight.
-        parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / n), [&](std::int64_t r0, std::int64_t r1) {
-          std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
-          for (std::int64_t r = r0; r < r1; ++r) {
-            const T* xr = xp + r * n;
-            const T* gr = g + r * n;
-            const S mu = mp[r], rs = rp[r];
-            for (std::int64_t j = 0; j < n; ++j) xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mu) * rs;
-            if (w) {  // the branch outside the loops, as in the forward
-              for (std::int64_t j = 0; j < n; ++j)
-                gw[j] = static_cast<S>(Num<T>::load(gr[j])) * static_cast<S>(Num<W>::load(w[j]));
-            } else {
-              for (std::int64_t j = 0; j < n; ++j) gw[j] = static_cast<S>(Num<T>::load(gr[j]));
-            }
-            const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
-            const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
-            const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
-            T* o = out + r * n;
-            for (std::int64_t j = 0; j < n; ++j) {
-              // Explicit fmas here and below, as in the forward: the same bits in every instantiation.
-              o[j] = Num<T>::store(static_cast<compute_t<T>>(rp[r] * std::fma(-xhat[j], mean_gx, gw[j] - mean_g)));
-            }
-          }
-        });
-      }
-      if (gweight.data || gbias.data) {
-        // Sums over rows, threads splitting the columns: the order of additions is fixed.
-        W* gwp = gweight.data ? gweight.ptr<W>() : nullptr;
-        W* gbp = gbias.data ? gbias.ptr<W>() : nullptr;
-        parallel_for(
-            n, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
-            [&](std::int64_t j0, std::int64_t j1) {
-              std::vector<S> acc_w(static_cast<std::size_t>(j1 - j0)), acc_b(static_cast<std::size_t>(j1 - j0));
-              for (std::int64_t r = 0; r < rows; ++r) {
+      T* out = gx.data ? gx.ptr<T>() : nullptr;
+      const bool affine = gweight.data || gbias.data;
+      // The affine gradients are sums over rows, taken in the same pass as the input gradient
+      // while each row is at hand (a second pass read x and gy again): each block of kBlockRows
+      // rows sums into its own partials, and the blocks' partials are added in block order
+      // afterwards, so the order of additions depends on the shape alone, not on the threads.
+      constexpr std::int64_t kBlockRows = 32;
+      const std::int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
+      std::vector<S> part_w(affine ? static_cast<std::size_t>(blocks * n) : 0),
+          part_b(affine ? static_cast<std::size_t>(blocks * n) : 0);
+      parallel_for(
+          blocks, std::max<std::int64_t>(1, kElementGrain / (kBlockRows * n)), [&](std::int64_t b0, std::int64_t b1) {
+            std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
+            for (std::int64_t blk = b0; blk < b1; ++blk) {
+              S* pw = affine ? part_w.data() + blk * n : nullptr;
+              S* pb = affine ? part_b.data() + blk * n : nullptr;
+              for (std::int64_t r = blk * kBlockRows; r < std::min(rows, (blk + 1) * kBlockRows); ++r) {
                 const T* xr = xp + r * n;
                 const T* gr = g + r * n;
-                for (std::int64_t j = j0; j < j1; ++j) {
-                  const S gv = static_cast<S>(Num<T>::load(gr[j]));
-                  acc_w[j - j0] = std::fma(gv * (static_cast<S>(Num<T>::load(xr[j])) - mp[r]), rp[r], acc_w[j - j0]);
-                  acc_b[j - j0] += gv;
+                const S mu = mp[r], rs = rp[r];
+                for (std::int64_t j = 0; j < n; ++j) xhat[j] = (static_cast<S>(Num<T>::load(xr[j])) - mu) * rs;
+                if (affine) {
+                  for (std::int64_t j = 0; j < n; ++j) {
+                    const S gv = static_cast<S>(Num<T>::load(gr[j]));
+                    pw[j] = std::fma(gv, xhat[j], pw[j]);
+                    pb[j] += gv;
+                  }
+                }
+                if (!out) continue;
+                // gx = rstd * (g' - mean(g') - xhat * mean(g' * xhat)), with g' = gy * weight.
+                if (w) {  // the branch outside the loops, as in the forward
+                  for (std::int64_t j = 0; j < n; ++j)
+                    gw[j] = static_cast<S>(Num<T>::load(gr[j])) * static_cast<S>(Num<W>::load(w[j]));
+                } else {
+                  for (std::int64_t j = 0; j < n; ++j) gw[j] = static_cast<S>(Num<T>::load(gr[j]));
+                }
+                const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
+                const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
+                const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
+                T* o = out + r * n;
+                for (std::int64_t j = 0; j < n; ++j) {
+                  // Explicit fmas here and below, as in the forward: the same bits in every instantiation.
+                  o[j] = Num<T>::store(static_cast<compute_t<T>>(rs * std::fma(-xhat[j], mean_gx, gw[j] - mean_g)));
                 }
               }
-              for (std::int64_t j = j0; j < j1; ++j) {
-                if (gwp) gwp[j] = Num<W>::store(static_cast<compute_t<W>>(acc_w[j - j0]));
-                if (gbp) gbp[j] = Num<W>::store(static_cast<compute_t<W>>(acc_b[j - j0]));
-              }
-            });
-      }
+            }
+          });
+      if (!affine) return;
+      // The blocks' partials, in block order, in double (a column sum's error then does not grow
+      // with the rows, as in the reductions).
+      W* gwp = gweight.data ? gweight.ptr<W>() : nullptr;
+      W* gbp = gbias.data ? gbias.ptr<W>() : nullptr;
+      parallel_for(n, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, blocks)),
+                   [&](std::int64_t j0, std::int64_t j1) {
+                     for (std::int64_t j = j0; j < j1; ++j) {
+                       double sw = 0, sb = 0;
+                       for (std::int64_t blk = 0; blk < blocks; ++blk) {
+                         sw += part_w[blk * n + j];
+                         sb += part_b[blk * n + j];
+                       }
+                       if (gwp) gwp[j] = Num<W>::store(static_cast<compute_t<W>>(sw));
+                       if (gbp) gbp[j] = Num<W>::store(static_cast<compute_t<W>>(sb));
+                     }
+                   });
     });
   });
 }
