@@ -78,7 +78,13 @@ void EigenBackend::fill(const View& out, double value) {
         T* q = p + off[0];
         const std::int64_t s = layout.inner_stride(0);
         if (s == 1) {
-          std::fill(q, q + n, v);
+          if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+            // Through the bits: std::fill over the 16-bit float structs stored one element at a
+            // time (a bf16 zero fill ran at a fifth of f32's bandwidth), over uint16_t it vectorizes.
+            std::fill(reinterpret_cast<std::uint16_t*>(q), reinterpret_cast<std::uint16_t*>(q + n), v.bits);
+          } else {
+            std::fill(q, q + n, v);
+          }
         } else {
           for (std::int64_t i = 0; i < n; ++i) q[i * s] = v;
         }
