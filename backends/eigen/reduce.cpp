@@ -111,6 +111,32 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
     case ReduceOp::max:
     case ReduceOp::min: {
       const bool is_max = op == ReduceOp::max;
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+        if (stride == 1) {
+          // Eigen's vectorized extremes, NaN-propagating: the loop below, with its branch and its
+          // early exit at a NaN, ran at a twentieth of a sum's speed on a contiguous line.
+          const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> line(p, n);
+          *out_value =
+              is_max ? line.template maxCoeff<Eigen::PropagateNaN>() : line.template minCoeff<Eigen::PropagateNaN>();
+          return;
+        }
+      } else if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+        if (stride == 1) {
+          // The same, on runs widened to f32 (exact): the extreme of the runs' extremes.
+          constexpr std::int64_t kRun = 256;
+          float run[kRun];
+          float best = is_max ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+          for (std::int64_t r = 0; r < n && !std::isnan(best); r += kRun) {
+            const std::int64_t m = std::min(kRun, n - r);
+            for (std::int64_t i = 0; i < m; ++i) run[i] = Num<T>::load(p[r + i]);
+            const Eigen::Map<const Eigen::Array<float, Eigen::Dynamic, 1>> line(run, m);
+            const float e = is_max ? line.maxCoeff<Eigen::PropagateNaN>() : line.minCoeff<Eigen::PropagateNaN>();
+            if (std::isnan(e) || (is_max ? e > best : e < best)) best = e;
+          }
+          *out_value = Num<T>::store(best);
+          return;
+        }
+      }
       A best = Num<T>::load(p[0]);
       for (std::int64_t i = 1; i < n && !nan_of(best); ++i) {
         const A v = Num<T>::load(p[i * stride]);

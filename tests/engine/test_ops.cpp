@@ -1039,3 +1039,51 @@ TEST_CASE("f32 sums and logsumexp stay accurate over millions of values, as PyTo
   }
   set_default_backend(before);
 }
+
+TEST_CASE("max and min of long contiguous lines: NaN wherever it sits, infinities, every float dtype") {
+  // The vectorized paths (Eigen's NaN-propagating extremes; runs widened to f32 for 16-bit
+  // dtypes) against the definition, at lengths around their runs' and packets' sizes.
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    for (std::int64_t n : {1, 7, 16, 255, 256, 257, 1000, 4097}) {
+      CAPTURE(dtype_name(d));
+      CAPTURE(n);
+      std::vector<double> v(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) v[i] = static_cast<double>((i * 37) % 101) - 50;
+      v[static_cast<std::size_t>(n / 2)] = 60;   // the largest, in the middle
+      v[static_cast<std::size_t>(n - 1)] = -70;  // the smallest, last
+      if (n == 1) v[0] = 5;
+      const Tensor x = from_values(v, {n}, d);
+      CHECK(max(x).item() == (n == 1 ? 5 : 60));
+      CHECK(min(x).item() == (n == 1 ? 5 : -70));
+      for (std::int64_t at : {std::int64_t{0}, n / 3, n - 1}) {
+        std::vector<double> w = v;
+        w[static_cast<std::size_t>(at)] = nan;
+        const Tensor y = from_values(w, {n}, d);
+        CHECK(std::isnan(max(y).item()));
+        CHECK(std::isnan(min(y).item()));
+      }
+      const Tensor lows = full({n}, -inf, d);
+      CHECK(max(lows).item() == -inf);
+      CHECK(min(from_values(v, {n}, d) * 0.0 + inf).item() == inf);
+    }
+  }
+}
+
+TEST_CASE("where selects elementwise, contiguous or broadcast, in every element size") {
+  const Tensor c = gt(randn({3000}, 91), zeros({}));
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::i64, DType::boolean}) {
+    CAPTURE(dtype_name(d));
+    const Tensor a = randn({3000}, 92).to(d), b = randn({3000}, 93).to(d);
+    const std::vector<double> cv = c.to_vector<double>(), av = a.to_vector<double>(), bv = b.to_vector<double>();
+    const std::vector<double> got = where(c, a, b).to_vector<double>();
+    const std::vector<double> with_scalar = where(c, a, zeros({}, d)).to_vector<double>();
+    const std::vector<double> strided =
+        where(slice(c, 0, 0, 1500), slice(a, 0, 1500, 3000), b.slice(0, 0, 1500)).to_vector<double>();
+    for (std::size_t i = 0; i < 3000; ++i) {
+      CHECK(got[i] == (cv[i] != 0 ? av[i] : bv[i]));
+      CHECK(with_scalar[i] == (cv[i] != 0 ? av[i] : 0.0));
+      if (i < 1500) CHECK(strided[i] == (cv[i] != 0 ? av[1500 + i] : bv[i]));
+    }
+  }
+}
