@@ -94,8 +94,59 @@ void EigenBackend::fill(const View& out, double value) {
 }
 
 namespace {
+// A copy that transposes: dst's innermost axis reads src at a large stride while another axis of
+// src is contiguous (transpose(x).contiguous(), a permute's copy). Copied in square tiles, so that
+// both sides read and write whole cache lines; element by element along dst's rows, every read
+// was a cache miss (a [1024, 2048] f32 transpose took 5.4 ms, 16 times a plain copy). false when
+// the layout is not that.
+template <class T>
+bool copy_transposing(const View& src, const View& dst) {
+  const int last = dst.ndim - 1;
+  constexpr std::int64_t kTile = 64 / sizeof(T) < 16 ? 16 : 64 / sizeof(T) * 2;
+  if (last < 1 || dst.strides[last] != 1 || src.strides[last] == 1 || dst.shape[last] < kTile) return false;
+  int inner = -1;  // the axis along which src is contiguous
+  for (int a = 0; a < last; ++a) {
+    if (src.strides[a] == 1 && src.shape[a] >= kTile) inner = a;
+  }
+  if (inner < 0) return false;
+  const std::int64_t rows = dst.shape[inner], cols = dst.shape[last];
+  const std::int64_t src_col = src.strides[last], dst_row = dst.strides[inner];
+  // The other axes index whole [rows, cols] blocks.
+  std::int64_t batch = 1;
+  for (int a = 0; a < last; ++a) {
+    if (a != inner) batch *= dst.shape[a];
+  }
+  const std::int64_t row_tiles = (rows + kTile - 1) / kTile;
+  const T* s = src.ptr<const T>();
+  T* d = dst.ptr<T>();
+  parallel_for(batch * row_tiles, std::max<std::int64_t>(1, kElementGrain / (kTile * cols)),
+               [&](std::int64_t t0, std::int64_t t1) {
+                 for (std::int64_t t = t0; t < t1; ++t) {
+                   std::int64_t rest = t / row_tiles, so = 0, dof = 0;
+                   for (int a = last - 1; a >= 0; --a) {
+                     if (a == inner) continue;
+                     const std::int64_t i = rest % dst.shape[a];
+                     rest /= dst.shape[a];
+                     so += i * src.strides[a];
+                     dof += i * dst.strides[a];
+                   }
+                   const std::int64_t i0 = (t % row_tiles) * kTile, i1 = std::min(rows, i0 + kTile);
+                   for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+                     const std::int64_t j1 = std::min(cols, j0 + kTile);
+                     for (std::int64_t i = i0; i < i1; ++i) {
+                       const T* from = s + so + i;
+                       T* to = d + dof + i * dst_row;
+                       for (std::int64_t j = j0; j < j1; ++j) to[j] = from[j * src_col];
+                     }
+                   }
+                 }
+               });
+  return true;
+}
+
 template <class T>
 void copy_typed(const View& src, const View& dst) {
+  if (copy_transposing<T>(src, dst)) return;
   const View* views[2] = {&src, &dst};
   Layout<2> layout(views);
   const T* s = src.ptr<const T>();

@@ -563,3 +563,57 @@ TEST_CASE("attention's output merges its heads without a copy, and its backward 
   sum(square(matmul(y2.permute({0, 2, 1, 3}).contiguous().reshape({B, T, H * D}), w))).backward();
   test::check_close(g_views, qkv2.grad(), 1e-5, 1e-5);  // strided block products may round differently
 }
+
+TEST_CASE("contiguous() of transposes and permutes, copied in tiles: every element in place, every element size") {
+  // Shapes around the tile sizes (16 to 128 elements by element size), batched, and a copy into a view.
+  struct Case {
+    Shape shape;
+    std::vector<std::int64_t> perm;
+  };
+  const std::vector<Case> cases = {{{40, 70}, {1, 0}},
+                                   {{33, 129}, {1, 0}},
+                                   {{3, 37, 65}, {0, 2, 1}},
+                                   {{37, 3, 65}, {2, 1, 0}},
+                                   {{5, 48, 2, 33}, {2, 3, 0, 1}},
+                                   {{64, 64}, {1, 0}},
+                                   {{17, 16}, {1, 0}},
+                                   {{130, 140}, {1, 0}}};
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::i64, DType::boolean}) {
+    for (const Case& c : cases) {
+      CAPTURE(dtype_name(d));
+      CAPTURE(to_string(c.shape));
+      const std::int64_t n = shape_numel(c.shape, "test");
+      // Values that every dtype holds exactly: the flat index modulo 2 (bool) or 256.
+      const std::int64_t mod = d == DType::boolean ? 2 : 256;
+      std::vector<double> values(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) values[static_cast<std::size_t>(i)] = static_cast<double>(i % mod);
+      const Tensor x = from_values(values, c.shape, d);
+      const Tensor y = x.permute(c.perm).contiguous();
+      const std::vector<double> got = y.to_vector<double>();
+      // The source index of each destination element, by its coordinates.
+      std::vector<std::int64_t> src_strides(c.shape.size());
+      std::int64_t stride = 1;
+      for (std::size_t a = c.shape.size(); a-- > 0;) {
+        src_strides[a] = stride;
+        stride *= c.shape[a];
+      }
+      const Shape out_shape = y.shape();
+      bool all = true;
+      for (std::int64_t flat = 0; flat < n && all; ++flat) {
+        std::int64_t rest = flat, src = 0;
+        for (std::size_t a = out_shape.size(); a-- > 0;) {
+          src += (rest % out_shape[a]) * src_strides[static_cast<std::size_t>(c.perm[a])];
+          rest /= out_shape[a];
+        }
+        all = got[static_cast<std::size_t>(flat)] == static_cast<double>(src % mod);
+      }
+      CHECK(all);
+      // Into a transposed view of another tensor: the same values through its strides.
+      Tensor into = zeros(Shape(out_shape.rbegin(), out_shape.rend()), d);
+      std::vector<std::int64_t> reverse(out_shape.size());
+      for (std::size_t a = 0; a < reverse.size(); ++a) reverse[a] = static_cast<std::int64_t>(reverse.size() - 1 - a);
+      into.permute(reverse).copy_(x.permute(c.perm));
+      CHECK(into.permute(reverse).to_vector<double>() == got);
+    }
+  }
+}
