@@ -99,6 +99,43 @@ SumAcc<T> line_sum(const T* p, std::int64_t n, std::int64_t stride) {
   return total;
 }
 
+// logsumexp of a contiguous line of n > 0 float values: the NaN-propagating maximum, then
+// exp(x - max) a run at a time through the vectorized exp, each run summed in lanes and the runs
+// in double; 16-bit values are widened to f32 a run at a time. (The scalar loop, one std::exp a
+// value, took 2 ns a value.)
+template <class T>
+compute_t<T> contiguous_logsumexp(const T* p, std::int64_t n) {
+  using C = compute_t<T>;
+  using Run = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
+  constexpr std::int64_t kRun = 256;
+  alignas(64) C run[kRun];
+  auto widen = [&](std::int64_t r, std::int64_t len) -> const C* {
+    if constexpr (std::is_same_v<T, C>) {
+      return p + r;
+    } else {
+      for (std::int64_t i = 0; i < len; ++i) run[i] = Num<T>::load(p[r + i]);
+      return run;
+    }
+  };
+  C m = -std::numeric_limits<C>::infinity();
+  for (std::int64_t r = 0; r < n; r += kRun) {
+    const std::int64_t len = std::min(kRun, n - r);
+    const C e = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(widen(r, len), len)
+                    .template maxCoeff<Eigen::PropagateNaN>();
+    if (std::isnan(e)) return e;
+    m = std::max(m, e);
+  }
+  if (!std::isfinite(m)) return m;  // +inf (the sum is infinite) or -inf (every value is)
+  double s = 0;
+  for (std::int64_t r = 0; r < n; r += kRun) {
+    const std::int64_t len = std::min(kRun, n - r);
+    const C* x = widen(r, len);
+    Run(run, len) = ops::vector_exp(Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(x, len) - m);
+    s += line_sum(run, len, 1);
+  }
+  return static_cast<C>(m + std::log(s));
+}
+
 // One reduction of n elements at p, p + stride, ...
 template <class T>
 void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T* out_value, std::int64_t* out_index) {
@@ -165,6 +202,10 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
         fail<DTypeError>("logsumexp", "is not defined on i64");
       } else {
         using C = compute_t<T>;
+        if (stride == 1 && n > 0) {
+          *out_value = Num<T>::store(contiguous_logsumexp(p, n));
+          return;
+        }
         // The maximum, NaN once any value is NaN (std::max would skip it: an all-NaN line read -inf).
         C m = -std::numeric_limits<C>::infinity();
         for (std::int64_t i = 0; i < n && !std::isnan(m); ++i) {

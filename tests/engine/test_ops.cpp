@@ -1087,3 +1087,28 @@ TEST_CASE("where selects elementwise, contiguous or broadcast, in every element 
     }
   }
 }
+
+TEST_CASE("logsumexp of long contiguous lines against a double reference, with -inf, +inf and NaN") {
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    for (std::int64_t n : {1, 255, 256, 257, 1000, 4097}) {
+      CAPTURE(dtype_name(d));
+      CAPTURE(n);
+      // Values the dtype holds exactly (multiples of 1/8 in [-8, 8]), one masked slot.
+      std::vector<double> v(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) v[i] = static_cast<double>((i * 29) % 129 - 64) / 8;
+      if (n > 1) v[static_cast<std::size_t>(n / 2)] = -inf;
+      double m = -inf, s = 0;
+      for (double x : v) m = std::max(m, x);
+      for (double x : v) s += std::exp(x - m);
+      const double tolerance = d == DType::f64 ? 1e-13 : d == DType::f32 ? 1e-6 : 1e-2;
+      CHECK(logsumexp(from_values(v, {n}, d)).item() == doctest::Approx(m + std::log(s)).epsilon(tolerance));
+      std::vector<double> w = v;
+      w[static_cast<std::size_t>(n - 1)] = nan;
+      CHECK(std::isnan(logsumexp(from_values(w, {n}, d)).item()));
+      w[static_cast<std::size_t>(n - 1)] = inf;
+      CHECK(logsumexp(from_values(w, {n}, d)).item() == inf);
+      CHECK(logsumexp(full({n}, -inf, d)).item() == -inf);
+    }
+  }
+}
