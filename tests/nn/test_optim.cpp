@@ -303,3 +303,31 @@ TEST_CASE("decay_2d_only groups by logical shape, sharded or not, and groups are
       },
       {"given twice", "in groups 'x' and 'y'"});
 }
+
+TEST_CASE("a step that fails partway counts for no parameter, and the next one counts once") {
+  // Out of memory while making a momentum buffer or Adam's moments, after a parameter without a
+  // gradient was passed over: neither the step nor that parameter's skip may be counted, or its
+  // own count goes negative (and every later checkpoint's index refuses it).
+  for (bool adam : {false, true}) {
+    CAPTURE(adam);
+    nn::manual_seed(3);
+    nn::Sequential model({std::make_shared<nn::Linear>(4, 2), std::make_shared<nn::Linear>(512, 2048)});
+    const auto params = model.parameters();
+    std::unique_ptr<nn::Optimizer> opt;
+    if (adam) {
+      opt = std::make_unique<nn::Adam>(params);
+    } else {
+      opt = std::make_unique<nn::SGD>(params, nn::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    }
+    sum(model[1]->forward(ones({1, 512}))).backward();  // the first layer gets no gradient
+    memory::set_limit(memory::stats().live_bytes + 1024);
+    CHECK_THROWS_AS(opt->step(), OutOfMemoryError);
+    memory::set_limit(0);
+    CHECK(opt->steps() == 0);
+    for (const nn::Param& p : params) CHECK(opt->steps_of(p) == 0);
+    opt->step();
+    CHECK(opt->steps() == 1);
+    CHECK(opt->steps_of(params.front()) == 0);
+    CHECK(opt->steps_of(params.back()) == 1);
+  }
+}

@@ -83,6 +83,11 @@ std::int64_t Optimizer::steps_of(const Param& param) const {
   return own_steps(param);
 }
 
+void Optimizer::finish_step(const std::vector<std::size_t>& without_gradient) {
+  for (std::size_t i : without_gradient) ++skipped_[params_[i].id()];
+  ++steps_;
+}
+
 std::int64_t Optimizer::own_steps(const Param& param) const {
   const auto skipped = skipped_.find(param.id());
   return steps_ - (skipped == skipped_.end() ? 0 : skipped->second);
@@ -127,11 +132,12 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
 
 void SGD::step() {
   autograd::NoGradGuard guard;
+  std::vector<std::size_t> without_gradient;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     Tensor g = p.grad();
     if (!g.defined()) {
-      skip(p);
+      without_gradient.push_back(i);
       continue;
     }
     const double decay = weight_decay_of(i, options_.weight_decay);
@@ -149,7 +155,7 @@ void SGD::step() {
     }
     p.data().add_(g, -lr_of(i));
   }
-  ++steps_;
+  finish_step(without_gradient);
 }
 
 std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
@@ -183,12 +189,12 @@ Adam::Moments& Adam::moments(const Param& param) {
 }
 
 void Adam::step() {
-  ++steps_;
+  std::vector<std::size_t> without_gradient;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
     if (!g.defined()) {
-      skip(p);
+      without_gradient.push_back(i);
       continue;
     }
     Moments& m = moments(p);
@@ -203,11 +209,12 @@ void Adam::step() {
     d.beta2 = options_.beta2;
     d.eps = options_.eps;
     d.weight_decay = weight_decay_of(i, options_.weight_decay);
-    d.step = own_steps(p);  // this parameter's own count
+    d.step = own_steps(p) + 1;  // this parameter's own count, this step included
     d.decoupled = options_.decoupled_weight_decay;
     data.backend().adam_update(d);
     data.bump_version();
   }
+  finish_step(without_gradient);
 }
 
 std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {

@@ -75,9 +75,12 @@ class Optimizer {
 
   /// ArgumentError naming `op` unless `param` is one of params().
   void require_own(const char* op, const Param& param) const;
-  /// steps_of without the membership check; step() calls skip() for a parameter without a gradient.
+  /// steps_of without the membership check: the steps `param` completed.
   std::int64_t own_steps(const Param& param) const;
-  void skip(const Param& param) { ++skipped_[param.id()]; }
+  /// Counts a completed step: for every parameter but params()[i], i in without_gradient. step()
+  /// calls it after its updates, so that a step that throws partway (out of memory, say) counts
+  /// for no parameter instead of for some.
+  void finish_step(const std::vector<std::size_t>& without_gradient);
 
   std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
