@@ -31,6 +31,10 @@ struct ParamGroup {
 /// shape decides, not the 1-D local slice.
 std::vector<ParamGroup> decay_2d_only(const Module& module);
 
+/// An optimizer over parameter groups. A subclass implements step() and state(): its step()
+/// updates every parameter that has a gradient, collecting the indices of those without one, and
+/// calls finish_step(them) last, which keeps the per-parameter step counts (steps_of) that
+/// checkpoints record.
 class Optimizer {
  public:
   /// One group ("default") of every parameter.
