@@ -313,7 +313,8 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
                        // Into g itself where it is ours alone (fc2's input gradient, as a rule):
                        // no [rows, 4d] buffer, and the product reads and writes the same lines.
                        const bool in_place = autograd::exclusively_owned(g) && g.is_contiguous();
-                       Tensor gh = in_place ? g : make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
+                       Tensor gh =
+                           in_place ? g : make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
                        if (gh.numel()) {
                          d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d), detail::view_of(gh));
                        }

@@ -264,7 +264,8 @@ TEST_CASE("a mean loss over a batch whose every target is ignored is NaN with a 
   CHECK(loss.item() == doctest::Approx(std::log(1 + std::exp(-1) + std::exp(-2) + std::exp(-3))).epsilon(1e-12));
 }
 
-TEST_CASE("a mean loss whose kept targets' class weights sum to 0 is NaN, with PyTorch's NaN gradient on the kept rows") {
+TEST_CASE(
+    "a mean loss whose kept targets' class weights sum to 0 is NaN, with PyTorch's NaN gradient on the kept rows") {
   // PyTorch 1.13: the kept rows' gradients are their weight times 1 / 0 (NaN at the target for
   // nll_loss, through log_softmax the whole row for cross_entropy); ignored rows get 0.
   const Tensor targets = values({0, 0, -100}, {3}, DType::i64);

@@ -140,7 +140,8 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
         // NaN on the kept rows (their weight times 1 / 0) and 0 on the ignored ones. A select,
         // not the mask's product, keeps the ignored rows' 1 / 0 from reaching them. The NaN added
         // makes the value PyTorch's too where label smoothing leaves a non-zero sum over 0 (inf).
-        mean_loss = sum(cast(where(keep, loss, zeros({}, like)), acc)) / total + std::numeric_limits<double>::quiet_NaN();
+        mean_loss =
+            sum(cast(where(keep, loss, zeros({}, like)), acc)) / total + std::numeric_limits<double>::quiet_NaN();
       }
       return acc == dtype ? mean_loss : cast(mean_loss, dtype);
     }
