@@ -102,7 +102,7 @@ namespace {
 template <class T>
 bool copy_transposing(const View& src, const View& dst) {
   const int last = dst.ndim - 1;
-  constexpr std::int64_t kTile = 64 / sizeof(T) < 16 ? 16 : 64 / sizeof(T) * 2;
+  constexpr std::int64_t kTile = std::max<std::int64_t>(16, 128 / sizeof(T));  // 16 to 128 elements
   if (last < 1 || dst.strides[last] != 1 || src.strides[last] == 1 || dst.shape[last] < kTile) return false;
   int inner = -1;  // the axis along which src is contiguous
   for (int a = 0; a < last; ++a) {

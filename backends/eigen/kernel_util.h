@@ -77,6 +77,26 @@ void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&
   body(std::int64_t{0}, total);
 }
 
+/// The sum of value(0 .. n) in 16 interleaved partial sums, combined pairwise: the compiler
+/// vectorizes it (a plain running sum is one dependent add per element, which it may not
+/// reorder), and, unlike Eigen's reductions, whose order follows each row's address alignment,
+/// the order depends on n alone, so a row gives the same bits wherever it lives.
+template <class S, class Value>
+S lane_sum(std::int64_t n, Value&& value) {
+  constexpr int kLanes = 16;
+  S lanes[kLanes] = {};
+  std::int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += value(j + l);
+  }
+  S tail = 0;
+  for (; j < n; ++j) tail += value(j);
+  for (int width = kLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  return lanes[0] + tail;
+}
+
 /// Elements per thread below which elementwise kernels stay on one thread.
 inline constexpr std::int64_t kElementGrain = 32768;
 

@@ -1,6 +1,7 @@
 // Layer normalization over the last axis, fused: one pass for statistics and output, one for the
-// input gradient and the affine parameters' (per block of rows, then added across blocks). 16-bit x may come with
-// f32 weight and bias (mixed precision: the statistics and the affine run in f32 either way).
+// input gradient and the affine parameters' (per block of rows, then added across blocks). 16-bit
+// x may come with f32 weight and bias (mixed precision: the statistics and the affine run in f32
+// either way).
 #include <cmath>
 #include <vector>
 
@@ -14,26 +15,6 @@ using namespace kernels;
 namespace {
 template <class T>
 using Stat = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-/// The sum of value(0 .. n) in 16 interleaved partial sums, combined pairwise: the compiler
-/// vectorizes it (a plain running sum is one dependent add per element, which it may not
-/// reorder), and, unlike Eigen's reductions, whose order follows each row's address alignment,
-/// the order depends on n alone, so a row gives the same bits wherever it lives.
-template <class S, class Value>
-S lane_sum(std::int64_t n, Value&& value) {
-  constexpr int kLanes = 16;
-  S lanes[kLanes] = {};
-  std::int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += value(j + l);
-  }
-  S tail = 0;
-  for (; j < n; ++j) tail += value(j);
-  for (int width = kLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  }
-  return lanes[0] + tail;
-}
 
 /// Calls f with the affine parameters' element type: x's own, or f32 beside 16-bit x (the mixed
 /// form, whose weights and their gradients stay f32; the engine checks the pairing).

@@ -71,26 +71,21 @@ bool nan_of(T v) {
   }
 }
 
+// The values of a contiguous line are taken kLineRun at a time: their sums, extremes and exps.
+constexpr std::int64_t kLineRun = 256;
+
 // The sum of n elements at p, p + stride, ... in SumAcc<T>. A contiguous line of floats is added
-// in runs of kRun values, each in kLanes interleaved partial sums of the values' compute type (the
-// compiler keeps them in vector registers), and the runs' sums in double: the speed of a float
-// sum, an error that does not grow with the line, and the same bits whatever the line's address.
+// in runs of kLineRun values, each by lane_sum in the values' compute type (vectorized), and the runs'
+// sums in double: the speed of a float sum, an error that does not grow with the line, and the
+// same bits whatever the line's address.
 template <class T>
 SumAcc<T> line_sum(const T* p, std::int64_t n, std::int64_t stride) {
   using C = compute_t<T>;
   SumAcc<T> total = 0;
   if constexpr (std::is_floating_point_v<C>) {
     if (stride == 1) {
-      constexpr std::int64_t kRun = 256, kLanes = 16;
-      for (std::int64_t r = 0; r < n; r += kRun) {
-        const std::int64_t m = std::min(kRun, n - r);
-        C lane[kLanes] = {};
-        std::int64_t i = 0;
-        for (; i + kLanes <= m; i += kLanes) {
-          for (std::int64_t l = 0; l < kLanes; ++l) lane[l] += Num<T>::load(p[r + i + l]);
-        }
-        for (std::int64_t l = 0; i + l < m; ++l) lane[l] += Num<T>::load(p[r + i + l]);
-        for (const C v : lane) total += v;
+      for (std::int64_t r = 0; r < n; r += kLineRun) {
+        total += lane_sum<C>(std::min(kLineRun, n - r), [&](std::int64_t i) { return C(Num<T>::load(p[r + i])); });
       }
       return total;
     }
@@ -99,40 +94,57 @@ SumAcc<T> line_sum(const T* p, std::int64_t n, std::int64_t stride) {
   return total;
 }
 
-// logsumexp of a contiguous line of n > 0 float values: the NaN-propagating maximum, then
-// exp(x - max) a run at a time through the vectorized exp, each run summed in lanes and the runs
-// in double; 16-bit values are widened to f32 a run at a time. (The scalar loop, one std::exp a
-// value, took 2 ns a value.)
+// Runs of a contiguous line of float values as C, kLineRun at a time: f(run, length) on the values
+// themselves, or on a copy widened to f32 for 16-bit ones.
+template <class T, class F>
+void for_each_run_of(const T* p, std::int64_t n, F&& f) {
+  using C = compute_t<T>;
+  alignas(64) C wide[std::is_same_v<T, C> ? 1 : kLineRun];
+  for (std::int64_t r = 0; r < n; r += kLineRun) {
+    const std::int64_t len = std::min(kLineRun, n - r);
+    if constexpr (std::is_same_v<T, C>) {
+      f(p + r, len);
+    } else {
+      for (std::int64_t i = 0; i < len; ++i) wide[i] = Num<T>::load(p[r + i]);
+      f(static_cast<const C*>(wide), len);
+    }
+  }
+}
+
+// The largest (or smallest) of a contiguous line of n > 0 float values, NaN where one is: Eigen's
+// vectorized NaN-propagating extremes, run by run (the element loop, with its branch and its
+// early exit at a NaN, ran at a twentieth of a sum's speed).
+template <class T>
+compute_t<T> contiguous_extreme(const T* p, std::int64_t n, bool is_max) {
+  using C = compute_t<T>;
+  auto extreme = [is_max](const C* run, std::int64_t len) {
+    const Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>> line(run, len);
+    return is_max ? line.template maxCoeff<Eigen::PropagateNaN>() : line.template minCoeff<Eigen::PropagateNaN>();
+  };
+  if constexpr (std::is_same_v<T, C>) return extreme(p, n);  // f32, f64: the line at once
+  C best = is_max ? -std::numeric_limits<C>::infinity() : std::numeric_limits<C>::infinity();
+  for_each_run_of(p, n, [&](const C* run, std::int64_t len) {
+    if (std::isnan(best)) return;
+    const C e = extreme(run, len);
+    if (std::isnan(e) || (is_max ? e > best : e < best)) best = e;
+  });
+  return best;
+}
+
+// logsumexp of a contiguous line of n > 0 float values: the maximum, then exp(x - max) a run at a
+// time through the vectorized exp, the runs' sums in double (one std::exp a value took 2 ns).
 template <class T>
 compute_t<T> contiguous_logsumexp(const T* p, std::int64_t n) {
   using C = compute_t<T>;
-  using Run = Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>;
-  constexpr std::int64_t kRun = 256;
-  alignas(64) C run[kRun];
-  auto widen = [&](std::int64_t r, std::int64_t len) -> const C* {
-    if constexpr (std::is_same_v<T, C>) {
-      return p + r;
-    } else {
-      for (std::int64_t i = 0; i < len; ++i) run[i] = Num<T>::load(p[r + i]);
-      return run;
-    }
-  };
-  C m = -std::numeric_limits<C>::infinity();
-  for (std::int64_t r = 0; r < n; r += kRun) {
-    const std::int64_t len = std::min(kRun, n - r);
-    const C e = Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(widen(r, len), len)
-                    .template maxCoeff<Eigen::PropagateNaN>();
-    if (std::isnan(e)) return e;
-    m = std::max(m, e);
-  }
-  if (!std::isfinite(m)) return m;  // +inf (the sum is infinite) or -inf (every value is)
+  const C m = contiguous_extreme(p, n, true);
+  if (!std::isfinite(m)) return m;  // NaN, +inf (the sum is infinite) or -inf (every value is)
+  alignas(64) C exps[kLineRun];
   double s = 0;
-  for (std::int64_t r = 0; r < n; r += kRun) {
-    const std::int64_t len = std::min(kRun, n - r);
-    const C* x = widen(r, len);
-    Run(run, len) = ops::vector_exp(Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(x, len) - m);
-    s += line_sum(run, len, 1);
-  }
+  for_each_run_of(p, n, [&](const C* run, std::int64_t len) {
+    Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>>(exps, len) =
+        ops::vector_exp(Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>>(run, len) - m);
+    s += line_sum(exps, len, 1);
+  });
   return static_cast<C>(m + std::log(s));
 }
 
@@ -148,29 +160,9 @@ void reduce_line(ReduceOp op, const T* p, std::int64_t n, std::int64_t stride, T
     case ReduceOp::max:
     case ReduceOp::min: {
       const bool is_max = op == ReduceOp::max;
-      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+      if constexpr (std::is_floating_point_v<compute_t<T>>) {
         if (stride == 1) {
-          // Eigen's vectorized extremes, NaN-propagating: the loop below, with its branch and its
-          // early exit at a NaN, ran at a twentieth of a sum's speed on a contiguous line.
-          const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> line(p, n);
-          *out_value =
-              is_max ? line.template maxCoeff<Eigen::PropagateNaN>() : line.template minCoeff<Eigen::PropagateNaN>();
-          return;
-        }
-      } else if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
-        if (stride == 1) {
-          // The same, on runs widened to f32 (exact): the extreme of the runs' extremes.
-          constexpr std::int64_t kRun = 256;
-          float run[kRun];
-          float best = is_max ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
-          for (std::int64_t r = 0; r < n && !std::isnan(best); r += kRun) {
-            const std::int64_t m = std::min(kRun, n - r);
-            for (std::int64_t i = 0; i < m; ++i) run[i] = Num<T>::load(p[r + i]);
-            const Eigen::Map<const Eigen::Array<float, Eigen::Dynamic, 1>> line(run, m);
-            const float e = is_max ? line.maxCoeff<Eigen::PropagateNaN>() : line.minCoeff<Eigen::PropagateNaN>();
-            if (std::isnan(e) || (is_max ? e > best : e < best)) best = e;
-          }
-          *out_value = Num<T>::store(best);
+          *out_value = Num<T>::store(contiguous_extreme(p, n, is_max));
           return;
         }
       }

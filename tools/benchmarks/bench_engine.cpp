@@ -117,8 +117,58 @@ void layer_norm_suite(Context& ctx) {
   }
 }
 
+// Memory-bound kernels against a copy of the same bytes in the same run (a.clone(), or for a
+// reduction the sum, which reads them once): "ratio" near 1 means the kernel runs at the
+// memory's speed. Rows for kernels that once ran far below it: where (a data-dependent branch),
+// max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache miss a
+// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass).
+void kernels_suite(Context& ctx) {
+  const std::int64_t rows = ctx.quick ? 512 : 2048, cols = 1024;
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const std::string suffix =
+        " [" + std::to_string(rows) + ", " + std::to_string(cols) + "] " + std::string(dtype_name(dtype));
+    const Tensor a = randn({rows, cols}, 1).to(dtype), b = randn({rows, cols}, 2).to(dtype);
+    const Tensor keep = gt(randn({rows, cols}, 3), zeros({}));  // random: a branch would mispredict
+    Tensor filled = zeros({rows, cols}, dtype);
+    auto row = [&](const std::string& name, auto&& kernel, auto&& peer, const std::string& peer_name) {
+      const auto [ours, theirs] = measure_pair(ctx, kernel, peer);
+      report_time(ctx, "kernels", name + suffix, ours, theirs, peer_name, "us", 1e6);
+    };
+    auto copy = [&] { (void)a.clone(); };
+    auto sum_all = [&] { (void)sum(a); };
+    row(
+        "where", [&] { (void)where(keep, a, b); }, copy, "a copy of one operand");
+    row(
+        "max of all", [&] { (void)max(a); }, sum_all, "sum of all");
+    row(
+        "logsumexp over rows", [&] { (void)logsumexp(a, {1}); }, [&] { (void)sum(a, {1}); }, "sum over rows");
+    row(
+        "transpose to contiguous", [&] { (void)transpose(a, 0, 1).contiguous(); }, copy, "a copy");
+    row(
+        "fill", [&] { filled.fill_(0.0); }, [&] { filled.copy_(a); }, "a copy into the same tensor");
+  }
+  // LayerNorm's backward on the default GPT's shape, against a copy of what it reads (x and dy).
+  const Tensor x0 = randn({rows, 256}, 4), gy = randn({rows, 256}, 5);
+  const Tensor w = (randn({256}, 6) + 1.0).set_requires_grad(), bias = randn({256}, 7).set_requires_grad();
+  const Tensor x = x0.detach().set_requires_grad();
+  const auto [backward, copies] = measure_pair(
+      ctx,
+      [&] {
+        const Tensor y = layer_norm(x, w, bias);
+        y.backward(gy);
+      },
+      [&] {
+        (void)layer_norm(x0, w.detach(), bias.detach());
+        (void)x0.clone();
+        (void)gy.clone();
+      });
+  report_time(ctx, "kernels", "layer_norm fwd+bwd [" + std::to_string(rows) + ", 256] f32", backward, copies,
+              "its forward and copies of x and dy", "us", 1e6);
+}
+
 const bool registered = register_suite("gemm", gemm_suite) && register_suite("op-overhead", overhead_suite) &&
-                        register_suite("mlp", mlp_suite) && register_suite("layer-norm", layer_norm_suite);
+                        register_suite("mlp", mlp_suite) && register_suite("layer-norm", layer_norm_suite) &&
+                        register_suite("kernels", kernels_suite);
 
 }  // namespace
 }  // namespace ruda::bench
