@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -83,6 +85,21 @@ inline std::vector<std::string> temporaries_in(const std::filesystem::path& dir)
     if (name.find(".tmp") != std::string::npos) out.push_back(name);
   }
   return out;
+}
+
+/// The whole content of a file ("" if it cannot be read).
+inline std::string file_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+/// The names of the entries of `dir`.
+inline std::set<std::string> names_in(const std::filesystem::path& dir) {
+  std::set<std::string> names;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) names.insert(e.path().filename().string());
+  return names;
 }
 
 }  // namespace ruda::test

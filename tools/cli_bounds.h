@@ -60,22 +60,20 @@ CLI::Validator whole_number() {
       [](std::string& text) -> std::string {
         const std::string whole = "must be a whole number between " + std::to_string(std::numeric_limits<T>::min()) +
                                   " and " + std::to_string(std::numeric_limits<T>::max());
+        // An optional sign, one only ('+-5' is not -5), then decimal digits.
         const char* first = text.data();
         const char* last = first + text.size();
-        if (first != last && *first == '+') ++first;
-        const bool negative = first != last && *first == '-';
-        const char* digits = first + (negative ? 1 : 0);
+        const bool plus = first != last && *first == '+';
+        const bool negative = !plus && first != last && *first == '-';
+        const char* digits = first + (plus || negative ? 1 : 0);
         if (digits == last || !std::all_of(digits, last, [](char c) { return c >= '0' && c <= '9'; }))
           return whole + ", got '" + text + "'";
         T value{};
-        const auto [end, error] = std::from_chars(first, last, value);
-        if ((negative && std::is_unsigned_v<T> && std::any_of(digits, last, [](char c) { return c != '0'; })) ||
-            error == std::errc::result_out_of_range)
-          return whole + ", got " + text;
-        if (negative && std::is_unsigned_v<T>)
-          value = 0;  // "-0"
-        else if (error != std::errc() || end != last)
-          return whole + ", got '" + text + "'";
+        if (negative && std::is_unsigned_v<T>) {  // "-0" alone fits
+          if (std::any_of(digits, last, [](char c) { return c != '0'; })) return whole + ", got " + text;
+        } else if (std::from_chars(negative ? first : digits, last, value).ec == std::errc::result_out_of_range) {
+          return whole + ", got " + text;  // (digits only: the one way from_chars can fail)
+        }
         text = std::to_string(value);
         return {};
       },

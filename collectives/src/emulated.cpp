@@ -632,17 +632,15 @@ class EmulatedCommunicator final : public Communicator {
 
   std::string compare_slots() {
     const Slot& first = world_.slot(0);
-    bool same = true, same_sequence = true;
+    bool same = true, same_calls = true, same_sequence = true;
     for (int k = 1; k < world_size(); ++k) {
       same = same && world_.slot(k).same_collective(first);
+      same_calls = same_calls && world_.slot(k).same_call(first);
       same_sequence = same_sequence && world_.slot(k).sequence == first.sequence;
     }
     if (same) return {};
     // The shapes are shown only where nothing else tells the calls apart.
-    bool only_shapes = true;
-    for (int k = 1; k < world_size(); ++k) {
-      only_shapes = only_shapes && world_.slot(k).same_call(first) && world_.slot(k).sequence == first.sequence;
-    }
+    const bool only_shapes = same_calls && same_sequence;
     std::vector<std::string> calls;
     for (int k = 0; k < world_size(); ++k) {
       const Slot& s = world_.slot(k);

@@ -736,8 +736,9 @@ MpiCommunicator::~MpiCommunicator() {
       if (std::any_of(all.begin(), all.end(), [&](const std::string& f) { return f != end; })) {
         std::vector<std::string> calls;
         for (const auto& f : all) {
-          auto [n, text] = cd::split_fingerprint(cd::without_shape(f));
-          calls.push_back(n == current_sequence() + 1 ? text : cd::without_shape(f));
+          const std::string call = cd::without_shape(f);
+          auto [n, text] = cd::split_fingerprint(call);
+          calls.push_back(n == current_sequence() + 1 ? text : call);
         }
         std::fprintf(stderr, "ruda: rank %d: %s\n", rank(),
                      cd::mismatch_message(current_sequence() + 1, calls).c_str());

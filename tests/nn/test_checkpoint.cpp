@@ -71,6 +71,22 @@ test::TrainResult rank0(int world, F fn) {
   return out;
 }
 
+// Two f64 layers, and steps [from, to) of training them where the second has no gradient in step 0
+// (the loss reads only the first layer then): a parameter with its own, shorter step count.
+nn::Sequential two_layers(std::uint64_t seed) {
+  nn::manual_seed(seed);
+  return nn::Sequential({std::make_shared<nn::Linear>(4, 3, nn::LinearOptions{.dtype = DType::f64}),
+                         std::make_shared<nn::Linear>(3, 2, nn::LinearOptions{.dtype = DType::f64})});
+}
+void train_two_layers(nn::Sequential& model, nn::Optimizer& opt, int from, int to) {
+  for (int step = from; step < to; ++step) {
+    opt.zero_grad();
+    const Tensor h = model[0]->forward(ones({2, 4}, DType::f64));
+    sum(square(step == 0 ? h : model[1]->forward(h))).backward();
+    opt.step();
+  }
+}
+
 test::TrainResult concat(const test::TrainResult& a, const test::TrainResult& b) {
   test::TrainResult out = b;
   out.losses.insert(out.losses.begin(), a.losses.begin(), a.losses.end());
@@ -215,45 +231,28 @@ TEST_CASE("a resume keeps each parameter's own Adam step count: one that had no 
   // Four steps straight through against two, a save, a load into a fresh model and optimizer, and
   // two more. The second layer has no gradient in the first step, so its bias corrections count
   // one step fewer; the index records that count where it differs from the optimizer's.
-  auto run = [](nn::Sequential& model, nn::Adam& opt, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      opt.zero_grad();
-      Tensor x = ones({2, 4}, DType::f64);
-      const Tensor h = model[0]->forward(x);
-      sum(step == 0 ? h : model[1]->forward(h)).backward();
-      opt.step();
-    }
-  };
-  auto make = [] {
-    nn::manual_seed(11);
-    return nn::Sequential({std::make_shared<nn::Linear>(4, 3, nn::LinearOptions{.dtype = DType::f64}),
-                           std::make_shared<nn::Linear>(3, 2, nn::LinearOptions{.dtype = DType::f64})});
-  };
-  nn::Sequential straight = make();
+  nn::Sequential straight = two_layers(11);
   nn::Adam straight_opt(straight.parameters(), {.lr = 0.1});
-  run(straight, straight_opt, 0, 4);
+  train_two_layers(straight, straight_opt, 0, 4);
 
   TempDir dir;
   LocalCommunicator comm;
   {
-    nn::Sequential first = make();
+    nn::Sequential first = two_layers(11);
     nn::Adam opt(first.parameters(), {.lr = 0.1});
-    run(first, opt, 0, 2);
+    train_two_layers(first, opt, 0, 2);
     CHECK(opt.steps_of(first.parameters().back()) == 1);
     nn::save_checkpoint(dir.str(), 2, first, &opt, comm, {});
   }
-  nn::Sequential resumed = make();
+  nn::Sequential resumed = two_layers(11);
   nn::Adam opt(resumed.parameters(), {.lr = 0.1});
   nn::load_checkpoint(dir.str(), resumed, &opt, comm);
   CHECK(opt.steps() == 2);
   CHECK(opt.steps_of(resumed.parameters().front()) == 2);
   CHECK(opt.steps_of(resumed.parameters().back()) == 1);
-  run(resumed, opt, 2, 4);
-  const auto a = straight.parameters(), b = resumed.parameters();
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    CAPTURE(i);
-    CHECK(a[i].data().to_vector<double>() == b[i].data().to_vector<double>());
-  }
+  train_two_layers(resumed, opt, 2, 4);
+  CHECK(test::snapshot(straight) == test::snapshot(resumed));
+  const auto b = resumed.parameters();
   // A count past the optimizer's is a damaged index, refused by name.
   test::check_throws<ArgumentError>([&] { opt.set_steps_of(b.back(), 5); }, {"set_steps_of", "[0, 4]", "5"});
   // A parameter the optimizer does not update is refused, not given a count.
@@ -263,12 +262,12 @@ TEST_CASE("a resume keeps each parameter's own Adam step count: one that had no 
                                     {"steps_of", "not one this optimizer updates"});
   // An optimizer over part of the module (the rest frozen) saves and resumes as before.
   TempDir part_dir;
-  nn::Sequential partial = make();
+  nn::Sequential partial = two_layers(11);
   const auto all = partial.parameters();
   nn::Adam part_opt(std::vector<nn::Param>(all.begin(), all.begin() + 2), {.lr = 0.1});
-  run(partial, part_opt, 0, 2);
+  train_two_layers(partial, part_opt, 0, 2);
   nn::save_checkpoint(part_dir.str(), 2, partial, &part_opt, comm, {});
-  nn::Sequential partial_again = make();
+  nn::Sequential partial_again = two_layers(11);
   const auto again = partial_again.parameters();
   nn::Adam again_opt(std::vector<nn::Param>(again.begin(), again.begin() + 2), {.lr = 0.1});
   nn::load_checkpoint(part_dir.str(), partial_again, &again_opt, comm);
@@ -281,44 +280,26 @@ TEST_CASE("SGD with dampening resumes as it trains straight through, from a save
   // for its state, which exists (as zeros) from then on: the saved per-parameter step count is
   // what tells the resumed optimizer that the buffer has not started. Saves at step 0 (no
   // parameter stepped) and at step 1 (the second layer not yet, as it has no gradient in step 0).
-  auto run = [](nn::Sequential& model, nn::SGD& opt, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      opt.zero_grad();
-      Tensor x = ones({2, 4}, DType::f64);
-      const Tensor h = model[0]->forward(x);
-      sum(square(step == 0 ? h : model[1]->forward(h))).backward();
-      opt.step();
-    }
-  };
-  auto make = [] {
-    nn::manual_seed(12);
-    return nn::Sequential({std::make_shared<nn::Linear>(4, 3, nn::LinearOptions{.dtype = DType::f64}),
-                           std::make_shared<nn::Linear>(3, 2, nn::LinearOptions{.dtype = DType::f64})});
-  };
   const nn::SGDOptions options{.lr = 0.01, .momentum = 0.9, .dampening = 0.5};
-  nn::Sequential straight = make();
+  nn::Sequential straight = two_layers(12);
   nn::SGD straight_opt(straight.parameters(), options);
-  run(straight, straight_opt, 0, 3);
+  train_two_layers(straight, straight_opt, 0, 3);
   LocalCommunicator comm;
   for (int at : {0, 1}) {
     CAPTURE(at);
     TempDir dir;
     {
-      nn::Sequential first = make();
+      nn::Sequential first = two_layers(12);
       nn::SGD opt(first.parameters(), options);
-      run(first, opt, 0, at);
+      train_two_layers(first, opt, 0, at);
       nn::save_checkpoint(dir.str(), at, first, &opt, comm, {});
     }
-    nn::Sequential resumed = make();
+    nn::Sequential resumed = two_layers(12);
     nn::SGD opt(resumed.parameters(), options);
     nn::load_checkpoint(dir.str(), resumed, &opt, comm);
     CHECK(opt.steps_of(resumed.parameters().back()) == 0);
-    run(resumed, opt, at, 3);
-    const auto a = straight.parameters(), b = resumed.parameters();
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      CAPTURE(i);
-      CHECK(a[i].data().to_vector<double>() == b[i].data().to_vector<double>());
-    }
+    train_two_layers(resumed, opt, at, 3);
+    CHECK(test::snapshot(straight) == test::snapshot(resumed));
   }
 }
 
@@ -772,12 +753,6 @@ TEST_CASE("a failed commit leaves no temporary behind") {
 }
 
 namespace {
-std::string text_of(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 bool is_a_fifo(const fs::path& path) {
   struct stat st {};
   return ::lstat(path.c_str(), &st) == 0 && S_ISFIFO(st.st_mode);
@@ -795,7 +770,7 @@ TEST_CASE(
   // to go through it, overwriting the victim, and then renamed the link itself into place.
   fs::create_symlink(victim, out.string() + ".tmp");
   safetensors::write(out.string(), {{"a", ones({3})}});
-  CHECK(text_of(victim) == "victim");
+  CHECK(test::file_text(victim) == "victim");
   CHECK(fs::is_symlink(out.string() + ".tmp"));  // not ours: left alone
   CHECK_FALSE(fs::is_symlink(out));
   test::check_close(safetensors::Reader(out.string()).read("a"), {1, 1, 1}, {3});
@@ -818,7 +793,7 @@ TEST_CASE(
       },
       {"link.safetensors", "symbolic link"});
   CHECK(fs::is_symlink(link));
-  CHECK(text_of(victim) == "victim");
+  CHECK(test::file_text(victim) == "victim");
   // A link to a device (a FIFO of our own stands in for one): refused, the FIFO untouched.
   const fs::path to_fifo = dir.path / "to-fifo.safetensors";
   fs::create_symlink(fifo, to_fifo);
@@ -848,7 +823,7 @@ TEST_CASE(
     nn::Linear layer(4, 3);
     nn::save_checkpoint(ckpt.string(), 1, layer, nullptr, comm);
   }
-  CHECK(text_of(victim) == "victim");
+  CHECK(test::file_text(victim) == "victim");
   CHECK(nn::verify_checkpoint(ckpt.string()) > 0);
   // ... and consolidate refuses a FIFO as its output, leaving it a FIFO.
   test::check_throws<IOError>([&] { nn::consolidate_checkpoint(ckpt.string(), fifo.string()); },

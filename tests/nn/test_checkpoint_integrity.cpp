@@ -16,6 +16,8 @@
 #include "helpers.h"
 
 using namespace ruda;
+using test::file_text;
+using test::names_in;
 using test::TempDir;
 namespace fs = std::filesystem;
 using nlohmann::json;
@@ -347,13 +349,6 @@ std::string io_error_of(F&& fn) {
   return "";
 }
 
-std::string file_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 }  // namespace
 
 TEST_CASE("resolve and the latest pointer: messages say what the path is, as checkpoint errors") {
@@ -594,15 +589,6 @@ TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelle
   std::ofstream(step / "index.json") << old.dump(1);
   check_contains(load_with(dir, adamw, DType::f64), {"optim/weight/exp_avg", "I64", "f64"});
 }
-
-namespace {
-// The names of the files in `dir`.
-std::set<std::string> names_in(const fs::path& dir) {
-  std::set<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir)) out.insert(e.path().filename().string());
-  return out;
-}
-}  // namespace
 
 TEST_CASE("a step saved again keeps its old files until the new index replaces the old one") {
   TempDir dir;

@@ -17,6 +17,7 @@
 #include "helpers.h"
 
 using namespace ruda;
+using test::names_in;
 using test::TempDir;
 
 namespace {
@@ -203,12 +204,6 @@ void check_same_samples(const nn::IdxImages& files, const nn::ImageDataset& load
   const std::int64_t lo = files.size() / 3, hi = files.size() - 1;
   CHECK(same_bits(files.images(lo, hi), loaded.images.slice(0, lo, hi)));
   CHECK(same_bits(files.labels(lo, hi), loaded.labels.slice(0, lo, hi)));
-}
-
-std::set<std::string> names_in(const std::string& dir) {
-  std::set<std::string> names;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) names.insert(e.path().filename().string());
-  return names;
 }
 
 }  // namespace

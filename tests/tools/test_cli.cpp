@@ -164,6 +164,7 @@ TEST_CASE("whole numbers: out of range, negative for an unsigned option, or not 
   one_error_line(run(train("--seed -1 mlp" + no_data)),  // was 2^64 - 1 (strtoull wraps)
                  {"--seed: must be a whole number between 0 and 18446744073709551615, got -1"});
   one_error_line(run(train("--epochs 0x10 mlp" + no_data)), {"--epochs: must be a whole number", "'0x10'"});
+  one_error_line(run(train("--epochs +-5 mlp" + no_data)), {"--epochs: must be a whole number", "'+-5'"});
   one_error_line(run(train("mlp --hidden 32,99999999999999999999" + no_data)),
                  {"--hidden: must be a whole number", "got 99999999999999999999"});
   // A leading zero is decimal: --emulate 010 ran 8 ranks (octal).

@@ -73,14 +73,6 @@ auto with_index_errors(const std::string& dir, F&& fn) -> decltype(fn()) {
 
 // --- the checkpoint directory ---
 
-void sync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 // "step-" and digits only, as step_dir_name writes them: a directory of the user's that merely starts
 // with "step-" (step-notes/) is not ruda's, and upkeep must never remove it.
 bool is_step_name(const std::string& name) {
@@ -232,15 +224,11 @@ struct Upkeep {
 bool is_our_temporary(const std::string& name, bool pointer) {
   const auto base = safetensors::temporary_base(name);
   if (!base) return false;
-  return pointer ? *base == "latest" : base->rfind("rank-", 0) == 0 || *base == "index.json";
+  return pointer ? *base == "latest" : is_rank_file_name(*base) || *base == "index.json";
 }
 
-// Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
-// only: a link planted at such a name is not ruda's) and step directories without an index, except
-// `current` (the step being saved). Run by rank 0 once the new checkpoint is published, so that a
-// kill during the cleaning loses nothing.
 // Removes ruda's temporary files (regular files only: a link planted at such a name is not ruda's)
-// in the checkpoint directory (`pointer`: the latest pointer's too) or in a step directory.
+// in a step directory, or (`pointer`) the latest pointer's only, in the checkpoint directory.
 void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
   std::error_code ec;
   fs::directory_iterator it(dir, ec);
@@ -254,6 +242,9 @@ void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
   if (ec) upkeep.skip(dir, ec);
 }
 
+// Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
+// only) and step directories without an index, except `current` (the step being saved). Run by
+// rank 0 once the new checkpoint is published, so that a kill during the cleaning loses nothing.
 void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   remove_temporaries(dir, true, upkeep);
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
@@ -284,7 +275,7 @@ void prune(const fs::path& dir, int keep, const std::string& current, Upkeep& up
       upkeep.skip(dir / steps[i] / "index.json", ec);
       continue;  // still complete: removing the rest would leave an index over missing files
     }
-    sync_directory((dir / steps[i]).string());
+    safetensors::sync_directory((dir / steps[i]).string());
     upkeep.remove_all(dir / steps[i]);
   }
 }
@@ -509,7 +500,7 @@ std::vector<json> agree_on_reports(Communicator& comm, const std::string& step_d
 void unpublish(const std::string& step_dir) {
   std::error_code ec;
   const fs::path index = fs::path(step_dir) / "index.json";
-  if (fs::remove(index, ec)) sync_directory(step_dir);
+  if (fs::remove(index, ec)) safetensors::sync_directory(step_dir);
   if (ec) fail(index.string(), "cannot be removed before the step is rewritten: " + ec.message());
 }
 
@@ -659,7 +650,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
       headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}, {}});
       if (optimizer) {
         for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
-        // (Adam counts each parameter's steps: one that had no gradient in some is resumed so.)
+        // (The optimizer counts each parameter's steps: one that had no gradient in some is resumed so.)
         // (A module's parameter the optimizer does not update has no count of its own.)
         if (optimizer->updates(p)) {
           if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
@@ -695,14 +686,14 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       fail(index.dir, "holds the state of the " + *index.optimizer_kind + " optimizer; the optimizer loading it is " +
                           kind + " (one optimizer's state does not continue another's)");
     }
+    std::vector<std::string> saved_state = index.optimizer_state;
+    std::sort(saved_state.begin(), saved_state.end());
     for (const auto& [name, p] : params) {
       std::vector<std::string> mine;
       for (const auto& [state, t] : optimizer->state(p)) mine.push_back(state);
-      std::vector<std::string> saved = index.optimizer_state;
-      std::sort(saved.begin(), saved.end());
       std::vector<std::string> sorted = mine;
       std::sort(sorted.begin(), sorted.end());
-      if (sorted != saved) {
+      if (sorted != saved_state) {
         fail(index.dir, "holds the optimizer state " + quoted_list(index.optimizer_state) + " of every parameter" +
                             (index.optimizer_kind ? " (" + *index.optimizer_kind + ")" : std::string()) + ", but the " +
                             kind + " optimizer loading it keeps " + quoted_list(mine) + " for parameter '" + name +

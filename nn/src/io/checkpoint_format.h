@@ -71,8 +71,8 @@ struct IndexParam {
   // The dtype of each of its optimizer state tensors (by state name; recorded since the index
   // has them: empty in older checkpoints, whose state is checked against the optimizer only).
   std::map<std::string, DType> state_dtypes;
-  // Its own optimizer step count, where it differs from the optimizer's (Adam: a parameter that
-  // had no gradient in some steps); none: the optimizer's.
+  // Its own optimizer step count, where it differs from the optimizer's (a parameter that had no
+  // gradient in some steps); none: the optimizer's.
   std::optional<std::int64_t> steps;
 };
 

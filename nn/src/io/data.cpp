@@ -28,27 +28,17 @@ namespace {
 
 [[noreturn]] void data_fail(const std::string& path, const std::string& what) { throw IOError(path + ": " + what); }
 
-// Runs fn, turning what std::filesystem throws (a name too long, a loop of symbolic links, a
-// directory that cannot be read) into the IOError every data error is, naming the file and `op`.
-// Each public entry point of this file runs through it; the calls inside prefer error codes.
-template <class F>
-auto filesystem_errors_as_io(const char* op, const std::string& path, F&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const fs::filesystem_error& e) {
-    data_fail(e.path1().empty() ? path : e.path1().string(), std::string(op) + ": " + e.code().message());
-  }
-}
-
-// Opens `path`, a regular file, for reading: a missing one is "no such file" (`missing` says
-// what was looked for); a FIFO is refused by name, never waited on, as anything else that is not a
-// regular file (safetensors::open_regular_file).
-int open_data_file(const std::string& path, const char* missing = "no such file") {
+// Opens `path`, a regular file, for reading: a missing one is "no such file"; a FIFO is refused by
+// name, never waited on, as anything else that is not a regular file
+// (safetensors::open_regular_file). The filesystem calls of this file all take error codes, so
+// that what goes wrong (a name too long, a directory that cannot be read) is an IOError naming
+// the file, never a std::filesystem::filesystem_error.
+int open_data_file(const std::string& path) {
   try {
     return safetensors::open_regular_file(path, "");
   } catch (const IOError&) {
     std::error_code ec;  // (another reason, a name too long say, is the one open gave)
-    if (fs::status(path, ec).type() == fs::file_type::not_found) data_fail(path, missing);
+    if (fs::status(path, ec).type() == fs::file_type::not_found) data_fail(path, "no such file");
     throw;
   }
 }
@@ -386,13 +376,11 @@ ImageDataset load_idx_files(const std::string& images_path, const std::string& l
 }  // namespace
 
 ImageDataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
-  return filesystem_errors_as_io("load_idx", images_path,
-                                 [&] { return load_idx_files(images_path, labels_path, limit); });
+  return load_idx_files(images_path, labels_path, limit);
 }
 
 ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::int64_t limit) {
-  const auto [images, labels] =
-      filesystem_errors_as_io("load_fashion_mnist", directory, [&] { return fashion_mnist_files(directory, train); });
+  const auto [images, labels] = fashion_mnist_files(directory, train);
   return load_idx(images, labels, limit);
 }
 
@@ -407,26 +395,24 @@ std::string default_cache_dir() {
 }
 
 std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
-  return filesystem_errors_as_io("uncompressed_file", path, [&] {
-    if (!is_gzip(path)) return path;
-    const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
-    const fs::path target = dir / cache_name(path);
-    // Only a rename puts a file at `target`, so one found there is complete (and whatever else is
-    // there, a FIFO say, is refused by name when it is opened).
-    std::error_code error;
-    const fs::file_status found = fs::symlink_status(target, error);
-    if (!error && found.type() != fs::file_type::not_found) return target.string();
-    if (error && found.type() != fs::file_type::not_found)
-      data_fail(target.string(), "cannot be inspected: " + error.message());
-    fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
-    std::error_code probing;
-    if (!fs::is_directory(dir, probing))
-      data_fail(dir.string(), "cannot create the cache directory: " + (error ? error : probing).message());
-    // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
-    // open the final name only once it is complete.
-    decompress_to(path, target.string());
-    return target.string();
-  });
+  if (!is_gzip(path)) return path;
+  const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
+  const fs::path target = dir / cache_name(path);
+  // Only a rename puts a file at `target`, so one found there is complete (and whatever else is
+  // there, a FIFO say, is refused by name when it is opened).
+  std::error_code error;
+  const fs::file_status found = fs::symlink_status(target, error);
+  if (!error && found.type() != fs::file_type::not_found) return target.string();
+  if (error && found.type() != fs::file_type::not_found)
+    data_fail(target.string(), "cannot be inspected: " + error.message());
+  fs::create_directories(dir, error);  // (another process may make it at the same time: that is fine)
+  std::error_code probing;
+  if (!fs::is_directory(dir, probing))
+    data_fail(dir.string(), "cannot create the cache directory: " + (error ? error : probing).message());
+  // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
+  // open the final name only once it is complete.
+  decompress_to(path, target.string());
+  return target.string();
 }
 
 struct IdxImages::State {
@@ -437,10 +423,8 @@ struct IdxImages::State {
 IdxImages::IdxImages(const std::string& images_path, const std::string& labels_path, std::int64_t limit,
                      const std::string& cache_dir)
     : state_(std::make_shared<State>()) {
-  filesystem_errors_as_io("IdxImages", images_path, [&] {
-    state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
-    state_->labels = open_idx(labels_path, 1, limit, cache_dir);
-  });
+  state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
+  state_->labels = open_idx(labels_path, 1, limit, cache_dir);
   check_counts(images_path, state_->images.dims[0], labels_path, state_->labels.dims[0]);
 }
 
@@ -478,19 +462,16 @@ Tensor IdxImages::labels(std::int64_t first, std::int64_t last) const {
 
 IdxImages open_fashion_mnist(const std::string& directory, bool train, std::int64_t limit,
                              const std::string& cache_dir) {
-  const auto [images, labels] =
-      filesystem_errors_as_io("open_fashion_mnist", directory, [&] { return fashion_mnist_files(directory, train); });
+  const auto [images, labels] = fashion_mnist_files(directory, train);
   return IdxImages(images, labels, limit, cache_dir);
 }
 
 TextCorpus::TextCorpus(const std::string& path) {
-  filesystem_errors_as_io("TextCorpus", path, [&] {
-    for (auto& name : text_files(path)) {
-      const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
-      files_.push_back({std::move(name), size_, bytes});
-      size_ += bytes;
-    }
-  });
+  for (auto& name : text_files(path)) {
+    const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
+    files_.push_back({std::move(name), size_, bytes});
+    size_ += bytes;
+  }
   if (size_ == 0) data_fail(path, "holds no text");
 }
 

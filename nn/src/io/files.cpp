@@ -54,6 +54,14 @@ std::string random_suffix() {
 
 }  // namespace
 
+void sync_directory(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
 const char* file_kind(mode_t mode) {
   if (S_ISREG(mode)) return "regular file";
   if (S_ISDIR(mode)) return "directory";
@@ -187,11 +195,7 @@ void AtomicFile::commit() {
   settled_ = true;
   // The rename itself is durable once the directory is.
   const std::string dir = std::filesystem::path(path_).parent_path().string();
-  const int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  sync_directory(dir.empty() ? "." : dir);
 }
 
 void AtomicFile::discard() noexcept {

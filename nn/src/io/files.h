@@ -28,6 +28,10 @@ std::string read_text_file(const std::string& path, std::size_t max_bytes);
 /// not a regular file ("is not a regular file but a FIFO"); nothing is left open then.
 int open_regular_file(const std::string& path, const std::string& origin, std::uint64_t* size = nullptr);
 
+/// Makes the entries of directory `dir` durable (fsync of the directory: a rename or an unlink in
+/// it survives a crash once this returns); best effort, as a directory may refuse to be opened.
+void sync_directory(const std::string& dir);
+
 /// What a file of this mode is, for messages: "directory", "FIFO", "character device", ...
 const char* file_kind(mode_t mode);
 
@@ -73,7 +77,6 @@ class AtomicFile {
 
   void write(const void* data, std::size_t size);
   void commit();
-  const std::string& temporary_path() const noexcept { return temp_; }
 
  private:
   [[noreturn]] void fail(const std::string& what) const;

@@ -8,7 +8,8 @@
 //       the index names each rank's file, and replacing the index swaps the new files in);
 //   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
 //       which element range of each parameter with an XXH3-64 hash of every 64 KiB block of it,
-//       the optimizer's kind, scalar state (steps, lr) and state tensors' dtypes, and the caller's
+//       the optimizer's kind, scalar state (steps, lr), each parameter's own step count where it
+//       differs (it had no gradient in some steps) and state tensors' dtypes, and the caller's
 //       extra state (step, RNG, data position, model description).
 // Writes are atomic and ordered: every rank writes its file (temporary file, flush, rename) and
 // reports its checksums, all ranks agree that every file is complete, rank 0 writes index.json the
