@@ -329,22 +329,6 @@ struct Communicator::Call {
   std::uint64_t bytes = 0;  // bus bytes (Traffic::bytes)
 };
 
-namespace {
-// What a ring implementation of the collective sends per rank (Traffic::bytes). `count` is as
-// begin() receives it: the contribution (all_gather), the full tensor (reduce_scatter), the
-// tensor (all_reduce, broadcast).
-std::uint64_t bus_bytes(const char* op, std::int64_t count, DType dtype, int world) {
-  const double n = world, bytes = static_cast<double>(count) * static_cast<double>(dtype_size(dtype));
-  const std::string_view o = op;
-  double out = 0;
-  if (o == "all_gather") out = (n - 1) * bytes;
-  if (o == "reduce_scatter") out = (n - 1) / n * bytes;
-  if (o == "all_reduce") out = 2 * (n - 1) / n * bytes;
-  if (o == "broadcast") out = bytes;
-  return world > 1 ? static_cast<std::uint64_t>(out) : 0;
-}
-}  // namespace
-
 void Communicator::finish(const Call& call) {
   const double seconds = cd::Stopwatch::seconds(call.start, cd::Stopwatch::now());
   traffic_->collectives += 1;
@@ -385,23 +369,56 @@ std::vector<std::string> Communicator::history() const {
   return out;
 }
 
-Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64_t count, DType dtype,
-                                       std::string_view extra, const CollectiveOptions& options, const Shape* shape) {
+Communicator::Call Communicator::begin(Op op, bool has_data, std::int64_t count, DType dtype, std::string_view extra,
+                                       const CollectiveOptions& options, const Shape* shape) {
   // Every collective, blocking or not, begins here: the one place its options enter.
-  check_enum(options.accumulate, op, "Accumulate", rank_text_);
+  // What a ring implementation of the collective sends per rank (Traffic::bytes), per byte of
+  // `count` as it arrives here: the contribution (all_gather), the full tensor (reduce_scatter),
+  // the tensor (all_reduce, broadcast).
+  const double n = world_size_;
+  const char* name = "";
+  double bus_per_byte = 0;
+  switch (op) {
+    case Op::all_gather:
+      name = "all_gather", bus_per_byte = n - 1;
+      break;
+    case Op::reduce_scatter:
+      name = "reduce_scatter", bus_per_byte = (n - 1) / n;
+      break;
+    case Op::all_reduce:
+      name = "all_reduce", bus_per_byte = 2 * (n - 1) / n;
+      break;
+    case Op::broadcast:
+      name = "broadcast", bus_per_byte = 1;
+      break;
+    case Op::barrier:
+      name = "barrier";
+      break;
+    case Op::split:
+      name = "split";
+      break;
+    case Op::split_by_node:
+      name = "split_by_node";
+      break;
+  }
+  check_enum(options.accumulate, name, "Accumulate", rank_text_);
   Call call;
   call.start = cd::Stopwatch::now();
-  call.bytes = has_data ? bus_bytes(op, count, dtype, world_size_) : 0;
+  if (has_data && world_size_ > 1) {
+    call.bytes =
+        static_cast<std::uint64_t>(bus_per_byte * static_cast<double>(count) * static_cast<double>(dtype_size(dtype)));
+  }
   call.sequence = ++sequence_;
   if (history_.size() < kHistory) history_.emplace_back();
   Record& r = history_[(call.sequence - 1) % kHistory];
   r.sequence = call.sequence;
-  r.op = op;
+  r.op = name;
   r.has_data = has_data;
   r.dtype = dtype;
   r.count = count;
-  r.extra.assign(extra);
-  r.tag.assign(options.tag);
+  // (Most calls have neither: assigning an empty string to an empty one is still a call.)
+  if (!extra.empty() || !r.extra.empty()) r.extra.assign(extra);
+  if (!options.tag.empty() || !r.tag.empty()) r.tag.assign(options.tag);
   if (shape) {
     r.shape.assign(shape->begin(), shape->end());
   } else {
@@ -410,7 +427,7 @@ Communicator::Call Communicator::begin(const char* op, bool has_data, std::int64
   if (order_check_) {
     call.fingerprint = cd::with_shape(
         cd::numbered(call.sequence,
-                     call_text(op, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag))),
+                     call_text(name, has_data, dtype, count, std::string(extra), fingerprint_tag(options.tag))),
         has_data ? to_string(r.shape) : std::string());  // (a barrier's: none)
     try {
       check_order(call);
@@ -484,7 +501,7 @@ std::string_view accumulate_extra(DType dtype, Accumulate accumulate) {
 }  // namespace
 
 void Communicator::run_all_gather(const Tensor& local, const Tensor& out, const CollectiveOptions& options) {
-  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
+  const Call call = begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     do_all_gather(local.data_ptr(), out.data_ptr(), local.numel(), local.dtype());
   } catch (...) {
@@ -494,7 +511,7 @@ void Communicator::run_all_gather(const Tensor& local, const Tensor& out, const 
 }
 
 void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, const CollectiveOptions& options) {
-  const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
+  const Call call = begin(Op::reduce_scatter, true, full.numel(), full.dtype(),
                           accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     do_reduce_scatter(full.data_ptr(), out.data_ptr(), out.numel(), full.dtype(), options.accumulate);
@@ -509,7 +526,7 @@ Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions
   const Tensor& local = dense_input("all_gather", rank_, local_arg, local_copy);
   const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
-    begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
+    begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
     return local.detach().reshape(shape);
   }
   Tensor out = new_like(local, shape);
@@ -532,7 +549,7 @@ Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOpti
   const Tensor& full = dense_input("reduce_scatter", rank_, full_arg, full_copy);
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
-    begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
+    begin(Op::reduce_scatter, true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
           options, &full.shape());
     return full.detach();
   }
@@ -560,11 +577,11 @@ Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const Collect
     extra += ", native";
   }
   if (pass_through()) {
-    begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
+    begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
     return x.detach();
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
+  const Call call = begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     do_all_reduce(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), op, options.accumulate);
   } catch (...) {
@@ -583,11 +600,11 @@ Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOp
   }
   const std::string extra = "root " + std::to_string(root);
   if (pass_through()) {
-    begin("broadcast", true, x.numel(), x.dtype(), extra, options, &x.shape());
+    begin(Op::broadcast, true, x.numel(), x.dtype(), extra, options, &x.shape());
     return x.detach();
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("broadcast", true, x.numel(), x.dtype(), extra, options, &x.shape());
+  const Call call = begin(Op::broadcast, true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     do_broadcast(x.data_ptr(), out.data_ptr(), x.numel(), x.dtype(), root);
   } catch (...) {
@@ -598,7 +615,7 @@ Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOp
 }
 
 void Communicator::barrier(const CollectiveOptions& options) {
-  const Call call = begin("barrier", false, 0, DType::f32, "", options);
+  const Call call = begin(Op::barrier, false, 0, DType::f32, "", options);
   if (pass_through()) return;
   try {
     do_barrier();
@@ -613,7 +630,7 @@ Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions
   require_contiguous("all_gather_async", rank_, local, "input");
   const Shape shape = gathered_shape(rank_, world_size_, local);
   if (pass_through()) {
-    begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
+    begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
     return Work(std::make_unique<FinishedState>(local.detach().reshape(shape)));
   }
   return launch_all_gather(local, new_like(local, shape), options);
@@ -630,7 +647,7 @@ Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local,
 }
 
 Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const CollectiveOptions& options) {
-  const Call call = begin("all_gather", true, local.numel(), local.dtype(), "", options, &local.shape());
+  const Call call = begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
@@ -645,7 +662,7 @@ Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOpti
   require_contiguous("reduce_scatter_async", rank_, full, "input");
   const Shape shape = scattered_shape(rank_, world_size_, full);
   if (pass_through()) {
-    begin("reduce_scatter", true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
+    begin(Op::reduce_scatter, true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
           options, &full.shape());
     return Work(std::make_unique<FinishedState>(full.detach()));
   }
@@ -664,7 +681,7 @@ Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& fu
 
 Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const CollectiveOptions& options) {
   const std::int64_t count = out.numel();
-  const Call call = begin("reduce_scatter", true, full.numel(), full.dtype(),
+  const Call call = begin(Op::reduce_scatter, true, full.numel(), full.dtype(),
                           accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
@@ -684,11 +701,11 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
     extra += ", native";
   }
   if (pass_through()) {
-    begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
+    begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
     return Work(std::make_unique<FinishedState>(x.detach()));
   }
   Tensor out = new_like(x, x.shape());
-  const Call call = begin("all_reduce", true, x.numel(), x.dtype(), extra, options, &x.shape());
+  const Call call = begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
@@ -701,7 +718,7 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   if (color < 0) fail<ArgumentError>("split", "rank ", rank_, ": color must be >= 0, got ", color);
   // The colour stays out of the call's record: ranks split with different colours.
-  const Call call = begin("split", false, 0, DType::f32, "", {});
+  const Call call = begin(Op::split, false, 0, DType::f32, "", {});
   std::unique_ptr<Communicator> out;
   try {
     out = do_split(color, key);
@@ -713,7 +730,7 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
 }
 
 std::unique_ptr<Communicator> Communicator::split_by_node() {
-  const Call call = begin("split_by_node", false, 0, DType::f32, "", {});
+  const Call call = begin(Op::split_by_node, false, 0, DType::f32, "", {});
   std::unique_ptr<Communicator> out;
   try {
     out = do_split_by_node();
