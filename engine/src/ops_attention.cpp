@@ -17,45 +17,46 @@ using detail::view_of;
 namespace {
 
 constexpr const char* kOp = "scaled_dot_product_attention";
+constexpr const char* kPackedOp = "scaled_dot_product_attention_qkvpacked";
 
-void validate(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o) {
-  for (const Tensor* t : {&q, &k, &v}) detail::require_defined(kOp, *t);
+void validate(const Tensor& q, const Tensor& k, const Tensor& v, const AttentionOptions& o, const char* op = kOp) {
+  for (const Tensor* t : {&q, &k, &v}) detail::require_defined(op, *t);
   const char* names[] = {"q", "k", "v"};
   const Tensor* ts[] = {&q, &k, &v};
   for (int i = 0; i < 3; ++i) {
     if (ts[i]->ndim() != 4) {
-      fail<ShapeError>(kOp, names[i], " must be [batch, heads, time, dim], got ", ts[i]->shape(), " (q ", q.shape(),
+      fail<ShapeError>(op, names[i], " must be [batch, heads, time, dim], got ", ts[i]->shape(), " (q ", q.shape(),
                        ", k ", k.shape(), ", v ", v.shape(), ")");
     }
   }
-  detail::require_float(kOp, q);
+  detail::require_float(op, q);
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
-    fail<DTypeError>(kOp, "q, k and v must share one dtype, got q ", dtype_name(q.dtype()), " ", q.shape(), ", k ",
+    fail<DTypeError>(op, "q, k and v must share one dtype, got q ", dtype_name(q.dtype()), " ", q.shape(), ", k ",
                      dtype_name(k.dtype()), " ", k.shape(), ", v ", dtype_name(v.dtype()), " ", v.shape());
   }
   if (&k.backend() != &q.backend() || &v.backend() != &q.backend()) {
-    fail<ArgumentError>(kOp, "q, k and v must be on one backend, got ", q.backend().name(), ", ", k.backend().name(),
+    fail<ArgumentError>(op, "q, k and v must be on one backend, got ", q.backend().name(), ", ", k.backend().name(),
                         " and ", v.backend().name());
   }
   const Shape &qs = q.shape(), &ks = k.shape(), &vs = v.shape();
   if (ks[0] != qs[0] || vs[0] != qs[0] || ks[1] != qs[1] || vs[1] != qs[1]) {
-    fail<ShapeError>(kOp, "batch and heads differ: q ", qs, ", k ", ks, ", v ", vs);
+    fail<ShapeError>(op, "batch and heads differ: q ", qs, ", k ", ks, ", v ", vs);
   }
-  if (ks[3] != qs[3]) fail<ShapeError>(kOp, "q and k head dimensions differ: q ", qs, ", k ", ks);
-  if (vs[2] != ks[2]) fail<ShapeError>(kOp, "k and v lengths differ: k ", ks, ", v ", vs);
-  if (ks[2] == 0) fail<ShapeError>(kOp, "needs at least one key: k ", ks);
-  if (qs[3] == 0) fail<ShapeError>(kOp, "needs a head dimension of at least 1: q ", qs);
+  if (ks[3] != qs[3]) fail<ShapeError>(op, "q and k head dimensions differ: q ", qs, ", k ", ks);
+  if (vs[2] != ks[2]) fail<ShapeError>(op, "k and v lengths differ: k ", ks, ", v ", vs);
+  if (ks[2] == 0) fail<ShapeError>(op, "needs at least one key: k ", ks);
+  if (qs[3] == 0) fail<ShapeError>(op, "needs a head dimension of at least 1: q ", qs);
   if (!(o.dropout >= 0.0 && o.dropout < 1.0)) {
-    fail<ArgumentError>(kOp, "dropout probability must be in [0, 1), got ", o.dropout);
+    fail<ArgumentError>(op, "dropout probability must be in [0, 1), got ", o.dropout);
   }
   if (o.scale && !(std::isfinite(*o.scale) && *o.scale > 0)) {
-    fail<ArgumentError>(kOp, "scale must be finite and positive, got ", *o.scale, " for q ", qs);
+    fail<ArgumentError>(op, "scale must be finite and positive, got ", *o.scale, " for q ", qs);
   }
   // Scores, statistics and the scale itself are f32 below f64: a scale that f32 turns into
   // infinity or 0 would give NaN weights without a word.
   if (o.scale && q.dtype() != DType::f64) {
     if (*o.scale > std::numeric_limits<float>::max() || *o.scale < std::numeric_limits<float>::denorm_min()) {
-      fail<ArgumentError>(kOp, "scale ", *o.scale, " is outside f32's range, in which ", dtype_name(q.dtype()),
+      fail<ArgumentError>(op, "scale ", *o.scale, " is outside f32's range, in which ", dtype_name(q.dtype()),
                           " attention computes (q ", qs, ")");
     }
   }
@@ -83,6 +84,67 @@ Tensor gradient_like(const Tensor& t) {
   return make_tensor(s, t.dtype(), t.backend(), kWhat);
 }
 
+// The desc of options (the scale resolved against head dimension `dim`), without views.
+AttentionDesc desc_of(const AttentionOptions& options, std::int64_t dim) {
+  AttentionDesc desc;
+  desc.causal = options.causal;
+  desc.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
+  desc.dropout = options.dropout;
+  desc.seed = options.seed;
+  desc.offset = options.offset;
+  return desc;
+}
+
+// The forward kernel of validated q, k, v into out [B, H, Tq, Dv] (any strides, last axis
+// contiguous) and lse [B, H, Tq].
+void run_forward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                 const Tensor& lse) {
+  if (out.numel() == 0) return;
+  const Tensor qr = rows_contiguous(q), kr = rows_contiguous(k), vr = rows_contiguous(v);
+  d.q = view_of(qr);
+  d.k = view_of(kr);
+  d.v = view_of(vr);
+  d.out = view_of(out);
+  d.lse = view_of(lse);
+  q.backend().attention(d);
+}
+
+// The backward kernel: the gradients of q, k and v into dq, dk, dv (those defined; laid out as
+// gradient_like or as views of one packed gradient), from the output gradient g [B, H, Tq, Dv].
+void run_backward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                  const Tensor& lse, const Tensor& g, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  if (g.numel() == 0) {
+    // No output values (Tq, Dv, B or H is 0): every gradient is zero.
+    for (const Tensor* t : {&dq, &dk, &dv}) {
+      if (t->defined()) Tensor(*t).fill_(0);
+    }
+    return;
+  }
+  const Tensor qv = rows_contiguous(q), kv = rows_contiguous(k), vv = rows_contiguous(v);
+  d.q = view_of(qv);
+  d.k = view_of(kv);
+  d.v = view_of(vv);
+  d.out = view_of(out);
+  d.lse = view_of(lse);
+  const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
+  d.dout = view_of(dout);
+  View none;
+  none.dtype = q.dtype();
+  d.dq = dq.defined() ? view_of(dq) : none;
+  d.dk = dk.defined() ? view_of(dk) : none;
+  d.dv = dv.defined() ? view_of(dv) : none;
+  g.backend().attention_backward(d);
+}
+
+// Softmax statistics in f32 whatever the inputs' precision (f64 for f64).
+DType stat_dtype(DType dtype) { return dtype == DType::f64 ? DType::f64 : DType::f32; }
+
+// Part 0, 1 or 2 (q, k, v) of a [B, T, 3, H, D] tensor as [B, H, T, D]: a view, outside autograd.
+Tensor packed_part(const Tensor& qkv, std::int64_t part) {
+  autograd::NoGradGuard no_grad;
+  return qkv.detach().slice(2, part, part + 1).squeeze(2).permute({0, 2, 1, 3});
+}
+
 }  // namespace
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -91,60 +153,54 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   const Shape& qs = q.shape();
   const std::int64_t batch = qs[0], heads = qs[1], tq = qs[2], dim = qs[3], dv = v.shape()[3];
   Backend& backend = q.backend();
-  // Softmax statistics in f32 whatever the inputs' precision (f64 for f64).
-  const DType stat = q.dtype() == DType::f64 ? DType::f64 : DType::f32;
   // The output is [B, H, Tq, Dv] laid out as [B, Tq, H, Dv] (a permuted view, as PyTorch's CPU
   // flash attention returns it): merging the heads back into [B, Tq, H * Dv] is then a view, and
   // the projection that follows saves the same storage this op saves for its backward.
   Tensor out = make_tensor({batch, tq, heads, dv}, q.dtype(), backend, kOp).permute({0, 2, 1, 3});
-  Tensor lse = make_tensor({batch, heads, tq}, stat, backend, kOp);
-  AttentionDesc desc;
-  desc.causal = options.causal;
-  desc.scale = options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(dim));
-  desc.dropout = options.dropout;
-  desc.seed = options.seed;
-  desc.offset = options.offset;
-  if (out.numel()) {
-    AttentionDesc d = desc;
-    const Tensor qr = rows_contiguous(q), kr = rows_contiguous(k), vr = rows_contiguous(v);
-    d.q = view_of(qr);
-    d.k = view_of(kr);
-    d.v = view_of(vr);
-    d.out = view_of(out);
-    d.lse = view_of(lse);
-    backend.attention(d);
-  }
+  Tensor lse = make_tensor({batch, heads, tq}, stat_dtype(q.dtype()), backend, kOp);
+  const AttentionDesc desc = desc_of(options, dim);
+  run_forward(desc, q, k, v, out, lse);
   if (autograd::needs_grad(q, k, v)) {
     autograd::record(kOp, out, {q, k, v}, {q, k, v, out, lse},
                      [desc](const Tensor& g, const Saved& s, GradMask need) {
-                       const Tensor qv = rows_contiguous(s[0].get()), kv = rows_contiguous(s[1].get()),
-                                    vv = rows_contiguous(s[2].get());
                        Tensor dq, dk, dv;
-                       if (need[0]) dq = gradient_like(qv);
-                       if (need[1]) dk = gradient_like(kv);
-                       if (need[2]) dv = gradient_like(vv);
-                       if (g.numel() == 0) {
-                         // No output values (Tq, Dv, B or H is 0): every gradient is zero.
-                         for (Tensor* t : {&dq, &dk, &dv}) {
-                           if (t->defined()) t->fill_(0);
-                         }
-                         return std::vector<Tensor>{dq, dk, dv};
-                       }
-                       AttentionDesc d = desc;
-                       d.q = view_of(qv);
-                       d.k = view_of(kv);
-                       d.v = view_of(vv);
-                       d.out = view_of(s[3].get());
-                       d.lse = view_of(s[4].get());
-                       const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
-                       d.dout = view_of(dout);
-                       View none;
-                       none.dtype = qv.dtype();
-                       d.dq = dq.defined() ? view_of(dq) : none;
-                       d.dk = dk.defined() ? view_of(dk) : none;
-                       d.dv = dv.defined() ? view_of(dv) : none;
-                       g.backend().attention_backward(d);
+                       if (need[0]) dq = gradient_like(rows_contiguous(s[0].get()));
+                       if (need[1]) dk = gradient_like(rows_contiguous(s[1].get()));
+                       if (need[2]) dv = gradient_like(rows_contiguous(s[2].get()));
+                       run_backward(desc, s[0].get(), s[1].get(), s[2].get(), s[3].get(), s[4].get(), g, dq, dk, dv);
                        return std::vector<Tensor>{dq, dk, dv};
+                     },
+                     {.strided_grad = true});
+  }
+  return out;
+}
+
+Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, const AttentionOptions& options) {
+  detail::require_defined(kPackedOp, qkv);
+  if (qkv.ndim() != 5 || qkv.shape()[2] != 3) {
+    fail<ShapeError>(kPackedOp, "qkv must be [batch, time, 3, heads, dim], got ", qkv.shape());
+  }
+  const Tensor q = packed_part(qkv, 0), k = packed_part(qkv, 1), v = packed_part(qkv, 2);
+  validate(q, k, v, options, kPackedOp);
+  const Shape& s = qkv.shape();
+  const std::int64_t batch = s[0], time = s[1], heads = s[3], dim = s[4];
+  // [B, T, H, D] (FlashAttention's qkvpacked layout); the kernel writes it as [B, H, T, D].
+  Tensor out = make_tensor({batch, time, heads, dim}, qkv.dtype(), qkv.backend(), kPackedOp);
+  Tensor lse = make_tensor({batch, heads, time}, stat_dtype(qkv.dtype()), qkv.backend(), kPackedOp);
+  const AttentionDesc desc = desc_of(options, dim);
+  run_forward(desc, q, k, v, out.permute({0, 2, 1, 3}), lse);
+  if (autograd::needs_grad(qkv)) {
+    autograd::record(kPackedOp, out, {qkv}, {qkv, out, lse},
+                     [desc](const Tensor& g, const Saved& saved, GradMask) {
+                       // One [B, T, 3, H, D] gradient whose three parts the kernel writes in place:
+                       // no per-part gradients to gather into the projection's afterwards.
+                       const Tensor& x = saved[0].get();
+                       const Tensor dqkv = make_tensor(x.shape(), x.dtype(), x.backend(), kPackedOp);
+                       auto heads_of = [](const Tensor& t) { return t.permute({0, 2, 1, 3}); };
+                       run_backward(desc, packed_part(x, 0), packed_part(x, 1), packed_part(x, 2),
+                                    heads_of(saved[1].get()), saved[2].get(), heads_of(g), packed_part(dqkv, 0),
+                                    packed_part(dqkv, 1), packed_part(dqkv, 2));
+                       return std::vector<Tensor>{dqkv};
                      },
                      {.strided_grad = true});
   }

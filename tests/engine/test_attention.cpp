@@ -123,6 +123,9 @@ void check_all_dtypes(const Case& c) {
   for (DType dtype : kDTypes) check_case(c, dtype);
 }
 
+// Part p of a [B, T, 3, H, D] tensor: [B, T, H, D].
+Tensor select_part(const Tensor& x, std::int64_t p) { return squeeze(slice(x, 2, p, p + 1), 2); }
+
 AttentionOptions causal() {
   AttentionOptions o;
   o.causal = true;
@@ -348,6 +351,116 @@ TEST_CASE("fused attention on the heads of a [B, T, 3, H, D] projection, as view
       }
     }
   }
+}
+
+TEST_CASE("qkvpacked attention gives the three-part op's output and gradients, bit for bit") {
+  // The same kernel on the same values: only where the gradients land differs (one packed
+  // [B, T, 3, H, D] tensor instead of three gathered into one by the slices' backward). T = 300
+  // crosses blocks and diagonal chunks; B = H = 1 splits the head over key blocks; dropout draws
+  // the same [B, H, T, T] mask. The packed output is [B, T, H, D]: the permuted three-part one.
+  const std::int64_t T = 300, D = 16;
+  for (const auto& [B, H] : {std::pair<std::int64_t, std::int64_t>{2, 3}, {1, 1}}) {
+    for (DType dtype : kDTypes) {
+      for (double p : {0.0, 0.25}) {
+        for (bool is_causal : {true, false}) {
+          CAPTURE(B);
+          CAPTURE(H);
+          CAPTURE(dtype_name(dtype));
+          CAPTURE(p);
+          CAPTURE(is_causal);
+          AttentionOptions o;
+          o.causal = is_causal;
+          o.dropout = p;
+          o.seed = 5;
+          o.offset = 17;
+          const Tensor x = randn({B, T, 3, H, D}, 21, 0, Options(dtype));
+          const Tensor dout = randn({B, T, H, D}, 22, 0, Options(dtype));
+          const Tensor packed_in = x.clone().set_requires_grad();
+          const Tensor packed = scaled_dot_product_attention_qkvpacked(packed_in, o);
+          REQUIRE(packed.shape() == Shape{B, T, H, D});
+          packed.backward(dout);
+
+          const Tensor parts_in = x.clone().set_requires_grad();
+          auto head = [&](std::int64_t part) {
+            return permute(squeeze(slice(parts_in, 2, part, part + 1), 2), {0, 2, 1, 3});
+          };
+          const Tensor parts = scaled_dot_product_attention(head(0), head(1), head(2), o);
+          parts.backward(permute(dout, {0, 2, 1, 3}));
+          CHECK(relative_error(packed, permute(parts, {0, 2, 1, 3})) == 0.0);
+          CHECK(relative_error(packed_in.grad(), parts_in.grad()) == 0.0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("qkvpacked attention: strided qkv and output gradient, gradcheck, typed errors, empty shapes") {
+  using test::check_throws;
+  // A qkv whose parts are not in the [B, T, 3, H, D] storage order (a permuted [3, B, T, H, D]
+  // tensor) and a strided output gradient: the kernel reads both through their strides.
+  {
+    const Tensor base = randn({3, 2, 40, 2, 8}, 31).set_requires_grad();
+    const Tensor qkv = permute(base, {1, 2, 0, 3, 4});
+    REQUIRE_FALSE(qkv.is_contiguous());
+    const Tensor out = scaled_dot_product_attention_qkvpacked(qkv, causal());
+    const Tensor dout = permute(randn({2, 40, 8, 2}, 32), {0, 1, 3, 2});  // [B, T, H, D], D strided
+    out.backward(dout);
+    const Tensor ref_in = base.detach().clone().set_requires_grad();
+    const Tensor ref_qkv = permute(ref_in, {1, 2, 0, 3, 4});
+    auto head = [&](std::int64_t part) { return permute(select_part(ref_qkv, part), {0, 2, 1, 3}).contiguous(); };
+    const Tensor ref = composed(head(0), head(1), head(2), causal());
+    ref.backward(permute(dout, {0, 2, 1, 3}).contiguous());
+    CHECK(relative_error(out, permute(ref, {0, 2, 1, 3})) <= 1e-5);
+    CHECK(relative_error(base.grad(), ref_in.grad()) <= 1e-5);
+  }
+  // Gradcheck in f64, causal with dropout and a custom scale.
+  {
+    AttentionOptions o = causal();
+    o.dropout = 0.3;
+    o.seed = 9;
+    o.scale = 0.7;
+    const Tensor qkv = uniform({1, 5, 3, 2, 3}, -1.5, 1.5, 41, 0, DType::f64).set_requires_grad();
+    const GradcheckResult r = gradcheck(
+        [&](const std::vector<Tensor>& in) { return scaled_dot_product_attention_qkvpacked(in[0], o); }, {qkv});
+    CHECK_MESSAGE(r.ok, r.message);
+  }
+  check_throws<ShapeError>(
+      [] {
+        scaled_dot_product_attention_qkvpacked(randn({2, 4, 3, 2}, 1));
+      },
+      {"scaled_dot_product_attention_qkvpacked", "[batch, time, 3, heads, dim]", "[2, 4, 3, 2]"});
+  check_throws<ShapeError>(
+      [] {
+        scaled_dot_product_attention_qkvpacked(randn({2, 4, 2, 2, 8}, 1));
+      },
+      {"scaled_dot_product_attention_qkvpacked", "[2, 4, 2, 2, 8]"});
+  check_throws<ShapeError>(
+      [] {
+        scaled_dot_product_attention_qkvpacked(zeros({1, 0, 3, 2, 4}));
+      },
+      {"scaled_dot_product_attention_qkvpacked", "at least one key"});
+  check_throws<DTypeError>(
+      [] {
+        scaled_dot_product_attention_qkvpacked(zeros({1, 2, 3, 2, 4}, DType::i64));
+      },
+      {"scaled_dot_product_attention_qkvpacked", "i64"});
+  check_throws<ArgumentError>([] { scaled_dot_product_attention_qkvpacked(Tensor()); },
+                              {"scaled_dot_product_attention_qkvpacked", "undefined"});
+  {
+    AttentionOptions o;
+    o.dropout = 1.0;
+    check_throws<ArgumentError>(
+        [&] {
+          scaled_dot_product_attention_qkvpacked(randn({1, 2, 3, 1, 4}, 1), o);
+        },
+        {"scaled_dot_product_attention_qkvpacked", "dropout probability"});
+  }
+  // An empty batch: empty output, and a zero gradient of the right shape.
+  const Tensor empty_in = zeros({0, 4, 3, 2, 8}).set_requires_grad();
+  const Tensor out = scaled_dot_product_attention_qkvpacked(empty_in, causal());
+  CHECK(out.shape() == Shape{0, 4, 2, 8});
+  out.backward(zeros_like(out));
+  CHECK(empty_in.grad().shape() == empty_in.shape());
 }
 
 TEST_CASE("gradcheck in f64: causal, Tq != Tk, custom scale, dropout") {

@@ -35,4 +35,14 @@ struct AttentionOptions {
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionOptions& options = {});
 
+/// The same attention over q, k and v packed in one tensor, as a fused qkv projection makes them
+/// (FlashAttention's qkvpacked form): qkv [B, T, 3, H, D], part 0 the queries, 1 the keys, 2 the
+/// values (a [B, T, 3 * H * D] projection reshaped, which copies nothing). Returns [B, T, H, D]
+/// (reshape to [B, T, H * D] merges the heads without a copy). Its backward writes q's, k's and
+/// v's gradients into one [B, T, 3, H, D] tensor: the projection's gradient as it is, where
+/// attention on three slices hands back three that must be copied into one. Results are those of
+/// scaled_dot_product_attention on the three parts (the same kernel, bit for bit), dropout's mask
+/// included: the weights are still addressed as [B, H, T, T].
+Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, const AttentionOptions& options = {});
+
 }  // namespace ruda
