@@ -127,7 +127,9 @@ bool may_overlap(const Tensor& a, const Tensor& b) {
 
 void require_writable_layout(const char* op, const Tensor& t) {
   const TensorImpl& impl = *impl_of(t);
-  if (impl.contiguous) return;
+  // (An empty view writes nothing: the strides of its other axes, which reshape may leave at 0, do
+  // not matter.)
+  if (impl.contiguous || impl.numel == 0) return;
   // ruda's view ops keep distinct elements apart except expand, whose broadcast axes have stride
   // 0: a write through such an axis would hit one element several times.
   for (std::size_t d = 0; d < impl.shape.size(); ++d) {

@@ -455,12 +455,16 @@ TEST_CASE("qkvpacked attention: strided qkv and output gradient, gradcheck, type
         },
         {"scaled_dot_product_attention_qkvpacked", "dropout probability"});
   }
-  // An empty batch: empty output, and a zero gradient of the right shape.
-  const Tensor empty_in = zeros({0, 4, 3, 2, 8}).set_requires_grad();
-  const Tensor out = scaled_dot_product_attention_qkvpacked(empty_in, causal());
-  CHECK(out.shape() == Shape{0, 4, 2, 8});
-  out.backward(zeros_like(out));
-  CHECK(empty_in.grad().shape() == empty_in.shape());
+  // An empty batch, or no heads: an empty output, and a gradient of the right shape. (With no heads
+  // the parts' views carry stride 0 on their other axes; writing nothing through them is fine.)
+  for (const Shape& shape : {Shape{0, 4, 3, 2, 8}, Shape{1, 4, 3, 0, 8}}) {
+    CAPTURE(to_string(shape));
+    const Tensor empty_in = zeros(shape).set_requires_grad();
+    const Tensor out = scaled_dot_product_attention_qkvpacked(empty_in, causal());
+    CHECK(out.shape() == Shape{shape[0], shape[1], shape[3], shape[4]});
+    out.backward(zeros_like(out));
+    CHECK(empty_in.grad().shape() == empty_in.shape());
+  }
 }
 
 TEST_CASE("gradcheck in f64: causal, Tq != Tk, custom scale, dropout") {

@@ -455,6 +455,20 @@ TEST_CASE("in-place writes to an expanded view are refused: its elements share m
   CHECK_CLOSE(x, {1, 1, 1}, {1, 3});
 }
 
+TEST_CASE("in-place writes to an empty view with stride-0 axes write nothing and are allowed") {
+  // Reshaping an empty tensor may leave stride 0 on its other axes (a [1, 4, 3, 0, 8] tensor's
+  // part [1, 4, 0, 8], permuted to [1, 0, 4, 8] as attention reads its heads): no element is
+  // shared, so fill_, add_ and copy_ succeed.
+  const Tensor base = zeros({1, 4, 3, 0, 8});
+  const Tensor part = base.slice(2, 1, 2).squeeze(2).permute({0, 2, 1, 3});
+  REQUIRE(part.numel() == 0);
+  REQUIRE_FALSE(part.is_contiguous());
+  Tensor(part).fill_(1);
+  Tensor(part).add_(zeros({1, 0, 4, 8}));
+  Tensor(part).copy_(zeros({1, 0, 4, 8}));
+  CHECK(part.shape() == Shape{1, 0, 4, 8});
+}
+
 TEST_CASE("accessors on permuted, sliced and expanded tensors give the logical values or a typed error") {
   const Tensor x = arange(0, 24).reshape({2, 3, 4});
   const std::vector<std::pair<std::string, Tensor>> views{{"permuted", x.permute({2, 0, 1})},

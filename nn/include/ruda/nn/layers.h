@@ -119,7 +119,8 @@ class CausalSelfAttention : public UnaryModule {
  public:
   CausalSelfAttention(std::int64_t d_model, std::int64_t heads, double dropout = 0.0);
   Tensor forward(const Tensor& x) override;
-  /// On (the default): ruda::scaled_dot_product_attention, which keeps O(T) per head for backward.
+  /// On (the default): ruda::scaled_dot_product_attention_qkvpacked on the qkv projection reshaped
+  /// to [B, T, 3, H, head_dim], which keeps O(T) per head for backward.
   /// Off: the composed ops (scores, mask, softmax, dropout, product), which keep the [T, T]
   /// weights; both draw the same dropout mask from the same stream.
   void set_fused(bool on) noexcept { fused_ = on; }
