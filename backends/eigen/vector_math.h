@@ -40,6 +40,30 @@ struct TanhApproximation {
   }
 };
 
+// Eigen 3.4's pexp_float (GenericPacketMathFunctions.h) operation for operation, but for its last
+// step: 2^m * exp(r) by one multiply with 2^m built from its exponent bits, where Eigen's pldexp
+// splits 2^m into four factors so as to reach every exponent (about half of pexp's operations).
+// For x in [-87, 88], m lies in [-126, 127], where 2^m is a normal float and the one multiply
+// rounds exactly as pldexp's last one does: the same bits as pexp, at ~0.6x its time.
+template <class Packet>
+Packet pexp_float_normal_range(const Packet& x_in) {
+  using namespace Eigen::internal;
+  const Packet one = pset1<Packet>(1.0f), half = pset1<Packet>(0.5f);
+  const Packet x = pmax(pmin(x_in, pset1<Packet>(88.723f)), pset1<Packet>(-88.723f));
+  const Packet m = pfloor(pmadd(x, pset1<Packet>(1.44269504088896341f), half));
+  Packet r = pmadd(m, pset1<Packet>(-0.693359375f), x);
+  r = pmadd(m, pset1<Packet>(2.12194440e-4f), r);
+  const Packet r2 = pmul(r, r), r3 = pmul(r2, r);
+  Packet y = pmadd(pset1<Packet>(1.9875691500E-4f), r, pset1<Packet>(1.3981999507E-3f));
+  Packet y1 = pmadd(pset1<Packet>(4.1665795894E-2f), r, pset1<Packet>(1.6666665459E-1f));
+  const Packet y2 = padd(r, one);
+  y = pmadd(y, r, pset1<Packet>(8.3334519073E-3f));
+  y1 = pmadd(y1, r, pset1<Packet>(5.0000001201E-1f));
+  y = pmadd(y, r3, y1);
+  y = pmadd(y, r2, y2);
+  return pmax(pldexp_fast_impl<Packet>::run(y, m), x_in);
+}
+
 // exp(x) for every x, Eigen's pexp where it does not clamp: below kLow, exp(x + k) * exp(-k).
 // The shift k is an integer, so x + k is exact (x's spacing there is no finer than the sum's); the
 // only roundings are pexp's, the constant exp(-k)'s (half an ulp) and the product's, which is the
@@ -56,6 +80,11 @@ struct ExpWithoutClamp {
     constexpr S kLow = f32 ? S(-87) : S(-708);
     constexpr S kShift = f32 ? S(32) : S(64);
     constexpr S kScale = f32 ? S(1.2664165549094176e-14) : S(1.6038108905486379e-28);  // exp(-32), exp(-64)
+    if constexpr (f32) {
+      // Every lane in [kLow, 88] (a NaN is in no range): pexp's bits, sooner.
+      const Packet in_range = pand(pcmp_le(pset1<Packet>(kLow), x), pcmp_le(x, pset1<Packet>(S(88))));
+      if (!predux_any(pandnot(ptrue(x), in_range))) return pexp_float_normal_range(x);
+    }
     const Packet low = pcmp_lt(x, pset1<Packet>(kLow));
     if (!predux_any(low)) return pexp(x);
     const Packet e = pexp(pselect(low, padd(x, pset1<Packet>(kShift)), x));

@@ -427,6 +427,36 @@ TEST_CASE("sigmoid, SiLU and exp over dense ranges: a few ulp of a double refere
   CHECK(worst_exp <= 2.5);
 }
 
+TEST_CASE("f32 exp from its underflow to its overflow: a few ulp of a double reference, NaN and infinities kept") {
+  // Packets wholly in [-87, 88] take the short path (pexp with one multiply by 2^m), the others
+  // Eigen's pexp or the unclamped one below -87; a dense sweep puts values of every kind in one
+  // packet and in all-alike packets.
+  std::vector<double> xs;
+  for (int i = -105000; i <= 89000; ++i) xs.push_back(i / 1000.0);
+  for (double v : {-87.0, 88.0, 88.37, 88.72, 88.7228, 88.73, 89.0, -88.72, -103.97, -103.98, -110.0}) xs.push_back(v);
+  const auto n = static_cast<std::int64_t>(xs.size());
+  const Tensor x = values(xs, {n}, DType::f32);
+  const std::vector<double> xr = x.to_vector<double>(), e = exp(x).to_vector<double>();
+  double worst = 0;
+  for (std::size_t i = 0; i < xr.size(); ++i) {
+    CAPTURE(xr[i]);
+    const auto want = static_cast<float>(std::exp(xr[i]));
+    if (std::isinf(want)) {
+      CHECK(std::isinf(e[i]));
+      continue;
+    }
+    const double ulp = std::max<double>(std::nextafter(want, INFINITY) - want, 1.4e-45);
+    worst = std::max(worst, std::abs(e[i] - static_cast<double>(want)) / ulp);
+  }
+  CHECK(worst <= 2);
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::vector<double> special = exp(values({inf, -inf, std::nan(""), 0.0}, {4}, DType::f32)).to_vector<double>();
+  CHECK(special[0] == inf);
+  CHECK(special[1] == 0.0);
+  CHECK(std::isnan(special[2]));
+  CHECK(special[3] == 1.0);
+}
+
 TEST_CASE("Backend::unary_with_derivative: unary's values and unary_backward's with gy = 1, in place or not") {
   // The suite's backend, with its fused form for the GELUs and the base class's default (unary,
   // then unary_backward) for tanh, and that default called directly on every op.
