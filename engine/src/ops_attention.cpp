@@ -1,5 +1,6 @@
 // Fused scaled dot-product attention: validation, the forward kernel call, and a backward node that
 // saves q, k, v, the output and the logsumexp (never the [Tq, Tk] weights).
+#include <array>
 #include <cmath>
 #include <limits>
 
@@ -95,17 +96,25 @@ AttentionDesc desc_of(const AttentionOptions& options, std::int64_t dim) {
   return desc;
 }
 
+// Sets d's q, k, v (their rows made contiguous where they are not: the returned copies must
+// outlive the kernel call), out and lse views.
+std::array<Tensor, 3> set_views(AttentionDesc& d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                                const Tensor& lse) {
+  std::array<Tensor, 3> rows{rows_contiguous(q), rows_contiguous(k), rows_contiguous(v)};
+  d.q = view_of(rows[0]);
+  d.k = view_of(rows[1]);
+  d.v = view_of(rows[2]);
+  d.out = view_of(out);
+  d.lse = view_of(lse);
+  return rows;
+}
+
 // The forward kernel of validated q, k, v into out [B, H, Tq, Dv] (any strides, last axis
 // contiguous) and lse [B, H, Tq].
 void run_forward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                  const Tensor& lse) {
   if (out.numel() == 0) return;
-  const Tensor qr = rows_contiguous(q), kr = rows_contiguous(k), vr = rows_contiguous(v);
-  d.q = view_of(qr);
-  d.k = view_of(kr);
-  d.v = view_of(vr);
-  d.out = view_of(out);
-  d.lse = view_of(lse);
+  const auto rows = set_views(d, q, k, v, out, lse);
   q.backend().attention(d);
 }
 
@@ -120,12 +129,7 @@ void run_backward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tenso
     }
     return;
   }
-  const Tensor qv = rows_contiguous(q), kv = rows_contiguous(k), vv = rows_contiguous(v);
-  d.q = view_of(qv);
-  d.k = view_of(kv);
-  d.v = view_of(vv);
-  d.out = view_of(out);
-  d.lse = view_of(lse);
+  const auto rows = set_views(d, q, k, v, out, lse);
   const Tensor dout = rows_contiguous(g);  // any strides on the first three axes
   d.dout = view_of(dout);
   View none;
