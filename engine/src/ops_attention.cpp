@@ -184,6 +184,10 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, const Attention
   if (qkv.ndim() != 5 || qkv.shape()[2] != 3) {
     fail<ShapeError>(kPackedOp, "qkv must be [batch, time, 3, heads, dim], got ", qkv.shape());
   }
+  // What the three parts' own checks would refuse, named by qkv's shape rather than a part's.
+  detail::require_float(kPackedOp, qkv);
+  if (qkv.shape()[1] == 0) fail<ShapeError>(kPackedOp, "needs at least one key (time 0): qkv ", qkv.shape());
+  if (qkv.shape()[4] == 0) fail<ShapeError>(kPackedOp, "needs a head dimension of at least 1: qkv ", qkv.shape());
   const Tensor q = packed_part(qkv, 0), k = packed_part(qkv, 1), v = packed_part(qkv, 2);
   validate(q, k, v, options, kPackedOp);
   const Shape& s = qkv.shape();

@@ -438,12 +438,17 @@ TEST_CASE("qkvpacked attention: strided qkv and output gradient, gradcheck, type
       [] {
         scaled_dot_product_attention_qkvpacked(zeros({1, 0, 3, 2, 4}));
       },
-      {"scaled_dot_product_attention_qkvpacked", "at least one key"});
+      {"scaled_dot_product_attention_qkvpacked", "at least one key", "qkv [1, 0, 3, 2, 4]"});
+  check_throws<ShapeError>(
+      [] {
+        scaled_dot_product_attention_qkvpacked(zeros({1, 2, 3, 2, 0}));
+      },
+      {"scaled_dot_product_attention_qkvpacked", "head dimension", "qkv [1, 2, 3, 2, 0]"});
   check_throws<DTypeError>(
       [] {
         scaled_dot_product_attention_qkvpacked(zeros({1, 2, 3, 2, 4}, DType::i64));
       },
-      {"scaled_dot_product_attention_qkvpacked", "i64"});
+      {"scaled_dot_product_attention_qkvpacked", "i64", "[1, 2, 3, 2, 4]"});
   check_throws<ArgumentError>([] { scaled_dot_product_attention_qkvpacked(Tensor()); },
                               {"scaled_dot_product_attention_qkvpacked", "undefined"});
   {
