@@ -7,6 +7,8 @@
 #               allocated), then a scaled-down model of the same shape of problem: refused at 1
 #               rank, over the limit as configured at 4 MPI ranks, fitted and trained there
 #   bench-list  tools/bench --list
+#   bench-quick  tools/bench --quick over the single-process suites whose figures the README quotes
+#               (all but memory-scale, minutes even when quick): every suite runs and reports
 #   fuzz-safetensors  tools/fuzz-safetensors for a few seconds: it builds its fuzzer and finds nothing
 set -euo pipefail
 case_name=$1
@@ -62,6 +64,15 @@ case "$case_name" in
     # Integer options refuse what CLI11 would saturate (as ruda-train's and ruda-ckpt's do).
     if "$root/tools/bench" --repeats 99999999999999999999 --suite gemm >"$log" 2>&1; then fail "--repeats past int accepted"; fi
     expect "--repeats: must be a whole number"
+    ;;
+  bench-quick)
+    suites=(kernels attention models layer-norm checkpoint onednn-kernels)
+    args=()
+    for suite in "${suites[@]}"; do args+=(--suite "$suite"); done
+    "$root/tools/bench" --quick "${args[@]}" >"$log" 2>&1 || fail "tools/bench --quick exited $?"
+    for suite in "${suites[@]}"; do grep -q "^$suite " "$log" || fail "no rows of suite $suite"; done
+    expect "exp ["
+    expect "qkvpacked on a [B, T, 3, H, D] projection"
     ;;
   fuzz-safetensors)
     RUDA_FUZZ_DIR=$work/fuzz "$root/tools/fuzz-safetensors" 5 >"$log" 2>&1 || fail "tools/fuzz-safetensors exited $?"

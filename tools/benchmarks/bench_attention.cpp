@@ -4,7 +4,8 @@
 // in both paths). Time rows: medians, ratio fused / composed. Memory rows: the peak tensor bytes
 // during forward + backward beyond q, k, v, dO and their gradients, ratio fused / composed. Then
 // the fused op on heads viewed in a computed [B, T, 3, H, D] projection against the same on heads
-// copied contiguous first, and the composed path's scores on such heads read in place.
+// copied contiguous first, the qkvpacked op on that projection against the three-part op on its
+// heads, and the composed path's scores on such heads read in place.
 #include <cmath>
 #include <limits>
 #include <string>
@@ -94,7 +95,8 @@ void attention_suite(Context& ctx) {
     for (const Heads& g : {Heads{16, 4, 128}, Heads{1, 12, 1024}}) {
       if (ctx.quick && g.t > 512) continue;
       Tensor base = randn({g.batch, g.t, 3, g.heads, kDim}, 6, 0, Options(dtype)).set_requires_grad();
-      const Tensor dout = randn({g.batch, g.t, g.heads, kDim}, 7, 0, Options(dtype)).permute({0, 2, 1, 3});
+      const Tensor dout_packed = randn({g.batch, g.t, g.heads, kDim}, 7, 0, Options(dtype));
+      const Tensor dout = dout_packed.permute({0, 2, 1, 3});
       auto head = [](const Tensor& x, std::int64_t p) { return x.slice(2, p, p + 1).squeeze(2).permute({0, 2, 1, 3}); };
       // A computed projection (as the GPT's is): its slices write their gradients into one tensor.
       auto run = [&](bool copy_heads) {
@@ -110,6 +112,22 @@ void attention_suite(Context& ctx) {
                       " causal fwd+bwd on heads viewed in a [B, T, 3, H, D] projection B=" + std::to_string(g.batch) +
                       " H=" + std::to_string(g.heads) + " D=64 T=" + std::to_string(g.t),
                   ours, peer, "heads copied contiguous first", "ms", 1e3);
+      // The packed op on the same projection against the three-part op on its slices (above),
+      // alternated: the same kernel, but its backward writes one [B, T, 3, H, D] gradient where
+      // the slices' backward copies three into the projection's.
+      const auto [packed, parts] = measure_pair(
+          ctx,
+          [&] {
+            base.zero_grad();
+            AttentionOptions o;
+            o.causal = true;
+            scaled_dot_product_attention_qkvpacked(base * 1.0, o).backward(dout_packed);
+          },
+          [&] { run(false); });
+      report_time(ctx, "attention",
+                  std::string(dtype_name(dtype)) + " causal fwd+bwd qkvpacked on a [B, T, 3, H, D] projection B=" +
+                      std::to_string(g.batch) + " H=" + std::to_string(g.heads) + " D=64 T=" + std::to_string(g.t),
+                  packed, parts, "the three-part op on its heads' views", "ms", 1e3);
     }
   }
   // The composed path's scores on heads that are strided views of a [B, T, 3, H, D] projection:

@@ -121,7 +121,8 @@ void layer_norm_suite(Context& ctx) {
 // reduction the sum, which reads them once): "ratio" near 1 means the kernel runs at the
 // memory's speed. Rows for kernels that once ran far below it: where (a data-dependent branch),
 // max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache miss a
-// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass).
+// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass); and
+// exp, against Eigen's own exp of the same values.
 void kernels_suite(Context& ctx) {
   const std::int64_t rows = ctx.quick ? 512 : 2048, cols = 1024;
   for (DType dtype : {DType::f32, DType::bf16}) {
@@ -146,6 +147,30 @@ void kernels_suite(Context& ctx) {
         "transpose to contiguous", [&] { (void)transpose(a, 0, 1).contiguous(); }, copy, "a copy");
     row(
         "fill", [&] { filled.fill_(0.0); }, [&] { filled.copy_(a); }, "a copy into the same tensor");
+  }
+  // exp over f32 values (a GELU derivative's, a softmax's) against Eigen's own exp of the same
+  // values into a fresh array, on as many threads, alternated: ruda's takes pexp's steps but
+  // scales by 2^m in one multiply where every lane lies in [-87, 88] (Eigen's pldexp splits it
+  // into four factors).
+  {
+    const Tensor values = randn({rows, cols}, 8);
+    const float* data = values.data<float>();
+    const auto n = static_cast<Eigen::Index>(values.numel());
+    const int threads = num_threads();
+    const auto [ours, eigen] = measure_pair(
+        ctx, [&] { (void)exp(values); },
+        [&] {
+          Eigen::ArrayXf out(n);
+#pragma omp parallel for num_threads(threads)
+          for (int t = 0; t < threads; ++t) {
+            const Eigen::Index begin = n * t / threads, end = n * (t + 1) / threads;
+            out.segment(begin, end - begin) = Eigen::Map<const Eigen::ArrayXf>(data + begin, end - begin).exp();
+          }
+          volatile float first = out[0];  // (the result is used: its computation stays)
+          (void)first;
+        });
+    report_time(ctx, "kernels", "exp [" + std::to_string(rows) + ", " + std::to_string(cols) + "] f32", ours, eigen,
+                "Eigen's exp of the same values", "us", 1e6);
   }
   // LayerNorm's backward on the default GPT's shape, against a copy of what it reads (x and dy).
   const Tensor x0 = randn({rows, 256}, 4), gy = randn({rows, 256}, 5);
