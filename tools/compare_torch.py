@@ -118,7 +118,7 @@ def gpt_setup(context=128, d=256, layers=4, heads=4, batch=16):
 CONFIGS = [
     ("mlp", "mlp step, {}", mlp_setup, (3, 15), ("f32", "bf16")),
     ("gpt", "gpt step, {}", gpt_setup(), (2, 7), ("f32", "bf16")),
-    ("gpt2-small", "gpt2-small step (d768 L12 H12 T1024 b1), {}", gpt_setup(1024, 768, 12, 12, 1), (1, 5), ("f32",)),
+    ("gpt2-small", "gpt2-small step (d768 L12 H12 T1024 b1), {}", gpt_setup(1024, 768, 12, 12, 1), (1, 5), ("f32", "bf16")),
 ]
 
 

@@ -226,8 +226,8 @@ StepAndGemm time_step_and_gemm(const Context& ctx, Step&& step, std::int64_t row
 // GEMM" row: the model's matrix-product FLOPs per second of step (StepFlops) over ruda's GEMM
 // rate on the model's characteristic product (the MLP's [128, 1024] x [1024, 1024]; the GPT's
 // [tokens, d] x [d, 4d]), timed in alternation with the step, so the ratio is the fraction of the
-// GEMM rate the whole step achieves. Then the GPT-2-small shape at context 1024 (f32, batch 1): its fraction
-// and its memory plan's step row.
+// GEMM rate the whole step achieves. Then the GPT-2-small shape at context 1024 (batch 1): its f32
+// and bf16 fractions and its memory plan's step row.
 void models_suite(Context& ctx) {
   // One timed figure per model and dtype: a step is forward, loss (in f32), backward, update.
   auto step_of = [](nn::Optimizer& opt, const Tensor& x, const Tensor& y, const UnaryModuleFn& forward) {
@@ -295,7 +295,7 @@ void models_suite(Context& ctx) {
   }
   if (ctx.quick) return;  // GPT-2-small takes seconds per step
 
-  // GPT-2-small: d 768, 12 layers, 12 heads, context 1024, vocabulary 256, batch 1, f32.
+  // GPT-2-small: d 768, 12 layers, 12 heads, context 1024, vocabulary 256, batch 1; f32 first.
   LocalCommunicator comm;
   nn::manual_seed(1);
   const nn::GPTConfig config{.vocabulary = 256, .context = 1024, .d_model = 768, .layers = 12, .heads = 12};
@@ -344,6 +344,20 @@ void models_suite(Context& ctx) {
   r.name = "gpt2-small memory plan: step row per sample recomputing the GELU pre-activations";
   r.value = Stats{recompute_mb, recompute_mb, recompute_mb};
   ctx.report(r);
+
+  // The same model with bf16 compute (parameters, gradients and Adam's state stay f32), against
+  // the bf16 GEMM rate on its MLP product.
+  nn::manual_seed(1);
+  nn::GPT gpt16(config);
+  nn::ShardPolicy bf16_policy;
+  bf16_policy.compute_dtype = DType::bf16;
+  nn::fully_shard(gpt16, comm, bf16_policy);
+  nn::Adam opt16(gpt16.parameters(), {.lr = 3e-4});
+  const StepAndGemm timed16 = time_step_and_gemm(
+      few, step_of(opt16, x, y, [&](const Tensor& t) { return gpt16.forward(t); }), 1024, 768, 3072, DType::bf16, 1);
+  report_step("gpt2-small step (d768 L12 H12 T1024 b1), bf16", timed16.step);
+  report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), bf16", timed16.step, gpt_flops(config, 1),
+                  timed16.gemm_rate, "[1024, 768] x [768, 3072] bf16");
 }
 
 // One Adam step over a flat f32 parameter (16M elements; 1M with --quick) against three copies of
