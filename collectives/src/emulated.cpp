@@ -664,10 +664,7 @@ class EmulatedCommunicator final : public Communicator {
 
 int threads_per_rank(int world_size, int requested) {
   if (requested > 0) return requested;
-  if (const char* env = std::getenv("RUDA_NUM_THREADS"); env && *env) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
+  if (const int n = num_threads_from_env(); n > 0) return n;
   return std::max(1, hardware_threads() / world_size);
 }
 

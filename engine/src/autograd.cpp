@@ -30,6 +30,7 @@ bool in_backward() noexcept { return t_backward_depth > 0; }
 std::uint64_t backward_serial() noexcept { return t_backward_serial; }
 
 void at_backward_end(std::function<void()> callback) {
+  if (!callback) fail<ArgumentError>("at_backward_end", "the callback is empty");
   if (t_backward_depth == 0) fail<AutogradError>("at_backward_end", "called outside a backward");
   t_backward_end.push_back(std::move(callback));
 }
@@ -70,6 +71,10 @@ std::string_view node_name(const Node& node) noexcept { return node.name; }
 
 void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs, const std::vector<Tensor>& saved,
             BackwardFn backward_fn, RecordOptions options) {
+  // Checked whether or not it records: a caller's mistake shows on its first run, not only under grad.
+  if (!name) fail<ArgumentError>("record", "the node has no name (nullptr)");
+  if (!backward_fn) fail<ArgumentError>("record", name, ": the backward function is empty");
+  if (!output.defined()) fail<ArgumentError>("record", name, ": the output tensor is undefined");
   if (!t_grad_enabled) return;
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());

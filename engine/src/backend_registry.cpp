@@ -1,10 +1,13 @@
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdlib>
 #include <initializer_list>
+#include <limits>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -184,21 +187,59 @@ int hardware_threads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
+int max_num_threads() { return std::max(256, 16 * hardware_threads()); }
+
 namespace {
-// The first of these environment variables that holds a positive integer, or 0.
-int first_positive_env(std::initializer_list<const char*> names) {
-  for (const char* name : names) {
-    if (const char* env = std::getenv(name); env && std::atoi(env) > 0) return std::atoi(env);
+// A thread count for `op` (`text` as the caller wrote it): positive and at most
+// max_num_threads(). (libgomp ends the process, it does not throw, when it cannot allocate or
+// start the threads asked for.)
+void check_thread_count(long long threads, std::string_view op, const std::string& text) {
+  if (threads < 1) fail<ArgumentError>(op, "thread count must be positive, got ", text);
+  if (threads > max_num_threads()) {
+    fail<ArgumentError>(op, "thread count ", text, " is more than ruda allows on this machine (",
+                        max_num_threads(), ": 16 per hardware thread, at least 256)");
   }
-  return 0;
+}
+void check_thread_count(long long threads, std::string_view op) { check_thread_count(threads, op, std::to_string(threads)); }
+
+// A count read from environment variable `name` by strtoll: out of long long's range reads as
+// too many (or too few), named by the variable's own text.
+void check_env_thread_count(long long n, const char* name, const char* text) {
+  check_thread_count(errno == ERANGE ? (n < 0 ? -1 : std::numeric_limits<long long>::max()) : n, name, text);
+}
+
+// OMP_NUM_THREADS as OpenMP reads it: its leading number (a nested list such as "4,2" gives 4);
+// 0 when unset or not a positive number, which leaves the default.
+int omp_num_threads_env() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  if (!env) return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(env, &end, 10);
+  if (end == env || n < 1) return 0;
+  check_env_thread_count(n, "OMP_NUM_THREADS", env);
+  return static_cast<int>(n);
 }
 
 std::atomic<int> g_default_threads{0};  // 0: the cores
 thread_local int t_threads = 0;         // 0: not set on this thread yet
 }  // namespace
 
+int num_threads_from_env() {
+  const char* env = std::getenv("RUDA_NUM_THREADS");
+  if (!env || !*env) return 0;
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(env, &end, 10);
+  if (end == env || *end != '\0') {
+    fail<ArgumentError>("RUDA_NUM_THREADS", "not a whole number of threads: '", env, "'");
+  }
+  check_env_thread_count(n, "RUDA_NUM_THREADS", env);
+  return static_cast<int>(n);
+}
+
 void set_num_threads(int threads) {
-  if (threads < 1) fail<ArgumentError>("set_num_threads", "thread count must be positive, got ", threads);
+  check_thread_count(threads, "set_num_threads");
   t_threads = threads;
 #ifdef RUDA_HAVE_OPENMP
   omp_set_num_threads(threads);  // per calling thread: emulated ranks each set their own
@@ -207,14 +248,15 @@ void set_num_threads(int threads) {
 
 int num_threads() {
   if (t_threads == 0) {
-    const int n = first_positive_env({"RUDA_NUM_THREADS", "OMP_NUM_THREADS"});
+    int n = num_threads_from_env();
+    if (n == 0) n = omp_num_threads_env();
     set_num_threads(n > 0 ? n : default_num_threads());
   }
   return t_threads;
 }
 
 void set_default_num_threads(int threads) {
-  if (threads < 1) fail<ArgumentError>("set_default_num_threads", "thread count must be positive, got ", threads);
+  check_thread_count(threads, "set_default_num_threads");
   g_default_threads.store(threads, std::memory_order_relaxed);
 }
 

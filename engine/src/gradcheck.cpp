@@ -11,11 +11,26 @@ namespace ruda {
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
                           GradcheckOptions options) {
   GradcheckResult result;
+  // A step or tolerance that is NaN, infinite or (for the step) not positive would make every
+  // comparison below false, and the check pass whatever the gradients are.
+  if (!std::isfinite(options.eps) || options.eps <= 0) {
+    fail<ArgumentError>("gradcheck", "eps must be finite and positive, got ", options.eps);
+  }
+  if (!std::isfinite(options.atol) || options.atol < 0 || !std::isfinite(options.rtol) || options.rtol < 0) {
+    fail<ArgumentError>("gradcheck", "atol and rtol must be finite and non-negative, got atol ", options.atol,
+                        ", rtol ", options.rtol);
+  }
+  if (!f) fail<ArgumentError>("gradcheck", "the function to check is empty");
   // Analytic: d(sum(f(x) * r))/dx through backward, for a fixed random projection r.
   for (const Tensor& in : inputs) {
     if (in.defined() && in.requires_grad()) const_cast<Tensor&>(in).zero_grad();
   }
   const Tensor out = f(inputs);
+  if (!out.defined()) fail<ArgumentError>("gradcheck", "the function returned an undefined tensor");
+  if (!is_floating(out.dtype())) {
+    fail<DTypeError>("gradcheck", "the function returned ", dtype_name(out.dtype()), " ", out.shape(),
+                     ", not a floating-point tensor (nothing to differentiate)");
+  }
   const Tensor r = rand(out.shape(), options.seed, 0, Options(out.dtype(), &out.backend())) + 0.5;
   sum(out * r).backward();
 
@@ -39,9 +54,10 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
         return objective(xs);
       };
       const double numeric = (shifted(options.eps) - shifted(-options.eps)) / (2 * options.eps);
+      // A NaN on either side is a mismatch (and the largest error), never a pass.
       const double error = std::abs(numeric - grad[static_cast<std::size_t>(i)]);
-      result.max_abs_error = std::max(result.max_abs_error, error);
-      if (error > options.atol + options.rtol * std::abs(numeric) && result.ok) {
+      if (std::isnan(error) || error > result.max_abs_error) result.max_abs_error = error;
+      if (!(error <= options.atol + options.rtol * std::abs(numeric)) && result.ok) {
         result.ok = false;
         std::ostringstream msg;
         msg << "input " << which << " " << to_string(in.shape()) << " element " << i << ": analytic "

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -104,14 +105,19 @@ std::int64_t parse_size(std::string_view text) {
   auto bad = [&]() -> std::int64_t {
     fail<ArgumentError>("memory size", "'", s, "' is not a size (examples: 512MB, 2GiB, 1048576)");
   };
+  // Digits with at most one decimal point, then a unit: not stod's whole grammar, which read
+  // "0x10" as 16 and "1e3" as 1000 (the collective timeout's parser refuses them too).
   std::size_t used = 0;
-  double number = 0;
-  try {
-    number = std::stod(s, &used);
-  } catch (const std::exception&) {
+  while (used < s.size() && (std::isdigit(static_cast<unsigned char>(s[used])) || s[used] == '.')) ++used;
+  const std::string digits = s.substr(0, used);
+  if (digits.empty() || !std::isdigit(static_cast<unsigned char>(digits[0])) ||
+      std::count(digits.begin(), digits.end(), '.') > 1) {
     return bad();
   }
-  if (!std::isdigit(static_cast<unsigned char>(s[0])) || !(number >= 0)) return bad();
+  const double number = std::strtod(digits.c_str(), nullptr);
+  auto too_large = [&]() -> std::int64_t {
+    fail<ArgumentError>("memory size", "'", s, "' is more bytes than an int64 holds");
+  };
   std::string unit;
   for (char c : s.substr(used)) {
     if (c != ' ') unit += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
@@ -130,10 +136,21 @@ std::int64_t parse_size(std::string_view text) {
                                                          {"mib", 1048576.0},
                                                          {"gib", 1073741824.0},
                                                          {"tib", 1099511627776.0}};
+  if ((unit.empty() || unit == "b") && digits.find('.') == std::string::npos) {
+    // A whole number of bytes, exactly (through a double, 2^63 - 1 rounded up past int64).
+    std::int64_t bytes = 0;
+    for (const char c : digits) {
+      if (__builtin_mul_overflow(bytes, std::int64_t{10}, &bytes) ||
+          __builtin_add_overflow(bytes, std::int64_t{c - '0'}, &bytes)) {
+        return too_large();
+      }
+    }
+    return bytes;
+  }
   for (const auto& [name, scale] : units) {
     if (unit != name) continue;
     const double bytes = std::round(number * scale);
-    if (bytes >= 9.2e18) return bad();
+    if (bytes >= 9223372036854775808.0) return too_large();  // 2^63
     return static_cast<std::int64_t>(bytes);
   }
   return bad();

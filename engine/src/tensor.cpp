@@ -455,6 +455,10 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
     fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
   }
   detail::require_writable_layout("add_", *this);
+  if (dtype() == DType::boolean || other.dtype() == DType::boolean) {
+    fail<DTypeError>("add_", "is not defined on bool: a ", dtype_name(other.dtype()), " ", other.shape(),
+                     " operand into the ", dtype_name(dtype()), " ", shape(), " tensor (cast to a number type first)");
+  }
   if (!is_floating(dtype()) && is_floating(other.dtype())) {
     // The sum would be truncated on its way in (x.add_(1.7) adding 1), as PyTorch refuses too.
     fail<DTypeError>("add_", "cannot add a ", dtype_name(other.dtype()), " ", other.shape(), " operand into the ",
@@ -478,6 +482,9 @@ Tensor& Tensor::mul_(double factor) {
   checked(*this, "mul_");
   begin_inplace(*this, "mul_");
   detail::require_writable_layout("mul_", *this);
+  if (dtype() == DType::boolean) {
+    fail<DTypeError>("mul_", "is not defined on the bool ", shape(), " tensor (cast to a number type first)");
+  }
   detail::require_exact_scalar("mul_", factor, *this);
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
@@ -606,48 +613,101 @@ template Tensor from_vector<bool>(const std::vector<bool>&, const Shape&, Option
 // --- printing ---
 
 namespace {
-// Values are printed from their own type: i64 through a double would round past 2^53 (and
-// INT64_MAX, rounded up to 2^63, has no long long to print as).
+// Along an axis longer than 2 * kEdge, the first and last kEdge entries print, with "..." between.
+constexpr std::int64_t kEdge = 3;
+
+// The values that print, read without the rest: `grid` is the printed shape (each elided axis
+// 2 * kEdge long), the values row-major over it. Each combination of heads and tails of the
+// elided axes is one small view read on its own, so a [2^40, 2^20] expanded tensor prints from
+// 36 values instead of failing to cast all of them to f64. Values are read in their own type:
+// i64 through a double would round past 2^53 (and INT64_MAX, rounded up to 2^63, has no long long
+// to print as).
 template <class V>
-void print_values(std::ostream& out, const std::vector<V>& values, const Shape& shape, std::size_t axis,
-                  std::int64_t offset) {
-  if (axis == shape.size()) {
+std::vector<V> printed_values(const Tensor& t, Shape& grid) {
+  autograd::NoGradGuard no_grad;
+  const Shape& shape = t.shape();
+  grid = shape;
+  std::vector<std::size_t> elided;
+  for (std::size_t a = 0; a < shape.size(); ++a) {
+    if (shape[a] > 2 * kEdge) {
+      elided.push_back(a);
+      grid[a] = 2 * kEdge;
+    }
+  }
+  std::int64_t count = 1;
+  for (const std::int64_t n : grid) count *= n;
+  std::vector<V> values(static_cast<std::size_t>(count));
+  for (std::size_t halves = 0; halves < (std::size_t{1} << elided.size()); ++halves) {
+    Tensor piece = t.detach();
+    Shape first(shape.size(), 0);  // where the piece starts in the grid
+    for (std::size_t k = 0; k < elided.size(); ++k) {
+      const std::size_t a = elided[k];
+      const bool tail = (halves >> k) & 1;
+      piece = piece.slice(static_cast<std::int64_t>(a), tail ? shape[a] - kEdge : 0, tail ? shape[a] : kEdge);
+      first[a] = tail ? kEdge : 0;
+    }
+    const std::vector<V> part = piece.to_vector<V>();
+    const Shape& extent = piece.shape();
+    Shape index(shape.size(), 0);  // row-major over the piece
+    for (std::size_t i = 0; i < part.size(); ++i) {
+      std::int64_t at = 0;
+      for (std::size_t a = 0; a < shape.size(); ++a) at = at * grid[a] + first[a] + index[a];
+      values[static_cast<std::size_t>(at)] = part[i];
+      for (std::size_t a = shape.size(); a-- > 0;) {
+        if (++index[a] < extent[a]) break;
+        index[a] = 0;
+      }
+    }
+  }
+  return values;
+}
+
+template <class V>
+void print_values(std::ostream& out, const std::vector<V>& values, const Shape& grid, const Shape& shape,
+                  std::size_t axis, std::int64_t offset) {
+  if (axis == grid.size()) {
     out << values[static_cast<std::size_t>(offset)];
     return;
   }
   std::int64_t stride = 1;
-  for (std::size_t i = axis + 1; i < shape.size(); ++i) stride *= shape[i];
-  constexpr std::int64_t kEdge = 3;
+  for (std::size_t i = axis + 1; i < grid.size(); ++i) stride *= grid[i];
   out << '[';
-  for (std::int64_t i = 0; i < shape[axis]; ++i) {
+  for (std::int64_t i = 0; i < grid[axis]; ++i) {
     if (i) out << ", ";
-    if (shape[axis] > 2 * kEdge && i == kEdge) {
-      out << "..., ";
-      i = shape[axis] - kEdge;
-    }
-    print_values(out, values, shape, axis + 1, offset + i * stride);
+    if (grid[axis] != shape[axis] && i == kEdge) out << "..., ";
+    print_values(out, values, grid, shape, axis + 1, offset + i * stride);
   }
   out << ']';
+}
+
+template <class V>
+void print_tensor_values(std::ostream& out, const Tensor& t) {
+  Shape grid;
+  const std::vector<V> values = printed_values<V>(t, grid);
+  print_values(out, values, grid, t.shape(), 0, 0);
 }
 }  // namespace
 
 std::ostream& operator<<(std::ostream& out, const Tensor& t) {
   if (!t.defined()) return out << "tensor(undefined)";
-  out << "tensor(" << dtype_name(t.dtype()) << ' ' << to_string(t.shape()) << ", ";
+  // The values first, into a string: an error reading them leaves the stream as it was.
+  std::ostringstream body;
+  body.copyfmt(out);  // the caller's precision and flags
   switch (t.dtype()) {
     case DType::i64:
-      print_values(out, t.to_vector<std::int64_t>(), t.shape(), 0, 0);
+      print_tensor_values<std::int64_t>(body, t);
       break;
     case DType::boolean:  // 0 and 1
-      print_values(out, t.to_vector<bool>(), t.shape(), 0, 0);
+      print_tensor_values<bool>(body, t);
       break;
     case DType::f32:
     case DType::f64:
     case DType::f16:
     case DType::bf16:
-      print_values(out, t.to_vector<double>(), t.shape(), 0, 0);
+      print_tensor_values<double>(body, t);
       break;
   }
+  out << "tensor(" << dtype_name(t.dtype()) << ' ' << to_string(t.shape()) << ", " << body.str();
   if (t.requires_grad()) out << ", requires_grad";
   return out << ')';
 }

@@ -1,8 +1,13 @@
 // Caller errors raise typed exceptions whose messages name the op, shapes and dtypes.
 #include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <set>
+#include <string>
 #include <vector>
+
+#include <ruda/gradcheck.h>
 
 #include "helpers.h"
 
@@ -319,6 +324,13 @@ TEST_CASE("a refused in-place op changes nothing, its version included") {
   const std::uint64_t i_before = i.version();
   CHECK_THROWS_AS(i.mul_(0.5), DTypeError);
   CHECK_THROWS_AS(i.fill_(0.5), DTypeError);
+  // Arithmetic in place on bool: refused as add_ / mul_ (not as the kernel's "add"), before the write.
+  Tensor flags = zeros({3}, Options(DType::boolean));
+  const std::uint64_t flags_before = flags.version();
+  check_throws<DTypeError>([&] { flags.add_(ones({3}, Options(DType::boolean))); }, {"add_", "bool", "[3]"});
+  check_throws<DTypeError>([&] { i.add_(ones({2}, Options(DType::boolean))); }, {"add_", "bool [2]", "i64 [2]"});
+  check_throws<DTypeError>([&] { flags.mul_(2); }, {"mul_", "bool [3]"});
+  CHECK(flags.version() == flags_before);
   CHECK(x.version() == before);
   CHECK(i.version() == i_before);
   // A backward through a node that saved x still runs after the refused writes.
@@ -357,4 +369,89 @@ TEST_CASE("16-bit means, shapes whose strides overflow, reshape/concat extents, 
   // A scalar's only axes are 0 and -1.
   CHECK(flatten(scalar(1.0), 0, -1).shape() == Shape{1});
   check_throws<IndexError>([] { (void)flatten(scalar(1.0), 5, 7); }, {"flatten", "scalar"});
+}
+
+TEST_CASE("gradcheck fails a NaN gradient and refuses options or outputs that would make it pass blindly") {
+  const Tensor x = from_values({0.5, -1.0, 2.0}, {3}, Options(DType::f64)).set_requires_grad();
+  // f(x) = 2x with a hand-written backward g * factor: right for factor 2.
+  auto with_backward = [](double factor) {
+    return [factor](const std::vector<Tensor>& in) {
+      Tensor out = in[0].detach() * 2.0;
+      autograd::record("scaled", out, {in[0]}, {},
+                       [factor](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                         return std::vector<Tensor>{g * factor};
+                       });
+      return out;
+    };
+  };
+  CHECK(gradcheck(with_backward(2.0), {x}).ok);
+  CHECK_FALSE(gradcheck(with_backward(100.0), {x}).ok);
+  const GradcheckResult nan = gradcheck(with_backward(std::numeric_limits<double>::quiet_NaN()), {x});
+  CHECK_FALSE(nan.ok);  // every comparison with NaN is false: it passed
+  CHECK(std::isnan(nan.max_abs_error));
+  CHECK(nan.message.find("analytic nan") != std::string::npos);
+  const double inf = std::numeric_limits<double>::infinity(), not_a_number = std::numeric_limits<double>::quiet_NaN();
+  for (const GradcheckOptions& bad : {GradcheckOptions{.eps = 0}, GradcheckOptions{.eps = -1e-6},
+                                      GradcheckOptions{.eps = not_a_number}, GradcheckOptions{.eps = inf}}) {
+    check_throws<ArgumentError>([&] { gradcheck(with_backward(100.0), {x}, bad); }, {"gradcheck", "eps"});
+  }
+  for (const GradcheckOptions& bad : {GradcheckOptions{.atol = not_a_number}, GradcheckOptions{.atol = -1},
+                                      GradcheckOptions{.rtol = inf}, GradcheckOptions{.rtol = not_a_number}}) {
+    check_throws<ArgumentError>([&] { gradcheck(with_backward(100.0), {x}, bad); }, {"gradcheck", "atol and rtol"});
+  }
+  check_throws<ArgumentError>([&] { gradcheck([](const std::vector<Tensor>&) { return Tensor(); }, {x}); },
+                              {"gradcheck", "undefined"});
+  check_throws<DTypeError>([&] { gradcheck([](const std::vector<Tensor>& in) { return gt(in[0], 0.0); }, {x}); },
+                           {"gradcheck", "bool [3]"});
+  check_throws<ArgumentError>([&] { gradcheck(nullptr, {x}); }, {"gradcheck", "empty"});
+}
+
+TEST_CASE("thread counts past what the machine can start are refused, from a call or from RUDA_NUM_THREADS") {
+  CHECK(max_num_threads() >= 256);
+  check_throws<ArgumentError>([] { set_num_threads(max_num_threads() + 1); }, {"set_num_threads", "thread count"});
+  check_throws<ArgumentError>([] { set_num_threads(std::numeric_limits<int>::max()); },
+                              {"set_num_threads", "2147483647"});
+  check_throws<ArgumentError>([] { set_num_threads(0); }, {"set_num_threads", "positive"});
+  check_throws<ArgumentError>([] { set_default_num_threads(1 << 30); }, {"set_default_num_threads"});
+  const char* previous = std::getenv("RUDA_NUM_THREADS");
+  const std::string saved = previous ? previous : "";
+  for (const char* bad : {"abc", "3x", "1.5", " "}) {
+    CAPTURE(bad);
+    ::setenv("RUDA_NUM_THREADS", bad, 1);
+    check_throws<ArgumentError>([] { num_threads_from_env(); }, {"RUDA_NUM_THREADS", "not a whole number"});
+  }
+  for (const char* bad : {"99999999999", "99999999999999999999999", "-2", "0"}) {
+    CAPTURE(bad);
+    ::setenv("RUDA_NUM_THREADS", bad, 1);
+    check_throws<ArgumentError>([] { num_threads_from_env(); }, {"RUDA_NUM_THREADS", "thread count", bad});
+  }
+  ::setenv("RUDA_NUM_THREADS", "3", 1);
+  CHECK(num_threads_from_env() == 3);
+  ::setenv("RUDA_NUM_THREADS", "", 1);
+  CHECK(num_threads_from_env() == 0);
+  if (previous) {
+    ::setenv("RUDA_NUM_THREADS", saved.c_str(), 1);
+  } else {
+    ::unsetenv("RUDA_NUM_THREADS");
+  }
+}
+
+TEST_CASE("the recording API refuses an empty backward, a missing name or output, and an empty end callback") {
+  const Tensor x = ones({2}).set_requires_grad();
+  const autograd::BackwardFn identity = [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+    return std::vector<Tensor>{g};
+  };
+  Tensor out = x.detach() * 2.0;
+  check_throws<ArgumentError>([&] { autograd::record("mine", out, {x}, {}, nullptr); },
+                              {"record", "mine", "backward function is empty"});
+  check_throws<ArgumentError>([&] { autograd::record(nullptr, out, {x}, {}, identity); }, {"record", "no name"});
+  Tensor undefined;
+  check_throws<ArgumentError>([&] { autograd::record("mine", undefined, {x}, {}, identity); },
+                              {"record", "mine", "undefined"});
+  Tensor y = x.detach() * 1.0;
+  autograd::record("ends", y, {x}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+    autograd::at_backward_end(nullptr);
+    return std::vector<Tensor>{g};
+  });
+  check_throws<ArgumentError>([&] { sum(y).backward(); }, {"at_backward_end", "empty"});
 }

@@ -1,4 +1,5 @@
 // Memory accounting: live and peak bytes, per process and per thread scope.
+#include <limits>
 #include <thread>
 
 #include "helpers.h"
@@ -58,7 +59,13 @@ TEST_CASE("sizes parse in decimal and binary units") {
   CHECK(memory::parse_size("1.5GB") == 1'500'000'000);
   CHECK(memory::parse_size("64k") == 64'000);
   CHECK(memory::parse_size("256 MiB") == 256LL << 20);
-  for (const char* bad : {"", "MB", "-1MB", "12 parsecs", "1e30", "nan", "inf", " 5"}) {
+  CHECK(memory::parse_size("9223372036854775807") == std::numeric_limits<std::int64_t>::max());  // exactly
+  for (const char* huge : {"9223372036854775808", "99999999999999999999", "10000000TB"}) {
+    CAPTURE(huge);
+    test::check_throws<ArgumentError>([&] { memory::parse_size(huge); }, {"more bytes than an int64 holds"});
+  }
+  // Not strtod's grammar: hexadecimal and exponents are refused, not read as 16 and 1000.
+  for (const char* bad : {"", "MB", "-1MB", "12 parsecs", "1e30", "nan", "inf", " 5", "0x10", "1e3", "1.2.3MB", "5.MB."}) {
     CAPTURE(bad);
     test::check_throws<ArgumentError>([&] { memory::parse_size(bad); }, {"is not a size"});
   }

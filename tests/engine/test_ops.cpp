@@ -46,6 +46,15 @@ TEST_CASE("creation") {
   CHECK(values({1, 2, 3, 4}, {2, 2}).at({-1, -1}) == 4);
   CHECK(to_string(values({1, 2}, {2})) == "tensor(f32 [2], [1, 2])");
   CHECK(to_string(arange(0, 10, 1, DType::i64)) == "tensor(i64 [10], [0, 1, 2, ..., 7, 8, 9])");
+  // Printing reads only the values it shows, along every axis, strided or not: a [2^40, 2^20]
+  // expanded view prints (a copy of it all to f64 needed more than 2^63 bytes).
+  CHECK(to_string(arange(0, 64, 1, DType::i64).reshape({8, 8}).transpose(0, 1)) ==
+        "tensor(i64 [8, 8], [[0, 8, 16, ..., 40, 48, 56], [1, 9, 17, ..., 41, 49, 57], [2, 10, 18, ..., 42, 50, 58], "
+        "..., [5, 13, 21, ..., 45, 53, 61], [6, 14, 22, ..., 46, 54, 62], [7, 15, 23, ..., 47, 55, 63]])");
+  const std::string row = "[2, 2, 2, ..., 2, 2, 2]";
+  CHECK(to_string(full({1, 1}, 2).expand({1LL << 40, 1LL << 20})) ==
+        "tensor(f32 [1099511627776, 1048576], [" + row + ", " + row + ", " + row + ", ..., " + row + ", " + row + ", " +
+            row + "])");
 }
 
 TEST_CASE("random tensors are counter-based") {

@@ -107,7 +107,8 @@ bool needs_grad(const Tensors&... inputs) {
 }
 
 /// Records a node named `name` producing `output` from `inputs`, keeping `saved` for backward.
-/// Does nothing when grad mode is off or no input requires a gradient.
+/// Does nothing when grad mode is off or no input requires a gradient. A null name, an empty
+/// backward function or an undefined output is an ArgumentError either way.
 void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs, const std::vector<Tensor>& saved,
             BackwardFn backward, RecordOptions options = {});
 
@@ -127,7 +128,8 @@ std::uint64_t backward_serial() noexcept;
 /// Queues `callback` to run when the outermost backward() running on this thread returns, after
 /// every node has run: how work a node starts without waiting for it (a non-blocking reduce-scatter
 /// of gradients) is finished before the caller sees the gradients. Callbacks run in the order
-/// queued; if backward throws they are dropped unrun. Outside a backward: an AutogradError.
+/// queued; if backward throws they are dropped unrun. Outside a backward: an AutogradError; an
+/// empty callback: an ArgumentError.
 void at_backward_end(std::function<void()> callback);
 
 /// Always-run nodes recorded on this thread and not yet run by a backward.

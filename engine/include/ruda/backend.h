@@ -254,9 +254,17 @@ Backend& default_backend();
 void set_default_backend(std::string_view name);
 
 /// Intra-op threads for kernels started from the calling thread: what it set, else
-/// $RUDA_NUM_THREADS, else $OMP_NUM_THREADS, else the process's default (default_num_threads).
+/// $RUDA_NUM_THREADS, else $OMP_NUM_THREADS (its leading number, as OpenMP reads it), else the
+/// process's default (default_num_threads). A count must lie in [1, max_num_threads()]
+/// (ArgumentError otherwise, naming the call or the variable).
 void set_num_threads(int threads);
 int num_threads();
+/// The most threads set_num_threads accepts: 16 per hardware thread, at least 256 (beyond what
+/// the machine can start, OpenMP ends the process instead of failing a call).
+int max_num_threads();
+/// $RUDA_NUM_THREADS as a thread count, 0 when unset or empty; ArgumentError when it is not a
+/// whole number in [1, max_num_threads()].
+int num_threads_from_env();
 /// The count a thread that has set none uses when neither variable is set: the cores, unless a
 /// launcher's policy changed it (ruda::share_cores_among_local_ranks, which MpiEnvironment
 /// applies: ranks on one node share its cores). Threads that already ran kernels keep theirs.

@@ -11,21 +11,21 @@
 namespace ruda {
 
 struct GradcheckOptions {
-  double eps = 1e-6;
-  double atol = 1e-6;
+  double eps = 1e-6;   // the central difference's step: finite and positive
+  double atol = 1e-6;  // the tolerances: finite and non-negative (else ArgumentError)
   double rtol = 1e-5;
   std::uint64_t seed = 1234;  // of the random projection of a non-scalar output
 };
 
 struct GradcheckResult {
   bool ok = true;
-  double max_abs_error = 0;
+  double max_abs_error = 0;  // NaN when an analytic or numeric value was NaN (a mismatch)
   /// The first mismatch: input, element, analytic and numeric values.
   std::string message;
 };
 
 /// Checks d(sum(f(inputs) * r))/d(input) for a fixed random r against central differences, for
-/// every input that requires grad.
+/// every input that requires grad. f must return a defined floating-point tensor.
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
                           GradcheckOptions options = {});
 
