@@ -127,6 +127,8 @@ void Backend::unary_with_derivative(UnaryOp op, const View& x, const View& y, co
 }
 
 void register_backend(std::string name, std::function<std::unique_ptr<Backend>()> factory) {
+  if (name.empty()) fail<ArgumentError>("register_backend", "the backend's name is empty");
+  if (!factory) fail<ArgumentError>("register_backend", "the factory of backend '", name, "' is empty");
   Registry& r = storage();
   std::lock_guard lock(r.mutex);
   for (const auto& e : r.entries) {

@@ -138,6 +138,12 @@ TEST_CASE("AutogradError") {
 TEST_CASE("BackendError") {
   check_throws<BackendError>([] { get_backend("cuda"); }, {"unknown backend 'cuda'", "eigen"});
   check_throws<BackendError>([] { set_default_backend("tpu"); }, {"tpu"});
+  // An empty factory or name is refused when registered, not at the first get_backend.
+  check_throws<ArgumentError>([] { register_backend("empty-factory", nullptr); },
+                              {"register_backend", "'empty-factory'", "factory", "empty"});
+  check_throws<ArgumentError>([] { register_backend("", [] { return std::unique_ptr<Backend>(); }); },
+                              {"register_backend", "name is empty"});
+  check_throws<BackendError>([] { get_backend("empty-factory"); }, {"unknown backend 'empty-factory'"});
 }
 
 TEST_CASE("impossible sizes are ShapeErrors and huge ones OutOfMemoryError, never a crash or a hang") {

@@ -124,6 +124,12 @@ TEST_CASE("memory planners: a world or a batch that is not positive is refused, 
   auto step = [&](std::int64_t b) { return sum(layer->forward(ones({b, 4}))); };
   LocalCommunicator one;
   check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, one, 0, step, 0, {}, {}); }, {"fit_schedule", "batch"});
+  // An empty step function: refused by name (std::bad_function_call from inside, before).
+  const std::function<Tensor(std::int64_t)> no_step;
+  check_throws<ArgumentError>([&] { nn::probe_step(*layer, one, no_step, 2); }, {"probe_step", "step function"});
+  check_throws<ArgumentError>([&] { nn::plan_memory(*layer, one, 8, no_step, 0); }, {"plan_memory", "step function"});
+  check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, one, 8, no_step, 0, {}, {}); },
+                              {"fit_schedule", "step function"});
   // The largest allowed doubling stops where the micro-batches stop dividing the batch (it used to
   // double until the count wrapped to 0 and divided by it).
   nn::FitOptions most;

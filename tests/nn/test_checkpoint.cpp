@@ -877,6 +877,8 @@ TEST_CASE("safetensors: BOOL bytes other than 0 and 1 are refused by every read,
   test::check_throws<IOError>([&] { r.read_range_into("b", 0, 1, out); }, {"'b'", "element 0"});
   test::check_throws<IOError>([&] { r.read_range_chunked("b", 2, 2, [](const char*, std::size_t) {}); },
                               {"'b'", "element 3"});
+  test::check_throws<ArgumentError>([&] { r.read_range_chunked("ok", 0, 1, nullptr); },
+                                    {"read_range_chunked", "'ok'", "consume function is empty"});
   safetensors::Writer copy((dir.path / "copy.safetensors").string(), {{"b", DType::boolean, {4}}});
   test::check_throws<IOError>([&] { r.copy_range("b", 0, 4, copy); }, {"'b'", "element 0"});
 

@@ -290,6 +290,7 @@ void Reader::read_range_into(const std::string& name, std::int64_t first, std::i
 
 void Reader::read_range_chunked(const std::string& name, std::int64_t first, std::int64_t count,
                                 const std::function<void(const char*, std::size_t)>& consume) const {
+  if (!consume) fail<ArgumentError>("read_range_chunked", "tensor '", name, "': the consume function is empty");
   auto [offset, size] = byte_range("read_range_chunked", name, first, count);
   const bool bools = info(name).dtype == DType::boolean;
   const std::uint64_t begin = offset, elem = dtype_size(info(name).dtype);

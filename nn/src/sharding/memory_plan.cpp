@@ -71,6 +71,7 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 
 StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
                      std::int64_t samples) {
+  if (!step) fail<ArgumentError>("probe_step", "the step function is empty");
   if (samples < 2) fail<ArgumentError>("probe_step", "needs a second micro-batch of at least 2 samples, got ", samples);
   // The measurement decides whether the configuration fits: it must not fail on the limit itself.
   memory::LimitSuspended measuring;
@@ -115,6 +116,7 @@ MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global
 MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
                        const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options) {
+  if (!step) fail<ArgumentError>("plan_memory", "the step function is empty");
   const int world = comm.world_size();
   MemoryPlan plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, 2), options);
   const bool over = limit > 0 && plan.peak() > limit;
@@ -204,6 +206,7 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
                             const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                             const MemorySchedule& configured, const FitOptions& options) {
   FittedSchedule fit;
+  if (!step) fail<ArgumentError>("fit_schedule", "the step function is empty");
   require_world_and_batch("fit_schedule", comm.world_size(), global_batch);
   // Whether m micro-batches on every rank divide the global batch (a product that overflows does not).
   auto divides = [&](std::int64_t m) {
