@@ -39,11 +39,17 @@ std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string&
 
 std::vector<RankFailure> run_agreed(Communicator& comm, const std::string& tag, const std::function<void()>& phase) {
   std::string error;
-  try {
-    phase();
-  } catch (const std::exception& e) {
-    error = e.what();
-    if (error.empty()) error = "an exception without a message";  // still a failure, not a success
+  if (!phase) {
+    error = "run_agreed: " + tag + ": the phase function is empty";
+  } else {
+    try {
+      phase();
+    } catch (const std::exception& e) {
+      error = e.what();
+      if (error.empty()) error = "an exception without a message";  // still a failure, not a success
+    } catch (...) {  // (`throw 42`): nothing escapes, or the other ranks would wait for this one
+      error = "an exception that is not a std::exception";
+    }
   }
   return agree_on_failure(comm, error, tag);
 }

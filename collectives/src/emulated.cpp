@@ -14,9 +14,11 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <system_error>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -109,6 +111,7 @@ class World {
         errors_(size_) {}
 
   int size() const noexcept { return size_; }
+  std::chrono::milliseconds timeout() const noexcept { return timeout_; }
   const std::vector<int>& members() const noexcept { return members_; }
   /// This world's rank of the run's rank `run_rank`, -1 if it is not a member.
   int local_rank(int run_rank) const noexcept {
@@ -589,25 +592,33 @@ class EmulatedCommunicator final : public Communicator {
     const auto bytes = static_cast<std::uint64_t>(s.count) * dtype_size(s.dtype);
     const int n = world_size();
     std::chrono::nanoseconds time{0};
+    const char* op = "";
     switch (s.kind) {
       case Kind::all_gather:
-        time = link_.all_gather_time(n, bytes);
+        time = link_.all_gather_time(n, bytes), op = "all_gather";
         break;
       case Kind::reduce_scatter:
-        time = link_.reduce_scatter_time(n, bytes);
+        time = link_.reduce_scatter_time(n, bytes), op = "reduce_scatter";
         break;
       case Kind::all_reduce:
-        time = link_.all_reduce_time(n, bytes);
+        time = link_.all_reduce_time(n, bytes), op = "all_reduce";
         break;
       case Kind::broadcast:
-        time = link_.broadcast_time(n, bytes);
+        time = link_.broadcast_time(n, bytes), op = "broadcast";
         break;
       case Kind::barrier:
-        time = link_.barrier_time(n);
+        time = link_.barrier_time(n), op = "barrier";
         break;
       case Kind::fingerprint:
       case Kind::split:
         break;
+    }
+    // A modeled time past the collective timeout would sleep through it (a 1 bit/s link slept
+    // for hours, deaf to the timeout): refused, on every rank alike (the time is the same on each).
+    if (time > world_.timeout()) {
+      fail<ArgumentError>(op, "rank ", rank(), ": the link model (", link_.describe(), ") makes this ", bytes,
+                          "-byte collective take ", static_cast<double>(time.count()) * 1e-9,
+                          " s, longer than the collective timeout of ", world_.timeout().count(), " ms");
     }
     // In order after this communicator's collectives before it; traffic inside a node is free,
     // traffic across nodes waits for each node's link (shared with the node's other communicators).
@@ -662,6 +673,9 @@ class EmulatedCommunicator final : public Communicator {
   bool deferring_ = false;
 };
 
+// More emulated ranks than this are refused (each is a thread with its own kernels' threads).
+constexpr int kMaxEmulatedRanks = 4096;
+
 int threads_per_rank(int world_size, int requested) {
   if (requested > 0) return requested;
   if (const int n = num_threads_from_env(); n > 0) return n;
@@ -672,6 +686,21 @@ int threads_per_rank(int world_size, int requested) {
 
 void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, EmulatedOptions options) {
   if (world_size < 1) fail<ArgumentError>("run_ranks", "world size must be positive, got ", world_size);
+  if (world_size > kMaxEmulatedRanks) {
+    fail<ArgumentError>("run_ranks", "world size ", world_size, " is more than the ", kMaxEmulatedRanks,
+                        " ranks ruda emulates in one process (each is a thread)");
+  }
+  // A link the parser would refuse: a rate that is not 0 (off) nor at least 1 bit/s, a latency
+  // outside [0, 1 hour].
+  const LinkModel& link = options.link;
+  if (!(link.bytes_per_second == 0 || (std::isfinite(link.bytes_per_second) && link.bytes_per_second >= 1.0 / 8))) {
+    fail<ArgumentError>("run_ranks", "the link model's bandwidth must be 0 (off) or at least 1 bit/s, got ",
+                        link.bytes_per_second, " bytes/s");
+  }
+  if (link.latency.count() < 0 || link.latency > std::chrono::hours(1)) {
+    fail<ArgumentError>("run_ranks", "the link model's latency must lie in [0, 1 hour], got ", link.latency.count(),
+                        " ns");
+  }
   if (!fn) fail<ArgumentError>("run_ranks", "no function to run");
   if (options.timeout.count() <= 0) {
     fail<ArgumentError>("run_ranks", "timeout must be positive, got ", options.timeout.count(), " ms");
@@ -702,8 +731,19 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
   ranks.reserve(static_cast<std::size_t>(world_size));
   try {
     for (int r = 0; r < world_size; ++r) ranks.emplace_back(body, r);
-  } catch (...) {
+  } catch (const std::system_error& e) {  // the system refused a thread (limits, memory)
+    const int started = static_cast<int>(ranks.size());
+    std::exception_ptr error;
+    try {
+      fail<CollectiveError>("run_ranks", "cannot start rank ", started, " of ", world_size, ": ", e.what());
+    } catch (...) {
+      error = std::current_exception();
+    }
     // The ranks already running would wait for the missing one: fail it so they stop.
+    fabric.fail(started, error);
+    for (auto& t : ranks) t.join();
+    std::rethrow_exception(error);
+  } catch (...) {
     fabric.fail(static_cast<int>(ranks.size()), std::current_exception());
     for (auto& t : ranks) t.join();
     throw;

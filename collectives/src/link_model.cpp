@@ -19,11 +19,27 @@ namespace {
 // A number and its unit: "10Gbit/s" -> {10, "Gbit/s"}.
 std::pair<double, std::string> number_and_unit(const std::string& text, const std::string& source,
                                                const std::string& whole) {
-  const char* begin = text.c_str();
-  char* end = nullptr;
-  const double value = std::strtod(begin, &end);
-  if (end == begin || !std::isfinite(value) || value < 0) bad_link(source, whole, "no non-negative number");
-  std::string unit(end);
+  // A decimal number (digits, at most one point, an optional exponent): not strtod's whole
+  // grammar, which read "0x10GB/s" as 16 GB/s.
+  auto digit = [&](std::size_t i) { return i < text.size() && std::isdigit(static_cast<unsigned char>(text[i])); };
+  std::size_t used = 0;
+  while (digit(used) || (used < text.size() && text[used] == '.')) ++used;
+  if (used < text.size() && (text[used] == 'e' || text[used] == 'E')) {
+    std::size_t e = used + 1;
+    if (e < text.size() && (text[e] == '+' || text[e] == '-')) ++e;
+    if (digit(e)) {
+      while (digit(e)) ++e;
+      used = e;
+    }
+  }
+  const std::string digits = text.substr(0, used);
+  if (digits.empty() || !std::isdigit(static_cast<unsigned char>(digits[0])) ||
+      std::count(digits.begin(), digits.end(), '.') > 1) {
+    bad_link(source, whole, "no non-negative number");
+  }
+  const double value = std::strtod(digits.c_str(), nullptr);
+  if (!std::isfinite(value)) bad_link(source, whole, "no non-negative number");
+  std::string unit = text.substr(used);
   while (!unit.empty() && std::isspace(static_cast<unsigned char>(unit.front()))) unit.erase(0, 1);
   return {value, unit};
 }
@@ -64,6 +80,11 @@ std::chrono::nanoseconds nanoseconds(double seconds) {
 }  // namespace
 
 LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
+  if (text.find('\0') != std::string::npos) {
+    std::string shown;
+    for (const char c : text) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
+    bad_link(source, shown, "a NUL character inside");
+  }
   if (text.empty() || text == "off" || text == "0") return {};
   const std::size_t comma = text.find(',');
   const auto [rate, rate_unit] = number_and_unit(text.substr(0, comma), source, text);

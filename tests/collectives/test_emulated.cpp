@@ -477,6 +477,54 @@ TEST_CASE("emulated: a link model is parsed from text and names its source when 
   CHECK(late.broadcast_time(16, 1) == std::chrono::nanoseconds(1000000000000000000));
 }
 
+TEST_CASE("emulated: a link or world that would sleep past the timeout or exhaust threads is refused up front") {
+  // Hexadecimal numbers and NUL characters are no link models (strtod read "0x10GB/s" as 16 GB/s;
+  // a NUL ended the text early and the rest went unread).
+  for (const std::string& bad : {std::string("0x10GB/s"), std::string("1GB/s\0junk", 10), std::string("1GB/s,0x5us")}) {
+    expect_throw<ArgumentError>([&] { LinkModel::parse(bad, "RUDA_EMULATE_LINK"); }, {"RUDA_EMULATE_LINK"}, "bad text");
+  }
+  EmulatedOptions slow;
+  slow.link.bytes_per_second = 1e-300;  // as parse refuses it: the modeled sleep ignored the timeout
+  expect_throw<ArgumentError>([&] { run_ranks(2, [](Communicator&) {}, slow); }, {"run_ranks", "at least 1 bit/s"},
+                              "tiny bandwidth");
+  EmulatedOptions backwards;
+  backwards.link.bytes_per_second = 1e9;
+  backwards.link.latency = std::chrono::nanoseconds(-5);
+  expect_throw<ArgumentError>([&] { run_ranks(2, [](Communicator&) {}, backwards); }, {"run_ranks", "latency"},
+                              "negative latency");
+  // A modeled time longer than the collective timeout raises on every rank instead of sleeping it.
+  EmulatedOptions tight;
+  tight.link = LinkModel::parse("1kB/s");
+  tight.timeout = 200ms;
+  std::atomic<int> refused{0};
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        expect_throw<ArgumentError>([&] { (void)comm.all_reduce(ones({1024}), Reduction::sum); },
+                                    {"all_reduce", "link model", "longer than the collective timeout of 200 ms"},
+                                    "modeled past the timeout");
+        ++refused;
+      },
+      tight);
+  CHECK(refused == 2);
+  expect_throw<ArgumentError>([] { run_ranks(1 << 20, [](Communicator&) {}); }, {"run_ranks", "world size 1048576"},
+                              "a million ranks");
+}
+
+TEST_CASE("emulated: run_agreed lets nothing escape, an exception of any type or an empty phase alike") {
+  run_ranks(2, [](Communicator& comm) {
+    const auto thrown = run_agreed(comm, "odd", [&] {
+      if (comm.rank() == 1) throw 42;  // not a std::exception: it escaped on rank 1 alone
+    });
+    REQUIRE(thrown.size() == 1);
+    CHECK(thrown[0].rank == 1);
+    CHECK(thrown[0].message.find("not a std::exception") != std::string::npos);
+    const auto empty = run_agreed(comm, "empty", std::function<void()>());
+    REQUIRE(empty.size() == 2);
+    CHECK(empty[0].message.find("phase function is empty") != std::string::npos);
+  });
+}
+
 TEST_CASE("emulated: a ShardMesh moved from raises ArgumentError from every accessor, instead of a null dereference") {
   run_ranks(2, [](Communicator& comm) {
     ShardMesh mesh = ShardMesh::by_node(comm, 1);

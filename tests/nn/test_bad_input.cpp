@@ -95,6 +95,20 @@ TEST_CASE("losses name themselves when input and target disagree on dtype; GPT r
   check_throws<ShapeError>([&] { gpt.forward(zeros({1, 0}, DType::i64)); }, {"GPT", "1 <= time <= 8", "[1, 0]"});
 }
 
+TEST_CASE("modules and layers: a null parameter, a layer past the end, integer input to a norm layer") {
+  struct Holder : nn::Module {
+    Holder() { register_parameter("w", nullptr); }  // named_parameters() dereferenced it
+  };
+  check_throws<ArgumentError>([] { Holder h; }, {"register_parameter", "'w'", "null"});
+  nn::Sequential empty;
+  check_throws<IndexError>([&] { (void)empty[3]; }, {"Sequential", "layer 3 of 0"});
+  // The norm layers cast to f32 and back: an i64 input came back as i64 zeros.
+  const Tensor integers = zeros({2, 2}, DType::i64);
+  check_throws<DTypeError>([&] { nn::LayerNorm(2, 1e-5, false).forward(integers); }, {"LayerNorm", "i64 [2, 2]"});
+  check_throws<DTypeError>([&] { nn::RMSNorm(2).forward(integers); }, {"RMSNorm", "i64 [2, 2]"});
+  check_throws<ArgumentError>([&] { nn::LayerNorm(2).forward(Tensor()); }, {"LayerNorm", "undefined"});
+}
+
 TEST_CASE("modules: a module that would contain itself is refused, so no walk over the tree recurses forever") {
   auto s = std::make_shared<nn::Sequential>();
   check_throws<ArgumentError>([&] { s->push_back(s); }, {"register_module", "own submodule"});
@@ -121,6 +135,8 @@ TEST_CASE("memory planners: a world or a batch that is not positive is refused, 
                               {"smallest_fitting_world", "global batch"});
   check_throws<ArgumentError>([&] { nn::smallest_fitting_world(*layer, 8, std::nullopt, 1000, {}, 0); },
                               {"smallest_fitting_world", "world size"});
+  // No world past the batch divides it: INT_MAX worlds end at the batch (++world overflowed, forever).
+  CHECK(nn::smallest_fitting_world(*layer, 8, std::nullopt, 1, {}, std::numeric_limits<int>::max()) == 0);
   auto step = [&](std::int64_t b) { return sum(layer->forward(ones({b, 4}))); };
   LocalCommunicator one;
   check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, one, 0, step, 0, {}, {}); }, {"fit_schedule", "batch"});

@@ -1,5 +1,6 @@
 // Sharded checkpoints: resume equals uninterrupted training (bitwise at the same world size),
 // resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
+#include <atomic>
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
@@ -94,6 +95,32 @@ test::TrainResult concat(const test::TrainResult& a, const test::TrainResult& b)
 }
 
 }  // namespace
+
+TEST_CASE("the ranks must save one checkpoint: another directory, step or model on one rank is refused on all") {
+  TempDir dir;
+  std::atomic<int> refused{0};
+  run_ranks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    auto model = std::make_shared<nn::Linear>(4, r == 1 ? 3 : 2);  // rank 1's model differs below
+    const auto same = std::make_shared<nn::Linear>(4, 2);
+    // Each rank wrote its own directory (or step) and rank 0 published an index naming a rank 1
+    // file that no rank had written.
+    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str() + "/r" + std::to_string(r), 1, *same, nullptr, comm); },
+                                {"different places", "rank 1", "every rank must save the same checkpoint"});
+    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1 + r, *same, nullptr, comm); },
+                                {"different places", "step"});
+    // Different parameters: only rank 0's were saved.
+    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1, *model, nullptr, comm); },
+                                {"different models", "rank 1", "parameters"});
+    ++refused;
+    // Nothing was published, and the same checkpoint on both ranks still saves.
+    CHECK(nn::save_checkpoint(dir.str(), 5, *same, nullptr, comm).step == 5);
+  });
+  CHECK(refused == 2);
+  CHECK(std::filesystem::exists(dir.path / "step-00000005" / "index.json"));
+  CHECK_FALSE(std::filesystem::exists(dir.path / "step-00000001"));
+  CHECK_FALSE(std::filesystem::exists(dir.path / "r0"));
+}
 
 TEST_CASE("resume equals uninterrupted training, bit for bit, at the same world size") {
   TempDir dir;

@@ -271,6 +271,26 @@ TEST_CASE("IdxImages checks its files as load_idx does; errors name the file") {
   CHECK(names_in(cache.str()).size() == 1);  // the image file's copy; none for the corrupt one
 }
 
+TEST_CASE("a gzip file cut short anywhere is refused as truncated, and leaves no uncompressed copy") {
+  TempDir dir, cache;
+  std::vector<std::uint8_t> content(100000);
+  for (std::size_t i = 0; i < content.size(); ++i) content[i] = static_cast<std::uint8_t>(i * 13 + i / 97);
+  const std::string whole = dir.str() + "/whole.gz";
+  write_gzip(whole, content);
+  const std::vector<std::uint8_t> gz = nn::load_text_bytes(whole);
+  REQUIRE(gz.size() > 40);
+  // The header alone, inside the deflate stream, and without (part of) the 8-byte trailer: zlib's
+  // gzread returned what it had inflated and no error, and a partial copy was cached as complete.
+  for (const std::size_t keep : {std::size_t{10}, gz.size() / 2, gz.size() - 8, gz.size() - 1}) {
+    CAPTURE(keep);
+    const std::string cut = dir.str() + "/cut" + std::to_string(keep) + ".gz";
+    write_raw(cut, std::vector<std::uint8_t>(gz.begin(), gz.begin() + static_cast<std::ptrdiff_t>(keep)));
+    test::check_throws<IOError>([&] { nn::uncompressed_file(cut, cache.str()); }, {cut, "corrupt or truncated"});
+  }
+  CHECK(names_in(cache.str()).empty());
+  CHECK(nn::load_text_bytes(nn::uncompressed_file(whole, cache.str())) == content);
+}
+
 TEST_CASE("the uncompressed copy of a gzip file is made once, atomically, and reused") {
   TempDir dir, cache;
   const std::string raw = dir.str() + "/raw", gz = dir.str() + "/data.gz";

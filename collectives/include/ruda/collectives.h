@@ -457,7 +457,8 @@ std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string&
 
 /// Runs `phase` on this rank and agrees on its outcome with every rank (agree_on_failure): the
 /// failures in rank order, empty when it succeeded everywhere. An exception the phase throws does
-/// not escape; its message is this rank's failure. For setup that every rank must finish before any
+/// not escape (nor does one that is not a std::exception, nor an empty phase): its message is this
+/// rank's failure. For setup that every rank must finish before any
 /// goes on to a collective: a rank that fails here cannot leave the others waiting. Collective.
 std::vector<RankFailure> run_agreed(Communicator& comm, const std::string& tag, const std::function<void()>& phase);
 

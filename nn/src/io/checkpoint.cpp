@@ -600,12 +600,65 @@ std::vector<std::string> publish(const fs::path& dir, const std::string& step_di
 
 }  // namespace
 
+namespace {
+// FNV-1a: the same value in every process of one build (std::hash need not be).
+std::uint64_t fingerprint(std::string_view text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+// The ranks save one checkpoint: the same directory and step, the same parameters (names, shapes,
+// dtypes, sharding) and optimizer or none. Ranks that disagreed each wrote their own files and
+// the published index named a rank file that no rank had written (or rank 0's model alone, the
+// others' dropped). Every rank learns every rank's fingerprints (one all_gather of two numbers)
+// and all raise the same error, naming the ranks that differ from rank 0.
+void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_t step,
+                         const std::vector<std::pair<std::string, Param>>& params, bool with_optimizer) {
+  if (comm.world_size() == 1) return;
+  std::string where = dir + '\0' + std::to_string(step);
+  std::string what = with_optimizer ? "optimizer" : "no optimizer";
+  for (const auto& [name, p] : params) {
+    what += '\0' + name + ' ' + to_string(p.shape()) + ' ' + std::string(dtype_name(p.data().dtype())) +
+            (p.is_sharded() ? " sharded" : " dense");
+  }
+  const Tensor mine = from_vector<std::int64_t>(
+      {static_cast<std::int64_t>(fingerprint(where)), static_cast<std::int64_t>(fingerprint(what))}, {2});
+  const std::vector<std::int64_t> all =
+      comm.all_gather(mine, {.tag = "checkpoint: the ranks' directory, step and parameters"}).to_vector<std::int64_t>();
+  std::vector<int> other_place, other_model;
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const auto i = static_cast<std::size_t>(2 * r);
+    if (all[i] != all[0]) other_place.push_back(r);
+    if (all[i + 1] != all[1]) other_model.push_back(r);
+  }
+  auto ranks = [](const std::vector<int>& list) {
+    std::string out = list.size() == 1 ? "rank " : "ranks ";
+    for (std::size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
+    return out;
+  };
+  const std::string mine_text = "this rank, " + std::to_string(comm.rank()) + ": '" + dir + "' step " +
+                                std::to_string(step) + ", " + std::to_string(params.size()) + " parameters";
+  if (!other_place.empty()) {
+    ckpt::fail(dir, "the ranks save to different places: " + ranks(other_place) +
+                        " name another directory or step than rank 0 (" + mine_text +
+                        "); every rank must save the same checkpoint");
+  }
+  if (!other_model.empty()) {
+    ckpt::fail(dir, "the ranks save different models: " + ranks(other_model) +
+                        " hold other parameters (names, shapes, dtypes or sharding) or optimizer than rank 0 (" +
+                        mine_text + ")");
+  }
+}
+}  // namespace
+
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra, int keep) {
   autograd::NoGradGuard guard;
   const int rank = comm.rank(), world = comm.world_size();
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
+  agree_on_checkpoint(comm, dir, step, params, optimizer != nullptr);
 
   // 1. Every rank checks the arguments (what would fail only at publishing, after every file is
   // written), and rank 0 prepares the step directory; no rank writes until both are done. A step

@@ -62,7 +62,17 @@ void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
       gzclose(f);
       data_fail(path, "corrupt or truncated: " + message);
     }
-    if (n == 0) break;
+    if (n == 0) {
+      // The end of the input: zlib's gzread returns what it inflated and reports a stream cut
+      // short (no end block, no trailer) only through gzerror's Z_BUF_ERROR.
+      int code = Z_OK;
+      const std::string message = gzerror(f, &code);
+      if (code != Z_OK) {
+        gzclose(f);
+        data_fail(path, "corrupt or truncated: " + (code == Z_BUF_ERROR ? std::string("the compressed stream ends early") : message));
+      }
+      break;
+    }
     try {
       sink(buf, static_cast<std::size_t>(n));
     } catch (...) {

@@ -54,6 +54,12 @@ void check_norm_arguments(const char* layer, std::int64_t features, double eps) 
   if (!(eps >= 0 && std::isfinite(eps))) fail<ArgumentError>(layer, "eps must be finite and non-negative, got ", eps);
 }
 void check_norm_input(const char* layer, std::int64_t features, const Tensor& x) {
+  if (!x.defined()) fail<ArgumentError>(layer, "the input tensor is undefined");
+  // (The layers cast to f32 and back: an i64 input came back as i64 zeros, never reaching the
+  // kernels' own dtype check.)
+  if (!is_floating(x.dtype())) {
+    fail<DTypeError>(layer, "input ", dtype_name(x.dtype()), " ", x.shape(), " is not a floating-point tensor");
+  }
   if (x.ndim() == 0 || x.shape().back() != features) {
     fail<ShapeError>(layer, "input ", x.shape(), " should end in the layer's ", features, " features");
   }

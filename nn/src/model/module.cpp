@@ -132,6 +132,7 @@ Tensor Param::value() const {
 // --- Module ---
 
 void Module::register_parameter(std::string name, Param* param) {
+  if (!param) fail<ArgumentError>("register_parameter", "parameter '", name, "' is null");
   for (const auto& [existing, p] : params_) {
     if (existing == name) fail<ArgumentError>("register_parameter", "a parameter named '", name, "' exists already");
   }
@@ -233,6 +234,11 @@ Sequential::Sequential(std::vector<std::shared_ptr<UnaryModule>> layers) {
 void Sequential::push_back(std::shared_ptr<UnaryModule> layer) {
   register_module(std::to_string(layers_.size()), layer);
   layers_.push_back(std::move(layer));
+}
+
+const std::shared_ptr<UnaryModule>& Sequential::operator[](std::size_t i) const {
+  if (i >= layers_.size()) fail<IndexError>("Sequential", "layer ", i, " of ", layers_.size());
+  return layers_[i];
 }
 
 Tensor Sequential::forward(const Tensor& input) {

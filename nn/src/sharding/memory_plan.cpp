@@ -274,8 +274,11 @@ int smallest_fitting_world(const Module& module, std::int64_t global_batch, cons
   require_world_and_batch("smallest_fitting_world", max_world, global_batch);
   PlanOptions full = options;  // the answer is a fully sharded world
   full.shard_ranks = 0;
-  for (int world = 1; world <= max_world; ++world) {
-    if (global_batch % world != 0) continue;
+  // No world larger than the batch divides it (and counting to INT_MAX overflowed `world`).
+  const std::int64_t last = std::min<std::int64_t>(max_world, global_batch);
+  for (std::int64_t w = 1; w <= last; ++w) {
+    if (global_batch % w != 0) continue;
+    const int world = static_cast<int>(w);
     const MemoryPlan plan =
         probe ? plan_memory(module, world, global_batch, *probe, full) : plan_state(module, world, global_batch, full);
     if (limit <= 0 || plan.peak() <= limit) return world;

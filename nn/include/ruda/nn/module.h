@@ -148,7 +148,8 @@ class Sequential : public UnaryModule {
   void push_back(std::shared_ptr<UnaryModule> layer);
   Tensor forward(const Tensor& input) override;
   std::size_t size() const noexcept { return layers_.size(); }
-  const std::shared_ptr<UnaryModule>& operator[](std::size_t i) const { return layers_.at(i); }
+  /// Layer i; IndexError past the last.
+  const std::shared_ptr<UnaryModule>& operator[](std::size_t i) const;
 
  private:
   std::vector<std::shared_ptr<UnaryModule>> layers_;
