@@ -135,6 +135,12 @@ TEST_CASE("memory planners: a world or a batch that is not positive is refused, 
                               {"smallest_fitting_world", "global batch"});
   check_throws<ArgumentError>([&] { nn::smallest_fitting_world(*layer, 8, std::nullopt, 1000, {}, 0); },
                               {"smallest_fitting_world", "world size"});
+  // A batch the world does not divide was planned for global / world rounded down; a compute
+  // dtype fully_shard refuses was planned for. (A probe's fixed part may be negative: it is a
+  // line fitted through two measured steps.)
+  check_throws<ArgumentError>([&] { nn::plan_state(*layer, 3, 8); }, {"plan_state", "8 does not divide over 3"});
+  check_throws<DTypeError>([&] { nn::plan_state(*layer, 1, 8, {.compute_dtype = DType::i64}); },
+                           {"plan_state", "compute dtype i64"});
   // No world past the batch divides it: INT_MAX worlds end at the batch (++world overflowed, forever).
   CHECK(nn::smallest_fitting_world(*layer, 8, std::nullopt, 1, {}, std::numeric_limits<int>::max()) == 0);
   auto step = [&](std::int64_t b) { return sum(layer->forward(ones({b, 4}))); };
@@ -190,6 +196,16 @@ TEST_CASE("optimizers, schedules and sampling refuse counts, rates and temperatu
   check_throws<ArgumentError>([&] { nn::schedules::linear_warmup(nan, 10); }, {"schedules::linear_warmup", "lr"});
   check_throws<ArgumentError>([&] { nn::schedules::constant(-1); }, {"schedules::constant"});
   CHECK(nn::schedules::cosine(1e-3, 10)(10) == doctest::Approx(0.0));
+  // A negative step gave a negative warm-up rate; cosine over no steps, or decaying upwards.
+  check_throws<ArgumentError>([] { nn::schedules::linear_warmup(1e-3, 5)(INT64_MIN); },
+                              {"schedules::linear_warmup", "step must not be negative"});
+  check_throws<ArgumentError>([] { nn::schedules::cosine(1e-3, 10)(-1); }, {"schedules::cosine", "step"});
+  check_throws<ArgumentError>([] { nn::schedules::linear_warmup(1e-3, -2); }, {"warmup_steps", "-2"});
+  for (const std::int64_t total : {std::int64_t{0}, std::int64_t{-3}}) {
+    check_throws<ArgumentError>([&] { nn::schedules::cosine(1e-3, total); }, {"schedules::cosine", "total_steps"});
+  }
+  check_throws<ArgumentError>([] { nn::schedules::cosine(1e-3, 10, -1); }, {"schedules::cosine", "warmup_steps"});
+  check_throws<ArgumentError>([] { nn::schedules::cosine(1e-3, 10, 0, 1e-2); }, {"schedules::cosine", "above lr"});
 
   nn::manual_seed(1);
   nn::GPT gpt({.vocabulary = 256, .context = 8, .d_model = 8, .layers = 1, .heads = 2});

@@ -315,7 +315,8 @@ void run(const Config& cfg, Communicator& comm) {
               << ", " << total - start_step << " steps" << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }
-  const nn::Schedule schedule = cfg.schedule == "cosine"
+  // (A run of no steps, sampling a checkpoint, has no cosine to decay along.)
+  const nn::Schedule schedule = cfg.schedule == "cosine" && total > 0
                                     ? nn::schedules::cosine(cfg.lr, total, cfg.warmup, cfg.lr * 0.1)
                                     : nn::schedules::linear_warmup(cfg.lr, cfg.warmup);
   train::Progress progress(main_rank, total, cfg.log_every);

@@ -237,6 +237,10 @@ namespace schedules {
 namespace {
 // A schedule's rates are checked when it is made, as an optimizer checks its own: a bad one used to
 // fail only at the step whose rate went wrong, in Optimizer::set_lr.
+// Steps count from 0: a negative one gave a negative warm-up rate.
+void check_step(const char* schedule, std::int64_t step) {
+  if (step < 0) fail<ArgumentError>(schedule, "step must not be negative, got ", step);
+}
 void check_rate(const char* schedule, const char* what, double lr) {
   if (!(std::isfinite(lr) && lr >= 0)) fail<ArgumentError>(schedule, what, " must be finite and >= 0, got ", lr);
 }
@@ -248,7 +252,11 @@ Schedule constant(double lr) {
 }
 Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
   check_rate("schedules::linear_warmup", "lr", lr);
+  if (warmup_steps < 0) {
+    fail<ArgumentError>("schedules::linear_warmup", "warmup_steps must not be negative, got ", warmup_steps);
+  }
   return [lr, warmup_steps](std::int64_t step) {
+    check_step("schedules::linear_warmup", step);
     if (warmup_steps <= 0 || step >= warmup_steps) return lr;
     return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
   };
@@ -256,7 +264,11 @@ Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
 Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, double min_lr) {
   check_rate("schedules::cosine", "lr", lr);
   check_rate("schedules::cosine", "min_lr", min_lr);
+  if (min_lr > lr) fail<ArgumentError>("schedules::cosine", "min_lr ", min_lr, " is above lr ", lr);
+  if (total_steps <= 0) fail<ArgumentError>("schedules::cosine", "total_steps must be positive, got ", total_steps);
+  if (warmup_steps < 0) fail<ArgumentError>("schedules::cosine", "warmup_steps must not be negative, got ", warmup_steps);
   return [=](std::int64_t step) {
+    check_step("schedules::cosine", step);
     if (warmup_steps > 0 && step < warmup_steps)
       return lr * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
     const std::int64_t span = std::max<std::int64_t>(1, total_steps - warmup_steps);

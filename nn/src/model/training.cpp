@@ -13,6 +13,8 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
   if (chunk <= 0) throw ArgumentError("evaluate_classifier: chunk " + std::to_string(chunk) + " is not positive");
   autograd::NoGradGuard guard;
   const std::int64_t n = test.size(), world = comm.world_size(), features = test.rows() * test.cols();
+  // (Every rank holds the same set: all raise alike.) The scores divided by 0 were NaN.
+  if (n == 0) throw ArgumentError("evaluate_classifier: the test set is empty");
   const std::int64_t share = (n + world - 1) / world, mine = comm.rank() * share;
   double correct = 0, loss_sum = 0;
   for (std::int64_t first = 0; first < share; first += chunk) {
@@ -25,6 +27,10 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
       x = x.defined() ? concat({x, padding}, 0) : padding;
     }
     const Tensor logits = cast(model.forward(x), DType::f32);
+    if (logits.ndim() != 2 || logits.shape()[0] != rows) {
+      throw ShapeError("evaluate_classifier: the model gave " + to_string(logits.shape()) + " for " +
+                       std::to_string(rows) + " samples, not logits [" + std::to_string(rows) + ", classes]");
+    }
     if (hi > lo) {
       const Tensor real = logits.slice(0, 0, hi - lo);
       const Tensor labels = test.labels(lo, hi);

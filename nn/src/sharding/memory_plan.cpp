@@ -40,7 +40,19 @@ std::int64_t add_bytes(const std::string& name, std::int64_t a, std::int64_t b) 
 
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
   require_world_and_batch("plan_state", world_size, global_batch);
-  if (options.compute_dtype) check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
+  // (The local batch was global / world rounded down: a plan for a batch no rank runs.)
+  if (global_batch % world_size != 0) {
+    fail<ArgumentError>("plan_state", "a global batch of ", global_batch, " does not divide over ", world_size,
+                        " ranks");
+  }
+  if (options.compute_dtype) {
+    check_enum<DTypeError>(*options.compute_dtype, "plan_state", "compute dtype");
+    // As fully_shard refuses it: layers compute in a floating-point dtype.
+    if (!is_floating(*options.compute_dtype)) {
+      fail<DTypeError>("plan_state", "compute dtype ", dtype_name(*options.compute_dtype),
+                       " is not a floating-point dtype");
+    }
+  }
   if (options.optimizer_states < 0) {
     fail<ArgumentError>("plan_state", "optimizer_states must not be negative, got ", options.optimizer_states);
   }
