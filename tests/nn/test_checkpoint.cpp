@@ -96,6 +96,23 @@ test::TrainResult concat(const test::TrainResult& a, const test::TrainResult& b)
 
 }  // namespace
 
+TEST_CASE("a path with a NUL character is refused, shown with the NUL, and writes nothing at the cut path") {
+  TempDir dir;
+  const std::string cut = dir.str() + "/q";
+  const std::string nul = cut + std::string("\0z", 2);
+  const std::string shown = cut + "\\0z";
+  // safetensors::write("/d/q\0z") wrote /d/q; save_checkpoint's errors ended at the NUL.
+  test::check_throws<IOError>([&] { safetensors::write(nul, {{"a", ones({2})}}); }, {shown, "NUL character"});
+  test::check_throws<IOError>([&] { safetensors::Writer(nul, {{"a", DType::f32, {2}}}); }, {shown, "NUL"});
+  test::check_throws<IOError>([&] { safetensors::Reader reader(nul); }, {shown, "NUL"});
+  LocalCommunicator comm;
+  nn::Linear layer(2, 2);
+  test::check_throws<IOError>([&] { nn::save_checkpoint(nul, 1, layer, nullptr, comm); },
+                              {"checkpoint " + shown, "NUL"});
+  test::check_throws<IOError>([&] { nn::load_checkpoint(nul, layer, nullptr, comm); }, {shown});
+  CHECK_FALSE(std::filesystem::exists(cut));
+}
+
 TEST_CASE("the ranks must save one checkpoint: another directory, step or model on one rank is refused on all") {
   TempDir dir;
   std::atomic<int> refused{0};

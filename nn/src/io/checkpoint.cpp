@@ -561,6 +561,9 @@ std::string new_rank_file(const std::string& step_dir, int rank, int world) {
 void check_save_arguments(const std::string& dir, std::int64_t step, int world,
                           const std::map<std::string, std::string>& extra, int keep) {
   if (dir.empty()) fail("''", "is no checkpoint directory (the name is empty; '.' is the working directory)");
+  if (dir.find('\0') != std::string::npos) {
+    fail(dir, "contains a NUL character, where the system would cut the path short");
+  }
   if (step < 0) fail(dir, "the step must not be negative, got " + std::to_string(step));
   if (world < 1 || world > kMaxWorldSize) {
     fail(dir,

@@ -25,7 +25,9 @@ namespace ruda::nn::ckpt {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-void fail(const std::string& where, const std::string& what) { throw IOError("checkpoint " + where + ": " + what); }
+void fail(const std::string& where, const std::string& what) {
+  throw IOError("checkpoint " + safetensors::shown_path(where) + ": " + what);
+}
 
 std::string step_name(std::int64_t step) {
   char buf[32];

@@ -27,7 +27,7 @@ constexpr const char* kCheckpoint = "checkpoint ";
 constexpr std::size_t kSuffixLength = 6;  // the XXXXXX of .tmp-XXXXXX
 
 [[noreturn]] void fail_as(const std::string& origin, const std::string& path, const std::string& what) {
-  throw IOError(origin + path + ": " + what);
+  throw IOError(origin + shown_path(path) + ": " + what);
 }
 std::string os_error(int code = errno) { return std::strerror(code); }
 
@@ -84,7 +84,21 @@ std::optional<std::string> temporary_base(const std::string& name) {
   return name.substr(0, at);
 }
 
+std::string shown_path(const std::string& path) {
+  if (path.find('\0') == std::string::npos) return path;
+  std::string out;
+  for (const char c : path) out += c == '\0' ? std::string("\\0") : std::string(1, c);
+  return out;
+}
+
+void refuse_nul(const std::string& path, const std::string& origin) {
+  if (path.find('\0') != std::string::npos) {
+    fail_as(origin, path, "contains a NUL character, where the system would cut the path short");
+  }
+}
+
 int open_regular_file(const std::string& path, const std::string& origin, std::uint64_t* size) {
+  refuse_nul(path, origin);
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) fail_as(origin, path, "cannot open: " + os_error());
   struct stat st {};
@@ -118,6 +132,7 @@ namespace detail {
 
 AtomicFile::AtomicFile(std::string path, std::string origin, bool crash_simulation)
     : path_(std::move(path)), origin_(std::move(origin)), crash_simulation_(crash_simulation) {
+  refuse_nul(path_, origin_);
   const std::filesystem::path p(path_);
   const std::string name = p.filename().string();
   if (name.empty() || name == "." || name == "..") {

@@ -22,6 +22,12 @@ void write_text_atomically(const std::string& path, const std::string& text);
 /// missing, not a regular file (a directory, a FIFO: never blocks), or larger.
 std::string read_text_file(const std::string& path, std::size_t max_bytes);
 
+/// `path` for messages: a NUL character shown as \0 (a message's C string would end there).
+std::string shown_path(const std::string& path);
+/// IOError "<origin><path>: contains a NUL character ..." for a path the system would cut at its
+/// first NUL (safetensors::write("/d/q\0z") wrote /d/q); nothing otherwise.
+void refuse_nul(const std::string& path, const std::string& origin);
+
 /// Opens `path` for reading without ever blocking (O_NONBLOCK, cleared once the file is known to be
 /// regular: opening a FIFO would otherwise wait for a writer forever) and returns the descriptor,
 /// with its size in `size` when given. IOError "<origin><path>: ..." if it cannot be opened or is
