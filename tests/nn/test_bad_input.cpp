@@ -391,3 +391,26 @@ TEST_CASE("losses: integer log-probabilities refused, ignore_index exact past 2^
   const double smoothed = nn::nll_loss(log_probs, zeros({2}, Options(DType::i64)), {.label_smoothing = 0.1}).item();
   CHECK(smoothed == doctest::Approx(10.0).epsilon(1e-2));
 }
+
+TEST_CASE("an undefined or invalid argument is named by the call it was given to, not by an accessor inside") {
+  const Tensor none;
+  nn::Linear linear(2, 3);
+  check_throws<ArgumentError>([&] { linear.forward(none); }, {"Linear", "input tensor is undefined"});
+  check_throws<ArgumentError>([&] { nn::Dropout(0.5).forward(none); }, {"Dropout", "undefined"});
+  check_throws<ArgumentError>([&] { nn::checkpoint(linear, none); }, {"checkpoint", "undefined"});
+  check_throws<ArgumentError>([&] { nn::take_rows(none, from_vector<std::int64_t>({0}, {1})); },
+                              {"take_rows", "data tensor is undefined"});
+  check_throws<IndexError>([&] { nn::take_rows(ones({2, 2}), from_vector<std::int64_t>({5}, {1})); },
+                           {"take_rows", "5"});
+  test::TempDir dir;
+  check_throws<ArgumentError>([&] { safetensors::write(dir.str() + "/a.safetensors", {{"a", none}}); },
+                              {"safetensors::write", "a.safetensors", "'a' is undefined"});
+  check_throws<DTypeError>([] { nn::Linear(2, 3, {.dtype = static_cast<DType>(77)}); }, {"Param", "dtype", "77"});
+  check_throws<DTypeError>([] { nn::dequantize_int8(nn::quantize_int8(ones({4})), static_cast<DType>(55)); },
+                           {"dequantize_int8", "dtype", "55"});
+  check_throws<ArgumentError>([] { nn::clip_grad_norm({nn::Param()}, 1.0); },
+                              {"clip_grad_norm", "parameter 0 of 1 is undefined"});
+  check_throws<ArgumentError>([] { nn::grad_norm({nn::Param()}); }, {"grad_norm", "undefined"});
+  nn::Adam adam(linear.parameters(), {.lr = 1e-3});
+  check_throws<ArgumentError>([&] { adam.state(nn::Param()); }, {"Adam::state", "undefined"});
+}

@@ -241,6 +241,7 @@ std::vector<std::uint8_t> read_items(const IdxFile& f, const std::vector<std::in
 }
 
 std::vector<std::int64_t> index_values(const Tensor& indices, const char* op) {
+  if (!indices.defined()) fail<ArgumentError>(op, "the indices tensor is undefined");
   if (indices.dtype() != DType::i64) fail<DTypeError>(op, "indices must be i64, got ", dtype_name(indices.dtype()));
   return indices.to_vector<std::int64_t>();
 }
@@ -579,13 +580,23 @@ Tensor BatchSampler::indices(std::int64_t epoch, std::int64_t batch) {
 }
 
 Tensor take_rows(const Tensor& data, const Tensor& indices) {
+  if (!data.defined() || !indices.defined()) {
+    fail<ArgumentError>("take_rows", "the ", data.defined() ? "indices" : "data", " tensor is undefined");
+  }
   if (data.ndim() < 1) fail<ShapeError>("take_rows", "needs at least one dimension, got ", data.shape());
   Shape row_shape(data.shape().begin() + 1, data.shape().end());
   const std::int64_t row = shape_numel(row_shape);
   Shape out_shape = indices.shape();
   out_shape.insert(out_shape.end(), row_shape.begin(), row_shape.end());
   if (is_floating(data.dtype())) {
-    return embedding(data.reshape({data.shape()[0], row}), indices).reshape(out_shape);
+    // Float rows through embedding: its errors, named as this call's.
+    try {
+      return embedding(data.reshape({data.shape()[0], row}), indices).reshape(out_shape);
+    } catch (const IndexError& e) {
+      throw IndexError(std::string("take_rows: ") + e.what());
+    } catch (const DTypeError& e) {
+      throw DTypeError(std::string("take_rows: ") + e.what());
+    }
   }
   // Integer and boolean rows (labels, token ids): a plain row copy. embedding takes float tables,
   // and casting a whole table to get a few rows would cost far more than the rows themselves.

@@ -422,7 +422,10 @@ void Reader::copy_range(const std::string& name, std::int64_t first, std::int64_
 void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
            const std::map<std::string, std::string>& metadata) {
   std::vector<TensorHeader> header;
-  for (const auto& [name, t] : tensors) header.push_back({name, t.dtype(), t.shape()});
+  for (const auto& [name, t] : tensors) {
+    if (!t.defined()) fail<ArgumentError>("safetensors::write", shown_path(path), ": tensor '", name, "' is undefined");
+    header.push_back({name, t.dtype(), t.shape()});
+  }
   Writer file(path, header, metadata);
   for (const auto& [name, t] : tensors) {
     // The file holds row-major values: a strided view is written from a contiguous copy.

@@ -11,6 +11,10 @@ namespace ruda::nn {
 namespace {
 // Layers compute in the dtype of their (possibly gathered, possibly bf16) weights.
 Tensor as_dtype(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : cast(x, dtype); }
+// An undefined input named by the layer (it read "dtype: called on an undefined tensor").
+void require_input(const char* layer, const Tensor& x) {
+  if (!x.defined()) fail<ArgumentError>(layer, "the input tensor is undefined");
+}
 }  // namespace
 
 Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options)
@@ -27,11 +31,13 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOption
 }
 
 Tensor Linear::forward(const Tensor& x) {
+  require_input("Linear", x);
   const Tensor w = weight.value();
   return linear(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor());
 }
 
 Tensor Linear::forward_gelu(const Tensor& x, GeluApproximation approximation, GeluBackward backward) {
+  require_input("Linear", x);
   const Tensor w = weight.value();
   return linear_gelu(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor(), approximation,
                      WeightLayout::in_out, backward);
@@ -54,7 +60,7 @@ void check_norm_arguments(const char* layer, std::int64_t features, double eps) 
   if (!(eps >= 0 && std::isfinite(eps))) fail<ArgumentError>(layer, "eps must be finite and non-negative, got ", eps);
 }
 void check_norm_input(const char* layer, std::int64_t features, const Tensor& x) {
-  if (!x.defined()) fail<ArgumentError>(layer, "the input tensor is undefined");
+  require_input(layer, x);
   // (The layers cast to f32 and back: an i64 input came back as i64 zeros, never reaching the
   // kernels' own dtype check.)
   if (!is_floating(x.dtype())) {
@@ -112,6 +118,7 @@ Dropout::Dropout(double p, std::uint64_t seed) : p_(p), generator_(seed) {
 }
 
 Tensor Dropout::forward(const Tensor& x) {
+  require_input("Dropout", x);
   if (!is_training() || p_ == 0.0) return x;
   const std::uint64_t offset = generator_.take(static_cast<std::uint64_t>(x.numel()));
   return dropout(x, p_, generator_.seed(), offset);

@@ -23,6 +23,7 @@ Param::Param(const Tensor& value) : Param(value, next_param_id()) {
 }
 
 Param::Param(const Shape& shape, Initializer init, DType dtype) : state_(std::make_shared<State>()) {
+  check_enum<DTypeError>(dtype, "Param", "dtype");  // (named "?" below)
   if (!is_floating(dtype))
     fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(dtype), " ", shape);
   shape_numel(shape, "Param");                          // a shape that overflows fails here, not at sharding time

@@ -159,6 +159,7 @@ void SGD::step() {
 }
 
 std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
+  if (!param.defined()) fail<ArgumentError>("SGD::state", "the parameter is undefined");
   if (options_.momentum == 0) return {};
   Tensor& buffer = momentum_[param.id()];
   if (!buffer.defined()) buffer = zeros_like(param.data().detach());
@@ -218,6 +219,7 @@ void Adam::step() {
 }
 
 std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {
+  if (!param.defined()) fail<ArgumentError>("Adam::state", "the parameter is undefined");
   Moments& m = moments(param);
   return {{"exp_avg", m.exp_avg}, {"exp_avg_sq", m.exp_avg_sq}};
 }
@@ -283,10 +285,13 @@ namespace {
 // communicator they are sharded over), dense ones once. The parameters' own communicator wins over
 // the caller's: under hybrid sharding the world holds one copy of each shard per node, and summing
 // over it would count each one that many times.
-double squared_norm(const std::vector<Param>& params, Communicator* comm) {
+double squared_norm(const std::vector<Param>& params, Communicator* comm, const char* op) {
   autograd::NoGradGuard guard;
   double dense = 0, sharded = 0;
   bool any_sharded = false;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
+  }
   for (const Param& p : params) {
     if (p.is_sharded()) {
       any_sharded = true;
@@ -310,11 +315,13 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm) {
 }
 }  // namespace
 
-double grad_norm(const std::vector<Param>& params, Communicator* comm) { return std::sqrt(squared_norm(params, comm)); }
+double grad_norm(const std::vector<Param>& params, Communicator* comm) {
+  return std::sqrt(squared_norm(params, comm, "grad_norm"));
+}
 
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm) {
   if (!(max_norm > 0)) fail<ArgumentError>("clip_grad_norm", "max_norm must be positive, got ", max_norm);
-  const double norm = grad_norm(params, comm);
+  const double norm = std::sqrt(squared_norm(params, comm, "clip_grad_norm"));
   // PyTorch's factor, clamped at 1: it scales from max_norm - 1e-6 up (the norm equal to max_norm
   // included), and a NaN norm makes every gradient NaN (no comparison is true for NaN, so a
   // "norm > max_norm" test left such gradients as they were, for the optimizer to step on).

@@ -81,6 +81,7 @@ Int8Blocks quantize_int8(const Tensor& x, std::int64_t block) {
 
 Tensor dequantize_int8(const Int8Blocks& blocks, DType dtype, std::int64_t block) {
   check_block("dequantize_int8", block);
+  check_enum<DTypeError>(dtype, "dequantize_int8", "dtype");  // (it read "cast: ..." further in)
   const auto n = static_cast<std::int64_t>(blocks.codes.size());
   if (static_cast<std::int64_t>(blocks.scales.size()) != blocks_of(n, block)) {
     fail<ShapeError>("dequantize_int8", n, " codes in blocks of ", block, " need ", blocks_of(n, block),

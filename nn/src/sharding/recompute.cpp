@@ -34,6 +34,7 @@ struct GradEnabled {
 }  // namespace
 
 Tensor checkpoint(UnaryModule& block, const Tensor& x) {
+  if (!x.defined()) fail<ArgumentError>("checkpoint", "the input tensor is undefined");
   if (!autograd::is_grad_enabled()) return block.forward(x);
   // The node's inputs: x, and one parameter leaf that needs a gradient, so that the node is
   // recorded even when x needs none (the first block after an embedding whose table is frozen).
