@@ -319,6 +319,7 @@ class Fabric {
   }
 
   World& root() noexcept { return *root_; }
+  const std::shared_ptr<World>& root_ptr() const noexcept { return root_; }
   int node_of(int run_rank) const noexcept { return run_rank / ranks_per_node_; }
   int ranks_per_node() const noexcept { return ranks_per_node_; }
 
@@ -339,6 +340,15 @@ class Fabric {
     const std::string what = message_of(error);
     root_->fail(run_rank, error);
     const std::string reason = "rank " + std::to_string(run_rank) + " failed: " + what;
+    for (const auto& w : splits(reason)) w->abandon(reason);
+  }
+
+  /// run_ranks returned: a communicator split from the run and kept past it reaches no other rank
+  /// (they have returned). Its collectives raise at once instead of waiting for them (its world
+  /// used to be freed under it, and a call read "ranks  did not arrive").
+  void end_run() {
+    const std::string reason =
+        "the emulated run has ended (run_ranks returned): a communicator kept past it reaches no other rank";
     for (const auto& w : splits(reason)) w->abandon(reason);
   }
 
@@ -403,13 +413,17 @@ class LinkedState final : public Work::State {
 
 class EmulatedCommunicator final : public Communicator {
  public:
-  EmulatedCommunicator(World& world, int rank, LinkModel link, Fabric& fabric)
-      : Communicator(rank, world.size()),
-        world_(world),
-        fabric_(fabric),
+  // The communicator shares ownership of its world and the run's fabric: a split kept past
+  // run_ranks stays valid (and its collectives say the run has ended).
+  EmulatedCommunicator(std::shared_ptr<World> world_ptr, int rank, LinkModel link, std::shared_ptr<Fabric> fabric_ptr)
+      : Communicator(rank, world_ptr->size()),
+        world_owner_(std::move(world_ptr)),
+        fabric_owner_(std::move(fabric_ptr)),
+        world_(*world_owner_),
+        fabric_(*fabric_owner_),
         link_(link),
-        node_(fabric.node_of(world.members()[static_cast<std::size_t>(rank)])) {
-    for (const int member : world.members()) spans_nodes_ = spans_nodes_ || fabric.node_of(member) != node_;
+        node_(fabric_.node_of(world_.members()[static_cast<std::size_t>(rank)])) {
+    for (const int member : world_.members()) spans_nodes_ = spans_nodes_ || fabric_.node_of(member) != node_;
   }
   std::string_view kind() const noexcept override { return "emulated"; }
 
@@ -527,8 +541,8 @@ class EmulatedCommunicator final : public Communicator {
         members.push_back(world_.members()[static_cast<std::size_t>(r)]);
       }
     });
-    World& child = *fabric_.split(world_, current_sequence(), color, std::move(members));
-    return std::make_unique<EmulatedCommunicator>(child, new_rank, link_, fabric_);
+    return std::make_unique<EmulatedCommunicator>(fabric_.split(world_, current_sequence(), color, std::move(members)),
+                                                  new_rank, link_, fabric_owner_);
   }
 
   std::vector<std::string> exchange_fingerprints(const std::string& fingerprint) override {
@@ -663,6 +677,8 @@ class EmulatedCommunicator final : public Communicator {
     return cd::mismatch_message(current_sequence(), calls);
   }
 
+  std::shared_ptr<World> world_owner_;
+  std::shared_ptr<Fabric> fabric_owner_;
   World& world_;
   Fabric& fabric_;
   std::vector<const void*> sources_;
@@ -713,13 +729,14 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
                         world_size, " ranks into nodes of equal size");
   }
   const int threads = threads_per_rank(world_size, options.threads_per_rank);
-  Fabric fabric(world_size, options.timeout, options.ranks_per_node);
+  const auto shared_fabric = std::make_shared<Fabric>(world_size, options.timeout, options.ranks_per_node);
+  Fabric& fabric = *shared_fabric;
   World& world = fabric.root();
   auto body = [&](int rank) {
     try {
       memory::Scope scope;  // this rank's memory figures
       set_num_threads(threads);
-      EmulatedCommunicator comm(world, rank, options.link, fabric);
+      EmulatedCommunicator comm(fabric.root_ptr(), rank, options.link, shared_fabric);
       comm.set_order_check(options.check_order);
       fn(comm);
       fabric.finish(rank);
@@ -742,13 +759,16 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     // The ranks already running would wait for the missing one: fail it so they stop.
     fabric.fail(started, error);
     for (auto& t : ranks) t.join();
+    fabric.end_run();
     std::rethrow_exception(error);
   } catch (...) {
     fabric.fail(static_cast<int>(ranks.size()), std::current_exception());
     for (auto& t : ranks) t.join();
+    fabric.end_run();
     throw;
   }
   for (auto& t : ranks) t.join();
+  fabric.end_run();
   world.rethrow_first_failure();
 }
 

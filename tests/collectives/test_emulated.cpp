@@ -511,6 +511,27 @@ TEST_CASE("emulated: a link or world that would sleep past the timeout or exhaus
                               "a million ranks");
 }
 
+TEST_CASE("emulated: a split kept past run_ranks raises at once, and a tag with a NUL is refused") {
+  // Its world was freed with the run, and a collective read "ranks  did not arrive" after the timeout.
+  std::unique_ptr<Communicator> kept;
+  EmulatedOptions options;
+  options.timeout = 30s;  // not waited for
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto mine = comm.split(0, comm.rank());
+        if (comm.rank() == 0) kept = std::move(mine);
+        expect_throw<ArgumentError>([&] { (void)comm.all_reduce(ones({2}), Reduction::sum, {.tag = std::string("a\0b", 3)}); },
+                                    {"all_reduce", "rank ", "'a\\0b'", "NUL"}, "tag with a NUL");
+      },
+      options);
+  REQUIRE(kept);
+  const auto start = std::chrono::steady_clock::now();
+  expect_throw<RankFailedError>([&] { (void)kept->all_reduce(ones({2}), Reduction::sum); },
+                                {"all_reduce", "the emulated run has ended"}, "kept split");
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+}
+
 TEST_CASE("emulated: run_agreed lets nothing escape, an exception of any type or an empty phase alike") {
   run_ranks(2, [](Communicator& comm) {
     const auto thrown = run_agreed(comm, "odd", [&] {
