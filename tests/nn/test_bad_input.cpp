@@ -414,3 +414,15 @@ TEST_CASE("an undefined or invalid argument is named by the call it was given to
   nn::Adam adam(linear.parameters(), {.lr = 1e-3});
   check_throws<ArgumentError>([&] { adam.state(nn::Param()); }, {"Adam::state", "undefined"});
 }
+
+TEST_CASE("a communicator destroyed while its sharded model is used: a ShardingError, not a read of freed memory") {
+  auto layer = std::make_shared<nn::Linear>(4, 3);
+  {
+    LocalCommunicator gone;
+    nn::fully_shard(*layer, gone);
+    CHECK(layer->forward(ones({2, 4})).shape() == Shape{2, 3});
+  }
+  // (It read the freed communicator: "all_gather: negative extent [-10455540544]" or worse.)
+  check_throws<nn::ShardingError>([&] { layer->forward(ones({2, 4})); }, {"Param::value", "destroyed"});
+  check_throws<nn::ShardingError>([&] { nn::grad_norm(layer->parameters()); }, {"grad_norm", "destroyed"});
+}

@@ -231,6 +231,9 @@ class Communicator {
   /// (world size 1 moves nothing and counts nothing).
   Traffic traffic() const noexcept { return *traffic_; }
   void reset_traffic() noexcept { *traffic_ = {}; }
+  /// Expires when this communicator is destroyed: what holds its address (a sharded parameter)
+  /// checks it before use, and raises instead of calling into freed memory.
+  std::weak_ptr<const void> liveness() const noexcept { return alive_; }
 
  protected:
   Communicator(int rank, int world_size);
@@ -291,6 +294,7 @@ class Communicator {
   static constexpr std::size_t kFingerprintBytes = 320;
 
  private:
+  std::shared_ptr<const int> alive_ = std::make_shared<const int>(0);  // liveness()
   struct Call;
   // The operations begin() records: an enumerator, not the name's text, so that working out a
   // call's bus bytes compares no strings (a 4 KiB collective's own cost is ~60 ns).

@@ -295,7 +295,12 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
   for (const Param& p : params) {
     if (p.is_sharded()) {
       any_sharded = true;
-      if (p.shard()->comm) comm = p.shard()->comm;
+      if (p.shard()->comm) {
+        if (p.shard()->comm_alive.expired()) {
+          fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
+        }
+        comm = p.shard()->comm;
+      }
     }
     const Tensor g = p.grad();
     if (!g.defined()) continue;

@@ -26,6 +26,10 @@ Tensor sharded_value(const Param& param, const ShardInfo& info) {
     fail<ShardingError>("Param::value", info.describe(),
                         " is sharded but bound to no communicator (use fully_shard, or gather it with a communicator)");
   }
+  if (info.comm_alive.expired()) {
+    fail<ShardingError>("Param::value", info.describe(),
+                        " is bound to a communicator that was destroyed (keep it alive while the model is used)");
+  }
   if (info.group) return info.group->value(info.group_index);
   return gather_param(param, *info.comm);
 }
@@ -279,6 +283,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
     auto info = make_info(param.shape(), comm.rank(), comm.world_size());
     info->policy = options.policy;
     info->comm = &comm;
+    info->comm_alive = comm.liveness();
     info->replicate = options.replicate;
     info->name = name;
     Tensor slice = local_slice(param, *info);

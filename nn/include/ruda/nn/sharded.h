@@ -107,6 +107,9 @@ struct ShardInfo {
   ShardPolicy policy;
   /// The communicator Param::value() gathers through (set by fully_shard; may be null).
   Communicator* comm = nullptr;
+  /// comm's liveness(): a communicator destroyed while the model is still used is a
+  /// ShardingError at the next Param::value() (or gradient norm), not a read of freed memory.
+  std::weak_ptr<const void> comm_alive;
   /// Hybrid sharding: the communicator across nodes over which the reduced gradient shard is
   /// all-reduced (the parameter is replicated over it); null under full sharding.
   Communicator* replicate = nullptr;
