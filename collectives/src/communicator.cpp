@@ -404,9 +404,7 @@ Communicator::Call Communicator::begin(Op op, bool has_data, std::int64_t count,
   check_enum(options.accumulate, name, "Accumulate", rank_text_);
   // A tag is text for messages: a NUL would end them mid-way (mismatch reports, timeouts).
   if (!options.tag.empty() && options.tag.find('\0') != std::string::npos) {
-    std::string shown;
-    for (const char c : options.tag) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
-    fail<ArgumentError>(name, rank_text_, ": the tag '", shown, "' contains a NUL character");
+    fail<ArgumentError>(name, rank_text_, ": the tag '", detail::shown_nul(options.tag), "' contains a NUL character");
   }
   Call call;
   call.start = cd::Stopwatch::now();

@@ -14,13 +14,12 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <system_error>
 #include <map>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <tuple>
 
@@ -706,16 +705,11 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     fail<ArgumentError>("run_ranks", "world size ", world_size, " is more than the ", kMaxEmulatedRanks,
                         " ranks ruda emulates in one process (each is a thread)");
   }
-  // A link the parser would refuse: a rate that is not 0 (off) nor at least 1 bit/s, a latency
-  // outside [0, 1 hour].
-  const LinkModel& link = options.link;
-  if (!(link.bytes_per_second == 0 || (std::isfinite(link.bytes_per_second) && link.bytes_per_second >= 1.0 / 8))) {
-    fail<ArgumentError>("run_ranks", "the link model's bandwidth must be 0 (off) or at least 1 bit/s, got ",
-                        link.bytes_per_second, " bytes/s");
-  }
-  if (link.latency.count() < 0 || link.latency > std::chrono::hours(1)) {
-    fail<ArgumentError>("run_ranks", "the link model's latency must lie in [0, 1 hour], got ", link.latency.count(),
-                        " ns");
+  // A link the parser would refuse (its fields set directly).
+  if (const std::string problem = cd::link_problem(options.link); !problem.empty()) {
+    fail<ArgumentError>("run_ranks", "the link model (", options.link.bytes_per_second, " bytes/s, ",
+                        options.link.latency.count(), " ns latency) has ", problem,
+                        ": its bandwidth must be 0 (off) or at least 1 bit/s, its latency within [0, 1 hour]");
   }
   if (!fn) fail<ArgumentError>("run_ranks", "no function to run");
   if (options.timeout.count() <= 0) {
@@ -746,29 +740,20 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
   };
   std::vector<std::thread> ranks;
   ranks.reserve(static_cast<std::size_t>(world_size));
+  std::exception_ptr start_error;
   try {
     for (int r = 0; r < world_size; ++r) ranks.emplace_back(body, r);
   } catch (const std::system_error& e) {  // the system refused a thread (limits, memory)
-    const int started = static_cast<int>(ranks.size());
-    std::exception_ptr error;
-    try {
-      fail<CollectiveError>("run_ranks", "cannot start rank ", started, " of ", world_size, ": ", e.what());
-    } catch (...) {
-      error = std::current_exception();
-    }
-    // The ranks already running would wait for the missing one: fail it so they stop.
-    fabric.fail(started, error);
-    for (auto& t : ranks) t.join();
-    fabric.end_run();
-    std::rethrow_exception(error);
+    start_error = std::make_exception_ptr(CollectiveError(
+        detail::concat("run_ranks: cannot start rank ", ranks.size(), " of ", world_size, ": ", e.what())));
   } catch (...) {
-    fabric.fail(static_cast<int>(ranks.size()), std::current_exception());
-    for (auto& t : ranks) t.join();
-    fabric.end_run();
-    throw;
+    start_error = std::current_exception();
   }
+  // The ranks already running would wait for a missing one: fail it so they stop.
+  if (start_error) fabric.fail(static_cast<int>(ranks.size()), start_error);
   for (auto& t : ranks) t.join();
   fabric.end_run();
+  if (start_error) std::rethrow_exception(start_error);
   world.rethrow_first_failure();
 }
 

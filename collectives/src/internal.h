@@ -52,5 +52,8 @@ std::string numbered(std::uint64_t sequence, const std::string& call);
 std::pair<std::uint64_t, std::string> split_fingerprint(const std::string& fingerprint);
 /// "rank 2" or "ranks 1, 3".
 std::string rank_list(const std::vector<int>& ranks);
+/// Why the parser would refuse this link model ("a bandwidth below 1 bit/s"), or "" when it is
+/// off (bandwidth 0) or usable: a bandwidth of at least 1 bit/s, a latency within [0, 1 hour].
+std::string link_problem(const LinkModel& link);
 
 }  // namespace ruda::collectives_detail

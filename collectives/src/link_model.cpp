@@ -7,6 +7,8 @@
 
 #include <ruda/collectives.h>
 
+#include "internal.h"
+
 namespace ruda {
 
 namespace {
@@ -80,11 +82,7 @@ std::chrono::nanoseconds nanoseconds(double seconds) {
 }  // namespace
 
 LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
-  if (text.find('\0') != std::string::npos) {
-    std::string shown;
-    for (const char c : text) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
-    bad_link(source, shown, "a NUL character inside");
-  }
+  if (text.find('\0') != std::string::npos) bad_link(source, detail::shown_nul(text), "a NUL character inside");
   if (text.empty() || text == "off" || text == "0") return {};
   const std::size_t comma = text.find(',');
   const auto [rate, rate_unit] = number_and_unit(text.substr(0, comma), source, text);
@@ -93,16 +91,28 @@ LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
   if (rate == 0) bad_link(source, text, "a bandwidth of 0 (say 'off' for no link model)");
   LinkModel link;
   link.bytes_per_second = rate * scale;
-  if (!(link.bytes_per_second >= 1.0 / 8)) bad_link(source, text, "a bandwidth below 1 bit/s");
   if (comma != std::string::npos) {
     const auto [lat, lat_unit] = number_and_unit(text.substr(comma + 1), source, text);
     const double ns = latency_unit(lat_unit);
     if (ns == 0) bad_link(source, text, "unknown latency unit '" + lat_unit + "' (ns, us, ms or s)");
-    if (lat * ns > 3600e9) bad_link(source, text, "a latency above 1 hour");
-    link.latency = nanoseconds(lat * ns * 1e-9);
+    link.latency = nanoseconds(lat * ns * 1e-9);  // (saturating: 1e20 s reads as ~31 years)
+  }
+  if (const std::string problem = collectives_detail::link_problem(link); !problem.empty()) {
+    bad_link(source, text, problem);
   }
   return link;
 }
+
+namespace collectives_detail {
+std::string link_problem(const LinkModel& link) {
+  if (link.bytes_per_second != 0 && !(std::isfinite(link.bytes_per_second) && link.bytes_per_second >= 1.0 / 8)) {
+    return "a bandwidth below 1 bit/s";
+  }
+  if (link.latency.count() < 0) return "a negative latency";
+  if (link.latency > std::chrono::hours(1)) return "a latency above 1 hour";
+  return {};
+}
+}  // namespace collectives_detail
 
 LinkModel LinkModel::from_env() {
   const char* env = std::getenv("RUDA_EMULATE_LINK");

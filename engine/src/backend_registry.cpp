@@ -198,28 +198,28 @@ namespace {
 void check_thread_count(long long threads, std::string_view op, const std::string& text) {
   if (threads < 1) fail<ArgumentError>(op, "thread count must be positive, got ", text);
   if (threads > max_num_threads()) {
-    fail<ArgumentError>(op, "thread count ", text, " is more than ruda allows on this machine (",
-                        max_num_threads(), ": 16 per hardware thread, at least 256)");
+    fail<ArgumentError>(op, "thread count ", text, " is more than ruda allows on this machine (", max_num_threads(),
+                        ": 16 per hardware thread, at least 256)");
   }
 }
-void check_thread_count(long long threads, std::string_view op) { check_thread_count(threads, op, std::to_string(threads)); }
-
-// A count read from environment variable `name` by strtoll: out of long long's range reads as
-// too many (or too few), named by the variable's own text.
-void check_env_thread_count(long long n, const char* name, const char* text) {
-  check_thread_count(errno == ERANGE ? (n < 0 ? -1 : std::numeric_limits<long long>::max()) : n, name, text);
+void check_thread_count(long long threads, std::string_view op) {
+  check_thread_count(threads, op, std::to_string(threads));
 }
 
-// OMP_NUM_THREADS as OpenMP reads it: its leading number (a nested list such as "4,2" gives 4);
-// 0 when unset or not a positive number, which leaves the default.
-int omp_num_threads_env() {
-  const char* env = std::getenv("OMP_NUM_THREADS");
-  if (!env) return 0;
+// The thread count in environment variable `name`, 0 when unset or empty. `whole`: the text must
+// be a number and nothing else (RUDA_NUM_THREADS); otherwise its leading number counts, as OpenMP
+// reads OMP_NUM_THREADS (a nested list such as "4,2" gives 4), and text without a positive one
+// leaves the default. A count out of long long's range reads as too many, named by its own text.
+int env_thread_count(const char* name, bool whole) {
+  const char* env = std::getenv(name);
+  if (!env || !*env) return 0;
   char* end = nullptr;
   errno = 0;
   const long long n = std::strtoll(env, &end, 10);
-  if (end == env || n < 1) return 0;
-  check_env_thread_count(n, "OMP_NUM_THREADS", env);
+  const bool number = end != env && (!whole || *end == '\0');
+  if (!number && whole) fail<ArgumentError>(name, "not a whole number of threads: '", env, "'");
+  if (!number || (!whole && n < 1)) return 0;
+  check_thread_count(errno == ERANGE ? (n < 0 ? -1 : std::numeric_limits<long long>::max()) : n, name, env);
   return static_cast<int>(n);
 }
 
@@ -227,18 +227,7 @@ std::atomic<int> g_default_threads{0};  // 0: the cores
 thread_local int t_threads = 0;         // 0: not set on this thread yet
 }  // namespace
 
-int num_threads_from_env() {
-  const char* env = std::getenv("RUDA_NUM_THREADS");
-  if (!env || !*env) return 0;
-  char* end = nullptr;
-  errno = 0;
-  const long long n = std::strtoll(env, &end, 10);
-  if (end == env || *end != '\0') {
-    fail<ArgumentError>("RUDA_NUM_THREADS", "not a whole number of threads: '", env, "'");
-  }
-  check_env_thread_count(n, "RUDA_NUM_THREADS", env);
-  return static_cast<int>(n);
-}
+int num_threads_from_env() { return env_thread_count("RUDA_NUM_THREADS", true); }
 
 void set_num_threads(int threads) {
   check_thread_count(threads, "set_num_threads");
@@ -251,7 +240,7 @@ void set_num_threads(int threads) {
 int num_threads() {
   if (t_threads == 0) {
     int n = num_threads_from_env();
-    if (n == 0) n = omp_num_threads_env();
+    if (n == 0) n = env_thread_count("OMP_NUM_THREADS", false);
     set_num_threads(n > 0 ? n : default_num_threads());
   }
   return t_threads;

@@ -485,13 +485,21 @@ TEST_CASE("emulated: a link or world that would sleep past the timeout or exhaus
   }
   EmulatedOptions slow;
   slow.link.bytes_per_second = 1e-300;  // as parse refuses it: the modeled sleep ignored the timeout
-  expect_throw<ArgumentError>([&] { run_ranks(2, [](Communicator&) {}, slow); }, {"run_ranks", "at least 1 bit/s"},
-                              "tiny bandwidth");
+  expect_throw<ArgumentError>(
+      [&] {
+        run_ranks(
+            2, [](Communicator&) {}, slow);
+      },
+      {"run_ranks", "at least 1 bit/s"}, "tiny bandwidth");
   EmulatedOptions backwards;
   backwards.link.bytes_per_second = 1e9;
   backwards.link.latency = std::chrono::nanoseconds(-5);
-  expect_throw<ArgumentError>([&] { run_ranks(2, [](Communicator&) {}, backwards); }, {"run_ranks", "latency"},
-                              "negative latency");
+  expect_throw<ArgumentError>(
+      [&] {
+        run_ranks(
+            2, [](Communicator&) {}, backwards);
+      },
+      {"run_ranks", "latency"}, "negative latency");
   // A modeled time longer than the collective timeout raises on every rank instead of sleeping it.
   EmulatedOptions tight;
   tight.link = LinkModel::parse("1kB/s");
@@ -521,8 +529,9 @@ TEST_CASE("emulated: a split kept past run_ranks raises at once, and a tag with 
       [&](Communicator& comm) {
         auto mine = comm.split(0, comm.rank());
         if (comm.rank() == 0) kept = std::move(mine);
-        expect_throw<ArgumentError>([&] { (void)comm.all_reduce(ones({2}), Reduction::sum, {.tag = std::string("a\0b", 3)}); },
-                                    {"all_reduce", "rank ", "'a\\0b'", "NUL"}, "tag with a NUL");
+        expect_throw<ArgumentError>(
+            [&] { (void)comm.all_reduce(ones({2}), Reduction::sum, {.tag = std::string("a\0b", 3)}); },
+            {"all_reduce", "rank ", "'a\\0b'", "NUL"}, "tag with a NUL");
       },
       options);
   REQUIRE(kept);

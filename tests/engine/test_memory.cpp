@@ -65,7 +65,8 @@ TEST_CASE("sizes parse in decimal and binary units") {
     test::check_throws<ArgumentError>([&] { memory::parse_size(huge); }, {"more bytes than an int64 holds"});
   }
   // Not strtod's grammar: hexadecimal and exponents are refused, not read as 16 and 1000.
-  for (const char* bad : {"", "MB", "-1MB", "12 parsecs", "1e30", "nan", "inf", " 5", "0x10", "1e3", "1.2.3MB", "5.MB."}) {
+  for (const char* bad :
+       {"", "MB", "-1MB", "12 parsecs", "1e30", "nan", "inf", " 5", "0x10", "1e3", "1.2.3MB", "5.MB."}) {
     CAPTURE(bad);
     test::check_throws<ArgumentError>([&] { memory::parse_size(bad); }, {"is not a size"});
   }

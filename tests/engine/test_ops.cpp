@@ -52,9 +52,9 @@ TEST_CASE("creation") {
         "tensor(i64 [8, 8], [[0, 8, 16, ..., 40, 48, 56], [1, 9, 17, ..., 41, 49, 57], [2, 10, 18, ..., 42, 50, 58], "
         "..., [5, 13, 21, ..., 45, 53, 61], [6, 14, 22, ..., 46, 54, 62], [7, 15, 23, ..., 47, 55, 63]])");
   const std::string row = "[2, 2, 2, ..., 2, 2, 2]";
-  CHECK(to_string(full({1, 1}, 2).expand({1LL << 40, 1LL << 20})) ==
-        "tensor(f32 [1099511627776, 1048576], [" + row + ", " + row + ", " + row + ", ..., " + row + ", " + row + ", " +
-            row + "])");
+  CHECK(to_string(full({1, 1}, 2).expand({1LL << 40, 1LL << 20})) == "tensor(f32 [1099511627776, 1048576], [" + row +
+                                                                         ", " + row + ", " + row + ", ..., " + row +
+                                                                         ", " + row + ", " + row + "])");
 }
 
 TEST_CASE("random tensors are counter-based") {

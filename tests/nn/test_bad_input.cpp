@@ -400,11 +400,17 @@ TEST_CASE("an undefined or invalid argument is named by the call it was given to
   check_throws<ArgumentError>([&] { nn::checkpoint(linear, none); }, {"checkpoint", "undefined"});
   check_throws<ArgumentError>([&] { nn::take_rows(none, from_vector<std::int64_t>({0}, {1})); },
                               {"take_rows", "data tensor is undefined"});
-  check_throws<IndexError>([&] { nn::take_rows(ones({2, 2}), from_vector<std::int64_t>({5}, {1})); },
-                           {"take_rows", "5"});
+  check_throws<IndexError>(
+      [&] {
+        nn::take_rows(ones({2, 2}), from_vector<std::int64_t>({5}, {1}));
+      },
+      {"take_rows", "5"});
   test::TempDir dir;
-  check_throws<ArgumentError>([&] { safetensors::write(dir.str() + "/a.safetensors", {{"a", none}}); },
-                              {"safetensors::write", "a.safetensors", "'a' is undefined"});
+  check_throws<ArgumentError>(
+      [&] {
+        safetensors::write(dir.str() + "/a.safetensors", {{"a", none}});
+      },
+      {"safetensors::write", "a.safetensors", "'a' is undefined"});
   check_throws<DTypeError>([] { nn::Linear(2, 3, {.dtype = static_cast<DType>(77)}); }, {"Param", "dtype", "77"});
   check_throws<DTypeError>([] { nn::dequantize_int8(nn::quantize_int8(ones({4})), static_cast<DType>(55)); },
                            {"dequantize_int8", "dtype", "55"});

@@ -1,11 +1,11 @@
 // Sharded checkpoints: resume equals uninterrupted training (bitwise at the same world size),
 // resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
-#include <atomic>
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <atomic>
 
 #include <cstring>
 #include <filesystem>
@@ -122,8 +122,9 @@ TEST_CASE("the ranks must save one checkpoint: another directory, step or model 
     const auto same = std::make_shared<nn::Linear>(4, 2);
     // Each rank wrote its own directory (or step) and rank 0 published an index naming a rank 1
     // file that no rank had written.
-    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str() + "/r" + std::to_string(r), 1, *same, nullptr, comm); },
-                                {"different places", "rank 1", "every rank must save the same checkpoint"});
+    test::check_throws<IOError>(
+        [&] { nn::save_checkpoint(dir.str() + "/r" + std::to_string(r), 1, *same, nullptr, comm); },
+        {"different places", "rank 1", "every rank must save the same checkpoint"});
     test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1 + r, *same, nullptr, comm); },
                                 {"different places", "step"});
     // Different parameters: only rank 0's were saved.

@@ -71,6 +71,13 @@ inline void put(std::ostream& out, const std::vector<std::int64_t>& extents) {
   for (std::size_t i = 0; i < extents.size(); ++i) out << (i ? ", " : "") << extents[i];
   out << ']';
 }
+/// `text` for a message, a NUL character shown as \0: the message's C string (what()) would end
+/// there (paths, tags and link texts that hold one are refused, and named so).
+inline std::string shown_nul(std::string_view text) {
+  std::string out;
+  for (const char c : text) out += c == '\0' ? std::string_view("\\0") : std::string_view(&c, 1);
+  return out;
+}
 template <class... Parts>
 std::string concat(const Parts&... parts) {
   std::ostringstream out;

@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 void fail(const std::string& where, const std::string& what) {
-  throw IOError("checkpoint " + safetensors::shown_path(where) + ": " + what);
+  throw IOError("checkpoint " + ruda::detail::shown_nul(where) + ": " + what);
 }
 
 std::string step_name(std::int64_t step) {

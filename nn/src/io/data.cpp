@@ -69,7 +69,8 @@ void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
       const std::string message = gzerror(f, &code);
       if (code != Z_OK) {
         gzclose(f);
-        data_fail(path, "corrupt or truncated: " + (code == Z_BUF_ERROR ? std::string("the compressed stream ends early") : message));
+        data_fail(path, "corrupt or truncated: " +
+                            (code == Z_BUF_ERROR ? std::string("the compressed stream ends early") : message));
       }
       break;
     }

@@ -27,7 +27,7 @@ constexpr const char* kCheckpoint = "checkpoint ";
 constexpr std::size_t kSuffixLength = 6;  // the XXXXXX of .tmp-XXXXXX
 
 [[noreturn]] void fail_as(const std::string& origin, const std::string& path, const std::string& what) {
-  throw IOError(origin + shown_path(path) + ": " + what);
+  throw IOError(origin + ruda::detail::shown_nul(path) + ": " + what);
 }
 std::string os_error(int code = errno) { return std::strerror(code); }
 
@@ -82,13 +82,6 @@ std::optional<std::string> temporary_base(const std::string& name) {
                                  [](char c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z'); });
   if (!rest.empty() && !fresh) return std::nullopt;  // (empty: the fixed name of earlier versions)
   return name.substr(0, at);
-}
-
-std::string shown_path(const std::string& path) {
-  if (path.find('\0') == std::string::npos) return path;
-  std::string out;
-  for (const char c : path) out += c == '\0' ? std::string("\\0") : std::string(1, c);
-  return out;
 }
 
 void refuse_nul(const std::string& path, const std::string& origin) {

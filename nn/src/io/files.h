@@ -22,8 +22,6 @@ void write_text_atomically(const std::string& path, const std::string& text);
 /// missing, not a regular file (a directory, a FIFO: never blocks), or larger.
 std::string read_text_file(const std::string& path, std::size_t max_bytes);
 
-/// `path` for messages: a NUL character shown as \0 (a message's C string would end there).
-std::string shown_path(const std::string& path);
 /// IOError "<origin><path>: contains a NUL character ..." for a path the system would cut at its
 /// first NUL (safetensors::write("/d/q\0z") wrote /d/q); nothing otherwise.
 void refuse_nul(const std::string& path, const std::string& origin);

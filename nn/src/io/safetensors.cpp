@@ -423,7 +423,8 @@ void write(const std::string& path, const std::vector<std::pair<std::string, Ten
            const std::map<std::string, std::string>& metadata) {
   std::vector<TensorHeader> header;
   for (const auto& [name, t] : tensors) {
-    if (!t.defined()) fail<ArgumentError>("safetensors::write", shown_path(path), ": tensor '", name, "' is undefined");
+    if (!t.defined())
+      fail<ArgumentError>("safetensors::write", ruda::detail::shown_nul(path), ": tensor '", name, "' is undefined");
     header.push_back({name, t.dtype(), t.shape()});
   }
   Writer file(path, header, metadata);

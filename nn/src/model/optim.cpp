@@ -268,7 +268,8 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, 
   check_rate("schedules::cosine", "min_lr", min_lr);
   if (min_lr > lr) fail<ArgumentError>("schedules::cosine", "min_lr ", min_lr, " is above lr ", lr);
   if (total_steps <= 0) fail<ArgumentError>("schedules::cosine", "total_steps must be positive, got ", total_steps);
-  if (warmup_steps < 0) fail<ArgumentError>("schedules::cosine", "warmup_steps must not be negative, got ", warmup_steps);
+  if (warmup_steps < 0)
+    fail<ArgumentError>("schedules::cosine", "warmup_steps must not be negative, got ", warmup_steps);
   return [=](std::int64_t step) {
     check_step("schedules::cosine", step);
     if (warmup_steps > 0 && step < warmup_steps)
@@ -290,9 +291,8 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
   double dense = 0, sharded = 0;
   bool any_sharded = false;
   for (std::size_t i = 0; i < params.size(); ++i) {
-    if (!params[i].defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
-  }
-  for (const Param& p : params) {
+    const Param& p = params[i];
+    if (!p.defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
     if (p.is_sharded()) {
       any_sharded = true;
       if (p.shard()->comm) {
@@ -313,7 +313,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
     (p.is_sharded() ? sharded : dense) += sum(square(cast(values, DType::f64))).item();
   }
   if (any_sharded) {
-    if (!comm) fail<ShardingError>("clip_grad_norm", "sharded parameters need a communicator to sum their norms over");
+    if (!comm) fail<ShardingError>(op, "sharded parameters need a communicator to sum their norms over");
     sharded = comm->all_reduce(scalar(sharded, DType::f64), Reduction::sum, {.tag = "grad_norm"}).item();
   }
   return dense + sharded;
