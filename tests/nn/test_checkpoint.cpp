@@ -140,6 +140,39 @@ TEST_CASE("the ranks must save one checkpoint: another directory, step or model 
   CHECK_FALSE(std::filesystem::exists(dir.path / "r0"));
 }
 
+TEST_CASE("the ranks must load one checkpoint: another step, model or optimizer on one rank is refused on all") {
+  TempDir dir;
+  std::atomic<int> refused{0};
+  run_ranks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    nn::manual_seed(5);
+    auto layer = std::make_shared<nn::Linear>(8, 4);
+    nn::fully_shard(*layer, comm);
+    nn::SGD opt(layer->parameters(), {.lr = 0.1});
+    nn::save_checkpoint(dir.str(), 1, *layer, &opt, comm, {}, /*keep=*/0);
+    sum(layer->forward(ones({2, 8}))).backward();
+    opt.step();
+    nn::save_checkpoint(dir.str(), 2, *layer, &opt, comm, {}, /*keep=*/0);
+    const std::vector<float> saved = layer->parameters()[0].value().to_vector<float>();
+    // Rank 0 reads step 1 and rank 1 step 2 (as with `latest` read before and after a save moved
+    // it): each loaded its own slices, one model of two checkpoints, without a word.
+    const std::string mine = (dir.path / (r == 0 ? "step-00000001" : "step-00000002")).string();
+    test::check_throws<IOError>([&] { nn::load_checkpoint(mine, *layer, &opt, comm); },
+                                {"the ranks load different checkpoints", "rank 1 read step 2", "rank 0 read step 1",
+                                 "every rank must load the same checkpoint"});
+    // An optimizer on one rank only.
+    test::check_throws<IOError>([&] { nn::load_checkpoint(dir.str(), *layer, r == 0 ? &opt : nullptr, comm); },
+                                {"the ranks load into different models", "rank 1"});
+    ++refused;
+    // Nothing was loaded: the model is as it was, and the same checkpoint on both ranks loads,
+    // also through a path of its own on each rank (the index's text decides, not the path).
+    CHECK(layer->parameters()[0].value().to_vector<float>() == saved);
+    const std::string own = r == 0 ? dir.str() : (dir.path / "step-00000002").string();
+    CHECK(nn::load_checkpoint(own, *layer, &opt, comm).step == 2);
+  });
+  CHECK(refused == 2);
+}
+
 TEST_CASE("resume equals uninterrupted training, bit for bit, at the same world size") {
   TempDir dir;
   const auto whole = rank0(3, [&](Communicator& c) { return train(c, 0, 6, "", ""); });

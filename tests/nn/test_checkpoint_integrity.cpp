@@ -7,6 +7,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -245,6 +247,17 @@ TEST_CASE("verify, load, list and consolidate refuse the same index damage") {
        {"names file"}},
       {"an unknown version", [](json& j) { j["version"] = 99; }, {"version 99"}},
       {"an unknown dtype", [](json& j) { j["params"]["bias"]["dtype"] = "f8"; }, {"bias", "f8"}},
+      // Self-consistent (the pieces still tile the tensor, each keeps its checksums) but permuted:
+      // this loaded the weight's two halves swapped, and verify passed.
+      {"two pieces' offsets swapped",
+       [](json& j) {
+         auto& pieces = j["params"]["weight"]["pieces"];
+         const json first = pieces[0]["offset"];
+         pieces[0]["offset"] = pieces[1]["offset"];
+         pieces[1]["offset"] = first;
+       },
+       {"'model/weight' from element", "places that piece at element"},
+       false},
   };
   for (const auto& d : damages) {
     CAPTURE(d.what);
@@ -316,6 +329,53 @@ TEST_CASE("a failed save names the failing rank and its cause on every rank") {
     check_contains(e, {"step-00000002", "failed on rank 1", rank_file(1, 2), "is a directory"});
   // Nothing was published: the previous checkpoint is still the latest.
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000001").string());
+}
+
+namespace {
+// Rewrites a rank file with `edit` applied to its metadata (its tensors as they were).
+void rewrite_metadata(const fs::path& file, const std::function<void(std::map<std::string, std::string>&)>& edit) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  std::map<std::string, std::string> metadata;
+  {
+    safetensors::Reader reader(file.string());
+    for (const auto& t : reader.tensors()) tensors.emplace_back(t.name, reader.read(t.name));
+    metadata = reader.metadata();
+  }
+  edit(metadata);
+  safetensors::write(file.string(), tensors, metadata);
+}
+}  // namespace
+
+TEST_CASE("rank files record where their pieces start; files written before that still load") {
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path step = dir.path / "step-00000001";
+  {
+    safetensors::Reader reader((step / rank_file(1, 2)).string());
+    CHECK(json::parse(reader.metadata().at("offsets")) == json{{"model/weight", 32768},
+                                                               {"optim/weight/exp_avg", 32768},
+                                                               {"optim/weight/exp_avg_sq", 32768},
+                                                               {"model/bias", 128},
+                                                               {"optim/bias/exp_avg", 128},
+                                                               {"optim/bias/exp_avg_sq", 128}});
+  }
+  // Malformed records are refused by name, by every reader.
+  for (const std::string bad : {"[1, 2]", "{\"model/weight\": -1}", "{\"model/weight\": \"0\"}", "not json"}) {
+    CAPTURE(bad);
+    rewrite_metadata(step / rank_file(1, 2), [&](auto& m) { m["offsets"] = bad; });
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                                {rank_file(1, 2), "malformed piece offsets"});
+    for (const auto& e : load_layer(dir, 2)) check_contains(e, {"malformed piece offsets"});
+  }
+  // A tensor the record leaves out is refused too (the record is all or nothing).
+  rewrite_metadata(step / rank_file(1, 2), [](auto& m) { m["offsets"] = R"({"model/weight": 32768})"; });
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"'model/bias' without a recorded offset"});
+  // Files without the record (written before it existed) load as before, at any world size.
+  for (int r = 0; r < 2; ++r) rewrite_metadata(step / rank_file(r, 2), [](auto& m) { m.erase("offsets"); });
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const int world : {1, 2, 3}) {
+    for (const auto& e : load_layer(dir, world)) CHECK(e.empty());
+  }
 }
 
 TEST_CASE("a version 1 checkpoint (before checksums) still loads and verifies") {

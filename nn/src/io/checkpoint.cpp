@@ -457,6 +457,7 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
 json write_rank_file(const std::string& path, std::int64_t step, int rank, int world,
                      const std::vector<std::pair<std::string, Param>>& params, Optimizer* optimizer) {
   std::vector<std::pair<std::string, Tensor>> tensors;
+  std::map<std::string, std::int64_t> offsets;
   json pieces = json::object();
   for (const auto& [name, p] : params) {
     const Piece piece = piece_of(p, rank);
@@ -471,10 +472,11 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
       append_block_hashes(h, t.data_ptr(), t.nbytes());
       hashes[tensor] = h;
       tensors.emplace_back(tensor, t);
+      if (piece.count > 0) offsets[tensor] = piece.offset;
     }
     if (piece.count > 0) pieces[name] = {{"offset", piece.offset}, {"count", piece.count}, {"xxh3", hashes}};
   }
-  safetensors::write(path, tensors, rank_file_metadata(rank, world, step));
+  safetensors::write(path, tensors, rank_file_metadata(rank, world, step, offsets));
   return {{"file", fs::path(path).filename().string()}, {"pieces", pieces}};
 }
 
@@ -604,11 +606,30 @@ std::vector<std::string> publish(const fs::path& dir, const std::string& step_di
 }  // namespace
 
 namespace {
-// FNV-1a: the same value in every process of one build (std::hash need not be).
-std::uint64_t fingerprint(std::string_view text) {
-  std::uint64_t h = 14695981039346656037ull;
-  for (const char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
+// "rank 2" or "ranks 1, 3".
+std::string rank_list(const std::vector<int>& list) {
+  std::string out = list.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
+  return out;
+}
+
+// The model a save writes or a load fills, as the ranks must agree on it: the parameters' names,
+// shapes, dtypes and sharding, and whether an optimizer's state goes with them.
+std::uint64_t model_fingerprint(const std::vector<std::pair<std::string, Param>>& params, bool with_optimizer) {
+  std::string what = with_optimizer ? "optimizer" : "no optimizer";
+  for (const auto& [name, p] : params) {
+    what += '\0' + name + ' ' + to_string(p.shape()) + ' ' + std::string(dtype_name(p.data().dtype())) +
+            (p.is_sharded() ? " sharded" : " dense");
+  }
+  return fingerprint(what);
+}
+
+// Every rank's `values` (the same count on each), rank after rank: one all_gather.
+std::vector<std::int64_t> every_rank(Communicator& comm, const std::vector<std::uint64_t>& values, const char* tag) {
+  std::vector<std::int64_t> mine;
+  for (const std::uint64_t v : values) mine.push_back(static_cast<std::int64_t>(v));
+  const auto n = static_cast<std::int64_t>(mine.size());
+  return comm.all_gather(from_vector<std::int64_t>(mine, {n}), {.tag = tag}).to_vector<std::int64_t>();
 }
 
 // The ranks save one checkpoint: the same directory and step, the same parameters (names, shapes,
@@ -619,38 +640,62 @@ std::uint64_t fingerprint(std::string_view text) {
 void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_t step,
                          const std::vector<std::pair<std::string, Param>>& params, bool with_optimizer) {
   if (comm.world_size() == 1) return;
-  std::string where = dir + '\0' + std::to_string(step);
-  std::string what = with_optimizer ? "optimizer" : "no optimizer";
-  for (const auto& [name, p] : params) {
-    what += '\0' + name + ' ' + to_string(p.shape()) + ' ' + std::string(dtype_name(p.data().dtype())) +
-            (p.is_sharded() ? " sharded" : " dense");
-  }
-  const Tensor mine = from_vector<std::int64_t>(
-      {static_cast<std::int64_t>(fingerprint(where)), static_cast<std::int64_t>(fingerprint(what))}, {2});
   const std::vector<std::int64_t> all =
-      comm.all_gather(mine, {.tag = "checkpoint: the ranks' directory, step and parameters"}).to_vector<std::int64_t>();
+      every_rank(comm, {fingerprint(dir + '\0' + std::to_string(step)), model_fingerprint(params, with_optimizer)},
+                 "checkpoint: the ranks' directory, step and parameters");
   std::vector<int> other_place, other_model;
   for (int r = 1; r < comm.world_size(); ++r) {
     const auto i = static_cast<std::size_t>(2 * r);
     if (all[i] != all[0]) other_place.push_back(r);
     if (all[i + 1] != all[1]) other_model.push_back(r);
   }
-  auto ranks = [](const std::vector<int>& list) {
-    std::string out = list.size() == 1 ? "rank " : "ranks ";
-    for (std::size_t i = 0; i < list.size(); ++i) out += (i ? ", " : "") + std::to_string(list[i]);
-    return out;
-  };
   const std::string mine_text = "this rank, " + std::to_string(comm.rank()) + ": '" + dir + "' step " +
                                 std::to_string(step) + ", " + std::to_string(params.size()) + " parameters";
   if (!other_place.empty()) {
-    ckpt::fail(dir, "the ranks save to different places: " + ranks(other_place) +
+    ckpt::fail(dir, "the ranks save to different places: " + rank_list(other_place) +
                         " name another directory or step than rank 0 (" + mine_text +
                         "); every rank must save the same checkpoint");
   }
   if (!other_model.empty()) {
-    ckpt::fail(dir, "the ranks save different models: " + ranks(other_model) +
+    ckpt::fail(dir, "the ranks save different models: " + rank_list(other_model) +
                         " hold other parameters (names, shapes, dtypes or sharding) or optimizer than rank 0 (" +
                         mine_text + ")");
+  }
+}
+
+// The ranks load one checkpoint into one model: the same index.json (by its text: each rank may
+// find the checkpoint under its own path) and the same parameters and optimizer or none. Ranks
+// that read different checkpoints (two steps, `latest` read before and after a save moved it)
+// each loaded their own slices, mixing two checkpoints into one model without a word.
+void agree_on_loading(Communicator& comm, const Index& index, const std::vector<std::pair<std::string, Param>>& params,
+                      bool with_optimizer) {
+  if (comm.world_size() == 1) return;
+  const std::vector<std::int64_t> all = every_rank(
+      comm, {index.text_fingerprint, static_cast<std::uint64_t>(index.step), model_fingerprint(params, with_optimizer)},
+      "checkpoint load: the ranks' index and parameters");
+  std::vector<int> other_index, other_model;
+  std::string steps;
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const auto i = static_cast<std::size_t>(3 * r);
+    if (all[i] != all[0]) {
+      other_index.push_back(r);
+      steps += "; rank " + std::to_string(r) + " read step " + std::to_string(all[i + 1]);
+    }
+    if (all[i + 2] != all[2]) other_model.push_back(r);
+  }
+  const std::string mine_text = "this rank, " + std::to_string(comm.rank()) + ", read " + index.path + " of step " +
+                                std::to_string(index.step) + "; rank 0 read step " + std::to_string(all[1]);
+  if (!other_index.empty()) {
+    ckpt::fail(index.dir, "the ranks load different checkpoints: " + rank_list(other_index) +
+                              " read another index.json than rank 0 (" + mine_text + steps +
+                              "); every rank must load the same checkpoint");
+  }
+  if (!other_model.empty()) {
+    ckpt::fail(index.dir, "the ranks load into different models: " + rank_list(other_model) +
+                              " hold other parameters (names, shapes, dtypes or sharding) or optimizer than rank 0 "
+                              "(this rank, " +
+                              std::to_string(comm.rank()) + ": " + std::to_string(params.size()) + " parameters" +
+                              (with_optimizer ? ", an optimizer)" : ", no optimizer)"));
   }
 }
 }  // namespace
@@ -848,20 +893,29 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
 CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm,
                                const LoadOptions& options) {
   autograd::NoGradGuard guard;
+  // Each phase runs on every rank, and every rank learns whether every rank completed it: none
+  // goes on (or reports success) while another fails.
+  auto agreed = [&](const std::function<void()>& phase) {
+    std::exception_ptr mine;
+    std::string error;
+    try {
+      phase();
+    } catch (const std::exception& e) {
+      mine = std::current_exception();
+      error = e.what();
+    }
+    const auto failures = agree_on_failure(comm, error, "checkpoint load");
+    if (mine) std::rethrow_exception(mine);
+    if (!failures.empty()) fail(path, "loading failed on " + describe(failures));
+  };
+  std::optional<Index> index;
+  agreed([&] { index = read_index(resolve_checkpoint(path)); });
+  agree_on_loading(comm, *index, module.named_parameters(), optimizer != nullptr);
   CheckpointInfo info;
-  std::exception_ptr mine;
-  std::string error;
-  try {
-    const Index index = read_index(resolve_checkpoint(path));
-    info = with_index_errors(index.dir, [&] { return load_from(index, module, optimizer, options.verify_checksums); });
-  } catch (const std::exception& e) {
-    mine = std::current_exception();
-    error = e.what();
-  }
-  // Every rank learns whether every rank loaded: none goes on (or reports success) while another fails.
-  const auto failures = agree_on_failure(comm, error, "checkpoint load");
-  if (mine) std::rethrow_exception(mine);
-  if (!failures.empty()) fail(path, "loading failed on " + describe(failures));
+  agreed([&] {
+    info =
+        with_index_errors(index->dir, [&] { return load_from(*index, module, optimizer, options.verify_checksums); });
+  });
   return info;
 }
 
@@ -978,9 +1032,13 @@ Piece split_piece(std::int64_t numel, int world, int rank) {
 json write_split_rank(const safetensors::Reader& input, int rank, int world, std::int64_t step,
                       const std::string& path) {
   std::vector<safetensors::TensorHeader> header;
-  for (const auto& t : input.tensors())
-    header.push_back({model_tensor(t.name), t.dtype, {split_piece(t.numel(), world, rank).count}});
-  safetensors::Writer out(path, header, rank_file_metadata(rank, world, step));
+  std::map<std::string, std::int64_t> offsets;
+  for (const auto& t : input.tensors()) {
+    const Piece p = split_piece(t.numel(), world, rank);
+    header.push_back({model_tensor(t.name), t.dtype, {p.count}});
+    if (p.count > 0) offsets[model_tensor(t.name)] = p.offset;
+  }
+  safetensors::Writer out(path, header, rank_file_metadata(rank, world, step, offsets));
   json pieces = json::object();
   for (const auto& t : input.tensors()) {
     const Piece p = split_piece(t.numel(), world, rank);

@@ -29,6 +29,12 @@ void fail(const std::string& where, const std::string& what) {
   throw IOError("checkpoint " + ruda::detail::shown_nul(where) + ": " + what);
 }
 
+std::uint64_t fingerprint(std::string_view text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const char c : text) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
 std::string step_name(std::int64_t step) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "step-%08lld", static_cast<long long>(step));
@@ -59,11 +65,13 @@ bool is_rank_file_name(const std::string& name) {
   return literal(at, ".safetensors") && at == name.size();
 }
 
-std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step) {
+std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step,
+                                                      const std::map<std::string, std::int64_t>& offsets) {
   return {{"format", kFormat},
           {"rank", std::to_string(rank)},
           {"world_size", std::to_string(world)},
-          {"step", std::to_string(step)}};
+          {"step", std::to_string(step)},
+          {"offsets", json(offsets).dump()}};
 }
 
 // --- checksums ---
@@ -347,10 +355,28 @@ Index read_index(const std::string& dir) {
     fail(path, std::string("is not valid JSON: ") + e.what());
   }
   if (!duplicate.empty()) fail(path, "names '" + duplicate + "' twice in one object");
-  return parse_index(j, path, dir);
+  Index index = parse_index(j, path, dir);
+  index.text_fingerprint = fingerprint(text);
+  return index;
 }
 
-RankFiles::RankFiles(const Index& index) : index_(index), readers_(index.files.size()) {}
+namespace {
+// A rank file's recorded piece offsets: {"tensor": element offset, ...}.
+std::map<std::string, std::int64_t> parse_offsets(const std::string& file, const std::string& text) {
+  const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  std::map<std::string, std::int64_t> out;
+  bool ok = j.is_object();
+  for (auto it = j.begin(); ok && it != j.end(); ++it) {
+    ok = it->is_number_integer() && !(it->is_number_unsigned() && it->get<std::uint64_t>() > INT64_MAX) &&
+         it->get<std::int64_t>() >= 0;
+    if (ok) out[it.key()] = it->get<std::int64_t>();
+  }
+  if (!ok) fail(file, "has malformed piece offsets in its metadata: " + text.substr(0, 80));
+  return out;
+}
+}  // namespace
+
+RankFiles::RankFiles(const Index& index) : index_(index), readers_(index.files.size()), offsets_(index.files.size()) {}
 RankFiles::~RankFiles() = default;
 
 safetensors::Reader& RankFiles::open(int rank) {
@@ -359,6 +385,10 @@ safetensors::Reader& RankFiles::open(int rank) {
     auto reader = std::make_unique<safetensors::Reader>(
         (fs::path(index_.dir) / index_.files[static_cast<std::size_t>(rank)]).string());
     check_identity(*reader, rank);
+    const auto& m = reader->metadata();
+    if (const auto recorded = m.find("offsets"); recorded != m.end()) {
+      offsets_.at(static_cast<std::size_t>(rank)) = parse_offsets(reader->path(), recorded->second);
+    }
     slot = std::move(reader);
   }
   return *slot;
@@ -372,6 +402,16 @@ const safetensors::TensorInfo& RankFiles::tensor(int rank, const std::string& na
     fail(file.path(), "tensor '" + name + "' is " + safetensors::format_dtype(t.dtype) + " " + to_string(t.shape) +
                           ", the index says " + (dtype ? std::string(dtype_name(*dtype)) + " " : "") + "[" +
                           std::to_string(count) + "]");
+  }
+  if (const auto& offsets = offsets_.at(static_cast<std::size_t>(rank))) {
+    const auto recorded = offsets->find(name);
+    if (recorded == offsets->end() || recorded->second != piece.offset) {
+      fail(file.path(), "holds tensor '" + name + "' " +
+                            (recorded == offsets->end() ? std::string("without a recorded offset")
+                                                        : "from element " + std::to_string(recorded->second)) +
+                            ", but the index places that piece at element " + std::to_string(piece.offset) +
+                            ": an edited index, or one of another checkpoint");
+    }
   }
   if (index_.has_checksums()) {
     const std::size_t blocks = block_count(t.end - t.begin);

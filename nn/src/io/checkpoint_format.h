@@ -9,6 +9,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ruda/nn/checkpoint.h>
@@ -35,6 +36,10 @@ static_assert(safetensors::kChunkBytes % kChecksumBlock == 0, "chunked reads mus
 /// IOError "checkpoint <where>: <what>".
 [[noreturn]] void fail(const std::string& where, const std::string& what);
 
+/// FNV-1a of `text`: the same value in every process of one build (std::hash need not be), for
+/// ranks comparing what each holds without sending it.
+std::uint64_t fingerprint(std::string_view text);
+
 std::string step_name(std::int64_t step);
 /// rank-00000-of-00002.safetensors; with `alternate`, rank-00000-of-00002.b.safetensors: the name a
 /// step saved again writes beside the plain one, which the index in place may still name (its
@@ -46,8 +51,13 @@ inline std::string model_tensor(const std::string& param) { return "model/" + pa
 inline std::string optim_tensor(const std::string& param, const std::string& state) {
   return "optim/" + param + "/" + state;
 }
-/// A rank file's own record of what it is: checked against the index on every read.
-std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step);
+/// A rank file's own record of what it is, checked against the index on every read: the rank,
+/// world size and step it was written for, and where each of its tensors' pieces starts in the
+/// flattened tensor (`offsets`: tensor name -> element offset). The offsets make an index whose
+/// pieces were reordered (self-consistent, every checksum matching) fail instead of loading
+/// permuted weights; files written before they were recorded lack them and are read as before.
+std::map<std::string, std::string> rank_file_metadata(int rank, int world, std::int64_t step,
+                                                      const std::map<std::string, std::int64_t>& offsets);
 
 /// Appends the hash of every kChecksumBlock-byte block of `data` (the last one shorter), 16 hex
 /// digits each. `data` must start on a block boundary of its piece.
@@ -89,6 +99,9 @@ struct IndexGroup {
 // nothing an index says can send a read or a write outside a tensor or a file.
 struct Index {
   std::string dir, path;  // the step directory and its index.json
+  // fingerprint() of index.json's text (read_index; 0 for an index parsed from JSON): ranks that
+  // load one checkpoint together compare it, wherever each finds the checkpoint.
+  std::uint64_t text_fingerprint = 0;
   int version = kVersion;
   std::int64_t step = 0;
   int world_size = 0;
@@ -136,6 +149,8 @@ class RankFiles {
   void check_identity(const safetensors::Reader& file, int rank) const;
   const Index& index_;
   std::vector<std::unique_ptr<safetensors::Reader>> readers_;
+  // Each open file's recorded piece offsets (none: a file written before they were recorded).
+  std::vector<std::optional<std::map<std::string, std::int64_t>>> offsets_;
 };
 
 /// Elements [first, first + count) of tensor `name` (one piece, of `elem`-byte elements) of

@@ -51,7 +51,10 @@ struct CheckpointInfo {
 /// under `dir`, keeping the newest `keep` checkpoints (0: keep all). Collective over comm. A step
 /// saved again keeps its old files and index until the new index replaces it: a failed or killed
 /// save leaves it whole. IOError on every rank, before anything is written, for an empty `dir`, a
-/// negative step or keep, or extra state that is not UTF-8.
+/// negative step or keep, extra state that is not UTF-8, or ranks that name different
+/// directories, steps or models. Every IOError it raises is raised on every rank alike (a rank's
+/// failed write names that rank and its error on all); only a collective's own failure
+/// (CollectiveError) is one rank's.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 
@@ -73,8 +76,10 @@ struct LoadOptions {
 /// stale, damaged or non-regular file raise IOError naming what is wrong, as does optimizer state
 /// of another kind of optimizer, with other state tensors, or of another dtype. Collective: the ranks
 /// agree on the outcome, so that if any rank fails every rank raises (the failing rank its own
-/// error, the others an IOError naming it and its error). After a failure the module's values
-/// are unspecified.
+/// error, the others an IOError naming it and its error). The ranks must load the same checkpoint
+/// (the same index.json, wherever each finds it) into the same model, with an optimizer on all or
+/// none: otherwise every rank raises an IOError naming the ranks that differ, before anything is
+/// loaded. After a failure while loading the module's values are unspecified.
 CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm,
                                const LoadOptions& options = {});
 
