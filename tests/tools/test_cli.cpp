@@ -209,6 +209,29 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
                  {"was saved with the optimizer groups decay (", "no_decay (", "this optimizer's are default ("});
 }
 
+TEST_CASE("lm: a resume on another text is refused; the same text under another name resumes") {
+  TempDir tmp;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "line " + std::to_string(i) + " of a small corpus\n";
+  std::ofstream(tmp / "a.txt") << text;
+  std::ofstream(tmp / "same.txt") << text;
+  std::ofstream(tmp / "b.txt") << text.substr(0, 1000) + "an edited line\n" + text.substr(1000);  // one more line
+  std::ofstream(tmp / "c.txt") << "X" + text.substr(1);  // the same size, edited at its start
+  const std::string lm = "lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 --eval-every 0 --log-every 0 ";
+  const Run saved = run(train(lm + "--steps 2 --text " + tmp / "a.txt" + " --checkpoint-dir " + tmp / "ck"));
+  REQUIRE_MESSAGE(saved.exit_code == 0, saved.output);
+  for (const char* other : {"b.txt", "c.txt"}) {
+    CAPTURE(other);
+    one_error_line(
+        run(train(lm + "--steps 3 --resume-latest --text " + tmp / other + " --checkpoint-dir " + tmp / "ck")),
+        {"--text", "differs from the --text", "would train on other samples"});
+  }
+  const Run resumed =
+      run(train(lm + "--steps 3 --resume-latest --text " + tmp / "same.txt" + " --checkpoint-dir " + tmp / "ck"));
+  CHECK_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK_MESSAGE(resumed.output.find("resumed from") != std::string::npos, resumed.output);
+}
+
 TEST_CASE("lm --recompute-gelu: the same losses, less memory per rank") {
   const std::string lm =
       "--emulate 2 lm --d-model 32 --layers 2 --heads 2 --context 32 --batch 8 --eval-every 0 --steps 3";
@@ -400,6 +423,21 @@ TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero
   one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(mpi_train(2, "mlp --limit 640"), "RUDA_COLLECTIVE_TIMEOUT=soon"),
                  {"RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
+}
+
+TEST_CASE("mpiexec: a checkpoint that cannot be saved mid-run ends every rank with one error line, no abort") {
+  // Step 5's directory is taken by a file: the save fails on rank 0 and every rank knows (the
+  // library agrees on it); each rank used to print it and then end the job through MPI_Abort.
+  TempDir tmp;
+  std::filesystem::create_directories(tmp / "c");
+  std::ofstream(tmp / "c/step-00000005") << "not a directory";
+  const Run r = run(mpi_train(2,
+                              "mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1 --log-every 0 "
+                              "--checkpoint-every 5 --checkpoint-dir " +
+                                  tmp / "c"));
+  one_error_line(r, {"checkpoint " + tmp / "c", "preparing the directory failed on rank 0", "is not a directory"});
+  CHECK_MESSAGE(r.output.find("MPI_ABORT") == std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("ruda: rank") == std::string::npos, r.output);
 }
 
 TEST_CASE("mpiexec: a run under --collective-timeout trains as usual") {

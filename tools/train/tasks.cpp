@@ -1,5 +1,8 @@
 #include "tasks.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
 #include <iostream>
 #include <mutex>
 #include <numbers>
@@ -117,9 +120,11 @@ struct LmTask : Task {
   std::shared_ptr<nn::GPT> model;
   // The text's first 9/10 trains, the rest validates; each rank reads only its own windows.
   std::optional<nn::TextWindows> train, validation;
+  std::string text_identity;  // the corpus in the data stream a checkpoint records
 
   LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
     const nn::TextCorpus corpus(c.text);
+    text_identity = identity_of(corpus);
     const std::int64_t train_end = corpus.size() * 9 / 10;
     // "- 2 < context", not "< context + 2", which wraps for a context near INT64_MAX.
     if (corpus.size() - train_end - 2 < cfg.context || train_end - 2 < cfg.context) {
@@ -155,7 +160,17 @@ struct LmTask : Task {
   std::int64_t samples_per_step() const override { return cfg.batch; }
   std::string where(std::int64_t) const override { return ""; }
   std::map<std::string, std::string> data_stream() const override {
-    return {{"--seed", std::to_string(cfg.seed)}, {"--batch", std::to_string(cfg.batch)}};
+    return {{"--seed", std::to_string(cfg.seed)}, {"--batch", std::to_string(cfg.batch)}, {"--text", text_identity}};
+  }
+  // The text as a resume compares it: its size and a hash of its first 4 KiB (another file, or
+  // the same one grown or edited at its start, is other samples), without reading all of it.
+  static std::string identity_of(const nn::TextCorpus& corpus) {
+    const std::vector<std::uint8_t> head = corpus.read(0, std::min<std::int64_t>(corpus.size(), 4096));
+    std::uint64_t h = 14695981039346656037ull;  // FNV-1a
+    for (const std::uint8_t b : head) h = (h ^ b) * 1099511628211ull;
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+    return std::to_string(corpus.size()) + " bytes, first 4 KiB " + hex;
   }
   Tensor loss(std::int64_t step) override { return loss_on(step, cfg.batch); }
   Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) override {
