@@ -492,7 +492,7 @@ struct MpiCommunicator::Impl {
                                       : cd::rank_list(missing) + " did not arrive at " + number;
     if (!silent.empty()) {
       out += "; " + cd::rank_list(silent) + " did not answer within " + format_collective_timeout(grace) +
-             " (the process is stopped or frozen, or its node is unreachable)";
+             " (its process has ended this communicator or exited, is stopped or frozen, or its node is unreachable)";
     }
     out += where_they_are;
     if (!arrived.empty() && !missing.empty()) out += "; " + cd::rank_list(arrived) + " arrived";

@@ -89,8 +89,8 @@ class MpiEnvironment {
 /// (their watchdogs answer even while they compute), prints
 ///   ruda: rank 0 of 3 failed: rank 0: all_gather(f32, 1024, "step 2") #3: not complete after the
 ///   collective timeout of 2 s (RUDA_COLLECTIVE_TIMEOUT): rank 2 did not arrive at collective #3;
-///   rank 2 did not answer within 1 s (the process is stopped or frozen, or its node is
-///   unreachable); rank 1 arrived
+///   rank 2 did not answer within 1 s (its process has ended this communicator or exited, is
+///   stopped or frozen, or its node is unreachable); rank 1 arrived
 /// and calls MPI_Abort. Nothing is thrown: a blocking MPI collective cannot be interrupted, and
 /// MPI's non-blocking collectives, which could be abandoned, are 1.3-3x slower here. A rank that
 /// is busy outside collectives answers "not in a collective (busy since #2 ... ended 600.0 s
