@@ -432,3 +432,41 @@ TEST_CASE("a communicator destroyed while its sharded model is used: a ShardingE
   check_throws<nn::ShardingError>([&] { layer->forward(ones({2, 4})); }, {"Param::value", "destroyed"});
   check_throws<nn::ShardingError>([&] { nn::grad_norm(layer->parameters()); }, {"grad_norm", "destroyed"});
 }
+
+TEST_CASE("a communicator or ShardMesh destroyed between forward and backward: a ShardingError, not a segfault") {
+  // The shard groups and their gradient sinks held the communicators by address: a backward after
+  // the mesh (which owns the node and cross-node communicators) was gone reduce-scattered through
+  // freed memory (a segfault).
+  EmulatedOptions two_nodes;
+  two_nodes.ranks_per_node = 2;
+  std::atomic<int> refused{0};
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        auto model = std::make_shared<nn::Sequential>();
+        model->push_back(std::make_shared<nn::Linear>(8, 16));
+        model->push_back(std::make_shared<nn::Linear>(16, 4));
+        Tensor y;
+        {
+          ShardMesh mesh = ShardMesh::by_node(comm);
+          nn::fully_shard(*model, mesh);
+          y = model->forward(ones({2, 8}));
+        }
+        check_throws<nn::ShardingError>([&] { sum(y).backward(); }, {"backward", "group", "destroyed", "ShardMesh"});
+        check_throws<nn::ShardingError>([&] { model->forward(ones({2, 8})); }, {"destroyed"});
+        ++refused;
+      },
+      two_nodes);
+  CHECK(refused == 4);
+  // Full sharding over a communicator the caller destroys (a split of the world).
+  run_ranks(2, [&](Communicator& comm) {
+    auto layer = std::make_shared<nn::Linear>(8, 4);
+    Tensor y;
+    {
+      std::unique_ptr<Communicator> part = comm.split(0, comm.rank());
+      nn::fully_shard(*layer, *part);
+      y = layer->forward(ones({2, 8}));
+    }
+    check_throws<nn::ShardingError>([&] { sum(y).backward(); }, {"backward", "destroyed"});
+  });
+}

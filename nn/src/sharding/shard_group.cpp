@@ -59,7 +59,8 @@ void GradientSink::issue(std::size_t b) {
   // waiting. A member without a node (frozen, or not used in this graph) contributes zeros.
   remaining[b] = 0;
   const ShardBucket& bucket = buckets[b];
-  const std::int64_t world = comm->world_size();
+  Communicator& c = comm.get("backward", tag);
+  const std::int64_t world = c.world_size();
   std::vector<Tensor> columns;
   for (const std::size_t i : bucket.members) {
     const Param p = ParamAccess::lock(params[i]);
@@ -74,8 +75,8 @@ void GradientSink::issue(std::size_t b) {
   const CollectiveOptions options{.tag = tag, .accumulate = bucket.accumulate};
   const std::shared_ptr<ShardGroup> owner = group.lock();
   works[b] = !owner || owner->schedule()->overlapping()
-                 ? comm->reduce_scatter_async(rows.reshape({-1}), options)
-                 : Work::completed(comm->reduce_scatter(rows.reshape({-1}), options));
+                 ? c.reduce_scatter_async(rows.reshape({-1}), options)
+                 : Work::completed(c.reduce_scatter(rows.reshape({-1}), options));
 }
 
 void GradientSink::flush() {
@@ -119,8 +120,9 @@ void GradientSink::reduce_across() {
       piece.add_(held.dtype() == piece.dtype() ? held : cast(held, piece.dtype()));
       replaces[bucket.members[m]] = 1;
     }
-    all_reduces[b] = replicate->all_reduce_async(sum, Reduction::sum,
-                                                 {.tag = tag + " across nodes", .accumulate = bucket.accumulate});
+    all_reduces[b] =
+        replicate.get("backward", tag)
+            .all_reduce_async(sum, Reduction::sum, {.tag = tag + " across nodes", .accumulate = bucket.accumulate});
   }
 }
 
@@ -221,7 +223,7 @@ bool ShardGroup::encloses(const ShardGroup& other) const noexcept {
 
 std::vector<ShardBucket> ShardGroup::make_buckets() const {
   std::vector<ShardBucket> buckets;
-  const auto world = static_cast<std::size_t>(comm_->world_size());
+  const auto world = static_cast<std::size_t>(comm_.get("gather", tag_).world_size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param p = param(i);
     const ShardInfo& info = *p.shard();
@@ -265,8 +267,9 @@ PendingGather ShardGroup::start_gather() const {
     }
     Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
     if (bucket.int8) local = pack_int8(local);
-    gather.works.push_back(schedule_->overlapping() ? comm_->all_gather_async(local, {.tag = tag_})
-                                                    : Work::completed(comm_->all_gather(local, {.tag = tag_})));
+    Communicator& c = comm_.get("gather", tag_);
+    gather.works.push_back(schedule_->overlapping() ? c.all_gather_async(local, {.tag = tag_})
+                                                    : Work::completed(c.all_gather(local, {.tag = tag_})));
   }
   return gather;
 }
@@ -286,7 +289,7 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
   auto out = std::make_shared<Values>();
   out->values.resize(params_.size());
   out->backward = backward;
-  const std::int64_t world = comm_->world_size();
+  const std::int64_t world = comm_.get("gather", tag_).world_size();
   for (std::size_t b = 0; b < gather.buckets.size(); ++b) {
     const ShardBucket& bucket = gather.buckets[b];
     Tensor full = gather.works[b].wait();
@@ -297,10 +300,11 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
       if (bad) {
         std::size_t m = 0;
         while (m + 1 < bucket.members.size() && bucket.offsets[m + 1] <= bad->offset) ++m;
-        fail<ShardingError>("gather (int8)", param(bucket.members[m]).shard()->describe(),
-                            " holds a NaN or an infinity (in rank ", bad->rank, "'s slice",
-                            replicate_ ? " on node " + std::to_string(replicate_->rank()) : std::string(),
-                            "): its gather cannot be quantized to int8");
+        fail<ShardingError>(
+            "gather (int8)", param(bucket.members[m]).shard()->describe(), " holds a NaN or an infinity (in rank ",
+            bad->rank, "'s slice",
+            replicate_ ? " on node " + std::to_string(replicate_.get("gather", tag_).rank()) : std::string(),
+            "): its gather cannot be quantized to int8");
       }
     }
     for (std::size_t m = 0; m < bucket.members.size(); ++m) {
@@ -605,7 +609,7 @@ void ShardSchedule::end_backward() {
   // from earlier micro-batches; they cross nodes now, or the replicas would step apart. The flags
   // are alike on every rank (every rank runs the same program), and so are these all-reduces.
   if (replicate_ && requires_all_reduce_) {
-    for (ShardGroup* g : groups_) g->all_reduce_partial_gradients(*replicate_);
+    for (ShardGroup* g : groups_) g->all_reduce_partial_gradients(replicate_.get("backward", "the partial gradients"));
   }
   enter_phase(false);
   if (!report_.decided && probing == 0) time_step();
@@ -638,11 +642,13 @@ void ShardSchedule::time_step() {
   }
   // The ranks must agree (prefetching changes the order of the backward's collectives): the
   // slowest rank's medians decide, the same on every rank.
-  Tensor medians = comm_->all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64),
-                                     Reduction::max, {.tag = "shard groups: the overlap trial's step times"});
+  Tensor medians = comm_.get("shard groups", "the overlap trial")
+                       .all_reduce(from_values({median(trial_[1]), median(trial_[0])}, {2}, DType::f64), Reduction::max,
+                                   {.tag = "shard groups: the overlap trial's step times"});
   // Hybrid: every node decides alike too, so that the ranks' collectives interleave alike.
   if (replicate_) {
-    medians = replicate_->all_reduce(medians, Reduction::max, {.tag = "shard groups: the overlap trial across nodes"});
+    medians = replicate_.get("shard groups", "the overlap trial")
+                  .all_reduce(medians, Reduction::max, {.tag = "shard groups: the overlap trial across nodes"});
   }
   const std::vector<double> slowest = medians.to_vector<double>();
   report_ = OverlapReport{.decided = true,

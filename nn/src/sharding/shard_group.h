@@ -33,6 +33,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ruda/collectives.h>
@@ -73,14 +74,39 @@ struct PendingGather {
   std::vector<std::uint64_t> versions;  // and its versions (to notice an in-place update)
 };
 
+/// A communicator the sharded model keeps by address after fully_shard returns, with the token
+/// that expires when it is destroyed (Communicator::liveness()). Reached only through get(),
+/// which raises a ShardingError naming the operation where the communicator (or the ShardMesh
+/// that owned it) is gone, instead of calling into freed memory; address() compares identities.
+class CommRef {
+ public:
+  CommRef() = default;
+  explicit CommRef(Communicator* comm) : comm_(comm), alive_(comm ? comm->liveness() : std::weak_ptr<const void>()) {}
+  Communicator* address() const noexcept { return comm_; }
+  explicit operator bool() const noexcept { return comm_ != nullptr; }
+  /// The communicator; ShardingError "<op>: <of>: ..." where it was destroyed.
+  Communicator& get(std::string_view op, std::string_view of) const {
+    if (alive_.expired()) {
+      fail<ShardingError>(op, of,
+                          ": the communicator the model was sharded over (fully_shard) was destroyed: keep "
+                          "it, and a ShardMesh, alive while the model is used");
+    }
+    return *comm_;
+  }
+
+ private:
+  Communicator* comm_ = nullptr;
+  std::weak_ptr<const void> alive_;
+};
+
 /// Where the gradient nodes of one unshard deposit: each use of a full value in a pass records a
 /// node (so that separate graphs free theirs separately); the nodes of a bucket sum into one
 /// gradient per parameter, and when the last has run, the bucket's gradients go into one buffer
 /// and one reduce-scatter. Holds no full value (the values' nodes hold the sink), so nothing keeps
 /// a gathered weight alive through it.
 struct GradientSink : std::enable_shared_from_this<GradientSink> {
-  Communicator* comm = nullptr;
-  Communicator* replicate = nullptr;  // hybrid: each reduced shard is all-reduced over it
+  CommRef comm;
+  CommRef replicate;  // hybrid: each reduced shard is all-reduced over it
   std::string tag;
   std::vector<std::weak_ptr<Param::State>> params;  // weak: a parameter's shard info holds its group
   std::vector<ShardBucket> buckets;
@@ -133,9 +159,10 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   std::size_t size() const noexcept { return params_.size(); }
   /// The group's parameter `index` (ShardingError if its module was destroyed).
   Param param(std::size_t index) const;
-  Communicator& comm() const noexcept { return *comm_; }
-  /// Hybrid sharding: the communicator across nodes; null under full sharding.
-  Communicator* replicate() const noexcept { return replicate_; }
+  /// The communicator it is sharded over, for identity comparisons only (CommRef).
+  Communicator* comm() const noexcept { return comm_.address(); }
+  /// Hybrid sharding: the communicator across nodes, for identity comparisons; null under full sharding.
+  Communicator* replicate() const noexcept { return replicate_.address(); }
   const std::shared_ptr<ShardSchedule>& schedule() const noexcept { return schedule_; }
   void join(std::shared_ptr<ShardSchedule> schedule) noexcept { schedule_ = std::move(schedule); }
   /// The group whose module encloses this one's (made by a later fully_shard on an ancestor).
@@ -185,8 +212,8 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   std::string name_, tag_;
   const Module* module_;
   std::vector<std::weak_ptr<Param::State>> params_;  // weak: each parameter's shard info holds the group
-  Communicator* comm_;
-  Communicator* replicate_;
+  CommRef comm_;
+  CommRef replicate_;
   ShardGroup* parent_ = nullptr;
   std::shared_ptr<ShardSchedule> schedule_;
   std::shared_ptr<Values> values_;
@@ -200,8 +227,8 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
  public:
   ShardSchedule(Communicator& comm, const FullyShardOptions& options) : comm_(&comm) { set_options(options); }
 
-  void set_options(const FullyShardOptions& options) noexcept {
-    replicate_ = options.replicate;
+  void set_options(const FullyShardOptions& options) {
+    replicate_ = CommRef(options.replicate);
     prefetch_ = options.prefetch;
     max_unsharded_ = options.max_unsharded_groups;
     overlap_ = options.overlap;
@@ -265,9 +292,9 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   /// backward gathered them; one neither unsharded nor done with this backward.
   ShardGroup* next_backward_gather() const;
 
-  static thread_local int probing;     // Probing scopes alive on this thread
-  Communicator* comm_;                 // the decision's all-reduce
-  Communicator* replicate_ = nullptr;  // hybrid: the decision's all-reduce across nodes too
+  static thread_local int probing;  // Probing scopes alive on this thread
+  CommRef comm_;                    // the decision's all-reduce
+  CommRef replicate_;               // hybrid: the decision's all-reduce across nodes too
   bool prefetch_ = true;
   bool requires_all_reduce_ = true;
   int max_unsharded_ = 2;

@@ -267,7 +267,7 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
     if (param.is_sharded()) {
       const auto& held = param.shard()->group;
       if (!options.group || !held) fail<ShardingError>(op, "parameter '", name, "' is sharded already");
-      if (&held->comm() != &comm)
+      if (held->comm() != &comm)
         fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
       if (held->replicate() != options.replicate) {
         fail<ShardingError>(op, "parameter '", name, "' is ",
