@@ -104,8 +104,12 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
     target_weight =
         reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()) * keep_f;
   }
+  // Ignored rows are selected out, never multiplied by 0: their log-probabilities may be -inf or
+  // NaN (logits masked with -inf in a padded batch), and -inf * 0 made the whole loss NaN where
+  // PyTorch's (which skips them) is finite. The selection also passes them no gradient.
+  const Tensor none = zeros({}, like);
   const Tensor picked = squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1);
-  Tensor loss = -(picked * target_weight);
+  Tensor loss = where(keep, -(picked * target_weight), none);
   if (options.label_smoothing > 0.0) {
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
     // The classes' mean in f32 for 16-bit log-probabilities (an f16 sum over many classes is
@@ -114,7 +118,7 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
     const Tensor class_mean = is_16bit_float(dtype)
                                   ? cast(sum(cast(weighted, DType::f32), {-1}) / static_cast<double>(classes), dtype)
                                   : sum(weighted, {-1}) / static_cast<double>(classes);
-    const Tensor smooth = -class_mean * keep_f;
+    const Tensor smooth = where(keep, -class_mean, none);
     loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
   }
   switch (options.reduction) {
@@ -137,11 +141,10 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
         mean_loss = sum(cast(loss, acc)) * 0.0 + std::numeric_limits<double>::quiet_NaN();
       } else {
         // Kept targets whose class weights sum to 0: 0 / 0 as well, and PyTorch's gradient is
-        // NaN on the kept rows (their weight times 1 / 0) and 0 on the ignored ones. A select,
-        // not the mask's product, keeps the ignored rows' 1 / 0 from reaching them. The NaN added
+        // NaN on the kept rows (their weight times 1 / 0) and 0 on the ignored ones: the select that
+        // made `loss` keeps the ignored rows' 1 / 0 from reaching them. The NaN added
         // makes the value PyTorch's too where label smoothing leaves a non-zero sum over 0 (inf).
-        mean_loss =
-            sum(cast(where(keep, loss, zeros({}, like)), acc)) / total + std::numeric_limits<double>::quiet_NaN();
+        mean_loss = sum(cast(loss, acc)) / total + std::numeric_limits<double>::quiet_NaN();
       }
       return acc == dtype ? mean_loss : cast(mean_loss, dtype);
     }
