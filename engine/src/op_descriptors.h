@@ -409,16 +409,21 @@ struct Unary<UnaryOp::softplus> {
       .forward = {DnnlAlg::soft_relu},
       .backward = {DnnlAlg::soft_relu},
       .backward_slower = Slower::always,
-      .avoid_forward = "oneDNN's soft_relu is inaccurate (even negative) for negative inputs"};
+      .avoid_forward = "oneDNN's soft_relu is inaccurate (even negative) for negative inputs",
+      .avoid_backward = "oneDNN's soft_relu has no threshold (PyTorch's softplus is x past 20, its gradient 1)"};
+  /// PyTorch's softplus (beta 1, threshold 20): x itself past the threshold, where log1p(exp(-x))
+  /// is below 2.1e-9, and a gradient of exactly 1 there.
+  static constexpr double kThreshold = 20.0;
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     using T = scalar_of<X>;
     const T zero(0);
-    y = x.max(zero) + vector_exp(-x.abs()).log1p();
+    y = (x > T(kThreshold)).select(x, x.max(zero) + vector_exp(-x.abs()).log1p());
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {
-    gx = gy * vector_logistic(x);
+    using T = scalar_of<X>;
+    gx = (x > T(kThreshold)).select(gy, gy * vector_logistic(x));
   }
 };
 

@@ -97,7 +97,12 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
 namespace {
 Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool log) {
   detail::require_float(name, x);
-  if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
+  if (x.ndim() == 0) {
+    // A scalar along axis 0 (or -1) is a row of one (PyTorch's): softmax 1, log_softmax 0 (NaN
+    // and infinities as such a row gives them), with its gradient.
+    normalize_axis(axis, 1, name);
+    return reshape(softmax_impl(name, reshape(x, {1}), 0, log), {});
+  }
   const int a = normalize_axis(axis, x.ndim(), name);
   Tensor out = make_tensor(x.shape(), x.dtype(), x.backend(), name);
   if (out.numel()) x.backend().softmax(view_of(detail::dense(x)), view_of(out), a, log);

@@ -22,6 +22,9 @@ Tensor binary_forward(BinaryOp op, const char* name, const Tensor& a, const Tens
   detail::require_defined(name, b);
   detail::require_same_dtype(name, a, b);
   if (a.dtype() == DType::boolean && !(op == BinaryOp::eq || op == BinaryOp::ne)) {
+    // Ordered comparisons of bools compare them as 0 and 1 (PyTorch's False < True); arithmetic
+    // on bools is refused.
+    if (is_comparison(op)) return binary_forward(op, name, cast(a, DType::i64), cast(b, DType::i64));
     fail<DTypeError>(name, "is not defined on bool tensors ", a.shape(), " and ", b.shape());
   }
   const Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_shapes(a.shape(), b.shape(), name);
@@ -88,10 +91,8 @@ Tensor integer_comparison(BinaryOp op, const char* name, const Tensor& a, double
 Tensor compare_with_number(BinaryOp op, const char* name, const Tensor& a, double b) {
   detail::require_defined(name, a);
   if (is_floating(a.dtype())) return binary_forward(op, name, a, scalar_like(b, a));
-  if (a.dtype() == DType::boolean && !(op == BinaryOp::eq || op == BinaryOp::ne)) {
-    return binary_forward(op, name, a, scalar_like(0.0, a));  // raises: not defined on bool
-  }
-  return integer_comparison(op, name, a, b);
+  // Bools compare as 0 and 1, exactly (lt(mask, 0.5) is the mask's false entries).
+  return integer_comparison(op, name, a.dtype() == DType::boolean ? cast(a, DType::i64) : a, b);
 }
 
 std::vector<Tensor> two(Tensor a, Tensor b) { return {std::move(a), std::move(b)}; }

@@ -74,8 +74,8 @@ Tensor spread(const Tensor& g, const Shape& kept, const Shape& x_shape) { return
 
 Tensor sum(const Tensor& x, const Axes& axes, bool keepdim) {
   detail::require_defined("sum", x);
-  if (x.dtype() == DType::boolean)
-    fail<DTypeError>("sum", "is not defined on bool tensor ", x.shape(), "; cast it first");
+  // A bool tensor's sum counts its true entries, as an i64 tensor (PyTorch's).
+  if (x.dtype() == DType::boolean) return sum(cast(x, DType::i64), axes, keepdim);
   const Reduction r = plan("sum", x, axes, keepdim);
   Tensor out = reduce_forward(ReduceOp::sum, "sum", x, r, x.dtype());
   if (autograd::needs_grad(x)) {
@@ -139,7 +139,11 @@ namespace {
 Tensor arg_extremum(ReduceOp op, const char* name, const Tensor& x, std::int64_t axis, bool keepdim) {
   detail::require_defined(name, x);
   if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
-  if (x.ndim() == 0) fail<ShapeError>(name, "needs at least one dimension, got a scalar");
+  if (x.ndim() == 0) {
+    // A scalar is its own only element along axis 0 (or -1): index 0, as PyTorch's.
+    normalize_axis(axis, 1, name);
+    return zeros({}, Options(DType::i64, &x.backend()));
+  }
   const Reduction r = plan(name, x, {axis}, keepdim);
   if (r.count == 0) fail<ShapeError>(name, "cannot search an empty axis of ", x.shape());
   return reduce_forward(op, name, x, r, DType::i64);

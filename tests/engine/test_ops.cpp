@@ -174,6 +174,21 @@ TEST_CASE("unary math in every float dtype") {
   }
   // softplus stays finite for large inputs.
   CHECK_CLOSE(softplus(values({100, -100}, {2})), {100, 0}, {2}, 1e-6, 1e-6);
+  // PyTorch's threshold: x itself past 20 (log1p(exp(-20.25)) = 1.6e-9 is dropped), gradient
+  // exactly 1; at 20 and below the exact value.
+  const Tensor around = values({19.5, 20.0, 20.25, 30.0}, {4}, DType::f64).set_requires_grad();
+  const Tensor sp = softplus(around);
+  const std::vector<double> got = sp.to_vector<double>();
+  CHECK(got[0] == doctest::Approx(19.5 + std::log1p(std::exp(-19.5))).epsilon(1e-15));
+  CHECK(got[1] == doctest::Approx(20.0 + std::log1p(std::exp(-20.0))).epsilon(1e-15));
+  CHECK(got[1] != 20.0);
+  CHECK(got[2] == 20.25);
+  CHECK(got[3] == 30.0);
+  sum(sp).backward();
+  const std::vector<double> g = around.grad().to_vector<double>();
+  CHECK(g[1] < 1.0);
+  CHECK(g[2] == 1.0);
+  CHECK(g[3] == 1.0);
 }
 
 TEST_CASE("erf against std::erf, forward and backward, in every float dtype") {
@@ -1149,5 +1164,40 @@ TEST_CASE("logsumexp of long contiguous lines against a double reference, with -
       CHECK(logsumexp(from_values(w, {n}, d)).item() == inf);
       CHECK(logsumexp(full({n}, -inf, d)).item() == -inf);
     }
+  }
+}
+
+TEST_CASE("PyTorch's semantics at the edges: bool comparisons and sums, a scalar's softmax and argmax") {
+  const Tensor mask = values({1, 0, 1, 1}, {4}, DType::boolean);
+  // Bools compare as 0 and 1 (False < True), with numbers exactly.
+  CHECK(lt(mask, 0.5).to_vector<double>() == std::vector<double>{0, 1, 0, 0});
+  CHECK(ge(mask, 1.0).to_vector<double>() == std::vector<double>{1, 0, 1, 1});
+  CHECK(gt(mask, -3.0).to_vector<double>() == std::vector<double>{1, 1, 1, 1});
+  const Tensor other = values({0, 0, 1, 0}, {4}, DType::boolean);
+  CHECK(gt(mask, other).to_vector<double>() == std::vector<double>{1, 0, 0, 1});
+  CHECK(lt(mask, other).dtype() == DType::boolean);
+  test::check_throws<DTypeError>([&] { add(mask, other); }, {"add", "bool"});
+  // A bool sum counts the true entries, in i64.
+  const Tensor count = sum(mask);
+  CHECK(count.dtype() == DType::i64);
+  CHECK(count.item() == 3);
+  CHECK(sum(reshape(mask, {2, 2}), {1}).to_vector<double>() == std::vector<double>{1, 2});
+  // A scalar along axis 0 or -1 is a row of one.
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    const Tensor s = scalar(2.5, d).set_requires_grad();
+    const Tensor p = softmax(s, 0);
+    CHECK(p.shape() == Shape{});
+    CHECK(p.item() == 1.0);
+    CHECK(log_softmax(s, -1).item() == 0.0);
+    (p * 3.0).backward();
+    CHECK(s.grad().item() == 0.0);
+    const Tensor i = argmax(scalar(7.0, d), 0);
+    CHECK(i.dtype() == DType::i64);
+    CHECK(i.shape() == Shape{});
+    CHECK(i.item() == 0);
+    CHECK(argmin(scalar(std::nan(""), d), -1).item() == 0);
+    test::check_throws<IndexError>([&] { softmax(s, 1); }, {"softmax"});
+    test::check_throws<IndexError>([&] { argmax(scalar(1.0, d), 1); }, {"argmax"});
   }
 }

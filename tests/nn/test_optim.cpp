@@ -186,7 +186,14 @@ TEST_CASE("clip_grad_norm on dense parameters") {
   CHECK(nn::clip_grad_norm({a, b}, 1) == doctest::Approx(5));
   CHECK_CLOSE(a.grad(), {0.6, 0}, {2}, 1e-6, 1e-6);
   CHECK_CLOSE(b.grad(), {0, 0.8}, {2}, 1e-6, 1e-6);
-  test::check_throws<ArgumentError>([&] { nn::clip_grad_norm({a}, 0); }, {"max_norm"});
+  test::check_throws<ArgumentError>([&] { nn::clip_grad_norm({a}, -1); }, {"max_norm", "-1"});
+  test::check_throws<ArgumentError>([&] { nn::clip_grad_norm({a}, std::nan("")); }, {"max_norm", "nan"});
+  {  // max_norm 0, as PyTorch: the norm returned, every gradient 0
+    auto z = param({3, 4});
+    set_grad(z, {3, 4});
+    CHECK(nn::clip_grad_norm({z}, 0) == doctest::Approx(5));
+    CHECK_CLOSE(z.grad(), {0, 0}, {2});
+  }
   // As PyTorch 1.13 and 2.x: a NaN norm makes every gradient NaN (the step would otherwise apply
   // the finite ones and the NaN); a norm equal to max_norm scales by max_norm / (max_norm + 1e-6).
   auto c = param({3, 0}), d = param({12});

@@ -261,6 +261,8 @@ constexpr bool is_valid(GeluApproximation a) noexcept {
 }
 Tensor gelu(const Tensor& x, GeluApproximation approximation = GeluApproximation::erf);
 Tensor silu(const Tensor& x);
+/// log(1 + exp(x)); x itself where x > 20 (gradient 1), as PyTorch's softplus with its default
+/// threshold.
 Tensor softplus(const Tensor& x);
 /// The error function, 2 / sqrt(pi) * integral of exp(-t^2) from 0 to x.
 Tensor erf(const Tensor& x);

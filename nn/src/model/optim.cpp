@@ -325,7 +325,8 @@ double grad_norm(const std::vector<Param>& params, Communicator* comm) {
 }
 
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm) {
-  if (!(max_norm > 0)) fail<ArgumentError>("clip_grad_norm", "max_norm must be positive, got ", max_norm);
+  // 0 is allowed, as in PyTorch: every gradient becomes 0 (the norm is still returned).
+  if (!(max_norm >= 0)) fail<ArgumentError>("clip_grad_norm", "max_norm must be 0 or more, got ", max_norm);
   const double norm = std::sqrt(squared_norm(params, comm, "clip_grad_norm"));
   // PyTorch's factor, clamped at 1: it scales from max_norm - 1e-6 up (the norm equal to max_norm
   // included), and a NaN norm makes every gradient NaN (no comparison is true for NaN, so a

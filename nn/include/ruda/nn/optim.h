@@ -179,11 +179,11 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps =
 }  // namespace schedules
 
 /// Clips the global gradient norm to max_norm (scaling every gradient by max_norm / (norm + 1e-6)
-/// where that is below 1, as PyTorch's; a NaN norm makes every gradient NaN) and returns the norm
-/// before clipping. Correct on shards: squares of sharded gradients are summed over each local
-/// slice without its padding and all-reduced over the communicator fully_shard sharded them over
-/// (under hybrid sharding the node's, where one replica's shards make the whole), or over `comm`
-/// for parameters sharded without one (ShardedParameter; then required); dense (replicated)
+/// where that is below 1, as PyTorch's; a NaN norm makes every gradient NaN; max_norm 0 zeroes
+/// them; a negative or NaN max_norm is an ArgumentError) and returns the norm before clipping. Correct on shards:
+/// squares of sharded gradients are summed over each local slice without its padding and all-reduced over the
+/// communicator fully_shard sharded them over (under hybrid sharding the node's, where one replica's shards make the
+/// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required); dense (replicated)
 /// gradients count once. Every rank gets the same norm.
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm = nullptr);
 /// The same norm without clipping.
