@@ -1201,3 +1201,49 @@ TEST_CASE("PyTorch's semantics at the edges: bool comparisons and sums, a scalar
     test::check_throws<IndexError>([&] { argmax(scalar(1.0, d), 1); }, {"argmax"});
   }
 }
+
+TEST_CASE("arithmetic with a number on f16 and bf16 computes in f32 with the number as f32, as PyTorch") {
+  // PyTorch 2.15's values (y * 1.005 and so on, y = [100, 3, 0.7, 1000] in the dtype): rounding
+  // the number to the dtype first gave bf16 y * 1.005 = [101, 3.03125, 0.703125, 1008]. (1.005 - y
+  // is PyTorch's rsub, which does convert the number: see below.)
+  struct Case {
+    DType dtype;
+    std::vector<std::vector<double>> expected;  // y*1.005, y/1.005, y+0.001, 1.005-y, 2/y, y*0.5
+  };
+  const std::vector<Case> cases = {
+      {DType::bf16,
+       {{100.5, 3.015625, 0.703125, 1004.0},
+        {99.5, 2.984375, 0.6953125, 996.0},
+        {100.0, 3.0, 0.69921875, 1000.0},
+        {-99.0, -1.9921875, 0.30859375, -1000.0},
+        {0.02001953125, 0.66796875, 2.859375, 0.0019989013671875},
+        {50.0, 1.5, 0.349609375, 500.0}}},
+      {DType::f16,
+       {{100.5, 3.015625, 0.70361328125, 1005.0},
+        {99.5, 2.984375, 0.69677734375, 995.0},
+        {100.0, 3.001953125, 0.701171875, 1000.0},
+        {-99.0, -1.9951171875, 0.3046875, -999.0},
+        {0.0200042724609375, 0.66650390625, 2.85546875, 0.0020008087158203125},
+        {50.0, 1.5, 0.35009765625, 500.0}}},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(dtype_name(c.dtype));
+    const Tensor y = values({100, 3, 0.7, 1000}, {4}, c.dtype).set_requires_grad();
+    const std::vector<Tensor> got = {y * 1.005, y / 1.005, y + 0.001, 1.005 - y, 2.0 / y, y * 0.5};
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i].dtype() == c.dtype);
+      CHECK(got[i].to_vector<double>() == c.expected[i]);
+    }
+    // The gradient flows through the f32 detour, back in the tensor's dtype.
+    sum(y * 1.005).backward();
+    CHECK(y.grad().dtype() == c.dtype);
+    CHECK(y.grad().to_vector<double>()[0] == (c.dtype == DType::bf16 ? 1.0078125 : 1.0048828125));
+  }
+  // The reflected forms are PyTorch's: number - t converts the number first (1.005 - y above:
+  // bf16(1.005) - 0.69921875 = 0.30859375), number / t is reciprocal(t) * number.
+  const Tensor y = values({100, 3, 0.7, 1000}, {4}, DType::bf16);
+  CHECK((2.3 / y).to_vector<double>() == std::vector<double>{0.0230712890625, 0.76953125, 3.28125, 0.0023040771484375});
+  const Tensor z = arange(1, 2000, 1, Options(DType::f32)) * 0.37;
+  CHECK((3.3 / z).to_vector<double>() == (reciprocal(z) * 3.3).to_vector<double>());
+}
