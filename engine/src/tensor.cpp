@@ -499,19 +499,24 @@ Tensor empty(const Shape& shape, Options options) {
   return finish(detail::make_tensor(shape, options.dtype, backend_or_default(options), "empty"), options);
 }
 
-Tensor full(const Shape& shape, double value, Options options) {
-  check_enum<DTypeError>(options.dtype, "full", "dtype");
+namespace {
+// full's work, its errors named by the function the caller called (zeros, ones, scalar...).
+Tensor filled(const char* op, const Shape& shape, double value, Options options) {
+  check_enum<DTypeError>(options.dtype, op, "dtype");
   // Before allocating: a refused value must not first cost (or fail on) a large allocation.
-  detail::require_exact_scalar("full", value, options.dtype, shape);  // full(.., 2.7, i64) gave 2, NaN gave 0
-  Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), "full");
+  detail::require_exact_scalar(op, value, options.dtype, shape);  // full(.., 2.7, i64) gave 2, NaN gave 0
+  Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), op);
   if (t.numel()) t.backend().fill(detail::view_of(t), value);
   return finish(std::move(t), options);
 }
-Tensor zeros(const Shape& shape, Options options) { return full(shape, 0.0, options); }
-Tensor ones(const Shape& shape, Options options) { return full(shape, 1.0, options); }
+}  // namespace
+
+Tensor full(const Shape& shape, double value, Options options) { return filled("full", shape, value, options); }
+Tensor zeros(const Shape& shape, Options options) { return filled("zeros", shape, 0.0, options); }
+Tensor ones(const Shape& shape, Options options) { return filled("ones", shape, 1.0, options); }
 Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), Options(like.dtype(), &like.backend())); }
 Tensor ones_like(const Tensor& like) { return ones(like.shape(), Options(like.dtype(), &like.backend())); }
-Tensor scalar(double value, Options options) { return full({}, value, options); }
+Tensor scalar(double value, Options options) { return filled("scalar", {}, value, options); }
 
 namespace {
 // arange in i64, exactly: through f64, values past 2^53 repeated (2^53, 2^53, 2^53 + 2) and a

@@ -232,6 +232,23 @@ TEST_CASE("lm: a resume on another text is refused; the same text under another 
   CHECK_MESSAGE(resumed.output.find("resumed from") != std::string::npos, resumed.output);
 }
 
+TEST_CASE("lm: sampling a checkpoint (--steps 0 --resume) trains nothing and says so; a total below it too") {
+  TempDir tmp;
+  const std::string lm = "lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 --eval-every 0 --log-every 0 ";
+  const Run saved = run(train(lm + "--steps 3 --checkpoint-dir " + tmp / "ck"));
+  REQUIRE_MESSAGE(saved.exit_code == 0, saved.output);
+  // (It printed "-3 steps" in the banner and "done: -3 steps".)
+  const Run sampled = run(train(lm + "--steps 0 --resume " + tmp / "ck" + " --sample 12 --prompt ab"));
+  CHECK_MESSAGE(sampled.exit_code == 0, sampled.output);
+  CHECK_MESSAGE(sampled.output.find(", 0 steps\n") != std::string::npos, sampled.output);
+  CHECK_MESSAGE(sampled.output.find("done: 0 steps") != std::string::npos, sampled.output);
+  CHECK_MESSAGE(sampled.output.find(" -3 steps") == std::string::npos, sampled.output);
+  const Run below = run(train(lm + "--steps 2 --resume " + tmp / "ck"));
+  CHECK_MESSAGE(below.exit_code == 0, below.output);
+  CHECK_MESSAGE(below.output.find("done: 0 steps") != std::string::npos, below.output);
+  CHECK_MESSAGE(below.output.find("saved by 1 rank, now 1)") != std::string::npos, below.output);
+}
+
 TEST_CASE("lm --recompute-gelu: the same losses, less memory per rank") {
   const std::string lm =
       "--emulate 2 lm --d-model 32 --layers 2 --heads 2 --context 32 --batch 8 --eval-every 0 --steps 3";

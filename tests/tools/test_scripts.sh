@@ -57,6 +57,11 @@ case "$case_name" in
     expect "step 2/2"
     expect "fully sharded over 4 mpi ranks"
     grep -q "Primary job" "$log" && fail "OpenMPI's banner after the agreed refusal (mpiexec --quiet)"
+    # The README's own configuration, for 2 steps (~40 s, ~1 GB over the 4 ranks): over 256 MB as
+    # configured at 4 ranks, it takes the fewest concessions that fit.
+    "$root/tools/demo-large" --steps 2 >"$log" 2>&1 || fail "tools/demo-large exited $?"
+    expect "with 2 unsharded groups, recompute is over the limit of 256 MB; chose 1 unsharded group"
+    expect "step 2/2"
     ;;
   bench-list)
     "$root/tools/bench" --list >"$log" 2>&1 || fail "tools/bench --list exited $?"
@@ -64,9 +69,15 @@ case "$case_name" in
     # Integer options refuse what CLI11 would saturate (as ruda-train's and ruda-ckpt's do).
     if "$root/tools/bench" --repeats 99999999999999999999 --suite gemm >"$log" 2>&1; then fail "--repeats past int accepted"; fi
     expect "--repeats: must be a whole number"
+    if "$root/tools/bench" --repeats 0 --suite gemm >"$log" 2>&1; then fail "--repeats 0 accepted"; fi
+    expect "--repeats: must be at least 1, got 0"
+    if "$root/tools/bench" --backend bogus --suite gemm >"$log" 2>&1; then fail "--backend bogus accepted"; fi
+    expect "unknown backend 'bogus'"
+    grep -q "terminate called" "$log" && fail "an uncaught exception"
     ;;
   bench-quick)
-    suites=(kernels attention models layer-norm checkpoint onednn-kernels)
+    suites=(kernels attention models layer-norm checkpoint onednn-kernels gemm gemm-onednn op-overhead memory optimizer
+      data collectives mlp)
     args=()
     for suite in "${suites[@]}"; do args+=(--suite "$suite"); done
     "$root/tools/bench" --quick "${args[@]}" >"$log" 2>&1 || fail "tools/bench --quick exited $?"

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--suite", selected, "Suites to run (repeatable; default: all)");
   app.add_option("--backend", backends, "Backends to measure (repeatable; default: every built backend)");
   app.add_flag("--json", json, "One JSON object per figure instead of a table");
-  ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(CLI::PositiveNumber);
+  ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(ruda::cli::at_least(1));
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
   CLI11_PARSE(app, argc, argv);
@@ -62,6 +62,15 @@ int main(int argc, char** argv) {
     }
   }
   if (backends.empty()) backends = ruda::available_backends();
+  const std::vector<std::string> built = ruda::available_backends();
+  for (const auto& b : backends) {
+    if (std::find(built.begin(), built.end(), b) == built.end()) {
+      std::string names;
+      for (const auto& n : built) names += (names.empty() ? "" : ", ") + n;
+      std::cerr << "ruda-bench: unknown backend '" << b << "' (built: " << names << ")\n";
+      return 2;
+    }
+  }
 
   bool header = false;
   ctx.report = [&](const Result& r) {

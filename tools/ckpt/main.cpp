@@ -51,8 +51,9 @@ int main(int argc, char** argv) {
   try {
     if (list->parsed()) {
       const nn::CheckpointSummary s = nn::describe_checkpoint(path);
-      std::cout << s.info.directory << ": step " << s.info.step << ", " << s.info.world_size << " ranks, "
-                << s.params.size() << " parameters" << (s.checksums ? "" : ", no checksums (format version 1)");
+      std::cout << s.info.directory << ": step " << s.info.step << ", " << s.info.world_size
+                << (s.info.world_size == 1 ? " rank, " : " ranks, ") << s.params.size() << " parameters"
+                << (s.checksums ? "" : ", no checksums (format version 1)");
       if (s.optimizer_steps >= 0) std::cout << ", optimizer state after " << s.optimizer_steps << " steps";
       std::cout << "\n";
       // Each parameter's count fits int64 (the index is validated), their sum need not: counted in
@@ -79,7 +80,7 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << output << "\n";
     } else if (split->parsed()) {
       const nn::CheckpointInfo info = nn::split_checkpoint(path, world, output, step);
-      std::cout << "wrote " << info.directory << " for " << world << " ranks\n";
+      std::cout << "wrote " << info.directory << " for " << world << (world == 1 ? " rank\n" : " ranks\n");
     }
   } catch (const std::exception& e) {
     std::cerr << "ruda-ckpt: error: " << e.what() << std::endl;

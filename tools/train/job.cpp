@@ -284,11 +284,14 @@ void run(const Config& cfg, Communicator& comm) {
   if (main_rank && !resumed.directory.empty()) {
     // Hybrid: one replica saved it, so it was saved by the ranks of one node.
     std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
-              << resumed.world_size << " ranks, now " << (mesh ? mesh->describe() : std::to_string(comm.world_size()))
-              << ")" << std::endl;
+              << resumed.world_size << (resumed.world_size == 1 ? " rank" : " ranks") << ", now "
+              << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
   }
 
   const std::int64_t total = task->total_steps();
+  // The steps this run trains: none when it resumes at or past the total (--steps 0 --resume
+  // DIR samples a checkpoint; a total below the checkpoint's step trains nothing more).
+  const std::int64_t steps_to_train = std::max<std::int64_t>(0, total - start_step);
   train::Metrics metrics;
   setup_phase(comm, [&] {
     if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
@@ -312,7 +315,7 @@ void run(const Config& cfg, Communicator& comm) {
               << (cfg.gather_quantization == "int8" ? ", int8 weight gathers" : "")
               << (chosen.micro_batches > 1 ? ", " + std::to_string(chosen.micro_batches) + " micro-batches per step"
                                            : "")
-              << ", " << total - start_step << " steps" << std::endl;
+              << ", " << steps_to_train << (steps_to_train == 1 ? " step" : " steps") << std::endl;
     std::cout << plan.table(memory::limit()) << std::flush;
   }
   // (A run of no steps, sampling a checkpoint, has no cosine to decay along.)
@@ -490,7 +493,8 @@ void run(const Config& cfg, Communicator& comm) {
   const auto peak = peaks();
   if (main_rank) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    std::string summary = "done: " + std::to_string(total - start_step) + " steps in " + train::duration(seconds);
+    std::string summary = "done: " + std::to_string(steps_to_train) + (steps_to_train == 1 ? " step" : " steps") +
+                          " in " + train::duration(seconds);
     if (total > start_step) {
       char buf[64];
       std::snprintf(buf, sizeof buf, ", final loss %.4f", last_loss);
@@ -505,7 +509,7 @@ void run(const Config& cfg, Communicator& comm) {
     progress.line(summary);
     if (comm_total.bytes > 0) {
       // Rank 0's view: what its collectives took per step, and how much of it the step waited for.
-      const double steps = static_cast<double>(total - start_step);
+      const double steps = static_cast<double>(std::max<std::int64_t>(1, steps_to_train));
       char buf[200];
       std::snprintf(
           buf, sizeof buf,
