@@ -909,6 +909,41 @@ std::vector<std::string> MpiCommunicator::exchange_fingerprints(const std::strin
   return impl_->exchange(fingerprint);
 }
 
+std::optional<std::size_t> ring_min_bytes_from_env() { return cd::ring_min_bytes_from_env(); }
+
+std::vector<RankFailure> agree_on_startup(const std::string& error) {
+  if (!MpiEnvironment::active()) {
+    throw CollectiveError("agree_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
+  }
+  MPI_Comm world = MPI_COMM_NULL;
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup (agree_on_startup)");
+  MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
+  int size = 0;
+  MPI_Comm_size(world, &size);
+  const std::string mine = error.substr(0, 4096);  // "" is no failure
+  const int length = static_cast<int>(mine.size());
+  std::vector<int> lengths(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
+  int code = MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, world);
+  int total = 0;
+  for (int r = 0; r < size; ++r) {
+    offsets[static_cast<std::size_t>(r)] = total;
+    total += lengths[static_cast<std::size_t>(r)];
+  }
+  std::vector<char> all(static_cast<std::size_t>(std::max(total, 1)));
+  if (code == MPI_SUCCESS) {
+    code = MPI_Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world);
+  }
+  MPI_Comm_free(&world);
+  check(code, "MPI_Allgather (agree_on_startup)");
+  std::vector<RankFailure> failures;
+  for (int r = 0; r < size; ++r) {
+    const auto i = static_cast<std::size_t>(r);
+    if (lengths[i] > 0)
+      failures.push_back({r, std::string(all.data() + offsets[i], static_cast<std::size_t>(lengths[i]))});
+  }
+  return failures;
+}
+
 int mpi_abort_on_exception(const std::function<int()>& fn) {
   std::string what;
   try {

@@ -168,7 +168,11 @@ Backend& default_backend() {
   if (Backend* b = r.default_backend.load(std::memory_order_acquire)) return *b;
   Backend* chosen = nullptr;
   if (const char* env = std::getenv("RUDA_BACKEND"); env && *env) {
-    chosen = &get_backend(env);
+    try {
+      chosen = &get_backend(env);
+    } catch (const BackendError& e) {
+      throw BackendError(std::string("RUDA_BACKEND: ") + e.what());
+    }
   } else {
     const auto names = available_backends();
     const bool has_onednn = std::find(names.begin(), names.end(), "onednn") != names.end();

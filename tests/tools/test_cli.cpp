@@ -440,6 +440,30 @@ TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero
   one_error_line(run(mpi_train(3, "mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(mpi_train(2, "mlp --limit 640"), "RUDA_COLLECTIVE_TIMEOUT=soon"),
                  {"RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
+  // Every variable a run reads is agreed before any communicator reads it: these printed each
+  // rank's error, then MPI_Abort's line and banner (4 lines and more).
+  const std::string small = "mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1";
+  for (const auto& [variable, fragment] : std::vector<std::pair<std::string, std::string>>{
+           {"RUDA_RING_MIN_BYTES=lots", "'lots' is not a size"},
+           {"RUDA_NUM_THREADS=abc", "'abc'"},
+           {"RUDA_CHECK_COLLECTIVES=maybe", "'maybe'"},
+           {"RUDA_MEMORY_LIMIT=huge", "'huge'"},
+           {"RUDA_BACKEND=bogus", "unknown backend 'bogus'"}}) {
+    CAPTURE(variable);
+    const std::string name = variable.substr(0, variable.find('='));
+    const Run r =
+        run(std::string(RUDA_MPIEXEC) + " --quiet -n 2 --oversubscribe --bind-to none --mca btl self,vader -x " + name +
+                " -x OMP_NUM_THREADS=1 " + train(small),
+            variable);
+    one_error_line(r, {name, fragment});
+    CHECK_MESSAGE(r.output.find("ruda: rank") == std::string::npos, r.output);
+    CHECK_MESSAGE(r.output.find("MPI_ABORT") == std::string::npos, r.output);
+  }
+  // One rank's own environment (an MPMD line): that rank is named. It ended silently (exit 2).
+  const std::string two = std::string(RUDA_MPIEXEC) +
+                          " --quiet --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 " + "-n 1 " +
+                          train(small) + " : -n 1 -x RUDA_COLLECTIVE_TIMEOUT=soon " + train(small);
+  one_error_line(run(two), {"rank 1: RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
 }
 
 TEST_CASE("mpiexec: a checkpoint that cannot be saved mid-run ends every rank with one error line, no abort") {

@@ -18,6 +18,29 @@ using namespace ruda;
 using namespace ruda::train;
 using namespace ruda::cli;
 
+#ifdef RUDA_TRAIN_WITH_MPI
+namespace {
+// The first problem with the environment variables this rank's run reads ("" when there is
+// none), each through the reader that would raise it later, on its own rank, in the middle of
+// setting up: RUDA_NUM_THREADS (and an OMP_NUM_THREADS past what can start), RUDA_CHECK_COLLECTIVES,
+// RUDA_COLLECTIVE_TIMEOUT (unless --collective-timeout), RUDA_RING_MIN_BYTES, RUDA_MEMORY_LIMIT
+// (unless --memory-limit) and RUDA_BACKEND (unless --backend).
+std::string environment_problem(const Config& cfg) {
+  try {
+    (void)num_threads();
+    (void)order_check_from_env();
+    if (cfg.collective_timeout_ms < 0) (void)collective_timeout_from_env();
+    (void)ring_min_bytes_from_env();
+    (void)memory::limit();
+    if (cfg.backend.empty()) (void)default_backend();
+  } catch (const std::exception& e) {
+    return *e.what() ? e.what() : "a startup check failed";
+  }
+  return {};
+}
+}  // namespace
+#endif
+
 int main(int argc, char** argv) {
   Config cfg;
   CLI::App app{
@@ -182,15 +205,6 @@ int main(int argc, char** argv) {
     if (cfg.steps == 0 && app.get_option("--steps")->count() == 0) cfg.steps = 1000;
   }
   if (cfg.batch == 0) cfg.batch = cfg.model == "mlp" ? 128 : 16;
-  if (launched_by_mpi() && cfg.collective_timeout_ms < 0) {
-    // Checked here, where one rank reports, rather than by every rank's communicator.
-    try {
-      (void)collective_timeout_from_env();
-    } catch (const std::exception& e) {
-      if (print) print_error(e.what());
-      return 2;
-    }
-  }
   if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
     return 2;
@@ -227,6 +241,18 @@ int main(int argc, char** argv) {
     if (launched_by_mpi()) {
 #ifdef RUDA_TRAIN_WITH_MPI
       MpiEnvironment mpi(argc, argv);
+      // The environment each rank reads, agreed before any communicator reads it: a bad value on
+      // any rank (mpiexec -x applies to every rank; MPMD lines may differ) is one line from rank 0
+      // and a non-zero exit everywhere, not each rank's error, an MPI_Abort and its banner.
+      if (const auto failures = agree_on_startup(environment_problem(cfg)); !failures.empty()) {
+        if (mpi.world_rank() == 0) {
+          const RankFailure& first = failures.front();
+          print_error(static_cast<int>(failures.size()) == mpi.world_size()
+                          ? first.message
+                          : "rank " + std::to_string(first.rank) + ": " + first.message);
+        }
+        return 2;
+      }
       MpiCommunicator comm;
       if (cfg.collective_timeout_ms >= 0) comm.set_timeout(std::chrono::milliseconds(cfg.collective_timeout_ms));
       try {

@@ -18,7 +18,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include <ruda/collectives.h>
 
@@ -158,6 +160,18 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<MpiCommunicator> make_split(const std::function<int(void*)>& split, const char* call);
   std::unique_ptr<Impl> impl_;
 };
+
+/// RUDA_RING_MIN_BYTES as MpiCommunicator reads it (nullopt when unset or empty); an
+/// ArgumentError naming the variable when it is not a size. For a program's own startup check.
+std::optional<std::size_t> ring_min_bytes_from_env();
+
+/// Every process's `error` ("" when it has none) on every process, before any communicator
+/// exists: a program's startup checks (its environment, its options), agreed so that a problem on
+/// any rank stops every rank alike, each returning from main (MpiEnvironment then finalizes)
+/// instead of one aborting the job and the others printing it again. Returns the failures in rank
+/// order (empty when every process is fine). Collective over MPI_COMM_WORLD (a duplicate of it);
+/// MPI must be initialized (MpiEnvironment).
+std::vector<RankFailure> agree_on_startup(const std::string& error);
 
 /// Runs fn and returns its result. If fn throws, prints "ruda: rank R of N failed: <message>" to
 /// stderr and calls MPI_Abort, so the whole job ends with a non-zero exit instead of leaving the
