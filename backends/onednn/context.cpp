@@ -3,6 +3,7 @@
 #include "context.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -76,18 +77,12 @@ void Key::overflow() { fail<BackendError>("onednn", "primitive cache key exceeds
 
 namespace {
 
-std::size_t cache_capacity() {
-  if (const char* env = std::getenv("RUDA_ONEDNN_CACHE_CAPACITY"); env && *env) {
-    const long n = std::atol(env);
-    if (n > 0) return static_cast<std::size_t>(n);
-  }
-  return 4096;
-}
+std::size_t initial_capacity() { return cache_capacity_from(std::getenv("RUDA_ONEDNN_CACHE_CAPACITY")); }
 
 struct Cache {
   std::shared_mutex mutex;
   std::unordered_map<Key, std::shared_ptr<const Primitive>, KeyHash> map;
-  std::atomic<std::size_t> capacity{cache_capacity()};
+  std::atomic<std::size_t> capacity{initial_capacity()};
   std::atomic<std::int64_t> created{0}, refused{0}, hits{0}, executions{0};
 };
 
@@ -384,6 +379,21 @@ Stats stats() {
 std::int64_t primitives_created() { return stats().primitives_created; }
 
 std::size_t cache_capacity() { return detail::cache().capacity.load(std::memory_order_relaxed); }
+
+// A whole number of entries, at least 1. atol read "abc" as 0 and "1e3" as 1 (silently the
+// default, or a cache of one entry); a text that is no count keeps the default with a warning:
+// this runs inside the first oneDNN call, where an error would name an unrelated op.
+std::size_t cache_capacity_from(const char* text) {
+  constexpr std::size_t kDefault = 4096;
+  if (!text || !*text) return kDefault;
+  std::size_t n = 0;
+  const char* end = text + std::strlen(text);
+  const auto [at, error] = std::from_chars(text, end, n);
+  if (error == std::errc() && at == end && n > 0) return n;
+  std::fprintf(stderr, "ruda: ignoring RUDA_ONEDNN_CACHE_CAPACITY='%s': not a whole number of entries of at least 1\n",
+               text);
+  return kDefault;
+}
 
 void set_cache_capacity(std::size_t entries) {
   if (entries == 0) fail<ArgumentError>("onednn::set_cache_capacity", "the capacity must be positive");

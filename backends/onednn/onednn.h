@@ -32,6 +32,9 @@ std::int64_t primitives_created();
 /// entries unused since the previous sweep go first. Lowering it evicts at once.
 std::size_t cache_capacity();
 void set_cache_capacity(std::size_t entries);
+/// The capacity a RUDA_ONEDNN_CACHE_CAPACITY text gives: a whole number of at least 1, else (none,
+/// or a text that is no such number, with a warning on stderr) the default, 4096.
+std::size_t cache_capacity_from(const char* text);
 
 /// The ISA oneDNN dispatches to after ONEDNN_MAX_CPU_ISA ("avx512_core_bf16", "avx2", ...).
 std::string cpu_isa();

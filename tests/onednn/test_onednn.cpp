@@ -800,3 +800,14 @@ TEST_CASE("fused attention runs its block products on oneDNN, agrees with Eigen,
     }
   }
 }
+
+TEST_CASE("RUDA_ONEDNN_CACHE_CAPACITY: a whole number of entries; anything else keeps the default") {
+  // (atol read "abc" as 0, silently the default, and "1e3" as a cache of one entry.)
+  CHECK(onednn::cache_capacity_from(nullptr) == 4096);
+  CHECK(onednn::cache_capacity_from("") == 4096);
+  CHECK(onednn::cache_capacity_from("100") == 100);
+  for (const char* bad : {"abc", "1e3", "-5", "0", "12x", " 7", "99999999999999999999999"}) {
+    CAPTURE(bad);
+    CHECK(onednn::cache_capacity_from(bad) == 4096);
+  }
+}
