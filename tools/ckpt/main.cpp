@@ -37,7 +37,11 @@ int main(int argc, char** argv) {
   auto* split = app.add_subcommand("split", "Cut a full safetensors file into a sharded checkpoint");
   split->add_option("input", path, "A full .safetensors file (e.g. from consolidate)")->required();
   ruda::cli::add_whole(*split, "--world", world, "Number of ranks")->required()->check(ruda::cli::at_least(1));
-  split->add_option("--out", output, "Checkpoint directory to create")->required();
+  split
+      ->add_option("--out", output,
+                   "Checkpoint directory to write the step into (created if missing; an existing one gets the "
+                   "step beside its others, and its latest pointer names it)")
+      ->required();
   ruda::cli::add_whole(*split, "--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
   try {
     app.parse(argc, argv);
