@@ -1,4 +1,5 @@
 // Counter-based random tensors (Philox 4x32-10, Salmon et al., SC'11).
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -58,6 +59,36 @@ namespace {
 
 enum class Draw { uniform, normal };
 
+// The next value of a 16-bit float format (bf16 or f16 bits, both sign and magnitude) toward
+// -inf and toward +inf, for finite values.
+std::uint16_t step_down(std::uint16_t bits) {
+  if (bits & 0x8000u) return static_cast<std::uint16_t>(bits + 1);
+  return bits == 0 ? std::uint16_t{0x8001} : static_cast<std::uint16_t>(bits - 1);
+}
+std::uint16_t step_up(std::uint16_t bits) {
+  if (!(bits & 0x8000u)) return static_cast<std::uint16_t>(bits + 1);
+  return bits == 0x8000u ? std::uint16_t{0x0001} : static_cast<std::uint16_t>(bits - 1);
+}
+
+// Keeps uniform draws of a 16-bit float dtype inside [low, high): a draw computed in f32 and
+// rounded to the dtype can round up to high itself (rand in bf16 gave 1.0 for 2020 of 1e6 draws;
+// uniform(0.3, 0.7) can round to 0.703125) or below low. Such draws become the dtype's last value
+// below high (first value at or above low). Where the dtype has no value in [low, high), the
+// rounded draws stay as they are.
+template <class H>
+void keep_in_range(H* p, std::int64_t n, double low, double high, H (*to_h)(float)) {
+  H top = to_h(static_cast<float>(high)), bottom = to_h(static_cast<float>(low));
+  while (static_cast<double>(to_float(top)) >= high) top.bits = step_down(top.bits);
+  while (static_cast<double>(to_float(bottom)) < low) bottom.bits = step_up(bottom.bits);
+  const float hi = to_float(top), lo = to_float(bottom);
+  if (!(low < high) || lo > hi) return;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = to_float(p[i]);
+    if (v > hi) p[i] = top;
+    if (v < lo) p[i] = bottom;
+  }
+}
+
 // Fills a fresh f32 or f64 tensor with draws offset .. offset + n of stream seed, then converts.
 Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, std::uint64_t seed, std::uint64_t offset,
             Options options) {
@@ -71,26 +102,44 @@ Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, s
   const std::int64_t n = t.numel();
   if (work == DType::f64) {
     double* out = t.data<double>();
+    const double below_b = a < b ? std::nextafter(b, -INFINITY) : b;  // a + (b - a) u may round to b
 #ifdef RUDA_HAVE_OPENMP
 #pragma omp parallel for schedule(static) num_threads(num_threads()) if (n > 65536)
 #endif
     for (std::int64_t i = 0; i < n; ++i) {
       const std::uint64_t idx = offset + static_cast<std::uint64_t>(i);
-      out[i] = kind == Draw::uniform ? a + (b - a) * random::uniform_double(seed, idx)
+      out[i] = kind == Draw::uniform ? std::min(a + (b - a) * random::uniform_double(seed, idx), below_b)
                                      : a + b * random::normal_double(seed, idx);
     }
   } else {
     float* out = t.data<float>();
+    // A 16-bit dtype's uniform draws take as many random bits as its significand holds (8 for
+    // bf16, 11 for f16), as PyTorch's do: [0, 1) then holds only values the dtype has.
+    const int bits = options.dtype == DType::bf16 ? 8 : options.dtype == DType::f16 ? 11 : 24;
+    const float grid = std::ldexp(1.0f, 24 - bits), unit = std::ldexp(1.0f, -24);
+    // f32's values within [a, b): a + (b - a) u with u < 1, rounded to f32, can reach b itself or
+    // fall below an a that f32 rounds down.
+    float below_b = static_cast<float>(b), from_a = static_cast<float>(a);
+    while (a < b && static_cast<double>(below_b) >= b) below_b = std::nextafter(below_b, -INFINITY);
+    while (a < b && static_cast<double>(from_a) < a) from_a = std::nextafter(from_a, INFINITY);
+    const bool clamp = a < b && from_a <= below_b;
 #ifdef RUDA_HAVE_OPENMP
 #pragma omp parallel for schedule(static) num_threads(num_threads()) if (n > 65536)
 #endif
     for (std::int64_t i = 0; i < n; ++i) {
       const std::uint64_t idx = offset + static_cast<std::uint64_t>(i);
-      out[i] = kind == Draw::uniform ? static_cast<float>(a + (b - a) * random::uniform_float(seed, idx))
-                                     : static_cast<float>(a + b * random::normal_double(seed, idx));
+      if (kind == Draw::uniform) {
+        const float u = std::floor(random::uniform_float(seed, idx) / unit / grid) * grid * unit;
+        const float v = static_cast<float>(a + (b - a) * u);
+        out[i] = clamp ? std::clamp(v, from_a, below_b) : v;
+      } else {
+        out[i] = static_cast<float>(a + b * random::normal_double(seed, idx));
+      }
     }
   }
   if (options.dtype != work) t = t.to(options.dtype);
+  if (kind == Draw::uniform && options.dtype == DType::bf16) keep_in_range(t.data<bfloat16>(), n, a, b, to_bfloat16);
+  if (kind == Draw::uniform && options.dtype == DType::f16) keep_in_range(t.data<float16>(), n, a, b, to_float16);
   if (options.requires_grad) t.set_requires_grad(true);
   return t;
 }

@@ -1,9 +1,11 @@
 // Values of every op against hand-computed results, for each dtype that applies. Runs once per
 // backend (RUDA_BACKEND): this is the conformance suite.
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <numbers>
+#include <set>
 #include <string>
 
 #include "helpers.h"
@@ -1246,4 +1248,32 @@ TEST_CASE("arithmetic with a number on f16 and bf16 computes in f32 with the num
   CHECK((2.3 / y).to_vector<double>() == std::vector<double>{0.0230712890625, 0.76953125, 3.28125, 0.0023040771484375});
   const Tensor z = arange(1, 2000, 1, Options(DType::f32)) * 0.37;
   CHECK((3.3 / z).to_vector<double>() == (reciprocal(z) * 3.3).to_vector<double>());
+}
+
+TEST_CASE("uniform draws stay inside [low, high) in every float dtype, as documented") {
+  // rand in bf16 returned exactly 1.0 for 2020 of 1e6 draws (f16: 257): drawn in f32 and rounded to
+  // the dtype, values within half an ulp of the top rounded up to it. 16-bit draws now take as many
+  // random bits as the significand holds (PyTorch's), and any that rounds out of range is pulled in.
+  for (DType d : {DType::bf16, DType::f16, DType::f32, DType::f64}) {
+    CAPTURE(dtype_name(d));
+    const std::vector<double> u = rand({1 << 20}, 9, 0, Options(d)).to_vector<double>();
+    double top = 0;
+    for (double x : u) top = std::max(top, x);
+    CHECK(top < 1.0);
+    CHECK(*std::min_element(u.begin(), u.end()) >= 0.0);
+    if (d == DType::bf16) CHECK(std::set<double>(u.begin(), u.end()).size() <= 256);
+    for (const auto& [low, high] : std::vector<std::pair<double, double>>{{0.3, 0.7}, {-2.5, 0.1}, {0.7, 0.71}}) {
+      CAPTURE(low);
+      CAPTURE(high);
+      const std::vector<double> v = uniform({1 << 16}, low, high, 4, 0, Options(d)).to_vector<double>();
+      for (double x : v) {
+        if (!(x >= low && x < high)) {
+          FAIL_CHECK("draw " << x << " outside [" << low << ", " << high << ")");
+          break;
+        }
+      }
+    }
+  }
+  // A range of one value draws it.
+  CHECK(uniform({3}, 2.0, 2.0, 1).to_vector<double>() == std::vector<double>{2, 2, 2});
 }

@@ -186,7 +186,9 @@ Tensor scalar(double value, Options options = {});
 
 /// Uniform [0, 1), normal(0, 1), uniform [low, high) and normal(mean, std) draws from a counter-based
 /// generator: element i is draw number offset + i of stream `seed`, whatever the shape, so any
-/// element range of a tensor can be produced alone (sharded initialization relies on it).
+/// element range of a tensor can be produced alone (sharded initialization relies on it). Uniform
+/// draws of every dtype stay inside [low, high); f16 and bf16 ones take as many random bits as the
+/// dtype's significand holds (bf16's [0, 1) has 256 values), as PyTorch's do.
 Tensor rand(const Shape& shape, std::uint64_t seed, std::uint64_t offset = 0, Options options = {});
 Tensor randn(const Shape& shape, std::uint64_t seed, std::uint64_t offset = 0, Options options = {});
 Tensor uniform(const Shape& shape, double low, double high, std::uint64_t seed, std::uint64_t offset = 0,
