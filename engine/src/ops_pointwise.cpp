@@ -403,8 +403,11 @@ Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offs
   if (p == 1.0) return x * 0.0;  // everything dropped, as PyTorch's (a NaN stays NaN; the gradient is 0)
   // Draws in f32 whatever x's dtype: a bf16 draw has too few bits to hit p accurately.
   const Tensor draws = rand(x.shape(), seed, offset, Options(DType::f32, &x.backend()));
-  const Tensor keep = cast(ge(draws, scalar_like(p, draws)), x.dtype()) * (1.0 / (1.0 - p));
-  return x * keep;  // mul records the scaled mask as the only saved state
+  const Tensor keep = cast(ge(draws, scalar_like(p, draws)), x.dtype());
+  // PyTorch's order, input.mul(mask).mul_(scale): the scale is a number, so a 16-bit x is scaled
+  // in f32 and rounded once (a mask pre-scaled in bf16 scaled by 1.109375 for p = 0.1). The mask
+  // is the only tensor the backward keeps.
+  return (x * keep) * (1.0 / (1.0 - p));
 }
 
 }  // namespace ruda

@@ -1277,3 +1277,18 @@ TEST_CASE("uniform draws stay inside [low, high) in every float dtype, as docume
   // A range of one value draws it.
   CHECK(uniform({3}, 2.0, 2.0, 1).to_vector<double>() == std::vector<double>{2, 2, 2});
 }
+
+TEST_CASE("dropout on 16-bit tensors scales as PyTorch's, input * mask then * 1 / (1 - p) in f32") {
+  // A mask pre-scaled in bf16 multiplied kept values by bf16(1 / 0.9) = 1.109375 instead of 1.111...:
+  // the kept values are now x * (1 / 0.9) computed in f32 and rounded once, what the f32 op rounds.
+  for (DType d : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = randn({4096}, 3, 0, Options(d)).set_requires_grad();
+    const Tensor y = dropout(x, 0.1, 11, 0);
+    const Tensor reference = cast(dropout(cast(x.detach(), DType::f32), 0.1, 11, 0), d);
+    CHECK(y.to_vector<double>() == reference.to_vector<double>());
+    sum(y).backward();
+    const Tensor g_reference = cast(dropout(ones({4096}), 0.1, 11, 0), d);
+    CHECK(x.grad().to_vector<double>() == g_reference.to_vector<double>());
+  }
+}
