@@ -33,8 +33,13 @@ void ProgressThread::work() {
     try {
       if (!earlier.empty()) throw CollectiveError("not started: " + earlier);
       task->run();
+      // What the task holds (a collective's tensors) goes before the waiter learns that it is
+      // done: freed at a fixed point of the waiter's program, not whenever this thread got to it
+      // (a step's peak memory, and the memory plan that measures it, moved from run to run).
+      task->run = nullptr;
       task->done.set_value(std::chrono::steady_clock::now());
     } catch (...) {
+      task->run = nullptr;
       std::string what = "unknown error";
       try {
         throw;

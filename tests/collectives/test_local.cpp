@@ -272,6 +272,26 @@ TEST_CASE("the progress thread runs tasks in submission order; after a failure t
   thread.stop();  // idempotent
 }
 
+TEST_CASE("the progress thread lets go of what a task holds before its waiter learns it is done") {
+  // A collective's tensors were held by the finished task until the thread got round to dropping
+  // it, after wait() had returned: their memory went at a moment that depended on timing, and a
+  // step's peak (the memory plan's measurement) moved from run to run under MPI.
+  using ruda::collectives_detail::ProgressThread;
+  for (int i = 0; i < 100; ++i) {
+    ProgressThread thread;
+    auto held = std::make_shared<int>(i);
+    const std::weak_ptr<int> watch = held;
+    auto done = thread.submit([held = std::move(held)] { (void)*held; });
+    done.get();
+    CHECK(watch.expired());
+    auto failing = std::make_shared<int>(i);
+    const std::weak_ptr<int> watch_failing = failing;
+    auto failed = thread.submit([failing = std::move(failing)] { throw ruda::CollectiveError("peer went away"); });
+    CHECK_THROWS_AS(failed.get(), ruda::CollectiveError);
+    CHECK(watch_failing.expired());
+  }
+}
+
 // --- the choice between MPI's reduce-scatter and the ring (algorithm_choice.h), without MPI ---
 
 TEST_CASE("algorithm choice: size classes are powers of two of the total bytes") {
