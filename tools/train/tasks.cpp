@@ -176,8 +176,12 @@ struct LmTask : Task {
   Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) override {
     const auto [x, y] = train->batch(cfg.seed, step, cfg.batch, comm.rank(), comm.world_size());
     const std::int64_t rows = x.shape()[0] / micro_batches;
-    return nn::cross_entropy(cast(model->forward(x.slice(0, micro * rows, (micro + 1) * rows)), DType::f32),
-                             y.slice(0, micro * rows, (micro + 1) * rows), {.reduction = nn::LossReduction::sum}) /
+    // Copies of the micro-batch's rows, not views: the graph keeps the indices and targets it
+    // read through backward, and a view kept the whole local batch's (more than the memory plan,
+    // which measures a micro-batch's own step, counted: runs at a limit set to the plan failed).
+    const Tensor xs = x.slice(0, micro * rows, (micro + 1) * rows).clone();
+    const Tensor ys = y.slice(0, micro * rows, (micro + 1) * rows).clone();
+    return nn::cross_entropy(cast(model->forward(xs), DType::f32), ys, {.reduction = nn::LossReduction::sum}) /
            static_cast<double>(cfg.batch * cfg.context);
   }
   Tensor probe_loss(std::int64_t local_batch) override { return loss_on(0, local_batch * comm.world_size()); }

@@ -82,21 +82,34 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 }
 
 StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
-                     std::int64_t samples) {
+                     std::int64_t samples, int micro_batches) {
   if (!step) fail<ArgumentError>("probe_step", "the step function is empty");
   if (samples < 2) fail<ArgumentError>("probe_step", "needs a second micro-batch of at least 2 samples, got ", samples);
+  if (micro_batches < 1) fail<ArgumentError>("probe_step", "micro_batches must be at least 1, got ", micro_batches);
   // The measurement decides whether the configuration fits: it must not fail on the limit itself.
   memory::LimitSuspended measuring;
   // Nor may it count as a step of the automatic overlap trial, or measure the smaller schedule.
   const ShardSchedule::Probing probing;
   // The transient above what is live before the forward, with the previous micro-batch's
   // gradients alive during it as in a training loop (loss, zero_grad, backward).
+  // Accumulating (micro_batches > 1): as the training loop runs it, gradients cleared before the
+  // first forward, then each micro-batch's forward and backward adding to them.
   auto transient = [&](std::int64_t batch) {
     memory::reset_peak();
     const std::int64_t before = memory::stats().live_bytes;
-    const Tensor loss = step(batch);
-    module.zero_grad();
-    loss.backward();
+    if (micro_batches == 1) {
+      const Tensor loss = step(batch);
+      module.zero_grad();
+      loss.backward();
+    } else {
+      module.zero_grad();
+      Tensor total;  // the step's loss, summed over its micro-batches as a training loop does
+      for (int m = 0; m < micro_batches; ++m) {
+        const Tensor loss = step(batch);
+        loss.backward();
+        total = total.defined() ? total + loss.detach() : loss.detach();
+      }
+    }
     return memory::stats().peak_bytes - before;
   };
   transient(1);  // once first, so that gradients exist as they do from the second step on
@@ -112,15 +125,15 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
   const auto at_one = static_cast<std::int64_t>(worst[0]), at_more = static_cast<std::int64_t>(worst[1]);
   // Rounded up, so that the line is never below the measurement at `samples`.
   const std::int64_t per_sample = std::max<std::int64_t>(0, (at_more - at_one + samples - 2) / (samples - 1));
-  return {at_one - per_sample, per_sample};
+  return {at_one - per_sample, per_sample, micro_batches > 1};
 }
 
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options) {
   MemoryPlan plan = plan_state(module, world_size, global_batch, options);
   // Saturating, as StepProbe::at: a batch whose step overflows fits no limit.
-  if (__builtin_add_overflow(probe.at(plan.local_batch), options.accumulating ? plan.gradients : 0, &plan.step))
-    plan.step = INT64_MAX;
+  const std::int64_t unmeasured = options.accumulating && !probe.accumulating ? plan.gradients : 0;
+  if (__builtin_add_overflow(probe.at(plan.local_batch), unmeasured, &plan.step)) plan.step = INT64_MAX;
   plan.probe = probe;
   return plan;
 }
@@ -130,13 +143,17 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
                        const PlanOptions& options) {
   if (!step) fail<ArgumentError>("plan_memory", "the step function is empty");
   const int world = comm.world_size();
-  MemoryPlan plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, 2), options);
+  // Accumulating steps are measured as two micro-batches: the second sees the first's gradients,
+  // as every later one does.
+  const int micro_batches = options.accumulating ? 2 : 1;
+  MemoryPlan plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, 2, micro_batches), options);
   const bool over = limit > 0 && plan.peak() > limit;
   const bool any_over = autograd::no_grad([&] {
     return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
   });
   if (!any_over && plan.local_batch > 2) {
-    plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, plan.local_batch), options);
+    plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, plan.local_batch, micro_batches),
+                       options);
   }
   return plan;
 }

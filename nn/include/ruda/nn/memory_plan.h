@@ -31,8 +31,9 @@ struct PlanOptions {
   /// (ShardMesh::ranks_per_node), each node holding a replica. 0: the world size (full sharding).
   int shard_ranks = 0;
   /// The step runs several micro-batches (gradient accumulation): the earlier ones' gradients stay
-  /// alive through each later backward, which a probe (gradients cleared before its backward, as a
-  /// step of one batch does) does not see; the plan adds them to the step.
+  /// alive through each later backward. plan_memory with a step function then measures it so (a
+  /// probe of two accumulating micro-batches); given a probe of one batch, the plan adds the
+  /// gradients to the step instead (an upper bound).
   bool accumulating = false;
 };
 
@@ -41,6 +42,8 @@ struct PlanOptions {
 struct StepProbe {
   std::int64_t fixed = 0;
   std::int64_t per_sample = 0;
+  /// Measured as a step of accumulating micro-batches (probe_step's micro_batches > 1).
+  bool accumulating = false;
   /// Saturates at INT64_MAX (a plan no limit admits) where the product or the sum overflows.
   std::int64_t at(std::int64_t local_batch) const {
     std::int64_t scaled = 0, out = 0;
@@ -92,8 +95,12 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 /// multiple of the batch), so the line through the two measurements is exact at both and
 /// conservative between them, but may fall short beyond `samples`: measure cheaply at 2 samples
 /// to refuse what clearly does not fit, then at the local batch itself for the plan that is used.
+///
+/// `micro_batches` > 1 measures a step of that many micro-batches of b samples each, as a training
+/// loop with gradient accumulation runs it: gradients cleared once before the first forward, each
+/// backward adding to them, the peak over all of them.
 StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
-                     std::int64_t samples = 2);
+                     std::int64_t samples = 2, int micro_batches = 1);
 
 /// The plan at `world_size` with the measured step at that world size's local batch.
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
