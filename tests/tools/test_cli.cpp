@@ -249,6 +249,27 @@ TEST_CASE("lm: sampling a checkpoint (--steps 0 --resume) trains nothing and say
   CHECK_MESSAGE(below.output.find("saved by 1 rank, now 1)") != std::string::npos, below.output);
 }
 
+TEST_CASE("options this run ignores are named in a warning, once, and the run goes on") {
+  const Run mlp =
+      run(train("--steps 3 --checkpoint-every 2 mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 "
+                "--epochs 1 --log-every 0"));
+  CHECK_MESSAGE(mlp.exit_code == 0, mlp.output);
+  CHECK(mlp.output.find("warning: --steps has no effect on mlp") != std::string::npos);
+  CHECK(mlp.output.find("warning: --checkpoint-every has no effect without --checkpoint-dir") != std::string::npos);
+  const Run lm =
+      run(train("--epochs 2 --skip-checksums lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 "
+                "--steps 1 --eval-every 0 --log-every 0 --temperature 0.5"));
+  CHECK_MESSAGE(lm.exit_code == 0, lm.output);
+  for (const char* w : {"warning: --epochs has no effect on lm", "warning: --prompt and --temperature have no effect",
+                        "warning: --skip-checksums has no effect"}) {
+    CAPTURE(w);
+    CHECK(lm.output.find(w) != std::string::npos);
+  }
+  // None where every option counts.
+  const Run plain = run(train("mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1 --log-every 0"));
+  CHECK(plain.output.find("warning") == std::string::npos);
+}
+
 TEST_CASE("lm --recompute-gelu: the same losses, less memory per rank") {
   const std::string lm =
       "--emulate 2 lm --d-model 32 --layers 2 --heads 2 --context 32 --batch 8 --eval-every 0 --steps 3";
@@ -443,12 +464,12 @@ TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero
   // Every variable a run reads is agreed before any communicator reads it: these printed each
   // rank's error, then MPI_Abort's line and banner (4 lines and more).
   const std::string small = "mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1";
-  for (const auto& [variable, fragment] : std::vector<std::pair<std::string, std::string>>{
-           {"RUDA_RING_MIN_BYTES=lots", "'lots' is not a size"},
-           {"RUDA_NUM_THREADS=abc", "'abc'"},
-           {"RUDA_CHECK_COLLECTIVES=maybe", "'maybe'"},
-           {"RUDA_MEMORY_LIMIT=huge", "'huge'"},
-           {"RUDA_BACKEND=bogus", "unknown backend 'bogus'"}}) {
+  for (const auto& [variable, fragment] :
+       std::vector<std::pair<std::string, std::string>>{{"RUDA_RING_MIN_BYTES=lots", "'lots' is not a size"},
+                                                        {"RUDA_NUM_THREADS=abc", "'abc'"},
+                                                        {"RUDA_CHECK_COLLECTIVES=maybe", "'maybe'"},
+                                                        {"RUDA_MEMORY_LIMIT=huge", "'huge'"},
+                                                        {"RUDA_BACKEND=bogus", "unknown backend 'bogus'"}}) {
     CAPTURE(variable);
     const std::string name = variable.substr(0, variable.find('='));
     const Run r =

@@ -205,6 +205,19 @@ int main(int argc, char** argv) {
     if (cfg.steps == 0 && app.get_option("--steps")->count() == 0) cfg.steps = 1000;
   }
   if (cfg.batch == 0) cfg.batch = cfg.model == "mlp" ? 128 : 16;
+  // Options that this run would ignore: said once, on rank 0 (a run is not refused for them).
+  if (print) {
+    auto given = [&](CLI::App& on, const char* name) { return on.get_option(name)->count() > 0; };
+    auto ignored = [](const std::string& what) { std::cerr << "ruda-train: warning: " << what << std::endl; };
+    if (cfg.model == "mlp" && given(app, "--steps")) ignored("--steps has no effect on mlp, which trains --epochs");
+    if (cfg.model == "lm" && given(app, "--epochs")) ignored("--epochs has no effect on lm, which trains --steps");
+    if (cfg.model == "lm" && cfg.sample == 0 && (given(*lm, "--prompt") || given(*lm, "--temperature")))
+      ignored("--prompt and --temperature have no effect without --sample N");
+    if (cfg.checkpoint_dir.empty() && given(app, "--checkpoint-every"))
+      ignored("--checkpoint-every has no effect without --checkpoint-dir");
+    if (cfg.skip_checksums && cfg.resume.empty() && !cfg.resume_latest)
+      ignored("--skip-checksums has no effect without --resume or --resume-latest");
+  }
   if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
     return 2;
