@@ -80,7 +80,8 @@ int main(int argc, char** argv) {
   add_whole(app, "--ranks-per-node", cfg.ranks_per_node,
             "Ranks that make one node: under MPI, blocks of N consecutive ranks (default: MPI's own nodes); "
             "with --emulate, N consecutive threads share one simulated link (default 1: a node per rank)")
-      ->check(at_least(1, "a node holds at least one rank"));
+      ->check(at_least(1, "a node holds at least one rank"))
+      ->default_str("");  // (its unset value, 0, is no value a user may give)
   add_whole(app, "--unsharded-groups", cfg.unsharded_groups,
             "At most this many layers hold full weights at once, besides the model's own (default 2)")
       ->check(at_least(1, "1 keeps only the computing group unsharded"));
@@ -88,9 +89,10 @@ int main(int argc, char** argv) {
                "Refuse a memory plan over --memory-limit instead of trying leaner schedules (fewer unsharded "
                "groups, recompute, activation checkpointing) and training with the first that fits");
   add_whole(app, "--epochs", cfg.epochs, "Epochs (mlp)")->check(at_least(1));
-  add_whole(app, "--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(at_least(0));
+  add_whole(app, "--steps", cfg.steps, "Optimizer steps (lm; default 1000)")->check(at_least(0))->default_str("");
   add_whole(app, "--batch", cfg.batch, "Global batch size, split evenly over the ranks (default: mlp 128, lm 16)")
-      ->check(at_least(1));
+      ->check(at_least(1))
+      ->default_str("");
   app.add_option("--lr", cfg.lr, "Peak learning rate of AdamW")->check(positive());
   app.add_option("--weight-decay", cfg.weight_decay, "AdamW's decoupled weight decay")->check(at_least(0));
   app.add_option("--schedule", cfg.schedule, "Learning-rate schedule after --warmup steps")
