@@ -265,6 +265,17 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CAPTURE(w);
     CHECK(lm.output.find(w) != std::string::npos);
   }
+  const Run per_parameter =
+      run(train("--per-parameter --overlap on --unsharded-groups 1 --emulate 2 "
+                "--collective-timeout 5s mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 "
+                "--epochs 1 --log-every 0"));
+  CHECK_MESSAGE(per_parameter.exit_code == 0, per_parameter.output);
+  for (const char* w : {"warning: --unsharded-groups has no effect with --per-parameter",
+                        "warning: --overlap has no effect with --per-parameter",
+                        "warning: --collective-timeout has no effect with --emulate"}) {
+    CAPTURE(w);
+    CHECK(per_parameter.output.find(w) != std::string::npos);
+  }
   // None where every option counts.
   const Run plain = run(train("mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1 --log-every 0"));
   CHECK(plain.output.find("warning") == std::string::npos);

@@ -219,6 +219,14 @@ int main(int argc, char** argv) {
       ignored("--checkpoint-every has no effect without --checkpoint-dir");
     if (cfg.skip_checksums && cfg.resume.empty() && !cfg.resume_latest)
       ignored("--skip-checksums has no effect without --resume or --resume-latest");
+    if (cfg.per_parameter) {
+      for (const char* name : {"--unsharded-groups", "--overlap"}) {
+        if (given(app, name))
+          ignored(std::string(name) + " has no effect with --per-parameter (it shapes the groups' schedule)");
+      }
+    }
+    if (cfg.emulate > 0 && given(app, "--collective-timeout"))
+      ignored("--collective-timeout has no effect with --emulate (emulated ranks time out after 60 s)");
   }
   if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
