@@ -9,6 +9,16 @@ std::shared_ptr<nn::Sequential> mlp() {
   return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::UnaryModule>>{
       std::make_shared<nn::Linear>(64, 256), std::make_shared<nn::ReLU>(), std::make_shared<nn::Linear>(256, 10)});
 }
+// mlp() built under DeferredInit and fully sharded over comm: each rank materializes its slices.
+std::shared_ptr<nn::Sequential> sharded_mlp(Communicator& comm) {
+  nn::manual_seed(1);
+  auto model = [] {
+    nn::DeferredInit deferred;
+    return mlp();
+  }();
+  nn::fully_shard(*model, comm);
+  return model;
+}
 constexpr std::int64_t kBatch = 240;  // activations, not the gathered weights, dominate the peak
 
 Tensor loss_of(nn::Module& model, std::int64_t rows, std::uint64_t seed) {
@@ -53,12 +63,7 @@ TEST_CASE("the plan predicts a sharded step's peak within 10%, world sizes 1-4")
     CAPTURE(world);
     std::vector<std::int64_t> predicted(world), measured(world);
     run_ranks(world, [&](Communicator& comm) {
-      nn::manual_seed(1);
-      auto model = [] {
-        nn::DeferredInit deferred;
-        return mlp();
-      }();
-      nn::fully_shard(*model, comm);
+      auto model = sharded_mlp(comm);
       const auto seed = static_cast<std::uint64_t>(10 * comm.rank());
       auto step = [&](std::int64_t b) { return loss_of(*model, b, seed); };
       // Over a limit already at 2 samples, the plan stops there, before a batch's activations;
@@ -103,12 +108,7 @@ TEST_CASE("an accumulating step (micro-batches) is planned to the byte, neither 
     CAPTURE(world);
     std::vector<std::int64_t> predicted(world), measured(world);
     run_ranks(world, [&](Communicator& comm) {
-      nn::manual_seed(1);
-      auto model = [] {
-        nn::DeferredInit deferred;
-        return mlp();
-      }();
-      nn::fully_shard(*model, comm);
+      auto model = sharded_mlp(comm);
       const auto seed = static_cast<std::uint64_t>(10 * comm.rank());
       auto step = [&](std::int64_t b) { return loss_of(*model, b, seed); };
       const nn::MemoryPlan plan = nn::plan_memory(*model, comm, kBatch / kMicro, step, 0, {.accumulating = true});

@@ -232,7 +232,8 @@ void run(const Config& cfg, Communicator& comm) {
     if (cfg.batch / comm.world_size() % cfg.grad_accum != 0) {
       throw ArgumentError("--grad-accum " + std::to_string(cfg.grad_accum) + " does not divide the local batch of " +
                           std::to_string(cfg.batch / comm.world_size()) + " (--batch " + std::to_string(cfg.batch) +
-                          " over " + std::to_string(comm.world_size()) + (comm.world_size() == 1 ? " rank)" : " ranks)"));
+                          " over " + std::to_string(comm.world_size()) +
+                          (comm.world_size() == 1 ? " rank)" : " ranks)"));
     }
     task = make_task(cfg, comm);
     check_state_fits(cfg, comm, *task, plan_options);
