@@ -9,6 +9,8 @@
 #   bench-list  tools/bench --list
 #   bench-quick  tools/bench --quick over the single-process suites whose figures the README quotes
 #               (all but memory-scale, minutes even when quick): every suite runs and reports
+#   bench-mpi-quick  tools/bench --quick --suite collectives-mpi: the MPI suite the README quotes, at
+#               2, 3 and 4 ranks
 #   fuzz-safetensors  tools/fuzz-safetensors for a few seconds: it builds its fuzzer and finds nothing
 set -euo pipefail
 case_name=$1
@@ -84,6 +86,14 @@ case "$case_name" in
     for suite in "${suites[@]}"; do grep -q "^$suite " "$log" || fail "no rows of suite $suite"; done
     expect "exp ["
     expect "qkvpacked on a [B, T, 3, H, D] projection"
+    ;;
+  bench-mpi-quick)
+    "$root/tools/bench" --quick --suite collectives-mpi >"$log" 2>&1 || fail "tools/bench --suite collectives-mpi exited $?"
+    for ranks in 2 3 4; do
+      for collective in all_gather reduce_scatter; do
+        grep -q "^collectives-mpi  *mpi $collective n=$ranks 4KiB" "$log" || fail "no 4 KiB $collective row at $ranks ranks"
+      done
+    done
     ;;
   fuzz-safetensors)
     RUDA_FUZZ_DIR=$work/fuzz "$root/tools/fuzz-safetensors" 5 >"$log" 2>&1 || fail "tools/fuzz-safetensors exited $?"
