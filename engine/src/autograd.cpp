@@ -1,6 +1,9 @@
 // The tape: recording nodes and running backward.
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <limits>
+#include <mutex>
 #include <unordered_set>
 
 #include "internal.h"
@@ -12,11 +15,24 @@ using detail::impl_ptr_of;
 
 namespace {
 thread_local bool t_grad_enabled = true;
-// Creation order of nodes on this thread; backward runs in decreasing order, which is a
-// topological order (a consumer is always created after its inputs) that depends only on the
-// program, not on addresses, so ranks running the same program run the same sequence.
-thread_local std::uint64_t t_next_sequence = 1;
+// Creation order of nodes; backward runs in decreasing order, which is a topological order (a
+// consumer is always created after its inputs) that depends only on the program, not on
+// addresses, so ranks running the same program run the same sequence. One counter for the
+// process, not one per thread: a graph whose first ops ran on one thread and whose last ops ran
+// on another (the tensors handed over through a join, a mutex or a future) must still order its
+// consumers after their producers. With a counter per thread, a consumer recorded on a thread
+// that had recorded fewer nodes sorted before its producer, which then saw no gradient and was
+// skipped: the producer's leaves got none, without an error. A hand-over orders the two
+// increments, so relaxed ones suffice.
+std::atomic<std::uint64_t> g_next_sequence{1};
+// Always-run nodes stay per thread: with ranks emulated as threads, a rank's backward must run its
+// own (the collectives of its sharded layers), never another rank's.
 thread_local std::vector<std::shared_ptr<Node>> t_always_run;
+// The size of t_always_run at which record() next drops the nodes another thread's backward ran
+// and freed (a checkpointed forward on a worker thread, its backward on another): without it
+// they stayed listed, and the worker's next backward failed on them as "freed by an earlier
+// backward".
+thread_local std::size_t t_always_run_prune_at = 64;
 // The node whose backward is running on this thread, for error messages about its saved tensors.
 thread_local const char* t_running_node = nullptr;
 // How many backward() calls are running on this thread (a checkpointed block nests one), and what
@@ -24,6 +40,20 @@ thread_local const char* t_running_node = nullptr;
 thread_local int t_backward_depth = 0;
 thread_local std::uint64_t t_backward_serial = 0;
 thread_local std::vector<std::function<void()>> t_backward_end;
+
+// Removes the nodes a backward has run and freed (on any thread) from an always-run list.
+void drop_released(std::vector<std::shared_ptr<Node>>& nodes) noexcept {
+  std::erase_if(nodes, [](const std::shared_ptr<Node>& n) { return n->released.load(std::memory_order_acquire); });
+}
+
+// Gradient accumulation into a leaf takes one of these locks (picked by the leaf's address):
+// threads running backward at once through shared parameters (two graphs over one model) add
+// into the same .grad, which unguarded lost whole contributions and raced on the tensor handle.
+// Striped, so that a leaf needs no mutex of its own; uncontended, a lock costs ~20 ns a leaf.
+std::mutex& leaf_lock(const detail::TensorImpl& leaf) {
+  static std::array<std::mutex, 64> locks;
+  return locks[(reinterpret_cast<std::uintptr_t>(&leaf) >> 6) % locks.size()];
+}
 }  // namespace
 
 bool in_backward() noexcept { return t_backward_depth > 0; }
@@ -82,7 +112,7 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
 
   auto node = std::make_shared<Node>();
   node->name = name;
-  node->sequence = t_next_sequence++;
+  node->sequence = g_next_sequence.fetch_add(1, std::memory_order_relaxed);
   node->next.resize(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const Tensor& in = inputs[i];
@@ -107,10 +137,19 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   node->out_backend = &output.backend();
   impl_of(output)->grad_fn = node;
   impl_of(output)->requires_grad = true;
-  if (node->always_run) t_always_run.push_back(std::move(node));
+  if (node->always_run) {
+    t_always_run.push_back(std::move(node));
+    if (t_always_run.size() >= t_always_run_prune_at) {
+      drop_released(t_always_run);
+      t_always_run_prune_at = std::max<std::size_t>(64, 2 * t_always_run.size());
+    }
+  }
 }
 
-std::size_t pending_always_run() noexcept { return t_always_run.size(); }
+std::size_t pending_always_run() noexcept {
+  drop_released(t_always_run);
+  return t_always_run.size();
+}
 
 bool exclusively_owned(const Tensor& t) {
   return impl_ptr_of(t).use_count() == 1 && impl_of(t)->storage.use_count() == 1 && !impl_of(t)->grad_fn;
@@ -138,6 +177,7 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
     fail<AutogradError>("backward", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match leaf ",
                         dtype_name(leaf.dtype), " ", leaf.shape);
   }
+  const std::lock_guard lock(leaf_lock(leaf));
   if (!leaf.grad.defined()) {
     leaf.grad = exclusively_owned(grad) ? std::move(grad) : grad.clone();
     impl_of(leaf.grad)->backend = leaf.backend;  // a leaf's gradient lives where the leaf does
@@ -240,6 +280,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   }
   std::vector<std::shared_ptr<Node>> always_run;
   always_run.swap(t_always_run);
+  drop_released(always_run);  // run and freed by a backward on another thread
   if (!root.requires_grad() && always_run.empty()) {
     fail<AutogradError>("backward", "the ", root.shape(), " tensor does not require grad and has no graph");
   }
@@ -300,10 +341,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     if (retain_graph || !from_root.count(node)) return;
     node->backward = nullptr;
     node->saved.clear();
-    node->released = true;
+    node->released.store(true, std::memory_order_release);
   };
   for (Node* node : order) {
-    if (node->released) {
+    if (node->released.load(std::memory_order_relaxed)) {
       fail<AutogradError>("backward", "the graph through ", node->name,
                           " was freed by an earlier backward; pass retain_graph=true to keep it");
     }

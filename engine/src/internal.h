@@ -148,7 +148,8 @@ class Node {
   BackwardFn backward;
   bool always_run = false;
   bool strided_grad = false;
-  bool released = false;
+  // Set by the backward that ran and freed the node; read by another thread's always-run list.
+  std::atomic<bool> released{false};
   // What a zero gradient of the output looks like, for always-run nodes the loss does not reach.
   Shape out_shape;
   DType out_dtype = DType::f32;

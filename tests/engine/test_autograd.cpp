@@ -1,7 +1,9 @@
 // Semantics of the tape: accumulation, retain_graph, detach, no_grad, explicit output gradients,
-// reverse creation order, always-run nodes, recompute, and independent graphs on threads.
+// reverse creation order, always-run nodes, recompute, independent graphs on threads, a graph
+// handed between threads, and concurrent backwards through shared leaves.
 #include <atomic>
 #include <functional>
+#include <future>
 #include <limits>
 #include <thread>
 
@@ -178,6 +180,97 @@ TEST_CASE("graphs built on different threads do not interfere") {
   for (int i = 0; i < 4; ++i) threads.emplace_back([&, i] { got[i] = train(i); });
   for (auto& t : threads) t.join();
   for (int i = 0; i < 4; ++i) CHECK_CLOSE(got[i], expected[i], 0, 0);
+}
+
+TEST_CASE("a graph begun on one thread and finished on another orders its nodes across the two") {
+  // Thread A records many nodes, thread B few: with a node counter per thread, B's consumer sorted
+  // before A's producer, which then saw no gradient, and w got none, without an error.
+  Tensor w = values({1, 2, 3, 4}, {4}).set_requires_grad();
+  Tensor h;
+  std::thread([&] {
+    Tensor t = w;
+    for (int i = 0; i < 10; ++i) t = t * 1.0;
+    h = t;
+  }).join();
+  std::thread([&] { sum(h * 2.0).backward(); }).join();
+  REQUIRE(w.grad().defined());
+  CHECK_CLOSE(w.grad(), {2, 2, 2, 2}, {4}, 0, 0);
+}
+
+TEST_CASE("backward on several threads at once through shared leaves sums every contribution") {
+  // Two graphs over one parameter, backpropagated at the same time: each adds exact integers into
+  // w.grad, so any lost update shows as a smaller total (unguarded, whole contributions were lost).
+  Tensor w = ones({256}).set_requires_grad();
+  constexpr int kThreads = 4, kSteps = 50;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int step = 0; step < kSteps; ++step) sum(w * static_cast<double>(t + 1)).backward();
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double expected = kSteps * (1 + 2 + 3 + 4);
+  CHECK_CLOSE(w.grad(), std::vector<double>(256, expected), {256}, 0, 0);
+}
+
+TEST_CASE("an always-run node recorded on one thread and run by another thread's backward leaves no trace") {
+  // A checkpointed forward on a worker, its backward on the caller: the worker's list still held
+  // the node, and the worker's next backward failed on it as "freed by an earlier backward".
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  int runs = 0;
+  auto always = [&](const Tensor& in) {
+    Tensor out = in.detach().clone();
+    autograd::record("always", out, {in}, {},
+                     [&runs](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       ++runs;
+                       return std::vector<Tensor>{g};
+                     },
+                     {.always_run = true});
+    return out;
+  };
+  std::promise<Tensor> made;
+  std::promise<void> ran;
+  std::size_t listed = 99;
+  std::exception_ptr error;
+  std::thread worker([&] {
+    made.set_value(sum(always(x) * 3.0));
+    ran.get_future().wait();
+    listed = autograd::pending_always_run();  // run and freed by the other thread's backward
+    try {
+      sum(x * 2.0).backward();  // an unrelated backward of the worker's own
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  made.get_future().get().backward();
+  ran.set_value();
+  worker.join();
+  CHECK(listed == 0);
+  CHECK_FALSE(error);
+  CHECK(runs == 1);
+  CHECK_CLOSE(x.grad(), {5, 5}, {2}, 0, 0);
+}
+
+TEST_CASE("a worker recording always-run nodes for backwards on other threads keeps a bounded list") {
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  auto always = [&](const Tensor& in) {
+    Tensor out = in.detach().clone();
+    autograd::record("always", out, {in}, {},
+                     [](const Tensor& g, const autograd::Saved&, autograd::GradMask) { return std::vector<Tensor>{g}; },
+                     {.always_run = true});
+    return out;
+  };
+  std::size_t listed = 0;
+  std::thread worker([&] {
+    for (int step = 0; step < 500; ++step) {
+      Tensor loss = sum(always(x));
+      std::thread([&] { loss.backward(); }).join();
+    }
+    listed = autograd::pending_always_run();
+  });
+  worker.join();
+  CHECK(listed == 0);
+  CHECK_CLOSE(x.grad(), {500, 500}, {2}, 0, 0);
 }
 
 TEST_CASE("the graph frees saved tensors after backward") {

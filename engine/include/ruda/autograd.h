@@ -6,8 +6,16 @@
 // inputs' gradients. backward() runs the nodes in reverse creation order (a topological order
 // that is the same on every rank running the same program) and accumulates into leaves' grad().
 //
-// Graphs belong to the thread that builds them: node numbering and the always-run list are
-// thread-local, so graphs built on different threads share no mutable state.
+// Threads: graphs built on different threads share no mutable state, and may run backward at
+// the same time, also through shared leaves (a model's parameters): each leaf's gradient is
+// accumulated under a lock, so every contribution arrives (in an order that may vary, so f32 sums
+// may round differently from run to run). A graph may be begun on one thread and continued or
+// differentiated on another when its tensors are handed over with synchronization (a join, a
+// mutex, a future): the node numbering is one process-wide sequence. Grad mode, the always-run
+// list (pending_always_run) and at_backward_end are per thread: an always-run node runs in its
+// own thread's next backward unless another thread's backward reaches it first. What no lock
+// covers: one graph differentiated on two threads at once, and a sharded model (its collectives
+// must be issued in the same order on every rank) driven from more than one thread per rank.
 #pragma once
 
 #include <cstdint>

@@ -3,25 +3,24 @@
 // how work is split between threads or ranks.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include <ruda/tensor.h>
 
 namespace ruda {
 
-/// A stream and a position in it. Each call takes the next numel draws.
+/// A stream and a position in it. Each call takes the next numel draws. The position moves
+/// atomically: threads sharing a generator (a model's dropout run from two threads) each take
+/// draws no other takes, in the order they arrive.
 class Generator {
  public:
   explicit Generator(std::uint64_t seed = 0, std::uint64_t offset = 0) : seed_(seed), offset_(offset) {}
   std::uint64_t seed() const noexcept { return seed_; }
-  std::uint64_t offset() const noexcept { return offset_; }
-  void set_offset(std::uint64_t offset) noexcept { offset_ = offset; }
+  std::uint64_t offset() const noexcept { return position().load(std::memory_order_relaxed); }
+  void set_offset(std::uint64_t offset) noexcept { position().store(offset, std::memory_order_relaxed); }
   /// Reserves `count` draws and returns the offset of the first.
-  std::uint64_t take(std::uint64_t count) noexcept {
-    const std::uint64_t first = offset_;
-    offset_ += count;
-    return first;
-  }
+  std::uint64_t take(std::uint64_t count) noexcept { return position().fetch_add(count, std::memory_order_relaxed); }
   Tensor rand(const Shape& shape, Options options = {}) {
     return ruda::rand(shape, seed_, take(count(shape)), options);
   }
@@ -31,8 +30,9 @@ class Generator {
 
  private:
   static std::uint64_t count(const Shape& shape) { return static_cast<std::uint64_t>(shape_numel(shape)); }
+  std::atomic_ref<std::uint64_t> position() const noexcept { return std::atomic_ref<std::uint64_t>(offset_); }
   std::uint64_t seed_;
-  std::uint64_t offset_;
+  alignas(std::atomic_ref<std::uint64_t>::required_alignment) mutable std::uint64_t offset_;
 };
 
 namespace random {
