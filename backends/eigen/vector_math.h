@@ -1,5 +1,5 @@
 // erf and tanh of Eigen array expressions, vectorized in f32; exp and the logistic function
-// without Eigen's underflow clamp.
+// without Eigen's underflow clamp; log without its clamp of subnormal arguments.
 //
 // ruda compiles its Eigen kernels with EIGEN_FAST_MATH=0 (backends/CMakeLists.txt: Eigen's
 // fast-math psqrt returns NaN for +inf). That switch also turns off Eigen's packet erf and tanh
@@ -17,6 +17,7 @@
 // backend; op_descriptors.h declares the functions.
 #pragma once
 
+#include <limits>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -26,11 +27,36 @@
 
 namespace ruda::ops::detail {
 
-// Eigen 3.4's packet approximations, as functors over packets.
+// Eigen 3.4's packet approximations, as functors over packets. Eigen's erf overshoots its bounds
+// by an ulp near |x| = 4 (erf(-3.9951453) was -1.00000012, and gelu of some negative inputs came
+// out positive): the result is clamped to [-1, 1].
 struct ErfApproximation {
   template <class Packet>
   Packet operator()(const Packet& x) const {
-    return Eigen::internal::generic_fast_erf_float(x);
+    using namespace Eigen::internal;
+    const Packet one = pset1<Packet>(1.0f);
+    return pmax(pmin(generic_fast_erf_float(x), one), pnegate(one));
+  }
+};
+
+// log(x) for every x: Eigen 3.4's packet log clamps its argument to the smallest normal number,
+// so the log of a subnormal value (log(1e-40) in f32 = -92.1) read log(FLT_MIN) = -87.34 in full
+// packets and the true value only in a range's scalar tail. Subnormal lanes are scaled by 2^k
+// into the normal range (exactly: a power of two) and k ln 2 is subtracted after; elsewhere the
+// values are Eigen's own, bit for bit.
+struct LogWithSubnormals {
+  template <class Packet>
+  Packet operator()(const Packet& x) const {
+    using namespace Eigen::internal;
+    using S = typename unpacket_traits<Packet>::type;
+    constexpr bool f32 = std::is_same_v<S, float>;
+    constexpr S kSmallestNormal = std::numeric_limits<S>::min();
+    constexpr S kScale = f32 ? S(16777216.0) : S(18014398509481984.0);        // 2^24, 2^54
+    constexpr S kShift = f32 ? S(16.635532333438686) : S(37.42994775023704);  // 24 ln 2, 54 ln 2
+    const Packet subnormal = pand(pcmp_lt(pzero(x), x), pcmp_lt(x, pset1<Packet>(kSmallestNormal)));
+    if (!predux_any(subnormal)) return plog(x);
+    const Packet l = plog(pselect(subnormal, pmul(x, pset1<Packet>(kScale)), x));
+    return pselect(subnormal, psub(l, pset1<Packet>(kShift)), l);
   }
 };
 struct TanhApproximation {
@@ -129,21 +155,22 @@ struct PacketFunction {
 static_assert(EIGEN_WORLD_VERSION == 3 && EIGEN_MAJOR_VERSION == 4, "vector_math.h uses Eigen 3.4 internals");
 
 namespace Eigen::internal {
-// The approximations use min, max, abs, multiply-add and division on packets.
+// The approximations use min, max, abs, multiply-add, division, exp and log on packets.
 template <class Approximation>
 struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, float>> {
   enum {
     Cost = 30,
     PacketAccess = packet_traits<float>::HasDiv && packet_traits<float>::HasMin && packet_traits<float>::HasMax &&
-                   packet_traits<float>::HasAbs && packet_traits<float>::HasExp
+                   packet_traits<float>::HasAbs && packet_traits<float>::HasExp && packet_traits<float>::HasLog
   };
 };
-// exp and the logistic use compares, selects, add, multiply and division beside pexp.
+// exp, log and the logistic use compares, selects, add, multiply and division beside pexp / plog.
 template <class Approximation>
 struct functor_traits<ruda::ops::detail::PacketFunction<Approximation, double>> {
   enum {
     Cost = 30,
-    PacketAccess = packet_traits<double>::HasExp && packet_traits<double>::HasCmp && packet_traits<double>::HasDiv
+    PacketAccess = packet_traits<double>::HasExp && packet_traits<double>::HasCmp && packet_traits<double>::HasDiv &&
+                   packet_traits<double>::HasLog
   };
 };
 }  // namespace Eigen::internal
@@ -164,6 +191,13 @@ auto vector_exp(const X& x) {
   using S = typename X::Scalar;
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_exp: f32 or f64 arrays");
   return x.unaryExpr(detail::PacketFunction<detail::ExpWithoutClamp, S>{});
+}
+
+template <class X>
+auto vector_log(const X& x) {
+  using S = typename X::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_log: f32 or f64 arrays");
+  return x.unaryExpr(detail::PacketFunction<detail::LogWithSubnormals, S>{});
 }
 
 template <class X>

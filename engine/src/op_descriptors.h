@@ -103,13 +103,16 @@ using scalar_of = typename A::Scalar;
 /// erf and tanh of an Eigen array expression, vectorized in f32 (backends/eigen/vector_math.h
 /// defines them: Eigen's own .erf() and .tanh() are scalar under ruda's EIGEN_FAST_MATH=0), and
 /// exp and the logistic function without Eigen's underflow clamp (Eigen's exp(-inf) is 2.9e-39 in
-/// f32): the formulas below use these, never Eigen's .exp() or .logistic().
+/// f32), and log without its clamp of subnormal arguments (Eigen's log(1e-40) is log(FLT_MIN) in
+/// f32): the formulas below use these, never Eigen's .exp(), .log() or .logistic().
 template <class X>
 auto vector_erf(const X& x);
 template <class X>
 auto vector_tanh(const X& x);
 template <class X>
 auto vector_exp(const X& x);
+template <class X>
+auto vector_log(const X& x);
 template <class X>
 auto vector_logistic(const X& x);
 
@@ -196,7 +199,7 @@ struct Unary<UnaryOp::log> {
                                    .avoid_forward = "oneDNN's bf16 log(1) is -1.4e-6, not 0"};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
-    y = x.log();
+    y = vector_log(x);
   }
   template <class X, class G, class GX>
   static void backward(const X& x, const G& gy, GX& gx) {

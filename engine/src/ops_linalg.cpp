@@ -14,6 +14,14 @@ namespace {
 
 Shape batch_of(const Tensor& t) { return Shape(t.shape().begin(), t.shape().end() - 2); }
 
+// t [..., n] as rows [product of the leading axes, n]; a view where t's strides allow. Spelled
+// out, not reshape(t, {-1, n}): with n = 0 (a product whose inner or output size is 0) the -1
+// cannot be inferred, and the backward of such a product failed where its forward had worked.
+Tensor as_rows(const Tensor& t) {
+  const Shape& shape = t.shape();
+  return reshape(t, {shape_numel(Shape(shape.begin(), shape.end() - 1)), shape.back()});
+}
+
 // How a product reads an operand's last two axes in place: as a row-major matrix with row
 // stride ld, or as the transpose of one (its second-to-last axis is the contiguous one).
 struct MatrixRead {
@@ -184,8 +192,7 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
                          const Tensor av = s[0].get();
                          if (sb.size() == 2) {
                            // A 2-D right operand was shared by every batch: one GEMM over all rows.
-                           const std::int64_t k = sb[0], n = sb[1];
-                           grad_b = product("matmul", reshape(av, {-1, k}), true, reshape(g, {-1, n}), false);
+                           grad_b = product("matmul", as_rows(av), true, as_rows(g), false);
                          } else {
                            grad_b = sum_to(product("matmul", av, true, g, false), sb);
                          }
@@ -246,7 +253,7 @@ std::vector<Tensor> linear_backward(const Tensor& g2, GetX&& x, GetWeight&& weig
   Tensor grad_x, grad_w, grad_b;
   if (need[0]) grad_x = reshape(product("linear", g2, false, weight(), !s.out_in), x_shape);
   if (need[1]) {
-    const Tensor x2 = reshape(x(), {-1, s.in});
+    const Tensor x2 = as_rows(x());
     grad_w = s.out_in ? product("linear", g2, true, x2, false) : product("linear", x2, true, g2, false);
   }
   if (need[2]) grad_b = sum(g2, {0});
@@ -263,8 +270,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, WeightL
     autograd::record("linear", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor()},
                      [x_shape = x.shape(), s](const Tensor& g, const Saved& saved, GradMask need) {
                        return linear_backward(
-                           reshape(g, {-1, s.out}), [&] { return saved[0].get(); }, [&] { return saved[1].get(); },
-                           x_shape, s, need);
+                           as_rows(g), [&] { return saved[0].get(); }, [&] { return saved[1].get(); }, x_shape, s,
+                           need);
                      });
   }
   return out;
@@ -307,21 +314,20 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
     }
     const Tensor& derivative = h;
     const bool gx = x.requires_grad(), gw = weight.requires_grad();
-    autograd::record("linear_gelu", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor(), derivative},
-                     [x_shape = x.shape(), s](const Tensor& g, const Saved& saved, GradMask need) {
-                       const Tensor d = saved[2].get();
-                       // Into g itself where it is ours alone (fc2's input gradient, as a rule):
-                       // no [rows, 4d] buffer, and the product reads and writes the same lines.
-                       const bool in_place = autograd::exclusively_owned(g) && g.is_contiguous();
-                       Tensor gh =
-                           in_place ? g : make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
-                       if (gh.numel()) {
-                         d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d), detail::view_of(gh));
-                       }
-                       return linear_backward(
-                           reshape(gh, {-1, s.out}), [&] { return saved[0].get(); }, [&] { return saved[1].get(); },
-                           x_shape, s, need);
-                     });
+    autograd::record(
+        "linear_gelu", out, {x, weight, bias}, {gw ? x : Tensor(), gx ? weight : Tensor(), derivative},
+        [x_shape = x.shape(), s](const Tensor& g, const Saved& saved, GradMask need) {
+          const Tensor d = saved[2].get();
+          // Into g itself where it is ours alone (fc2's input gradient, as a rule):
+          // no [rows, 4d] buffer, and the product reads and writes the same lines.
+          const bool in_place = autograd::exclusively_owned(g) && g.is_contiguous();
+          Tensor gh = in_place ? g : make_tensor(d.shape(), d.dtype(), d.backend(), "linear_gelu backward");
+          if (gh.numel()) {
+            d.backend().binary(BinaryOp::mul, detail::view_of(g), detail::view_of(d), detail::view_of(gh));
+          }
+          return linear_backward(
+              as_rows(gh), [&] { return saved[0].get(); }, [&] { return saved[1].get(); }, x_shape, s, need);
+        });
     return out;
   }
   Tensor out =
@@ -334,7 +340,7 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias, Ge
                        const Tensor h = linear_forward("linear_gelu backward", xs, w, b, s, GemmEpilogue::none);
                        const Tensor gh = gelu_grad(h, g);
                        return linear_backward(
-                           reshape(gh, {-1, s.out}), [&] { return xs; }, [&] { return w; }, x_shape, s, need);
+                           as_rows(gh), [&] { return xs; }, [&] { return w; }, x_shape, s, need);
                      });
   }
   return out;

@@ -1,6 +1,7 @@
 // Values of every op against hand-computed results, for each dtype that applies. Runs once per
 // backend (RUDA_BACKEND): this is the conformance suite.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -216,6 +217,22 @@ TEST_CASE("erf against std::erf, forward and backward, in every float dtype") {
     CHECK_CLOSE(x.grad(), want_g, {n}, 4 * tol(d), 4 * tol(d));
   }
   CHECK_CLOSE(erf(values({0.5, -1}, {2}, DType::f64)), {std::erf(0.5), std::erf(-1.0)}, {2}, 1e-15, 1e-15);
+  // Bounds the approximation must keep, which Eigen's f32 erf overshot by an ulp near |x| = 4:
+  // |erf| <= 1, and GELU (erf form) of a negative input is never positive.
+  std::vector<double> dense_xs;
+  for (int i = -6000; i <= 6000; ++i) dense_xs.push_back(i / 1000.0);
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values(dense_xs, {static_cast<std::int64_t>(dense_xs.size())}, d);
+    CHECK(max(abs(erf(x))).item() <= 1.0);
+    const std::vector<double> xr = x.to_vector<double>(), g = gelu(x).to_vector<double>();
+    for (std::size_t i = 0; i < xr.size(); ++i) {
+      if (xr[i] < 0 && g[i] > 0) {
+        FAIL_CHECK("gelu(" << xr[i] << ") = " << g[i] << " > 0");
+        break;
+      }
+    }
+  }
   test::check_throws<DTypeError>([] { (void)erf(randint({3}, 0, 5, 1)); }, {"erf", "i64", "[3]"});
   test::check_throws<ArgumentError>([] { (void)erf(Tensor()); }, {"erf", "undefined"});
 }
@@ -336,9 +353,11 @@ TEST_CASE(
   // there). 4160 values (above oneDNN's minimum kernel size), the specials repeated so that they
   // land both in packets and in the scalar tails.
   const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  const std::vector<double> specials = {inf,   -inf,  nan, 0.0, -0.0, -1000, -745, -709,  -104,  -100, -90,
-                                        -88.5, -87.5, -87, -50, -20,  -9.5,  -1,   0.5,   1,     20,   50,
-                                        87,    88,    89,  100, 709,  710,   1000, 1e-30, -1e-30};
+  const std::vector<double> specials = {inf, -inf, nan, 0.0, -0.0, -1000, -745, -709, -104, -100, -90, -88.5, -87.5,
+                                        -87, -50, -20, -9.5, -1, 0.5, 1, 20, 50, 87, 88, 89, 100, 709, 710, 1000, 1e-30,
+                                        -1e-30,
+                                        // subnormal in f32 and bf16 (1e-40) and in f64 (1e-310)
+                                        1e-40, -1e-40, 3e-39, 1e-310, -1e-310};
   std::vector<double> xs;
   while (xs.size() < 4160) xs.insert(xs.end(), specials.begin(), specials.end());
   const auto n = static_cast<std::int64_t>(xs.size());
@@ -824,6 +843,46 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
   CHECK_CLOSE(linear(x, transpose(w, 0, 1), b, WeightLayout::out_in), matmul(x, w) + b, 1e-5, 1e-5);
   CHECK_CLOSE(linear(x.to(DType::bf16), w.to(DType::bf16), b.to(DType::bf16)).to(DType::f32), matmul(x, w) + b, 0.1,
               0.05);
+}
+
+TEST_CASE("products whose inner or output size is 0 differentiate: zero gradients of the operands' shapes") {
+  // The forward was zeros (plus the bias); the backward reshaped its gradient with an inferred -1
+  // beside a 0, which cannot be inferred, and raised.
+  for (auto [m, k, n] : {std::array<std::int64_t, 3>{2, 0, 3}, {2, 3, 0}, {0, 3, 2}}) {
+    CAPTURE(m);
+    CAPTURE(k);
+    CAPTURE(n);
+    Tensor a = ones({m, k}).set_requires_grad(), b = ones({k, n}).set_requires_grad();
+    sum(matmul(a, b)).backward();
+    CHECK_CLOSE(a.grad(), std::vector<double>(static_cast<std::size_t>(m * k), n), {m, k});
+    CHECK_CLOSE(b.grad(), std::vector<double>(static_cast<std::size_t>(k * n), m), {k, n});
+    Tensor batched = ones({2, m, k}).set_requires_grad();
+    sum(matmul(batched, b)).backward();
+    CHECK_CLOSE(batched.grad(), std::vector<double>(static_cast<std::size_t>(2 * m * k), n), {2, m, k});
+    for (bool out_in : {false, true}) {
+      const WeightLayout layout = out_in ? WeightLayout::out_in : WeightLayout::in_out;
+      Tensor x = ones({m, k}).set_requires_grad(), bias = ones({n}).set_requires_grad();
+      Tensor w = ones(out_in ? Shape{n, k} : Shape{k, n}).set_requires_grad();
+      for (auto mode : {GeluBackward::keep_pre_activation, GeluBackward::recompute}) {
+        x.zero_grad();
+        w.zero_grad();
+        bias.zero_grad();
+        sum(linear_gelu(x, w, bias, GeluApproximation::erf, layout, mode)).backward();
+        // d/dh gelu at h = bias = 1 (the product is 0): Phi(1) + phi(1)
+        const double slope =
+            0.5 * (1 + std::erf(1 / std::numbers::sqrt2)) + std::exp(-0.5) / std::sqrt(2 * std::numbers::pi);
+        CHECK_CLOSE(bias.grad(), std::vector<double>(static_cast<std::size_t>(n), m * slope), {n});
+        CHECK(x.grad().shape() == Shape{m, k});
+        CHECK(w.grad().shape() == w.shape());
+      }
+      x.zero_grad();
+      w.zero_grad();
+      bias.zero_grad();
+      sum(linear(x, w, bias, layout)).backward();
+      CHECK_CLOSE(bias.grad(), std::vector<double>(static_cast<std::size_t>(n), m), {n});
+      CHECK_CLOSE(x.grad(), std::vector<double>(static_cast<std::size_t>(m * k), n), {m, k});
+    }
+  }
 }
 
 TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping or recomputing the pre-activation") {
