@@ -995,6 +995,43 @@ TEST_CASE("safetensors: a range read checks its range against the tensor before 
   test::check_close(r.read_range("a", 1, 1), {2}, {1});
 }
 
+TEST_CASE("safetensors: the tensors' bytes fill the data exactly, the header has no NUL, null metadata is none") {
+  // What the reference reader refuses, refused here too (a checksum over the tensors' own bytes
+  // cannot notice bytes appended after them); and the null __metadata__ it accepts, accepted.
+  TempDir dir;
+  auto parse = [](const std::string& header, std::uint64_t data_bytes) {
+    std::vector<safetensors::TensorInfo> tensors;
+    std::map<std::string, std::string> metadata;
+    safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata);
+    return tensors;
+  };
+  const std::string two =
+      "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
+      " \"b\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [8, 12]}}";
+  test::check_throws<IOError>([&] { parse(two, 12); }, {"header", "data bytes [4, 8) unused", "'b'"});
+  const std::string late = "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [4, 8]}}";
+  test::check_throws<IOError>([&] { parse(late, 8); }, {"data bytes [0, 4) unused", "'a'"});
+  const std::string one = "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]}}";
+  CHECK(parse(one, 4).size() == 1);
+  test::check_throws<IOError>([&] { parse(one, 7); }, {"last 3 bytes of the file unused"});
+  test::check_throws<IOError>([&] { parse("{}", 1); }, {"last 1 bytes of the file unused"});
+  // A file with bytes appended after its data, as a damaged copy or a concatenation leaves it.
+  const std::string path = (dir.path / "appended.safetensors").string();
+  safetensors::write(path, {{"a", from_values({1, 2}, {2})}});
+  std::ofstream(path, std::ios::app | std::ios::binary) << "GARBAGE";
+  test::check_throws<IOError>([&] { safetensors::Reader r(path); }, {"appended.safetensors", "7 bytes", "unused"});
+  // Whatever follows a NUL would be ignored by this reader's JSON parser and read by others.
+  test::check_throws<IOError>([&] { parse(one + std::string(1, '\0') + " {\"b\": 1}", 4); }, {"NUL byte"});
+  std::vector<safetensors::TensorInfo> tensors;
+  std::map<std::string, std::string> metadata{{"stale", "x"}};
+  const std::string null_metadata =
+      "{\"__metadata__\": null, \"a\": {\"dtype\": \"F32\", \"shape\": [1], "
+      "\"data_offsets\": [0, 4]}}";
+  safetensors::parse_header(null_metadata, 8 + null_metadata.size() + 4, tensors, metadata);
+  CHECK(tensors.size() == 1);
+  CHECK(metadata.empty());
+}
+
 TEST_CASE("safetensors: a repeated key is refused, and any zero extent makes a tensor empty") {
   TempDir dir;
   auto parse = [](const std::string& header, std::uint64_t data_bytes) {
@@ -1021,7 +1058,7 @@ TEST_CASE("safetensors: a repeated key is refused, and any zero extent makes a t
        {"[100, 100, 100, 100, 100, 100, 100, 0]", "[0, 100, 100, 100, 100, 100, 100, 100]", "[4294967296, 0]"}) {
     CAPTURE(shape);
     const auto tensors =
-        parse(std::string("{\"e\": {\"dtype\": \"F32\", \"shape\": ") + shape + ", \"data_offsets\": [0, 0]}}", 8);
+        parse(std::string("{\"e\": {\"dtype\": \"F32\", \"shape\": ") + shape + ", \"data_offsets\": [0, 0]}}", 0);
     REQUIRE(tensors.size() == 1);
     CHECK(tensors[0].numel() == 0);
   }

@@ -19,7 +19,7 @@ namespace ruda::safetensors {
 
 namespace {
 
-constexpr std::uint64_t kMaxHeaderBytes = 100u << 20;  // as the reference implementation
+constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;  // the reference implementation's MAX_HEADER_SIZE
 constexpr int kMaxJsonDepth = 16;
 
 // Errors of this file's operations read "safetensors: <path>: <what>".
@@ -104,6 +104,8 @@ const char* format_dtype(DType dtype) {
 void parse_header(const std::string& header, std::uint64_t file_size, std::vector<TensorInfo>& tensors,
                   std::map<std::string, std::string>& metadata) {
   const std::string where = "header";
+  // A NUL ends nlohmann's input early: what follows it would be ignored here and read by others.
+  if (header.find('\0') != std::string::npos) io_fail(where, "contains a NUL byte");
   if (!nesting_within_limit(header)) io_fail(where, "JSON nested too deeply");
   nlohmann::json j;
   std::string duplicate;
@@ -123,6 +125,7 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
     const std::string& name = it.key();
     const nlohmann::json& v = it.value();
     if (name == "__metadata__") {
+      if (v.is_null()) continue;  // as the reference reads it: no metadata
       if (!v.is_object()) io_fail(where, "__metadata__ is not an object");
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string()) io_fail(where, "__metadata__ value '" + m.key() + "' is not a string");
@@ -192,6 +195,21 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
     if (by_offset[i]->begin < by_offset[i - 1]->end) {
       io_fail(where, "tensors '" + by_offset[i - 1]->name + "' and '" + by_offset[i]->name + "' overlap");
     }
+  }
+  // The tensors' bytes must fill the data exactly, as the reference reader requires (it refuses
+  // the file otherwise): bytes no tensor owns, between tensors or after the last, are a damaged
+  // or appended-to file, which a checksum over the tensors' own bytes cannot notice.
+  std::uint64_t at = data_start;
+  for (const TensorInfo* t : by_offset) {
+    if (t->begin != at) {
+      io_fail(where, "leaves data bytes [" + std::to_string(at - data_start) + ", " +
+                         std::to_string(t->begin - data_start) + ") unused, before tensor '" + t->name + "'");
+    }
+    at = t->end;
+  }
+  if (at != file_size) {
+    io_fail(where, "leaves the last " + std::to_string(file_size - at) +
+                       " bytes of the file unused (bytes after the last tensor's data)");
   }
 }
 
