@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "helpers.h"
+#include "index_edit.h"
 
 using namespace ruda;
 using test::file_text;
@@ -263,7 +264,7 @@ TEST_CASE("verify, load, list and consolidate refuse the same index damage") {
     CAPTURE(d.what);
     json j = good;
     d.edit(j);
-    std::ofstream(index_path) << j.dump(1);
+    std::ofstream(index_path) << test::restamped(j).dump(1);
     test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, d.fragments);
     if (d.in_index) test::check_throws<IOError>([&] { nn::describe_checkpoint(dir.str()); }, d.fragments);
     test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "x.safetensors").string()); },
@@ -383,11 +384,10 @@ TEST_CASE("a version 1 checkpoint (before checksums) still loads and verifies") 
   save_layer(dir, 2, 1);
   const fs::path index_path = dir.path / "step-00000001" / "index.json";
   json j = read_json(index_path);
-  j["version"] = 1;
   for (auto& [name, p] : j["params"].items()) {
     for (auto& piece : p["pieces"]) piece.erase("xxh3");
   }
-  std::ofstream(index_path) << j.dump(1);
+  std::ofstream(index_path) << test::before_index_checksum(j, 1).dump(1);
   const auto summary = nn::describe_checkpoint(dir.str());
   CHECK(summary.version == 1);
   CHECK_FALSE(summary.checksums);
@@ -427,6 +427,49 @@ TEST_CASE("resolve and the latest pointer: messages say what the path is, as che
   check_contains(oversized, {"latest", "5000 bytes"});
   CHECK(oversized.rfind("checkpoint ", 0) == 0);
   CHECK(oversized.find("safetensors") == std::string::npos);
+}
+
+TEST_CASE("index.json's own checksum: an edit that keeps the JSON valid is refused by every reader") {
+  // Found by a bit-flip sweep of an index: 620 of 18,003 single flips passed verify (the
+  // optimizer's lr and step count, a group's name, the extra values), and hand edits loaded: a
+  // shape changed to another of the same size, a parameter dropped (consolidate wrote a file
+  // without it).
+  TempDir dir;
+  save_layer(dir, 2, 1);
+  const fs::path index_path = dir.path / "step-00000001" / "index.json";
+  const json good = read_json(index_path);
+  REQUIRE(good.contains("index_xxh3"));
+  CHECK(good["version"] == 3);
+  auto refused_everywhere = [&](const std::vector<std::string>& fragments) {
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, fragments);
+    test::check_throws<IOError>([&] { nn::describe_checkpoint(dir.str()); }, fragments);
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "x.safetensors").string()); },
+                                fragments);
+    for (const auto& e : load_layer(dir, 2)) check_contains(e, {fragments.front()});
+  };
+  const std::vector<std::pair<std::string, std::function<void(json&)>>> edits = {
+      {"the optimizer's step count", [](json& j) { j["optimizer"]["steps"] = j["optimizer"]["steps"].get<int>() + 1; }},
+      {"the learning rate", [](json& j) { j["optimizer"]["lr"] = 0.5; }},
+      {"a parameter dropped", [](json& j) { j["params"].erase(j["params"].begin()); }},
+      {"the format version (its digit flipped)", [](json& j) { j["version"] = 2; }},
+  };
+  for (const auto& [what, edit] : edits) {
+    CAPTURE(what);
+    json j = good;
+    edit(j);
+    std::ofstream(index_path) << j.dump(1);
+    refused_everywhere({"index.json", "does not match its checksum", "edited or damaged"});
+  }
+  // The key itself damaged: a version that records a checksum must have one.
+  json renamed = good;
+  renamed["index_xxh2"] = renamed["index_xxh3"];
+  renamed.erase("index_xxh3");
+  std::ofstream(index_path) << renamed.dump(1);
+  refused_everywhere({"index.json", "lacks its checksum 'index_xxh3'", "version 3"});
+  // Reindented, the same content: the checksum is over the content, not the text.
+  std::ofstream(index_path) << good.dump(4);
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
 }
 
 TEST_CASE("an index.json that repeats a key is refused") {
@@ -597,7 +640,7 @@ TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint 
   json old = index;
   old["optimizer"].erase("kind");
   for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
-  std::ofstream(dir.path / "step-00000005" / "index.json") << old.dump(1);
+  std::ofstream(dir.path / "step-00000005" / "index.json") << test::before_index_checksum(old).dump(1);
   CHECK(load_with(dir, adamw).empty());
   CHECK(load_with(dir, adam).empty());
   check_contains(load_with(dir, sgd), {"exp_avg", "exp_avg_sq", "SGD"});
@@ -612,7 +655,7 @@ TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint 
   // A damaged kind is refused by every reader.
   json bad = read_json(with_momentum.path / "step-00000005" / "index.json");
   bad["optimizer"]["kind"] = 7;
-  std::ofstream(with_momentum.path / "step-00000005" / "index.json") << bad.dump(1);
+  std::ofstream(with_momentum.path / "step-00000005" / "index.json") << test::restamped(bad).dump(1);
   test::check_throws<IOError>([&] { nn::verify_checkpoint(with_momentum.str()); }, {"'kind'"});
 }
 
@@ -646,7 +689,7 @@ TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelle
   // An index from before the dtypes were recorded: the load still checks against the optimizer's.
   json old = read_json(step / "index.json");
   for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
-  std::ofstream(step / "index.json") << old.dump(1);
+  std::ofstream(step / "index.json") << test::before_index_checksum(old).dump(1);
   check_contains(load_with(dir, adamw, DType::f64), {"optim/weight/exp_avg", "I64", "f64"});
 }
 

@@ -590,9 +590,10 @@ void check_save_arguments(const std::string& dir, std::int64_t step, int world,
 // Rank 0, once every rank file is complete: the index (validated as any reader will validate
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
-std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step, const json& index,
-                                 int keep) {
+std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step,
+                                 const json& unchecked_index, int keep) {
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
+  const json index = with_index_checksum(unchecked_index);
   const Index parsed = parse_index(index, index_path, step_dir);
   safetensors::write_text_atomically(index_path, index.dump(1));  // the swap: the new files are the step's
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");

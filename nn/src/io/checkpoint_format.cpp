@@ -173,6 +173,21 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
   if (index.version < 1 || index.version > kVersion) {
     fail("has format version " + std::to_string(index.version) + ", this build reads 1 to " + std::to_string(kVersion));
   }
+  // The index's own checksum, before anything it says is believed: an edit or a flipped bit that
+  // keeps the JSON valid (a shape of the same size, a step count, a dropped parameter) was taken
+  // at its word. Present: checked, whatever the version says (a flipped version digit); absent
+  // from a version that writes it (a flipped key): refused. Versions 1 and 2 have none.
+  if (j.contains(kIndexChecksumKey)) {
+    const json& recorded = j[kIndexChecksumKey];
+    const json expected = with_index_checksum(j)[kIndexChecksumKey];
+    if (recorded != expected) {
+      fail("does not match its checksum (" + recorded.dump() + ", its content gives " + expected.dump() +
+           "): index.json was edited or damaged");
+    }
+  } else if (index.version >= 3) {
+    fail(std::string("lacks its checksum '") + kIndexChecksumKey + "' (format version " +
+         std::to_string(index.version) + " records one): index.json was edited or damaged");
+  }
   index.step = integer(j, "step", "index.json", 0, INT64_MAX);
   index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, kMaxWorldSize));
   index.files = strings(member(j, "files", "index.json"), "index.json's 'files'");
@@ -337,6 +352,17 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
 }
 
 }  // namespace
+
+json with_index_checksum(json index) {
+  index.erase(kIndexChecksumKey);
+  // The compact dump of nlohmann's ordered-by-key objects: one text for one content, however the
+  // file was indented. Its numbers print as they parse back (shortest round-trip form).
+  const std::string text = index.dump();
+  char hex[kHashDigits + 1];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(XXH3_64bits(text.data(), text.size())));
+  index[kIndexChecksumKey] = hex;
+  return index;
+}
 
 Index parse_index(const json& j, const std::string& path, const std::string& dir) {
   return IndexParser(path).parse(j, dir);

@@ -21,7 +21,10 @@ namespace ruda::nn::ckpt {
 inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
 // Version 2 adds the checksums of every piece to the index and the step to every rank file.
 // Version 1 checkpoints still load and verify, with no checksums to check their data against.
-inline constexpr int kVersion = 2;
+// 1: no checksums; 2: a checksum per block of every piece; 3: and one over the index itself
+// (kIndexChecksumKey), so that an edited or damaged index.json is an error, not a different model.
+inline constexpr int kVersion = 3;
+inline constexpr const char* kIndexChecksumKey = "index_xxh3";
 inline constexpr std::size_t kMaxLatestBytes = 4096;
 inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
 
@@ -130,6 +133,10 @@ struct Index {
 Index read_index(const std::string& dir);
 /// An index given as JSON (`path` names it in errors), validated as read_index validates.
 Index parse_index(const nlohmann::json& j, const std::string& path, const std::string& dir);
+
+/// The index with its checksum (kIndexChecksumKey: XXH3-64, as hex, of the compact JSON of the
+/// index without that key) added: what publish() writes.
+nlohmann::json with_index_checksum(nlohmann::json index);
 
 // The rank files of a checkpoint, opened on first use. Each is checked as it opens: a regular file
 // with a valid header (safetensors::Reader), written for this checkpoint's rank, world size and
