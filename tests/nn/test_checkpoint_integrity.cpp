@@ -472,6 +472,37 @@ TEST_CASE("index.json's own checksum: an edit that keeps the JSON valid is refus
   for (const auto& e : load_layer(dir, 2)) CHECK(e.empty());
 }
 
+TEST_CASE("a checkpoint without optimizer state loads into a run with an optimizer, and says so") {
+  // ruda-ckpt split of a consolidated file is model-only: a resume from it restarted AdamW from
+  // zero moments and step 0 without a word.
+  TempDir model_only, full;
+  save_layer(full, 2, 1);
+  run_ranks(2, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    nn::save_checkpoint(model_only.str(), 1, *layer, nullptr, comm, {}, 0);
+  });
+  std::vector<std::vector<std::string>> warnings(2), without_optimizer(2), complete(2);
+  std::mutex m;
+  run_ranks(2, [&](Communicator& comm) {
+    auto layer = make_layer(comm);
+    nn::AdamW opt(layer->parameters(), nn::AdamWOptions{});
+    const auto from_model_only = nn::load_checkpoint(model_only.str(), *layer, &opt, comm).warnings;
+    const auto into_no_optimizer = nn::load_checkpoint(model_only.str(), *layer, nullptr, comm).warnings;
+    const auto from_full = nn::load_checkpoint(full.str(), *layer, &opt, comm).warnings;
+    std::lock_guard lock(m);
+    const auto r = static_cast<std::size_t>(comm.rank());
+    warnings[r] = from_model_only;
+    without_optimizer[r] = into_no_optimizer;
+    complete[r] = from_full;
+  });
+  for (std::size_t r = 0; r < 2; ++r) {
+    REQUIRE(warnings[r].size() == 1);
+    check_contains(warnings[r][0], {"step-00000001", "no optimizer state", "starts afresh"});
+    CHECK(without_optimizer[r].empty());
+    CHECK(complete[r].empty());
+  }
+}
+
 TEST_CASE("an index.json that repeats a key is refused") {
   TempDir dir;
   save_layer(dir, 2, 1);

@@ -287,6 +287,7 @@ void run(const Config& cfg, Communicator& comm) {
     std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
               << resumed.world_size << (resumed.world_size == 1 ? " rank" : " ranks") << ", now "
               << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
+    for (const std::string& warning : resumed.warnings) std::cerr << "ruda-train: warning: " << warning << std::endl;
   }
 
   const std::int64_t total = task->total_steps();

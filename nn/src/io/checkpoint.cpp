@@ -917,6 +917,13 @@ CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimize
     info =
         with_index_errors(index->dir, [&] { return load_from(*index, module, optimizer, options.verify_checksums); });
   });
+  if (optimizer && !index->has_optimizer) {
+    // A model-only checkpoint (ruda-ckpt split of a consolidated file, or one saved without an
+    // optimizer) loads into a run with one: its moments and step counts start afresh, which a
+    // resume must not do without saying so.
+    info.warnings.push_back("checkpoint " + index->dir +
+                            " holds no optimizer state: the optimizer starts afresh (zero moments, step counts 0)");
+  }
   return info;
 }
 

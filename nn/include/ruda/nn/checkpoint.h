@@ -43,7 +43,8 @@ struct CheckpointInfo {
   std::uint64_t bytes_read = 0;  // by load_checkpoint on this rank: headers and the ranges it needed
   /// save_checkpoint on rank 0: what the directory's upkeep (removing leftovers of killed saves and
   /// old steps) skipped because it could not inspect or remove it, in one message; the save
-  /// itself succeeded.
+  /// itself succeeded. load_checkpoint: what it did not load that a caller may expect (no
+  /// optimizer state for the optimizer given); the load itself succeeded.
   std::vector<std::string> warnings = {};
 };
 
@@ -79,7 +80,9 @@ struct LoadOptions {
 /// error, the others an IOError naming it and its error). The ranks must load the same checkpoint
 /// (the same index.json, wherever each finds it) into the same model, with an optimizer on all or
 /// none: otherwise every rank raises an IOError naming the ranks that differ, before anything is
-/// loaded. After a failure while loading the module's values are unspecified.
+/// loaded. After a failure while loading the module's values are unspecified. A checkpoint without
+/// optimizer state (a model-only one: ruda-ckpt split of a consolidated file) loads into a run with
+/// an optimizer, which keeps its fresh state: the returned info's `warnings` says so.
 CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm,
                                const LoadOptions& options = {});
 
