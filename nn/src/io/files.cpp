@@ -188,6 +188,15 @@ void AtomicFile::write(const void* data, std::size_t size) {
   }
 }
 
+void AtomicFile::seek(std::uint64_t offset) {
+  if (fd_ < 0) fail("written after its commit (or a failed one)");
+  if (::lseek(fd_, static_cast<off_t>(offset), SEEK_SET) < 0) {
+    const std::string why = os_error();
+    discard();
+    fail("seek failed: " + why);
+  }
+}
+
 void AtomicFile::commit() {
   if (fd_ < 0) fail("committed again after its commit (or a failed one)");
   try {

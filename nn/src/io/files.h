@@ -80,6 +80,8 @@ class AtomicFile {
   AtomicFile& operator=(const AtomicFile&) = delete;
 
   void write(const void* data, std::size_t size);
+  /// Moves where the next write() goes (from the file's start).
+  void seek(std::uint64_t offset);
   void commit();
 
  private:

@@ -354,6 +354,7 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
   // Writer commits is one the Reader accepts.
   constexpr std::uint64_t kMaxBytes = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
   nlohmann::json header = nlohmann::json::object();
+  std::vector<std::uint64_t> sizes;  // bytes of each tensor, in the order given
   for (const auto& t : tensors) {
     const std::string what = "tensor '" + t.name + "'";
     if (t.name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
@@ -386,9 +387,26 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
                                     ") takes more bytes than a file can hold after the tensors before it");
     }
     const std::uint64_t bytes = numel * size;
-    header[t.name] = {
-        {"dtype", format_dtype(t.dtype)}, {"shape", t.shape}, {"data_offsets", {data_bytes_, data_bytes_ + bytes}}};
+    header[t.name] = {{"dtype", format_dtype(t.dtype)}, {"shape", t.shape}};
+    sizes.push_back(bytes);
     data_bytes_ += bytes;
+  }
+  // Placed by element size, largest first (the order given among equal sizes), as the reference
+  // writer places them: with the data 8-byte aligned, every tensor then starts on a multiple of
+  // its element size, which zero-copy readers need (torch.frombuffer refuses an f32 view at an odd
+  // offset). In the order given, an odd-length bf16 or bool tensor first left the rest unaligned.
+  // The data still comes in the order given (write()): each tensor's bytes go to its place.
+  std::vector<std::size_t> order(tensors.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return dtype_size(tensors[a].dtype) > dtype_size(tensors[b].dtype);
+  });
+  places_.resize(tensors.size());
+  std::uint64_t at = 0;
+  for (const std::size_t i : order) {
+    places_[i] = {at, sizes[i]};
+    header[tensors[i].name]["data_offsets"] = {at, at + sizes[i]};
+    at += sizes[i];
   }
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::string text;
@@ -410,6 +428,7 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
   file_ = std::make_unique<detail::AtomicFile>(path, kSafetensors);
   file_->write(len_bytes, 8);
   file_->write(text.data(), text.size());
+  data_start_ = position_ = 8 + text.size();
 }
 
 Writer::~Writer() = default;
@@ -421,8 +440,23 @@ void Writer::write(const void* data, std::size_t size) {
     io_fail(path_, "write of " + std::to_string(size) + " bytes past the " + std::to_string(data_bytes_) +
                        " data bytes of the header");
   }
-  file_->write(data, size);
-  written_ += size;
+  const char* p = static_cast<const char*>(data);
+  while (size > 0) {
+    while (within_ == places_[current_].bytes) {  // the current tensor is complete (or empty)
+      ++current_;
+      within_ = 0;
+    }
+    const Place& place = places_[current_];
+    const std::uint64_t n = std::min<std::uint64_t>(size, place.bytes - within_);
+    const std::uint64_t target = data_start_ + place.offset + within_;
+    if (target != position_) file_->seek(target);  // only where placement reordered the tensors
+    file_->write(p, static_cast<std::size_t>(n));
+    position_ = target + n;
+    within_ += n;
+    written_ += n;
+    p += n;
+    size -= static_cast<std::size_t>(n);
+  }
 }
 
 void Writer::commit() {

@@ -103,7 +103,9 @@ class AtomicFile;
 }
 
 /// Writes a safetensors file without holding its tensors: the header (every name, dtype, shape
-/// and offset) at construction, then the tensors' bytes in header order, in pieces of any size.
+/// and offset) at construction, then the tensors' bytes in the order the tensors were given, in
+/// pieces of any size. The file places them by element size, largest first (the given order among
+/// equal sizes, as the reference writer does), so that each starts aligned to its element size.
 /// Atomic as write(): nothing appears at `path` before commit(), and a Writer destroyed without
 /// commit() (an exception while streaming) or whose commit failed leaves no temporary file behind.
 /// The constructor refuses what no reader would accept, naming the tensor: a dtype that is no
@@ -122,9 +124,14 @@ class Writer {
   void commit();
 
  private:
+  struct Place {
+    std::uint64_t offset = 0, bytes = 0;  // in the data
+  };
   std::string path_;
   std::unique_ptr<detail::AtomicFile> file_;
-  std::uint64_t data_bytes_ = 0, written_ = 0;
+  std::vector<Place> places_;  // of each tensor, in the order given
+  std::uint64_t data_bytes_ = 0, written_ = 0, data_start_ = 0, position_ = 0, within_ = 0;
+  std::size_t current_ = 0;
 };
 
 /// Writes tensors (contiguous; any dtype) and string metadata. Atomic: the data goes to a
