@@ -68,6 +68,8 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
   }
   const int last = static_cast<int>(x.ndim()) - 1;
   if (a != last) {
+    // Checked here, so that an error names the caller's shape, not the transposed one.
+    check_indices("take_along_axis", index, x.shape()[static_cast<std::size_t>(a)], x.shape());
     // Move the axis last, take, and move it back (the last axis is the fast path).
     return transpose(take_along_axis(transpose(x, a, last), transpose(index, a, last), last), a, last).contiguous();
   }
@@ -100,7 +102,7 @@ Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool l
   if (x.ndim() == 0) {
     // A scalar along axis 0 (or -1) is a row of one (PyTorch's): softmax 1, log_softmax 0 (NaN
     // and infinities as such a row gives them), with its gradient.
-    normalize_axis(axis, 1, name);
+    normalize_axis(axis, 0, name);  // 0 or -1
     return reshape(softmax_impl(name, reshape(x, {1}), 0, log), {});
   }
   const int a = normalize_axis(axis, x.ndim(), name);

@@ -174,10 +174,23 @@ Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uin
   auto* out = t.data<std::int64_t>();
   // The span in uint64_t: high - low overflows int64_t for ranges wider than INT64_MAX.
   const std::uint64_t span = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
+  // Up to 2^53 values, a draw scales the uniform double (53 random bits); wider spans take the
+  // high half of 64 random bits times the span (span < 2^64: high - low of int64s fits): scaled
+  // through a double, their draws had the low 11 bits always 0 (1 value in 2048 reachable).
+  constexpr std::uint64_t kDoubleSpan = std::uint64_t{1} << 53;
   for (std::int64_t i = 0; i < t.numel(); ++i) {
-    const double u = random::uniform_double(seed, offset + static_cast<std::uint64_t>(i));
-    // u < 1, so u * span < 2^64 and converts; the min guards rounding up to span itself.
-    const std::uint64_t draw = std::min(span - 1, static_cast<std::uint64_t>(u * static_cast<double>(span)));
+    const std::uint64_t index = offset + static_cast<std::uint64_t>(i);
+    std::uint64_t draw;
+    if (span <= kDoubleSpan) {
+      const double u = random::uniform_double(seed, index);
+      // u < 1, so u * span < 2^64 and converts; the min guards rounding up to span itself.
+      draw = std::min(span - 1, static_cast<std::uint64_t>(u * static_cast<double>(span)));
+    } else {
+      std::uint32_t w[4];
+      random::philox4x32(index, seed, w);
+      const std::uint64_t bits = (std::uint64_t{w[0]} << 32) | w[1];
+      draw = static_cast<std::uint64_t>((static_cast<unsigned __int128>(bits) * span) >> 64);  // < span
+    }
     out[i] = static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + draw);
   }
   return t;

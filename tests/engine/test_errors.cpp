@@ -265,6 +265,18 @@ TEST_CASE("i64 arithmetic: numbers that would change value are refused, comparis
         std::vector<std::int64_t>{kMax, kMin, 0, -7});
 }
 
+TEST_CASE("errors name the caller's tensor: a scalar's dimensions, take_along_axis's own shape") {
+  test::check_throws<IndexError>([] { (void)softmax(scalar(1.0), 1); }, {"softmax", "axis 1", "with 0 dimensions"});
+  test::check_throws<IndexError>([] { (void)argmax(scalar(1.0), 1); }, {"argmax", "axis 1", "with 0 dimensions"});
+  test::check_throws<IndexError>([] { (void)sum(ones({3}), {2}); }, {"axis 2", "with 1 dimension"});
+  // The axis is moved last internally: the message had the transposed shape [3, 0].
+  test::check_throws<IndexError>(
+      [] {
+        (void)take_along_axis(ones({0, 3}), randint({1, 3}, 2, 3, 1), 0);
+      },
+      {"take_along_axis", "[0, 3]"});
+}
+
 TEST_CASE("randint over ranges wider than INT64_MAX") {
   constexpr std::int64_t kMin = std::numeric_limits<std::int64_t>::min();
   constexpr std::int64_t kMax = std::numeric_limits<std::int64_t>::max();
@@ -275,6 +287,15 @@ TEST_CASE("randint over ranges wider than INT64_MAX") {
   CHECK(negative > 1800);
   CHECK(negative < 2200);
   CHECK(std::set<std::int64_t>(v.begin(), v.end()).size() > 3990);
+  // Every value reachable: drawn through a double, the low 11 bits were always 0.
+  std::int64_t odd = 0;
+  for (std::int64_t x : v) odd += x & 1;
+  CHECK(odd > 1800);
+  CHECK(odd < 2200);
+  std::set<std::int64_t> low_bits;
+  for (std::int64_t x : randint({4000}, 0, std::int64_t{1} << 62, 9).to_vector<std::int64_t>())
+    low_bits.insert(x & 2047);
+  CHECK(low_bits.size() > 1500);
   // The small ranges draw what they drew before.
   const std::vector<std::int64_t> dice = randint({1000}, 1, 7, 3).to_vector<std::int64_t>();
   CHECK(*std::min_element(dice.begin(), dice.end()) == 1);

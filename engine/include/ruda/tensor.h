@@ -195,7 +195,8 @@ Tensor uniform(const Shape& shape, double low, double high, std::uint64_t seed, 
                Options options = {});
 Tensor normal(const Shape& shape, double mean, double std, std::uint64_t seed, std::uint64_t offset = 0,
               Options options = {});
-/// Integers in [low, high), dtype i64 unless options say otherwise.
+/// Integers in [low, high), dtype i64: ranges of up to 2^53 values from 53 random bits a draw,
+/// wider ones from 64 (every value of the range reachable).
 Tensor randint(const Shape& shape, std::int64_t low, std::int64_t high, std::uint64_t seed, std::uint64_t offset = 0);
 
 // --- elementwise, broadcasting (numpy rules) ---
