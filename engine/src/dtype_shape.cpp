@@ -64,11 +64,10 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
 }
 
 int normalize_axis(std::int64_t axis, std::int64_t ndim, const char* op) {
-  if (axis < -ndim || axis >= ndim || (ndim == 0 && axis != 0 && axis != -1)) {
+  if (axis < -ndim || axis >= ndim) {
     fail<IndexError>(op, "axis ", axis, " is out of range for a tensor with ", ndim,
                      ndim == 1 ? " dimension" : " dimensions");
   }
-  if (ndim == 0) return 0;
   return static_cast<int>(axis < 0 ? axis + ndim : axis);
 }
 

@@ -128,6 +128,13 @@ void require_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void require_defined(const char* op, const Tensor& t);
 /// Throws ShapeError when a shape has more than kMaxDims axes.
 void require_rank(const char* op, const Shape& shape);
+/// Throws IndexError unless `axis` names a scalar's one axis (0 or -1), as PyTorch lets softmax
+/// and argmax of a scalar name it (normalize_axis refuses every axis of a scalar).
+inline void check_scalar_axis(std::int64_t axis, const char* op) {
+  if (axis != 0 && axis != -1) {
+    fail<IndexError>(op, "axis ", axis, " is out of range for a tensor with 0 dimensions (a scalar takes 0 or -1)");
+  }
+}
 
 }  // namespace ruda::detail
 

@@ -102,7 +102,7 @@ Tensor softmax_impl(const char* name, const Tensor& x, std::int64_t axis, bool l
   if (x.ndim() == 0) {
     // A scalar along axis 0 (or -1) is a row of one (PyTorch's): softmax 1, log_softmax 0 (NaN
     // and infinities as such a row gives them), with its gradient.
-    normalize_axis(axis, 0, name);  // 0 or -1
+    detail::check_scalar_axis(axis, name);
     return reshape(softmax_impl(name, reshape(x, {1}), 0, log), {});
   }
   const int a = normalize_axis(axis, x.ndim(), name);

@@ -141,7 +141,7 @@ Tensor arg_extremum(ReduceOp op, const char* name, const Tensor& x, std::int64_t
   if (x.dtype() == DType::boolean) fail<DTypeError>(name, "is not defined on bool tensor ", x.shape());
   if (x.ndim() == 0) {
     // A scalar is its own only element along axis 0 (or -1): index 0, as PyTorch's.
-    normalize_axis(axis, 0, name);  // 0 or -1
+    detail::check_scalar_axis(axis, name);
     return zeros({}, Options(DType::i64, &x.backend()));
   }
   const Reduction r = plan(name, x, {axis}, keepdim);
