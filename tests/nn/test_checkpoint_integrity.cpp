@@ -371,8 +371,17 @@ TEST_CASE("rank files record where their pieces start; files written before that
   // A tensor the record leaves out is refused too (the record is all or nothing).
   rewrite_metadata(step / rank_file(1, 2), [](auto& m) { m["offsets"] = R"({"model/weight": 32768})"; });
   test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"'model/bias' without a recorded offset"});
-  // Files without the record (written before it existed) load as before, at any world size.
+  // A version-3 checkpoint's file without the record (its key's name damaged) is refused: it
+  // would otherwise pass for an older file, with the check of its pieces' places off.
   for (int r = 0; r < 2; ++r) rewrite_metadata(step / rank_file(r, 2), [](auto& m) { m.erase("offsets"); });
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
+                              {rank_file(0, 2), "lacks its recorded piece offsets", "version 3"});
+  for (const auto& e : load_layer(dir, 2)) check_contains(e, {"lacks its recorded piece offsets"});
+  // Files without the record written before it existed (format version 2) load as before, at
+  // any world size.
+  const fs::path index_path = step / "index.json";
+  const json version_3 = read_json(index_path);
+  std::ofstream(index_path) << test::before_index_checksum(version_3).dump(1);
   CHECK(nn::verify_checkpoint(dir.str()) > 0);
   for (const int world : {1, 2, 3}) {
     for (const auto& e : load_layer(dir, world)) CHECK(e.empty());

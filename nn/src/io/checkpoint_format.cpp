@@ -414,6 +414,11 @@ safetensors::Reader& RankFiles::open(int rank) {
     const auto& m = reader->metadata();
     if (const auto recorded = m.find("offsets"); recorded != m.end()) {
       offsets_.at(static_cast<std::size_t>(rank)) = parse_offsets(reader->path(), recorded->second);
+    } else if (index_.version >= 3) {
+      // Every version-3 rank file records them: without, one flipped bit in the key's name made
+      // the file pass for an older one and turned the check of its pieces' places off.
+      fail(reader->path(), "lacks its recorded piece offsets ('offsets' metadata, which format version " +
+                               std::to_string(index_.version) + " records): the file is damaged");
     }
     slot = std::move(reader);
   }
