@@ -410,8 +410,9 @@ inline auto apply(C a, C b) {
       return std::pow(a, b);
     }
   }
-  if constexpr (Op == BinaryOp::maximum) return (a > b || is_nan(a)) ? a : b;  // NaN propagates
-  if constexpr (Op == BinaryOp::minimum) return (a < b || is_nan(a)) ? a : b;
+  // NaN propagates; of two equal values (0 and -0) the first, as PyTorch's maximum(0, -0) is 0.
+  if constexpr (Op == BinaryOp::maximum) return (a >= b || is_nan(a)) ? a : b;
+  if constexpr (Op == BinaryOp::minimum) return (a <= b || is_nan(a)) ? a : b;
   if constexpr (Op == BinaryOp::eq) return std::uint8_t(a == b);
   if constexpr (Op == BinaryOp::ne) return std::uint8_t(a != b);
   if constexpr (Op == BinaryOp::lt) return std::uint8_t(a < b);

@@ -1,5 +1,6 @@
 // erf and tanh of Eigen array expressions, vectorized in f32; exp and the logistic function
-// without Eigen's underflow clamp; log without its clamp of subnormal arguments.
+// without Eigen's underflow clamp; log without its clamp of subnormal arguments; negation that
+// keeps the sign of zero.
 //
 // ruda compiles its Eigen kernels with EIGEN_FAST_MATH=0 (backends/CMakeLists.txt: Eigen's
 // fast-math psqrt returns NaN for +inf). That switch also turns off Eigen's packet erf and tanh
@@ -133,6 +134,18 @@ struct Logistic {
   }
 };
 
+// -x by flipping the sign bit, as IEEE negation is. Eigen 3.4's packet negation (pnegate) is
+// 0 - x, which makes -(0) +0: neg of a zero tensor was +0 in full packets and -0 only in a range's
+// scalar tail (PyTorch's neg(0) is -0).
+struct SignFlip {
+  template <class Packet>
+  Packet operator()(const Packet& x) const {
+    using namespace Eigen::internal;
+    using S = typename unpacket_traits<Packet>::type;
+    return pxor(x, pset1<Packet>(S(-0.0)));
+  }
+};
+
 // An approximation as an Eigen unary functor. The scalar form runs the packet code on a broadcast
 // value and takes one lane, so that a value rounds the same whether it lands in a packet or in a
 // range's scalar tail (which depends on the chunking, and so on the thread count).
@@ -191,6 +204,13 @@ auto vector_exp(const X& x) {
   using S = typename X::Scalar;
   static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_exp: f32 or f64 arrays");
   return x.unaryExpr(detail::PacketFunction<detail::ExpWithoutClamp, S>{});
+}
+
+template <class X>
+auto vector_neg(const X& x) {
+  using S = typename X::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_neg: f32 or f64 arrays");
+  return x.unaryExpr(detail::PacketFunction<detail::SignFlip, S>{});
 }
 
 template <class X>

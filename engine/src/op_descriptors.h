@@ -103,8 +103,9 @@ using scalar_of = typename A::Scalar;
 /// erf and tanh of an Eigen array expression, vectorized in f32 (backends/eigen/vector_math.h
 /// defines them: Eigen's own .erf() and .tanh() are scalar under ruda's EIGEN_FAST_MATH=0), and
 /// exp and the logistic function without Eigen's underflow clamp (Eigen's exp(-inf) is 2.9e-39 in
-/// f32), and log without its clamp of subnormal arguments (Eigen's log(1e-40) is log(FLT_MIN) in
-/// f32): the formulas below use these, never Eigen's .exp(), .log() or .logistic().
+/// f32), log without its clamp of subnormal arguments (Eigen's log(1e-40) is log(FLT_MIN) in
+/// f32), and negation keeping the sign of zero (Eigen's packet -x is 0 - x): the formulas below
+/// use these, never Eigen's .exp(), .log(), .logistic() or a unary minus on an array.
 template <class X>
 auto vector_erf(const X& x);
 template <class X>
@@ -113,6 +114,8 @@ template <class X>
 auto vector_exp(const X& x);
 template <class X>
 auto vector_log(const X& x);
+template <class X>
+auto vector_neg(const X& x);
 template <class X>
 auto vector_logistic(const X& x);
 
@@ -130,18 +133,19 @@ struct Unary<UnaryOp::neg> {
   static constexpr std::string_view name = "neg";
   static constexpr Domain domain = Domain::numbers;
   static constexpr Reads reads = Reads::nothing;
-  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::linear, -1.0f, 0.0f}};
+  // -1 x + (-0): the added -0 keeps neg(0) = -0 (with +0 it was +0, as -0 + 0 is).
+  static constexpr DnnlPlan onednn{.forward = {DnnlAlg::linear, -1.0f, -0.0f}};
   template <class X, class Y>
   static void forward(const X& x, Y& y) {
     if constexpr (is_i64_array<X>) {
       y = (-wrapping(x)).template cast<std::int64_t>();
     } else {
-      y = -x;
+      y = vector_neg(x);  // not -x: Eigen's packet negation is 0 - x, +0 for 0
     }
   }
   template <class G, class GX>
   static void backward(const G& gy, GX& gx) {
-    gx = -gy;
+    gx = vector_neg(gy);
   }
 };
 
@@ -462,7 +466,7 @@ struct Unary<UnaryOp::reciprocal> {
   }
   template <class Y, class G, class GX>
   static void backward(const Y& y, const G& gy, GX& gx) {
-    gx = -gy * y.square();
+    gx = vector_neg(gy) * y.square();
   }
 };
 
