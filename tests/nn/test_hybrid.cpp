@@ -352,6 +352,36 @@ struct Branches : nn::Module {
 };
 }  // namespace
 
+TEST_CASE("accumulation: a partial gradient (all-reduce off for every micro-batch) is refused by step and norms") {
+  // Forgetting to turn the all-reduce back on for the last micro-batch left each node's partial
+  // sums in the gradients: clip_grad_norm gave each node another norm and step() let the replicas
+  // of one shard part. Every rank holds the same flags, so every rank raises alike.
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        nn::manual_seed(5);
+        nn::GPT model(kGpt);
+        for (const auto& block : model.blocks) nn::fully_shard(*block, mesh);
+        nn::fully_shard(model, mesh);
+        nn::AdamW opt(model.parameters(), nn::AdamWOptions{});
+        const Tensor tokens = test::part(gpt_tokens(0), comm.rank(), comm.world_size());
+        const Tensor targets = test::part(gpt_targets(0), comm.rank(), comm.world_size());
+        nn::set_requires_all_reduce(model, false);
+        nn::cross_entropy(model.forward(tokens), targets).backward();
+        const std::vector<std::string> partial = {"holds a partial gradient", "set_requires_all_reduce"};
+        test::check_throws<nn::ShardingError>([&] { opt.step(); }, partial);
+        test::check_throws<nn::ShardingError>([&] { (void)nn::clip_grad_norm(model.parameters(), 1.0); }, partial);
+        test::check_throws<nn::ShardingError>([&] { (void)nn::grad_norm(model.parameters()); }, partial);
+        // The last micro-batch with it on completes the gradients: then both work.
+        nn::set_requires_all_reduce(model, true);
+        nn::cross_entropy(model.forward(tokens), targets).backward();
+        CHECK(std::isfinite(nn::clip_grad_norm(model.parameters(), 1.0)));
+        opt.step();
+      },
+      on_nodes(2));
+}
+
 TEST_CASE("accumulation: a group that the last micro-batch does not reach still crosses nodes once") {
   constexpr int kMicro = 2;
   const Tensor x = randn({16, 5}, 77);

@@ -15,6 +15,19 @@ void require_at_least(const char* op, const char* what, double value, double low
   if (!(value >= low) || !std::isfinite(value))
     fail<ArgumentError>(op, what, " must be a finite number >= ", low, ", got ", value);
 }
+
+// A hybrid-sharded gradient that sums one node's ranks only (every backward since the last step ran
+// with set_requires_all_reduce(false)) must not be stepped on or measured: each node would update
+// its replica of the shard with its own partial sum, and the replicas would part silently (and
+// clip_grad_norm would give each node another norm). Every rank holds the same flags, so every
+// rank raises alike.
+void require_complete_gradient(const Param& p, const char* op) {
+  if (p.is_sharded() && p.shard()->gradient_partial && p.grad().defined()) {
+    fail<ShardingError>(op, p.shard()->describe(),
+                        " holds a partial gradient (this node's ranks only): every backward since the last step ran "
+                        "with set_requires_all_reduce(false); turn it back on for the last micro-batch's backward");
+  }
+}
 }  // namespace
 
 std::vector<ParamGroup> decay_2d_only(const Module& module) {
@@ -132,6 +145,7 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
 
 void SGD::step() {
   autograd::NoGradGuard guard;
+  for (const Param& p : params_) require_complete_gradient(p, "SGD::step");
   std::vector<std::size_t> without_gradient;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
@@ -190,6 +204,7 @@ Adam::Moments& Adam::moments(const Param& param) {
 }
 
 void Adam::step() {
+  for (const Param& p : params_) require_complete_gradient(p, "Adam::step");
   std::vector<std::size_t> without_gradient;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
@@ -293,6 +308,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
   for (std::size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     if (!p.defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
+    require_complete_gradient(p, op);
     if (p.is_sharded()) {
       any_sharded = true;
       if (p.shard()->comm) {
