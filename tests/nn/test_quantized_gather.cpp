@@ -65,6 +65,17 @@ TEST_CASE("int8 blocks: within scale / 2 of every element, zero blocks and short
   CHECK(back.dtype() == DType::bf16);
   CHECK(worst_error_in_half_scales(cast(back, DType::f32).to_vector<double>(), x.to_vector<double>(), 16) <=
         1.0 + 2.0 * 127 / 256.0);  // plus bf16's own rounding of the result: half an ulp of up to 127 steps
+  // A block whose largest value is subnormal below 127 times the smallest one: largest / 127
+  // underflowed to a 0 scale and the block came back as zeros; now within half a (subnormal) scale.
+  {
+    const Tensor tiny = from_values({1e-44, 5e-45, -1e-44, 0}, {4});
+    const nn::Int8Blocks tq = nn::quantize_int8(tiny);
+    CHECK(tq.scales[0] > 0.0f);
+    const std::vector<double> got = nn::dequantize_int8(tq, DType::f32).to_vector<double>();
+    const std::vector<double> want = tiny.to_vector<double>();
+    for (std::size_t i = 0; i < want.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= tq.scales[0] / 2);
+    CHECK(got[0] != 0.0);
+  }
   // A non-finite value marks its block with a NaN scale; the others are untouched.
   Tensor y = ones({4096});
   y.slice(0, 3000, 3001).fill_(std::nan(""));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include <ruda/autograd.h>
 
@@ -38,6 +39,9 @@ void quantize(const float* x, std::int64_t n, std::int64_t block, std::int8_t* c
     // come back as inf. The next smaller scale keeps every code's value finite (the largest
     // element's code clamps to 127).
     while (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
+    // Below ~1.8e-43 largest / 127 underflows to 0 and the block came back as zeros: the smallest
+    // subnormal scale instead, the finest f32 holds (such a block's values are multiples of it).
+    if (scale == 0 && largest > 0) scale = std::numeric_limits<float>::denorm_min();
     scales[b] = scale;
     if (scale == 0) {  // a block of zeros (padding among them) stays exactly zero
       std::fill(codes + begin, codes + end, std::int8_t{0});
