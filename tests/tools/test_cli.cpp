@@ -203,6 +203,13 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
   const Run resumed = run(train(lm + " --steps 3 --resume-latest --checkpoint-dir " + tmp / "c"));
   CHECK_MESSAGE(resumed.exit_code == 0, resumed.output);
   CHECK_MESSAGE(resumed.output.find("resumed from") != std::string::npos, resumed.output);
+  CHECK(resumed.output.find("nothing to train") == std::string::npos);
+  // Fewer steps than the checkpoint's: said, not a silent "0 steps" (--steps 0, sampling, stays quiet).
+  const Run past = run(train(lm + " --steps 1 --resume-latest --checkpoint-dir " + tmp / "c"));
+  CHECK_MESSAGE(past.exit_code == 0, past.output);
+  CHECK_MESSAGE(past.output.find("warning: the checkpoint is at step 3, past the run's 1 steps: nothing to train") !=
+                    std::string::npos,
+                past.output);
   one_error_line(run(train("--emulate 2 lm --d-model 32 --layers 1 --heads 2 --context 16 --eval-every 0 --steps 3 "
                            "--resume-latest --checkpoint-dir " +
                            tmp / "c")),

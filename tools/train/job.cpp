@@ -294,6 +294,12 @@ void run(const Config& cfg, Communicator& comm) {
   // The steps this run trains: none when it resumes at or past the total (--steps 0 --resume
   // DIR samples a checkpoint; a total below the checkpoint's step trains nothing more).
   const std::int64_t steps_to_train = std::max<std::int64_t>(0, total - start_step);
+  if (main_rank && total > 0 && start_step > total) {
+    // --steps 0 samples a checkpoint on purpose; a positive total below the checkpoint's step
+    // trains nothing, which a run that asked for steps should hear.
+    std::cerr << "ruda-train: warning: the checkpoint is at step " << start_step << ", past the run's " << total
+              << " steps: nothing to train" << std::endl;
+  }
   train::Metrics metrics;
   setup_phase(comm, [&] {
     if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
