@@ -56,6 +56,24 @@ std::mutex& leaf_lock(const detail::TensorImpl& leaf) {
 }
 }  // namespace
 
+Node::~Node() {
+  // Producers whose last owner is this node are moved onto a stack and released one at a time,
+  // each after its own sole-owned producers were moved out: the depth of the graph never becomes
+  // the depth of the call stack. A producer another owner still holds is left to that owner.
+  std::vector<std::shared_ptr<Node>> orphans;
+  auto adopt = [&](Node& n) {
+    for (Edge& e : n.next) {
+      if (e.node && e.node.use_count() == 1) orphans.push_back(std::move(e.node));
+    }
+  };
+  adopt(*this);
+  while (!orphans.empty()) {
+    std::shared_ptr<Node> n = std::move(orphans.back());
+    orphans.pop_back();
+    adopt(*n);
+  }  // n is released here with its sole-owned edges already moved out
+}
+
 bool in_backward() noexcept { return t_backward_depth > 0; }
 std::uint64_t backward_serial() noexcept { return t_backward_serial; }
 
@@ -105,6 +123,14 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   if (!name) fail<ArgumentError>("record", "the node has no name (nullptr)");
   if (!backward_fn) fail<ArgumentError>("record", name, ": the backward function is empty");
   if (!output.defined()) fail<ArgumentError>("record", name, ": the output tensor is undefined");
+  for (const Tensor& in : inputs) {
+    // The node would hang on its own input: a leaf stopped being one, and the node's edge back to
+    // it made a cycle that was never freed.
+    if (in.defined() && impl_ptr_of(in) == impl_ptr_of(output)) {
+      fail<ArgumentError>("record", name, ": the output is one of the inputs (", dtype_name(output.dtype()), " ",
+                          output.shape(), "); record on a new tensor (an op's result)");
+    }
+  }
   if (!t_grad_enabled) return;
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());

@@ -148,6 +148,12 @@ struct Edge {
 
 class Node {
  public:
+  Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+  // Frees the chain of producers this node alone keeps alive iteratively: destroyed by recursion
+  // through `next`, a graph of ~200k chained ops (an unrolled RNN) overflowed the stack.
+  ~Node();
   const char* name = "";
   std::uint64_t sequence = 0;
   std::vector<Edge> next;

@@ -80,6 +80,26 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   CHECK(untouched.data().item() == 5);
 }
 
+TEST_CASE("Adam refuses a step on a parameter whose dtype changed after its moments were made") {
+  // set_data to another floating dtype (module.h names it) after a step: the fused kernel read the
+  // f32 moments as f64, past their end (a heap corruption), or f32 ones as bf16 (silently wrong).
+  for (DType later : {DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(later));
+    nn::Param p(ones({4096}));
+    nn::Adam opt({p});
+    p.data().set_grad(ones({4096}));
+    opt.step();
+    p.set_data(p.data().to(later));
+    p.data().set_grad(ones({4096}, later));
+    test::check_throws<DTypeError>([&] { opt.step(); }, {"Adam", "moments are f32", "set_data", "new optimizer"});
+    test::check_throws<DTypeError>([&] { (void)opt.state(p); }, {"Adam", "moments are f32"});
+    // A new optimizer steps it.
+    nn::Adam fresh({p});
+    fresh.step();
+    CHECK(p.data().dtype() == later);
+  }
+}
+
 TEST_CASE("SGD's momentum buffer starts as a parameter's first gradient, even where state() made it earlier") {
   // With dampening, PyTorch's buffer is the first gradient itself, undampened; later ones enter
   // dampened. A checkpoint saved before a parameter's first step asks for its state (zeros), and

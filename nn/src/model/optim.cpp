@@ -196,9 +196,18 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options)
 
 Adam::Moments& Adam::moments(const Param& param) {
   Moments& m = moments_[param.id()];
+  const Tensor& data = param.data();
   if (!m.exp_avg.defined()) {
-    m.exp_avg = zeros_like(param.data().detach());
-    m.exp_avg_sq = zeros_like(param.data().detach());
+    m.exp_avg = zeros_like(data.detach());
+    m.exp_avg_sq = zeros_like(data.detach());
+  } else if (m.exp_avg.dtype() != data.dtype() || m.exp_avg.numel() != data.numel()) {
+    // The fused kernel reads all four buffers as the parameter's dtype and length: moments made
+    // before Param::set_data gave the parameter another dtype or size were read past their end
+    // (a heap corruption). PyTorch's Adam refuses such a step too.
+    fail<DTypeError>("Adam", "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(),
+                     " but its moments are ", dtype_name(m.exp_avg.dtype()), " ", m.exp_avg.shape(),
+                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
+                     "new optimizer for it");
   }
   return m;
 }
@@ -215,9 +224,14 @@ void Adam::step() {
     }
     Moments& m = moments(p);
     const Tensor& data = p.data();
+    if (g.dtype() != data.dtype() || g.numel() != data.numel()) {
+      fail<DTypeError>("Adam::step", "a parameter is ", dtype_name(data.dtype()), " ", data.shape(),
+                       " but its gradient is ", dtype_name(g.dtype()), " ", g.shape());
+    }
+    const Tensor grad = g.is_contiguous() ? g : g.contiguous();  // the kernel reads raw buffers; held past the call
     AdamDesc d;
     d.param = data.view();
-    d.grad = g.view();
+    d.grad = grad.view();
     d.exp_avg = m.exp_avg.view();
     d.exp_avg_sq = m.exp_avg_sq.view();
     d.lr = lr_of(i);
