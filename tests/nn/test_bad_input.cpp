@@ -122,6 +122,24 @@ TEST_CASE("modules: a module that would contain itself is refused, so no walk ov
   CHECK(a->forward(ones({1, 2})).shape() == Shape{1, 2});
 }
 
+TEST_CASE("modules: a parameter or submodule name used twice, or empty, is refused where it is registered") {
+  // Accepted, two children of one name gave named_parameters() two 'c.weight', refused only by a
+  // later save_checkpoint.
+  struct Twice : nn::Module {
+    explicit Twice(int what) {
+      register_module("c", std::make_shared<nn::Linear>(2, 2));
+      if (what == 0) register_module("c", std::make_shared<nn::Linear>(2, 2));
+      if (what == 1) register_parameter("c", &p);
+      if (what == 2) register_module("", std::make_shared<nn::Linear>(2, 2));
+    }
+    nn::Param p{ones({2})};
+  };
+  check_throws<ArgumentError>([] { Twice t(0); }, {"register_module", "submodule named 'c' exists already"});
+  check_throws<ArgumentError>([] { Twice t(1); }, {"register_parameter", "submodule named 'c' exists already"});
+  check_throws<ArgumentError>([] { Twice t(2); }, {"register_module", "name is empty"});
+  CHECK(Twice(3).named_parameters().size() == 2);
+}
+
 TEST_CASE("memory planners: a world or a batch that is not positive is refused, and no product overflows") {
   const auto layer = std::make_shared<nn::Linear>(4, 3);
   const nn::StepProbe probe{100, 10};

@@ -132,16 +132,31 @@ Tensor Param::value() const {
 
 // --- Module ---
 
+namespace {
+// A name for a parameter or a submodule: not empty, and not one this module's parameters or
+// submodules already use. Two children of one name (or a child named as a parameter) gave
+// named_parameters() two parameters of one qualified name, refused only later, by a save.
+template <class Params, class Children>
+void require_free_name(const char* op, const std::string& name, const Params& params, const Children& children) {
+  if (name.empty()) fail<ArgumentError>(op, "the name is empty");
+  for (const auto& [existing, p] : params) {
+    if (existing == name) fail<ArgumentError>(op, "a parameter named '", name, "' exists already");
+  }
+  for (const auto& [existing, c] : children) {
+    if (existing == name) fail<ArgumentError>(op, "a submodule named '", name, "' exists already");
+  }
+}
+}  // namespace
+
 void Module::register_parameter(std::string name, Param* param) {
   if (!param) fail<ArgumentError>("register_parameter", "parameter '", name, "' is null");
-  for (const auto& [existing, p] : params_) {
-    if (existing == name) fail<ArgumentError>("register_parameter", "a parameter named '", name, "' exists already");
-  }
+  require_free_name("register_parameter", name, params_, children_);
   params_.emplace_back(std::move(name), param);
 }
 
 void Module::register_module(std::string name, std::shared_ptr<Module> child) {
   if (!child) fail<ArgumentError>("register_module", "module '", name, "' is null");
+  require_free_name("register_module", name, params_, children_);
   // Every walk over the tree (parameters, named_modules, train, a Sequential's forward) recurses
   // into the children: a module that contains itself, directly or through its children, would
   // recurse until the stack overflows. The tree stays acyclic, so this walk ends (a submodule
