@@ -51,6 +51,37 @@ struct LimitGuard {
 };
 }  // namespace
 
+TEST_CASE("the block cache, full of sizes no longer used, makes room for the sizes in use") {
+  // Filled once by other sizes (a large first model, an evaluation), it kept them for good and
+  // every block of the sizes in use afterwards was allocated and page-faulted afresh each step.
+  memory::release_cached();
+  const bool caching = [] {
+    { (void)empty({std::int64_t{1} << 16}); }
+    return memory::cached_bytes() > 0;
+  }();
+  memory::release_cached();
+  if (!caching) {  // sanitizer builds and RUDA_CACHE_BYTES=0 keep nothing
+    CHECK(memory::cached_bytes() == 0);
+    return;
+  }
+  {
+    // ~1 GiB of one size, freed: the cache is full of it (never touched, so never paged in).
+    std::vector<Tensor> stale;
+    for (int i = 0; i < 16; ++i) stale.push_back(empty({std::int64_t{16} << 20}, DType::f32));
+  }
+  const std::int64_t full = memory::cached_bytes();
+  CHECK(full >= (std::int64_t{15} << 26));
+  const std::int64_t in_use_bytes = std::int64_t{3} << 20;  // another size class (12 MiB)
+  { (void)empty({in_use_bytes}, DType::f32); }
+  const std::int64_t with_new = memory::cached_bytes();
+  {
+    const Tensor again = empty({in_use_bytes}, DType::f32);
+    CHECK(memory::cached_bytes() == with_new - 4 * in_use_bytes);
+  }
+  CHECK(with_new <= full);  // a stale block made room, within the limit
+  memory::release_cached();
+}
+
 TEST_CASE("sizes parse in decimal and binary units") {
   CHECK(memory::parse_size("1048576") == 1048576);
   CHECK(memory::parse_size("512MB") == 512'000'000);

@@ -50,6 +50,7 @@ std::string format_bytes(std::int64_t bytes);
 /// Freed blocks of 64 KiB and more are kept for reuse (a step allocates the same sizes every
 /// time, and fresh memory costs a page fault per 4 KiB). They count in no tracker. At most
 /// RUDA_CACHE_BYTES (default 1 GiB; 0 disables the cache) are kept; sanitizer builds keep none.
+/// When full, the blocks of the sizes used longest ago make room for the block being freed.
 std::int64_t cached_bytes();
 /// Returns every cached block to the system.
 void release_cached();
