@@ -283,6 +283,18 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CAPTURE(w);
     CHECK(per_parameter.output.find(w) != std::string::npos);
   }
+  // int8 gathers with one rank per shard group: nothing is gathered, and the weights are still rounded.
+  const Run alone =
+      run(train("--gather-quantization int8 lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 "
+                "--steps 1 --eval-every 0 --log-every 0"));
+  CHECK_MESSAGE(alone.exit_code == 0, alone.output);
+  CHECK(alone.output.find("warning: --gather-quantization int8 saves nothing with one rank per shard group") !=
+        std::string::npos);
+  const Run sharded =
+      run(train("--emulate 2 --gather-quantization int8 lm --d-model 16 --layers 1 --heads 1 "
+                "--context 16 --batch 4 --steps 1 --eval-every 0 --log-every 0"));
+  CHECK_MESSAGE(sharded.exit_code == 0, sharded.output);
+  CHECK(sharded.output.find("warning") == std::string::npos);
   // None where every option counts.
   const Run plain = run(train("mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1 --log-every 0"));
   CHECK(plain.output.find("warning") == std::string::npos);

@@ -217,6 +217,14 @@ void run(const Config& cfg, Communicator& comm) {
   policy.strategy = cfg.strategy == "retain" ? nn::CheckpointStrategy::retain : nn::CheckpointStrategy::recompute;
   if (parse_dtype(cfg.dtype) != DType::f32) policy.compute_dtype = parse_dtype(cfg.dtype);
   if (cfg.gather_quantization == "int8") policy.gather_quantization = nn::GatherQuantization::int8;
+  if (main_rank && cfg.gather_quantization != "none" && shard_comm.world_size() == 1) {
+    // One rank per shard group (one rank, or hybrid with one per node) gathers nothing: the codes
+    // would save no bytes and still round the weights every forward uses.
+    std::cerr << "ruda-train: warning: --gather-quantization " << cfg.gather_quantization
+              << " saves nothing with one rank per shard group (nothing is gathered) and still rounds the "
+                 "weights the forward uses"
+              << std::endl;
+  }
   const nn::PlanOptions plan_options{.optimizer_states = 2,
                                      .compute_dtype = policy.compute_dtype,
                                      .shard_ranks = shard_comm.world_size(),
