@@ -199,32 +199,34 @@ auto vector_erf(const X& x) {
   }
 }
 
+namespace detail {
+// x with Approximation applied to each packet, for f32 and f64 arrays.
+template <class Approximation, class X>
+auto packet_map(const X& x) {
+  using S = typename X::Scalar;
+  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "ruda's vector functions: f32 or f64 arrays");
+  return x.unaryExpr(PacketFunction<Approximation, S>{});
+}
+}  // namespace detail
+
 template <class X>
 auto vector_exp(const X& x) {
-  using S = typename X::Scalar;
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_exp: f32 or f64 arrays");
-  return x.unaryExpr(detail::PacketFunction<detail::ExpWithoutClamp, S>{});
+  return detail::packet_map<detail::ExpWithoutClamp>(x);
 }
 
 template <class X>
 auto vector_neg(const X& x) {
-  using S = typename X::Scalar;
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_neg: f32 or f64 arrays");
-  return x.unaryExpr(detail::PacketFunction<detail::SignFlip, S>{});
+  return detail::packet_map<detail::SignFlip>(x);
 }
 
 template <class X>
 auto vector_log(const X& x) {
-  using S = typename X::Scalar;
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_log: f32 or f64 arrays");
-  return x.unaryExpr(detail::PacketFunction<detail::LogWithSubnormals, S>{});
+  return detail::packet_map<detail::LogWithSubnormals>(x);
 }
 
 template <class X>
 auto vector_logistic(const X& x) {
-  using S = typename X::Scalar;
-  static_assert(std::is_same_v<S, float> || std::is_same_v<S, double>, "vector_logistic: f32 or f64 arrays");
-  return x.unaryExpr(detail::PacketFunction<detail::Logistic, S>{});
+  return detail::packet_map<detail::Logistic>(x);
 }
 
 template <class X>

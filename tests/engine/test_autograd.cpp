@@ -102,18 +102,24 @@ TEST_CASE("nodes run in reverse creation order and always-run nodes run without 
   (void)unused;
 }
 
+namespace {
+// A copy of `in` whose node is always run (even where the loss does not reach it), passing the
+// gradient through and counting its runs in *runs (when given).
+Tensor always_run_copy(const Tensor& in, int* runs) {
+  Tensor out = in.detach().clone();
+  autograd::record("always", out, {in}, {},
+                   [runs](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                     if (runs) ++*runs;
+                     return std::vector<Tensor>{g};
+                   },
+                   {.always_run = true});
+  return out;
+}
+}  // namespace
+
 TEST_CASE("two forwards, then two backwards, with always-run nodes") {
   int runs = 0;
-  auto always = [&](const Tensor& in) {
-    Tensor out = in.detach().clone();
-    autograd::record("always", out, {in}, {},
-                     [&runs](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-                       ++runs;
-                       return std::vector<Tensor>{g};
-                     },
-                     {.always_run = true});
-    return out;
-  };
+  auto always = [&](const Tensor& in) { return always_run_copy(in, &runs); };
   Tensor x = values({1, 2}, {2}).set_requires_grad();
   const Tensor l1 = sum(always(x) * 2.0);
   const Tensor l2 = sum(always(x) * 3.0);  // a second forward before the first backward
@@ -218,16 +224,7 @@ TEST_CASE("an always-run node recorded on one thread and run by another thread's
   // the node, and the worker's next backward failed on it as "freed by an earlier backward".
   Tensor x = values({1, 2}, {2}).set_requires_grad();
   int runs = 0;
-  auto always = [&](const Tensor& in) {
-    Tensor out = in.detach().clone();
-    autograd::record("always", out, {in}, {},
-                     [&runs](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-                       ++runs;
-                       return std::vector<Tensor>{g};
-                     },
-                     {.always_run = true});
-    return out;
-  };
+  auto always = [&](const Tensor& in) { return always_run_copy(in, &runs); };
   std::promise<Tensor> made;
   std::promise<void> ran;
   std::size_t listed = 99;
@@ -253,13 +250,7 @@ TEST_CASE("an always-run node recorded on one thread and run by another thread's
 
 TEST_CASE("a worker recording always-run nodes for backwards on other threads keeps a bounded list") {
   Tensor x = values({1, 2}, {2}).set_requires_grad();
-  auto always = [&](const Tensor& in) {
-    Tensor out = in.detach().clone();
-    autograd::record("always", out, {in}, {},
-                     [](const Tensor& g, const autograd::Saved&, autograd::GradMask) { return std::vector<Tensor>{g}; },
-                     {.always_run = true});
-    return out;
-  };
+  auto always = [](const Tensor& in) { return always_run_copy(in, nullptr); };
   std::size_t listed = 0;
   std::thread worker([&] {
     for (int step = 0; step < 500; ++step) {

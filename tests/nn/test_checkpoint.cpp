@@ -1039,16 +1039,20 @@ TEST_CASE("safetensors: tensors are placed aligned to their element size, whatev
   CHECK(test::file_text(streamed) == test::file_text(path));
 }
 
+namespace {
+// The tensors a header describes, in a file of that header and `data_bytes` bytes of data.
+std::vector<safetensors::TensorInfo> parse(const std::string& header, std::uint64_t data_bytes) {
+  std::vector<safetensors::TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata);
+  return tensors;
+}
+}  // namespace
+
 TEST_CASE("safetensors: the tensors' bytes fill the data exactly, the header has no NUL, null metadata is none") {
   // What the reference reader refuses, refused here too (a checksum over the tensors' own bytes
   // cannot notice bytes appended after them); and the null __metadata__ it accepts, accepted.
   TempDir dir;
-  auto parse = [](const std::string& header, std::uint64_t data_bytes) {
-    std::vector<safetensors::TensorInfo> tensors;
-    std::map<std::string, std::string> metadata;
-    safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata);
-    return tensors;
-  };
   const std::string two =
       "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
       " \"b\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [8, 12]}}";
@@ -1078,12 +1082,6 @@ TEST_CASE("safetensors: the tensors' bytes fill the data exactly, the header has
 
 TEST_CASE("safetensors: a repeated key is refused, and any zero extent makes a tensor empty") {
   TempDir dir;
-  auto parse = [](const std::string& header, std::uint64_t data_bytes) {
-    std::vector<safetensors::TensorInfo> tensors;
-    std::map<std::string, std::string> metadata;
-    safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata);
-    return tensors;
-  };
   // Last one won: the file read as another than a reader keeping the first would see.
   const std::string twice =
       "{\"a\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"

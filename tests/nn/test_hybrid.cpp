@@ -56,13 +56,18 @@ constexpr std::int64_t kGptBatch = 12;
 Tensor gpt_tokens(int step) { return randint({kGptBatch, 8}, 0, 32, 300 + step); }
 Tensor gpt_targets(int step) { return randint({kGptBatch, 8}, 0, 32, 400 + step); }
 
+// model hybrid over mesh as ruda-train shards it: each block its own group, then the root.
+void shard_gpt(nn::GPT& model, const ShardMesh& mesh, const nn::FullyShardOptions& options = {}) {
+  for (const auto& block : model.blocks) nn::fully_shard(*block, mesh, options);
+  nn::fully_shard(model, mesh, options);
+}
+
 // The GPT dense in one process (mesh null) or hybrid over mesh, blocks first, then the root.
 test::TrainResult train_gpt(const ShardMesh* mesh, int steps) {
   nn::manual_seed(5);
   nn::GPT model(kGpt);
   if (mesh) {
-    for (const auto& block : model.blocks) nn::fully_shard(*block, *mesh);
-    nn::fully_shard(model, *mesh);
+    shard_gpt(model, *mesh);
   }
   nn::AdamW opt(model.parameters(), test::adam_options());
   test::TrainResult r;
@@ -146,8 +151,7 @@ TEST_CASE("hybrid: gathers and reduce-scatters stay inside the node, each reduce
           nn::manual_seed(5);
           nn::GPT model(kGpt);
           const nn::FullyShardOptions options{.overlap = overlap ? nn::Overlap::on : nn::Overlap::off};
-          for (const auto& block : model.blocks) nn::fully_shard(*block, mesh, options);
-          nn::fully_shard(model, mesh, options);
+          shard_gpt(model, mesh, options);
           // The mesh's own checks ran on all three; count from here.
           const std::size_t world_before = comm.history().size(), shard_before = mesh.shard().history().size(),
                             replicate_before = mesh.replicate().history().size();
@@ -219,8 +223,7 @@ TEST_CASE("hybrid: grad_norm counts each shard once whatever communicator the ca
         const ShardMesh mesh = ShardMesh::by_node(comm);
         nn::manual_seed(5);
         nn::GPT model(kGpt);
-        for (const auto& block : model.blocks) nn::fully_shard(*block, mesh);
-        nn::fully_shard(model, mesh);
+        shard_gpt(model, mesh);
         nn::cross_entropy(model.forward(gpt_tokens(0).slice(0, comm.rank(), comm.rank() + 1)),
                           gpt_targets(0).slice(0, comm.rank(), comm.rank() + 1), {.reduction = nn::LossReduction::sum})
             .backward();
@@ -260,8 +263,7 @@ std::map<std::string, std::vector<double>> accumulated_gradients(Communicator& w
   nn::manual_seed(5);
   nn::GPT model(kGpt);
   if (mesh) {
-    for (const auto& block : model.blocks) nn::fully_shard(*block, *mesh);
-    nn::fully_shard(model, *mesh);
+    shard_gpt(model, *mesh);
   } else if (world.world_size() > 1) {
     for (const auto& block : model.blocks) nn::fully_shard(*block, world);
     nn::fully_shard(model, world);
@@ -362,8 +364,7 @@ TEST_CASE("accumulation: a partial gradient (all-reduce off for every micro-batc
         const ShardMesh mesh = ShardMesh::by_node(comm);
         nn::manual_seed(5);
         nn::GPT model(kGpt);
-        for (const auto& block : model.blocks) nn::fully_shard(*block, mesh);
-        nn::fully_shard(model, mesh);
+        shard_gpt(model, mesh);
         nn::AdamW opt(model.parameters(), nn::AdamWOptions{});
         const Tensor tokens = test::part(gpt_tokens(0), comm.rank(), comm.world_size());
         const Tensor targets = test::part(gpt_targets(0), comm.rank(), comm.world_size());
