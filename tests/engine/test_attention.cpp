@@ -580,6 +580,47 @@ TEST_CASE("threads running fused attention at once share no state") {
   }
 }
 
+TEST_CASE("fused attention: weights that underflow, rows of every length, and non-finite inputs") {
+  // Scores hundreds apart: most weights round to 0 (the f32 softmax's exp is computed without a
+  // clamp below -87); T = 37 gives rows whose visible keys end in every packet lane.
+  AttentionOptions steep = causal();
+  steep.scale = 40.0;
+  for (bool is_causal : {true, false}) {
+    steep.causal = is_causal;
+    check_all_dtypes({{2, 2, 37, 8}, {2, 2, 37, 8}, {2, 2, 37, 8}, steep});
+  }
+
+  // A NaN in one query row and one key: the composed ops' NaNs, and their values elsewhere.
+  for (DType dtype : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    const Shape shape{1, 2, 20, 8};
+    auto with_nan = [&](std::uint64_t seed, std::int64_t at) {
+      std::vector<double> values = randn(shape, seed, 0, Options(DType::f64)).to_vector<double>();
+      values[static_cast<std::size_t>(at)] = std::nan("");
+      return from_vector(values, shape, Options(DType::f64)).to(dtype);
+    };
+    const Tensor q = with_nan(1, 5 * 8 + 3);           // head 0, query 5
+    const Tensor k = with_nan(2, 20 * 8 + 7 * 8 + 1);  // head 1, key 7
+    const Tensor v = randn(shape, 3, 0, Options(dtype));
+    const DType ref_dtype = dtype == DType::f64 ? DType::f64 : DType::f32;
+    const auto got = scaled_dot_product_attention(q, k, v, causal()).to_vector<double>();
+    const auto want = composed(q.to(ref_dtype), k.to(ref_dtype), v.to(ref_dtype), causal()).to_vector<double>();
+    REQUIRE(got.size() == want.size());
+    std::size_t nans = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(std::isnan(got[i]) == std::isnan(want[i]));
+      if (std::isnan(want[i])) {
+        ++nans;
+      } else {
+        CHECK(std::abs(got[i] - want[i]) <= tolerance(dtype) * 4);
+      }
+    }
+    // Head 0: query 5's row; head 1: every query from key 7 on (13 rows); 8 values a row.
+    CHECK(nans == (1 + 13) * 8);
+  }
+}
+
 TEST_CASE("empty batch or queries give empty outputs and zero gradients") {
   const Tensor q = leaf({1, 2, 0, 3}, 1, DType::f32), k = leaf({1, 2, 4, 3}, 2, DType::f32);
   const Tensor v = leaf({1, 2, 4, 2}, 3, DType::f32);
