@@ -71,6 +71,19 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   // as contiguous whatever its strides, so contiguous() would not normalize them and the
   // many-batch-axes path below would call itself on the same layout forever.
   if (shape_numel(out_shape) == 0) return make_tensor(out_shape, a.dtype(), a.backend(), op);
+  if (k == 0) {
+    // No product, and nothing to read (empty operands: the same reason as above, with a non-empty
+    // output; [4, 3, 2, 5, 0] permuted @ [0, 7] recursed until the stack overflowed): the bias
+    // alone (or zeros), and the epilogue on it (GELU(0) = 0).
+    Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
+    a.backend().fill(detail::view_of(out), 0.0);
+    if (bias.defined()) out.add_(bias.detach());
+    if (epilogue != GemmEpilogue::none) {
+      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
+      a.backend().unary(f, detail::view_of(out), detail::view_of(out));
+    }
+    return out;
+  }
 
   Tensor ea = a, eb = b;
   std::optional<MatrixRead> read_a = read_in_place(*detail::impl_of(ea));
@@ -121,16 +134,6 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   }
 
   Tensor out = make_tensor(out_shape, a.dtype(), a.backend(), op);
-  if (k == 0) {
-    // No product: the bias alone (or zeros), and the epilogue on it (GELU(0) = 0).
-    a.backend().fill(detail::view_of(out), 0.0);
-    if (bias.defined()) out.add_(bias.detach());
-    if (epilogue != GemmEpilogue::none) {
-      const UnaryOp f = epilogue == GemmEpilogue::gelu_tanh ? UnaryOp::gelu_tanh : UnaryOp::gelu_erf;
-      a.backend().unary(f, detail::view_of(out), detail::view_of(out));
-    }
-    return out;
-  }
   GemmDesc d;
   d.a_dtype = d.b_dtype = d.c_dtype = a.dtype();
   d.trans_a = ta != read_a->transposed;

@@ -854,6 +854,24 @@ TEST_CASE("linear equals matmul plus bias over leading axes") {
               0.05);
 }
 
+TEST_CASE("products with an inner size of 0 and several batch axes: zeros (the permuted operand recursed forever)") {
+  // [4, 3, 2, 5, 0] with permuted strides: more than two batch axes survive the merge, and an
+  // empty operand counts as contiguous, so making it dense changed nothing and the product called
+  // itself until the stack overflowed.
+  const Tensor a = zeros({2, 3, 4, 5, 6}).slice(-1, 0, 0).permute({2, 1, 0, 3, 4});
+  for (const Tensor& b : {zeros({0, 7}), zeros({2, 0, 7}).expand({4, 3, 2, 0, 7}).permute({0, 1, 2, 3, 4})}) {
+    CAPTURE(b.shape());
+    const Tensor y = matmul(a, b);
+    CHECK(y.shape() == Shape{4, 3, 2, 5, 7});
+    CHECK(sum(abs(y)).item() == 0.0);
+  }
+  Tensor leaf = zeros({2, 3, 4, 5, 0}).set_requires_grad();
+  Tensor w = ones({0, 7}).set_requires_grad();
+  sum(matmul(leaf.permute({2, 1, 0, 3, 4}), w)).backward();
+  CHECK(leaf.grad().shape() == leaf.shape());
+  CHECK(w.grad().shape() == w.shape());
+}
+
 TEST_CASE("products whose inner or output size is 0 differentiate: zero gradients of the operands' shapes") {
   // The forward was zeros (plus the bias); the backward reshaped its gradient with an inferred -1
   // beside a 0, which cannot be inferred, and raised.
