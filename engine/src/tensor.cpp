@@ -465,6 +465,22 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
                      dtype_name(dtype()), " ", shape(), " tensor in place (cast one of them first)");
   }
   detail::require_exact_scalar("add_", alpha, *this);
+  if (is_floating(dtype()) && (is_16bit_float(dtype()) || other.dtype() != dtype()) &&
+      (alpha != 1.0 || other.dtype() != dtype())) {
+    // As x + alpha * y computes it (and PyTorch's add_): in f32 for 16-bit tensors, in the wider
+    // of the two float dtypes otherwise, rounded into this tensor once. Converting the operand to
+    // this tensor's dtype first, or scaling it there, rounded twice: bf16 0.578125 plus f32 0.037
+    // gave 0.6171875 (0.037 became bf16 0.037109375, and the sum a tie rounded up), not 0.61328125.
+    const DType wide = other.dtype() == DType::f64 || dtype() == DType::f64 ? DType::f64 : DType::f32;
+    Tensor sum;
+    {
+      autograd::NoGradGuard guard;
+      Tensor scaled = cast(other.detach(), wide);
+      if (alpha != 1.0) scaled = scaled * alpha;
+      sum = cast(detach(), wide) + scaled;
+    }
+    return copy_(sum);
+  }
   Tensor operand = other.dtype() == dtype() ? other : other.detach().to(dtype());
   // The binary kernel allows its output to alias an input exactly, never in part.
   if (detail::may_overlap(operand, *this) && !same_elements(operand, *this)) operand = operand.detach().clone();
@@ -486,6 +502,16 @@ Tensor& Tensor::mul_(double factor) {
     fail<DTypeError>("mul_", "is not defined on the bool ", shape(), " tensor (cast to a number type first)");
   }
   detail::require_exact_scalar("mul_", factor, *this);
+  if (is_16bit_float(dtype())) {
+    // 16-bit: in f32 and rounded once, as x * factor is (and PyTorch's mul_); the factor rounded
+    // to 16 bits first made bf16 0.5625.mul_(0.1) 0.0564 (0.1 became 0.10009765625), not 0.05615.
+    Tensor product;
+    {
+      autograd::NoGradGuard guard;
+      product = detach() * factor;
+    }
+    return copy_(product);
+  }
   const Tensor f = scalar(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
   bump_version();

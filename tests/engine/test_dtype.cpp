@@ -122,6 +122,36 @@ TEST_CASE("f16 rounding matches the compiler's _Float16") {
   }
 }
 
+TEST_CASE("in-place arithmetic on bf16 and f16 rounds once, as the out-of-place forms and PyTorch do") {
+  // mul_ rounded its factor to 16 bits first (bf16 0.5625.mul_(0.1) gave 0.0564 for 0.05615);
+  // add_ rounded an f32 operand, or the operand times alpha, to 16 bits before adding.
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    std::vector<double> values;
+    for (int k = 1; k <= 256; ++k) values.push_back(k / 64.0);
+    const Tensor x = from_vector(values, {256}, Options(DType::f64)).to(dtype);
+    const Tensor wide_x = x.to(DType::f32);
+    Tensor m = x.clone();
+    m.mul_(0.1);
+    CHECK(m.to_vector<double>() == (x * 0.1).to_vector<double>());
+    CHECK(m.to_vector<double>() == (wide_x * 0.1).to(dtype).to_vector<double>());
+    const Tensor y32 = full({256}, 0.037, Options(DType::f32));
+    Tensor a = x.clone();
+    a.add_(y32);
+    CHECK(a.to_vector<double>() == (wide_x + y32).to(dtype).to_vector<double>());
+    const Tensor y16 = full({256}, 0.3, Options(dtype));
+    Tensor s = x.clone();
+    s.add_(y16, 0.1);
+    CHECK(s.to_vector<double>() == (wide_x + y16.to(DType::f32) * 0.1).to(dtype).to_vector<double>());
+  }
+  // f32 with an f64 operand: once, from the f64 sum. 1 + (2^-24 + 2^-50) lies above the midpoint
+  // between 1 and the next f32; the operand rounded to f32 first (2^-24) made the sum that
+  // midpoint, which rounds to even: 1.
+  Tensor f = full({1}, 1.0, Options(DType::f32));
+  f.add_(full({1}, 0x1p-24 + 0x1p-50, Options(DType::f64)));
+  CHECK(f.item() == 1.0 + 0x1p-23);
+}
+
 TEST_CASE("cast between tensors of every dtype") {
   const Tensor x = test::values({-2.5, -1, 0, 0.5, 1, 3.75}, {2, 3});
   for (DType d : {DType::f32, DType::f64, DType::f16, DType::bf16}) {
