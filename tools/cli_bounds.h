@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -27,6 +28,8 @@ inline CLI::Validator bounded(double low, double high, bool low_open, std::strin
       [=](std::string& text) -> std::string {
         double value = 0;
         if (!CLI::detail::lexical_cast(text, value)) return "must be a number, got '" + text + "'";
+        // (inf passed every bound: the open upper one, kNoBound, is itself infinite.)
+        if (!std::isfinite(value)) return "must be a finite number, got " + text;
         const std::string why = note.empty() ? "" : " (" + note + ")";
         if (low_open ? !(value > low) : !(value >= low)) {
           return (low_open ? "must be greater than " : "must be at least ") + number_text(low) + why + ", got " + text;
@@ -44,6 +47,13 @@ inline CLI::Validator at_least(double low, std::string note = {}) {
 }
 inline CLI::Validator positive() { return bounded(0, kNoBound, true); }
 inline CLI::Validator between(double low, double high) { return bounded(low, high, false); }
+
+// A text option whose empty value would read as "not given" (--resume "" trained from scratch,
+// --checkpoint-dir "" wrote nothing, both silently): an empty value is refused instead.
+inline CLI::Validator non_empty() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string { return text.empty() ? "needs a value, got an empty string" : ""; }, "");
+}
 
 // Whole numbers as CLI11 2.1 does not read them: it converts with strtoll/strtoull in base 0, which
 // saturates a number out of range (--step 99999999999999999999 became INT64_MAX), wraps a negative

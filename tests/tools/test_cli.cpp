@@ -256,6 +256,123 @@ TEST_CASE("lm: sampling a checkpoint (--steps 0 --resume) trains nothing and say
   CHECK_MESSAGE(below.output.find("saved by 1 rank, now 1)") != std::string::npos, below.output);
 }
 
+TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-ckpt writes damages a checkpoint") {
+  TempDir tmp;
+  const std::string lm = "lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 --eval-every 0 --log-every 0 ";
+  std::ofstream(tmp / "file") << "x";
+  // Unusable outputs: refused at setup, before any training (a failed first save lost the run).
+  for (const std::string& dir : {tmp / "file", std::string("/dev/null")}) {
+    CAPTURE(dir);
+    const Run r = run(train(lm + "--steps 2 --checkpoint-dir " + dir));
+    one_error_line(r, {"--checkpoint-dir", "is not a directory"});
+    CHECK(r.output.find("done:") == std::string::npos);
+  }
+  one_error_line(run(train(lm + "--steps 2 --metrics /dev/full")), {"--metrics", "not a regular file"});
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "line " + std::to_string(i) + " of a small corpus\n";
+  std::ofstream(tmp / "t.txt") << text;
+  one_error_line(run(train(lm + "--steps 2 --text " + tmp / "t.txt" + " --metrics " + tmp / "t.txt")),
+                 {"--metrics", "an input of this run"});
+  CHECK(fs::file_size(tmp / "t.txt") == text.size());  // not truncated
+  // Empty values and infinite numbers are refused, not read as "not given" or as within a bound.
+  for (const char* option : {"--resume", "--checkpoint-dir", "--metrics", "--text", "--backend"}) {
+    CAPTURE(option);
+    one_error_line(run(train(lm + "--steps 2 " + option + " ''")), {option, "empty string"});
+  }
+  one_error_line(run(train(lm + "--steps 2 --sample 3 --temperature inf")), {"--temperature", "finite"});
+  one_error_line(run(train(lm + "--steps 2 --sample 3 --temperature 1e-31")), {"--temperature", "1e-30"});
+  one_error_line(run(train(lm + "--steps 2 --clip inf")), {"--clip", "finite"});
+
+  // A run with checkpoints at steps 2 and 4.
+  const std::string ck = tmp / "ck";
+  REQUIRE(run(train(lm + "--steps 4 --checkpoint-every 2 --checkpoint-dir " + ck)).exit_code == 0);
+  auto latest = [&] {
+    std::ifstream in(ck + "/latest");
+    std::string name;
+    in >> name;
+    return name;
+  };
+  REQUIRE(latest() == "step-00000004");
+  // A fresh run into that directory would replace and prune its steps: refused, naming the ways on.
+  one_error_line(run(train(lm + "--steps 2 --checkpoint-dir " + ck)),
+                 {ck, "already holds checkpoints", "--resume-latest"});
+  one_error_line(run(train(lm + "--steps 2 --metrics " + ck + "/step-00000004/index.json")),
+                 {"--metrics", "step directory"});
+  // An update that makes the weights infinite is not saved: the good steps and latest stay.
+  one_error_line(run(train(lm + "--steps 8 --checkpoint-every 1 --resume-latest --lr 1e308 --checkpoint-dir " + ck)),
+                 {"not finite after step 5", "no checkpoint written"});
+  CHECK(fs::exists(ck + "/step-00000002/index.json"));
+  CHECK(!fs::exists(ck + "/step-00000005"));
+  CHECK(latest() == "step-00000004");
+
+  // ruda-ckpt: consolidating into another step's file, splitting over a step that holds optimizer
+  // state, splitting a rank file as if it were a model.
+  one_error_line(
+      run(ckpt("consolidate " + ck + "/step-00000002 " + ck + "/step-00000004/rank-00000-of-00001.safetensors")),
+      {"step directory", "damage"});
+  REQUIRE(run(ckpt("consolidate " + ck + " " + tmp / "full.safetensors")).exit_code == 0);
+  one_error_line(run(ckpt("split " + tmp / "full.safetensors" + " --world 2 --out " + ck + " --step 4")),
+                 {"holds optimizer state", "--step"});
+  one_error_line(
+      run(ckpt("split " + ck + "/step-00000004/rank-00000-of-00001.safetensors --world 1 --out " + tmp / "s")),
+      {"rank file", "consolidate"});
+  const Run verified = run(ckpt("verify " + ck));
+  CHECK_MESSAGE(verified.exit_code == 0, verified.output);
+  const Run resumed = run(train(lm + "--steps 5 --resume-latest --checkpoint-dir " + ck));
+  CHECK_MESSAGE(resumed.output.find("resumed from " + ck + "/step-00000004 at step 4") != std::string::npos,
+                resumed.output);
+}
+
+namespace {
+// A tiny Fashion-MNIST-shaped directory: `count` training images of rows x cols (and as many
+// test images of test_rows x test_cols), labels i % 10 except `bad_label` at sample 3 (if >= 0).
+void write_idx_set(const fs::path& dir, std::int64_t count, int rows, int cols, int test_rows, int test_cols,
+                   int bad_label = -1) {
+  fs::create_directories(dir);
+  auto be32 = [](std::ofstream& out, std::uint32_t v) {
+    const unsigned char b[4] = {static_cast<unsigned char>(v >> 24), static_cast<unsigned char>(v >> 16),
+                                static_cast<unsigned char>(v >> 8), static_cast<unsigned char>(v)};
+    out.write(reinterpret_cast<const char*>(b), 4);
+  };
+  auto write = [&](const std::string& prefix, int r, int c) {
+    std::ofstream images(dir / (prefix + "-images-idx3-ubyte"), std::ios::binary);
+    be32(images, 0x803);
+    be32(images, static_cast<std::uint32_t>(count));
+    be32(images, static_cast<std::uint32_t>(r));
+    be32(images, static_cast<std::uint32_t>(c));
+    for (std::int64_t i = 0; i < count * r * c; ++i) images.put(static_cast<char>(i * 7 % 256));
+    std::ofstream labels(dir / (prefix + "-labels-idx1-ubyte"), std::ios::binary);
+    be32(labels, 0x801);
+    be32(labels, static_cast<std::uint32_t>(count));
+    for (std::int64_t i = 0; i < count; ++i)
+      labels.put(static_cast<char>(i == 3 && bad_label >= 0 ? bad_label : i % 10));
+  };
+  write("train", rows, cols);
+  write("t10k", test_rows, test_cols);
+}
+}  // namespace
+
+TEST_CASE("mlp: data that would fail mid-run is refused before training; a resume on other data too") {
+  TempDir tmp;
+  const std::string mlp = "mlp --hidden 8 --batch 16 --epochs 1 --log-every 0 --data ";
+  write_idx_set(tmp.path / "mismatch", 64, 28, 28, 10, 10);
+  const Run mismatch = run(train(mlp + tmp / "mismatch"));
+  one_error_line(mismatch, {"test images are 10x10", "training images 28x28"});
+  CHECK(mismatch.output.find("epoch 1/1") == std::string::npos);  // nothing trained first
+  write_idx_set(tmp.path / "label", 64, 28, 28, 28, 28, 255);
+  one_error_line(run(train(mlp + tmp / "label")), {"training labels hold 255 at sample 3", "0 to 9"});
+  // Two data sets of the same shape: a checkpoint of one does not resume on the other.
+  write_idx_set(tmp.path / "a", 64, 28, 28, 28, 28);
+  write_idx_set(tmp.path / "b", 64, 28, 28, 28, 28, 7);
+  REQUIRE(run(train(mlp + tmp / "a" + " --checkpoint-dir " + tmp / "ck")).exit_code == 0);
+  one_error_line(run(train("mlp --hidden 8 --batch 16 --epochs 2 --log-every 0 --resume-latest --checkpoint-dir " +
+                           tmp / "ck" + " --data " + tmp / "b")),
+                 {"--data", "would train on other samples"});
+  const Run same = run(train("mlp --hidden 8 --batch 16 --epochs 2 --log-every 0 --resume-latest --checkpoint-dir " +
+                             tmp / "ck" + " --data " + tmp / "a"));
+  CHECK_MESSAGE(same.output.find("resumed from") != std::string::npos, same.output);
+}
+
 TEST_CASE("options this run ignores are named in a warning, once, and the run goes on") {
   const Run mlp =
       run(train("--steps 3 --checkpoint-every 2 mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 "

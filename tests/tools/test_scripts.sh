@@ -42,6 +42,11 @@ case "$case_name" in
     [ -f "$work/demo/checkpoints/latest" ] || fail "no checkpoint"
     "$root/tools/plot" "$work/demo/metrics.jsonl" "$work/plot.png" >>"$log" 2>&1 || fail "tools/plot exited $?"
     [ "$(head -c 8 "$work/plot.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ] || fail "plot.png is not a PNG"
+    # The documented command run again: it trains afresh over the last run's checkpoints (a
+    # fresh ruda-train run into a directory holding checkpoints is refused; the script clears its own).
+    RUDA_DEMO_DIR=$work/demo "$root/tools/demo" --epochs 1 --limit 1280 --test-limit 500 --batch 64 --log-every 0 \
+      >>"$log" 2>&1 || fail "tools/demo exited $? when run a second time"
+    [ "$(grep -c "epoch 1/1 test_accuracy" "$log")" = 2 ] || fail "the second run did not train"
     ;;
   demo-large)
     "$root/tools/demo-large" --refuse-only >"$log" 2>&1 || fail "tools/demo-large --refuse-only exited $?"

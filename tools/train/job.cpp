@@ -2,10 +2,14 @@
 // training loop with its evaluations, checkpoints and metrics, and the summary.
 #include "job.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <optional>
 #include <sstream>
@@ -16,6 +20,7 @@
 
 namespace ruda::train {
 
+namespace fs = std::filesystem;
 using nlohmann::json;
 
 void print_error(const std::string& message) { std::cerr << "ruda-train: error: " << message << std::endl; }
@@ -30,6 +35,69 @@ void setup_phase(Communicator& comm, const std::function<void()>& phase) {
   if (failures.empty()) return;
   if (comm.rank() == 0) print_error(failures.front().message);
   throw Reported("setup failed on rank " + std::to_string(failures.front().rank));
+}
+
+// --- outputs, checked before any step ---
+
+// A --checkpoint-dir the saves could not write (a file, a device, a read-only place, a name too
+// long) used to fail at the first save, after the training it was to keep. And a fresh run (no
+// --resume, no --resume-latest) into a directory holding another run's checkpoints replaced their
+// steps with its own and pruned among both runs' (its own newest could go, the old latest stay):
+// refused, naming the ways on. Each rank probes with a file of its own (every rank writes its
+// shard's file at a save).
+void check_checkpoint_dir(const Config& cfg, int rank) {
+  const fs::path dir(cfg.checkpoint_dir);
+  std::error_code ec;
+  if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
+    throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is not a directory");
+  }
+  fs::create_directories(dir, ec);
+  if (ec) throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot be created: " + ec.message());
+  const fs::path probe = dir / (".ruda-train-probe-" + std::to_string(::getpid()) + "-" + std::to_string(rank));
+  {
+    std::ofstream file(probe);
+    file << "probe\n";
+    file.flush();
+    if (!file) {
+      fs::remove(probe, ec);
+      throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there");
+    }
+  }
+  fs::remove(probe, ec);
+  if (cfg.resume.empty() && !cfg.resume_latest && nn::holds_checkpoint(cfg.checkpoint_dir)) {
+    throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + " already holds checkpoints (latest " +
+                        nn::resolve_checkpoint(cfg.checkpoint_dir) +
+                        "): continue that run with --resume-latest, or give another directory (a fresh run would "
+                        "replace and prune its steps)");
+  }
+}
+
+// The metrics file is truncated when a run starts: it must not be one of the run's inputs (the
+// text, the data, the checkpoint resumed) or a checkpoint's file, and must be a regular file (a
+// device swallowed every write; a FIFO blocked the run until something read it).
+void check_metrics_path(const Config& cfg) {
+  const fs::path path(cfg.metrics);
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (fs::exists(status) && !fs::is_regular_file(status)) {
+    throw ArgumentError("--metrics " + cfg.metrics + ": is not a regular file");
+  }
+  for (const std::string& input : {cfg.text, cfg.data, cfg.resume}) {
+    if (input.empty()) continue;
+    const fs::path in(input);
+    const bool same = fs::exists(path, ec) && fs::exists(in, ec) && fs::equivalent(path, in, ec);
+    std::error_code within_ec;
+    const fs::path a = fs::weakly_canonical(path, within_ec), b = fs::weakly_canonical(in, within_ec);
+    const auto rel = a.lexically_relative(b);
+    const bool inside = !within_ec && !rel.empty() && *rel.begin() != ".." && rel != ".";
+    if (same || inside) {
+      throw ArgumentError("--metrics " + cfg.metrics + ": is " + (same ? "" : "inside ") + input +
+                          ", an input of this run (the metrics file is rewritten from the start)");
+    }
+  }
+  if (const std::string member = nn::checkpoint_member(cfg.metrics); !member.empty()) {
+    throw ArgumentError("--metrics " + cfg.metrics + ": " + member + " (writing it would damage the checkpoint)");
+  }
 }
 
 // --- the memory plan ---
@@ -243,6 +311,8 @@ void run(const Config& cfg, Communicator& comm) {
                           " over " + std::to_string(comm.world_size()) +
                           (comm.world_size() == 1 ? " rank)" : " ranks)"));
     }
+    if (!cfg.checkpoint_dir.empty()) check_checkpoint_dir(cfg, comm.rank());
+    if (!cfg.metrics.empty()) check_metrics_path(cfg);
     task = make_task(cfg, comm);
     check_state_fits(cfg, comm, *task, plan_options);
   });
@@ -375,6 +445,20 @@ void run(const Config& cfg, Communicator& comm) {
       if (comm.rank() == 0) print_error(message);
       throw Reported("checkpoint failed");
     };
+    // A loss is checked before the update that follows it: an update that made the weights NaN
+    // or infinite (a learning rate of 1e308) would be saved, named latest, and the older good
+    // steps pruned. Every rank checks its shards; they agree before anything is written.
+    double non_finite = 0;
+    autograd::no_grad([&] {
+      for (const nn::Param& p : params) {
+        if (!std::isfinite(sum(abs(cast(p.data(), DType::f64))).item())) non_finite = 1;
+      }
+    });
+    if (comm.all_reduce(from_values({non_finite}, {1}, DType::f64), Reduction::max, {.tag = "finite weights"}).item() !=
+        0) {
+      stop("the weights are not finite after step " + std::to_string(step) +
+           "'s update: no checkpoint written (the earlier ones are kept)");
+    }
     nn::CheckpointInfo info;
     std::string error;
     if (!mesh || mesh->node() == 0) {

@@ -52,7 +52,8 @@ int main(int argc, char** argv) {
   // from its own command line (tools/demo --epochs 3).
   app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--backend", cfg.backend,
-                 "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)");
+                 "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)")
+      ->check(non_empty());
   app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--strategy", cfg.strategy,
@@ -101,12 +102,14 @@ int main(int argc, char** argv) {
   add_whole(app, "--seed", cfg.seed, "Seed of initialization, data order and sampling");
   app.add_option("--clip", cfg.clip, "Clip the global gradient norm to this value (0: off)")->check(at_least(0));
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
-                 "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)");
+                 "Directory of sharded checkpoints (written at the end, and every --checkpoint-every steps)")
+      ->check(non_empty());
   add_whole(app, "--checkpoint-every", cfg.checkpoint_every, "Checkpoint every N steps (0: only at the end)")
       ->check(at_least(0));
   auto* resume =
       app.add_option("--resume", cfg.resume,
-                     "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)");
+                     "Resume from this checkpoint (a step directory or a checkpoint directory; any world size)")
+          ->check(non_empty());
   app.add_flag("--resume-latest", cfg.resume_latest,
                "Resume from the latest checkpoint in --checkpoint-dir, if there is one")
       ->excludes(resume);
@@ -115,12 +118,14 @@ int main(int argc, char** argv) {
                "headers and identity are still checked)");
   app.add_option("--metrics", cfg.metrics,
                  "Write JSON lines of metrics (step, loss, accuracy, lr, samples/s, peak memory per "
-                 "rank, communication) to FILE");
+                 "rank, communication) to FILE")
+      ->check(non_empty());
   auto* emulate = add_whole(app, "--emulate", cfg.emulate, "Run N ranks as threads in this process (no MPI)")
                       ->check(between(1, 64));
   app.add_option("--emulate-link", cfg.emulate_link,
                  "Give the emulated ranks a simulated link, e.g. 1GB/s or 10Gbit/s,20us: each collective takes "
                  "the time a ring over it would (default: RUDA_EMULATE_LINK, else none)")
+      ->check(non_empty())
       ->needs(emulate);
   add_whole(app, "--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
       ->check(at_least(0));
@@ -161,7 +166,8 @@ int main(int argc, char** argv) {
   auto* mlp =
       app.add_subcommand("mlp", "A multilayer perceptron on Fashion-MNIST (reports test accuracy after every epoch)");
   mlp->fallthrough();
-  mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
+  mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)")
+      ->check(non_empty());
   add_whole(*mlp, "--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(at_least(1));
   add_whole(*mlp, "--limit", cfg.limit, "Train on the first N training images only")->check(at_least(0));
   add_whole(*mlp, "--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(at_least(0));
@@ -169,7 +175,8 @@ int main(int argc, char** argv) {
   auto* lm =
       app.add_subcommand("lm", "A GPT-style byte-level language model (reports validation loss and bits per byte)");
   lm->fallthrough();
-  lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)");
+  lm->add_option("--text", cfg.text, "Text file, or a directory of text files (default: the fortunes package's texts)")
+      ->check(non_empty());
   add_whole(*lm, "--context", cfg.context, "Context length in bytes")->check(at_least(1));
   add_whole(*lm, "--d-model", cfg.d_model, "Model width")->check(at_least(1));
   add_whole(*lm, "--layers", cfg.layers, "Transformer blocks")->check(at_least(1));
@@ -189,7 +196,17 @@ int main(int argc, char** argv) {
             "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
       ->check(at_least(0));
   lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
-  lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")->check(at_least(0));
+  // 0 is greedy; a positive temperature divides the logits, so it must be a normal number (what
+  // nn::sample_bytes takes), which is said here rather than after the training.
+  lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")
+      ->check(at_least(0))
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            double t = 0;
+            if (!CLI::detail::lexical_cast(text, t)) return "must be a number, got '" + text + "'";
+            return t == 0 || t >= 1e-30 ? "" : "must be 0 (greedy) or at least 1e-30, got " + text;
+          },
+          ""));
 
   const bool print = launcher_rank() == 0;
   try {

@@ -101,6 +101,7 @@ class Metrics {
   Metrics() = default;
   explicit Metrics(const std::string& path, bool append) {
     if (path.empty()) return;
+    path_ = path;
     out_.open(path, append ? std::ios::app : std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write metrics file " + path);
   }
@@ -108,9 +109,11 @@ class Metrics {
     if (!out_.is_open()) return;
     out_ << record.dump() << '\n';
     out_.flush();
+    if (!out_) throw std::runtime_error("writing the metrics file " + path_ + " failed (a full disk?)");
   }
 
  private:
+  std::string path_;
   std::ofstream out_;
 };
 

@@ -16,6 +16,7 @@ namespace {
 struct ImageData {
   nn::IdxImages train, test;
 };
+void check_together(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test);
 ImageData datasets(const Config& cfg) {
   static std::mutex mutex;
   static std::map<std::string, ImageData> cache;
@@ -25,9 +26,53 @@ ImageData datasets(const Config& cfg) {
   if (it == cache.end()) {
     nn::IdxImages train = nn::open_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
     nn::IdxImages test = nn::open_fashion_mnist(cfg.data, false, cfg.test_limit);
+    check_together(cfg, train, test);
     it = cache.emplace(key, ImageData{std::move(train), std::move(test)}).first;
   }
   return it->second;
+}
+
+// Before any step, what would otherwise stop the run later: test images of another size than
+// the training ones (the first evaluation, after an epoch's training, failed in a linear layer)
+// and labels outside the ten classes (cross_entropy failed at the batch that held one, mid-run,
+// without naming the file). The labels are read through copies opened for the check, so that
+// the run's own data_bytes_read counts what training reads.
+void check_together(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test) {
+  if (train.rows() != test.rows() || train.cols() != test.cols()) {
+    throw IOError(cfg.data + ": the test images are " + std::to_string(test.rows()) + "x" +
+                  std::to_string(test.cols()) + ", the training images " + std::to_string(train.rows()) + "x" +
+                  std::to_string(train.cols()));
+  }
+  for (const bool is_train : {true, false}) {
+    const nn::IdxImages copy = nn::open_fashion_mnist(cfg.data, is_train, is_train ? cfg.limit : cfg.test_limit);
+    const auto labels = copy.labels(0, copy.size()).to_vector<std::int64_t>();
+    const auto bad = std::find_if(labels.begin(), labels.end(), [](std::int64_t l) { return l < 0 || l >= 10; });
+    if (bad != labels.end()) {
+      throw IOError(cfg.data + ": the " + (is_train ? "training" : "test") + " labels hold " + std::to_string(*bad) +
+                    " at sample " + std::to_string(bad - labels.begin()) + "; Fashion-MNIST's classes are 0 to 9");
+    }
+  }
+}
+
+// The training set as a resume compares it (lm's --text has the same): the sizes, and a hash of
+// the first 4096 labels and the first image, read through a copy opened for it.
+std::string identity_of(const Config& cfg, const nn::IdxImages& train) {
+  const nn::IdxImages copy = nn::open_fashion_mnist(cfg.data, true, cfg.limit);
+  const std::int64_t n = std::min<std::int64_t>(copy.size(), 4096);
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a
+  auto mix = [&](const void* data, std::size_t bytes) {
+    for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ull;
+  };
+  const auto labels = copy.labels(0, n).to_vector<std::int64_t>();
+  mix(labels.data(), labels.size() * sizeof(std::int64_t));
+  if (n > 0) {
+    const auto image = copy.images(0, 1).to_vector<float>();
+    mix(image.data(), image.size() * sizeof(float));
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
+  return std::to_string(train.size()) + " images " + std::to_string(train.rows()) + "x" + std::to_string(train.cols()) +
+         ", hash " + hex;
 }
 
 struct MlpTask : Task {
@@ -51,7 +96,9 @@ struct MlpTask : Task {
     }
     model->push_back(std::make_shared<nn::Linear>(in, 10));
     sampler = std::make_unique<nn::BatchSampler>(train.size(), cfg.batch, comm.rank(), comm.world_size(), cfg.seed);
+    data_identity = identity_of(cfg, train);
   }
+  std::string data_identity;  // the training set in the data stream a checkpoint records
   std::string description() const override {
     // (built with += rather than "mlp " + ...: GCC 12 warns falsely on that form, bug 105329)
     std::string d = "mlp ";
@@ -81,7 +128,8 @@ struct MlpTask : Task {
   std::map<std::string, std::string> data_stream() const override {
     return {{"--seed", std::to_string(cfg.seed)},
             {"--batch", std::to_string(cfg.batch)},
-            {"--limit", std::to_string(cfg.limit)}};
+            {"--limit", std::to_string(cfg.limit)},
+            {"--data", data_identity}};
   }
   std::string where(std::int64_t step) const override {
     return "epoch " + std::to_string(step / sampler->batches_per_epoch() + 1) + "/" + std::to_string(cfg.epochs);

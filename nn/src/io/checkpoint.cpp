@@ -309,6 +309,24 @@ std::string resolve_checkpoint(const std::string& path) {
   return (fs::path(path) / best).string();
 }
 
+std::string checkpoint_member(const std::string& path) {
+  std::error_code ec;
+  const fs::path full = fs::weakly_canonical(fs::path(path), ec);
+  const fs::path p = ec ? fs::path(path) : full;
+  const fs::path parent = p.parent_path();
+  if (!parent.empty() && is_step_name(parent.filename().string()) && fs::is_directory(parent, ec)) {
+    return "lies inside the step directory " + parent.string() + " of a checkpoint";
+  }
+  if (p.filename() == "latest" && !parent.empty()) {
+    for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+      std::error_code probing;
+      if (is_step_name(it->path().filename().string()) && it->is_directory(probing))
+        return "is the latest pointer of the checkpoint directory " + parent.string();
+    }
+  }
+  return {};
+}
+
 bool holds_checkpoint(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return false;
@@ -1007,6 +1025,10 @@ void consolidate_checkpoint(const std::string& path, const std::string& output_f
     if (same_file(output_file, input))
       fail(output_file, "is " + input.string() + ", part of the checkpoint being consolidated");
   }
+  // Nor any other checkpoint's files (another step's rank file or index, a latest pointer).
+  if (const std::string member = checkpoint_member(output_file); !member.empty()) {
+    fail(output_file, member + ": consolidating into it would damage that checkpoint");
+  }
   // Streamed: the header first (the index gives every shape), then each parameter's pieces in
   // offset order, copied from the rank files through one bounded buffer and checked on the way.
   // No tensor is held, so a model of any size consolidates in safetensors::kChunkBytes of memory.
@@ -1068,6 +1090,13 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
                                 std::int64_t step) {
   check_save_arguments(out_dir, step, world_size, {}, 0);  // before the input is read (its extra below)
   safetensors::Reader input(input_file);
+  // A rank file of a sharded checkpoint holds flat slices and optimizer state under its own names,
+  // not a model: split would take them for parameters.
+  if (const auto& m = input.metadata(); m.count("format") && m.at("format") == kFormat) {
+    const auto field = [&](const char* key) { return m.count(key) ? m.at(key) : std::string("?"); };
+    fail(input_file, "is a rank file of a sharded checkpoint (rank " + field("rank") + " of " + field("world_size") +
+                         "), not a full model: consolidate its step first (ruda-ckpt consolidate STEP_DIR FILE)");
+  }
   std::vector<ParamHeader> headers;
   for (const auto& t : input.tensors()) {
     if (!is_floating(t.dtype)) fail(input_file, "tensor '" + t.name + "' is not floating-point");
@@ -1094,6 +1123,20 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
       if (is_step_name(it->path().filename().string()) && it->is_directory(probing) && !is_complete_step(it->path()) &&
           lies_within(input_path, it->path()))
         refuse_input("lies inside " + it->path().string() + ", a step directory without an index");
+    }
+  }
+  // A split writes the model alone: replacing a step that holds optimizer state would drop it.
+  if (is_complete_step(step_dir)) {
+    bool has_optimizer = false;
+    try {
+      has_optimizer = read_index(step_dir).has_optimizer;
+    } catch (const IOError&) {
+      // A damaged index: nothing of that step can be loaded, so there is nothing to keep.
+    }
+    if (has_optimizer) {
+      fail(step_dir,
+           "exists and holds optimizer state, which a split (the model alone) would drop: give another "
+           "--step, or remove the step first");
     }
   }
   check_latest_pointer(out_dir);  // as a save: a pointer that cannot be replaced fails before any file is written
