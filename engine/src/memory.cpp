@@ -85,8 +85,15 @@ const EnvLimit& env_limit() {
   return parsed;
 }
 std::atomic<std::int64_t> g_limit{0};
-std::atomic<bool> g_limit_set{false};  // set_limit() called: the environment no longer applies
+std::atomic<bool> g_limit_set{false};                          // set_limit() called: the environment no longer applies
+std::atomic<const char*> g_limit_source{"memory::set_limit"};  // set_limit's source argument
 }  // namespace
+
+// Where the limit in force came from, for the error of an allocation past it (private to this file).
+const char* limit_source() {
+  return g_limit_set.load(std::memory_order_acquire) ? g_limit_source.load(std::memory_order_relaxed)
+                                                     : "RUDA_MEMORY_LIMIT";
+}
 
 std::int64_t limit() {
   if (g_limit_set.load(std::memory_order_acquire)) return g_limit.load(std::memory_order_relaxed);
@@ -94,9 +101,10 @@ std::int64_t limit() {
   if (!e.error.empty()) throw ArgumentError(e.error);
   return e.bytes;
 }
-void set_limit(std::int64_t bytes) {
+void set_limit(std::int64_t bytes, const char* source) {
   if (bytes < 0) fail<ArgumentError>("memory::set_limit", "limit must be 0 (none) or positive, got ", bytes);
   g_limit.store(bytes, std::memory_order_relaxed);
+  g_limit_source.store(source && *source ? source : "memory::set_limit", std::memory_order_relaxed);
   g_limit_set.store(true, std::memory_order_release);
 }
 
@@ -328,7 +336,7 @@ namespace {
                            limit > 0 ? concat(" (limit ", memory::format_bytes(limit), ")") : std::string());
   }
   fail<OutOfMemoryError>(op, "out of memory: ", what, ", over this rank's limit of ", memory::format_bytes(limit), " (",
-                         limit, " bytes; RUDA_MEMORY_LIMIT)");
+                         limit, " bytes; ", memory::limit_source(), ")");
 }
 }  // namespace
 

@@ -108,6 +108,20 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(train("--collective-timeout soon mlp")), {"--collective-timeout", "'soon'"});
   one_error_line(run(train("--emulate 3 mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(train("mlp --resume " + tmp / "none")), {tmp / "none", "does not exist"});
+  // A model far past memory is refused from the arithmetic, before its modules are built (2^31
+  // blocks grew without bound); an allocation past --memory-limit names that option, not the variable.
+  one_error_line(run(train("lm --d-model 16 --heads 2 --context 8 --steps 1 --layers 2147483648")),
+                 {"--layers 2147483648", "GB per rank", "optimizer state"});
+  one_error_line(run(train("lm --d-model 16 --heads 2 --context 8 --steps 1 --memory-limit 1")),
+                 {"over this rank's limit of 1 B", "--memory-limit)"});
+  // --hidden is one list: an empty item is refused (it was dropped), a repeat replaces (it was joined).
+  for (const char* hidden : {"8,,8", ",8", "8,"}) {
+    CAPTURE(hidden);
+    one_error_line(run(train(std::string("mlp --hidden ") + hidden)), {"--hidden", "got ''"});
+  }
+  const Run twice =
+      run(train("mlp --hidden 8 --hidden 4 " + std::string("--limit 64 --test-limit 10 --batch 32 --epochs 1")));
+  CHECK_MESSAGE(twice.output.find("mlp 784-4-10,") != std::string::npos, twice.output);
 
   // A checkpoint of another model.
   const Run saved = run(train("mlp --epochs 1 " + kSmall + " --checkpoint-dir " + tmp / "a"));

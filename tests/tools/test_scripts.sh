@@ -78,6 +78,10 @@ case "$case_name" in
     expect "--repeats: must be a whole number"
     if "$root/tools/bench" --repeats 0 --suite gemm >"$log" 2>&1; then fail "--repeats 0 accepted"; fi
     expect "--repeats: must be at least 1, got 0"
+    # A parse error is one prefixed line and exit code 2, as ruda-train's (it was CLI11's 105/109).
+    rc=0; "$RUDA_BIN_DIR/ruda-bench" --repeats x >"$log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] || fail "ruda-bench --repeats x exited $rc, not 2"
+    expect "ruda-bench: error: --repeats"
     if "$root/tools/bench" --backend bogus --suite gemm >"$log" 2>&1; then fail "--backend bogus accepted"; fi
     expect "unknown backend 'bogus'"
     grep -q "terminate called" "$log" && fail "an uncaught exception"

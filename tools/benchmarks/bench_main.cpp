@@ -49,7 +49,17 @@ int main(int argc, char** argv) {
   ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(ruda::cli::at_least(1));
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
-  CLI11_PARSE(app, argc, argv);
+  // As ruda-train and ruda-ckpt: one "ruda-bench: error:" line and exit code 2 (CLI11_PARSE
+  // printed CLI11's own text and exited with its internal codes, 105 or 109).
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "ruda-bench: error: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
 
   if (list) {
     for (const auto& [name, suite] : suites()) std::cout << name << "\n";
@@ -57,7 +67,7 @@ int main(int argc, char** argv) {
   }
   for (const auto& s : selected) {
     if (!suites().count(s)) {
-      std::cerr << "ruda-bench: unknown suite '" << s << "' (see --list)\n";
+      std::cerr << "ruda-bench: error: unknown suite '" << s << "' (see --list)\n";
       return 2;
     }
   }
@@ -67,7 +77,7 @@ int main(int argc, char** argv) {
     if (std::find(built.begin(), built.end(), b) == built.end()) {
       std::string names;
       for (const auto& n : built) names += (names.empty() ? "" : ", ") + n;
-      std::cerr << "ruda-bench: unknown backend '" << b << "' (built: " << names << ")\n";
+      std::cerr << "ruda-bench: error: unknown backend '" << b << "' (built: " << names << ")\n";
       return 2;
     }
   }

@@ -168,7 +168,28 @@ int main(int argc, char** argv) {
   mlp->fallthrough();
   mlp->add_option("--data", cfg.data, "Directory of the Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)")
       ->check(non_empty());
-  add_whole(*mlp, "--hidden", cfg.hidden, "Hidden layer sizes")->delimiter(',')->check(at_least(1));
+  // One comma-separated list, read here: CLI11's delimiter dropped empty items (--hidden 8,,8 was
+  // 8-8) and joined repeated options (--hidden 8 --hidden 4 was 8-4, not the last value).
+  mlp->add_option_function<std::string>(
+         "--hidden",
+         [&](const std::string& text) {
+           std::vector<std::int64_t> sizes;
+           std::size_t start = 0;
+           while (true) {
+             const std::size_t comma = text.find(',', start);
+             std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+             const std::string whole = whole_number<std::int64_t>()(item);
+             if (!whole.empty()) throw CLI::ValidationError("--hidden", whole);
+             const std::string bound = at_least(1)(item);
+             if (!bound.empty()) throw CLI::ValidationError("--hidden", bound);
+             sizes.push_back(std::stoll(item));
+             if (comma == std::string::npos) break;
+             start = comma + 1;
+           }
+           cfg.hidden = std::move(sizes);
+         },
+         "Hidden layer sizes, comma-separated (default 1024,1024)")
+      ->type_name("N[,N...]");
   add_whole(*mlp, "--limit", cfg.limit, "Train on the first N training images only")->check(at_least(0));
   add_whole(*mlp, "--test-limit", cfg.test_limit, "Evaluate on the first N test images only")->check(at_least(0));
 
@@ -262,7 +283,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit);
+    if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit, "--memory-limit");
     if (cfg.emulate > 0) {
       if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
       EmulatedOptions options;

@@ -1,5 +1,7 @@
 #include "tasks.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -162,6 +164,29 @@ struct MlpTask : Task {
   }
 };
 
+// Before the model is built: a configuration whose parameters, gradients and AdamW moments (16
+// bytes a parameter, sharded over the ranks) exceed this machine's memory is refused from the
+// arithmetic (--layers 2147483648 grew without bound while its modules were built). Sizes this
+// machine could hold are left to the memory plan, which weighs them against --memory-limit and
+// says what would fit.
+void check_model_size(const Config& cfg, int world) {
+  const long double d = static_cast<long double>(cfg.d_model), vocabulary = 256;
+  const long double per_block = 12 * d * d + 13 * d;  // qkv, projection, fc1, fc2, two norms
+  const long double parameters = static_cast<long double>(cfg.layers) * per_block + (vocabulary + cfg.context) * d +
+                                 2 * d + (cfg.untied ? vocabulary * d + vocabulary : 0);
+  const long double state = 16 * parameters / world;
+  const long double machine =
+      static_cast<long double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<long double>(::sysconf(_SC_PAGESIZE));
+  if (machine > 0 && state > machine) {
+    char needed[64], has[64];
+    std::snprintf(needed, sizeof needed, "%.3Lg", state / 1e9);
+    std::snprintf(has, sizeof has, "%.3Lg", machine / 1e9);
+    throw OutOfMemoryError(
+        "lm: --layers " + std::to_string(cfg.layers) + " of --d-model " + std::to_string(cfg.d_model) + " needs ~" +
+        needed + " GB per rank for parameters, gradients and optimizer state alone; this machine has " + has + " GB");
+  }
+}
+
 struct LmTask : Task {
   const Config& cfg;
   Communicator& comm;
@@ -181,6 +206,7 @@ struct LmTask : Task {
     }
     train.emplace(corpus, 0, train_end, cfg.context);
     validation.emplace(corpus, train_end, corpus.size(), cfg.context);
+    check_model_size(cfg, comm.world_size());
     nn::manual_seed(cfg.seed);
     nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
     model = std::make_shared<nn::GPT>(nn::GPTConfig{.vocabulary = 256,

@@ -37,7 +37,9 @@ void reset_peak();
 /// or the process's), 0 for no limit. Initially RUDA_MEMORY_LIMIT (parse_size's format) or none.
 std::int64_t limit();
 /// Sets the limit for every rank of this process (0 removes it). Allocations already made stay.
-void set_limit(std::int64_t bytes);
+/// `source` names where the limit came from in the error of an allocation past it (a program's
+/// option, say "--memory-limit"; a string literal: it is kept, not copied).
+void set_limit(std::int64_t bytes, const char* source = "memory::set_limit");
 /// While alive, allocations on this thread ignore the limit (they are still counted): for a
 /// measurement whose result decides whether the configuration fits, such as nn::probe_step.
 class LimitSuspended : public ThreadFlagScope<LimitSuspended> {};
