@@ -114,7 +114,10 @@ TEST_CASE("an allocation past the limit raises OutOfMemoryError naming op, shape
   const Tensor a = ones({100, 10}), b = ones({10, 100});  // 8 KB more
   test::check_throws<OutOfMemoryError>(
       [&] { (void)matmul(a, b); },
-      {"matmul", "out of memory", "f32 [100, 100]", "40000 bytes", "968 KB", "limit of 1.00 MB", "RUDA_MEMORY_LIMIT"});
+      {"matmul", "out of memory", "f32 [100, 100]", "40000 bytes", "968 KB", "limit of 1.00 MB", "memory::set_limit)"});
+  // The limit's source as its setter names it (a program's option), not the variable it did not read.
+  memory::set_limit(1'000'000, "--memory-limit");
+  test::check_throws<OutOfMemoryError>([&] { (void)matmul(a, b); }, {"limit of 1.00 MB", "--memory-limit)"});
   // Nothing was charged by the refused allocation, and smaller ones still fit.
   CHECK(rank.stats().live_bytes == 968'000);
   CHECK(zeros({1000}).numel() == 1000);
