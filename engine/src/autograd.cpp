@@ -41,9 +41,12 @@ thread_local int t_backward_depth = 0;
 thread_local std::uint64_t t_backward_serial = 0;
 thread_local std::vector<std::function<void()>> t_backward_end;
 
-// Removes the nodes a backward has run and freed (on any thread) from an always-run list.
+// Removes from an always-run list the nodes a backward has run and freed (on any thread), and
+// those whose owner is gone (RecordOptions::owner).
 void drop_released(std::vector<std::shared_ptr<Node>>& nodes) noexcept {
-  std::erase_if(nodes, [](const std::shared_ptr<Node>& n) { return n->released.load(std::memory_order_acquire); });
+  std::erase_if(nodes, [](const std::shared_ptr<Node>& n) {
+    return n->released.load(std::memory_order_acquire) || (n->has_owner && n->owner.expired());
+  });
 }
 
 // Gradient accumulation into a leaf takes one of these locks (picked by the leaf's address):
@@ -86,15 +89,17 @@ void at_backward_end(std::function<void()> callback) {
 bool is_grad_enabled() noexcept { return t_grad_enabled; }
 void set_grad_enabled(bool enabled) noexcept { t_grad_enabled = enabled; }
 
-void set_recompute(Tensor& t, std::function<Tensor()> recipe) {
+void set_recompute(Tensor& t, std::function<Tensor()> recipe, std::weak_ptr<const void> owner) {
   detail::require_defined("set_recompute", t);
   impl_of(t)->recompute = recipe ? std::make_shared<const std::function<Tensor()>>(std::move(recipe)) : nullptr;
+  impl_of(t)->recompute_owner = impl_of(t)->recompute ? std::move(owner) : std::weak_ptr<const void>{};
 }
 
 SavedTensor::SavedTensor(const Tensor& tensor) {
   if (!tensor.defined()) return;
   if (impl_of(tensor)->recompute) {
     recipe_ = impl_of(tensor)->recompute;
+    recipe_owner_ = impl_of(tensor)->recompute_owner;
   } else {
     value_ = tensor.detach();
     version_ = value_.version();
@@ -158,6 +163,17 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   node->backward = std::move(backward_fn);
   node->always_run = options.always_run || recomputes;
   node->strided_grad = options.strided_grad;
+  // Given an owner: its control block orders apart from an empty weak_ptr's (none). An expired
+  // owner is still one, so expired() alone cannot tell the two apart. Without one, a node that
+  // is always-run for a recomputed tensor takes the recipe's owner.
+  const std::weak_ptr<const void> none;
+  auto is_owner = [&](const std::weak_ptr<const void>& w) { return w.owner_before(none) || none.owner_before(w); };
+  node->owner = options.owner;
+  for (const SavedTensor& s : node->saved) {
+    if (is_owner(node->owner)) break;
+    if (s.is_recomputed()) node->owner = s.recipe_owner();
+  }
+  node->has_owner = is_owner(node->owner);
   node->out_shape = output.shape();
   node->out_dtype = output.dtype();
   node->out_backend = &output.backend();

@@ -72,6 +72,7 @@ struct TensorImpl {
   std::shared_ptr<autograd::Node> grad_fn;
   Tensor grad;
   std::shared_ptr<const std::function<Tensor()>> recompute;
+  std::weak_ptr<const void> recompute_owner;  // set_recompute's owner
 
   void* data() const noexcept {
     return static_cast<char*>(storage->data) + offset * static_cast<std::int64_t>(dtype_size(dtype));
@@ -161,6 +162,9 @@ class Node {
   BackwardFn backward;
   bool always_run = false;
   bool strided_grad = false;
+  // RecordOptions::owner, and whether one was given (an empty weak_ptr reads as expired too).
+  std::weak_ptr<const void> owner;
+  bool has_owner = false;
   // Set by the backward that ran and freed the node; read by another thread's always-run list.
   std::atomic<bool> released{false};
   // What a zero gradient of the output looks like, for always-run nodes the loss does not reach.

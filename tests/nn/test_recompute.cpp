@@ -58,6 +58,81 @@ TEST_CASE("checkpointed blocks give bitwise the same gradients, dense, with drop
   }
 }
 
+TEST_CASE("a checkpointed forward that no backward reaches: freed with its output, dropout streams kept") {
+  // Found by the nn probe: every checkpoint node was always-run, so a forward with grad mode on and
+  // no backward (a validation pass) left it pending. The next backward recomputed it with a zero
+  // gradient (81.7 ms instead of 3.8 for 100 of them), on the model even if it was destroyed
+  // (use after free), and restored the forward's end positions of the dropout streams, so the next
+  // step drew the previous step's masks again.
+  const Tensor tokens = randint({2, kTime}, 0, kVocab, 5);
+  {
+    nn::manual_seed(3);
+    nn::GPT gone(small_gpt(0.25));
+    gone.set_activation_checkpointing(true);
+    for (int i = 0; i < 3; ++i) (void)gone.forward(tokens);
+    CHECK(autograd::pending_always_run() == 0);
+  }
+  Tensor w = ones({2}).set_requires_grad();
+  sum(w * 2.0).backward();  // an unrelated backward after the model is gone
+  CHECK(w.grad().to_vector<double>() == std::vector<double>{2, 2});
+  // Sharded, the nodes stay always-run (their collectives must pair up across ranks) while the
+  // model lives, and are dropped with it: a later unrelated backward raised "the group of a
+  // recomputed weight was destroyed" (or read the freed block).
+  LocalCommunicator comm;
+  for (bool checkpointing : {false, true}) {
+    CAPTURE(checkpointing);
+    {
+      nn::GPT sharded(small_gpt());
+      sharded.set_activation_checkpointing(checkpointing);
+      nn::fully_shard(sharded, comm);
+      sharded.eval();
+      (void)sharded.forward(tokens);
+      CHECK(autograd::pending_always_run() > 0);
+    }
+    CHECK(autograd::pending_always_run() == 0);
+    w.zero_grad();
+    sum(w * 3.0).backward();
+    CHECK(w.grad().to_vector<double>() == std::vector<double>{3, 3});
+  }
+
+  // Steps with and without a validation forward before them (eval mode, grad mode on) draw the
+  // same masks, and consecutive steps draw different ones.
+  auto steps = [&](bool validate) {
+    nn::manual_seed(3);
+    nn::GPT model(small_gpt(0.5));
+    model.set_activation_checkpointing(true);
+    if (validate) {
+      model.eval();
+      (void)model.forward(tokens);
+      model.train();
+    }
+    std::vector<std::vector<double>> outputs;
+    for (int step = 0; step < 3; ++step) {
+      const Tensor out = model.forward(tokens);
+      outputs.push_back(out.to_vector<double>());
+      sum(out).backward();
+    }
+    return outputs;
+  };
+  const auto plain = steps(false), validated = steps(true);
+  CHECK(plain == validated);
+  CHECK(plain[1] != plain[2]);
+
+  // Two forwards, then their backwards (micro-batches): the recomputations replay each forward's
+  // masks and leave the streams after the second forward, not rewound to the first's end.
+  nn::manual_seed(4);
+  nn::Sequential block;
+  block.push_back(std::make_shared<nn::Linear>(8, 8));
+  auto dropout = std::make_shared<nn::Dropout>(0.5);
+  block.push_back(dropout);
+  const Tensor x = randn({4, 8}, 6).set_requires_grad();
+  const Tensor first = nn::checkpoint(block, x), second = nn::checkpoint(block, x);
+  const std::uint64_t after_forwards = dropout->generator().offset();
+  sum(second).backward();
+  sum(first).backward();
+  CHECK(dropout->generator().offset() == after_forwards);
+}
+
 TEST_CASE("the input's gradient flows through a checkpointed block; no_grad runs it plainly") {
   nn::manual_seed(8);
   nn::TransformerBlock block(8, 2, 16);

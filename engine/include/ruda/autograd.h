@@ -54,8 +54,10 @@ decltype(auto) no_grad(F&& f) {
 
 /// Attaches a recipe that reproduces t's value. A node that saves t for its backward keeps the
 /// recipe instead of the data and calls it (without grad) when its backward runs: the
-/// "recompute" checkpoint strategy. The recipe must not capture t itself.
-void set_recompute(Tensor& t, std::function<Tensor()> recipe);
+/// "recompute" checkpoint strategy. The recipe must not capture t itself. Such a node is
+/// always-run (its recipe may be a collective); `owner` (what the recipe reads: a shard group)
+/// becomes the node's RecordOptions::owner, so that the node is dropped once that is gone.
+void set_recompute(Tensor& t, std::function<Tensor()> recipe, std::weak_ptr<const void> owner = {});
 
 /// A tensor kept for a backward: the data (detached, so outputs do not hold their own node), or the
 /// recompute recipe of a tensor that has one.
@@ -68,11 +70,14 @@ class SavedTensor {
   Tensor get() const;
   bool is_recomputed() const noexcept { return recipe_ != nullptr; }
   bool defined() const noexcept { return value_.defined() || recipe_ != nullptr; }
+  /// The recipe's owner (set_recompute), empty when none.
+  const std::weak_ptr<const void>& recipe_owner() const noexcept { return recipe_owner_; }
 
  private:
   Tensor value_;
   std::uint64_t version_ = 0;
   std::shared_ptr<const std::function<Tensor()>> recipe_;
+  std::weak_ptr<const void> recipe_owner_;
 };
 
 /// Which inputs of a node need a gradient: bits for up to 64 inputs, a shared flag per input for
@@ -103,6 +108,11 @@ struct RecordOptions {
   /// in the same order. A node that saves a recomputed tensor is always-run too, because its
   /// recompute may itself be a collective.
   bool always_run = false;
+  /// For an always-run node: what it belongs to (a module, a shard group). Once that is destroyed
+  /// the node is dropped from its thread's always-run list: a pending node of a model that is gone
+  /// (a forward with grad mode on that no backward followed) no longer runs in the next backward
+  /// of an unrelated graph. It still runs when that backward's loss reaches it. Empty: none.
+  std::weak_ptr<const void> owner = {};
   /// The backward function takes its output gradient with any strides (its kernel reads them):
   /// the engine then does not make it contiguous first, as it does for every other node.
   bool strided_grad = false;

@@ -48,25 +48,39 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   }
   const std::vector<std::uint64_t> draws_before = dropout_offsets(block);
   Tensor output = autograd::no_grad([&] { return block.forward(x); });
-  const std::vector<std::uint64_t> draws_after = dropout_offsets(block);
+  // A sharded block's recompute gathers its weights: its node must run in every rank's backward,
+  // reached by the loss or not, so that the ranks' collectives pair up (always-run). A block
+  // without sharded parameters needs no such guarantee, and its node is an ordinary one: freed
+  // with the forward's output when no backward comes (a validation forward with grad mode on),
+  // as PyTorch's checkpoint graph is. Listed as always-run, such nodes ran in the next training
+  // backward: recomputed for nothing, holding their inputs, on a module that might be gone.
+  bool sharded = false;
+  for (const auto& [name, p] : block.named_parameters()) sharded = sharded || p.is_sharded();
   UnaryModule* target = &block;
-  autograd::record(
-      "checkpoint", output, {x, anchor}, {x},
-      [target, draws_before, draws_after](const Tensor& grad, const autograd::Saved& saved, autograd::GradMask needs) {
-        Tensor input = saved[0].get().detach();
-        if (needs[0]) input.set_requires_grad(true);
-        Tensor recomputed;
-        {
-          GradEnabled grad_on;
-          RetainGathered retain;
-          set_dropout_offsets(*target, draws_before);
-          recomputed = target->forward(input);
-          set_dropout_offsets(*target, draws_after);
-        }
-        autograd::backward(recomputed, grad);
-        return std::vector<Tensor>{needs[0] ? input.grad() : Tensor(), Tensor()};
-      },
-      {.always_run = true});
+  autograd::record("checkpoint", output, {x, anchor}, {x},
+                   [target, alive = block.lifetime(), draws_before](const Tensor& grad, const autograd::Saved& saved,
+                                                                    autograd::GradMask needs) {
+                     // A sharded block destroyed before a backward reached its pending node: nothing left to
+                     // recompute (every rank destroys its model alike).
+                     if (alive.expired()) return std::vector<Tensor>{Tensor(), Tensor()};
+                     Tensor input = saved[0].get().detach();
+                     if (needs[0]) input.set_requires_grad(true);
+                     Tensor recomputed;
+                     {
+                       GradEnabled grad_on;
+                       RetainGathered retain;
+                       // The recompute draws the forward's masks, then leaves the streams where it found them:
+                       // restoring the positions the forward ended at rewound every draw made since (a later
+                       // forward's: two micro-batches, or a validation pass before this backward ran).
+                       const std::vector<std::uint64_t> draws_now = dropout_offsets(*target);
+                       set_dropout_offsets(*target, draws_before);
+                       recomputed = target->forward(input);
+                       set_dropout_offsets(*target, draws_now);
+                     }
+                     autograd::backward(recomputed, grad);
+                     return std::vector<Tensor>{needs[0] ? input.grad() : Tensor(), Tensor()};
+                   },
+                   {.always_run = sharded, .owner = block.lifetime()});
   return output;
 }
 

@@ -364,15 +364,18 @@ Tensor ShardGroup::use(std::size_t index) {
                      sink->deposit(index, g);
                      return std::vector<Tensor>{Tensor()};
                    },
-                   {.always_run = true});
+                   {.always_run = true, .owner = weak_from_this()});
   ++sink->nodes[sink->bucket_of[index]];
   if (!RetainGathered::active() && param(index).shard()->policy.strategy == CheckpointStrategy::recompute) {
     // Ops that save this value keep the recipe instead: the group unshards again in backward.
-    autograd::set_recompute(value, [group = weak_from_this(), index] {
-      const auto g = group.lock();
-      if (!g) fail<ShardingError>("backward", "the group of a recomputed weight was destroyed");
-      return g->value(index);
-    });
+    autograd::set_recompute(
+        value,
+        [group = weak_from_this(), index] {
+          const auto g = group.lock();
+          if (!g) fail<ShardingError>("backward", "the group of a recomputed weight was destroyed");
+          return g->value(index);
+        },
+        weak_from_this());
   }
   return value;
 }

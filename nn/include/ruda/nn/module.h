@@ -118,6 +118,9 @@ class Module {
   std::int64_t parameter_count() const;
   /// Gives every deferred parameter its full dense value (for a model that is not sharded).
   void materialize() const;
+  /// Expires when this module is destroyed: recorded work that calls back into the module later
+  /// (checkpoint's recompute) checks it instead of reaching a freed module.
+  std::weak_ptr<const void> lifetime() const noexcept { return alive_; }
 
  protected:
   /// Registers a Param member under `name`. The member is read at traversal time, so assigning
@@ -131,6 +134,7 @@ class Module {
   std::vector<std::pair<std::string, Param*>> params_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
+  std::shared_ptr<const void> alive_ = std::make_shared<char>();
 };
 
 /// A module mapping one tensor to one tensor: what Sequential chains.
