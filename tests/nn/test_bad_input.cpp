@@ -131,13 +131,46 @@ TEST_CASE("modules: a parameter or submodule name used twice, or empty, is refus
       if (what == 0) register_module("c", std::make_shared<nn::Linear>(2, 2));
       if (what == 1) register_parameter("c", &p);
       if (what == 2) register_module("", std::make_shared<nn::Linear>(2, 2));
+      // Through a dot: a parameter "c.weight" beside the submodule "c" (which holds "weight").
+      if (what == 4) register_parameter("c.weight", &p);
+      if (what == 5) register_module("c.x", std::make_shared<nn::Linear>(2, 2));
     }
     nn::Param p{ones({2})};
   };
   check_throws<ArgumentError>([] { Twice t(0); }, {"register_module", "submodule named 'c' exists already"});
   check_throws<ArgumentError>([] { Twice t(1); }, {"register_parameter", "submodule named 'c' exists already"});
   check_throws<ArgumentError>([] { Twice t(2); }, {"register_module", "name is empty"});
+  check_throws<ArgumentError>([] { Twice t(4); }, {"register_parameter", "'c.weight' collides with the submodule 'c'"});
+  check_throws<ArgumentError>([] { Twice t(5); }, {"register_module", "'c.x' collides with the submodule 'c'"});
   CHECK(Twice(3).named_parameters().size() == 2);
+}
+
+TEST_CASE("layers refuse integer and bool inputs, and undefined ones by their own name") {
+  // Linear cast an i64 or bool input to its weights' dtype without a word (PyTorch refuses).
+  nn::Linear linear(4, 3);
+  for (DType dtype : {DType::i64, DType::boolean}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = zeros({1, 4}, Options(dtype));
+    check_throws<DTypeError>([&] { (void)linear.forward(x); },
+                             {"Linear", "floating-point input", std::string(dtype_name(dtype))});
+    check_throws<DTypeError>([&] { (void)linear.forward_gelu(x); }, {"Linear", "floating-point input"});
+  }
+  nn::CausalSelfAttention attention(8, 2);
+  check_throws<ArgumentError>([&] { (void)attention.forward(Tensor()); }, {"CausalSelfAttention", "undefined"});
+  nn::GPT gpt({.vocabulary = 11, .context = 4, .d_model = 8, .layers = 1, .heads = 2});
+  check_throws<ArgumentError>([&] { (void)gpt.forward(Tensor()); }, {"GPT", "undefined"});
+}
+
+TEST_CASE("greedy sampling refuses NaN logits (argmax returned the NaN's byte)") {
+  struct NanAt65 : nn::UnaryModule {
+    Tensor forward(const Tensor& tokens) override {
+      std::vector<double> logits(static_cast<std::size_t>(tokens.size(1) * 256), 0.0);
+      for (std::int64_t t = 0; t < tokens.size(1); ++t) logits[static_cast<std::size_t>(t * 256 + 65)] = std::nan("");
+      return from_vector(logits, {1, tokens.size(1), 256}, Options(DType::f32));
+    }
+  } model;
+  check_throws<ArgumentError>([&] { (void)nn::sample_bytes(model, "ab", 3, 8, 0.0, 1); }, {"sample_bytes", "NaN"});
+  check_throws<ArgumentError>([&] { (void)nn::sample_bytes(model, "ab", 3, 8, 1e-31, 1); }, {"temperature 1e-31"});
 }
 
 TEST_CASE("memory planners: a world or a batch that is not positive is refused, and no product overflows") {

@@ -15,6 +15,15 @@ Tensor as_dtype(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : 
 void require_input(const char* layer, const Tensor& x) {
   if (!x.defined()) fail<ArgumentError>(layer, "the input tensor is undefined");
 }
+// A layer that computes in floating point takes a floating input: an integer or bool one was cast
+// to the weights' dtype without a word (PyTorch refuses it; LayerNorm here did already).
+void require_float_input(const char* layer, const Tensor& x) {
+  require_input(layer, x);
+  if (!is_floating(x.dtype())) {
+    fail<DTypeError>(layer, "needs a floating-point input, got ", dtype_name(x.dtype()), " ", x.shape(),
+                     " (cast it first)");
+  }
+}
 }  // namespace
 
 Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options)
@@ -31,13 +40,13 @@ Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOption
 }
 
 Tensor Linear::forward(const Tensor& x) {
-  require_input("Linear", x);
+  require_float_input("Linear", x);
   const Tensor w = weight.value();
   return linear(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor());
 }
 
 Tensor Linear::forward_gelu(const Tensor& x, GeluApproximation approximation, GeluBackward backward) {
-  require_input("Linear", x);
+  require_float_input("Linear", x);
   const Tensor w = weight.value();
   return linear_gelu(as_dtype(x, w.dtype()), w, bias.defined() ? bias.value() : Tensor(), approximation,
                      WeightLayout::in_out, backward);
@@ -149,6 +158,7 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t d_model, std::int64_t head
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
+  require_input("CausalSelfAttention", x);
   if (x.ndim() != 3 || x.shape()[2] != d_model_) {
     fail<ShapeError>("CausalSelfAttention", "expects [batch, time, ", d_model_, "], got ", x.shape());
   }
@@ -197,6 +207,7 @@ MLP::MLP(std::int64_t d_model, std::int64_t hidden, double dropout) {
 
 // fc1 and its GELU are one op (linear_gelu); set_gelu_backward picks what it keeps for backward.
 Tensor MLP::forward(const Tensor& x) {
+  require_input("MLP", x);
   return dropout_->forward(fc2->forward(fc1->forward_gelu(x, GeluApproximation::erf, gelu_backward_)));
 }
 
@@ -217,6 +228,7 @@ TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std
 }
 
 Tensor TransformerBlock::forward(const Tensor& x) {
+  require_input("TransformerBlock", x);
   const Tensor h = x + attn->forward(ln1->forward(x));
   return h + mlp->forward(ln2->forward(h));
 }
@@ -269,6 +281,7 @@ GPT::GPT(const GPTConfig& config) : config_(config) {
 }
 
 Tensor GPT::forward(const Tensor& tokens) {
+  require_input("GPT", tokens);
   if (tokens.ndim() != 2 || tokens.shape()[1] > config_.context || tokens.shape()[1] < 1) {
     fail<ShapeError>("GPT", "expects tokens [batch, 1 <= time <= ", config_.context, "], got ", tokens.shape());
   }

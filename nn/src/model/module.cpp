@@ -133,6 +133,16 @@ Tensor Param::value() const {
 // --- Module ---
 
 namespace {
+// Whether dotted names a and b could name the same parameter: equal, or one a dotted prefix of the
+// other (a parameter "lin.weight" beside a submodule "lin" holding "weight").
+bool names_collide(const std::string& a, const std::string& b) {
+  auto prefix = [](const std::string& shorter, const std::string& longer) {
+    return longer.size() > shorter.size() && longer.compare(0, shorter.size(), shorter) == 0 &&
+           longer[shorter.size()] == '.';
+  };
+  return a == b || prefix(a, b) || prefix(b, a);
+}
+
 // A name for a parameter or a submodule: not empty, and not one this module's parameters or
 // submodules already use. Two children of one name (or a child named as a parameter) gave
 // named_parameters() two parameters of one qualified name, refused only later, by a save.
@@ -144,6 +154,19 @@ void require_free_name(const char* op, const std::string& name, const Params& pa
   }
   for (const auto& [existing, c] : children) {
     if (existing == name) fail<ArgumentError>(op, "a submodule named '", name, "' exists already");
+  }
+  // Dots are allowed (GPT's submodules are "blocks.0"...), so a name may also collide through one.
+  for (const auto& [existing, p] : params) {
+    if (names_collide(existing, name)) {
+      fail<ArgumentError>(op, "'", name, "' collides with the parameter '", existing,
+                          "' through a dot (named_parameters() would list one name twice)");
+    }
+  }
+  for (const auto& [existing, c] : children) {
+    if (names_collide(existing, name)) {
+      fail<ArgumentError>(op, "'", name, "' collides with the submodule '", existing,
+                          "' through a dot (named_parameters() could list one name twice)");
+    }
   }
 }
 }  // namespace

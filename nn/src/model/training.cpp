@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <sstream>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/losses.h>
@@ -86,7 +87,9 @@ std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int
   // finite number whose quotient stays finite (NaN, or 1e-40 rounding to 0 in f32, gave NaN
   // probabilities and a text of 0xFF bytes).
   if (std::isnan(temperature) || (temperature > 0 && !(temperature >= 1e-30 && std::isfinite(temperature)))) {
-    throw ArgumentError("sample_bytes: temperature " + std::to_string(temperature) +
+    std::ostringstream shown;  // (std::to_string printed 1e-31 as 0.000000)
+    shown << temperature;
+    throw ArgumentError("sample_bytes: temperature " + shown.str() +
                         " is not a finite number >= 1e-30 (or <= 0 for greedy sampling)");
   }
   autograd::NoGradGuard guard;
@@ -106,6 +109,11 @@ std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int
     const Tensor logits = cast(all, DType::f32).slice(1, t - 1, t).reshape({256});
     std::int64_t next = 255;
     if (temperature <= 0) {
+      // Greedy takes the largest logit; a NaN among them (which argmax returns) is no choice.
+      const auto l = logits.to_vector<double>();
+      if (std::any_of(l.begin(), l.end(), [](double v) { return std::isnan(v); })) {
+        throw ArgumentError("sample_bytes: the model's logits hold NaN at byte " + std::to_string(i));
+      }
       next = static_cast<std::int64_t>(argmax(logits, 0).item());
     } else {
       const auto p = softmax(logits / temperature, 0).to_vector<double>();

@@ -54,7 +54,7 @@ class TextWindows {
 /// bytes from the same logits, so call it on every rank of a sharded model. Put the model in eval
 /// mode first for sampling without dropout. Runs without gradients; ShapeError for other logits,
 /// ArgumentError for a negative count, a NaN temperature or one in (0, 1e-30) or infinite, and
-/// logits that are not finite.
+/// logits that give no probabilities: NaN ones, or (sampling) +inf. -inf logits mask their bytes.
 std::string sample_bytes(UnaryModule& model, const std::string& prompt, std::int64_t count, std::int64_t context,
                          double temperature, std::uint64_t seed);
 
