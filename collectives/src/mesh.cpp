@@ -71,25 +71,63 @@ ShardMesh::ShardMesh(Communicator& world, std::unique_ptr<Communicator> shard, s
                         ": the shard and replicate communicators do not tile the world of ", n, " ranks: ", error, " (",
                         layout_text(all, n), ")");
   }
-  // The places are a grid; the communicators must also agree with them: a shard communicator's
-  // ranks are one replica, a replicate communicator's ranks one shard rank.
-  const auto same = [](const Tensor& t) {
-    const auto v = t.to_vector<std::int64_t>();
-    return std::all_of(v.begin(), v.end(), [&](std::int64_t x) { return x == v.front(); });
+  // The places are a grid; the communicators must also agree with them. Each communicator's
+  // members, as world ranks (gathered over it: whatever a rank calls it, the members of one
+  // communicator exchange the same list), are then compared across the world. Comparing only
+  // places, gathered over the two communicators, let a rank that passed them swapped pass: its
+  // gathers paired with other ranks' gathers on the other communicator, and later collectives
+  // mixed the groups without an error.
+  const std::int64_t me = world.rank();
+  const auto members = [&](Communicator& c, const char* tag) {
+    return c.all_gather(from_vector(std::vector<std::int64_t>{me}, {1}), {.tag = tag}).to_vector<std::int64_t>();
   };
-  std::string local;
-  if (!same(shard_->all_gather(from_vector(std::vector<std::int64_t>{replicate_->rank()}, {1}),
-                               {.tag = "ShardMesh: the replicas of a shard communicator"}))) {
-    local = "the ranks of this rank's shard communicator belong to different replicas";
-  } else if (!same(replicate_->all_gather(from_vector(std::vector<std::int64_t>{shard_->rank()}, {1}),
-                                          {.tag = "ShardMesh: the shard ranks of a replicate communicator"}))) {
-    local = "the ranks of this rank's replicate communicator have different shard ranks";
+  std::vector<std::int64_t> lists = members(*shard_, "ShardMesh: the members of a shard communicator");
+  const std::vector<std::int64_t> across = members(*replicate_, "ShardMesh: the members of a replicate communicator");
+  lists.insert(lists.end(), across.begin(), across.end());
+  const std::int64_t width = shard_size + replicas;
+  const std::vector<std::int64_t> every =
+      world.all_gather(from_vector(lists, {width}), {.tag = "ShardMesh: the communicators' members"})
+          .to_vector<std::int64_t>();
+  // Rank r's shard members are every[r * width + i], i < shard_size; its replicate members follow.
+  auto shard_of = [&](std::int64_t r, std::int64_t i) { return every[static_cast<std::size_t>(r * width + i)]; };
+  auto replica_of = [&](std::int64_t r, std::int64_t i) {
+    return every[static_cast<std::size_t>(r * width + shard_size + i)];
+  };
+  std::string mismatch;
+  for (std::int64_t r = 0; r < n && mismatch.empty(); ++r) {
+    const auto* v = all.data() + 4 * r;
+    if (shard_of(r, v[0]) != r || replica_of(r, v[2]) != r) {
+      mismatch = "rank " + std::to_string(r) + " is not at its own place in its communicators";
+      break;
+    }
+    for (std::int64_t i = 0; i < shard_size && mismatch.empty(); ++i) {
+      const std::int64_t m = shard_of(r, i);
+      if (m < 0 || m >= n || all[static_cast<std::size_t>(4 * m + 2)] != v[2]) {
+        mismatch = "the shard communicator of rank " + std::to_string(r) + " holds rank " + std::to_string(m) +
+                   " of another replica";
+      } else {
+        for (std::int64_t j = 0; j < shard_size; ++j) {
+          if (shard_of(m, j) != shard_of(r, j)) {
+            mismatch = "ranks " + std::to_string(r) + " and " + std::to_string(m) +
+                       " share a shard communicator but list different members (communicators passed in another "
+                       "order?)";
+            break;
+          }
+        }
+      }
+    }
+    for (std::int64_t i = 0; i < replicas && mismatch.empty(); ++i) {
+      const std::int64_t m = replica_of(r, i);
+      if (m < 0 || m >= n || all[static_cast<std::size_t>(4 * m)] != v[0]) {
+        mismatch = "the replicate communicator of rank " + std::to_string(r) + " holds rank " + std::to_string(m) +
+                   " of another shard rank";
+      }
+    }
   }
-  const std::vector<RankFailure> failures = agree_on_failure(world, local, "ShardMesh: the communicators agree");
-  if (!failures.empty()) {
+  if (!mismatch.empty()) {
     fail<TopologyError>("ShardMesh", "rank ", world.rank(),
-                        ": the shard and replicate communicators do not tile the world of ", n,
-                        " ranks: ", ruda::describe(failures));
+                        ": the shard and replicate communicators do not tile the world of ", n, " ranks: ", mismatch,
+                        " (", layout_text(all, n), ")");
   }
 }
 

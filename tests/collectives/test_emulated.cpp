@@ -366,6 +366,36 @@ TEST_CASE("emulated: ranks_per_node makes nodes of consecutive ranks, or is refu
   }
 }
 
+TEST_CASE("emulated: a ShardMesh whose communicators one rank passes swapped is refused on every rank") {
+  // Found by the MPI probe: the places gathered over the two communicators paired rank 0's gather
+  // on one with the others' on the other, the check passed, and the mesh's collectives then mixed
+  // the groups (rank 0's shard sum held rank 2's replicate contribution) without an error.
+  std::vector<std::string> errors(4);
+  run_ranks(4, [&](Communicator& world) {
+    const int r = world.rank();
+    auto by_block = world.split(r / 2, r);  // {0, 1} {2, 3}
+    auto by_place = world.split(r % 2, r);  // {0, 2} {1, 3}
+    try {
+      const ShardMesh mesh = r == 0 ? ShardMesh(world, std::move(by_place), std::move(by_block))
+                                    : ShardMesh(world, std::move(by_block), std::move(by_place));
+    } catch (const TopologyError& e) {
+      errors[static_cast<std::size_t>(r)] = e.what();
+    }
+  });
+  for (int r = 0; r < 4; ++r) {
+    CAPTURE(r);
+    const std::string& e = errors[static_cast<std::size_t>(r)];
+    CHECK_MESSAGE(e.find("do not tile the world of 4 ranks") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("of another replica") != std::string::npos, e);
+  }
+  // The same communicators in the same order on every rank still make a mesh.
+  run_ranks(4, [&](Communicator& world) {
+    const int r = world.rank();
+    const ShardMesh mesh(world, world.split(r / 2, r), world.split(r % 2, r));
+    CHECK(mesh.shard().all_reduce(full({1}, 1 << r)).item() == (r < 2 ? 3 : 12));
+  });
+}
+
 TEST_CASE("emulated: with nodes, a link model is one link per node: free inside it, shared by what crosses it") {
   EmulatedOptions options;
   // Little data on a slow link: the modeled times dwarf the copying, even under sanitizers.
