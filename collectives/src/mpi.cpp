@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -207,6 +208,12 @@ struct MpiCommunicator::Impl {
   class Watch {
    public:
     Watch(Impl& impl, Slot& slot, const Record& call, const char* stage = "") : impl_(impl), slot_(slot) {
+      // Every collective starts here (blocking ones on the caller, queued ones on the progress
+      // thread): after MPI_Finalize an MPI call aborts the whole process, so refuse it first.
+      if (!MpiEnvironment::active()) {
+        throw CollectiveError(std::string("MpiCommunicator: ") + call.op +
+                              ": MPI is finalized (its MpiEnvironment has ended): no collective can run");
+      }
       std::lock_guard lock(impl.slot_lock);
       slot.call = &call;
       slot.stage = stage;
@@ -229,12 +236,13 @@ struct MpiCommunicator::Impl {
     Slot& slot_;
   };
 
-  Impl(MPI_Comm parent, std::chrono::milliseconds timeout) : timeout_ms(timeout.count()) {
+  // `timeout` empty: RUDA_COLLECTIVE_TIMEOUT's, read in create() where the ranks agree on it.
+  Impl(MPI_Comm parent, std::optional<std::chrono::milliseconds> timeout) : timeout_ms(timeout ? timeout->count() : 0) {
     if (!MpiEnvironment::active()) {
       throw CollectiveError("MpiCommunicator: MPI is not initialized (create a ruda::MpiEnvironment first)");
     }
     try {
-      create(parent);
+      create(parent, !timeout);
     } catch (...) {
       release();
       throw;
@@ -252,7 +260,7 @@ struct MpiCommunicator::Impl {
     release();
   }
 
-  void create(MPI_Comm parent) {
+  void create(MPI_Comm parent, bool timeout_from_env) {
     check(MPI_Comm_dup(parent, &data), "MPI_Comm_dup");
     check(MPI_Comm_dup(parent, &control), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
@@ -262,7 +270,11 @@ struct MpiCommunicator::Impl {
     // Every rank must pick the same algorithm for a size, or the ring would wait for ranks in MPI's.
     // RUDA_RING_MIN_BYTES where any rank sets it (the largest value wins, for ranks whose
     // environment lacks it too), else measured per size class. A rank whose value is not a size
-    // still takes part (so that every rank learns of it) and then every rank throws.
+    // still takes part (so that every rank learns of it) and then every rank throws. The same for
+    // the other variables a communicator reads, RUDA_COLLECTIVE_TIMEOUT and RUDA_CHECK_COLLECTIVES:
+    // read before this agreement (or, for the second, by the Communicator after it), a bad value
+    // on one rank threw there while the others waited in MPI_Comm_dup or in their first
+    // collective, unwatched.
     std::string refused;
     unsigned long long agreed[3] = {0, 0, 0};  // refused, set, value: each the largest over the ranks
     try {
@@ -270,6 +282,8 @@ struct MpiCommunicator::Impl {
         agreed[1] = 1;
         agreed[2] = *bytes;
       }
+      if (timeout_from_env) timeout_ms.store(collective_timeout_from_env().count(), std::memory_order_relaxed);
+      (void)order_check_from_env();
     } catch (const ArgumentError& e) {
       refused = e.what();
       agreed[0] = 1;
@@ -277,7 +291,9 @@ struct MpiCommunicator::Impl {
     check(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
     if (agreed[0]) {
       throw ArgumentError("MpiCommunicator: rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " +
-                          (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES is not a size" : refused));
+                          (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES, RUDA_COLLECTIVE_TIMEOUT or "
+                                             "RUDA_CHECK_COLLECTIVES is not valid"
+                                           : refused));
     }
     if (agreed[1]) scatter_choice.set_threshold(static_cast<std::size_t>(agreed[2]));
     check(MPI_Op_create(&max_op<DType::f32>, 1, &max_f32), "MPI_Op_create");
@@ -715,8 +731,7 @@ class QueuedState final : public Work::State {
 
 // --- MpiCommunicator ---
 
-MpiCommunicator::MpiCommunicator()
-    : MpiCommunicator(std::make_unique<Impl>(MPI_COMM_WORLD, collective_timeout_from_env())) {}
+MpiCommunicator::MpiCommunicator() : MpiCommunicator(std::make_unique<Impl>(MPI_COMM_WORLD, std::nullopt)) {}
 
 MpiCommunicator::MpiCommunicator(std::unique_ptr<Impl> impl)
     : Communicator(impl->rank, impl->size), impl_(std::move(impl)) {}
@@ -822,21 +837,34 @@ std::string_view MpiCommunicator::reduce_scatter_algorithm(std::size_t bytes) co
 }
 
 void MpiCommunicator::set_ring_min_bytes(std::optional<std::size_t> bytes) {
-  impl_->progress_thread.drain();
-  // Collective: every rank must choose alike. Agree on whether a value was passed and on the
-  // smallest and the largest value (each as the max of it and of its complement), so that a
-  // disagreement raises on every rank instead of hanging later. The flag is separate: no size,
-  // SIZE_MAX included, may read as "none".
-  const unsigned long long has = bytes ? 1 : 0, mine = bytes ? static_cast<unsigned long long>(*bytes) : 0;
-  unsigned long long range[4] = {has, ~has, mine, ~mine};
-  check(MPI_Allreduce(MPI_IN_PLACE, range, 4, MPI_UNSIGNED_LONG_LONG, MPI_MAX, impl_->data),
-        "MPI_Allreduce (set_ring_min_bytes)");
-  if (range[0] != ~range[1] || range[2] != ~range[3]) {
+  // Collective: every rank must choose alike. The ranks gather whether a value was passed and
+  // which (its bits as an i64: no size, SIZE_MAX included, may read as "none"), so that a
+  // disagreement raises on every rank instead of hanging later. Through all_gather, numbered and
+  // watched as every collective: a raw MPI_Allreduce here escaped the collective timeout (a rank
+  // that never called it left the others waiting for ever) and the order check.
+  const std::uint64_t mine = bytes ? static_cast<std::uint64_t>(*bytes) : 0;
+  const std::vector<std::int64_t> all =
+      all_gather(from_vector(std::vector<std::int64_t>{bytes ? 1 : 0, std::bit_cast<std::int64_t>(mine)}, {2}),
+                 {.tag = "set_ring_min_bytes"})
+          .to_vector<std::int64_t>();
+  bool some_none = false, some_size = false;
+  std::uint64_t smallest = std::numeric_limits<std::uint64_t>::max(), largest = 0;
+  for (std::size_t r = 0; r + 1 < all.size(); r += 2) {
+    if (all[r] == 0) {
+      some_none = true;
+      continue;
+    }
+    some_size = true;
+    const auto v = std::bit_cast<std::uint64_t>(all[r + 1]);
+    smallest = std::min(smallest, v);
+    largest = std::max(largest, v);
+  }
+  if ((some_none && some_size) || smallest < largest) {
     const std::string self = bytes ? std::to_string(mine) : std::string("none (measure)");
     const std::string others =
-        range[0] != ~range[1]
-            ? "some ranks passed none (measure), others a size (the largest " + std::to_string(range[2]) + ")"
-            : "the smallest " + std::to_string(~range[3]) + ", the largest " + std::to_string(range[2]);
+        some_none && some_size
+            ? "some ranks passed none (measure), others a size (the largest " + std::to_string(largest) + ")"
+            : "the smallest " + std::to_string(smallest) + ", the largest " + std::to_string(largest);
     fail<ArgumentError>("MpiCommunicator::set_ring_min_bytes", "rank ", rank(), " of ", world_size(),
                         ": the ranks passed different thresholds (this rank ", self, ", ", others,
                         "); every rank must pass the same");

@@ -12,10 +12,21 @@
 //   stall-async  in an all_gather_async waited for with Work::wait() (the progress thread)
 //   stall-ring   in a reduce_scatter_async large enough for ruda's ring (point-to-point)
 //   stall-check  in the order check's exchange before the all_gather
+//   stall-setring  in set_ring_min_bytes (a raw MPI_Allreduce once, which no watchdog covered)
 //   deadlock     the last rank blocks forever outside any collective (it still answers queries)
+// A variable the communicator reads, bad on rank 1 alone (set there before the communicator is
+// made), must raise a typed error on every rank (it threw on rank 1 while the others waited in
+// MPI_Comm_dup or in their first collective):
+//   env-timeout  RUDA_COLLECTIVE_TIMEOUT=bogus
+//   env-check    RUDA_CHECK_COLLECTIVES=bogus
+// Each rank prints the error it caught and exits 3.
+//   after-finalize  a collective on a communicator that outlived its MpiEnvironment: a typed
+//                   error on each rank (MPI aborted the job), then a clean exit
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -47,6 +58,8 @@ int run(const std::string& mode) {
     if (mode == "stall-async" && step == 2) {
       ruda::Work prefetch = comm.all_gather_async(x, {"prefetch"});
       prefetch.wait();
+    } else if (mode == "stall-setring" && step == 2) {
+      comm.set_ring_min_bytes(std::nullopt);  // collective too: watched like the others
     } else if (mode == "stall-ring" && step == 2) {
       // 64 Ki f32 per rank: far above the 64 KiB below which reduce_scatter is MPI's own.
       ruda::Work gradients = comm.reduce_scatter_async(ruda::ones({65536 * comm.world_size()}), {"grad"});
@@ -64,9 +77,42 @@ int run(const std::string& mode) {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ok";
   if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
-      mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "deadlock") {
+      mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "stall-setring" &&
+      mode != "deadlock" && mode != "env-timeout" && mode != "env-check" && mode != "after-finalize") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
+  }
+  if (mode == "after-finalize") {
+    std::unique_ptr<ruda::MpiCommunicator> comm;
+    {
+      ruda::MpiEnvironment mpi(argc, argv);
+      comm = std::make_unique<ruda::MpiCommunicator>();
+      comm->all_reduce(ruda::ones({2}));
+    }
+    try {
+      comm->all_reduce(ruda::ones({2}));
+      std::fprintf(stderr, "no error after finalize\n");
+      return 1;
+    } catch (const ruda::CollectiveError& e) {
+      std::fprintf(stderr, "caught: %s\n", e.what());
+    }
+    comm.reset();
+    return 0;
+  }
+  if (mode.rfind("env-", 0) == 0) {
+    ruda::MpiEnvironment mpi(argc, argv);
+    if (mpi.world_rank() == 1) {
+      ::setenv(mode == "env-timeout" ? "RUDA_COLLECTIVE_TIMEOUT" : "RUDA_CHECK_COLLECTIVES", "bogus", 1);
+    }
+    try {
+      ruda::MpiCommunicator comm;
+      comm.all_gather(ruda::ones({4}));
+      std::fprintf(stderr, "rank %d: no error\n", mpi.world_rank());
+      return 0;
+    } catch (const ruda::ArgumentError& e) {
+      std::fprintf(stderr, "caught: %s\n", e.what());
+      return 3;
+    }
   }
   if (mode == "unwind") {
     try {

@@ -39,7 +39,8 @@ class CollectiveTimeoutError : public CollectiveError {
   using CollectiveError::CollectiveError;
 };
 /// Ranks called different collectives (op, dtype, count, or with the order check the tag) at the
-/// same point, or a rank finished without calling a collective the others are in.
+/// same point, or a rank finished without calling a collective the others are in. Emulated ranks
+/// always detect it; under MPI only the order check does (see Communicator).
 class CollectiveMismatchError : public CollectiveError {
  public:
   using CollectiveError::CollectiveError;
@@ -82,7 +83,9 @@ struct CollectiveOptions {
 
 /// A non-blocking collective in flight. wait() returns its result (or throws its error).
 /// Dropping a Work without waiting is allowed: the collective still completes (every rank takes
-/// part in it), only its result is discarded.
+/// part in it), only its result is discarded. Under MPI dropping it waits for that completion, as
+/// wait() would, so a rank must not drop a Work whose collective needs a peer that is itself
+/// waiting for this rank elsewhere first (drop it after that exchange, or keep it until then).
 class Work {
  public:
   class State {
@@ -160,9 +163,13 @@ std::chrono::milliseconds collective_timeout_from_env();
 std::string format_collective_timeout(std::chrono::milliseconds timeout);
 
 /// One of `world_size` ranks. All ranks must call the same collectives in the same order with the
-/// same dtypes and counts; turn on the order check (RUDA_CHECK_COLLECTIVES=1 or
-/// set_order_check(true), the same on every rank) to have a mismatch raise on every rank instead
-/// of hanging. A communicator is used by one thread at a time.
+/// same dtypes, counts, roots and reductions; turn on the order check (RUDA_CHECK_COLLECTIVES=1 or
+/// set_order_check(true), the same on every rank) to have a mismatch raise on every rank. Without
+/// it emulated ranks still raise CollectiveMismatchError, but under MPI a mismatch is undefined:
+/// it may hang until the collective timeout, fail on some ranks only, or return wrong data without
+/// an error (a broadcast of 2 values against 4 leaves the tail of the larger uninitialized; sum
+/// against max, or bf16 against f16, complete with mixed results). Develop with the check on.
+/// A communicator is used by one thread at a time.
 ///
 /// Data movement follows axis 0: all_gather concatenates the ranks' tensors along axis 0 (a 0-d
 /// tensor counts as one row), reduce_scatter splits the (summed) tensor along axis 0 into
