@@ -79,12 +79,13 @@ TEST_CASE("a checkpointed forward that no backward reaches: freed with its outpu
   // model lives, and are dropped with it: a later unrelated backward raised "the group of a
   // recomputed weight was destroyed" (or read the freed block).
   LocalCommunicator comm;
-  for (bool checkpointing : {false, true}) {
+  for (const auto& [checkpointing, grouped] : {std::pair{false, true}, {true, true}, {false, false}, {true, false}}) {
     CAPTURE(checkpointing);
+    CAPTURE(grouped);
     {
       nn::GPT sharded(small_gpt());
       sharded.set_activation_checkpointing(checkpointing);
-      nn::fully_shard(sharded, comm);
+      nn::fully_shard(sharded, comm, nn::FullyShardOptions{.group = grouped});
       sharded.eval();
       (void)sharded.forward(tokens);
       CHECK(autograd::pending_always_run() > 0);

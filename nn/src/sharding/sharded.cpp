@@ -162,7 +162,8 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
   return ShardedParameter(local);
 }
 
-Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options) {
+Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options,
+                                 std::weak_ptr<const void> owner) {
   Tensor full = comm.all_gather(local, options);
   if (autograd::needs_grad(local)) {
     Communicator* c = &comm;
@@ -172,7 +173,7 @@ Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const 
                      [c, options](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
                        return std::vector<Tensor>{c->reduce_scatter(g, options)};
                      },
-                     {.always_run = true});
+                     {.always_run = true, .owner = std::move(owner)});
   }
   return full;
 }
@@ -199,14 +200,20 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   const DType dtype = compute_dtype.value_or(info.policy.compute_dtype.value_or(local.dtype()));
   const CollectiveOptions options{.tag = info.name, .accumulate = info.policy.reduce};
   const Tensor source = cast(local, dtype);
-  Tensor value = reshape(slice(differentiable_all_gather(source, comm, options), 0, 0, info.numel), info.logical_shape);
+  // The parameter's shard info owns the nodes below: a model destroyed with some pending (a
+  // forward that no backward followed) leaves none to run in a later, unrelated backward.
+  const std::weak_ptr<const void> owner = param.shard();
+  Tensor value =
+      reshape(slice(differentiable_all_gather(source, comm, options, owner), 0, 0, info.numel), info.logical_shape);
   if (info.policy.strategy == CheckpointStrategy::recompute && !RetainGathered::active() &&
       autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.
     autograd::set_recompute(
-        value, [shard = local.detach(), c = &comm, options, dtype, numel = info.numel, shape = info.logical_shape] {
+        value,
+        [shard = local.detach(), c = &comm, options, dtype, numel = info.numel, shape = info.logical_shape] {
           return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
-        });
+        },
+        owner);
   }
   return value;
 }

@@ -173,7 +173,10 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
 
 /// All-gather of 1-D local slices as a node of the autograd graph (backward: reduce-scatter SUM),
 /// always run. Communicator::all_gather is the plain collective, which autograd does not see.
-Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {});
+/// `owner` (what the slice belongs to, e.g. its parameter's shard info): once it is destroyed the
+/// pending node is dropped rather than run in a later, unrelated backward (RecordOptions::owner).
+Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {},
+                                 std::weak_ptr<const void> owner = {});
 
 /// Whether a schedule overlaps communication with compute: prefetching the next group's
 /// all-gather and letting reduce-scatters run while backward goes on. Overlap needs a core for
