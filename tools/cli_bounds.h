@@ -30,6 +30,10 @@ inline CLI::Validator bounded(double low, double high, bool low_open, std::strin
         if (!CLI::detail::lexical_cast(text, value)) return "must be a number, got '" + text + "'";
         // (inf passed every bound: the open upper one, kNoBound, is itself infinite.)
         if (!std::isfinite(value)) return "must be a finite number, got " + text;
+        // Decimal only, as the integer options are: strtod also reads hex (--lr 0x10 was 16).
+        if (text.find_first_not_of("0123456789.eE+-") != std::string::npos) {
+          return "must be a decimal number, got '" + text + "'";
+        }
         const std::string why = note.empty() ? "" : " (" + note + ")";
         if (low_open ? !(value > low) : !(value >= low)) {
           return (low_open ? "must be greater than " : "must be at least ") + number_text(low) + why + ", got " + text;

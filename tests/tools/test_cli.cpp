@@ -296,6 +296,7 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   one_error_line(run(train(lm + "--steps 2 --sample 3 --temperature inf")), {"--temperature", "finite"});
   one_error_line(run(train(lm + "--steps 2 --sample 3 --temperature 1e-31")), {"--temperature", "1e-30"});
   one_error_line(run(train(lm + "--steps 2 --clip inf")), {"--clip", "finite"});
+  one_error_line(run(train(lm + "--steps 2 --lr 0x10")), {"--lr", "decimal number", "'0x10'"});
 
   // A run with checkpoints at steps 2 and 4.
   const std::string ck = tmp / "ck";
