@@ -649,6 +649,11 @@ TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero
   one_error_line(run(two), {"rank 1: RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
 }
 
+TEST_CASE("mpiexec: --emulate under mpiexec is refused in one line, not once per rank") {
+  one_error_line(run(mpi_train(2, "--emulate 2 mlp --hidden 8 --limit 64")),
+                 {"--emulate", "do not launch it with mpiexec"});
+}
+
 TEST_CASE("mpiexec: a checkpoint that cannot be saved mid-run ends every rank with one error line, no abort") {
   // Step 5's directory is taken by a file: the save fails on rank 0 and every rank knows (the
   // library agrees on it); each rank used to print it and then end the job through MPI_Abort.

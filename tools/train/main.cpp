@@ -285,7 +285,11 @@ int main(int argc, char** argv) {
   try {
     if (cfg.memory_limit > 0) memory::set_limit(cfg.memory_limit, "--memory-limit");
     if (cfg.emulate > 0) {
-      if (launched_by_mpi()) throw std::runtime_error("--emulate runs ranks as threads: do not launch it with mpiexec");
+      if (launched_by_mpi()) {
+        // Said once, by the launcher's rank 0: every rank would print it otherwise, interleaved.
+        if (print) print_error("--emulate runs ranks as threads: do not launch it with mpiexec");
+        return 2;
+      }
       EmulatedOptions options;
       if (!cfg.emulate_link.empty()) options.link = LinkModel::parse(cfg.emulate_link, "--emulate-link");
       if (cfg.ranks_per_node > 0) {
