@@ -261,6 +261,13 @@ TEST_CASE("IdxImages checks its files as load_idx does; errors name the file") {
   write_raw(img, images());
   write_raw(lab, idx_file({2}, {1, 2}));
   test::check_throws<IOError>([&] { open(); }, {img, "3 images but 2 labels", lab});
+  // A limit no larger than both counts hid the mismatch (and a limit between them misnamed the
+  // labels' count): the files' own counts are compared, with or without one.
+  for (std::int64_t limit : {1, 2, 3}) {
+    CAPTURE(limit);
+    test::check_throws<IOError>([&] { open(limit); }, {img, "3 images but 2 labels", lab});
+    test::check_throws<IOError>([&] { (void)nn::load_idx(img, lab, limit); }, {img, "3 images but 2 labels"});
+  }
   write_raw(lab, idx_file({1, 3}, {1, 2, 3}));
   test::check_throws<IOError>([&] { open(); }, {lab, "not an IDX file", "1 dimensions"});
   write_raw(lab, {0, 0, 8});
@@ -412,6 +419,36 @@ TEST_CASE("TextCorpus reads the bytes of load_text_bytes at any position, across
   test::check_throws<IOError>([&] { nn::TextCorpus(dir.str() + "/b"); }, {"/b", "holds no text"});
   write_raw(dir.str() + "/d", {'D'});  // shrunk since the corpus listed it
   test::check_throws<IOError>([&] { corpus.read(4, 3); }, {dir.str() + "/d", "truncated"});
+}
+
+TEST_CASE("TextWindows draws every window of its range, the last byte's included; bad steps and ranks are refused") {
+  TempDir dir;
+  write_raw(dir.str() + "/a", {'a', 'b', 'c', 'd', 'e', 'f', 'g', 'h'});
+  write_raw(dir.str() + "/b", {'i', 'j', 'k', 'l'});
+  const nn::TextCorpus corpus(dir.str());
+  // Context 3 over 12 bytes: windows of 4 start at 0 ... 8; the draw left 8 out, so byte 'l' was
+  // never a target.
+  nn::TextWindows windows(corpus, 0, 12, 3);
+  std::set<std::int64_t> starts;
+  for (std::int64_t step = 0; step < 400; ++step) {
+    const auto [x, y] = windows.batch(9, step, 1, 0, 1);
+    starts.insert(x.to_vector<std::int64_t>()[0] - 'a');
+    CHECK(y.to_vector<std::int64_t>()[2] == x.to_vector<std::int64_t>()[2] + 1);
+  }
+  CHECK(starts == std::set<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8});
+  // The smallest range (context + 2 bytes) has two windows, not one drawn every time.
+  nn::TextWindows tight(corpus, 0, 12, 10);
+  std::set<std::int64_t> tight_starts;
+  for (std::int64_t step = 0; step < 100; ++step)
+    tight_starts.insert(tight.batch(9, step, 1, 0, 1).first.to_vector<std::int64_t>()[0]);
+  CHECK(tight_starts.size() == 2);
+  // A step whose stream position would overflow (undefined behaviour before), a negative one, and
+  // a rank outside the world (the message spoke of a batch that does not divide) are refused.
+  test::check_throws<ArgumentError>(
+      [&] { (void)windows.batch(1, std::numeric_limits<std::int64_t>::max() / 2, 4, 0, 1); },
+      {"TextWindows::batch", "step"});
+  test::check_throws<ArgumentError>([&] { (void)windows.batch(1, -1, 4, 0, 1); }, {"TextWindows::batch", "negative"});
+  test::check_throws<ArgumentError>([&] { (void)windows.batch(1, 0, 4, 2, 2); }, {"rank 2 is outside a world of 2"});
 }
 
 TEST_CASE("TextCorpus over Debian's fortunes gives the bytes of its files, concatenated in name order") {

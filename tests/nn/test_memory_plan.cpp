@@ -383,3 +383,21 @@ TEST_CASE("set_max_unsharded_groups and set_checkpoint_strategy refuse what is n
     CHECK_THROWS_AS(nn::set_checkpoint_strategy(*f.model, static_cast<nn::CheckpointStrategy>(7)), ArgumentError);
   });
 }
+
+TEST_CASE("a step that throws inside probe_step leaves the module as a probe that succeeds does; bad sizes are named") {
+  LocalCommunicator comm;
+  auto model = sharded_mlp(comm);
+  int calls = 0;
+  const auto failing = [&](std::int64_t b) -> Tensor {
+    if (++calls == 3) throw std::runtime_error("boom");
+    return loss_of(*model, b, 3);
+  };
+  CHECK_THROWS_WITH(nn::probe_step(*model, comm, failing, 4), "boom");
+  // The probe's gradients stayed and a run that caught the error went on with them.
+  for (const nn::Param& p : model->parameters()) CHECK_FALSE(p.grad().defined());
+  CHECK(memory::stats().peak_bytes == memory::stats().live_bytes);
+  test::check_throws<ArgumentError>(
+      [&] { (void)nn::smallest_fitting_world(*model, 8, std::nullopt, 1, {}, 0); },
+      {"smallest_fitting_world", "max_world (the largest world size to try) must be positive, got 0"});
+  test::check_throws<ArgumentError>([] { nn::BatchSampler(-5, 2, 0, 1, 1); }, {"BatchSampler", "size", "-5"});
+}

@@ -186,8 +186,9 @@ class ReadFile {
 // One IDX file open for reads of any item: its extents (dims[0] is the items used) and layout.
 struct IdxFile {
   std::shared_ptr<ReadFile> file;
-  std::string label;  // the name errors give: the user's path, and the cache copy read for it
-  std::vector<std::uint32_t> dims;
+  std::string label;                   // the name errors give: the user's path, and the cache copy read for it
+  std::vector<std::uint32_t> dims;     // with the limit applied to dims[0]
+  std::uint32_t items_in_file = 0;     // the header's own count, for comparing images with labels
   std::uint64_t header = 0, item = 1;  // bytes before the first item, and bytes per item
 };
 
@@ -201,6 +202,7 @@ IdxFile open_idx(const std::string& path, int expected_dims, std::int64_t limit,
   std::vector<std::uint8_t> head(static_cast<std::size_t>(std::min(bytes, f.header)));
   f.file->read(0, head.size(), head.data(), f.label);
   f.dims = idx_dims(head, bytes, f.label, expected_dims, limit);
+  f.items_in_file = header_dims(head, f.label, expected_dims)[0];
   for (std::size_t i = 1; i < f.dims.size(); ++i) f.item *= f.dims[i];
   return f;
 }
@@ -376,7 +378,10 @@ ImageDataset load_idx_files(const std::string& images_path, const std::string& l
   const auto labels = read(labels_path, 1);
   const auto idims = idx_dims(images, images_path, 3, limit);
   const auto ldims = idx_dims(labels, labels_path, 1, limit);
-  check_counts(images_path, idims[0], labels_path, ldims[0]);
+  // The files' own counts, not the limited ones: a limit hid 10 images against 12 labels (and a
+  // limit of 11 named 11 labels, not the file's 12).
+  check_counts(images_path, header_dims(images, images_path, 3)[0], labels_path,
+               header_dims(labels, labels_path, 1)[0]);
   ImageDataset d;
   d.rows = idims[1];
   d.cols = idims[2];
@@ -437,7 +442,7 @@ IdxImages::IdxImages(const std::string& images_path, const std::string& labels_p
     : state_(std::make_shared<State>()) {
   state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
   state_->labels = open_idx(labels_path, 1, limit, cache_dir);
-  check_counts(images_path, state_->images.dims[0], labels_path, state_->labels.dims[0]);
+  check_counts(images_path, state_->images.items_in_file, labels_path, state_->labels.items_in_file);
 }
 
 std::int64_t IdxImages::size() const noexcept { return state_->images.dims[0]; }
@@ -544,6 +549,8 @@ BatchSampler::BatchSampler(std::int64_t dataset_size, std::int64_t global_batch,
     fail<ArgumentError>("BatchSampler", "global batch ", global_batch, " must be a positive multiple of the ",
                         world_size, " ranks");
   }
+  if (dataset_size < 0)
+    fail<ArgumentError>("BatchSampler", "the data set's size must not be negative, got ", dataset_size);
   if (global_batch > dataset_size) {
     fail<ArgumentError>("BatchSampler", "global batch ", global_batch, " exceeds the ", dataset_size, " samples");
   }

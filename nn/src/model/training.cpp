@@ -55,11 +55,23 @@ TextWindows::TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end
 
 std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t step, std::int64_t global_batch, int rank,
                                              int world_size) {
-  if (world_size <= 0 || global_batch <= 0 || global_batch % world_size != 0 || rank < 0 || rank >= world_size) {
+  if (world_size <= 0 || global_batch <= 0 || global_batch % world_size != 0) {
     throw ArgumentError("TextWindows::batch: a global batch of " + std::to_string(global_batch) +
-                        " windows does not divide over " + std::to_string(world_size) + " ranks (rank " +
-                        std::to_string(rank) + ")");
+                        " windows does not divide over " + std::to_string(world_size) + " ranks");
   }
+  if (rank < 0 || rank >= world_size) {
+    throw ArgumentError("TextWindows::batch: rank " + std::to_string(rank) + " is outside a world of " +
+                        std::to_string(world_size));
+  }
+  // The windows' stream positions step * global_batch + rank * local + i, counted without overflow
+  // (signed overflow is undefined: a large step gave whatever the compiler made of it).
+  std::int64_t first = 0;
+  if (step < 0 || __builtin_mul_overflow(step, global_batch, &first) ||
+      __builtin_add_overflow(first, global_batch, &first)) {
+    throw ArgumentError("TextWindows::batch: step " + std::to_string(step) + " of " + std::to_string(global_batch) +
+                        " windows is negative or past the stream's 2^63 positions");
+  }
+  first -= global_batch;
   const std::int64_t local = global_batch / world_size, t = context_;
   // The batch's tokens as tensors from the start: sized and counted by the tensor allocator (a
   // typed error, under any memory limit, for a batch too large), not a std::vector's bad_alloc.
@@ -68,9 +80,13 @@ std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t st
   auto* yp = static_cast<std::int64_t*>(y.data_ptr());
   std::vector<std::uint8_t> window(static_cast<std::size_t>(t + 1));
   for (std::int64_t i = 0; i < local; ++i) {
-    const std::int64_t index = step * global_batch + rank * local + i;
+    const std::int64_t index = first + rank * local + i;
     const double u = random::uniform_double(seed, static_cast<std::uint64_t>(index));
-    const std::int64_t pos = begin_ + static_cast<std::int64_t>(u * static_cast<double>(end_ - begin_ - t - 1));
+    // Any start whose t + 1 bytes lie in [begin, end): end - begin - t of them (the last byte was
+    // never read when the draw left one start out, and a range of context + 2 gave one window).
+    const std::int64_t starts = end_ - begin_ - t;
+    // (min: a u just below 1 may round the product up to `starts` itself.)
+    const std::int64_t pos = begin_ + std::min(starts - 1, static_cast<std::int64_t>(u * static_cast<double>(starts)));
     corpus_.read(pos, t + 1, window.data());
     bytes_read_ += t + 1;
     std::copy(window.begin(), window.end() - 1, xp + i * t);

@@ -112,8 +112,19 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
     }
     return memory::stats().peak_bytes - before;
   };
-  transient(1);  // once first, so that gradients exist as they do from the second step on
-  const std::int64_t one = transient(1), more = transient(samples);
+  // A step that throws leaves the module as a successful probe does (gradients cleared, the peak
+  // counter reset) before its error goes on: the probe's gradients stayed, and a run that caught
+  // the error and went on started with them.
+  std::int64_t one = 0, more = 0;
+  try {
+    transient(1);  // once first, so that gradients exist as they do from the second step on
+    one = transient(1);
+    more = transient(samples);
+  } catch (...) {
+    module.zero_grad();
+    memory::reset_peak();
+    throw;
+  }
   module.zero_grad();
   memory::reset_peak();
   // Every rank plans with the largest figures (ranks differ by padding and by their samples).
@@ -300,6 +311,9 @@ std::int64_t largest_fitting_batch(const Module& module, int world_size, std::in
 
 int smallest_fitting_world(const Module& module, std::int64_t global_batch, const std::optional<StepProbe>& probe,
                            std::int64_t limit, const PlanOptions& options, int max_world) {
+  if (max_world <= 0)
+    fail<ArgumentError>("smallest_fitting_world", "max_world (the largest world size to try) must be positive, got ",
+                        max_world);
   require_world_and_batch("smallest_fitting_world", max_world, global_batch);
   PlanOptions full = options;  // the answer is a fully sharded world
   full.shard_ranks = 0;
