@@ -333,9 +333,12 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
       {"rank file", "consolidate"});
   const Run verified = run(ckpt("verify " + ck));
   CHECK_MESSAGE(verified.exit_code == 0, verified.output);
-  const Run resumed = run(train(lm + "--steps 5 --resume-latest --checkpoint-dir " + ck));
+  // Metrics beside the steps, in the checkpoint directory resumed from, are no checkpoint's file.
+  const Run resumed =
+      run(train(lm + "--steps 5 --resume " + ck + " --checkpoint-dir " + ck + " --metrics " + ck + "/m.jsonl"));
   CHECK_MESSAGE(resumed.output.find("resumed from " + ck + "/step-00000004 at step 4") != std::string::npos,
                 resumed.output);
+  CHECK(fs::file_size(ck + "/m.jsonl") > 0);
 }
 
 namespace {

@@ -82,14 +82,18 @@ void check_metrics_path(const Config& cfg) {
   if (fs::exists(status) && !fs::is_regular_file(status)) {
     throw ArgumentError("--metrics " + cfg.metrics + ": is not a regular file");
   }
-  for (const std::string& input : {cfg.text, cfg.data, cfg.resume}) {
+  // The model's own data (a file, or a directory whose files it reads: a metrics file there would
+  // be read as data next time), and the resumed checkpoint itself (a file inside its steps is a
+  // checkpoint member, below; beside them, in its directory, metrics are welcome).
+  const std::string data = cfg.model == "lm" ? cfg.text : cfg.data;
+  for (const auto& [input, whole_directory] : {std::pair{data, true}, std::pair{cfg.resume, false}}) {
     if (input.empty()) continue;
     const fs::path in(input);
     const bool same = fs::exists(path, ec) && fs::exists(in, ec) && fs::equivalent(path, in, ec);
     std::error_code within_ec;
     const fs::path a = fs::weakly_canonical(path, within_ec), b = fs::weakly_canonical(in, within_ec);
     const auto rel = a.lexically_relative(b);
-    const bool inside = !within_ec && !rel.empty() && *rel.begin() != ".." && rel != ".";
+    const bool inside = whole_directory && !within_ec && !rel.empty() && *rel.begin() != ".." && rel != ".";
     if (same || inside) {
       throw ArgumentError("--metrics " + cfg.metrics + ": is " + (same ? "" : "inside ") + input +
                           ", an input of this run (the metrics file is rewritten from the start)");
