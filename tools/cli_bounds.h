@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <iostream>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -92,6 +94,24 @@ CLI::Validator whole_number() {
         return {};
       },
       "");
+}
+
+/// Parses the command line as ruda's programs do: --help prints the help, a parse error prints one
+/// line "PROGRAM: error: ... (see --help)" on stderr (each only where `print`: rank 0 of an MPI
+/// job). Returns the exit code to leave with, 0 after the help and 2 after an error, or nothing
+/// when the program goes on. (CLI11_PARSE printed CLI11's own text and exited with its internal
+/// codes, 105 or 109.)
+inline std::optional<int> parse(CLI::App& app, int argc, char** argv, const std::string& program, bool print = true) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    if (print) std::cout << app.help();
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    if (print) std::cerr << program << ": error: " << e.what() << " (see --help)" << std::endl;
+    return 2;
+  }
+  return std::nullopt;
 }
 
 /// app.add_option for an integer (or a list of integers): the same, with the whole_number transform.

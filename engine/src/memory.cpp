@@ -89,8 +89,8 @@ std::atomic<bool> g_limit_set{false};                          // set_limit() ca
 std::atomic<const char*> g_limit_source{"memory::set_limit"};  // set_limit's source argument
 }  // namespace
 
-// Where the limit in force came from, for the error of an allocation past it (private to this file).
-const char* limit_source() {
+// Where the limit in force came from, for the error of an allocation past it.
+static const char* limit_source() {
   return g_limit_set.load(std::memory_order_acquire) ? g_limit_source.load(std::memory_order_relaxed)
                                                      : "RUDA_MEMORY_LIMIT";
 }

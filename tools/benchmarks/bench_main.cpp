@@ -49,17 +49,7 @@ int main(int argc, char** argv) {
   ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(ruda::cli::at_least(1));
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
-  // As ruda-train and ruda-ckpt: one "ruda-bench: error:" line and exit code 2 (CLI11_PARSE
-  // printed CLI11's own text and exited with its internal codes, 105 or 109).
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "ruda-bench: error: " << e.what() << " (see --help)" << std::endl;
-    return 2;
-  }
+  if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, "ruda-bench")) return *exit_code;
 
   if (list) {
     for (const auto& [name, suite] : suites()) std::cout << name << "\n";

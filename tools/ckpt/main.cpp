@@ -43,15 +43,7 @@ int main(int argc, char** argv) {
                    "step beside its others, and its latest pointer names it)")
       ->required();
   ruda::cli::add_whole(*split, "--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp&) {
-    std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    std::cerr << "ruda-ckpt: error: " << e.what() << " (see --help)" << std::endl;
-    return 2;
-  }
+  if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, "ruda-ckpt")) return *exit_code;
   try {
     if (list->parsed()) {
       const nn::CheckpointSummary s = nn::describe_checkpoint(path);

@@ -230,15 +230,7 @@ int main(int argc, char** argv) {
           ""));
 
   const bool print = launcher_rank() == 0;
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    if (print) std::cout << app.help();
-    return 0;
-  } catch (const CLI::ParseError& e) {
-    if (print) print_error(std::string(e.what()) + " (see --help)");
-    return 2;
-  }
+  if (const std::optional<int> exit_code = parse(app, argc, argv, "ruda-train", print)) return *exit_code;
   cfg.model = mlp->parsed() ? "mlp" : "lm";
   if (cfg.model == "lm") {
     if (app.get_option("--lr")->count() == 0) cfg.lr = 1e-3;

@@ -13,12 +13,64 @@
 namespace ruda::train {
 namespace {
 
-// Fashion-MNIST, opened once per process: emulated ranks share the open files (and the one
-// decompression of a gzip file into the cache). Each rank reads only the samples it uses.
+// A data set's fingerprint as a resume compares it: FNV-1a over the bytes mixed in, as 16 hex digits.
+class Fingerprint {
+ public:
+  void mix(const void* data, std::size_t bytes) {
+    for (std::size_t i = 0; i < bytes; ++i)
+      hash_ = (hash_ ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ull;
+  }
+  std::string hex() const {
+    char out[17];
+    std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(hash_));
+    return out;
+  }
+
+ private:
+  std::uint64_t hash_ = 14695981039346656037ull;
+};
+
+// Before any step, what would otherwise stop the run later: test images of another size than
+// the training ones (the first evaluation, after an epoch's training, failed in a linear layer)
+// and labels outside the ten classes (cross_entropy failed at the batch that held one, mid-run,
+// without naming the file). Returns the training set's identity as a resume compares it (lm's
+// --text has the same): its size and a hash of its first 4096 labels and first image. The files
+// are read through copies opened for this, so that the run's own data_bytes_read counts what
+// training reads.
+std::string check_and_identify(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test) {
+  if (train.rows() != test.rows() || train.cols() != test.cols()) {
+    throw IOError(cfg.data + ": the test images are " + std::to_string(test.rows()) + "x" +
+                  std::to_string(test.cols()) + ", the training images " + std::to_string(train.rows()) + "x" +
+                  std::to_string(train.cols()));
+  }
+  Fingerprint fingerprint;
+  for (const bool is_train : {true, false}) {
+    const nn::IdxImages copy = nn::open_fashion_mnist(cfg.data, is_train, is_train ? cfg.limit : cfg.test_limit);
+    const auto labels = copy.labels(0, copy.size()).to_vector<std::int64_t>();
+    const auto bad = std::find_if(labels.begin(), labels.end(), [](std::int64_t l) { return l < 0 || l >= 10; });
+    if (bad != labels.end()) {
+      throw IOError(cfg.data + ": the " + (is_train ? "training" : "test") + " labels hold " + std::to_string(*bad) +
+                    " at sample " + std::to_string(bad - labels.begin()) + "; Fashion-MNIST's classes are 0 to 9");
+    }
+    if (is_train) {
+      fingerprint.mix(labels.data(), std::min<std::size_t>(labels.size(), 4096) * sizeof(std::int64_t));
+      if (copy.size() > 0) {
+        const auto image = copy.images(0, 1).to_vector<float>();
+        fingerprint.mix(image.data(), image.size() * sizeof(float));
+      }
+    }
+  }
+  return std::to_string(train.size()) + " images " + std::to_string(train.rows()) + "x" + std::to_string(train.cols()) +
+         ", hash " + fingerprint.hex();
+}
+
+// Fashion-MNIST, opened, checked and identified once per process: emulated ranks share the open
+// files (and the one decompression of a gzip file into the cache). Each rank reads only the
+// samples it uses.
 struct ImageData {
   nn::IdxImages train, test;
+  std::string identity;  // check_and_identify's
 };
-void check_together(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test);
 ImageData datasets(const Config& cfg) {
   static std::mutex mutex;
   static std::map<std::string, ImageData> cache;
@@ -28,65 +80,27 @@ ImageData datasets(const Config& cfg) {
   if (it == cache.end()) {
     nn::IdxImages train = nn::open_fashion_mnist(cfg.data, true, cfg.limit);  // first: errors name it first
     nn::IdxImages test = nn::open_fashion_mnist(cfg.data, false, cfg.test_limit);
-    check_together(cfg, train, test);
-    it = cache.emplace(key, ImageData{std::move(train), std::move(test)}).first;
+    std::string identity = check_and_identify(cfg, train, test);
+    it = cache.emplace(key, ImageData{std::move(train), std::move(test), std::move(identity)}).first;
   }
   return it->second;
-}
-
-// Before any step, what would otherwise stop the run later: test images of another size than
-// the training ones (the first evaluation, after an epoch's training, failed in a linear layer)
-// and labels outside the ten classes (cross_entropy failed at the batch that held one, mid-run,
-// without naming the file). The labels are read through copies opened for the check, so that
-// the run's own data_bytes_read counts what training reads.
-void check_together(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test) {
-  if (train.rows() != test.rows() || train.cols() != test.cols()) {
-    throw IOError(cfg.data + ": the test images are " + std::to_string(test.rows()) + "x" +
-                  std::to_string(test.cols()) + ", the training images " + std::to_string(train.rows()) + "x" +
-                  std::to_string(train.cols()));
-  }
-  for (const bool is_train : {true, false}) {
-    const nn::IdxImages copy = nn::open_fashion_mnist(cfg.data, is_train, is_train ? cfg.limit : cfg.test_limit);
-    const auto labels = copy.labels(0, copy.size()).to_vector<std::int64_t>();
-    const auto bad = std::find_if(labels.begin(), labels.end(), [](std::int64_t l) { return l < 0 || l >= 10; });
-    if (bad != labels.end()) {
-      throw IOError(cfg.data + ": the " + (is_train ? "training" : "test") + " labels hold " + std::to_string(*bad) +
-                    " at sample " + std::to_string(bad - labels.begin()) + "; Fashion-MNIST's classes are 0 to 9");
-    }
-  }
-}
-
-// The training set as a resume compares it (lm's --text has the same): the sizes, and a hash of
-// the first 4096 labels and the first image, read through a copy opened for it.
-std::string identity_of(const Config& cfg, const nn::IdxImages& train) {
-  const nn::IdxImages copy = nn::open_fashion_mnist(cfg.data, true, cfg.limit);
-  const std::int64_t n = std::min<std::int64_t>(copy.size(), 4096);
-  std::uint64_t h = 14695981039346656037ull;  // FNV-1a
-  auto mix = [&](const void* data, std::size_t bytes) {
-    for (std::size_t i = 0; i < bytes; ++i) h = (h ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ull;
-  };
-  const auto labels = copy.labels(0, n).to_vector<std::int64_t>();
-  mix(labels.data(), labels.size() * sizeof(std::int64_t));
-  if (n > 0) {
-    const auto image = copy.images(0, 1).to_vector<float>();
-    mix(image.data(), image.size() * sizeof(float));
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-  return std::to_string(train.size()) + " images " + std::to_string(train.rows()) + "x" + std::to_string(train.cols()) +
-         ", hash " + hex;
 }
 
 struct MlpTask : Task {
   const Config& cfg;
   Communicator& comm;
   nn::IdxImages train, test;
+  std::string data_identity;  // the training set in the data stream a checkpoint records
   std::shared_ptr<nn::Sequential> model;
   std::unique_ptr<nn::BatchSampler> sampler;
 
   MlpTask(const Config& c, Communicator& comm_) : MlpTask(c, comm_, datasets(c)) {}
   MlpTask(const Config& c, Communicator& comm_, ImageData data)
-      : cfg(c), comm(comm_), train(std::move(data.train)), test(std::move(data.test)) {
+      : cfg(c),
+        comm(comm_),
+        train(std::move(data.train)),
+        test(std::move(data.test)),
+        data_identity(std::move(data.identity)) {
     nn::manual_seed(cfg.seed);
     nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice
     model = std::make_shared<nn::Sequential>();
@@ -98,9 +112,7 @@ struct MlpTask : Task {
     }
     model->push_back(std::make_shared<nn::Linear>(in, 10));
     sampler = std::make_unique<nn::BatchSampler>(train.size(), cfg.batch, comm.rank(), comm.world_size(), cfg.seed);
-    data_identity = identity_of(cfg, train);
   }
-  std::string data_identity;  // the training set in the data stream a checkpoint records
   std::string description() const override {
     // (built with += rather than "mlp " + ...: GCC 12 warns falsely on that form, bug 105329)
     std::string d = "mlp ";
@@ -240,11 +252,9 @@ struct LmTask : Task {
   // the same one grown or edited at its start, is other samples), without reading all of it.
   static std::string identity_of(const nn::TextCorpus& corpus) {
     const std::vector<std::uint8_t> head = corpus.read(0, std::min<std::int64_t>(corpus.size(), 4096));
-    std::uint64_t h = 14695981039346656037ull;  // FNV-1a
-    for (const std::uint8_t b : head) h = (h ^ b) * 1099511628211ull;
-    char hex[17];
-    std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h));
-    return std::to_string(corpus.size()) + " bytes, first 4 KiB " + hex;
+    Fingerprint fingerprint;
+    fingerprint.mix(head.data(), head.size());
+    return std::to_string(corpus.size()) + " bytes, first 4 KiB " + fingerprint.hex();
   }
   Tensor loss(std::int64_t step) override { return loss_on(step, cfg.batch); }
   Tensor micro_loss(std::int64_t step, std::int64_t micro, std::int64_t micro_batches) override {
