@@ -402,3 +402,58 @@ TEST_CASE("set_forward_order: the backward prefetches from the first step; a mod
         {"set_forward_order", "no group of its own"});
   });
 }
+
+TEST_CASE("a sharded parameter's gradient is a slice of its bucket's sum, never storage another gradient shares") {
+  // y = (a + b) * e: the add hands one gradient tensor to both a and b. a and b are 256 KiB each,
+  // buckets of their own: at world size 1 the reduce-scatter hands back that one tensor, so each
+  // gradient must be a copy, or scaling one (clipping, a user's edit) would scale the other.
+  // c and d are small and share a bucket whose sum is the sink's own: their gradients are
+  // disjoint slices of it. At 2 ranks every sum is a new tensor. Values against the dense step
+  // (each rank's loss is halved, so the reduce-scatter's sum is the dense gradient exactly).
+  struct Pair : nn::Module {
+    nn::Param a{randn({65536}, 1)}, b{randn({65536}, 2)}, c{randn({8}, 3)}, d{randn({8}, 4)};
+    Tensor e = randn({65536}, 5);
+    Pair() {
+      register_parameter("a", &a);
+      register_parameter("b", &b);
+      register_parameter("c", &c);
+      register_parameter("d", &d);
+    }
+    Tensor loss() { return sum((a.value() + b.value()) * e) + sum(square(c.value()) + c.value() * d.value()); }
+  };
+  Pair dense;
+  dense.loss().backward();
+  // World size 1 as a single process runs it (LocalCommunicator: collectives return their input),
+  // then 2 emulated ranks.
+  for (const int world : {1, 2}) {
+    CAPTURE(world);
+    auto body = [&](Communicator& comm) {
+      Pair model;
+      nn::fully_shard(model, comm);
+      for (int step = 0; step < 2; ++step) {  // the second backward adds to the gradients the first left
+        (model.loss() / world).backward();
+        const nn::Param ps[] = {model.a, model.b, model.c, model.d};
+        const nn::Param dense_ps[] = {dense.a, dense.b, dense.c, dense.d};
+        for (int i = 0; i < 4; ++i) {
+          const Tensor expected = test::part(dense_ps[i].grad() * (step + 1.0), comm.rank(), world);
+          CHECK(ps[i].grad().to_vector<float>() == expected.to_vector<float>());
+        }
+        CHECK_FALSE(model.a.grad().shares_storage(model.b.grad()));
+        if (world == 1 && step == 0) CHECK(model.c.grad().shares_storage(model.d.grad()));
+      }
+      Tensor ga = model.a.grad(), gb = model.b.grad(), gc = model.c.grad(), gd = model.d.grad();
+      const Tensor b_before = gb.clone(), d_before = gd.clone(), c_before = gc.clone();  // step 2's: 2x dense
+      ga.mul_(0.5);
+      gc.mul_(0.5);
+      CHECK(gb.to_vector<float>() == b_before.to_vector<float>());
+      CHECK(gd.to_vector<float>() == d_before.to_vector<float>());
+      CHECK(gc.to_vector<float>() == (c_before * 0.5).to_vector<float>());
+    };
+    if (world == 1) {
+      LocalCommunicator local;
+      body(local);
+    } else {
+      run_ranks(world, body);
+    }
+  }
+}
