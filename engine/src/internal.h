@@ -195,9 +195,4 @@ class Node {
   WrittenRegions written;
 };
 
-/// Whether t is the only way to its memory: no other Tensor holds its impl or its storage, and no
-/// graph produced it. A backward function may then write its incoming gradient in place, as the
-/// engine drops that gradient once the function returns.
-bool exclusively_owned(const Tensor& t);
-
 }  // namespace ruda::autograd

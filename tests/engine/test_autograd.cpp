@@ -524,3 +524,24 @@ TEST_CASE("gradients summed and multiplied in place never reach a tensor someone
   }
   CHECK_CLOSE(linear_gelu(x, w, b).detach(), reference, 1e-6, 1e-6);
 }
+
+TEST_CASE("exclusively_owned: only a lone handle on storage no view shares, outside any graph") {
+  Tensor t = randn({4, 3}, 1);
+  CHECK(autograd::exclusively_owned(t));
+  {
+    const Tensor copy = t;  // a second handle
+    CHECK_FALSE(autograd::exclusively_owned(t));
+  }
+  CHECK(autograd::exclusively_owned(t));
+  {
+    const Tensor view = t.slice(0, 1, 2);  // another impl on the same storage
+    CHECK_FALSE(autograd::exclusively_owned(t));
+    CHECK_FALSE(autograd::exclusively_owned(view));
+  }
+  const Tensor detached = t.detach();  // detach shares the storage
+  CHECK_FALSE(autograd::exclusively_owned(detached));
+  Tensor leaf = randn({3}, 2).set_requires_grad();
+  Tensor y = leaf * 2.0;  // produced by a graph
+  CHECK_FALSE(autograd::exclusively_owned(y));
+  CHECK(autograd::exclusively_owned(y.detach().clone()));
+}

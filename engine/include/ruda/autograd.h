@@ -150,6 +150,14 @@ std::uint64_t backward_serial() noexcept;
 /// empty callback: an ArgumentError.
 void at_backward_end(std::function<void()> callback);
 
+/// Whether t is the only way to its memory: no other Tensor holds its impl or its storage (no
+/// copy of the handle, no view), and no graph produced it. Its holder may then keep it or write
+/// into it without a copy: a backward function its incoming gradient (the engine drops that
+/// gradient once the function returns), a gradient sink a gradient it was handed. A backward may
+/// hand one tensor to several inputs (add passes its gradient on to both), so a gradient that is
+/// not exclusively owned must be copied before it is kept or written.
+bool exclusively_owned(const Tensor& t);
+
 /// Always-run nodes recorded on this thread and not yet run by a backward.
 std::size_t pending_always_run() noexcept;
 

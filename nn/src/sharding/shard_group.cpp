@@ -62,7 +62,6 @@ void GradientSink::issue(std::size_t b) {
   Communicator& c = comm.get("backward", tag);
   const std::int64_t world = c.world_size();
   std::vector<Tensor> columns;
-  Tensor lone;  // the gradient of the bucket's only member
   for (const std::size_t i : bucket.members) {
     const Param p = ParamAccess::lock(params[i]);
     if (!p.defined()) fail<ShardingError>("backward", "a parameter of ", tag, " was destroyed before its backward");
@@ -71,10 +70,8 @@ void GradientSink::issue(std::size_t b) {
     grads[i] = Tensor();
     if (!g.defined()) g = zeros(info.logical_shape, Options(bucket.dtype, &p.data().backend()));
     columns.push_back(as_rows(g, info.numel, world, info.shard_size));
-    lone = std::move(g);
   }
   const Tensor rows = columns.size() == 1 ? columns.front() : concat(columns, 1);
-  owned[b] = world > 1 || columns.size() > 1 || !rows.shares_storage(lone);
   const CollectiveOptions options{.tag = tag, .accumulate = bucket.accumulate};
   const std::shared_ptr<ShardGroup> owner = group.lock();
   works[b] = !owner || owner->schedule()->overlapping()
@@ -118,7 +115,6 @@ void GradientSink::reduce_across() {
       if (!held.defined()) continue;
       if (!own) sum = held.dtype() == sum.dtype() ? sum.clone() : cast(sum, held.dtype());
       own = true;
-      owned[b] = 1;
       const std::int64_t begin = bucket.offsets[m];
       Tensor piece = sum.slice(0, begin, begin + p.shard()->shard_size);
       piece.add_(held.dtype() == piece.dtype() ? held : cast(held, piece.dtype()));
@@ -153,6 +149,11 @@ void GradientSink::finish() {
 
 void GradientSink::accumulate(std::size_t b, const Tensor& reduced) {
   const ShardBucket& bucket = buckets[b];
+  // A new gradient can be a slice of the bucket's sum instead of a copy where that sum is ours
+  // alone (the members' slices are disjoint): a reduce-scatter's new tensor, a concatenation,
+  // not a lone member's gradient handed back as is (world size 1) that autograd gave to another
+  // input as well.
+  const bool own = autograd::exclusively_owned(reduced);
   for (std::size_t m = 0; m < bucket.members.size(); ++m) {
     const Param p = ParamAccess::lock(params[bucket.members[m]]);
     if (!p.defined()) continue;
@@ -166,8 +167,7 @@ void GradientSink::accumulate(std::size_t b, const Tensor& reduced) {
     } else if (grad.defined()) {
       grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
     } else {
-      // A slice of the bucket's own sum needs no copy: the members' slices are disjoint.
-      leaf.set_grad(piece.dtype() != leaf.dtype() ? cast(piece, leaf.dtype()) : owned[b] ? piece : piece.clone());
+      leaf.set_grad(piece.dtype() != leaf.dtype() ? cast(piece, leaf.dtype()) : own ? piece : piece.clone());
     }
   }
 }
@@ -350,7 +350,6 @@ std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucke
   sink->all_reduces.resize(buckets.size());
   sink->reduced.resize(buckets.size());
   sink->replaces.assign(params_.size(), 0);
-  sink->owned.assign(buckets.size(), 0);
   sink->group = weak_from_this();
   return sink;
 }

@@ -120,11 +120,6 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   /// Per member (hybrid): its gradient's earlier partial sums went into the all-reduce, whose
   /// result replaces the gradient instead of adding to it.
   std::vector<char> replaces;
-  /// Per bucket: its reduced sum is this sink's own buffer, so the members' gradients can be
-  /// slices of it instead of copies. Not so where the reduce-scatter hands its input back
-  /// (world size 1) and that input is a lone member's gradient as autograd deposited it, which
-  /// another node's gradient may share (an add passes one gradient to both of its inputs).
-  std::vector<char> owned;
   std::weak_ptr<ShardGroup> group;
   std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
   bool started = false;      // a backward has run some of its nodes: it takes no further use
