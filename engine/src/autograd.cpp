@@ -59,22 +59,40 @@ std::mutex& leaf_lock(const detail::TensorImpl& leaf) {
 }
 }  // namespace
 
+namespace {
+// What a node being destroyed owned that may keep other nodes alive: its producers (edges), its
+// saved tensors (whose impls hold their own producers' nodes) and its backward function (whose
+// captures may hold tensors).
+struct NodeRemains {
+  std::vector<Edge> next;
+  Saved saved;
+  BackwardFn backward;
+};
+// The list the outermost ~Node running on this thread releases; null when none runs. A raw
+// pointer to that destructor's local: a thread_local container could be gone before the nodes
+// other thread_locals hold are freed at thread exit.
+thread_local std::vector<NodeRemains>* t_node_remains = nullptr;
+}  // namespace
+
 Node::~Node() {
-  // Producers whose last owner is this node are moved onto a stack and released one at a time,
-  // each after its own sole-owned producers were moved out: the depth of the graph never becomes
-  // the depth of the call stack. A producer another owner still holds is left to that owner.
-  std::vector<std::shared_ptr<Node>> orphans;
-  auto adopt = [&](Node& n) {
-    for (Edge& e : n.next) {
-      if (e.node && e.node.use_count() == 1) orphans.push_back(std::move(e.node));
-    }
-  };
-  adopt(*this);
-  while (!orphans.empty()) {
-    std::shared_ptr<Node> n = std::move(orphans.back());
-    orphans.pop_back();
-    adopt(*n);
-  }  // n is released here with its sole-owned edges already moved out
+  // Freed by recursion, a graph's depth became the call stack's: 200k chained ops (an unrolled
+  // RNN) overflowed it, and so did 100k where each node holds its producer twice (y * y, through
+  // two edges and a saved input; y + f(y)), which a check of each producer's use count missed. So
+  // a node hands what it owns to the outermost ~Node on its thread, which releases the list one
+  // entry at a time: a nested ~Node only appends to it and returns. The stack stays two deep.
+  NodeRemains mine{std::move(next), std::move(saved), std::move(backward)};
+  if (t_node_remains) {
+    t_node_remains->push_back(std::move(mine));
+    return;
+  }
+  std::vector<NodeRemains> remains;
+  remains.push_back(std::move(mine));
+  t_node_remains = &remains;
+  while (!remains.empty()) {
+    NodeRemains last = std::move(remains.back());
+    remains.pop_back();
+  }  // `last` is released here; the nodes it freed appended theirs
+  t_node_remains = nullptr;
 }
 
 bool in_backward() noexcept { return t_backward_depth > 0; }

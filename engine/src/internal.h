@@ -152,8 +152,8 @@ class Node {
   Node() = default;
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
-  // Frees the chain of producers this node alone keeps alive iteratively: destroyed by recursion
-  // through `next`, a graph of ~200k chained ops (an unrolled RNN) overflowed the stack.
+  // Frees the producers this node keeps alive iteratively, however they are shared: destroyed by
+  // recursion through `next` and `saved`, a deep graph overflowed the stack.
   ~Node();
   const char* name = "";
   std::uint64_t sequence = 0;

@@ -287,6 +287,37 @@ TEST_CASE("a graph of 220k chained ops is differentiated and freed without exhau
   CHECK(freed);
 }
 
+TEST_CASE("a deep graph whose nodes hold their producers twice is freed without exhausting the stack") {
+  // y * y holds y's node through two edges and a saved input, y + f(y) through an edge and the
+  // chain of f: a release that followed only producers held once recursed into the rest, and
+  // 100k such levels overflowed a thread's 8 MB stack (a segfault when the graph was freed).
+  double value = 0, grad = 0;
+  bool freed = false;
+  std::thread([&] {
+    const Tensor x = ones({2}, DType::f64).set_requires_grad();
+    {
+      Tensor y = x;
+      for (int i = 0; i < 120000; ++i) y = y * y;
+    }  // never differentiated: freed whole
+    const Tensor w = full({2, 2}, 0.5, Options(DType::f64));
+    {
+      Tensor y = x.reshape({1, 2});
+      for (int i = 0; i < 120000; ++i) y = y + tanh(matmul(y, w)) * 1e-6;  // an explicit Euler loop
+      sum(y).backward(true);  // retained: the graph is still whole when y goes
+      value = y.to_vector<double>()[0];
+    }
+    grad = x.grad().to_vector<double>()[0];
+    freed = true;
+  }).join();
+  CHECK(freed);
+  // Each step adds at most 1e-6 to y and multiplies the gradient by at most 1 + 1e-6 (tanh' <= 1,
+  // w's rows sum to 1), at least 1: 120k steps end within (1, e^0.12).
+  CHECK(value > 1.0);
+  CHECK(value < 1.128);
+  CHECK(grad > 1.0);
+  CHECK(grad < 1.128);
+}
+
 TEST_CASE("record refuses an output that is one of its inputs") {
   // Accepted, it made a leaf stop being one and a cycle (tensor -> node -> edge -> tensor) that leaked.
   Tensor x = values({1, 2}, {2}).set_requires_grad();
