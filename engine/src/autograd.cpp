@@ -118,6 +118,8 @@ SavedTensor::SavedTensor(const Tensor& tensor) {
   if (impl_of(tensor)->recompute) {
     recipe_ = impl_of(tensor)->recompute;
     recipe_owner_ = impl_of(tensor)->recompute_owner;
+    recipe_shape_ = tensor.shape();
+    recipe_dtype_ = tensor.dtype();
   } else {
     value_ = tensor.detach();
     version_ = value_.version();
@@ -135,7 +137,16 @@ Tensor SavedTensor::get() const {
     return value_;
   }
   NoGradGuard guard;
-  return (*recipe_)();
+  Tensor value = (*recipe_)();
+  // A recipe that gives back something else would be computed with as the saved tensor: a
+  // different shape could even broadcast into a wrong gradient without an error.
+  if (!value.defined() || value.shape() != recipe_shape_ || value.dtype() != recipe_dtype_) {
+    fail<AutogradError>("backward", "the recompute recipe of a ", dtype_name(recipe_dtype_), " ", recipe_shape_,
+                        " tensor saved by ", t_running_node ? t_running_node : "a node", " returned ",
+                        value.defined() ? std::string(dtype_name(value.dtype())) + " " + to_string(value.shape())
+                                        : std::string("an undefined tensor"));
+  }
+  return value;
 }
 
 std::string_view node_name(const Node& node) noexcept { return node.name; }

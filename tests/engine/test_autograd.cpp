@@ -165,6 +165,33 @@ TEST_CASE("a recomputed saved tensor is rebuilt in backward instead of kept") {
   CHECK_CLOSE(b.grad(), grad_b, 1e-4, 1e-5);
 }
 
+TEST_CASE("a recompute recipe that gives back another shape, dtype or nothing is refused in backward") {
+  // Taken as is, a [1] tensor where a [3] was saved broadcast in mul's backward: w's gradient read
+  // [10, 10, 10] without an error.
+  const Tensor w = ones({3}, DType::f64).set_requires_grad();
+  const std::vector<std::pair<std::function<Tensor()>, std::string>> recipes{
+      {[] { return from_values({10}, {1}, DType::f64); }, "returned f64 [1]"},
+      {[] {
+         return from_values({1, 2, 3}, {3}, DType::f32);
+       },
+       "returned f32 [3]"},
+      {[] { return Tensor(); }, "returned an undefined tensor"},
+  };
+  for (const auto& [recipe, said] : recipes) {
+    CAPTURE(said);
+    Tensor a = from_values({1, 2, 3}, {3}, DType::f64);
+    autograd::set_recompute(a, recipe);
+    const Tensor loss = sum(a * w);
+    test::check_throws<AutogradError>([&] { loss.backward(); },
+                                      {"backward", "recompute recipe", "f64 [3]", "saved by mul", said});
+  }
+  // The right shape and dtype pass.
+  Tensor a = from_values({1, 2, 3}, {3}, DType::f64);
+  autograd::set_recompute(a, [] { return from_values({1, 2, 3}, {3}, DType::f64); });
+  sum(a * w).backward();
+  CHECK_CLOSE(w.grad(), {1, 2, 3}, {3}, 0, 0);
+}
+
 TEST_CASE("graphs built on different threads do not interfere") {
   const Tensor w0 = randn({64, 32}, 5);
   auto train = [&](int seed) {

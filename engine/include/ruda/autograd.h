@@ -66,7 +66,8 @@ class SavedTensor {
   SavedTensor() = default;
   explicit SavedTensor(const Tensor& tensor);
   /// The saved value; a recomputed one is produced anew on each call. AutogradError if the data
-  /// was modified in place since it was saved (its storage's version moved on).
+  /// was modified in place since it was saved (its storage's version moved on), or if the
+  /// recomputed one is undefined or of another shape or dtype than the tensor saved.
   Tensor get() const;
   bool is_recomputed() const noexcept { return recipe_ != nullptr; }
   bool defined() const noexcept { return value_.defined() || recipe_ != nullptr; }
@@ -78,6 +79,9 @@ class SavedTensor {
   std::uint64_t version_ = 0;
   std::shared_ptr<const std::function<Tensor()>> recipe_;
   std::weak_ptr<const void> recipe_owner_;
+  // What the recipe must give back: the saved tensor's shape and dtype.
+  Shape recipe_shape_;
+  DType recipe_dtype_ = DType::f32;
 };
 
 /// Which inputs of a node need a gradient: bits for up to 64 inputs, a shared flag per input for
