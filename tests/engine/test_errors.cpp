@@ -433,6 +433,36 @@ TEST_CASE("gradcheck fails a NaN gradient and refuses options or outputs that wo
   check_throws<ArgumentError>([&] { gradcheck(nullptr, {x}); }, {"gradcheck", "empty"});
 }
 
+TEST_CASE("gradcheck: non-leaf inputs, a tensor passed twice, the inputs' gradients, constant outputs, f32") {
+  Tensor leaf = from_values({0.5, -1.0, 2.0}, {3}, Options(DType::f64)).set_requires_grad();
+  const Tensor non_leaf = leaf * 2.0;  // its grad() is never filled: gradcheck read zeros and failed
+  auto product = [](const std::vector<Tensor>& in) { return tanh(in[0]) * in[1]; };
+  CHECK(gradcheck([](const std::vector<Tensor>& in) { return tanh(in[0]); }, {non_leaf}).ok);
+  // Passed twice, each slot is its own input: the analytic side had summed both uses while the
+  // numeric one moved one slot.
+  CHECK(gradcheck(product, {leaf, leaf}).ok);
+  // The caller's gradients are left as they were (gradcheck wiped them, then left its own there).
+  leaf.set_grad(from_values({7, 8, 9}, {3}, Options(DType::f64)));
+  CHECK(gradcheck(product, {leaf, non_leaf}).ok);
+  CHECK_CLOSE(leaf.grad(), {7, 8, 9}, {3}, 0, 0);
+  // An output that does not depend on the inputs: zero gradients, checked (backward raised).
+  const GradcheckResult constant = gradcheck([](const std::vector<Tensor>&) { return ones({2}, DType::f64); }, {leaf});
+  CHECK(constant.ok);
+  CHECK(constant.max_abs_error == 0);
+  check_throws<ArgumentError>(
+      [&] {
+        gradcheck(product, {leaf.detach(), leaf.detach()});
+      },
+      {"gradcheck", "no input requires grad"});
+  // f32: a right gradient fails at the default step (differences of 1e-6 are f32 rounding), and
+  // the message says why.
+  const Tensor single = leaf.detach().to(DType::f32).set_requires_grad();
+  const GradcheckResult f32 = gradcheck([](const std::vector<Tensor>& in) { return tanh(in[0]); }, {single});
+  CHECK_FALSE(f32.ok);
+  CHECK(f32.message.find("f32 [3]") != std::string::npos);
+  CHECK(f32.message.find("need f64") != std::string::npos);
+}
+
 TEST_CASE("thread counts past what the machine can start are refused, from a call or from RUDA_NUM_THREADS") {
   CHECK(max_num_threads() >= 256);
   check_throws<ArgumentError>([] { set_num_threads(max_num_threads() + 1); }, {"set_num_threads", "thread count"});
