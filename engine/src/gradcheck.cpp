@@ -7,6 +7,13 @@
 #include "internal.h"
 
 namespace ruda {
+namespace {
+// Whether a and b are views of the same elements in the same layout (one tensor passed twice).
+bool same_elements(const Tensor& a, const Tensor& b) {
+  return a.shares_storage(b) && a.storage_offset() == b.storage_offset() && a.shape() == b.shape() &&
+         a.strides() == b.strides() && a.dtype() == b.dtype();
+}
+}  // namespace
 
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
                           GradcheckOptions options) {
@@ -21,16 +28,38 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
                         ", rtol ", options.rtol);
   }
   if (!f) fail<ArgumentError>("gradcheck", "the function to check is empty");
-  // Analytic: d(sum(f(x) * r))/dx through backward, for a fixed random projection r, taken on
-  // leaves of gradcheck's own that share each input's storage. So an input may be any tensor that
-  // requires grad (a non-leaf's grad() is never filled), the callers' gradients are left as they
-  // were, and a tensor passed twice is two inputs, each perturbed alone as its gradient is taken.
+  // Analytic: d(sum(f(x) * r))/dx through backward, for a fixed random projection r. The inputs
+  // are passed as they are, as PyTorch's gradcheck passes them (a function may close over a leaf
+  // it is also given: a module's parameter). A non-leaf that requires grad, whose grad() is never
+  // filled, is replaced by a leaf of gradcheck's own on its storage. The leaves' gradients are set
+  // aside for the backward and given back after it.
   std::vector<Tensor> leaves = inputs;
+  std::vector<std::pair<Tensor, Tensor>> set_aside;  // a leaf and its gradient before
+  struct GiveBack {
+    std::vector<std::pair<Tensor, Tensor>>& set_aside;
+    ~GiveBack() {
+      // Last first: a leaf passed twice was set aside twice, the second time without its gradient.
+      for (auto it = set_aside.rbegin(); it != set_aside.rend(); ++it) it->first.set_grad(it->second);
+    }
+  } give_back{set_aside};
   bool any = false;
-  for (Tensor& in : leaves) {
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    Tensor& in = leaves[i];
     if (!in.defined() || !in.requires_grad()) continue;
-    in = in.detach().set_requires_grad();
     any = true;
+    if (in.is_leaf()) {
+      set_aside.emplace_back(in, in.grad());
+      in.set_grad(Tensor());
+      continue;
+    }
+    // One replacement for every slot holding these elements, so that a non-leaf passed twice
+    // collects the gradients of both uses, as a leaf passed twice does.
+    std::size_t earlier = 0;
+    while (earlier < i && !(inputs[earlier].defined() && same_elements(inputs[earlier], in) &&
+                            inputs[earlier].requires_grad() && !inputs[earlier].is_leaf())) {
+      ++earlier;
+    }
+    in = earlier < i ? leaves[earlier] : in.detach().set_requires_grad();
   }
   if (!any) fail<ArgumentError>("gradcheck", "no input requires grad: there is no gradient to check");
   const Tensor out = f(leaves);
@@ -42,6 +71,12 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   const Tensor r = rand(out.shape(), options.seed, 0, Options(out.dtype(), &out.backend())) + 0.5;
   // An output that does not depend on the inputs has zero gradients (checked numerically below).
   if (out.requires_grad()) sum(out * r).backward();
+  std::vector<std::vector<double>> analytic(leaves.size());
+  for (std::size_t i = 0; i < leaves.size(); ++i) {
+    const Tensor& in = leaves[i];
+    if (!in.defined() || !in.requires_grad()) continue;
+    analytic[i] = (in.grad().defined() ? in.grad().to(DType::f64) : zeros(in.shape(), DType::f64)).to_vector<double>();
+  }
 
   auto objective = [&](const std::vector<Tensor>& xs) {
     autograd::NoGradGuard guard;
@@ -51,15 +86,19 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
   for (std::size_t which = 0; which < leaves.size(); ++which) {
     const Tensor& in = leaves[which];
     if (!in.defined() || !in.requires_grad()) continue;
-    const Tensor analytic = in.grad().defined() ? in.grad().to(DType::f64) : zeros(in.shape(), DType::f64);
-    const std::vector<double> grad = analytic.to_vector<double>();
+    const std::vector<double>& grad = analytic[which];
     const std::vector<double> base = in.to_vector<double>();
     for (std::int64_t i = 0; i < in.numel(); ++i) {
       auto shifted = [&](double delta) {
         std::vector<double> values = base;
         values[static_cast<std::size_t>(i)] += delta;
+        // Every slot holding these elements moves with this one, as an in-place perturbation would
+        // move them: their gradient is the sum of their uses.
         std::vector<Tensor> xs = leaves;
-        xs[which] = from_values(values, in.shape(), Options(in.dtype(), &in.backend()));
+        const Tensor moved = from_values(values, in.shape(), Options(in.dtype(), &in.backend()));
+        for (std::size_t j = 0; j < xs.size(); ++j) {
+          if (j == which || (xs[j].defined() && same_elements(xs[j], in))) xs[j] = moved;
+        }
         return objective(xs);
       };
       const double numeric = (shifted(options.eps) - shifted(-options.eps)) / (2 * options.eps);

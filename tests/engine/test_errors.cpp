@@ -438,9 +438,14 @@ TEST_CASE("gradcheck: non-leaf inputs, a tensor passed twice, the inputs' gradie
   const Tensor non_leaf = leaf * 2.0;  // its grad() is never filled: gradcheck read zeros and failed
   auto product = [](const std::vector<Tensor>& in) { return tanh(in[0]) * in[1]; };
   CHECK(gradcheck([](const std::vector<Tensor>& in) { return tanh(in[0]); }, {non_leaf}).ok);
-  // Passed twice, each slot is its own input: the analytic side had summed both uses while the
-  // numeric one moved one slot.
+  // Passed twice, both slots move together, as an in-place perturbation would: the analytic side
+  // summed both uses while the numeric one had moved one slot. A leaf or a non-leaf.
   CHECK(gradcheck(product, {leaf, leaf}).ok);
+  CHECK(gradcheck(product, {non_leaf, non_leaf}).ok);
+  // A function closing over a leaf it is also given (a module's parameter) sees that very leaf.
+  CHECK(
+      gradcheck([&](const std::vector<Tensor>& in) { return tanh(in[0].shares_storage(leaf) ? leaf : in[0]); }, {leaf})
+          .ok);
   // The caller's gradients are left as they were (gradcheck wiped them, then left its own there).
   leaf.set_grad(from_values({7, 8, 9}, {3}, Options(DType::f64)));
   CHECK(gradcheck(product, {leaf, non_leaf}).ok);

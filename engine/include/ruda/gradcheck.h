@@ -25,11 +25,13 @@ struct GradcheckResult {
 };
 
 /// Checks d(sum(f(inputs) * r))/d(input) for a fixed random r against central differences, for
-/// every input that requires grad (a leaf or not; at least one, else ArgumentError). The gradients
-/// are taken on leaves of gradcheck's own that share the inputs' storage: the inputs' grad() are
-/// left as they were, and a tensor passed twice counts as two inputs, each perturbed alone. f must
-/// return a defined floating-point tensor; one that does not depend on the inputs has zero
-/// gradients. Inputs other than f64 fail for rounding at the default eps; the message says so.
+/// every input that requires grad (at least one, else ArgumentError). The inputs are passed to f
+/// as they are, so f may close over a leaf it is also given (a module's parameter); a non-leaf
+/// input is replaced by a leaf on its storage. The leaves' grad() are as they were afterwards.
+/// Inputs holding the same elements (one tensor passed twice) are perturbed together, as an
+/// in-place perturbation would: their gradient is the sum of their uses. f must return a defined
+/// floating-point tensor; one that does not depend on the inputs has zero gradients. Inputs other
+/// than f64 fail for rounding at the default eps; the message says so.
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
                           GradcheckOptions options = {});
 
