@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -219,6 +220,74 @@ TEST_CASE("optimizer groups: saved and restored, resumes continue, and a resume 
       {{{"name", "g"}, {"lr_scale", -1}, {"weight_decay", nullptr}, {"params", nlohmann::json::array()}}});
   std::ofstream(dir.path / "step-00000003" / "index.json") << test::restamped(j).dump(1);
   test::check_throws<IOError>([&] { run(3, 3, 4, dir.str(), "", false); }, {"optimizer group 'g'", "lr_scale"});
+}
+
+TEST_CASE("a parameter the optimizer does not update has no state: none kept or saved, fresh when unfrozen") {
+  // Fine-tuning a head on a frozen backbone: saving made zero moments for the backbone, kept them
+  // for the optimizer's lifetime and wrote them into every checkpoint (3x the backbone's bytes).
+  TempDir dir;
+  LocalCommunicator comm;
+  auto make = [] {
+    nn::manual_seed(3);
+    return nn::Sequential({std::make_shared<nn::Linear>(64, 64), std::make_shared<nn::Linear>(64, 2)});
+  };
+  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) {
+    for (int i = from; i < to; ++i) {
+      const Tensor loss = sum(square(m.forward(randn({4, 64}, 10 + static_cast<std::uint64_t>(i)))));
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+    }
+  };
+  nn::Sequential model = make();
+  nn::AdamW head(model[1]->parameters());
+  train(model, head, 0, 2);
+  const std::int64_t live = memory::stats().live_bytes;
+  nn::save_checkpoint(dir.str(), 2, model, &head, comm);
+  CHECK(memory::stats().live_bytes == live);  // no state made for the backbone
+  test::check_throws<ArgumentError>([&] { (void)head.state(model[0]->parameters()[0]); },
+                                    {"Adam::state", "not one this optimizer updates"});
+  std::ifstream in(dir.path / "step-00000002" / "index.json");
+  const nlohmann::json index = nlohmann::json::parse(in);
+  CHECK(index["params"]["0.weight"]["optimized"] == false);
+  CHECK_FALSE(index["params"]["0.weight"].contains("state_dtypes"));
+  CHECK(index["params"]["1.weight"].contains("state_dtypes"));
+  std::set<std::string> stored;
+  const safetensors::Reader file((dir.path / "step-00000002" / "rank-00000-of-00001.safetensors").string());
+  for (const auto& t : file.tensors()) stored.insert(t.name);
+  CHECK(stored == std::set<std::string>{"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias",
+                                        "optim/1.weight/exp_avg", "optim/1.weight/exp_avg_sq", "optim/1.bias/exp_avg",
+                                        "optim/1.bias/exp_avg_sq"});
+  CHECK(nn::verify_checkpoint(dir.str()) > 0);
+  // Resumed head-only, the run continues as it trains straight through.
+  nn::Sequential straight = make();
+  nn::AdamW straight_head(straight[1]->parameters());
+  train(straight, straight_head, 0, 4);
+  nn::Sequential resumed = make();
+  nn::AdamW resumed_head(resumed[1]->parameters());
+  nn::load_checkpoint(dir.str(), resumed, &resumed_head, comm);
+  train(resumed, resumed_head, 2, 4);
+  CHECK(test::snapshot(resumed) == test::snapshot(straight));
+  // Loaded by an optimizer of every parameter (the backbone unfrozen): the backbone starts
+  // afresh, with zero state and its own count at 0; the head continues.
+  nn::Sequential unfrozen = make();
+  nn::AdamW all(unfrozen.parameters());
+  train(unfrozen, all, 0, 1);  // state of its own, which the load must reset
+  nn::load_checkpoint(dir.str(), unfrozen, &all, comm);
+  CHECK(all.steps_of(unfrozen[0]->parameters()[0]) == 0);
+  CHECK(all.steps_of(unfrozen[1]->parameters()[0]) == 2);
+  for (const auto& [name, t] : all.state(unfrozen[0]->parameters()[0])) {
+    CAPTURE(name);
+    CHECK(sum(abs(t)).item() == 0);
+  }
+  // An optimizer of a parameter the module does not hold: refused before any file is written.
+  nn::Param outside(zeros({3}));
+  auto params = model.parameters();
+  params.push_back(outside);
+  nn::AdamW stray(params);
+  test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 3, model, &stray, comm); },
+                              {"the optimizer updates a parameter [3]", "the module does not hold"});
+  CHECK_FALSE(fs::exists(dir.path / "step-00000003"));
 }
 
 TEST_CASE("reshard: saved by 3 ranks, resumed by 2 and by 4") {
@@ -908,6 +977,27 @@ TEST_CASE(
   test::check_throws<IOError>([&] { nn::consolidate_checkpoint(ckpt.string(), fifo.string()); },
                               {"fifo.safetensors", "FIFO"});
   CHECK(is_a_fifo(fifo));
+}
+
+TEST_CASE("atomic writes: a replaced file keeps its permissions, a new one gets 0666 less the umask") {
+  // The temporary was made 0644 and renamed over the file: a 0600 file of private weights became
+  // readable by every user when a save replaced it.
+  TempDir dir;
+  const fs::path out = dir.path / "w.safetensors";
+  const mode_t mask = ::umask(0022);
+  ::umask(mask);  // read back
+  safetensors::write(out.string(), {{"a", ones({3})}});
+  struct stat st {};
+  REQUIRE(::stat(out.c_str(), &st) == 0);
+  CHECK((st.st_mode & 07777) == (0666 & ~mask));
+  for (const mode_t mode : {mode_t{0600}, mode_t{0640}, mode_t{0444}}) {
+    CAPTURE(mode);
+    REQUIRE(::chmod(out.c_str(), mode) == 0);
+    safetensors::write(out.string(), {{"a", zeros({3})}});
+    REQUIRE(::stat(out.c_str(), &st) == 0);
+    CHECK((st.st_mode & 07777) == mode);
+    test::check_close(safetensors::Reader(out.string()).read("a"), {0, 0, 0}, {3});
+  }
 }
 
 TEST_CASE("atomic writes: concurrent writers of one path each write their own temporary file") {

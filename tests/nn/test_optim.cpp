@@ -80,6 +80,25 @@ TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   CHECK(untouched.data().item() == 5);
 }
 
+TEST_CASE("SGD refuses a step on a parameter whose dtype changed after its momentum buffer was made") {
+  // The f32 buffer was added into with a silent cast, and saved in a dtype no fresh optimizer loads.
+  nn::Param p(ones({8}));
+  nn::SGD opt({p}, {.lr = 0.1, .momentum = 0.9});
+  p.data().set_grad(ones({8}));
+  opt.step();
+  p.set_data(p.data().to(DType::bf16));
+  p.data().set_grad(ones({8}, DType::bf16));
+  const std::vector<float> before = p.data().to_vector<float>();
+  test::check_throws<DTypeError>([&] { opt.step(); },
+                                 {"SGD::step", "momentum buffer is f32", "set_data", "new optimizer"});
+  CHECK(p.data().to_vector<float>() == before);
+  CHECK(opt.steps_of(p) == 1);
+  test::check_throws<DTypeError>([&] { (void)opt.state(p); }, {"SGD::state", "momentum buffer is f32"});
+  // Neither keeps state for a parameter it does not update.
+  nn::Param other(ones({2}));
+  test::check_throws<ArgumentError>([&] { (void)opt.state(other); }, {"SGD::state", "not one this optimizer updates"});
+}
+
 TEST_CASE("Adam refuses a step on a parameter whose dtype changed after its moments were made") {
   // set_data to another floating dtype (module.h names it) after a step: the fused kernel read the
   // f32 moments as f64, past their end (a heap corruption), or f32 ones as bf16 (silently wrong).
@@ -331,7 +350,7 @@ TEST_CASE("decay_2d_only groups by logical shape, sharded or not, and groups are
       {"given twice", "in groups 'x' and 'y'"});
 }
 
-TEST_CASE("a step that fails partway counts for no parameter, and the next one counts once") {
+TEST_CASE("a step that fails partway changes nothing and counts for no parameter; the next one counts once") {
   // Out of memory while making a momentum buffer or Adam's moments, after a parameter without a
   // gradient was passed over: neither the step nor that parameter's skip may be counted, or its
   // own count goes negative (and every later checkpoint's index refuses it).
@@ -340,21 +359,30 @@ TEST_CASE("a step that fails partway counts for no parameter, and the next one c
     nn::manual_seed(3);
     nn::Sequential model({std::make_shared<nn::Linear>(4, 2), std::make_shared<nn::Linear>(512, 2048)});
     const auto params = model.parameters();
+    sum(model[1]->forward(ones({1, 512}))).backward();  // the first layer gets no gradient
+    // A small parameter first, that has a gradient: it was updated before the large one's state
+    // ran out of memory, and updated again (as its first step) by the retry.
+    nn::Param small(ones({2}));
+    small.data().set_grad(ones({2}));
+    std::vector<nn::Param> all{small};
+    all.insert(all.end(), params.begin(), params.end());
     std::unique_ptr<nn::Optimizer> opt;
     if (adam) {
-      opt = std::make_unique<nn::Adam>(params);
+      opt = std::make_unique<nn::Adam>(all);
     } else {
-      opt = std::make_unique<nn::SGD>(params, nn::SGDOptions{.lr = 0.1, .momentum = 0.9});
+      opt = std::make_unique<nn::SGD>(all, nn::SGDOptions{.lr = 0.1, .momentum = 0.9});
     }
-    sum(model[1]->forward(ones({1, 512}))).backward();  // the first layer gets no gradient
     memory::set_limit(memory::stats().live_bytes + 1024);
     CHECK_THROWS_AS(opt->step(), OutOfMemoryError);
     memory::set_limit(0);
     CHECK(opt->steps() == 0);
-    for (const nn::Param& p : params) CHECK(opt->steps_of(p) == 0);
+    for (const nn::Param& p : all) CHECK(opt->steps_of(p) == 0);
+    CHECK(small.data().to_vector<float>() == std::vector<float>{1, 1});  // nothing changed
     opt->step();
     CHECK(opt->steps() == 1);
     CHECK(opt->steps_of(params.front()) == 0);
     CHECK(opt->steps_of(params.back()) == 1);
+    // One update: Adam's first step moves by lr (1e-3), SGD's by lr * g (0.1).
+    CHECK(small.data().to_vector<float>()[0] == doctest::Approx(adam ? 1 - 1e-3 : 0.9).epsilon(1e-6));
   }
 }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string_view>
 #include <typeinfo>
@@ -363,6 +364,7 @@ struct ParamHeader {
   bool sharded = false;
   std::vector<std::pair<std::string, DType>> state;  // the optimizer's state tensors: names and dtypes
   std::optional<std::int64_t> steps;  // the parameter's own step count, where it differs from the optimizer's
+  bool optimized = true;              // whether the optimizer updates it (only then has it state)
 };
 
 // What the index records as the optimizer's kind: the optimizers of nn by name (an Adam with
@@ -440,7 +442,9 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
     jparams[p.name] = {
         {"id", p.id},           {"shape", p.shape}, {"dtype", dtype_name(p.dtype)}, {"numel", shape_numel(p.shape)},
         {"sharded", p.sharded}, {"pieces", pieces}};
-    if (optimizer) {
+    if (optimizer && !p.optimized) {
+      jparams[p.name]["optimized"] = false;
+    } else if (optimizer) {
       json dtypes = json::object();
       for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
       jparams[p.name]["state_dtypes"] = dtypes;
@@ -457,8 +461,9 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                         {"params", g.params}});
     }
     std::vector<std::string> state_names;
-    if (!params.empty()) {
-      for (const auto& [state, dtype] : params.front().state) state_names.push_back(state);
+    const auto first = std::find_if(params.begin(), params.end(), [](const ParamHeader& p) { return p.optimized; });
+    if (first != params.end()) {
+      for (const auto& [state, dtype] : first->state) state_names.push_back(state);
     }
     index["optimizer"] = {{"kind", optimizer_kind(*optimizer)},
                           {"steps", optimizer->steps()},
@@ -480,7 +485,7 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
   for (const auto& [name, p] : params) {
     const Piece piece = piece_of(p, rank);
     std::vector<std::pair<std::string, Tensor>> mine = {{model_tensor(name), p.data()}};
-    if (optimizer) {
+    if (optimizer && optimizer->updates(p)) {
       for (const auto& [state, t] : optimizer->state(p)) mine.emplace_back(optim_tensor(name, state), t);
     }
     json hashes = json::object();
@@ -651,6 +656,20 @@ std::vector<std::int64_t> every_rank(Communicator& comm, const std::vector<std::
   return comm.all_gather(from_vector<std::int64_t>(mine, {n}), {.tag = tag}).to_vector<std::int64_t>();
 }
 
+// Every parameter the optimizer updates is one of the module's: the state of another would be in
+// no checkpoint (saving refused it only when publishing, after every rank file was written).
+void check_optimizer_in_module(const std::string& dir, const Optimizer& optimizer,
+                               const std::vector<std::pair<std::string, Param>>& params) {
+  std::set<ParamId> held;
+  for (const auto& [name, p] : params) held.insert(p.id());
+  for (const Param& p : optimizer.params()) {
+    if (!held.count(p.id())) {
+      ckpt::fail(dir, "the optimizer updates a parameter " + to_string(p.shape()) + " (id " + std::to_string(p.id()) +
+                          ") that the module does not hold: its state would be in no checkpoint");
+    }
+  }
+}
+
 // The ranks save one checkpoint: the same directory and step, the same parameters (names, shapes,
 // dtypes, sharding) and optimizer or none. Ranks that disagreed each wrote their own files and
 // the published index named a rank file that no rank had written (or rank 0's model alone, the
@@ -733,6 +752,7 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
   // files and index until step 4 replaces the index (prepare_step).
   run_agreed_or_fail(comm, dir.empty() ? "''" : dir, "preparing the directory", [&] {
     check_save_arguments(dir, step, world, extra, keep);
+    if (optimizer) check_optimizer_in_module(dir, *optimizer, params);
     if (rank != 0) return;
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
     prepare_step(step_dir);
@@ -768,13 +788,12 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     std::vector<ParamHeader> headers;
     for (const auto& [name, p] : params) {
       headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}, {}});
-      if (optimizer) {
+      // A module's parameter the optimizer does not update (frozen) has no state and no count.
+      if (optimizer && !optimizer->updates(p)) headers.back().optimized = false;
+      if (optimizer && optimizer->updates(p)) {
         for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
         // (The optimizer counts each parameter's steps: one that had no gradient in some is resumed so.)
-        // (A module's parameter the optimizer does not update has no count of its own.)
-        if (optimizer->updates(p)) {
-          if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
-        }
+        if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
       }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
@@ -797,6 +816,17 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     fail(index.dir, "holds " + std::to_string(index.params.size()) + " parameters, the model has " +
                         std::to_string(params.size()));
   }
+  std::map<std::string, const IndexParam*> by_name;
+  for (const auto& p : index.params) by_name[p.name] = &p;
+  if (optimizer) check_optimizer_in_module(index.dir, *optimizer, params);
+  // The state a parameter takes from the checkpoint: where this optimizer updates it and the
+  // saving one did. One this optimizer updates that the saving one did not (frozen then) starts
+  // afresh, with zero state and a step count of 0; one it does not update takes none.
+  auto loads_state = [&](const std::string& name, const Param& p) {
+    const auto found = by_name.find(name);
+    return optimizer && index.has_optimizer && optimizer->updates(p) && found != by_name.end() &&
+           found->second->optimized;
+  };
   if (optimizer && index.has_optimizer) {
     // The state must be this optimizer's: of its kind (where the index records it), and with the
     // same state tensors, none left over (an AdamW checkpoint loaded into SGD without momentum used to
@@ -809,6 +839,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     std::vector<std::string> saved_state = index.optimizer_state;
     std::sort(saved_state.begin(), saved_state.end());
     for (const auto& [name, p] : params) {
+      if (!loads_state(name, p)) continue;
       std::vector<std::string> mine;
       for (const auto& [state, t] : optimizer->state(p)) mine.push_back(state);
       std::vector<std::string> sorted = mine;
@@ -821,8 +852,15 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       }
     }
     // The groups decide each parameter's rate and decay: a resume must continue with the same.
-    // A checkpoint from before groups existed had one group of every parameter.
-    const auto mine = groups_of(*optimizer, params);
+    // A checkpoint from before groups existed had one group of every parameter. Parameters the
+    // saving optimizer did not update (frozen then) may join any group now.
+    auto mine = groups_of(*optimizer, params);
+    for (auto& g : mine) {
+      std::erase_if(g.params, [&](const std::string& name) {
+        const auto found = by_name.find(name);
+        return found != by_name.end() && !found->second->optimized;
+      });
+    }
     std::vector<ckpt::IndexGroup> saved;
     if (index.optimizer_groups) {
       saved = *index.optimizer_groups;
@@ -835,8 +873,6 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
                           describe(mine) + " (their names, parameters, lr scales and weight decays must match)");
     }
   }
-  std::map<std::string, const IndexParam*> by_name;
-  for (const auto& p : index.params) by_name[p.name] = &p;
   RankFiles files(index);
   // Fills [want.offset, want.offset + want.count) of tensor `name` of `entry` into `out` from the
   // pieces that overlap it: the resharding read.
@@ -876,7 +912,9 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     Tensor staged = zeros({data.numel()}, Options(entry.dtype, &data.backend()));
     gather_range(entry, model_tensor(name), entry.dtype, dtype_size(entry.dtype), want, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
-    if (optimizer && index.has_optimizer) {
+    if (optimizer && index.has_optimizer && optimizer->updates(p) && !entry.optimized) {
+      for (auto& [state, t] : optimizer->state(p)) t.fill_(0.0);
+    } else if (loads_state(name, p)) {
       for (auto& [state, t] : optimizer->state(p)) {  // (the same names as the index's: checked above)
         const auto recorded = entry.state_dtypes.find(state);
         if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
@@ -894,7 +932,10 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     optimizer->set_steps(index.optimizer_steps);
     for (const auto& [name, p] : params) {
       const auto found = by_name.find(name);
-      if (found != by_name.end() && found->second->steps && optimizer->updates(p)) {
+      if (found == by_name.end() || !optimizer->updates(p)) continue;
+      if (!found->second->optimized) {
+        optimizer->set_steps_of(p, 0);
+      } else if (found->second->steps) {
         optimizer->set_steps_of(p, *found->second->steps);
       }
     }
@@ -970,7 +1011,8 @@ CheckpointSummary describe_checkpoint(const std::string& path) {
   out.files = index.files;
   if (index.has_optimizer) out.optimizer_steps = index.optimizer_steps;
   for (const IndexParam& p : index.params)
-    out.params.push_back({p.name, p.shape, p.dtype, p.id, p.sharded, index.optimizer_state});
+    out.params.push_back(
+        {p.name, p.shape, p.dtype, p.id, p.sharded, p.optimized ? index.optimizer_state : std::vector<std::string>{}});
   return out;
 }
 

@@ -233,11 +233,18 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     index.params.push_back(parse_param(it.key(), it.value(), index));
   if (index.optimizer_groups) {
     // Every parameter of the groups is one of the index's, and in one group only.
-    std::set<std::string> known, grouped;
-    for (const auto& p : index.params) known.insert(p.name);
+    std::set<std::string> known, grouped, not_optimized;
+    for (const auto& p : index.params) {
+      known.insert(p.name);
+      if (!p.optimized) not_optimized.insert(p.name);
+    }
     for (const IndexGroup& g : *index.optimizer_groups) {
       for (const auto& name : g.params) {
         if (!known.count(name)) fail("index.json's optimizer group '" + g.name + "' names no parameter '" + name + "'");
+        if (not_optimized.count(name)) {
+          fail("index.json's optimizer group '" + g.name + "' names parameter '" + name +
+               "', which the index marks as not optimized");
+        }
         if (!grouped.insert(name).second) fail("index.json's optimizer groups list parameter '" + name + "' twice");
       }
     }
@@ -298,6 +305,14 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
   if (jp.contains("sharded")) {
     if (!jp["sharded"].is_boolean()) fail(where + "'s 'sharded' must be true or false, not " + jp["sharded"].dump());
     p.sharded = jp["sharded"].get<bool>();
+  }
+  if (jp.contains("optimized")) {
+    if (!index.has_optimizer) fail(where + " has an 'optimized' flag but the index holds no optimizer state");
+    if (!jp["optimized"].is_boolean())
+      fail(where + "'s 'optimized' must be true or false, not " + jp["optimized"].dump());
+    p.optimized = jp["optimized"].get<bool>();
+    if (!p.optimized && (jp.contains("state_dtypes") || jp.contains("steps")))
+      fail(where + " is not optimized but records optimizer state dtypes or a step count");
   }
   if (jp.contains("state_dtypes")) {
     // One dtype for each optimizer state the index names, and none other.

@@ -22,8 +22,10 @@ inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
 // Version 2 adds the checksums of every piece to the index and the step to every rank file.
 // Version 1 checkpoints still load and verify, with no checksums to check their data against.
 // 1: no checksums; 2: a checksum per block of every piece; 3: and one over the index itself
-// (kIndexChecksumKey), so that an edited or damaged index.json is an error, not a different model.
-inline constexpr int kVersion = 3;
+// (kIndexChecksumKey), so that an edited or damaged index.json is an error, not a different model;
+// 4: a parameter the optimizer does not update is marked "optimized": false and has no optimizer
+// state (a frozen backbone's zero moments were kept in memory and written to every checkpoint).
+inline constexpr int kVersion = 4;
 inline constexpr const char* kIndexChecksumKey = "index_xxh3";
 inline constexpr std::size_t kMaxLatestBytes = 4096;
 inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
@@ -81,6 +83,9 @@ struct IndexParam {
   std::uint64_t id = 0;
   bool sharded = false;
   std::vector<IndexPiece> pieces;  // by offset, tiling [0, numel) exactly
+  // Whether the optimizer that saved the checkpoint updated it: only then do its pieces hold
+  // optimizer state (every parameter's do in checkpoints before version 4).
+  bool optimized = true;
   // The dtype of each of its optimizer state tensors (by state name; recorded since the index
   // has them: empty in older checkpoints, whose state is checked against the optimizer only).
   std::map<std::string, DType> state_dtypes;
@@ -124,6 +129,7 @@ struct Index {
   // The tensors a piece of `p` has in its rank file: the parameter's values, then its optimizer state.
   std::vector<std::string> tensors(const IndexParam& p) const {
     std::vector<std::string> out = {model_tensor(p.name)};
+    if (!p.optimized) return out;
     for (const auto& s : optimizer_state) out.push_back(optim_tensor(p.name, s));
     return out;
   }

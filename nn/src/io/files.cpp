@@ -138,13 +138,22 @@ AtomicFile::AtomicFile(std::string path, std::string origin, bool crash_simulati
   const std::string stem = name.substr(0, std::min(name.size(), room));
   for (int attempt = 0;; ++attempt) {
     temp_ = (p.parent_path() / (stem + ".tmp-" + random_suffix())).string();
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    // 0666 less the umask, as any new file; a replaced file's own permissions below.
+    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
     if (fd_ >= 0) break;
     if (errno != EEXIST || attempt == 99) {
       const std::string why = os_error();
       settled_ = true;  // nothing was created
       fail("cannot create " + temp_ + ": " + why);
     }
+  }
+  // The file it replaces keeps its permissions: a 0600 file of private weights became 0644
+  // (readable by every user) when a save replaced it.
+  struct stat st {};
+  if (::lstat(path_.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::fchmod(fd_, st.st_mode & 07777) != 0) {
+    const std::string why = os_error();
+    discard();
+    fail("cannot give the new file the permissions of the file it replaces: " + why);
   }
 }
 

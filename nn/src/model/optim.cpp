@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <numbers>
@@ -143,41 +144,83 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
   }
 }
 
+// A step runs in two passes: the first checks every gradient and makes whatever state the update
+// needs (a parameter's first momentum buffer, Adam's moments, a contiguous gradient), changing no
+// value; the second updates. So a step refused for a dtype, or out of memory while making state,
+// changes nothing. What fails in the second pass (SGD's temporaries for weight decay or Nesterov)
+// leaves the parameters before it updated, and counts the step for those alone (finish_partial).
+void Optimizer::finish_partial(const std::vector<std::size_t>& without_gradient, std::size_t updated) {
+  std::vector<std::size_t> skipped = without_gradient;
+  for (std::size_t i = updated; i < params_.size(); ++i) skipped.push_back(i);
+  std::sort(skipped.begin(), skipped.end());
+  skipped.erase(std::unique(skipped.begin(), skipped.end()), skipped.end());
+  finish_step(skipped);
+}
+
 void SGD::step() {
   autograd::NoGradGuard guard;
   for (const Param& p : params_) require_complete_gradient(p, "SGD::step");
   std::vector<std::size_t> without_gradient;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
-    Tensor g = p.grad();
+    const Tensor g = p.grad();
     if (!g.defined()) {
       without_gradient.push_back(i);
       continue;
     }
-    const double decay = weight_decay_of(i, options_.weight_decay);
-    if (decay != 0) g = g + p.data() * decay;
-    if (options_.momentum != 0) {
-      Tensor& buffer = momentum_[p.id()];
-      // The buffer starts as the first gradient, as PyTorch's: one that state() made for a
-      // checkpoint before this parameter's first step holds zeros, not a history to dampen.
-      if (!buffer.defined() || own_steps(p) == 0) {
-        buffer = g.clone();
-      } else {
-        buffer.mul_(options_.momentum).add_(g, 1.0 - options_.dampening);
-      }
-      g = options_.nesterov ? g + buffer * options_.momentum : buffer;
+    if (g.dtype() != p.data().dtype() || g.shape() != p.data().shape()) {
+      fail<DTypeError>("SGD::step", "a parameter is ", dtype_name(p.data().dtype()), " ", p.data().shape(),
+                       " but its gradient is ", dtype_name(g.dtype()), " ", g.shape());
     }
-    p.data().add_(g, -lr_of(i));
+    if (options_.momentum != 0) (void)momentum_of(p, "SGD::step");
+  }
+  std::size_t i = 0;
+  try {
+    for (; i < params_.size(); ++i) {
+      const Param& p = params_[i];
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      const double decay = weight_decay_of(i, options_.weight_decay);
+      if (decay != 0) g = g + p.data() * decay;
+      if (options_.momentum != 0) {
+        Tensor& buffer = momentum_.at(p.id());
+        // The buffer starts as the first gradient, as PyTorch's: one that state() made for a
+        // checkpoint before this parameter's first step holds zeros, not a history to dampen.
+        if (own_steps(p) == 0) {
+          buffer.copy_(g);
+        } else {
+          buffer.mul_(options_.momentum).add_(g, 1.0 - options_.dampening);
+        }
+        g = options_.nesterov ? g + buffer * options_.momentum : buffer;
+      }
+      p.data().add_(g, -lr_of(i));
+    }
+  } catch (...) {
+    finish_partial(without_gradient, i);
+    throw;
   }
   finish_step(without_gradient);
 }
 
-std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
-  if (!param.defined()) fail<ArgumentError>("SGD::state", "the parameter is undefined");
-  if (options_.momentum == 0) return {};
+Tensor& SGD::momentum_of(const Param& param, const char* op) {
   Tensor& buffer = momentum_[param.id()];
-  if (!buffer.defined()) buffer = zeros_like(param.data().detach());
-  return {{"momentum_buffer", buffer}};
+  const Tensor& data = param.data();
+  if (!buffer.defined()) {
+    buffer = zeros_like(data.detach());
+  } else if (buffer.dtype() != data.dtype() || buffer.numel() != data.numel()) {
+    // Kept, it was added into with a silent cast and saved in a dtype no fresh optimizer loads.
+    fail<DTypeError>(op, "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(),
+                     " but its momentum buffer is ", dtype_name(buffer.dtype()), " ", buffer.shape(),
+                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
+                     "new optimizer for it");
+  }
+  return buffer;
+}
+
+std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
+  require_own("SGD::state", param);
+  if (options_.momentum == 0) return {};
+  return {{"momentum_buffer", momentum_of(param, "SGD::state")}};
 }
 
 Adam::Adam(std::vector<Param> params, AdamOptions options)
@@ -214,7 +257,9 @@ Adam::Moments& Adam::moments(const Param& param) {
 
 void Adam::step() {
   for (const Param& p : params_) require_complete_gradient(p, "Adam::step");
+  // First pass: every check and allocation (see finish_partial); the kernel itself allocates nothing.
   std::vector<std::size_t> without_gradient;
+  std::vector<Tensor> grads(params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
@@ -222,33 +267,45 @@ void Adam::step() {
       without_gradient.push_back(i);
       continue;
     }
-    Moments& m = moments(p);
+    (void)moments(p);
     const Tensor& data = p.data();
     if (g.dtype() != data.dtype() || g.numel() != data.numel()) {
       fail<DTypeError>("Adam::step", "a parameter is ", dtype_name(data.dtype()), " ", data.shape(),
                        " but its gradient is ", dtype_name(g.dtype()), " ", g.shape());
     }
-    const Tensor grad = g.is_contiguous() ? g : g.contiguous();  // the kernel reads raw buffers; held past the call
-    AdamDesc d;
-    d.param = data.view();
-    d.grad = grad.view();
-    d.exp_avg = m.exp_avg.view();
-    d.exp_avg_sq = m.exp_avg_sq.view();
-    d.lr = lr_of(i);
-    d.beta1 = options_.beta1;
-    d.beta2 = options_.beta2;
-    d.eps = options_.eps;
-    d.weight_decay = weight_decay_of(i, options_.weight_decay);
-    d.step = own_steps(p) + 1;  // this parameter's own count, this step included
-    d.decoupled = options_.decoupled_weight_decay;
-    data.backend().adam_update(d);
-    data.bump_version();
+    grads[i] = g.is_contiguous() ? g : g.contiguous();  // the kernel reads raw buffers
+  }
+  std::size_t i = 0;
+  try {
+    for (; i < params_.size(); ++i) {
+      if (!grads[i].defined()) continue;
+      const Param& p = params_[i];
+      const Moments& m = moments_.at(p.id());
+      const Tensor& data = p.data();
+      AdamDesc d;
+      d.param = data.view();
+      d.grad = grads[i].view();
+      d.exp_avg = m.exp_avg.view();
+      d.exp_avg_sq = m.exp_avg_sq.view();
+      d.lr = lr_of(i);
+      d.beta1 = options_.beta1;
+      d.beta2 = options_.beta2;
+      d.eps = options_.eps;
+      d.weight_decay = weight_decay_of(i, options_.weight_decay);
+      d.step = own_steps(p) + 1;  // this parameter's own count, this step included
+      d.decoupled = options_.decoupled_weight_decay;
+      data.backend().adam_update(d);
+      data.bump_version();
+    }
+  } catch (...) {
+    finish_partial(without_gradient, i);
+    throw;
   }
   finish_step(without_gradient);
 }
 
 std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {
-  if (!param.defined()) fail<ArgumentError>("Adam::state", "the parameter is undefined");
+  require_own("Adam::state", param);
   Moments& m = moments(param);
   return {{"exp_avg", m.exp_avg}, {"exp_avg_sq", m.exp_avg_sq}};
 }

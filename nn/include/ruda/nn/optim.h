@@ -34,7 +34,9 @@ std::vector<ParamGroup> decay_2d_only(const Module& module);
 /// An optimizer over parameter groups. A subclass implements step() and state(): its step()
 /// updates every parameter that has a gradient, collecting the indices of those without one, and
 /// calls finish_step(them) last, which keeps the per-parameter step counts (steps_of) that
-/// checkpoints record.
+/// checkpoints record. nn's optimizers check every gradient and make every state a step needs
+/// before they update anything: a step refused for a dtype or size, or out of memory while making
+/// state, changes nothing and counts for no parameter.
 class Optimizer {
  public:
   /// One group ("default") of every parameter.
@@ -67,7 +69,8 @@ class Optimizer {
   const std::vector<ParamGroup>& groups() const noexcept { return groups_; }
 
   /// Per-parameter state tensors by name ("exp_avg", "momentum_buffer", ...), for checkpoints.
-  /// Tensors are created on first use, so a loaded state can be written into them.
+  /// Tensors are created on first use, so a loaded state can be written into them. ArgumentError
+  /// for a parameter this optimizer does not update (it would get state it never uses).
   virtual std::vector<std::pair<std::string, Tensor>> state(const Param& param) = 0;
 
  protected:
@@ -82,9 +85,12 @@ class Optimizer {
   /// steps_of without the membership check: the steps `param` completed.
   std::int64_t own_steps(const Param& param) const;
   /// Counts a completed step: for every parameter but params()[i], i in without_gradient. step()
-  /// calls it after its updates, so that a step that throws partway (out of memory, say) counts
-  /// for no parameter instead of for some.
+  /// calls it after its updates, so that a step that throws before any (out of memory while
+  /// making state, say) counts for no parameter.
   void finish_step(const std::vector<std::size_t>& without_gradient);
+  /// Counts a step that threw after updating params()[0, updated): for those that had a
+  /// gradient, so that each one's count stays the number of updates it took.
+  void finish_partial(const std::vector<std::size_t>& without_gradient, std::size_t updated);
 
   std::vector<ParamGroup> groups_;
   std::vector<Param> params_;
@@ -116,6 +122,10 @@ class SGD : public Optimizer {
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
 
  private:
+  /// The parameter's buffer (zeros when new); DTypeError naming `op` if the parameter changed
+  /// dtype or size since it was made.
+  Tensor& momentum_of(const Param& param, const char* op);
+
   SGDOptions options_;
   std::unordered_map<ParamId, Tensor> momentum_;
 };
