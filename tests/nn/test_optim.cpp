@@ -386,3 +386,24 @@ TEST_CASE("a step that fails partway changes nothing and counts for no parameter
     CHECK(small.data().to_vector<float>()[0] == doctest::Approx(adam ? 1 - 1e-3 : 0.9).epsilon(1e-6));
   }
 }
+
+TEST_CASE("a step that runs out of memory while updating counts for the parameters it updated") {
+  // SGD with weight decay makes g + decay * p per parameter as it updates: the large parameter's
+  // runs out of memory after the small one was updated. Each count stays the updates it took.
+  nn::Param small(ones({2})), large(ones({4096}));
+  nn::SGD opt({small, large}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.1});
+  auto grads = [&] {
+    small.data().set_grad(ones({2}));
+    large.data().set_grad(ones({4096}));
+  };
+  grads();
+  opt.step();  // the momentum buffers exist from here: the next step's first pass makes nothing
+  grads();
+  memory::set_limit(memory::stats().live_bytes + 1024);
+  CHECK_THROWS_AS(opt.step(), OutOfMemoryError);
+  memory::set_limit(0);
+  CHECK(opt.steps() == 2);
+  CHECK(opt.steps_of(small) == 2);
+  CHECK(opt.steps_of(large) == 1);
+  CHECK(large.data().to_vector<float>()[0] == doctest::Approx(1 - 0.1 * 1.1).epsilon(1e-6));  // one update
+}
