@@ -469,6 +469,12 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
         complete_pending(*e.node);
         accumulate(e.node->pending, std::move(grads[i]));
       } else {
+        const detail::TensorImpl& leaf = *e.leaf;
+        if (grads[i].shape() != leaf.shape || grads[i].dtype() != leaf.dtype) {  // named as for a node's input
+          fail<AutogradError>("backward", node->name, " produced a gradient ", dtype_name(grads[i].dtype()), " ",
+                              grads[i].shape(), " for its input ", i, ", a leaf of ", dtype_name(leaf.dtype), " ",
+                              leaf.shape);
+        }
         accumulate_leaf(*e.leaf, std::move(grads[i]));
       }
     }

@@ -409,6 +409,15 @@ void begin_inplace(const Tensor& self, const char* op) {
                         " tensor that requires grad; run it under autograd::NoGradGuard");
   }
 }
+// In-place updates are not recorded: under grad mode, an operand that requires grad would lose
+// its gradient without a word (buf.copy_(w), then a loss of buf: w's grad stayed undefined).
+void require_unrecorded_operand(const Tensor& operand, const char* op) {
+  if (operand.requires_grad() && autograd::is_grad_enabled()) {
+    fail<AutogradError>(op, "the ", dtype_name(operand.dtype()), " ", operand.shape(),
+                        " operand requires grad, but in-place updates are not recorded: its gradient would be lost. "
+                        "Use the out-of-place op, or detach() the operand (or run under autograd::NoGradGuard)");
+  }
+}
 }  // namespace
 
 std::uint64_t Tensor::version() const {
@@ -423,6 +432,7 @@ Tensor& Tensor::copy_(const Tensor& source) {
   checked(*this, "copy_");
   detail::require_defined("copy_", source);
   begin_inplace(*this, "copy_");
+  require_unrecorded_operand(source, "copy_");
   if (broadcast_shapes(source.shape(), shape(), "copy_") != shape()) {
     fail<ShapeError>("copy_", "source ", source.shape(), " does not broadcast to ", shape());
   }
@@ -451,6 +461,7 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
   checked(*this, "add_");
   detail::require_defined("add_", other);
   begin_inplace(*this, "add_");
+  require_unrecorded_operand(other, "add_");
   if (broadcast_shapes(other.shape(), shape(), "add_") != shape()) {
     fail<ShapeError>("add_", "operand ", other.shape(), " does not broadcast to ", shape());
   }

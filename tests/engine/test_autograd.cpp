@@ -345,6 +345,31 @@ TEST_CASE("a deep graph whose nodes hold their producers twice is freed without 
   CHECK(grad < 1.128);
 }
 
+TEST_CASE("a node's wrong gradient for a leaf is named by the node, as for any input") {
+  Tensor x = values({1, 2, 3}, {3}).set_requires_grad();
+  Tensor y = x.detach() * 2.0;
+  autograd::record("narrowing", y, {x}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+    return std::vector<Tensor>{g.slice(0, 0, 2)};
+  });
+  test::check_throws<AutogradError>([&] { sum(y).backward(); },
+                                    {"backward", "narrowing produced a gradient f32 [2]", "a leaf of f32 [3]"});
+}
+
+TEST_CASE("copy_ and add_ refuse, under grad mode, an operand that requires grad: its gradient would be lost") {
+  // In-place updates are not recorded: buf.copy_(w) and a loss of buf left w's grad undefined.
+  const Tensor w = values({1, 2}, {2}).set_requires_grad();
+  Tensor buf = zeros({2});
+  test::check_throws<AutogradError>([&] { buf.copy_(w); }, {"copy_", "f32 [2] operand requires grad", "lost"});
+  test::check_throws<AutogradError>([&] { buf.add_(w); }, {"add_", "f32 [2] operand requires grad", "lost"});
+  CHECK_CLOSE(buf, {0, 0}, {2}, 0, 0);  // refused before writing
+  buf.copy_(w.detach());                // the values alone: fine
+  {
+    autograd::NoGradGuard guard;
+    buf.add_(w);
+  }
+  CHECK_CLOSE(buf, {2, 4}, {2}, 0, 0);
+}
+
 TEST_CASE("record refuses an output that is one of its inputs") {
   // Accepted, it made a leaf stop being one and a cycle (tensor -> node -> edge -> tensor) that leaked.
   Tensor x = values({1, 2}, {2}).set_requires_grad();

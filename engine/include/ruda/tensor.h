@@ -113,7 +113,8 @@ class Tensor {
   /// A copy in fresh storage. Differentiable like an identity op; detach() first for a plain copy.
   Tensor clone() const;
 
-  // --- in-place updates (not recorded; refused on a tensor that requires grad while grad mode is on) ---
+  // --- in-place updates (not recorded; refused while grad mode is on on a tensor that requires
+  // grad, and with an operand that requires grad, whose gradient would be lost) ---
   // Each bumps the storage's version: a backward that saved a tensor of this storage and finds
   // a newer version raises AutogradError instead of computing with the changed values.
   Tensor& copy_(const Tensor& source);
