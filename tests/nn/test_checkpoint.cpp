@@ -758,7 +758,20 @@ TEST_CASE("safetensors::Writer streams data after its header and refuses a wrong
     w.write(&b, 8);
     test::check_throws<IOError>([&] { w.write(&b, 1); }, {"w.safetensors", "past the 24 data bytes"});
     w.commit();
+    test::check_throws<ArgumentError>([&] { w.write(&b, 1); }, {"w.safetensors", "written after its commit"});
+    test::check_throws<ArgumentError>([&] { w.commit(); }, {"w.safetensors", "committed twice"});
   }
+  // A repeated or reserved name is the caller's mistake, refused before anything is written.
+  test::check_throws<ArgumentError>(
+      [&] {
+        safetensors::Writer(path, {{"a", DType::f32, {1}}, {"a", DType::f32, {1}}});
+      },
+      {"'a' repeats"});
+  test::check_throws<ArgumentError>(
+      [&] {
+        safetensors::Writer(path, {{"__metadata__", DType::f32, {1}}});
+      },
+      {"'__metadata__' is reserved"});
   safetensors::Reader r(path);
   test::check_close(r.read("a"), {1, 2, 3, 4}, {2, 2});
   test::check_close(r.read("b"), from_values({-0.5}, {1}, DType::f64), 0, 0);

@@ -357,8 +357,9 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
   std::vector<std::uint64_t> sizes;  // bytes of each tensor, in the order given
   for (const auto& t : tensors) {
     const std::string what = "tensor '" + t.name + "'";
-    if (t.name == "__metadata__") io_fail(path, "'__metadata__' is reserved");
-    if (header.contains(t.name)) io_fail(path, "tensor name '" + t.name + "' repeats");
+    // The caller's mistakes, as an invalid dtype or shape below is.
+    if (t.name == "__metadata__") io_fail<ArgumentError>(path, "'__metadata__' is reserved (not a tensor name)");
+    if (header.contains(t.name)) io_fail<ArgumentError>(path, "tensor name '" + t.name + "' repeats");
     if (!is_valid(t.dtype)) {
       io_fail<DTypeError>(
           path, what + " has the invalid dtype " + std::to_string(static_cast<int>(t.dtype)) + " (not a DType)");
@@ -434,6 +435,7 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
 Writer::~Writer() = default;
 
 void Writer::write(const void* data, std::size_t size) {
+  if (committed_) io_fail<ArgumentError>(path_, "written after its commit");
   // The header fixed every offset: more bytes than it promised would shift no tensor but
   // leave a file other readers reject, so refuse them here.
   if (size > data_bytes_ - written_) {
@@ -460,11 +462,13 @@ void Writer::write(const void* data, std::size_t size) {
 }
 
 void Writer::commit() {
+  if (committed_) io_fail<ArgumentError>(path_, "committed twice");
   if (written_ != data_bytes_) {
     io_fail(path_, "only " + std::to_string(written_) + " of the header's " + std::to_string(data_bytes_) +
                        " data bytes were written");
   }
   file_->commit();
+  committed_ = true;
 }
 
 void Reader::copy_range(const std::string& name, std::int64_t first, std::int64_t count, Writer& out) const {

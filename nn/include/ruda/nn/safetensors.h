@@ -110,7 +110,8 @@ class AtomicFile;
 /// commit() (an exception while streaming) or whose commit failed leaves no temporary file behind.
 /// The constructor refuses what no reader would accept, naming the tensor: a dtype that is no
 /// DType (DTypeError), a negative extent, more than kMaxDims dimensions or a size whose bytes
-/// overflow (ShapeError), a header over the readers' limit or not UTF-8 (ArgumentError).
+/// overflow (ShapeError), a header over the readers' limit or not UTF-8, a repeated tensor name or
+/// the reserved name __metadata__ (ArgumentError).
 class Writer {
  public:
   Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
@@ -118,9 +119,11 @@ class Writer {
   ~Writer();
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
-  /// Appends the next `size` data bytes; IOError past the end of the last tensor.
+  /// Appends the next `size` data bytes; IOError past the end of the last tensor, ArgumentError
+  /// after commit().
   void write(const void* data, std::size_t size);
-  /// Flushes and renames into place; IOError if fewer bytes came than the header promises.
+  /// Flushes and renames into place; IOError if fewer bytes came than the header promises,
+  /// ArgumentError the second time.
   void commit();
 
  private:
@@ -132,6 +135,7 @@ class Writer {
   std::vector<Place> places_;  // of each tensor, in the order given
   std::uint64_t data_bytes_ = 0, written_ = 0, data_start_ = 0, position_ = 0, within_ = 0;
   std::size_t current_ = 0;
+  bool committed_ = false;
 };
 
 /// Writes tensors (contiguous; any dtype) and string metadata. Atomic: the data goes to a
