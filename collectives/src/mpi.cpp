@@ -184,7 +184,10 @@ struct MpiCommunicator::Impl {
     }
   };
   std::atomic<std::int64_t> timeout_ms{0};  // 0: off
-  std::mutex watch_mutex;                   // watch_stop, and the watchdog's sleep
+  // Where timeout_ms came from, for the watchdog's message: RUDA_COLLECTIVE_TIMEOUT, the
+  // constructor's argument, or set_timeout (0, 1, 2).
+  std::atomic<int> timeout_source{0};
+  std::mutex watch_mutex;  // watch_stop, and the watchdog's sleep
   std::condition_variable watch_wake;
   bool watch_stop = false;
   mpi_detail::SpinLock slot_lock;  // the slots and last_*
@@ -237,7 +240,8 @@ struct MpiCommunicator::Impl {
   };
 
   // `timeout` empty: RUDA_COLLECTIVE_TIMEOUT's, read in create() where the ranks agree on it.
-  Impl(MPI_Comm parent, std::optional<std::chrono::milliseconds> timeout) : timeout_ms(timeout ? timeout->count() : 0) {
+  Impl(MPI_Comm parent, std::optional<std::chrono::milliseconds> timeout)
+      : timeout_ms(timeout ? timeout->count() : 0), timeout_source(timeout ? 1 : 0) {
     if (!MpiEnvironment::active()) {
       throw CollectiveError("MpiCommunicator: MPI is not initialized (create a ruda::MpiEnvironment first)");
     }
@@ -519,9 +523,11 @@ struct MpiCommunicator::Impl {
   // MPI collective cannot be interrupted, so there is nothing to throw into.)
   [[noreturn]] void fire(const Stalled& stalled, std::chrono::milliseconds limit) {
     const std::string verdict = inspect(stalled.call.sequence, std::min(limit, kGrace));
+    static constexpr const char* kSources[] = {"RUDA_COLLECTIVE_TIMEOUT", "the communicator's constructor",
+                                               "set_timeout"};
     const std::string message = "rank " + std::to_string(rank) + ": " + stalled.text() +
                                 ": not complete after the collective timeout of " + format_collective_timeout(limit) +
-                                " (RUDA_COLLECTIVE_TIMEOUT): " + verdict;
+                                " (" + kSources[timeout_source.load(std::memory_order_relaxed)] + "): " + verdict;
     int world_rank = -1, world_size = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);
@@ -825,6 +831,7 @@ void MpiCommunicator::set_timeout(std::chrono::milliseconds timeout) {
                         ": the timeout must be 0 (off) or positive, got ", timeout.count(), " ms");
   }
   impl_->timeout_ms.store(timeout.count(), std::memory_order_relaxed);
+  impl_->timeout_source.store(2, std::memory_order_relaxed);
 }
 
 std::chrono::milliseconds MpiCommunicator::timeout() const noexcept {

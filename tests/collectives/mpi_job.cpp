@@ -14,6 +14,7 @@
 //   stall-check  in the order check's exchange before the all_gather
 //   stall-setring  in set_ring_min_bytes (a raw MPI_Allreduce once, which no watchdog covered)
 //   deadlock     the last rank blocks forever outside any collective (it still answers queries)
+//   stall-settimeout  as stall, with the timeout set by set_timeout (the message names it)
 // A variable the communicator reads, bad on rank 1 alone (set there before the communicator is
 // made), must raise a typed error on every rank (it threw on rank 1 while the others waited in
 // MPI_Comm_dup or in their first collective):
@@ -22,6 +23,7 @@
 // Each rank prints the error it caught and exits 3.
 //   after-finalize  a collective on a communicator that outlived its MpiEnvironment: a typed
 //                   error on each rank (MPI aborted the job), then a clean exit
+#include <chrono>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
@@ -46,6 +48,7 @@ namespace {
 int run(const std::string& mode) {
   ruda::MpiCommunicator comm;
   comm.set_order_check(mode == "skip" || mode == "stall-check");
+  if (mode == "stall-settimeout") comm.set_timeout(std::chrono::seconds(2));
   const bool last = comm.rank() == comm.world_size() - 1;
   const ruda::Tensor x = ruda::ones({1024});
   for (int step = 0; step < 5; ++step) {
@@ -78,7 +81,8 @@ int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ok";
   if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
       mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "stall-setring" &&
-      mode != "deadlock" && mode != "env-timeout" && mode != "env-check" && mode != "after-finalize") {
+      mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" && mode != "env-check" &&
+      mode != "after-finalize") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }
