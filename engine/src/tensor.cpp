@@ -259,7 +259,7 @@ bool Tensor::shares_storage(const Tensor& other) const {
   return defined() && other.defined() && impl_->storage == other.impl_->storage;
 }
 
-template <class T>
+template <TensorElement T>
 T* Tensor::data() const {
   const auto& impl = require_contiguous_bytes(*this, "data");
   if (impl.dtype != dtype_of<T>()) {
@@ -269,7 +269,7 @@ T* Tensor::data() const {
   return static_cast<T*>(impl.data());
 }
 
-template <class T>
+template <TensorElement T>
 std::vector<T> Tensor::to_vector() const {
   const auto& impl = checked(*this, "to_vector");
   constexpr DType target = dtype_of<T>();
@@ -611,7 +611,7 @@ Tensor arange(double start, double end, double step, Options options) {
   return finish(std::move(t), options);
 }
 
-template <class T>
+template <TensorElement T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options options) {
   const std::int64_t n = shape_numel(shape, "from_vector");
   if (static_cast<std::int64_t>(values.size()) != n) {

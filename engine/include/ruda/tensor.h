@@ -10,6 +10,7 @@
 // rebasing of a view's autograd history after an in-place write is not needed (nor done).
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <initializer_list>
 #include <iosfwd>
@@ -44,6 +45,12 @@ struct Options {
       : dtype(dtype_), backend(backend_), requires_grad(requires_grad_) {}
 };
 
+/// The element types of the typed accessors (data<T>, to_vector<T>, from_vector<T>): one per
+/// DType. Another type is a compile error here, not an undefined reference at link time.
+template <class T>
+concept TensorElement = std::same_as<T, float> || std::same_as<T, double> || std::same_as<T, std::int64_t> ||
+    std::same_as<T, bfloat16> || std::same_as<T, float16> || std::same_as<T, bool>;
+
 class Tensor {
  public:
   Tensor() = default;
@@ -64,7 +71,7 @@ class Tensor {
   /// no caller reads the wrong bytes.
   void* data_ptr() const;
   /// Typed pointer; throws DTypeError if T does not match the dtype, ShapeError as data_ptr().
-  template <class T>
+  template <TensorElement T>
   T* data() const;
   /// The kernel view of this tensor: pointer to its first element and its strides (any layout).
   View view() const;
@@ -79,7 +86,7 @@ class Tensor {
   std::int64_t storage_offset() const;
 
   /// All values converted to T (any dtype to float, double, int64_t, bool, bfloat16 or float16).
-  template <class T>
+  template <TensorElement T>
   std::vector<T> to_vector() const;
   /// The value of a one-element tensor, as double.
   double item() const;
@@ -176,7 +183,7 @@ Tensor ones_like(const Tensor& like);
 /// [start, start + step, ...) below end.
 Tensor arange(double start, double end, double step = 1.0, Options options = {});
 /// A copy of the values; the dtype follows T (float f32, double f64, int64_t i64, bool, bfloat16, float16).
-template <class T>
+template <TensorElement T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options options = {});
 /// A copy of the values converted to options.dtype.
 Tensor from_values(const std::vector<double>& values, const Shape& shape, Options options = {});
