@@ -51,7 +51,23 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
             const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
             return d * d;
           });
-          const S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
+          S rs = S(1) / std::sqrt(sq / static_cast<S>(n) + static_cast<S>(eps));
+          if (std::isinf(sq) && std::isfinite(mu)) {
+            // The squares overflowed the statistics' dtype (f32 rows of 1e20, f64 of 1e155) where
+            // the deviations did not: scaled by the largest deviation m, var = m^2 q with q <= 1,
+            // and rstd = 1 / (m sqrt(q + eps / m^2)). Unscaled, rstd was 0 and the row 0.
+            S m = 0;
+            for (std::int64_t j = 0; j < n; ++j) m = std::max(m, std::abs(static_cast<S>(Num<T>::load(row[j])) - mu));
+            if (std::isfinite(m)) {
+              const S q = lane_sum<S>(n,
+                                      [&](std::int64_t j) {
+                                        const S d = (static_cast<S>(Num<T>::load(row[j])) - mu) / m;
+                                        return d * d;
+                                      }) /
+                          static_cast<S>(n);
+              rs = S(1) / (m * std::sqrt(q + static_cast<S>(eps) / m / m));
+            }
+          }
           mp[r] = mu;
           rp[r] = rs;
           T* out = yp + r * n;

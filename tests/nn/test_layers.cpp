@@ -226,15 +226,18 @@ TEST_CASE("losses: values") {
       },
       {"nll_loss", "target -1 at [0]"});
   CHECK(std::isfinite(nn::cross_entropy(logits, values({-100, 2}, {2}, DType::i64)).item()));  // ignore_index
-  // label_smoothing in [0, 1): NaN, negative and 1 are errors, not silently 0.
-  for (double bad : {-0.1, 1.0, 1.5, std::nan("")}) {
+  // label_smoothing in [0, 1], as PyTorch's: NaN, negative and above 1 are errors, not silently 0.
+  for (double bad : {-0.1, 1.5, std::nan("")}) {
     CAPTURE(bad);
     test::check_throws<ArgumentError>(
         [&] {
           nn::cross_entropy(logits, values({1, 1}, {2}, DType::i64), {.label_smoothing = bad});
         },
-        {"cross_entropy", "label_smoothing must be in [0, 1)"});
+        {"cross_entropy", "label_smoothing must be in [0, 1]"});
   }
+  // At 1 the loss is the smoothing term alone: each row's mean of -log p over the classes.
+  test::check_close(nn::cross_entropy(logits, values({1, 0}, {2}, DType::i64), {.label_smoothing = 1.0}),
+                    mean(-mean(log_softmax(logits, -1), {-1})), 1e-6, 1e-6);
   test::check_throws<DTypeError>([&] { nn::cross_entropy(logits, values({1, 1}, {2})); }, {"i64", "f32"});
 }
 
@@ -335,6 +338,85 @@ TEST_CASE(
       CHECK(expected);
     }
   }
+}
+
+TEST_CASE("losses: a class weight that is not finite for a class never kept, no classes, the BCE tail") {
+  // Inverse-frequency weights give a padding class never seen an infinite weight: ignored rows
+  // picked it (class 0) and multiplied it by 0, and the loss and every gradient became NaN.
+  const Tensor logits = randn({4, 4}, 5, 0, DType::f64);
+  const Tensor targets = values({1, 2, 0, 3}, {4}, DType::i64);
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const auto reduction : {nn::LossReduction::mean, nn::LossReduction::sum, nn::LossReduction::none}) {
+    std::vector<std::vector<double>> grads;
+    std::vector<std::vector<double>> losses;
+    for (const double w0 : {inf, std::nan(""), 1.0}) {
+      const Tensor x = logits.detach().set_requires_grad();
+      const Tensor loss = nn::cross_entropy(
+          x, targets,
+          {.reduction = reduction, .ignore_index = 0, .weight = values({w0, 1 / 3., 1 / 2., 1.}, {4}, DType::f64)});
+      sum(loss).backward();
+      losses.push_back(loss.to_vector<double>());
+      grads.push_back(x.grad().to_vector<double>());
+    }
+    // Class 0 is never kept: its weight does not matter.
+    CHECK(losses[0] == losses[2]);
+    CHECK(losses[1] == losses[2]);
+    CHECK(grads[0] == grads[2]);
+    CHECK(grads[1] == grads[2]);
+    for (const double g : grads[0]) CHECK(std::isfinite(g));
+  }
+  test::check_throws<DTypeError>(
+      [&] {
+        nn::cross_entropy(logits, targets, {.weight = values({1, 1, 1, 1}, {4}, DType::i64)});
+      },
+      {"cross_entropy", "class weights must be floating point", "i64"});
+  test::check_throws<ArgumentError>(
+      [&] { nn::cross_entropy(logits, targets, {.weight = ones({4}, DType::f64).set_requires_grad()}); },
+      {"cross_entropy", "require grad", "detach"});
+  test::check_throws<DTypeError>([&] { nn::cross_entropy(targets, targets); }, {"cross_entropy", "logits"});
+
+  // No classes: every target must be ignored, as PyTorch's (mean NaN, sum 0, none zeros).
+  const Tensor empty = zeros({3, 0}, DType::f64).set_requires_grad();
+  const Tensor ignored = values({-100, -100, -100}, {3}, DType::i64);
+  CHECK(std::isnan(nn::cross_entropy(empty, ignored).item()));
+  const Tensor total = nn::cross_entropy(empty, ignored, {.reduction = nn::LossReduction::sum});
+  CHECK(total.item() == 0);
+  total.backward();
+  CHECK(empty.grad().shape() == Shape{3, 0});
+  CHECK_CLOSE(nn::cross_entropy(empty, ignored, {.reduction = nn::LossReduction::none}), {0, 0, 0}, {3}, 0, 0);
+  test::check_throws<IndexError>(
+      [&] {
+        nn::cross_entropy(empty, values({0, -100, -100}, {3}, DType::i64));
+      },
+      {"cross_entropy", "outside the 0 classes"});
+
+  // BCE with logits below -20: softplus's threshold dropped log1p(exp(x)) (0 for x = -25, t = 0).
+  const Tensor x = values({-25.0, -30.0}, {2}, DType::f64).set_requires_grad();
+  const Tensor t = values({0.0, 1.0}, {2}, DType::f64);
+  const Tensor bce = nn::binary_cross_entropy_with_logits(x, t, nn::LossReduction::none);
+  const std::vector<double> v = bce.to_vector<double>();
+  CHECK(v[0] == doctest::Approx(std::log1p(std::exp(-25.0))).epsilon(1e-12));
+  CHECK(v[1] == doctest::Approx(30.0 + std::log1p(std::exp(-30.0))).epsilon(1e-15));
+  sum(bce).backward();
+  const std::vector<double> g = x.grad().to_vector<double>();
+  CHECK(g[0] == doctest::Approx(1 / (1 + std::exp(25.0))).epsilon(1e-12));  // sigmoid(x) - t
+  CHECK(g[1] == doctest::Approx(1 / (1 + std::exp(30.0)) - 1).epsilon(1e-12));
+}
+
+TEST_CASE("LayerNorm of rows whose squares overflow the statistics' dtype, and attention dropout of 1") {
+  // f32 rows of 1e20: the squares are inf in f32, and rstd was 0 (every output 0). The f64
+  // computation of the same row is the reference.
+  const Tensor row = values({1e20, -1e20, 3e20, 0}, {1, 4});
+  nn::LayerNorm norm(4, 1e-5, false);
+  const Tensor y = norm.forward(row);
+  test::check_close(y, norm.forward(row.to(DType::f64)).to(DType::f32), 1e-6, 1e-5);
+  CHECK(std::abs(y.to_vector<float>()[2] - 1.5213f) < 1e-3f);
+  const Tensor big = values({1e155, -1e155, 3e155, 0}, {1, 4}, DType::f64);
+  test::check_close(norm.forward(big), y.to(DType::f64), 1e-6, 1e-5);
+  // The attention weights' dropout must keep some weight, refused at construction as GPT does.
+  test::check_throws<ArgumentError>([] { nn::CausalSelfAttention(8, 2, 1.0); },
+                                    {"CausalSelfAttention", "dropout must be in [0, 1)", "1"});
+  test::check_throws<ArgumentError>([] { nn::TransformerBlock(8, 2, 16, 1.0); }, {"CausalSelfAttention"});
 }
 
 TEST_CASE("losses: gradients") {

@@ -147,6 +147,11 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t d_model, std::int64_t head
   if (d_model > std::numeric_limits<std::int64_t>::max() / 3) {  // the qkv projection's 3 * d_model
     fail<ShapeError>("CausalSelfAttention", "d_model ", d_model, " is too large: 3 * d_model overflows int64");
   }
+  // As GPT's: the attention weights' dropout must keep some weight (the fused op refuses 1 at the
+  // first forward, naming itself; the composed path returned zeros).
+  if (!(dropout >= 0.0 && dropout < 1.0)) {
+    fail<ArgumentError>("CausalSelfAttention", "dropout must be in [0, 1), got ", dropout);
+  }
   qkv = std::make_shared<Linear>(d_model, 3 * d_model);
   proj = std::make_shared<Linear>(d_model, d_model);
   attn_dropout_ = std::make_shared<Dropout>(dropout);

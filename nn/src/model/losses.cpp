@@ -68,47 +68,65 @@ Tensor ignore_scalar(std::int64_t ignore_index) {
   return from_vector<std::int64_t>({ignore_index}, {}, Options(DType::i64));
 }
 
-Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
+// `input` names what the caller passed (cross_entropy's logits, nll_loss's log-probabilities).
+Tensor nll(const char* op, const char* input, const Tensor& log_probs, const Tensor& targets,
+           const CrossEntropyOptions& options) {
   if (!log_probs.defined() || !targets.defined()) fail<ArgumentError>(op, "got an undefined tensor");
   check_enum(options.reduction, op, "LossReduction");
-  if (!(options.label_smoothing >= 0.0 && options.label_smoothing < 1.0)) {
-    fail<ArgumentError>(op, "label_smoothing must be in [0, 1), got ", options.label_smoothing);
+  // 1 included, as PyTorch's: the loss is then the smoothing term alone.
+  if (!(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0)) {
+    fail<ArgumentError>(op, "label_smoothing must be in [0, 1], got ", options.label_smoothing);
   }
   if (targets.dtype() != DType::i64) {
     fail<DTypeError>(op, "targets must be i64 class indices, got ", dtype_name(targets.dtype()), " ", targets.shape());
   }
   if (!is_floating(log_probs.dtype())) {
-    fail<DTypeError>(op, "log-probabilities must be floating point, got ", dtype_name(log_probs.dtype()), " ",
-                     log_probs.shape());
+    fail<DTypeError>(op, input, " must be floating point, got ", dtype_name(log_probs.dtype()), " ", log_probs.shape());
   }
-  if (log_probs.ndim() < 1) fail<ShapeError>(op, "log-probabilities need a class axis, got ", log_probs.shape());
+  if (log_probs.ndim() < 1) fail<ShapeError>(op, input, " need a class axis (the last), got ", log_probs.shape());
   const Shape expected(log_probs.shape().begin(), log_probs.shape().end() - 1);
   if (targets.shape() != expected) {
-    fail<ShapeError>(op, "targets ", targets.shape(), " do not match log-probabilities ", log_probs.shape(),
-                     " (expected ", expected, ")");
+    fail<ShapeError>(op, "targets ", targets.shape(), " do not match ", input, " ", log_probs.shape(), " (expected ",
+                     expected, ")");
+  }
+  if (options.weight.defined() && !is_floating(options.weight.dtype())) {
+    fail<DTypeError>(op, "class weights must be floating point, got ", dtype_name(options.weight.dtype()), " ",
+                     options.weight.shape());
+  }
+  if (options.weight.defined() && options.weight.requires_grad() && autograd::is_grad_enabled()) {
+    // They are constants of the loss: a gradient for them would be silently missing.
+    fail<ArgumentError>(op, "class weights ", options.weight.shape(),
+                        " require grad, but the loss takes no gradient for them; pass weight.detach()");
   }
   const std::int64_t classes = log_probs.shape().back();
   check_targets(op, targets, classes, options.ignore_index);
   const DType dtype = log_probs.dtype();
   Options like(dtype, &log_probs.backend());
 
-  // Ignored targets pick class 0 and are masked out.
+  // Ignored targets pick class 0 and are selected out. With no class at all, every target is
+  // ignored (check_targets refused any other), and there is no class 0 to pick: the picked value
+  // is the empty sum, 0, which keeps the graph to log_probs (a [N, 0] gradient).
   const Tensor keep = ne(targets, ignore_scalar(options.ignore_index));
   const Tensor safe = where(keep, targets, zeros({}, DType::i64));
   const Tensor keep_f = cast(keep, dtype);
-  Tensor target_weight = keep_f;
-  if (options.weight.defined()) {
-    if (options.weight.shape() != Shape{classes}) {
-      fail<ShapeError>(op, "class weights ", options.weight.shape(), " do not match ", classes, " classes");
-    }
-    target_weight =
-        reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()) * keep_f;
+  const Tensor none = zeros({}, like);
+  if (options.weight.defined() && options.weight.shape() != Shape{classes}) {
+    fail<ShapeError>(op, "class weights ", options.weight.shape(), " do not match ", classes, " classes");
   }
+  // The ignored rows' weight is selected out too, not multiplied by 0: class 0's weight may be inf
+  // or NaN (an inverse frequency of a padding class never seen), and inf * 0 made the loss NaN.
+  const Tensor target_weight =
+      options.weight.defined() && classes > 0
+          ? where(
+                keep,
+                reshape(embedding(reshape(cast(options.weight, dtype).detach(), {classes, 1}), safe), targets.shape()),
+                none)
+          : keep_f;
   // Ignored rows are selected out, never multiplied by 0: their log-probabilities may be -inf or
   // NaN (logits masked with -inf in a padded batch), and -inf * 0 made the whole loss NaN where
   // PyTorch's (which skips them) is finite. The selection also passes them no gradient.
-  const Tensor none = zeros({}, like);
-  const Tensor picked = squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1);
+  const Tensor picked =
+      classes > 0 ? squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1) : sum(log_probs, {-1});
   Tensor loss = where(keep, -(picked * target_weight), none);
   if (options.label_smoothing > 0.0) {
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
@@ -155,7 +173,7 @@ Tensor nll(const char* op, const Tensor& log_probs, const Tensor& targets, const
 }  // namespace
 
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntropyOptions& options) {
-  return nll("nll_loss", log_probs, targets, options);
+  return nll("nll_loss", "log-probabilities", log_probs, targets, options);
 }
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& options) {
@@ -164,7 +182,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
     fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ",
                      logits.shape());
   }
-  return nll("cross_entropy", log_softmax(logits, -1), targets, options);
+  return nll("cross_entropy", "logits", log_softmax(logits, -1), targets, options);
 }
 
 namespace {
@@ -183,7 +201,10 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
                                         const Tensor& pos_weight) {
   check_enum(reduction, "binary_cross_entropy_with_logits", "LossReduction");
   check_same_shape("binary_cross_entropy_with_logits", logits, targets);
-  // (1 - t) x + w_t softplus(-x), with w_t = 1 + (pos_weight - 1) t: stable for any logit.
+  // (1 - t) x + w_t softplus(-x), with w_t = 1 + (pos_weight - 1) t: stable for any logit. The
+  // softplus without its threshold (PyTorch's softplus is z past 20, which dropped the
+  // log1p(exp(x)) tail below x = -20: a loss of 0 for x = -25, t = 0, not 1.4e-11): z + log1p(e^-z)
+  // above 0, log1p(e^z) at and below, neither near a threshold.
   Tensor log_weight = ones({}, Options(logits.dtype(), &logits.backend()));
   if (pos_weight.defined()) {
     if (pos_weight.dtype() != logits.dtype()) {
@@ -198,7 +219,9 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
     }
     log_weight = (pos_weight - 1.0) * targets + 1.0;
   }
-  const Tensor loss = (1.0 - targets) * logits + log_weight * softplus(-logits);
+  const Tensor z = -logits;
+  const Tensor softplus_z = where(gt(z, 0.0), z + softplus(-z), softplus(z));
+  const Tensor loss = (1.0 - targets) * logits + log_weight * softplus_z;
   return reduce(loss, reduction);
 }
 
