@@ -1,6 +1,8 @@
 // Row gathers and scatters (embedding, take_along_axis) and the fused Adam/AdamW update.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "eigen_backend.h"
 #include "kernel_util.h"
@@ -30,17 +32,38 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
     using T = decltype(tag);
     const T* s = src.ptr<const T>();
     T* t = table.ptr<T>();
-    // Threads split the feature columns, so repeated indices never race and the order of the
-    // additions (row order) is the same for any thread count.
-    parallel_for(features, std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows)),
-                 [&](std::int64_t j0, std::int64_t j1) {
-                   for (std::int64_t i = 0; i < rows; ++i) {
-                     T* row = t + idx[i] * features;
-                     const T* from = s + i * features;
-                     for (std::int64_t j = j0; j < j1; ++j)
-                       row[j] = Num<T>::store(Num<T>::load(row[j]) + Num<T>::load(from[j]));
-                   }
-                 });
+    const std::int64_t grain = std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows));
+    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+      // 16-bit: each table row sums its source rows in f32 and is rounded once. Rounded after
+      // every add, a row stopped growing (bf16 256 + 1 is 256): a token seen 300 times got 256.
+      // The source rows are taken by index (a stable order: row order within an index).
+      std::vector<std::int64_t> order(static_cast<std::size_t>(rows));
+      for (std::int64_t i = 0; i < rows; ++i) order[static_cast<std::size_t>(i)] = i;
+      std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return idx[a] < idx[b]; });
+      parallel_for(features, grain, [&](std::int64_t j0, std::int64_t j1) {
+        std::vector<float> acc(static_cast<std::size_t>(j1 - j0));
+        for (std::size_t g = 0; g < order.size();) {
+          T* row = t + idx[order[g]] * features;
+          for (std::int64_t j = j0; j < j1; ++j) acc[static_cast<std::size_t>(j - j0)] = Num<T>::load(row[j]);
+          const std::int64_t target = idx[order[g]];
+          for (; g < order.size() && idx[order[g]] == target; ++g) {
+            const T* from = s + order[g] * features;
+            for (std::int64_t j = j0; j < j1; ++j) acc[static_cast<std::size_t>(j - j0)] += Num<T>::load(from[j]);
+          }
+          for (std::int64_t j = j0; j < j1; ++j) row[j] = Num<T>::store(acc[static_cast<std::size_t>(j - j0)]);
+        }
+      });
+    } else {
+      // Threads split the feature columns, so repeated indices never race and the order of the
+      // additions (row order) is the same for any thread count.
+      parallel_for(features, grain, [&](std::int64_t j0, std::int64_t j1) {
+        for (std::int64_t i = 0; i < rows; ++i) {
+          T* row = t + idx[i] * features;
+          const T* from = s + i * features;
+          for (std::int64_t j = j0; j < j1; ++j) row[j] = Num<T>::store(Num<T>::load(row[j]) + Num<T>::load(from[j]));
+        }
+      });
+    }
   });
 }
 
@@ -64,10 +87,29 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
     using T = decltype(tag);
     const T* s = src.ptr<const T>();
     T* t = x.ptr<T>();
-    for (std::int64_t r = 0; r < rows; ++r) {
-      for (std::int64_t j = 0; j < picks; ++j) {
-        T& dst = t[r * cols + idx[r * picks + j]];
-        dst = Num<T>::store(Num<T>::load(dst) + Num<T>::load(s[r * picks + j]));
+    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+      // 16-bit: the picks of one destination are summed in f32 and rounded once (rounded after
+      // every add, 300 picks of one bf16 element gave 256), in pick order within a destination.
+      std::vector<std::int64_t> order(static_cast<std::size_t>(picks));
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t* row_idx = idx + r * picks;
+        for (std::int64_t j = 0; j < picks; ++j) order[static_cast<std::size_t>(j)] = j;
+        std::stable_sort(order.begin(), order.end(),
+                         [&](std::int64_t a, std::int64_t b) { return row_idx[a] < row_idx[b]; });
+        for (std::size_t g = 0; g < order.size();) {
+          const std::int64_t target = row_idx[order[g]];
+          T& dst = t[r * cols + target];
+          float acc = Num<T>::load(dst);
+          for (; g < order.size() && row_idx[order[g]] == target; ++g) acc += Num<T>::load(s[r * picks + order[g]]);
+          dst = Num<T>::store(acc);
+        }
+      }
+    } else {
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t j = 0; j < picks; ++j) {
+          T& dst = t[r * cols + idx[r * picks + j]];
+          dst = Num<T>::store(Num<T>::load(dst) + Num<T>::load(s[r * picks + j]));
+        }
       }
     }
   });

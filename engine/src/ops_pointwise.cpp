@@ -54,11 +54,12 @@ bool holds_exactly(DType dtype, float number) {
   return back == number;
 }
 
-// t <op> number (or number <op> t), as PyTorch computes arithmetic with a Python number: for f16 and
-// bf16 tensors in f32 with the number as f32, rounded once to the tensor's dtype. Rounding the
-// number to the tensor's dtype first made x * 1.005 in bf16 x * 1.0078125 (0.3% off, the same way
-// on every element). Where the number is one of the dtype's values (0.5, 2, 0.125, 1000) the
+// t * number and t / number (and number * t), as PyTorch computes them with a Python number: for
+// f16 and bf16 tensors in f32 with the number as f32, rounded once to the tensor's dtype. Rounding
+// the number to the tensor's dtype first made x * 1.005 in bf16 x * 1.0078125 (0.3% off, the same
+// way on every element). Where the number is one of the dtype's values (0.5, 2, 0.125, 1000) the
 // 16-bit kernel, which computes in f32, does exactly that; otherwise the tensor goes through f32.
+// (PyTorch's + and - convert the number to the tensor's dtype first: number_in_dtype below.)
 Tensor with_number(Tensor (*op)(const Tensor&, const Tensor&), const char* name, const Tensor& t, double number,
                    bool number_first) {
   detail::require_defined(name, t);
@@ -270,6 +271,9 @@ Tensor clamp(const Tensor& x, double low, double high) {
     fail<ArgumentError>("clamp", "a bound is NaN (low ", low, ", high ", high, ")");
   if (!(low <= high)) fail<ArgumentError>("clamp", "low ", low, " exceeds high ", high);
   detail::require_defined("clamp", x);
+  if (x.dtype() == DType::boolean) {  // (maximum's error named maximum)
+    fail<DTypeError>("clamp", "is not defined on the bool tensor ", x.shape(), " (cast to a number type first)");
+  }
   if (x.dtype() == DType::i64) {
     // Integer bounds, exactly: [ceil(low), floor(high)], cut to the dtype's range (a bound beyond
     // it, such as 1e30, bounds nothing: INT64_MAX stays INT64_MAX, not the largest double below 2^63).
@@ -308,11 +312,15 @@ Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
 Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
 Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
 Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
-Tensor operator+(const Tensor& a, double b) { return with_number(add, "add", a, b, false); }
-Tensor operator-(const Tensor& a, double b) { return with_number(sub, "sub", a, b, false); }
+// + and -: the number converted to the tensor's dtype first, then the tensor's kernel (which
+// computes 16-bit dtypes in f32 and rounds once), as PyTorch's type promotion of a wrapped
+// number does: bf16 0.1162109375 + 0.1 is 0.216796875 there (0.1 as bf16 0.10009765625, the sum
+// a tie rounded to even), not the 0.2158203125 of 0.1 kept in f32 (1.5-4% of elements differed).
+Tensor operator+(const Tensor& a, double b) { return add(a, arithmetic_scalar("add", b, a)); }
+Tensor operator-(const Tensor& a, double b) { return sub(a, arithmetic_scalar("sub", b, a)); }
 Tensor operator*(const Tensor& a, double b) { return with_number(mul, "mul", a, b, false); }
 Tensor operator/(const Tensor& a, double b) { return with_number(div, "div", a, b, false); }
-Tensor operator+(double a, const Tensor& b) { return with_number(add, "add", b, a, true); }
+Tensor operator+(double a, const Tensor& b) { return add(arithmetic_scalar("add", a, b), b); }
 // PyTorch's reflected forms, which its Python operators run: number - t is rsub, the number
 // converted to t's dtype first; number / t is reciprocal(t) * number for float tensors (not one
 // rounded division: the f32 results differ in the last bit).

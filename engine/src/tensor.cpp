@@ -628,6 +628,10 @@ Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options opt
 }
 
 Tensor from_values(const std::vector<double>& values, const Shape& shape, Options options) {
+  const std::int64_t n = shape_numel(shape, "from_values");
+  if (static_cast<std::int64_t>(values.size()) != n) {  // (from_vector's error named from_vector)
+    fail<ShapeError>("from_values", values.size(), " values do not fill shape ", shape, " (", n, " elements)");
+  }
   Tensor t = from_vector(values, shape, Options(DType::f64, options.backend));
   if (options.dtype != DType::f64) t = t.to(options.dtype);
   return finish(std::move(t), options);

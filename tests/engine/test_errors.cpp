@@ -27,7 +27,7 @@ TEST_CASE("ShapeError") {
   check_throws<ShapeError>([] { linear(zeros({2, 3}), zeros({4, 5})); }, {"linear", "[2, 3]", "[4, 5]"});
   check_throws<ShapeError>([] { zeros({2}).item(); }, {"item", "[2]"});
   check_throws<ShapeError>([] { zeros({1, 2, 1, 1, 1, 1, 1, 1, 1}); }, {"more than 8"});
-  check_throws<ShapeError>([] { from_values({1, 2, 3}, {2, 2}); }, {"from_vector", "[2, 2]"});
+  check_throws<ShapeError>([] { from_values({1, 2, 3}, {2, 2}); }, {"from_values", "[2, 2]"});
 }
 
 TEST_CASE("DTypeError") {

@@ -1002,6 +1002,23 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping o
                   ArgumentError);
 }
 
+TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a repeated index in f32") {
+  // Rounded to bf16 after every add, a destination stopped growing at 256 (256 + 1 is 256).
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = values({1, 2, 3, 4}, {1, 4}, dtype).set_requires_grad();
+    sum(take_along_axis(x, zeros({1, 300}, DType::i64), 1)).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>{300, 0, 0, 0});
+    const Tensor table = zeros({3, 2}, dtype).set_requires_grad();
+    Tensor index = zeros({301}, DType::i64);
+    index.slice(0, 300, 301).fill_(2.0);
+    sum(embedding(table, index)).backward();
+    CHECK(table.grad().to_vector<double>() == std::vector<double>{300, 300, 0, 0, 1, 1});
+  }
+  test::check_throws<DTypeError>([] { clamp(values({1, 0}, {2}, DType::boolean), 0, 1); }, {"clamp", "bool tensor [2]"});
+  test::check_throws<ShapeError>([] { from_values({1, 2}, {3}); }, {"from_values", "2 values", "[3]"});
+}
+
 TEST_CASE("embedding, take_along_axis, softmax") {
   const Tensor table = values({0, 1, 10, 11, 20, 21}, {3, 2});
   const Tensor idx = values({2, 0, 2, 1}, {2, 2}, DType::i64);
@@ -1299,7 +1316,14 @@ TEST_CASE("PyTorch's semantics at the edges: bool comparisons and sums, a scalar
   }
 }
 
-TEST_CASE("arithmetic with a number on f16 and bf16 computes in f32 with the number as f32, as PyTorch") {
+TEST_CASE(
+    "arithmetic with a number on f16 and bf16: * and / with the number in f32, + and - in the dtype, as PyTorch") {
+  // PyTorch 2.15 converts the number of + and - to the tensor's dtype (its promotion of a wrapped
+  // number), then computes in f32 and rounds once: kept in f32, bf16 0.1162109375 + 0.1 gave
+  // 0.2158203125 and f16 0.1 - 0.1 gave -2.44e-05 (1.5-4% of random elements differed).
+  CHECK((values({0.1162109375}, {1}, DType::bf16) + 0.1).to_vector<double>() == std::vector<double>{0.216796875});
+  CHECK((0.1 + values({0.1162109375}, {1}, DType::bf16)).to_vector<double>() == std::vector<double>{0.216796875});
+  CHECK((values({0.1}, {1}, DType::f16) - 0.1).to_vector<double>() == std::vector<double>{0.0});
   // PyTorch 2.15's values (y * 1.005 and so on, y = [100, 3, 0.7, 1000] in the dtype): rounding
   // the number to the dtype first gave bf16 y * 1.005 = [101, 3.03125, 0.703125, 1008]. (1.005 - y
   // is PyTorch's rsub, which does convert the number: see below.)
