@@ -197,7 +197,33 @@ Tensor pow(const Tensor& a, const Tensor& b) {
   return out;
 }
 
-Tensor pow(const Tensor& a, double exponent) { return pow(a, arithmetic_scalar("pow", exponent, a)); }
+namespace {
+// a^e for a number e, as PyTorch's pow with a number computes it: e = 0.5 and -0.5 as sqrt and
+// rsqrt (so pow(-0, 0.5) is -0 and pow(-inf, 0.5) NaN, where std::pow gives 0 and inf), any other
+// through the pow kernel, the number in a's dtype.
+Tensor pow_number_value(const Tensor& a, double e) {
+  autograd::NoGradGuard guard;
+  if (is_floating(a.dtype()) && e == 0.5) return sqrt(a);
+  if (is_floating(a.dtype()) && e == -0.5) return rsqrt(a);
+  return binary_forward(BinaryOp::pow, "pow", a, arithmetic_scalar("pow", e, a));
+}
+}  // namespace
+
+Tensor pow(const Tensor& a, double exponent) {
+  detail::require_defined("pow", a);
+  Tensor out = pow_number_value(a, exponent);
+  if (autograd::needs_grad(a)) {
+    // PyTorch's pow_backward for a number: exponent * a^(exponent - 1) by the same rules (the
+    // gradient of x^1.5 at -inf is 1.5 * sqrt(-inf), NaN; of x^-0.5 at -0, -0.5 * (-0)^-1.5,
+    // -inf), and 0 where the exponent is 0.
+    autograd::record("pow", out, {a}, {a}, [exponent](const Tensor& g, const Saved& s, GradMask) {
+      if (exponent == 0.0) return std::vector<Tensor>{zeros_like(g)};
+      const Tensor& av = s[0].get();
+      return std::vector<Tensor>{g * arithmetic_scalar("pow", exponent, av) * pow_number_value(av, exponent - 1.0)};
+    });
+  }
+  return out;
+}
 
 namespace {
 Tensor extremum(BinaryOp op, const char* name, const Tensor& a, const Tensor& b) {

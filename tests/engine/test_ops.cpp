@@ -1015,8 +1015,45 @@ TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a r
     sum(embedding(table, index)).backward();
     CHECK(table.grad().to_vector<double>() == std::vector<double>{300, 300, 0, 0, 1, 1});
   }
-  test::check_throws<DTypeError>([] { clamp(values({1, 0}, {2}, DType::boolean), 0, 1); }, {"clamp", "bool tensor [2]"});
+  test::check_throws<DTypeError>(
+      [] {
+        clamp(values({1, 0}, {2}, DType::boolean), 0, 1);
+      },
+      {"clamp", "bool tensor [2]"});
   test::check_throws<ShapeError>([] { from_values({1, 2}, {3}); }, {"from_values", "2 values", "[3]"});
+}
+
+TEST_CASE("pow with a number: PyTorch's values and gradients at -0 and -inf (0.5 and -0.5 are sqrt and rsqrt)") {
+  // PyTorch 2.15's values; std::pow gave pow(-0, 0.5) = 0 and pow(-inf, 0.5) = inf, and the
+  // gradient of x^1.5 at -inf inf (PyTorch: 1.5 * sqrt(-inf), NaN).
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  struct Case {
+    double exponent;
+    std::vector<double> value, grad;  // at -0, -inf, 0, 4, inf, -2
+  };
+  const std::vector<Case> cases = {
+      {0.5, {-0.0, nan, 0, 2, inf, nan}, {-inf, nan, inf, 0.25, 0, nan}},
+      {-0.5, {-inf, nan, inf, 0.5, 0, nan}, {-inf, -0.0, -inf, -0.0625, -0.0, nan}},
+      {1.5, {0, inf, 0, 8, inf, nan}, {-0.0, nan, 0, 3, inf, nan}},
+      {2.0, {0, inf, 0, 16, inf, 4}, {-0.0, -inf, 0, 8, inf, -4}},
+      {0.0, {1, 1, 1, 1, 1, 1}, {0, 0, 0, 0, 0, 0}},
+  };
+  auto same = [](const std::vector<double>& got, const std::vector<double>& want) {
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i]) ? !std::isnan(got[i])
+                              : (got[i] != want[i] || std::signbit(got[i]) != std::signbit(want[i])))
+        return false;
+    }
+    return true;
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.exponent);
+    const Tensor x = values({-0.0, -inf, 0, 4, inf, -2}, {6}, DType::f64).set_requires_grad();
+    const Tensor y = pow(x, c.exponent);
+    sum(y).backward();
+    CHECK(same(y.to_vector<double>(), c.value));
+    CHECK(same(x.grad().to_vector<double>(), c.grad));
+  }
 }
 
 TEST_CASE("embedding, take_along_axis, softmax") {
