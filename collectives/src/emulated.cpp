@@ -338,7 +338,9 @@ class Fabric {
   void fail(int run_rank, std::exception_ptr error) {
     const std::string what = message_of(error);
     root_->fail(run_rank, error);
-    const std::string reason = "rank " + std::to_string(run_rank) + " failed: " + what;
+    // Numbered as run_ranks numbers it, and said so: the error's prefix numbers the split's own
+    // ranks (rank 1 of a split may be the run's rank 3), and the two read as one numbering.
+    const std::string reason = "rank " + std::to_string(run_rank) + " of the run failed: " + what;
     for (const auto& w : splits(reason)) w->abandon(reason);
   }
 

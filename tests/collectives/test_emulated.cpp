@@ -467,7 +467,8 @@ TEST_CASE("emulated: a rank that fails makes the ranks waiting in a split commun
   CHECK(seconds_since(start) < 10.0);
   for (int r = 0; r < 3; ++r) {
     CAPTURE(r);
-    CHECK(contains(errors[static_cast<std::size_t>(r)], "rank 3 failed: injected failure"));
+    // Rank 3 of the run, which is rank 1 of its node's split: the cause says which numbering.
+    CHECK(contains(errors[static_cast<std::size_t>(r)], "rank 3 of the run failed: injected failure"));
   }
 }
 
