@@ -254,7 +254,8 @@ Backend& default_backend();
 void set_default_backend(std::string_view name);
 
 /// Intra-op threads for kernels started from the calling thread: what it set, else
-/// $RUDA_NUM_THREADS, else $OMP_NUM_THREADS (its leading number, as OpenMP reads it), else the
+/// $RUDA_NUM_THREADS, else $OMP_NUM_THREADS (its leading number: "4,2" is 4, as OpenMP reads a
+/// list, and "2.5" is 2, where libgomp ignores the value), else the
 /// process's default (default_num_threads). A count must lie in [1, max_num_threads()]
 /// (ArgumentError otherwise, naming the call or the variable).
 void set_num_threads(int threads);
