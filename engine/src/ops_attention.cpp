@@ -45,7 +45,6 @@ void validate(const Tensor& q, const Tensor& k, const Tensor& v, const Attention
   }
   if (ks[3] != qs[3]) fail<ShapeError>(op, "q and k head dimensions differ: q ", qs, ", k ", ks);
   if (vs[2] != ks[2]) fail<ShapeError>(op, "k and v lengths differ: k ", ks, ", v ", vs);
-  if (ks[2] == 0) fail<ShapeError>(op, "needs at least one key: k ", ks);
   if (qs[3] == 0) fail<ShapeError>(op, "needs a head dimension of at least 1: q ", qs);
   if (!(o.dropout >= 0.0 && o.dropout < 1.0)) {
     fail<ArgumentError>(op, "dropout probability must be in [0, 1), got ", o.dropout);
@@ -114,6 +113,13 @@ std::array<Tensor, 3> set_views(AttentionDesc& d, const Tensor& q, const Tensor&
 void run_forward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                  const Tensor& lse) {
   if (out.numel() == 0) return;
+  if (k.shape()[2] == 0) {
+    // No key: each query's weights are an empty set, its output the empty sum 0 (as PyTorch's
+    // SDPA gives), and its logsumexp -inf. The kernel would divide 0 by an empty softmax's 0.
+    Tensor(out).fill_(0);
+    Tensor(lse).fill_(-std::numeric_limits<double>::infinity());
+    return;
+  }
   const auto rows = set_views(d, q, k, v, out, lse);
   q.backend().attention(d);
 }
@@ -122,8 +128,9 @@ void run_forward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor
 // gradient_like or as views of one packed gradient), from the output gradient g [B, H, Tq, Dv].
 void run_backward(AttentionDesc d, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                   const Tensor& lse, const Tensor& g, const Tensor& dq, const Tensor& dk, const Tensor& dv) {
-  if (g.numel() == 0) {
-    // No output values (Tq, Dv, B or H is 0): every gradient is zero.
+  if (g.numel() == 0 || k.shape()[2] == 0) {
+    // No output values (Tq, Dv, B or H is 0), or no key (the output is 0 whatever q is): every
+    // gradient is zero (k's and v's are empty then).
     for (const Tensor* t : {&dq, &dk, &dv}) {
       if (t->defined()) Tensor(*t).fill_(0);
     }
@@ -186,7 +193,6 @@ Tensor scaled_dot_product_attention_qkvpacked(const Tensor& qkv, const Attention
   }
   // What the three parts' own checks would refuse, named by qkv's shape rather than a part's.
   detail::require_float(kPackedOp, qkv);
-  if (qkv.shape()[1] == 0) fail<ShapeError>(kPackedOp, "needs at least one key (time 0): qkv ", qkv.shape());
   if (qkv.shape()[4] == 0) fail<ShapeError>(kPackedOp, "needs a head dimension of at least 1: qkv ", qkv.shape());
   const Tensor q = packed_part(qkv, 0), k = packed_part(qkv, 1), v = packed_part(qkv, 2);
   validate(q, k, v, options, kPackedOp);

@@ -436,11 +436,6 @@ TEST_CASE("qkvpacked attention: strided qkv and output gradient, gradcheck, type
       {"scaled_dot_product_attention_qkvpacked", "[2, 4, 2, 2, 8]"});
   check_throws<ShapeError>(
       [] {
-        scaled_dot_product_attention_qkvpacked(zeros({1, 0, 3, 2, 4}));
-      },
-      {"scaled_dot_product_attention_qkvpacked", "at least one key", "qkv [1, 0, 3, 2, 4]"});
-  check_throws<ShapeError>(
-      [] {
         scaled_dot_product_attention_qkvpacked(zeros({1, 2, 3, 2, 0}));
       },
       {"scaled_dot_product_attention_qkvpacked", "head dimension", "qkv [1, 2, 3, 2, 0]"});
@@ -493,6 +488,30 @@ TEST_CASE("gradcheck in f64: causal, Tq != Tk, custom scale, dropout") {
   }
 }
 
+TEST_CASE("fused attention with no key gives zeros, as PyTorch's SDPA, and zero gradients") {
+  // It was refused ("needs at least one key"); the kernel alone would divide 0 by an empty softmax.
+  for (const bool causal : {false, true}) {
+    CAPTURE(causal);
+    const Tensor q = randn({1, 2, 3, 4}, 1).set_requires_grad();
+    const Tensor k = zeros({1, 2, 0, 4}).set_requires_grad(), v = zeros({1, 2, 0, 5}).set_requires_grad();
+    AttentionOptions o;
+    o.causal = causal;
+    const Tensor out = scaled_dot_product_attention(q, k, v, o);
+    CHECK(out.shape() == Shape{1, 2, 3, 5});
+    CHECK(sum(abs(out)).item() == 0);
+    sum(out * randn({1, 2, 3, 5}, 2)).backward();
+    CHECK(sum(abs(q.grad())).item() == 0);
+    CHECK(k.grad().shape() == Shape{1, 2, 0, 4});
+    CHECK(v.grad().shape() == Shape{1, 2, 0, 5});
+  }
+  // Packed with time 0: an empty output and gradient.
+  const Tensor qkv = zeros({1, 0, 3, 2, 4}).set_requires_grad();
+  const Tensor out = scaled_dot_product_attention_qkvpacked(qkv);
+  CHECK(out.shape() == Shape{1, 0, 2, 4});
+  sum(out).backward();
+  CHECK(qkv.grad().shape() == Shape{1, 0, 3, 2, 4});
+}
+
 TEST_CASE("fused attention refuses bad inputs with typed errors") {
   const Tensor q = randn({1, 2, 4, 3}, 1), k = randn({1, 2, 6, 3}, 2), v = randn({1, 2, 6, 5}, 3);
   using test::check_throws;
@@ -514,7 +533,6 @@ TEST_CASE("fused attention refuses bad inputs with typed errors") {
       },
       {"head dimensions differ", "[1, 2, 4, 3]", "[1, 2, 6, 4]"});
   check_throws<ShapeError>([&] { sdpa(q, k, randn({1, 2, 7, 5}, 1)); }, {"lengths differ", "[1, 2, 7, 5]"});
-  check_throws<ShapeError>([&] { sdpa(q, zeros({1, 2, 0, 3}), zeros({1, 2, 0, 5})); }, {"at least one key"});
   check_throws<ShapeError>([&] { sdpa(zeros({1, 2, 4, 0}), zeros({1, 2, 6, 0}), v); }, {"head dimension"});
   check_throws<DTypeError>([&] { sdpa(q, k.to(DType::f64), v); }, {"one dtype", "f32", "f64", "[1, 2, 6, 3]"});
   check_throws<DTypeError>([&] { sdpa(q, k, v.to(DType::bf16)); }, {"one dtype", "bf16"});

@@ -31,7 +31,8 @@ struct AttentionOptions {
 /// f32 (f64 for f64). Differentiable in q, k and v. q, k and v may be strided views (the permuted
 /// heads of a [B, T, 3, H, D] projection are read in place). The output is a view: [B, H, Tq, Dv]
 /// stored as [B, Tq, H, Dv], so that permute({0, 2, 1, 3}) and reshape to [B, Tq, H * Dv], which
-/// merge the heads, copy nothing.
+/// merge the heads, copy nothing. With no key (Tk = 0) the output is 0 and every gradient zero, as
+/// PyTorch's SDPA gives; a head dimension of 0 is a ShapeError.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const AttentionOptions& options = {});
 
