@@ -436,12 +436,20 @@ TEST_CASE("TextWindows draws every window of its range, the last byte's included
     CHECK(y.to_vector<std::int64_t>()[2] == x.to_vector<std::int64_t>()[2] + 1);
   }
   CHECK(starts == std::set<std::int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8});
-  // The smallest range (context + 2 bytes) has two windows, not one drawn every time.
+  // A range of context + 2 bytes has two windows, not one drawn every time.
   nn::TextWindows tight(corpus, 0, 12, 10);
   std::set<std::int64_t> tight_starts;
   for (std::int64_t step = 0; step < 100; ++step)
     tight_starts.insert(tight.batch(9, step, 1, 0, 1).first.to_vector<std::int64_t>()[0]);
   CHECK(tight_starts.size() == 2);
+  // The smallest range is context + 1 bytes, one window (context + 2 was asked for); one byte
+  // fewer is refused.
+  nn::TextWindows one(corpus, 0, 11, 10);
+  const auto [ox, oy] = one.batch(9, 0, 2, 0, 1);
+  CHECK(ox.to_vector<std::int64_t>()[0] == 'a');
+  CHECK(oy.to_vector<std::int64_t>()[9] == 'a' + 10);
+  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, 10, 10); },
+                                    {"TextWindows", "[0, 10)", "context 10", "context + 1"});
   // A step whose stream position would overflow (undefined behaviour before), a negative one, and
   // a rank outside the world (the message spoke of a batch that does not divide) are refused.
   test::check_throws<ArgumentError>(

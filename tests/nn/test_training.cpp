@@ -104,8 +104,10 @@ TEST_CASE("TextWindows: the ranks' parts of a step are the one-process batch, ea
     CHECK(joined == xs);
   }
   test::check_throws<ArgumentError>([&] { whole.batch(3, 0, 7, 0, 3); }, {"TextWindows::batch", "7", "3 ranks"});
-  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, 9, kContext); },
-                                    {"TextWindows", "[0, 9)", "context 8"});
+  // 9 bytes hold one window of context 8 (inputs and targets); 8 do not.
+  CHECK(nn::TextWindows(corpus, 0, 9, kContext).batch(3, 0, 1, 0, 1).first.shape() == Shape{1, kContext});
+  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, 8, kContext); },
+                                    {"TextWindows", "[0, 8)", "context 8"});
   test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 300, 401, kContext); }, {"[300, 401)", "400"});
 }
 

@@ -211,8 +211,9 @@ struct LmTask : Task {
     const nn::TextCorpus corpus(c.text);
     text_identity = identity_of(corpus);
     const std::int64_t train_end = corpus.size() * 9 / 10;
-    // "- 2 < context", not "< context + 2", which wraps for a context near INT64_MAX.
-    if (corpus.size() - train_end - 2 < cfg.context || train_end - 2 < cfg.context) {
+    // Each part holds a window of context + 1 bytes. "- 1 < context", not "< context + 1", which
+    // wraps for a context near INT64_MAX.
+    if (corpus.size() - train_end - 1 < cfg.context || train_end - 1 < cfg.context) {
       throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
                     std::to_string(cfg.context));
     }

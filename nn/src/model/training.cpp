@@ -45,11 +45,13 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
 
 TextWindows::TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end, std::int64_t context)
     : corpus_(std::move(corpus)), begin_(begin), end_(end), context_(context) {
-  // end - begin - 2 < context, not end - begin < context + 2: a context near INT64_MAX would wrap.
-  if (context <= 0 || begin < 0 || end > corpus_.size() || end < begin || end - begin - 2 < context) {
+  // One window needs context + 1 bytes (its inputs and, shifted by one, its targets); it asked
+  // for context + 2, one byte more than any window reads. end - begin - 1 < context, not
+  // end - begin < context + 1: a context near INT64_MAX would wrap.
+  if (context <= 0 || begin < 0 || end > corpus_.size() || end < begin || end - begin - 1 < context) {
     throw ArgumentError("TextWindows: bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
                         std::to_string(corpus_.size()) + " are too few for windows of context " +
-                        std::to_string(context) + " (it needs context + 2)");
+                        std::to_string(context) + " (it needs context + 1)");
   }
 }
 

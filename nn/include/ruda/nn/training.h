@@ -33,7 +33,7 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
 /// uninterrupted run read there.
 class TextWindows {
  public:
-  /// ArgumentError unless 0 <= begin, end <= corpus.size() and the range holds context + 2 bytes.
+  /// ArgumentError unless 0 <= begin, end <= corpus.size() and the range holds context + 1 bytes (one window).
   TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end, std::int64_t context);
   /// This rank's part of step `step`'s global batch: tokens and next-byte targets, both i64
   /// [global_batch / world_size, context]. ArgumentError unless world_size divides global_batch.
