@@ -275,7 +275,15 @@ TEST_CASE("IdxImages checks its files as load_idx does; errors name the file") {
 
   write_corrupt_gzip(lab, labels());
   test::check_throws<IOError>([&] { open(); }, {lab, "corrupt or truncated"});
-  CHECK(names_in(cache.str()).size() == 1);  // the image file's copy; none for the corrupt one
+  std::string said;
+  try {
+    open();
+  } catch (const IOError& e) {
+    said = e.what();
+  }
+  CHECK_FALSE(said.empty());
+  CHECK(said.find("<fd:") == std::string::npos);  // zlib's name for the file ("<fd:3>: "), not ours
+  CHECK(names_in(cache.str()).size() == 1);       // the image file's copy; none for the corrupt one
 }
 
 TEST_CASE("a gzip file cut short anywhere is refused as truncated, and leaves no uncompressed copy") {

@@ -43,6 +43,16 @@ int open_data_file(const std::string& path) {
   }
 }
 
+// zlib's message for f, without the "<fd:3>: " it names a gzdopen'ed file by (the caller names the path).
+std::string zlib_message(gzFile f, int* code) {
+  std::string message = gzerror(f, code);
+  if (message.rfind("<fd:", 0) == 0) {
+    const std::size_t colon = message.find(">: ");
+    if (colon != std::string::npos) message.erase(0, colon + 3);
+  }
+  return message;
+}
+
 // Streams the (decompressed) content of a gzip or plain file, up to max_bytes, to `sink` in pieces.
 void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
                       const std::function<void(const std::uint8_t*, std::size_t)>& sink) {
@@ -58,7 +68,7 @@ void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
     const int n = gzread(f, buf, static_cast<unsigned>(std::min<std::uint64_t>(sizeof buf, max_bytes - done)));
     if (n < 0) {
       int code = 0;
-      const std::string message = gzerror(f, &code);
+      const std::string message = zlib_message(f, &code);
       gzclose(f);
       data_fail(path, "corrupt or truncated: " + message);
     }
@@ -66,7 +76,7 @@ void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
       // The end of the input: zlib's gzread returns what it inflated and reports a stream cut
       // short (no end block, no trailer) only through gzerror's Z_BUF_ERROR.
       int code = Z_OK;
-      const std::string message = gzerror(f, &code);
+      const std::string message = zlib_message(f, &code);
       if (code != Z_OK) {
         gzclose(f);
         data_fail(path, "corrupt or truncated: " +
