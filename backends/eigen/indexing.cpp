@@ -11,6 +11,19 @@ namespace ruda {
 
 using namespace kernels;
 
+namespace {
+template <class T>
+constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
+
+// 0 .. n-1 ordered by idx[i], stable (ascending i among equal indices): the additions into one
+// destination, in the order the unsorted loop made them.
+void order_by_index(const std::int64_t* idx, std::int64_t n, std::vector<std::int64_t>& order) {
+  order.resize(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+  std::stable_sort(order.begin(), order.end(), [idx](std::int64_t a, std::int64_t b) { return idx[a] < idx[b]; });
+}
+}  // namespace
+
 void EigenBackend::gather_rows(const View& table, const View& index, const View& out) {
   const std::int64_t rows = out.shape[0], features = out.shape[1];
   const std::size_t row_bytes = static_cast<std::size_t>(features) * dtype_size(table.dtype);
@@ -33,19 +46,17 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
     const T* s = src.ptr<const T>();
     T* t = table.ptr<T>();
     const std::int64_t grain = std::max<std::int64_t>(16, kElementGrain / std::max<std::int64_t>(1, rows));
-    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+    if constexpr (kSixteenBit<T>) {
       // 16-bit: each table row sums its source rows in f32 and is rounded once. Rounded after
       // every add, a row stopped growing (bf16 256 + 1 is 256): a token seen 300 times got 256.
-      // The source rows are taken by index (a stable order: row order within an index).
-      std::vector<std::int64_t> order(static_cast<std::size_t>(rows));
-      for (std::int64_t i = 0; i < rows; ++i) order[static_cast<std::size_t>(i)] = i;
-      std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) { return idx[a] < idx[b]; });
+      std::vector<std::int64_t> order;
+      order_by_index(idx, rows, order);
       parallel_for(features, grain, [&](std::int64_t j0, std::int64_t j1) {
         std::vector<float> acc(static_cast<std::size_t>(j1 - j0));
         for (std::size_t g = 0; g < order.size();) {
-          T* row = t + idx[order[g]] * features;
-          for (std::int64_t j = j0; j < j1; ++j) acc[static_cast<std::size_t>(j - j0)] = Num<T>::load(row[j]);
           const std::int64_t target = idx[order[g]];
+          T* row = t + target * features;
+          for (std::int64_t j = j0; j < j1; ++j) acc[static_cast<std::size_t>(j - j0)] = Num<T>::load(row[j]);
           for (; g < order.size() && idx[order[g]] == target; ++g) {
             const T* from = s + order[g] * features;
             for (std::int64_t j = j0; j < j1; ++j) acc[static_cast<std::size_t>(j - j0)] += Num<T>::load(from[j]);
@@ -87,15 +98,13 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
     using T = decltype(tag);
     const T* s = src.ptr<const T>();
     T* t = x.ptr<T>();
-    if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+    if constexpr (kSixteenBit<T>) {
       // 16-bit: the picks of one destination are summed in f32 and rounded once (rounded after
       // every add, 300 picks of one bf16 element gave 256), in pick order within a destination.
-      std::vector<std::int64_t> order(static_cast<std::size_t>(picks));
+      std::vector<std::int64_t> order;
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t* row_idx = idx + r * picks;
-        for (std::int64_t j = 0; j < picks; ++j) order[static_cast<std::size_t>(j)] = j;
-        std::stable_sort(order.begin(), order.end(),
-                         [&](std::int64_t a, std::int64_t b) { return row_idx[a] < row_idx[b]; });
+        order_by_index(row_idx, picks, order);
         for (std::size_t g = 0; g < order.size();) {
           const std::int64_t target = row_idx[order[g]];
           T& dst = t[r * cols + target];

@@ -242,9 +242,15 @@ void accumulate(Tensor& into, Tensor grad) {
   }
 }
 
-void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad) {
+// `by` and `input`: the node whose input the leaf is, named in the error as for a node's input
+// (none for the root itself).
+void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, const Node* by = nullptr, std::size_t input = 0) {
   grad = detail::dense(grad);  // a leaf's gradient is read raw (optimizers, collectives)
   if (grad.shape() != leaf.shape || grad.dtype() != leaf.dtype) {
+    if (by) {
+      fail<AutogradError>("backward", by->name, " produced a gradient ", dtype_name(grad.dtype()), " ", grad.shape(),
+                          " for its input ", input, ", a leaf of ", dtype_name(leaf.dtype), " ", leaf.shape);
+    }
     fail<AutogradError>("backward", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match leaf ",
                         dtype_name(leaf.dtype), " ", leaf.shape);
   }
@@ -469,13 +475,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
         complete_pending(*e.node);
         accumulate(e.node->pending, std::move(grads[i]));
       } else {
-        const detail::TensorImpl& leaf = *e.leaf;
-        if (grads[i].shape() != leaf.shape || grads[i].dtype() != leaf.dtype) {  // named as for a node's input
-          fail<AutogradError>("backward", node->name, " produced a gradient ", dtype_name(grads[i].dtype()), " ",
-                              grads[i].shape(), " for its input ", i, ", a leaf of ", dtype_name(leaf.dtype), " ",
-                              leaf.shape);
-        }
-        accumulate_leaf(*e.leaf, std::move(grads[i]));
+        accumulate_leaf(*e.leaf, std::move(grads[i]), node, i);
       }
     }
     release_unless_retained(node);

@@ -59,7 +59,7 @@ bool holds_exactly(DType dtype, float number) {
 // the number to the tensor's dtype first made x * 1.005 in bf16 x * 1.0078125 (0.3% off, the same
 // way on every element). Where the number is one of the dtype's values (0.5, 2, 0.125, 1000) the
 // 16-bit kernel, which computes in f32, does exactly that; otherwise the tensor goes through f32.
-// (PyTorch's + and - convert the number to the tensor's dtype first: number_in_dtype below.)
+// (PyTorch's + and - convert the number to the tensor's dtype first: operator+ and - below.)
 Tensor with_number(Tensor (*op)(const Tensor&, const Tensor&), const char* name, const Tensor& t, double number,
                    bool number_first) {
   detail::require_defined(name, t);

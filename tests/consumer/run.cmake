@@ -3,8 +3,11 @@
 # under mpiexec -n 2 (where ruda::mpi was built), and the installed ruda-train --help (where the
 # tools were built).
 #   cmake -DRUDA_BUILD=<build dir> -DSOURCE=<this dir> -DREADME=<README.md> -DWORK=<scratch dir>
-#         [-DFLAGS=...] [-DLINK_FLAGS=...] [-DMPIEXEC=...] -P run.cmake
+#         [-DFLAGS=...] [-DLINK_FLAGS=...] [-DMPIEXEC=...] [-DSTATIC_FROM=<ruda source>] -P run.cmake
 # FLAGS and LINK_FLAGS are the ruda build's own (a sanitizer build's consumer must use the sanitizer too).
+# STATIC_FROM: instead of installing RUDA_BUILD, build the libraries alone from that source tree
+# as README says (-DBUILD_SHARED_LIBS=OFF and the RUDA_BUILD_* options off), install them, and
+# consume that static package: its private dependencies are found by the package itself.
 file(REMOVE_RECURSE "${WORK}")
 unset(ENV{LD_LIBRARY_PATH})
 
@@ -40,7 +43,14 @@ function(run_step)
   message("${out}")
 endfunction()
 
-run_step(${CMAKE_COMMAND} --install ${RUDA_BUILD} --prefix ${prefix})
+if(STATIC_FROM)
+  run_step(${CMAKE_COMMAND} -S ${STATIC_FROM} -B ${WORK}/ruda-static -G Ninja -DCMAKE_BUILD_TYPE=Release
+           -DBUILD_SHARED_LIBS=OFF -DRUDA_BUILD_TESTS=OFF -DRUDA_BUILD_TOOLS=OFF -DRUDA_BUILD_BENCHMARKS=OFF)
+  run_step(${CMAKE_COMMAND} --build ${WORK}/ruda-static --parallel 2)
+  run_step(${CMAKE_COMMAND} --install ${WORK}/ruda-static --prefix ${prefix})
+else()
+  run_step(${CMAKE_COMMAND} --install ${RUDA_BUILD} --prefix ${prefix})
+endif()
 run_step(${CMAKE_COMMAND} -S ${SOURCE} -B ${WORK}/build -G Ninja -DCMAKE_BUILD_TYPE=Release
          -DCMAKE_PREFIX_PATH=${prefix} "-DCMAKE_CXX_FLAGS=${FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${LINK_FLAGS}"
          -DREADME_EXAMPLE=${WORK}/readme_example.cpp -DREADME_SNIPPETS=${WORK}/snippets)

@@ -29,6 +29,18 @@ void require_complete_gradient(const Param& p, const char* op) {
                         "with set_requires_all_reduce(false); turn it back on for the last micro-batch's backward");
   }
 }
+// A parameter's optimizer state made before Param::set_data gave it another dtype or size: the
+// fused kernel read Adam's moments as the parameter's dtype and length (past their end: a heap
+// corruption), and SGD's buffer was added into with a silent cast and saved in a dtype no fresh
+// optimizer loads. PyTorch's optimizers refuse such a step too. `state` names it ("moments are").
+void require_state_fits(const char* op, const char* state, const Tensor& kept, const Tensor& data) {
+  if (kept.dtype() != data.dtype() || kept.numel() != data.numel()) {
+    fail<DTypeError>(op, "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(), " but its ", state, " ",
+                     dtype_name(kept.dtype()), " ", kept.shape(),
+                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
+                     "new optimizer for it");
+  }
+}
 }  // namespace
 
 std::vector<ParamGroup> decay_2d_only(const Module& module) {
@@ -161,6 +173,7 @@ void SGD::step() {
   autograd::NoGradGuard guard;
   for (const Param& p : params_) require_complete_gradient(p, "SGD::step");
   std::vector<std::size_t> without_gradient;
+  std::vector<Tensor*> buffers(params_.size());  // momentum's (a map's elements stay where they are)
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
@@ -172,7 +185,7 @@ void SGD::step() {
       fail<DTypeError>("SGD::step", "a parameter is ", dtype_name(p.data().dtype()), " ", p.data().shape(),
                        " but its gradient is ", dtype_name(g.dtype()), " ", g.shape());
     }
-    if (options_.momentum != 0) (void)momentum_of(p, "SGD::step");
+    if (options_.momentum != 0) buffers[i] = &momentum_of(p, "SGD::step");
   }
   std::size_t i = 0;
   try {
@@ -183,7 +196,7 @@ void SGD::step() {
       const double decay = weight_decay_of(i, options_.weight_decay);
       if (decay != 0) g = g + p.data() * decay;
       if (options_.momentum != 0) {
-        Tensor& buffer = momentum_.at(p.id());
+        Tensor& buffer = *buffers[i];
         // The buffer starts as the first gradient, as PyTorch's: one that state() made for a
         // checkpoint before this parameter's first step holds zeros, not a history to dampen.
         if (own_steps(p) == 0) {
@@ -207,12 +220,8 @@ Tensor& SGD::momentum_of(const Param& param, const char* op) {
   const Tensor& data = param.data();
   if (!buffer.defined()) {
     buffer = zeros_like(data.detach());
-  } else if (buffer.dtype() != data.dtype() || buffer.numel() != data.numel()) {
-    // Kept, it was added into with a silent cast and saved in a dtype no fresh optimizer loads.
-    fail<DTypeError>(op, "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(),
-                     " but its momentum buffer is ", dtype_name(buffer.dtype()), " ", buffer.shape(),
-                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
-                     "new optimizer for it");
+  } else {
+    require_state_fits(op, "momentum buffer is", buffer, data);
   }
   return buffer;
 }
@@ -243,14 +252,8 @@ Adam::Moments& Adam::moments(const Param& param) {
   if (!m.exp_avg.defined()) {
     m.exp_avg = zeros_like(data.detach());
     m.exp_avg_sq = zeros_like(data.detach());
-  } else if (m.exp_avg.dtype() != data.dtype() || m.exp_avg.numel() != data.numel()) {
-    // The fused kernel reads all four buffers as the parameter's dtype and length: moments made
-    // before Param::set_data gave the parameter another dtype or size were read past their end
-    // (a heap corruption). PyTorch's Adam refuses such a step too.
-    fail<DTypeError>("Adam", "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(),
-                     " but its moments are ", dtype_name(m.exp_avg.dtype()), " ", m.exp_avg.shape(),
-                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
-                     "new optimizer for it");
+  } else {
+    require_state_fits("Adam", "moments are", m.exp_avg, data);  // the fused kernel reads all four alike
   }
   return m;
 }
@@ -260,6 +263,7 @@ void Adam::step() {
   // First pass: every check and allocation (see finish_partial); the kernel itself allocates nothing.
   std::vector<std::size_t> without_gradient;
   std::vector<Tensor> grads(params_.size());
+  std::vector<const Moments*> state(params_.size());  // (a map's elements stay where they are)
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
@@ -267,7 +271,7 @@ void Adam::step() {
       without_gradient.push_back(i);
       continue;
     }
-    (void)moments(p);
+    state[i] = &moments(p);
     const Tensor& data = p.data();
     if (g.dtype() != data.dtype() || g.numel() != data.numel()) {
       fail<DTypeError>("Adam::step", "a parameter is ", dtype_name(data.dtype()), " ", data.shape(),
@@ -280,7 +284,7 @@ void Adam::step() {
     for (; i < params_.size(); ++i) {
       if (!grads[i].defined()) continue;
       const Param& p = params_[i];
-      const Moments& m = moments_.at(p.id());
+      const Moments& m = *state[i];
       const Tensor& data = p.data();
       AdamDesc d;
       d.param = data.view();
