@@ -3,7 +3,8 @@
 # under mpiexec -n 2 (where ruda::mpi was built), and the installed ruda-train --help (where the
 # tools were built).
 #   cmake -DRUDA_BUILD=<build dir> -DSOURCE=<this dir> -DREADME=<README.md> -DWORK=<scratch dir>
-#         [-DFLAGS=...] [-DLINK_FLAGS=...] [-DMPIEXEC=...] [-DSTATIC_FROM=<ruda source>] -P run.cmake
+#         [-DFLAGS=...] [-DLINK_FLAGS=...] [-DMPIEXEC=...] [-DSTATIC_FROM=<ruda source> [-DWERROR=ON]]
+#         -P run.cmake
 # FLAGS and LINK_FLAGS are the ruda build's own (a sanitizer build's consumer must use the sanitizer too).
 # STATIC_FROM: instead of installing RUDA_BUILD, build the libraries alone from that source tree
 # as README says (-DBUILD_SHARED_LIBS=OFF and the RUDA_BUILD_* options off), install them, and
@@ -45,7 +46,8 @@ endfunction()
 
 if(STATIC_FROM)
   run_step(${CMAKE_COMMAND} -S ${STATIC_FROM} -B ${WORK}/ruda-static -G Ninja -DCMAKE_BUILD_TYPE=Release
-           -DBUILD_SHARED_LIBS=OFF -DRUDA_BUILD_TESTS=OFF -DRUDA_BUILD_TOOLS=OFF -DRUDA_BUILD_BENCHMARKS=OFF)
+           -DBUILD_SHARED_LIBS=OFF -DRUDA_BUILD_TESTS=OFF -DRUDA_BUILD_TOOLS=OFF -DRUDA_BUILD_BENCHMARKS=OFF
+           -DRUDA_WERROR=${WERROR})
   run_step(${CMAKE_COMMAND} --build ${WORK}/ruda-static --parallel 2)
   run_step(${CMAKE_COMMAND} --install ${WORK}/ruda-static --prefix ${prefix})
 else()
