@@ -3,11 +3,14 @@
 // 1/ranks-per-node of the state, and what cannot work is refused.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "helpers.h"
 #include "sharded_fixture.h"
 
 using namespace ruda;
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -233,6 +236,43 @@ TEST_CASE("hybrid: grad_norm counts each shard once whatever communicator the ca
   for (const double norm : hybrid_norm) CHECK(norm == doctest::Approx(dense_norm).epsilon(1e-6));
 }
 
+TEST_CASE("grad_norm sums each communicator's shards over it: a fully sharded module beside a hybrid one") {
+  // Before, every sharded square went into one sum, all-reduced over the communicator of whichever
+  // parameter came last: 1.28 or 1.81 by the parameters' order, for a norm of 1.36, and no error.
+  auto make = [] {
+    nn::manual_seed(9);
+    return std::pair{std::make_shared<nn::Linear>(6, 9), std::make_shared<nn::Linear>(9, 5)};
+  };
+  const Tensor x = randn({8, 6}, 31);
+  auto loss = [&](nn::Linear& a, nn::Linear& b, const Tensor& rows) {
+    (sum(square(b.forward(tanh(a.forward(rows))))) / 8.0).backward();
+  };
+  double dense = 0;
+  {
+    auto [a, b] = make();
+    loss(*a, *b, x);
+    dense = nn::grad_norm({a->weight, a->bias, b->weight, b->bias});
+  }
+  std::vector<double> forward(4), reversed(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        auto [a, b] = make();
+        nn::fully_shard(*a, comm);  // over the world
+        nn::fully_shard(*b, mesh);  // within the node, replicated across nodes
+        loss(*a, *b, x.slice(0, 2 * comm.rank(), 2 * comm.rank() + 2));
+        const auto r = static_cast<std::size_t>(comm.rank());
+        forward[r] = nn::grad_norm({a->weight, a->bias, b->weight, b->bias}, &comm);
+        reversed[r] = nn::grad_norm({b->weight, b->bias, a->weight, a->bias}, &comm);
+      },
+      on_nodes(2));
+  for (std::size_t r = 0; r < 4; ++r) {
+    CHECK(forward[r] == doctest::Approx(dense).epsilon(1e-6));
+    CHECK(reversed[r] == doctest::Approx(dense).epsilon(1e-6));
+  }
+}
+
 TEST_CASE("hybrid: what cannot work is refused with a ShardingError naming it") {
   run_ranks(
       4,
@@ -241,9 +281,19 @@ TEST_CASE("hybrid: what cannot work is refused with a ShardingError naming it") 
         test::TinyLM model;
         test::check_throws<nn::ShardingError>([&] { nn::fully_shard(model, mesh, {.group = false}); },
                                               {"fully_shard", "grouped parameters"});
-        test::check_throws<nn::ShardingError>(
-            [&] { nn::fully_shard(model, mesh.shard(), {.replicate = &mesh.shard()}); },
-            {"fully_shard", "replicate communicator is the shard communicator"});
+        // A replicate communicator comes from a ShardMesh, which checked that it tiles the world with
+        // the shard one. Given beside any communicator, the world replicating a node's shards (or a
+        // node's communicator replicating the world's) summed gradients over ranks holding other
+        // shards: wrong steps, no error. The model stays unsharded.
+        for (auto [shard, replicate] : {std::pair{&mesh.shard(), &mesh.shard()}, std::pair{&mesh.shard(), &comm},
+                                        std::pair{&comm, &mesh.shard()}, std::pair{&comm, &mesh.replicate()}}) {
+          test::check_throws<nn::ShardingError>(
+              [&] { nn::fully_shard(model, *shard, {.replicate = replicate}); },
+              {"fully_shard", "fully_shard(module, mesh, options)", "tile the world"});
+        }
+        test::check_throws<nn::ShardingError>([&] { nn::fully_shard(model, mesh, {.replicate = &comm}); },
+                                              {"fully_shard", "other than the mesh's own"});
+        for (const auto& [name, p] : model.named_parameters()) CHECK_FALSE(p.is_sharded());
         // A block fully sharded, then the root hybrid: the model must be one or the other.
         nn::fully_shard(*model.block, mesh.shard());
         test::check_throws<nn::ShardingError>([&] { nn::fully_shard(model, mesh); },
@@ -299,6 +349,75 @@ void check_same(const std::map<std::string, std::vector<double>>& got,
 }
 
 }  // namespace
+
+TEST_CASE("hybrid checkpoints: every rank saves over its node's communicator and the first replica writes") {
+  // As README says of hybrid runs, now in save_checkpoint itself (ruda-train alone did it): each
+  // replica saving over its own node's communicator raced on one step directory (an index naming
+  // files another replica had replaced, or a rename failing), and a save over the world failed
+  // only at publishing, after every file was written, with "pieces overlap".
+  test::TempDir dir;
+  const std::string ckpt = (dir.path / "ckpt").string(), blocked = (dir.path / "a-file").string();
+  { std::ofstream(blocked) << "not a directory"; }
+  std::vector<std::map<std::string, std::vector<double>>> saved(4), loaded(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        const auto r = static_cast<std::size_t>(comm.rank());
+        nn::manual_seed(7);
+        test::TinyLM model;
+        nn::fully_shard(model, mesh);
+        nn::AdamW opt(model.parameters(), test::adam_options());
+        const Tensor loss = model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), 4),
+                                           test::part(test::batch_targets(0), comm.rank(), 4), true) /
+                            static_cast<double>(test::kBatch * test::kTime);
+        loss.backward();
+        opt.step();
+        saved[r] = test::snapshot(model);
+        // Over the world: refused on every rank before anything is written.
+        test::check_throws<nn::ShardingError>(
+            [&] { nn::save_checkpoint(ckpt, 1, model, &opt, comm); },
+            {"save_checkpoint", "sharded over another communicator (rank", "of 2)", "ShardMesh::shard()"});
+        // The first replica fails (its directory is a file): the other replica learns it.
+        test::check_throws<IOError>([&] { nn::save_checkpoint(blocked, 1, model, &opt, mesh.shard()); }, {blocked});
+        const nn::CheckpointInfo info = nn::save_checkpoint(ckpt, 1, model, &opt, mesh.shard(), {{"model", "tiny"}});
+        CHECK(info.step == 1);
+        CHECK(info.world_size == 2);
+        comm.barrier();
+        // Into a fresh hybrid model and optimizer: the same parameters and moments.
+        nn::manual_seed(8);
+        test::TinyLM again;
+        nn::fully_shard(again, mesh);
+        nn::AdamW again_opt(again.parameters(), test::adam_options());
+        nn::load_checkpoint(ckpt, again, &again_opt, mesh.shard());
+        loaded[r] = test::snapshot(again);
+        const auto params = model.parameters(), again_params = again.parameters();
+        for (std::size_t i = 0; i < params.size(); ++i) {
+          const auto want = opt.state(params[i]), got = again_opt.state(again_params[i]);
+          REQUIRE(want.size() == got.size());
+          for (std::size_t j = 0; j < want.size(); ++j)
+            CHECK(want[j].second.to_vector<float>() == got[j].second.to_vector<float>());
+        }
+      },
+      on_nodes(2));
+  // The step's files: one per rank of a node, written once.
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(fs::path(ckpt) / "step-00000001")) {
+    files.push_back(entry.path().filename().string());
+  }
+  std::sort(files.begin(), files.end());
+  CHECK(files.size() == 3);  // index.json and two rank files
+  // Into a dense model in this process: the hybrid model's values.
+  nn::manual_seed(9);
+  test::TinyLM dense;
+  LocalCommunicator local;
+  nn::load_checkpoint(ckpt, dense, nullptr, local);
+  for (std::size_t r = 0; r < 4; ++r) {
+    CHECK(loaded[r] == saved[0]);
+    CHECK(saved[r] == saved[0]);
+  }
+  CHECK(test::snapshot(dense) == saved[0]);
+}
 
 TEST_CASE("accumulation: K = 1, 2 and 4 micro-batches give one batch's gradient, dense, fully sharded and hybrid") {
   LocalCommunicator one;

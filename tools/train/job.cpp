@@ -440,11 +440,10 @@ void run(const Config& cfg, Communicator& comm) {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
         {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
-    // Hybrid: the first replica (node 0's ranks) writes the shards; every replica holds the same.
-    // The others wait for its outcome, so that a failed save stops every rank alike.
     // A failed save is known to every rank alike (save_checkpoint raises its IOErrors on every
-    // rank of shard_comm; the replicas agree below): rank 0 prints it once and every rank leaves
-    // with a non-zero exit, as after a failed setup, instead of each printing it and MPI aborting.
+    // rank; hybrid, the first replica writes and the others learn its outcome): rank 0 prints it
+    // once and every rank leaves with a non-zero exit, as after a failed setup, instead of each
+    // printing it and MPI aborting.
     auto stop = [&](const std::string& message) {
       if (comm.rank() == 0) print_error(message);
       throw Reported("checkpoint failed");
@@ -464,22 +463,11 @@ void run(const Config& cfg, Communicator& comm) {
            "'s update: no checkpoint written (the earlier ones are kept)");
     }
     nn::CheckpointInfo info;
-    std::string error;
-    if (!mesh || mesh->node() == 0) {
-      try {
-        info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), shard_comm, extra);
-      } catch (const IOError& e) {
-        if (!mesh) stop(e.what());
-        error = e.what();
-      } catch (const std::exception& e) {
-        if (!mesh) throw;  // a collective's own failure: this rank's alone
-        error = e.what();
-      }
-    }
-    if (mesh) {
-      const auto failures = agree_on_failure(comm, error, "checkpoint of the first replica");
-      if (!failures.empty()) stop("checkpoint at step " + std::to_string(step) + ": " + describe(failures));
-    }
+    try {
+      info = nn::save_checkpoint(cfg.checkpoint_dir, step, task->module(), optimizer.get(), shard_comm, extra);
+    } catch (const IOError& e) {
+      stop(e.what());
+    }  // a collective's own failure is this rank's alone: it propagates
     progress.line("checkpoint " + info.directory);
     for (const std::string& warning : info.warnings) {
       if (warning == upkeep_warning) continue;

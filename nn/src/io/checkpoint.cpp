@@ -736,11 +736,32 @@ void agree_on_loading(Communicator& comm, const Index& index, const std::vector<
                               (with_optimizer ? ", an optimizer)" : ", no optimizer)"));
   }
 }
-}  // namespace
 
-CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
-                               Communicator& comm, const std::map<std::string, std::string>& extra, int keep) {
-  autograd::NoGradGuard guard;
+// The communicator a hybrid model's parameters are replicated over (null for a full or dense
+// one), once every sharded parameter is found sharded over `comm` itself. Checked here, on each
+// rank before any collective: a save over another communicator (the world of a hybrid model, whose
+// parameters are sharded per node) wrote files whose pieces overlapped and failed only at
+// publishing, after every file was written.
+Communicator* replicate_of(const std::vector<std::pair<std::string, Param>>& params, const Communicator& comm) {
+  Communicator* replicate = nullptr;
+  for (const auto& [name, p] : params) {
+    if (!p.is_sharded()) continue;
+    const ShardInfo& info = *p.shard();
+    const bool same = info.comm ? info.comm == &comm : info.world_size == comm.world_size() && info.rank == comm.rank();
+    if (!same) {
+      ruda::fail<ShardingError>("save_checkpoint", "rank ", comm.rank(), " of ", comm.world_size(), ": parameter '",
+                                name, "' is sharded over another communicator (rank ", info.rank, " of ",
+                                info.world_size,
+                                "); save over the communicator fully_shard was given (hybrid: ShardMesh::shard(), on "
+                                "every rank)");
+    }
+    if (info.replicate) replicate = info.replicate;
+  }
+  return replicate;
+}
+
+CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
+                           Communicator& comm, const std::map<std::string, std::string>& extra, int keep) {
   const int rank = comm.rank(), world = comm.world_size();
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
@@ -805,6 +826,33 @@ CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const 
     for (std::size_t i = 0; i < skipped.size(); ++i) warning += (i ? ", " : "") + skipped[i];
     info.warnings.push_back(std::move(warning));
   }
+  return info;
+}
+}  // namespace
+
+CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
+                               Communicator& comm, const std::map<std::string, std::string>& extra, int keep) {
+  autograd::NoGradGuard guard;
+  Communicator* const replicate = replicate_of(module.named_parameters(), comm);
+  if (!replicate) return save_shards(dir, step, module, optimizer, comm, extra, keep);
+  // Hybrid: every replica holds the same shards (and optimizer state). The first (replicate rank 0)
+  // writes them over its shard communicator; the others write nothing (each replica saving over
+  // its own raced on one step directory, and could publish an index of files another replica
+  // had replaced) and wait for its outcome, so that a failed save fails on every rank alike.
+  CheckpointInfo info{(fs::path(dir) / step_name(step)).string(), step, comm.world_size(), extra};
+  std::exception_ptr mine;
+  std::string error;
+  if (replicate->rank() == 0) {
+    try {
+      info = save_shards(dir, step, module, optimizer, comm, extra, keep);
+    } catch (const std::exception& e) {
+      mine = std::current_exception();
+      error = e.what();
+    }
+  }
+  const auto failures = agree_on_failure(*replicate, error, "checkpoint of the first replica");
+  if (mine) std::rethrow_exception(mine);
+  if (!failures.empty()) ckpt::fail(dir, "the first replica's save failed: " + describe(failures));
   return info;
 }
 

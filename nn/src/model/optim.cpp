@@ -372,26 +372,32 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, 
 }  // namespace schedules
 
 namespace {
-// Sum of squares of the gradients: sharded ones over their real elements (all-reduced over the
-// communicator they are sharded over), dense ones once. The parameters' own communicator wins over
+// Sum of squares of the gradients: sharded ones over their real elements, all-reduced over the
+// communicator each is sharded over, dense ones once. The parameters' own communicators win over
 // the caller's: under hybrid sharding the world holds one copy of each shard per node, and summing
-// over it would count each one that many times.
+// over it would count each one that many times. Parameters sharded over different communicators
+// (a module fully sharded beside a hybrid one) are summed per communicator, in the order the
+// parameters first name them (the same on every rank): one sum all-reduced over whichever was
+// named last counted the others' squares too few or too many times.
 double squared_norm(const std::vector<Param>& params, Communicator* comm, const char* op) {
   autograd::NoGradGuard guard;
-  double dense = 0, sharded = 0;
-  bool any_sharded = false;
+  double dense = 0;
+  std::vector<std::pair<Communicator*, double>> sharded;  // per communicator, first named first
   for (std::size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     if (!p.defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
     require_complete_gradient(p, op);
+    double* into = &dense;
     if (p.is_sharded()) {
-      any_sharded = true;
-      if (p.shard()->comm) {
-        if (p.shard()->comm_alive.expired()) {
-          fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
-        }
-        comm = p.shard()->comm;
+      Communicator* over = p.shard()->comm;
+      if (over && p.shard()->comm_alive.expired()) {
+        fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
       }
+      if (!over) over = comm;
+      if (!over) fail<ShardingError>(op, "sharded parameters need a communicator to sum their norms over");
+      auto found = std::find_if(sharded.begin(), sharded.end(), [&](const auto& s) { return s.first == over; });
+      if (found == sharded.end()) found = sharded.insert(sharded.end(), {over, 0.0});
+      into = &found->second;
     }
     const Tensor g = p.grad();
     if (!g.defined()) continue;
@@ -401,13 +407,13 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
       if (real == 0) continue;
       values = g.slice(0, 0, real);  // padding excluded
     }
-    (p.is_sharded() ? sharded : dense) += sum(square(cast(values, DType::f64))).item();
+    *into += sum(square(cast(values, DType::f64))).item();
   }
-  if (any_sharded) {
-    if (!comm) fail<ShardingError>(op, "sharded parameters need a communicator to sum their norms over");
-    sharded = comm->all_reduce(scalar(sharded, DType::f64), Reduction::sum, {.tag = "grad_norm"}).item();
+  double total = dense;
+  for (const auto& [over, squares] : sharded) {
+    total += over->all_reduce(scalar(squares, DType::f64), Reduction::sum, {.tag = "grad_norm"}).item();
   }
-  return dense + sharded;
+  return total;
 }
 }  // namespace
 

@@ -237,24 +237,36 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) 
   return fully_shard(module, comm, FullyShardOptions{.policy = std::move(policy)});
 }
 
+static std::size_t shard_module(Module& module, Communicator& comm, const FullyShardOptions& options);
+
 std::size_t fully_shard(Module& module, const ShardMesh& mesh, FullyShardOptions options) {
+  if (options.replicate && options.replicate != &mesh.replicate()) {
+    fail<ShardingError>("fully_shard", "the options name a replicate communicator other than the mesh's own");
+  }
   options.replicate = &mesh.replicate();
-  return fully_shard(module, mesh.shard(), options);
+  return shard_module(module, mesh.shard(), options);
 }
 
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
+  // Only a ShardMesh has checked that its two communicators tile the world. Any other pair (the
+  // world as the replicate communicator of a node's shards, or the reverse) summed each gradient
+  // over ranks that hold other shards of it, and trained on wrong gradients without an error.
+  if (options.replicate) {
+    fail<ShardingError>("fully_shard", "a replicate communicator is given through fully_shard(module, mesh, ",
+                        "options), whose ShardMesh checks that it and the shard communicator tile the world ", "(rank ",
+                        comm.rank(), " of ", comm.world_size(), " here)");
+  }
+  return shard_module(module, comm, options);
+}
+
+static std::size_t shard_module(Module& module, Communicator& comm, const FullyShardOptions& options) {
   const char* op = "fully_shard";
   check_policy(options.policy, op);
   if (options.policy.gather_quantization != GatherQuantization::none && !options.group) {
     fail<ShardingError>(op, "an int8 gather needs grouped parameters (group = true)");
   }
-  if (options.replicate) {
-    if (!options.group) {
-      fail<ShardingError>(op, "hybrid sharding (a replicate communicator) needs grouped parameters (group = true)");
-    }
-    if (options.replicate == &comm) {
-      fail<ShardingError>(op, "the replicate communicator is the shard communicator itself");
-    }
+  if (options.replicate && !options.group) {
+    fail<ShardingError>(op, "hybrid sharding (a replicate communicator) needs grouped parameters (group = true)");
   }
   check_enum(options.overlap, op, "Overlap");
   if (options.max_unsharded_groups < 1)

@@ -55,7 +55,11 @@ struct CheckpointInfo {
 /// negative step or keep, extra state that is not UTF-8, or ranks that name different
 /// directories, steps or models. Every IOError it raises is raised on every rank alike (a rank's
 /// failed write names that rank and its error on all); only a collective's own failure
-/// (CollectiveError) is one rank's.
+/// (CollectiveError) is one rank's. `comm` must be the communicator the module was sharded over
+/// (ShardingError on each rank, before any collective, otherwise). Hybrid (fully_shard over a
+/// ShardMesh): every rank calls it over mesh.shard(); the first replica (replicate rank 0) writes
+/// and the others wait for its outcome, returning the same info or raising IOError naming its
+/// failure.
 CheckpointInfo save_checkpoint(const std::string& dir, std::int64_t step, const Module& module, Optimizer* optimizer,
                                Communicator& comm, const std::map<std::string, std::string>& extra = {}, int keep = 2);
 

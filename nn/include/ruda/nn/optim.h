@@ -193,8 +193,9 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps =
 /// them; a negative or NaN max_norm is an ArgumentError) and returns the norm before clipping. Correct on shards:
 /// squares of sharded gradients are summed over each local slice without its padding and all-reduced over the
 /// communicator fully_shard sharded them over (under hybrid sharding the node's, where one replica's shards make the
-/// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required); dense (replicated)
-/// gradients count once. Every rank gets the same norm.
+/// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required), one all-reduce per
+/// communicator (modules sharded over different ones may be mixed); dense (replicated) gradients count once. Every
+/// rank gets the same norm.
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm = nullptr);
 /// The same norm without clipping.
 double grad_norm(const std::vector<Param>& params, Communicator* comm = nullptr);

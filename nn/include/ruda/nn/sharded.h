@@ -228,8 +228,10 @@ struct FullyShardOptions {
   /// ShardMesh::shard()) and replicated over this one: every all-gather stays inside the node; each
   /// group's gradient is reduce-scattered inside the node and its shard then all-reduced across
   /// nodes, without waiting, while backward goes on. Both collectives SUM (no divide): with each
-  /// rank's loss divided by the global count, the sum is the gradient. Null: full sharding. Set it
-  /// through the ShardMesh overload of fully_shard; needs `group`.
+  /// rank's loss divided by the global count, the sum is the gradient. Null: full sharding. Set by
+  /// the ShardMesh overload of fully_shard (from ShardMesh::replicate()), which has checked that
+  /// the two communicators tile the world; the Communicator overload refuses it (ShardingError).
+  /// Needs `group`.
   Communicator* replicate = nullptr;
 };
 
