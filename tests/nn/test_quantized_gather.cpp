@@ -3,6 +3,8 @@
 // a quarter of the gather's bytes, and training that follows the unquantized run.
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <map>
 
 #include "helpers.h"
 #include "sharded_fixture.h"
@@ -76,6 +78,18 @@ TEST_CASE("int8 blocks: within scale / 2 of every element, zero blocks and short
     for (std::size_t i = 0; i < want.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= tq.scales[0] / 2);
     CHECK(got[0] != 0.0);
   }
+  // Largest values among the subnormals, from 127 to 5000 times the smallest: largest / 127
+  // rounded to a coarse subnormal below it, and 190 of the smallest came back as 127 of them.
+  for (const double times : {127.0, 128.0, 140.0, 190.0, 300.0, 1000.0, 5000.0, 1e5}) {
+    CAPTURE(times);
+    const double dm = std::numeric_limits<float>::denorm_min();
+    const Tensor sub = from_values({times * dm, -times / 2 * dm, dm, 0.0}, {4});
+    const nn::Int8Blocks sq = nn::quantize_int8(sub);
+    const std::vector<double> got = nn::dequantize_int8(sq, DType::f32).to_vector<double>();
+    const std::vector<double> want = sub.to_vector<double>();
+    for (std::size_t i = 0; i < want.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= sq.scales[0] / 2.0);
+    CHECK(sq.scales[0] <= std::ceil(times / 127) * dm);  // no coarser than max|x| / 127 rounded up
+  }
   // A non-finite value marks its block with a NaN scale; the others are untouched.
   Tensor y = ones({4096});
   y.slice(0, 3000, 3001).fill_(std::nan(""));
@@ -89,6 +103,11 @@ TEST_CASE("int8 blocks: within scale / 2 of every element, zero blocks and short
         (void)nn::dequantize_int8(nn::Int8Blocks{q.codes, {1.0f}}, DType::f32, 16);
       },
       {"dequantize_int8", "need 7 scales"});
+  // Values that are fractions of a scale have no integer or bool form (i64 truncated, bool made 1s).
+  for (const DType d : {DType::i64, DType::boolean}) {
+    test::check_throws<DTypeError>([&] { (void)nn::dequantize_int8(q, d, 16); },
+                                   {"dequantize_int8", "float dtype", std::string(dtype_name(d))});
+  }
 }
 
 TEST_CASE("int8 gather: each gathered weight is within scale / 2 of the full-precision one, at world sizes 1-4") {
@@ -104,26 +123,24 @@ TEST_CASE("int8 gather: each gathered weight is within scale / 2 of the full-pre
       nn::fully_shard(model, comm, int8_gather());
       gathered[static_cast<std::size_t>(comm.rank())] = test::snapshot(model);
     });
-    // One bucket (every parameter is small): a rank's part is its slices of all of them, cut into
-    // blocks, so each element is within half the largest |value| of its rank's part / 127.
-    std::vector<double> part_max(static_cast<std::size_t>(world), 0.0);
-    for (const auto& [name, values] : exact) {
-      const auto n = static_cast<std::int64_t>(values.size());
-      const std::int64_t slice = (n + world - 1) / world;
-      for (std::int64_t i = 0; i < n; ++i) {
-        double& m = part_max[static_cast<std::size_t>(i / slice)];
-        m = std::max(m, std::abs(values[static_cast<std::size_t>(i)]));
-      }
-    }
+    // One bucket (every parameter is small), but blocks of each parameter's slice alone: each
+    // element is within half the largest |value| of its block of its parameter's slice / 127.
+    // (Blocks of the rank's whole part gave a zero-mean bias the scale of its weight.)
     for (const auto& [name, values] : exact) {
       CAPTURE(name);
       for (int r = 0; r < world; ++r) CHECK(gathered[static_cast<std::size_t>(r)].at(name) == gathered[0].at(name));
       const auto n = static_cast<std::int64_t>(values.size());
       const std::int64_t slice = (n + world - 1) / world;
+      auto block_of = [&](std::int64_t i) { return std::pair{i / slice, (i % slice) / nn::kQuantizationBlock}; };
+      std::map<std::pair<std::int64_t, std::int64_t>, double> block_max;
+      for (std::int64_t i = 0; i < n; ++i) {
+        double& m = block_max[block_of(i)];
+        m = std::max(m, std::abs(values[static_cast<std::size_t>(i)]));
+      }
       const std::vector<double>& got = gathered[0].at(name);
       double worst = 0;  // in units of the bound
       for (std::int64_t i = 0; i < n; ++i) {
-        const double bound = part_max[static_cast<std::size_t>(i / slice)] / 127.0 / 2.0;
+        const double bound = block_max[block_of(i)] / 127.0 / 2.0;
         const double e = std::abs(got[static_cast<std::size_t>(i)] - values[static_cast<std::size_t>(i)]);
         worst = std::max(worst, bound > 0 ? e / bound : (e == 0 ? 0.0 : 1e30));
       }
@@ -215,6 +232,53 @@ TEST_CASE("int8 gather: a NaN in one rank's slice is a ShardingError on every ra
   for (const std::string& e : errors) {
     CHECK_MESSAGE(e.find("parameter 'down.weight'") != std::string::npos, e);
     CHECK_MESSAGE(e.find("NaN or an infinity (in rank 2's slice)") != std::string::npos, e);
+  }
+}
+
+TEST_CASE("int8 gather: each parameter's slice has blocks of its own, so a bias never takes its weight's scale") {
+  // w (|values| up to 100), a bias of 1e-3 and an f16 parameter of 0.25 in one bucket: blocks of
+  // the rank's whole part gave the bias and the f16 parameter w's scale, and they gathered as 0.
+  struct Mixed : nn::Module {
+    nn::Param w{randn({6, 5}, 3) * 100.0}, b{full({5}, 1e-3)}, d{full({7}, 0.25, DType::f16)};
+    Mixed() {
+      register_parameter("w", &w);
+      register_parameter("b", &b);
+      register_parameter("d", &d);
+    }
+  };
+  for (int world : {1, 2, 3}) {
+    CAPTURE(world);
+    std::vector<std::map<std::string, std::vector<double>>> got(static_cast<std::size_t>(world));
+    run_ranks(world, [&](Communicator& comm) {
+      Mixed m;
+      nn::fully_shard(m, comm, int8_gather());
+      got[static_cast<std::size_t>(comm.rank())] = test::snapshot(m);
+    });
+    for (const auto& values : got) {
+      for (const double v : values.at("b")) CHECK(v == doctest::Approx(1e-3).epsilon(1.0 / 254));
+      for (const double v : values.at("d")) CHECK(v == 0.25);  // 127 * (0.25 / 127): exact in f16
+    }
+  }
+}
+
+TEST_CASE("int8 gather: an f64 value beyond f32's range is named as such on every rank") {
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    struct Wide : nn::Module {
+      nn::Param w{ones({8}, DType::f64)};
+      Wide() { register_parameter("w", &w); }
+    } m;
+    autograd::no_grad([&] { m.w.data().slice(0, 1, 2).fill_(1e39); });
+    nn::fully_shard(m, comm, int8_gather());
+    try {
+      (void)m.w.value();
+    } catch (const nn::ShardingError& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    CHECK_MESSAGE(e.find("parameter 'w'") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("an f64 value beyond f32's range") != std::string::npos, e);
   }
 }
 

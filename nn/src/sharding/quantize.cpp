@@ -39,9 +39,13 @@ void quantize(const float* x, std::int64_t n, std::int64_t block, std::int8_t* c
     // come back as inf. The next smaller scale keeps every code's value finite (the largest
     // element's code clamps to 127).
     while (!std::isfinite(127.0f * scale)) scale = std::nextafter(scale, 0.0f);
-    // Below ~1.8e-43 largest / 127 underflows to 0 and the block came back as zeros: the smallest
-    // subnormal scale instead, the finest f32 holds (such a block's values are multiples of it).
-    if (scale == 0 && largest > 0) scale = std::numeric_limits<float>::denorm_min();
+    // Among subnormals largest / 127 rounds to a coarse value, often below it: 190 x the smallest
+    // subnormal got scale 1 (not 1.5) of it and came back as 127, 126 half-scales off. The next
+    // larger scale until the largest element's code is at most 127.5 keeps every element within
+    // scale / 2 (below ~1.8e-43 the quotient is 0 and this makes it the smallest subnormal).
+    while (static_cast<double>(largest) > 127.5 * static_cast<double>(scale)) {
+      scale = std::nextafter(scale, std::numeric_limits<float>::infinity());
+    }
     scales[b] = scale;
     if (scale == 0) {  // a block of zeros (padding among them) stays exactly zero
       std::fill(codes + begin, codes + end, std::int8_t{0});
@@ -67,6 +71,27 @@ std::int64_t blocks_of(std::int64_t n, std::int64_t block) { return n / block + 
 
 Tensor as_f32(const Tensor& x) { return cast(x.reshape({-1}), DType::f32).contiguous(); }
 
+// Calls f(begin, end, first_block) for each slice of a part: its elements [begin, end) and the
+// index of its first block among the part's scales.
+template <class F>
+void for_each_slice(const Int8Part& layout, F&& f) {
+  std::int64_t first_block = 0;
+  for (std::size_t i = 0; i < layout.offsets.size(); ++i) {
+    const std::int64_t begin = layout.offsets[i];
+    const std::int64_t end = i + 1 < layout.offsets.size() ? layout.offsets[i + 1] : layout.part;
+    f(begin, end, first_block);
+    first_block += blocks_of(end - begin, kQuantizationBlock);
+  }
+}
+
+std::int64_t scales_of(const Int8Part& layout) {
+  std::int64_t blocks = 0;
+  for_each_slice(layout, [&](std::int64_t begin, std::int64_t end, std::int64_t) {
+    blocks += blocks_of(end - begin, kQuantizationBlock);
+  });
+  return blocks;
+}
+
 }  // namespace
 
 Int8Blocks quantize_int8(const Tensor& x, std::int64_t block) {
@@ -86,6 +111,10 @@ Int8Blocks quantize_int8(const Tensor& x, std::int64_t block) {
 Tensor dequantize_int8(const Int8Blocks& blocks, DType dtype, std::int64_t block) {
   check_block("dequantize_int8", block);
   check_enum<DTypeError>(dtype, "dequantize_int8", "dtype");  // (it read "cast: ..." further in)
+  if (!is_floating(dtype)) {
+    // Dequantized values are fractions of a scale: i64 truncated them and bool made every one 1.
+    fail<DTypeError>("dequantize_int8", "needs a float dtype, got ", dtype_name(dtype));
+  }
   const auto n = static_cast<std::int64_t>(blocks.codes.size());
   if (static_cast<std::int64_t>(blocks.scales.size()) != blocks_of(n, block)) {
     fail<ShapeError>("dequantize_int8", n, " codes in blocks of ", block, " need ", blocks_of(n, block),
@@ -96,24 +125,25 @@ Tensor dequantize_int8(const Int8Blocks& blocks, DType dtype, std::int64_t block
   return dtype == DType::f32 ? out : cast(out, dtype);
 }
 
-std::int64_t int8_wire_words(std::int64_t part) {
-  return (part + 7) / 8 + (blocks_of(part, kQuantizationBlock) + 1) / 2;
-}
+std::int64_t int8_wire_words(const Int8Part& layout) { return (layout.part + 7) / 8 + (scales_of(layout) + 1) / 2; }
 
-Tensor pack_int8(const Tensor& part) {
+Tensor pack_int8(const Tensor& part, const Int8Part& layout) {
   autograd::NoGradGuard no_grad;
   const Tensor values = as_f32(part);
   const std::int64_t n = values.numel();
-  Tensor words = zeros({int8_wire_words(n)}, Options(DType::i64));
+  Tensor words = zeros({int8_wire_words(layout)}, Options(DType::i64));
   auto* base = reinterpret_cast<std::byte*>(words.data_ptr());
   auto* codes = reinterpret_cast<std::int8_t*>(base);
   auto* scales = reinterpret_cast<float*>(base + (n + 7) / 8 * 8);
-  quantize(values.data<float>(), n, kQuantizationBlock, codes, scales);
+  const float* x = values.data<float>();
+  for_each_slice(layout, [&](std::int64_t begin, std::int64_t end, std::int64_t first_block) {
+    quantize(x + begin, end - begin, kQuantizationBlock, codes + begin, scales + first_block);
+  });
   return words;
 }
 
-Tensor unpack_int8(const Tensor& words, int world, std::int64_t part, DType dtype, std::optional<NonFinite>* bad) {
-  const std::int64_t per_rank = int8_wire_words(part), blocks = blocks_of(part, kQuantizationBlock);
+Tensor unpack_int8(const Tensor& words, int world, const Int8Part& layout, DType dtype, std::optional<NonFinite>* bad) {
+  const std::int64_t part = layout.part, per_rank = int8_wire_words(layout);
   if (words.numel() != per_rank * world) {
     fail<ShapeError>("gather (int8)", "expected ", per_rank * world, " words from ", world, " ranks, got ",
                      words.numel());
@@ -124,15 +154,19 @@ Tensor unpack_int8(const Tensor& words, int world, std::int64_t part, DType dtyp
     const std::byte* mine = all + static_cast<std::int64_t>(r) * per_rank * 8;
     const auto* codes = reinterpret_cast<const std::int8_t*>(mine);
     const auto* scales = reinterpret_cast<const float*>(mine + (part + 7) / 8 * 8);
-    if (bad && !*bad) {
-      for (std::int64_t b = 0; b < blocks && !*bad; ++b) {
-        if (!std::isnan(scales[b])) continue;
-        std::int64_t i = b * kQuantizationBlock;
-        while (i + 1 < std::min(part, (b + 1) * kQuantizationBlock) && codes[i] == 0) ++i;
+    float* into = out.data<float>() + r * part;
+    for_each_slice(layout, [&](std::int64_t begin, std::int64_t end, std::int64_t first_block) {
+      const std::int64_t n = end - begin;
+      for (std::int64_t b = 0; bad && !*bad && b < blocks_of(n, kQuantizationBlock); ++b) {
+        if (!std::isnan(scales[first_block + b])) continue;
+        // The block's first element marked non-finite (its code 1), or its last.
+        std::int64_t i = begin + b * kQuantizationBlock;
+        const std::int64_t last = std::min(end, i + kQuantizationBlock) - 1;
+        while (i < last && codes[i] == 0) ++i;
         *bad = NonFinite{r, i};
       }
-    }
-    dequantize(codes, scales, part, kQuantizationBlock, out.data<float>() + r * part);
+      dequantize(codes + begin, scales + first_block, n, kQuantizationBlock, into + begin);
+    });
   }
   return dtype == DType::f32 ? out : cast(out, dtype);
 }

@@ -271,7 +271,7 @@ PendingGather ShardGroup::start_gather() const {
       part.push_back(cast(gather.sources[i], bucket.int8 ? DType::f32 : bucket.dtype));
     }
     Tensor local = part.size() == 1 ? part.front() : concat(part, 0);
-    if (bucket.int8) local = pack_int8(local);
+    if (bucket.int8) local = pack_int8(local, {bucket.part, bucket.offsets});
     Communicator& c = comm_.get("gather", tag_);
     gather.works.push_back(schedule_->overlapping() ? c.all_gather_async(local, {.tag = tag_})
                                                     : Work::completed(c.all_gather(local, {.tag = tag_})));
@@ -301,13 +301,16 @@ std::shared_ptr<ShardGroup::Values> ShardGroup::finish_gather(PendingGather gath
     if (bucket.int8) {
       // Every rank has the same words, so every rank refuses a non-finite slice alike.
       std::optional<NonFinite> bad;
-      full = unpack_int8(full, static_cast<int>(world), bucket.part, bucket.dtype, &bad);
+      full = unpack_int8(full, static_cast<int>(world), {bucket.part, bucket.offsets}, bucket.dtype, &bad);
       if (bad) {
         std::size_t m = 0;
         while (m + 1 < bucket.members.size() && bucket.offsets[m + 1] <= bad->offset) ++m;
+        // (An f64 value beyond f32's range is an infinity to the f32 quantization.)
+        const Param holder = param(bucket.members[m]);
         fail<ShardingError>(
-            "gather (int8)", param(bucket.members[m]).shard()->describe(), " holds a NaN or an infinity (in rank ",
-            bad->rank, "'s slice",
+            "gather (int8)", holder.shard()->describe(), " holds a NaN or an infinity",
+            holder.data().dtype() == DType::f64 ? " (or an f64 value beyond f32's range, where the scales are)" : "",
+            " (in rank ", bad->rank, "'s slice",
             replicate_ ? " on node " + std::to_string(replicate_.get("gather", tag_).rank()) : std::string(),
             "): its gather cannot be quantized to int8");
       }

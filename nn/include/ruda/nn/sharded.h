@@ -55,8 +55,9 @@ constexpr bool is_valid(CheckpointStrategy strategy) noexcept {
 enum class GatherQuantization : std::uint8_t {
   none,  // in the compute dtype
   /// int8 codes with one f32 scale per block of kQuantizationBlock elements (ZeRO++'s qwZ): each
-  /// rank quantizes its own slice (symmetric, scale = max|x| / 127) from its current values at every
-  /// gather, and every rank dequantizes into the compute dtype: about 1/4 of the f32 bytes. Only
+  /// rank quantizes its own slice of each parameter, in blocks of that parameter alone (symmetric,
+  /// scale = max|x| / 127), from its current values at every gather, and every rank dequantizes
+  /// into the compute dtype: about 1/4 of the f32 bytes. Only
   /// the gathered values are approximate (each element within scale / 2): parameters, gradients
   /// and optimizer state stay in full precision, and the gradient's reduce-scatter is not
   /// quantized. A NaN or infinity in a slice is a ShardingError on every rank naming the parameter.
@@ -75,8 +76,11 @@ inline constexpr std::int64_t kQuantizationBlock = 2048;
 
 /// `x` (any float dtype, any shape; read as a flat sequence) as int8 codes with one f32 scale per
 /// block of `block` elements (the last block may be short): scale = max|x| / 127 over the block (0
-/// for a block of zeros), code = round(x / scale). A block with a non-finite value gets a NaN scale
-/// (it dequantizes as NaN) and codes that mark its non-finite elements (1) and the others (0).
+/// for a block of zeros, rounded up where the quotient rounds below max|x| / 127.5 among subnormals),
+/// code = round(x / scale): each value within scale / 2. A block with a non-finite value gets a NaN
+/// scale (it dequantizes as NaN) and codes that mark its non-finite elements (1) and the others (0).
+/// Values are read in f32: an f64 value beyond f32's range counts as an infinity, one below its
+/// smallest subnormal as 0.
 struct Int8Blocks {
   std::vector<std::int8_t> codes;
   std::vector<float> scales;
@@ -92,6 +96,8 @@ struct ShardPolicy {
   std::optional<DType> compute_dtype = std::nullopt;
   /// How 16-bit gradient sums accumulate in the reduce-scatter: in f32 with one rounding
   /// (ruda's default), or in the 16-bit compute dtype itself (the reference implementation's behaviour).
+  /// Hybrid sharding rounds twice: the node's reduce-scatter delivers its sum in the 16-bit dtype,
+  /// and the all-reduce across nodes accumulates those sums (in f32, per this setting) and rounds again.
   Accumulate reduce = Accumulate::f32;
   /// How the weight all-gather moves the shards (int8: ZeRO++'s qwZ; grouped parameters only).
   GatherQuantization gather_quantization = GatherQuantization::none;
