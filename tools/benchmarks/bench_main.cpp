@@ -1,5 +1,6 @@
 // ruda-bench: runs the registered suites and prints a table, or JSON lines with --json.
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <map>
 
@@ -49,15 +50,21 @@ int main(int argc, char** argv) {
   ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(ruda::cli::at_least(1));
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
-  if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, "ruda-bench")) return *exit_code;
+  // ruda-bench, or ruda-bench-mpi (this file's other build), whose ranks all parse the same
+  // arguments: only the printing rank says what is wrong, once, under its own name.
+  const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : "ruda-bench";
+  const bool printing = should_print();
+  if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, program, printing)) return *exit_code;
 
   if (list) {
-    for (const auto& [name, suite] : suites()) std::cout << name << "\n";
+    if (printing) {
+      for (const auto& [name, suite] : suites()) std::cout << name << "\n";
+    }
     return 0;
   }
   for (const auto& s : selected) {
     if (!suites().count(s)) {
-      std::cerr << "ruda-bench: error: unknown suite '" << s << "' (see --list)\n";
+      if (printing) std::cerr << program << ": error: unknown suite '" << s << "' (see --list)\n";
       return 2;
     }
   }
@@ -67,7 +74,7 @@ int main(int argc, char** argv) {
     if (std::find(built.begin(), built.end(), b) == built.end()) {
       std::string names;
       for (const auto& n : built) names += (names.empty() ? "" : ", ") + n;
-      std::cerr << "ruda-bench: error: unknown backend '" << b << "' (built: " << names << ")\n";
+      if (printing) std::cerr << program << ": error: unknown backend '" << b << "' (built: " << names << ")\n";
       return 2;
     }
   }
