@@ -52,42 +52,43 @@ Work Work::completed(Tensor result) { return Work(std::make_unique<FinishedState
 
 namespace {
 
-std::string history_text(int rank, const std::vector<std::string>& history) {
+std::string history_text(const std::string& who, const std::vector<std::string>& history) {
   std::ostringstream out;
-  out << "\nlast " << history.size() << " collectives of rank " << rank << " (oldest first):";
+  out << "\nlast " << history.size() << " collectives of " << who << " (oldest first):";
   for (const auto& line : history) out << "\n  " << line;
   return out.str();
 }
 
 // Rethrows the exception in flight as the same CollectiveError type with `prefix` before its
 // message and the rank's history after it. Other exceptions pass unchanged.
-[[noreturn]] void rethrow_decorated(const std::string& prefix, int rank, const std::vector<std::string>& history) {
+[[noreturn]] void rethrow_decorated(const std::string& prefix, const std::string& who,
+                                    const std::vector<std::string>& history) {
   try {
     throw;
   } catch (const CollectiveMismatchError& e) {
     // The two-sided message names the calls itself; only the rank goes in front.
-    throw CollectiveMismatchError("rank " + std::to_string(rank) + ": " + e.what() + history_text(rank, history));
+    throw CollectiveMismatchError(who + ": " + e.what() + history_text(who, history));
   } catch (const RankFailedError& e) {
-    throw RankFailedError(prefix + e.what() + history_text(rank, history));
+    throw RankFailedError(prefix + e.what() + history_text(who, history));
   } catch (const CollectiveTimeoutError& e) {
-    throw CollectiveTimeoutError(prefix + e.what() + history_text(rank, history));
+    throw CollectiveTimeoutError(prefix + e.what() + history_text(who, history));
   } catch (const CollectiveError& e) {
-    throw CollectiveError(prefix + e.what() + history_text(rank, history));
+    throw CollectiveError(prefix + e.what() + history_text(who, history));
   }
 }
 
 // Adds the call's context to the errors of a collective that completes later.
 class ContextState final : public Work::State {
  public:
-  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history,
+  ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
                std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes)
-      : ContextState(std::move(inner), std::move(prefix), rank, std::move(history), std::move(traffic), start, bytes,
-                     std::chrono::duration<double>(Clock::now() - start).count()) {}
-  ContextState(Work inner, std::string prefix, int rank, std::vector<std::string> history,
+      : ContextState(std::move(inner), std::move(prefix), std::move(who), std::move(history), std::move(traffic), start,
+                     bytes, std::chrono::duration<double>(Clock::now() - start).count()) {}
+  ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
                std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes, double starting)
       : inner_(std::move(inner)),
         prefix_(std::move(prefix)),
-        rank_(rank),
+        who_(std::move(who)),
         history_(std::move(history)),
         traffic_(std::move(traffic)),
         start_(start),
@@ -109,7 +110,7 @@ class ContextState final : public Work::State {
       traffic_->exposed_seconds += exposed;
       return result;
     } catch (...) {
-      rethrow_decorated(prefix_, rank_, history_);
+      rethrow_decorated(prefix_, who_, history_);
     }
   }
   bool ready() override { return inner_.ready(); }
@@ -117,7 +118,7 @@ class ContextState final : public Work::State {
  private:
   Work inner_;
   std::string prefix_;
-  int rank_;
+  std::string who_;  // "rank 3", or a split communicator's "rank 1 (rank 3 before the split)"
   std::vector<std::string> history_;
   std::shared_ptr<Traffic> traffic_;
   Clock::time_point start_;
@@ -129,12 +130,12 @@ std::string shape_text(const Tensor& t) { return to_string(t.shape()); }
 
 // Bool tensors (and anything else that is not a number we reduce) are refused before any
 // communication, so the error is local and immediate.
-void check_input(const char* op, int rank, const Tensor& t, const char* what = "input") {
-  if (!t.defined()) fail<ArgumentError>(op, "rank ", rank, ": the ", what, " tensor is undefined");
+void check_input(const char* op, const std::string& who, const Tensor& t, const char* what = "input") {
+  if (!t.defined()) fail<ArgumentError>(op, who, ": the ", what, " tensor is undefined");
   const DType d = t.dtype();
   if (d != DType::f32 && d != DType::f64 && d != DType::bf16 && d != DType::f16 && d != DType::i64) {
-    fail<DTypeError>(op, "rank ", rank, ": dtype ", dtype_name(d), " is not supported (shape ", shape_text(t), ", ",
-                     t.numel(), " elements); collectives take f32, f64, bf16, f16 and i64");
+    fail<DTypeError>(op, who, ": dtype ", dtype_name(d), " is not supported (shape ", shape_text(t), ", ", t.numel(),
+                     " elements); collectives take f32, f64, bf16, f16 and i64");
   }
 }
 
@@ -144,16 +145,16 @@ void check_input(const char* op, int rank, const Tensor& t, const char* what = "
 // Returns `t` itself when it is contiguous (no handle copy: its reference count is an atomic
 // read-modify-write, a few ns of a 4 KiB collective's ~100 ns of own cost), else the copy it
 // leaves in `copy`.
-const Tensor& dense_input(const char* op, int rank, const Tensor& t, Tensor& copy) {
-  check_input(op, rank, t);
+const Tensor& dense_input(const char* op, const std::string& who, const Tensor& t, Tensor& copy) {
+  check_input(op, who, t);
   if (t.is_contiguous()) return t;
   copy = t.detach().contiguous();
   return copy;
 }
 
-void require_contiguous(const char* op, int rank, const Tensor& t, const char* what) {
+void require_contiguous(const char* op, const std::string& who, const Tensor& t, const char* what) {
   if (!t.is_contiguous()) {
-    fail<ShapeError>(op, "rank ", rank, ": the ", what, " tensor ", dtype_name(t.dtype()), " ", shape_text(t),
+    fail<ShapeError>(op, who, ": the ", what, " tensor ", dtype_name(t.dtype()), " ", shape_text(t),
                      " is a non-contiguous view (strides ", to_string(t.strides()),
                      "); pass contiguous() or a tensor of its own");
   }
@@ -164,24 +165,23 @@ void require_contiguous(const char* op, int rank, const Tensor& t, const char* w
 // for every call of a step's buffers); `expected()` builds it for the message, or throws the
 // input's own ShapeError.
 template <class Fits, class Expected>
-void check_output(const char* op, int rank, int world, const Tensor& out, const Tensor& input, Fits&& fits,
-                  Expected&& expected) {
-  if (!out.defined()) fail<ArgumentError>(op, "rank ", rank, ": the output tensor is undefined");
-  require_contiguous(op, rank, out, "output");
+void check_output(const char* op, const std::string& who, int world, const Tensor& out, const Tensor& input,
+                  Fits&& fits, Expected&& expected) {
+  if (!out.defined()) fail<ArgumentError>(op, who, ": the output tensor is undefined");
+  require_contiguous(op, who, out, "output");
   if (out.dtype() != input.dtype()) {
-    fail<DTypeError>(op, "rank ", rank, ": output dtype ", dtype_name(out.dtype()), " differs from input dtype ",
+    fail<DTypeError>(op, who, ": output dtype ", dtype_name(out.dtype()), " differs from input dtype ",
                      dtype_name(input.dtype()));
   }
   if (!fits(out.shape())) {
     const Shape shape = expected();
-    fail<ShapeError>(op, "rank ", rank, ": output shape ", shape_text(out), " should be ", to_string(shape),
-                     " for input ", shape_text(input), " (", dtype_name(input.dtype()), ", ", input.numel(),
+    fail<ShapeError>(op, who, ": output shape ", shape_text(out), " should be ", to_string(shape), " for input ",
+                     shape_text(input), " (", dtype_name(input.dtype()), ", ", input.numel(),
                      " elements) and world size ", world);
   }
-  if (out.shares_storage(input)) fail<ArgumentError>(op, "rank ", rank, ": the output shares the input's storage");
+  if (out.shares_storage(input)) fail<ArgumentError>(op, who, ": the output shares the input's storage");
   if (out.requires_grad()) {
-    fail<ArgumentError>(op, "rank ", rank,
-                        ": the output requires grad; collectives write raw memory, pass a detached tensor");
+    fail<ArgumentError>(op, who, ": the output requires grad; collectives write raw memory, pass a detached tensor");
   }
 }
 
@@ -465,34 +465,36 @@ void Communicator::check_order(const Call& call) {
 // "rank 0: all_gather(f32, 8192, "w") #17: ", in front of error messages. Built only when needed:
 // it names the call being run, so it is valid until the next call begins.
 std::string Communicator::error_prefix(const Call& call) const {
-  return "rank " + std::to_string(rank_) + ": " + current_call() + " #" + std::to_string(call.sequence) + ": ";
+  return rank_text_ + ": " + current_call() + " #" + std::to_string(call.sequence) + ": ";
 }
 
-void Communicator::rethrow_with_context(const Call& call) { rethrow_decorated(error_prefix(call), rank_, history()); }
+void Communicator::rethrow_with_context(const Call& call) {
+  rethrow_decorated(error_prefix(call), rank_text_, history());
+}
 
 namespace {
 
-Shape gathered_shape(int rank, int world, const Tensor& local) {
+Shape gathered_shape(const std::string& who, int world, const Tensor& local) {
   Shape shape = local.shape();
   if (shape.empty()) shape = {1};  // a 0-d tensor gathers as one row per rank
   if (__builtin_mul_overflow(shape[0], static_cast<std::int64_t>(world), &shape[0])) {
-    fail<ShapeError>("all_gather", "rank ", rank, ": shape ", to_string(local.shape()), " (", dtype_name(local.dtype()),
+    fail<ShapeError>("all_gather", who, ": shape ", to_string(local.shape()), " (", dtype_name(local.dtype()),
                      ") gathered over ", world, " ranks has more rows than an int64 holds");
   }
   shape_numel(shape, "all_gather");  // throws ShapeError if the gathered size overflows
   return shape;
 }
 
-Shape scattered_shape(int rank, int world, const Tensor& full) {
+Shape scattered_shape(const std::string& who, int world, const Tensor& full) {
   Shape shape = full.shape();
   if (shape.empty()) {
-    fail<ShapeError>("reduce_scatter", "rank ", rank, ": a 0-d tensor (", dtype_name(full.dtype()),
+    fail<ShapeError>("reduce_scatter", who, ": a 0-d tensor (", dtype_name(full.dtype()),
                      ") cannot be split along axis 0 into ", world, " pieces");
   }
   if (shape[0] % world != 0) {
-    fail<ShapeError>("reduce_scatter", "rank ", rank, ": shape ", to_string(shape), " (", dtype_name(full.dtype()),
-                     ", ", full.numel(), " elements) does not split along axis 0 into ", world, " equal pieces (",
-                     shape[0], " rows)");
+    fail<ShapeError>("reduce_scatter", who, ": shape ", to_string(shape), " (", dtype_name(full.dtype()), ", ",
+                     full.numel(), " elements) does not split along axis 0 into ", world, " equal pieces (", shape[0],
+                     " rows)");
   }
   shape[0] /= world;
   return shape;
@@ -527,8 +529,8 @@ void Communicator::run_reduce_scatter(const Tensor& full, const Tensor& out, con
 
 Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions& options) {
   Tensor local_copy;
-  const Tensor& local = dense_input("all_gather", rank_, local_arg, local_copy);
-  const Shape shape = gathered_shape(rank_, world_size_, local);
+  const Tensor& local = dense_input("all_gather", rank_text_, local_arg, local_copy);
+  const Shape shape = gathered_shape(rank_text_, world_size_, local);
   if (pass_through()) {
     begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
     return local.detach().reshape(shape);
@@ -540,18 +542,18 @@ Tensor Communicator::all_gather(const Tensor& local_arg, const CollectiveOptions
 
 void Communicator::all_gather_into(const Tensor& out, const Tensor& local_arg, const CollectiveOptions& options) {
   Tensor local_copy;
-  const Tensor& local = dense_input("all_gather_into", rank_, local_arg, local_copy);
+  const Tensor& local = dense_input("all_gather_into", rank_text_, local_arg, local_copy);
   check_output(
-      "all_gather_into", rank_, world_size_, out, local,
+      "all_gather_into", rank_text_, world_size_, out, local,
       [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
-      [&] { return gathered_shape(rank_, world_size_, local); });
+      [&] { return gathered_shape(rank_text_, world_size_, local); });
   run_all_gather(local, out, options);
 }
 
 Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOptions& options) {
   Tensor full_copy;
-  const Tensor& full = dense_input("reduce_scatter", rank_, full_arg, full_copy);
-  const Shape shape = scattered_shape(rank_, world_size_, full);
+  const Tensor& full = dense_input("reduce_scatter", rank_text_, full_arg, full_copy);
+  const Shape shape = scattered_shape(rank_text_, world_size_, full);
   if (pass_through()) {
     begin(Op::reduce_scatter, true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
           options, &full.shape());
@@ -564,18 +566,18 @@ Tensor Communicator::reduce_scatter(const Tensor& full_arg, const CollectiveOpti
 
 void Communicator::reduce_scatter_into(const Tensor& out, const Tensor& full_arg, const CollectiveOptions& options) {
   Tensor full_copy;
-  const Tensor& full = dense_input("reduce_scatter_into", rank_, full_arg, full_copy);
+  const Tensor& full = dense_input("reduce_scatter_into", rank_text_, full_arg, full_copy);
   check_output(
-      "reduce_scatter_into", rank_, world_size_, out, full,
+      "reduce_scatter_into", rank_text_, world_size_, out, full,
       [&](const Shape& s) { return scattered_fits(s, full.shape(), world_size_); },
-      [&] { return scattered_shape(rank_, world_size_, full); });
+      [&] { return scattered_shape(rank_text_, world_size_, full); });
   run_reduce_scatter(full, out, options);
 }
 
 Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const CollectiveOptions& options) {
   Tensor x_copy;
-  const Tensor& x = dense_input("all_reduce", rank_, x_arg, x_copy);
-  check_enum(op, "all_reduce", "Reduction", "rank " + std::to_string(rank_));
+  const Tensor& x = dense_input("all_reduce", rank_text_, x_arg, x_copy);
+  check_enum(op, "all_reduce", "Reduction", rank_text_);
   std::string extra = reduction_name(op);
   if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
     extra += ", native";
@@ -597,10 +599,10 @@ Tensor Communicator::all_reduce(const Tensor& x_arg, Reduction op, const Collect
 
 Tensor Communicator::broadcast(const Tensor& x_arg, int root, const CollectiveOptions& options) {
   Tensor x_copy;
-  const Tensor& x = dense_input("broadcast", rank_, x_arg, x_copy);
+  const Tensor& x = dense_input("broadcast", rank_text_, x_arg, x_copy);
   if (root < 0 || root >= world_size_) {
-    fail<ArgumentError>("broadcast", "rank ", rank_, ": root ", root, " is outside a world of ", world_size_,
-                        " (shape ", shape_text(x), ", ", dtype_name(x.dtype()), ")");
+    fail<ArgumentError>("broadcast", rank_text_, ": root ", root, " is outside a world of ", world_size_, " (shape ",
+                        shape_text(x), ", ", dtype_name(x.dtype()), ")");
   }
   const std::string extra = "root " + std::to_string(root);
   if (pass_through()) {
@@ -630,9 +632,9 @@ void Communicator::barrier(const CollectiveOptions& options) {
 }
 
 Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions& options) {
-  check_input("all_gather_async", rank_, local);
-  require_contiguous("all_gather_async", rank_, local, "input");
-  const Shape shape = gathered_shape(rank_, world_size_, local);
+  check_input("all_gather_async", rank_text_, local);
+  require_contiguous("all_gather_async", rank_text_, local, "input");
+  const Shape shape = gathered_shape(rank_text_, world_size_, local);
   if (pass_through()) {
     begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
     return Work(std::make_unique<FinishedState>(local.detach().reshape(shape)));
@@ -641,12 +643,12 @@ Work Communicator::all_gather_async(const Tensor& local, const CollectiveOptions
 }
 
 Work Communicator::all_gather_into_async(const Tensor& out, const Tensor& local, const CollectiveOptions& options) {
-  check_input("all_gather_into_async", rank_, local);
-  require_contiguous("all_gather_into_async", rank_, local, "input");
+  check_input("all_gather_into_async", rank_text_, local);
+  require_contiguous("all_gather_into_async", rank_text_, local, "input");
   check_output(
-      "all_gather_into_async", rank_, world_size_, out, local,
+      "all_gather_into_async", rank_text_, world_size_, out, local,
       [&](const Shape& s) { return gathered_fits(s, local.shape(), world_size_); },
-      [&] { return gathered_shape(rank_, world_size_, local); });
+      [&] { return gathered_shape(rank_text_, world_size_, local); });
   return launch_all_gather(local, out, options);
 }
 
@@ -654,7 +656,7 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
   const Call call = begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -662,9 +664,9 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
 }
 
 Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOptions& options) {
-  check_input("reduce_scatter_async", rank_, full);
-  require_contiguous("reduce_scatter_async", rank_, full, "input");
-  const Shape shape = scattered_shape(rank_, world_size_, full);
+  check_input("reduce_scatter_async", rank_text_, full);
+  require_contiguous("reduce_scatter_async", rank_text_, full, "input");
+  const Shape shape = scattered_shape(rank_text_, world_size_, full);
   if (pass_through()) {
     begin(Op::reduce_scatter, true, full.numel(), full.dtype(), accumulate_extra(full.dtype(), options.accumulate),
           options, &full.shape());
@@ -674,12 +676,12 @@ Work Communicator::reduce_scatter_async(const Tensor& full, const CollectiveOpti
 }
 
 Work Communicator::reduce_scatter_into_async(const Tensor& out, const Tensor& full, const CollectiveOptions& options) {
-  check_input("reduce_scatter_into_async", rank_, full);
-  require_contiguous("reduce_scatter_into_async", rank_, full, "input");
+  check_input("reduce_scatter_into_async", rank_text_, full);
+  require_contiguous("reduce_scatter_into_async", rank_text_, full, "input");
   check_output(
-      "reduce_scatter_into_async", rank_, world_size_, out, full,
+      "reduce_scatter_into_async", rank_text_, world_size_, out, full,
       [&](const Shape& s) { return scattered_fits(s, full.shape(), world_size_); },
-      [&] { return scattered_shape(rank_, world_size_, full); });
+      [&] { return scattered_shape(rank_text_, world_size_, full); });
   return launch_reduce_scatter(full, out, options);
 }
 
@@ -689,7 +691,7 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
                           accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -697,8 +699,8 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
 }
 
 Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const CollectiveOptions& options) {
-  check_input("all_reduce_async", rank_, x);
-  require_contiguous("all_reduce_async", rank_, x, "input");
+  check_input("all_reduce_async", rank_text_, x);
+  require_contiguous("all_reduce_async", rank_text_, x, "input");
   check_enum(op, "all_reduce_async", "Reduction", rank_text_);
   std::string extra = reduction_name(op);
   if (op == Reduction::sum && is_16bit_float(x.dtype()) && options.accumulate == Accumulate::native) {
@@ -712,7 +714,7 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
   const Call call = begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -720,7 +722,7 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
-  if (color < 0) fail<ArgumentError>("split", "rank ", rank_, ": color must be >= 0, got ", color);
+  if (color < 0) fail<ArgumentError>("split", rank_text_, ": color must be >= 0, got ", color);
   // The colour stays out of the call's record: ranks split with different colours.
   const Call call = begin(Op::split, false, 0, DType::f32, "", {});
   std::unique_ptr<Communicator> out;
@@ -730,6 +732,7 @@ std::unique_ptr<Communicator> Communicator::split(int color, int key) {
     rethrow_with_context(call);
   }
   out->set_order_check(order_check_);
+  out->name_split_from(*this, "split");
   return out;
 }
 
@@ -742,7 +745,14 @@ std::unique_ptr<Communicator> Communicator::split_by_node() {
     rethrow_with_context(call);
   }
   out->set_order_check(order_check_);
+  out->name_split_from(*this, "split_by_node");
   return out;
+}
+
+void Communicator::name_split_from(const Communicator& parent, const char* how) {
+  // Its errors name its own rank and the rank it had where it was split from: "rank 0" alone,
+  // from a node's communicator, did not say which process of the run it was.
+  rank_text_ = "rank " + std::to_string(rank_) + " (" + parent.rank_text_ + " before the " + how + ")";
 }
 
 Work Communicator::start_all_reduce(const Tensor& x, Tensor out, std::int64_t count, Reduction op,

@@ -572,6 +572,36 @@ TEST_CASE("emulated: a split kept past run_ranks raises at once, and a tag with 
   CHECK(std::chrono::steady_clock::now() - start < 10s);
 }
 
+TEST_CASE("emulated: a split communicator's errors name the rank it was split from as well as its own") {
+  // "rank 0: ..." from a node's communicator did not say which process of the run it was.
+  EmulatedOptions options;
+  options.check_order = true;
+  options.ranks_per_node = 2;
+  std::vector<std::string> errors(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        auto odd_even = comm.split(comm.rank() % 2, comm.rank());
+        auto node = comm.split_by_node();
+        const auto r = static_cast<std::size_t>(comm.rank());
+        expect_throw<ShapeError>([&] { (void)odd_even->reduce_scatter(ones({3})); },
+                                 {"reduce_scatter", "rank " + std::to_string(comm.rank() / 2) + " (rank " +
+                                                        std::to_string(comm.rank()) + " before the split)"},
+                                 "local check");
+        try {
+          (void)node->all_gather(ones({comm.rank() == 3 ? 3 : 2}), {.tag = "x"});
+        } catch (const CollectiveMismatchError& e) {
+          errors[r] = e.what();
+        }
+      },
+      options);
+  // Node 1 (ranks 2 and 3) disagree; each names itself in both communicators.
+  CHECK(errors[0].empty());
+  CHECK(errors[1].empty());
+  CHECK(errors[2].find("rank 0 (rank 2 before the split_by_node)") != std::string::npos);
+  CHECK(errors[3].find("rank 1 (rank 3 before the split_by_node)") != std::string::npos);
+}
+
 TEST_CASE("emulated: run_agreed lets nothing escape, an exception of any type or an empty phase alike") {
   run_ranks(2, [](Communicator& comm) {
     const auto thrown = run_agreed(comm, "odd", [&] {

@@ -325,7 +325,10 @@ class Communicator {
   int rank_;
   int world_size_;
   bool order_check_;
-  std::string rank_text_;  // "rank 3", for errors that name the rank (built once, not per call)
+  // "rank 3", for errors that name the rank (built once, not per call); a split communicator's
+  // names the parent's too: "rank 1 (rank 3 before the split)".
+  std::string rank_text_;
+  void name_split_from(const Communicator& parent, const char* how);
   std::uint64_t sequence_ = 0;
   // Shared with the Works of non-blocking collectives, which account for themselves when waited
   // for (even after the communicator is gone).
