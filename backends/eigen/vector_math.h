@@ -60,10 +60,22 @@ struct LogWithSubnormals {
     return pselect(subnormal, psub(l, pset1<Packet>(kShift)), l);
   }
 };
+// Eigen's rational tanh is clamped at |x| = 7.9053 and reads +-1 from there, where f32's tanh is
+// 1 - 6e-8 to 1 - 2.4e-7 up to |x| = 9.011: 1 + tanh (GELU's tanh form in the negative tail) and
+// 1 - tanh^2 (the backward) read 0 there, where PyTorch's read 1.8e-7 (gelu_tanh(-4.9) was -0,
+// not -4.4e-7). Lanes from the clamp on take 1 - 2 / (exp(2|x|) + 1), with x's sign; a packet
+// without such a lane costs one comparison more.
 struct TanhApproximation {
   template <class Packet>
   Packet operator()(const Packet& x) const {
-    return Eigen::internal::generic_fast_tanh_float(x);
+    using namespace Eigen::internal;
+    const Packet r = generic_fast_tanh_float(x);
+    const Packet ax = pabs(x);
+    const Packet tail = pcmp_le(pset1<Packet>(7.90531110763549805f), ax);
+    if (!predux_any(tail)) return r;
+    const Packet one = pset1<Packet>(1.0f);
+    const Packet t = psub(one, pdiv(pset1<Packet>(2.0f), padd(pexp(padd(ax, ax)), one)));
+    return pselect(tail, pselect(pcmp_lt(x, pzero(x)), pnegate(t), t), r);
   }
 };
 

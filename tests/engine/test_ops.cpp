@@ -662,6 +662,93 @@ TEST_CASE("softmax, log_softmax and logsumexp of lines holding NaN, infinities a
   }
 }
 
+TEST_CASE("log_softmax keeps a confident row's small log-probabilities; its NaN lines' gradients are NaN") {
+  // (x - max) - log(sum), as PyTorch: x - (max + log(sum)) rounded the shift first, and the small
+  // log-probabilities went with it. Rows repeated past oneDNN's minimum kernel size, where
+  // oneDNN's log_softmax read +1.4e-6 for a line of one value (a log-probability above 0).
+  const double inf = std::numeric_limits<double>::infinity();
+  auto epsilon_of = [](DType d) {
+    switch (d) {
+      case DType::f64:
+        return 0x1p-52;
+      case DType::f32:
+        return 0x1p-23;
+      case DType::f16:
+        return 0x1p-10;
+      default:
+        return 0x1p-7;
+    }
+  };
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(d));
+    const std::vector<std::pair<std::vector<double>, std::vector<double>>> rows = {
+        {{10, 0}, {-std::log1p(std::exp(-10.0)), -10 - std::log1p(std::exp(-10.0))}},
+        {{1e4, 1e4}, {-std::log(2.0), -std::log(2.0)}},
+        {{20, -inf}, {0, -inf}},
+    };
+    for (const auto& [row, want] : rows) {
+      CAPTURE(row[0]);
+      std::vector<double> flat;
+      for (int r = 0; r < 4096; ++r) flat.insert(flat.end(), row.begin(), row.end());
+      const Tensor x = values(flat, {4096, 2}, d);
+      const std::vector<double> got = log_softmax(x, 1).to_vector<double>();
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const double w = cast(values({want[i % 2]}, {1}, d), DType::f64).item();  // the exact value in d
+        if (std::isinf(w)) {
+          CHECK(got[i] == w);
+        } else {
+          // A quarter of an ulp of 1 (or of w where it is larger): f32 read 3.8e-7 off at [10, 0]
+          // and 4.9e-4 at [1e4, 1e4] before, 1.9e-8 and 0 now (PyTorch's f32 error is the same).
+          CHECK(std::abs(got[i] - w) <= epsilon_of(d) / 4 * std::max(1.0, std::abs(w)));
+        }
+      }
+    }
+    // A line of one value: log-probability 0 exactly, never above it; its gradient 0.
+    Tensor one = zeros({4096, 1}, d);
+    one.set_requires_grad(true);
+    const Tensor lp = log_softmax(one, 1);
+    for (const double v : lp.to_vector<double>()) CHECK(v == 0);
+    sum(lp).backward();
+    for (const double g : one.grad().to_vector<double>()) CHECK(g == 0);
+    // The gradient of a line that is NaN throughout (one of -infs, a NaN, a +inf) is NaN, as
+    // PyTorch's; oneDNN's backward read exp(NaN) as +inf and gave -inf.
+    Tensor x = randn({64, 64}, 5).to(d);
+    {
+      autograd::NoGradGuard guard;
+      x.slice(0, 0, 1).fill_(-inf);
+      x.slice(0, 1, 2).slice(1, 3, 4).fill_(std::nan(""));
+      x.slice(0, 2, 3).slice(1, 5, 6).fill_(inf);
+    }
+    x.set_requires_grad(true);
+    sum(log_softmax(x, 1)).backward();
+    const std::vector<double> g = x.grad().to_vector<double>();
+    for (std::size_t i = 0; i < 3 * 64; ++i) CHECK(std::isnan(g[i]));
+    for (std::size_t i = 3 * 64; i < g.size(); ++i) CHECK(std::isfinite(g[i]));
+  }
+}
+
+TEST_CASE("tanh and GELU's tanh form keep f32's tail: tanh reaches 1 at |x| = 9.01, not at Eigen's clamp of 7.9") {
+  // Eigen's rational tanh read -1 from |x| = 7.9053, so 1 + tanh (gelu_tanh of x < -4.85) and 1 -
+  // tanh^2 (the backward) were 0 where PyTorch's are ~1e-7.
+  for (DType d : {DType::f32, DType::f64}) {
+    CAPTURE(dtype_name(d));
+    Tensor x = full({8192}, -8.185, d);
+    x.set_requires_grad(true);
+    const Tensor t = tanh(x);
+    CHECK(t.to_vector<double>()[0] == doctest::Approx(std::tanh(-8.185)).epsilon(1e-7));
+    CHECK(t.to_vector<double>()[0] > -1.0);
+    sum(t).backward();
+    CHECK(x.grad().to_vector<double>()[0] == doctest::Approx(1 - std::pow(std::tanh(-8.185), 2)).epsilon(0.2));
+    if (d == DType::f32) CHECK(tanh(full({8192}, 9.5, d)).to_vector<double>()[0] == 1.0);  // f32: rounds to 1 there
+    CHECK(tanh(full({8192}, -std::numeric_limits<double>::infinity(), d)).to_vector<double>()[0] == -1.0);
+    // gelu_tanh(-4.9) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): -4.45e-7 (PyTorch f32 -4.38e-7).
+    const double inner = std::sqrt(2 / std::numbers::pi) * (-4.9 + 0.044715 * std::pow(-4.9, 3));
+    const double want = 0.5 * -4.9 * (1 + std::tanh(inner));
+    const double got = gelu(full({8192}, -4.9, d), GeluApproximation::tanh).to_vector<double>()[0];
+    CHECK(got == doctest::Approx(want).epsilon(0.05));
+  }
+}
+
 TEST_CASE("reductions of a scalar over axis 0 or -1 give the scalar, as in PyTorch; other axes are refused") {
   const Tensor s = scalar(3.5);
   for (std::int64_t axis : {0, -1}) {
