@@ -3,7 +3,9 @@
 #include <fcntl.h>
 #include <linux/fs.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <atomic>
 
@@ -652,6 +654,56 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
     nn::Linear same(4, 3);
     test::check_throws<IOError>([&] { load_into(same); }, {"index", "JSON"});
   }
+  SUBCASE("an index nested deeper than any index is") {
+    // 200000 brackets overflowed the stack of every reader (printing the parsed tree recursed).
+    std::stringstream text;
+    text << std::ifstream(step / "index.json").rdbuf();
+    std::string s = text.str();
+    s.erase(s.find_last_of('}'));
+    std::ofstream(step / "index.json") << s << ", \"zz\": " << std::string(200000, '[') << std::string(200000, ']')
+                                       << "}";
+    nn::Linear same(4, 3);
+    test::check_throws<IOError>([&] { load_into(same); }, {"index.json", "nested too deeply"});
+    test::check_throws<IOError>([&] { (void)nn::describe_checkpoint(dir.str()); }, {"nested too deeply"});
+  }
+  SUBCASE("a latest pointer that names no step") {
+    // It was passed over for the newest step, which may belong to another line of steps.
+    for (const std::string& damaged : {std::string("step-0000000#\n"), std::string("../other/step-00000001\n"),
+                                       std::string(""), std::string("step-00000001\nmore\n")}) {
+      CAPTURE(damaged);
+      std::ofstream(dir.path / "latest") << damaged;
+      nn::Linear same(4, 3);
+      test::check_throws<IOError>([&] { load_into(same); }, {"latest", "not the name of a step"});
+    }
+    // A pointer to a step that is gone (a kill between saving and pruning) still falls back.
+    std::ofstream(dir.path / "latest") << "step-00000009\n";
+    nn::Linear same(4, 3);
+    load_into(same);
+  }
+  SUBCASE("a directory with an index.json is a step whatever its name: no other file is written into it") {
+    fs::rename(step, dir.path / "best");
+    fs::copy(dir.path / "best", dir.path / "other", fs::copy_options::recursive);
+    CHECK(nn::checkpoint_member((dir.path / "best" / "rank-00000-of-00002.safetensors").string())
+              .find("holds an index.json") != std::string::npos);
+    test::check_throws<IOError>(
+        [&] {
+          nn::consolidate_checkpoint((dir.path / "other").string(),
+                                     (dir.path / "best" / "rank-00000-of-00002.safetensors").string());
+        },
+        {"best", "holds an index.json"});
+    nn::verify_checkpoint((dir.path / "best").string());
+  }
+  SUBCASE("split does not replace a step whose index cannot be read") {
+    // It took such a step for one with nothing to keep, and deleted its rank files (the optimizer
+    // state a repaired index, or a newer ruda, would load).
+    const std::string full = (dir.path / "full.safetensors").string();
+    nn::consolidate_checkpoint(dir.str(), full);
+    std::ofstream(step / "index.json", std::ios::app) << "garbage";
+    test::check_throws<IOError>([&] { (void)nn::split_checkpoint(full, 2, dir.str(), 1); },
+                                {"step-00000001", "cannot be read", "another --step"});
+    CHECK(fs::exists(step / "rank-00000-of-00002.safetensors"));
+    CHECK(fs::exists(step / "rank-00001-of-00002.safetensors"));
+  }
   SUBCASE("no checkpoint at all") {
     nn::Linear same(4, 3);
     LocalCommunicator local;
@@ -659,6 +711,51 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
                                 {"does not exist"});
   }
 }
+
+// Sanitizer builds reserve terabytes of address space, so a limit on it cannot be set there; the
+// release build runs this.
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+TEST_CASE("an index whose parse needs more memory than the process may allocate is an IOError, not a terminate") {
+  // 30 MB of [0,0,...] needs ~700 MB as a tree. Under a limit it ran out of memory inside the
+  // JSON library, whose cleanup allocates in a destructor: std::terminate, not an IOError.
+  TempDir dir;
+  const fs::path step = dir.path / "step-00000001";
+  fs::create_directories(step);
+  {
+    std::ofstream index(step / "index.json");
+    index << "{\"format\": \"ruda-sharded-checkpoint\", \"version\": 4, \"zz\": [0";
+    std::string chunk;
+    for (int i = 0; i < (1 << 19); ++i) chunk += ",0";
+    for (int i = 0; i < 30; ++i) index << chunk;
+    index << "]}";
+  }
+  const pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    // 256 MB above what the process has mapped now.
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    const rlim_t limit = static_cast<rlim_t>(pages) * static_cast<rlim_t>(::sysconf(_SC_PAGESIZE)) + (256u << 20);
+    const rlimit as{limit, limit};
+    if (pages == 0 || ::setrlimit(RLIMIT_AS, &as) != 0) ::_exit(5);
+    try {
+      (void)nn::describe_checkpoint(dir.str());
+      ::_exit(2);
+    } catch (const IOError& e) {
+      ::_exit(std::strstr(e.what(), "more than this process can allocate") ? 0 : 3);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  REQUIRE(::waitpid(child, &status, 0) == child);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);  // 2: parsed; 3: another IOError; 4: another exception; 5: no limit set
+}
+#endif
 
 namespace {
 

@@ -300,9 +300,20 @@ std::string resolve_checkpoint(const std::string& path) {
   if (fs::exists(fs::symlink_status(latest, ec))) {
     const std::string text = safetensors::read_text_file(latest.string(), kMaxLatestBytes);
     const std::string name = text.substr(0, text.find('\n'));
+    // ruda writes one step name and a newline, atomically: anything else is damage, refused by
+    // name (it was passed over for the newest step, which may be another run's line of steps).
+    // A step name whose step is gone is what a kill between saving and pruning can leave: the
+    // newest complete step then, as below.
+    if (!is_step_name(name) || name.find('/') != std::string::npos || (text != name && text != name + "\n")) {
+      std::string shown = text.substr(0, 64);
+      for (char& c : shown) {
+        if (static_cast<unsigned char>(c) < 0x20) c = '?';
+      }
+      fail(latest.string(), "holds '" + shown + (text.size() > 64 ? "...'" : "'") +
+                                ", not the name of a step (ruda's pointer is one line, step-N): fix or remove it");
+    }
     // A step whose index.json is there, whatever it is: reading it names what is wrong with it.
-    if (is_step_name(name) && name.find('/') == std::string::npos &&
-        fs::exists(fs::symlink_status(fs::path(path) / name / "index.json", ec)))
+    if (fs::exists(fs::symlink_status(fs::path(path) / name / "index.json", ec)))
       return (fs::path(path) / name).string();
   }
   const std::string best = newest_complete_step(path);
@@ -317,6 +328,12 @@ std::string checkpoint_member(const std::string& path) {
   const fs::path parent = p.parent_path();
   if (!parent.empty() && is_step_name(parent.filename().string()) && fs::is_directory(parent, ec)) {
     return "lies inside the step directory " + parent.string() + " of a checkpoint";
+  }
+  // Any directory with an index.json loads as a step (a checkpoint copied to best/, or given by
+  // path to --resume and ruda-ckpt), whatever its name: its files were overwritten when only
+  // step-N names counted.
+  if (!parent.empty() && fs::exists(fs::symlink_status(parent / "index.json", ec))) {
+    return "lies inside " + parent.string() + ", a checkpoint step (it holds an index.json)";
   }
   if (p.filename() == "latest" && !parent.empty()) {
     for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
@@ -1216,12 +1233,16 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
     }
   }
   // A split writes the model alone: replacing a step that holds optimizer state would drop it.
+  // An index that cannot be read (damaged, or of a newer format) may hold it too: its rank files
+  // are what a repair or a newer ruda would load, so it is refused as well (it was taken for a
+  // step with nothing to keep, and its files of optimizer state deleted).
   if (is_complete_step(step_dir)) {
     bool has_optimizer = false;
     try {
       has_optimizer = read_index(step_dir).has_optimizer;
-    } catch (const IOError&) {
-      // A damaged index: nothing of that step can be loaded, so there is nothing to keep.
+    } catch (const IOError& e) {
+      fail(step_dir, std::string("exists with an index that cannot be read (") + e.what() +
+                         "); a split would replace its files: give another --step, or remove the step first");
     }
     if (has_optimizer) {
       fail(step_dir,

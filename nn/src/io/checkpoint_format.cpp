@@ -112,6 +112,7 @@ void append_block_hashes(std::string& out, const void* data, std::size_t bytes) 
 namespace {
 
 constexpr std::size_t kMaxIndexBytes = std::size_t{1} << 30;
+constexpr std::size_t kMaxIndexDepth = 16;
 
 // Typed access to index.json's values: a missing key or a value of the wrong kind or range is an
 // IOError naming the file, where in it, and what it holds.
@@ -388,6 +389,8 @@ Index read_index(const std::string& dir) {
   std::error_code ec;
   if (!fs::exists(fs::symlink_status(path, ec))) fail(dir, "no index.json (not a checkpoint, or an incomplete one)");
   const std::string text = safetensors::read_text_file(path, kMaxIndexBytes);
+  // An index nests 4 levels deep; 200000 brackets overflowed the stack of every reader.
+  if (const auto refusal = safetensors::json_refusal(text, kMaxIndexDepth)) fail(path, *refusal);
   json j;
   std::string duplicate;
   try {
@@ -404,6 +407,7 @@ Index read_index(const std::string& dir) {
 namespace {
 // A rank file's recorded piece offsets: {"tensor": element offset, ...}.
 std::map<std::string, std::int64_t> parse_offsets(const std::string& file, const std::string& text) {
+  if (const auto refusal = safetensors::json_refusal(text, 4)) fail(file, "piece offsets: " + *refusal);
   const json j = json::parse(text, nullptr, /*allow_exceptions=*/false);
   std::map<std::string, std::int64_t> out;
   bool ok = j.is_object();

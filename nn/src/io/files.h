@@ -49,6 +49,13 @@ std::optional<std::string> temporary_base(const std::string& name);
 /// distinct: `duplicate` gets the first key an object repeats, "" if none.
 nlohmann::json parse_distinct_keys(const std::string& text, std::string& duplicate);
 
+/// Why JSON text from a file must not be parsed into a tree, or nullopt: nesting deeper than
+/// `max_depth` (printing or comparing such a tree recursed until the stack overflowed), or a tree
+/// larger than this process can allocate (about 20 times the text for long arrays of small
+/// numbers: a parse that ran out of memory ended in std::terminate, not an exception). One pass
+/// of the library's SAX parser, which neither recurses nor builds anything.
+std::optional<std::string> json_refusal(const std::string& text, std::size_t max_depth);
+
 namespace detail {
 
 /// A file written atomically: the bytes go to a temporary file beside `path`, which commit()

@@ -1,4 +1,5 @@
 // safetensors reading (bounds-checked, partial) and atomic writing.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,29 +45,106 @@ bool dtype_from_format(const std::string& name, DType& out) {
   return false;
 }
 
-// Rejects JSON nested deeper than kMaxJsonDepth before a recursive parser sees it.
-bool nesting_within_limit(const std::string& text) {
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > kMaxJsonDepth) return false;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
+// What a JSON text's tree would take, counted by nlohmann's SAX parser: its nesting, and bytes at
+// about what nlohmann's tree spends (a 16-byte value, doubled for a growing array's copies; a map
+// node and its key per object member; a string's own bytes). Measured: 120 MB of "[0,0,...]" peaked
+// at 2.6 GB (43 bytes a value).
+struct JsonCost {
+  std::size_t max_depth;
+  std::size_t depth = 0;
+  bool too_deep = false;
+  std::uint64_t bytes = 0;
+
+  bool value() {
+    bytes += 48;
+    return true;
   }
-  return true;
+  bool null() { return value(); }
+  bool boolean(bool) { return value(); }
+  bool number_integer(std::int64_t) { return value(); }
+  bool number_unsigned(std::uint64_t) { return value(); }
+  bool number_float(double, const std::string&) { return value(); }
+  bool string(std::string& s) {
+    bytes += 32 + s.size();
+    return value();
+  }
+  bool binary(std::vector<std::uint8_t>& b) {
+    bytes += 32 + b.size();
+    return value();
+  }
+  bool open() {
+    value();
+    if (++depth <= max_depth) return true;
+    too_deep = true;
+    return false;  // stops the pass
+  }
+  bool start_object(std::size_t) { return open(); }
+  bool start_array(std::size_t) { return open(); }
+  bool end_object() {
+    --depth;
+    return true;
+  }
+  bool end_array() { return end_object(); }
+  bool key(std::string& k) {
+    bytes += 64 + k.size();
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) {
+    return false;  // the tree's own parse reports it
+  }
+};
+
+// Bytes this process may still allocate: the smaller of the system's MemAvailable and what the
+// address-space and data limits (ulimit -v, -d) leave; unknown parts count as unlimited.
+std::uint64_t allocatable_bytes() {
+  std::uint64_t out = std::numeric_limits<std::uint64_t>::max();
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kb = 0;
+    while (std::fgets(line, sizeof line, f)) {
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+        out = std::min<std::uint64_t>(out, static_cast<std::uint64_t>(kb) * 1024);
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  unsigned long long size_pages = 0, data_pages = 0, skip = 0;
+  bool have_statm = false;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    have_statm =
+        std::fscanf(f, "%llu %llu %llu %llu %llu %llu", &size_pages, &skip, &skip, &skip, &skip, &data_pages) == 6;
+    std::fclose(f);
+  }
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  auto headroom = [&](int resource, std::uint64_t used) {
+    rlimit limit{};
+    if (have_statm && ::getrlimit(resource, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      const auto cap = static_cast<std::uint64_t>(limit.rlim_cur);
+      out = std::min(out, cap > used ? cap - used : 0);
+    }
+  };
+  headroom(RLIMIT_AS, size_pages * page);
+  headroom(RLIMIT_DATA, data_pages * page);
+  return out;
 }
+
+}  // namespace
+
+std::optional<std::string> json_refusal(const std::string& text, std::size_t max_depth) {
+  JsonCost cost{max_depth};
+  (void)nlohmann::json::sax_parse(text, &cost, nlohmann::json::input_format_t::json, /*strict=*/false);
+  if (cost.too_deep) return "JSON nested too deeply (more than " + std::to_string(max_depth) + " levels)";
+  const std::uint64_t room = allocatable_bytes();
+  if (cost.bytes > room) {
+    return "holds JSON of " + std::to_string(text.size() >> 20) + " MB whose parse needs about " +
+           std::to_string(cost.bytes >> 20) + " MB, more than this process can allocate (" +
+           std::to_string(room >> 20) + " MB)";
+  }
+  return std::nullopt;
+}
+
+namespace {
 
 // BOOL bytes other than 0 and 1 are no value of the dtype (the kernels would compare and cast them
 // inconsistently): refused as they are read, naming the first one. `first` is the element of data[0].
@@ -106,7 +184,7 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
   const std::string where = "header";
   // A NUL ends nlohmann's input early: what follows it would be ignored here and read by others.
   if (header.find('\0') != std::string::npos) io_fail(where, "contains a NUL byte");
-  if (!nesting_within_limit(header)) io_fail(where, "JSON nested too deeply");
+  if (const auto refusal = json_refusal(header, kMaxJsonDepth)) io_fail(where, *refusal);
   nlohmann::json j;
   std::string duplicate;
   try {
