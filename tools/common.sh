@@ -25,18 +25,17 @@ ruda_mpiexec() {
     -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-$threads}" -x RUDA_NUM_THREADS="${RUDA_NUM_THREADS:-$threads}" "$@"
 }
 
-# ruda_build PRESET: configure (once) and build a CMake preset, quietly unless it fails.
+# ruda_build PRESET: configure (once) and build a CMake preset, quietly unless it fails. The output
+# is held in memory, not in a temporary file: a file would be left behind when the build is
+# interrupted (INT, TERM), and a trap here would replace the calling script's own.
 ruda_build() {
   local preset=$1
-  local log
-  log=$(mktemp)
-  if ! { cmake --preset "$preset" -S "$RUDA_ROOT" && cmake --build --preset "$preset"; } >"$log" 2>&1; then
-    cat "$log" >&2
-    rm -f "$log"
+  local out
+  if ! out=$({ cmake --preset "$preset" -S "$RUDA_ROOT" && cmake --build --preset "$preset"; } 2>&1); then
+    printf '%s\n' "$out" >&2
     echo "ruda: the $preset build failed (output above)" >&2
     return 1
   fi
-  rm -f "$log"
 }
 
 # ruda_release_bin: prints the folder of release binaries a script runs. With RUDA_BIN_DIR set, that

@@ -151,19 +151,47 @@ def gemm_gflops(m, k, n, dtype):
     return 2 * m * k * n / median_ms(lambda: a @ b, runs=20) / 1e6
 
 
+def load_figures(path, configs):
+    """ruda's step rows ({name: [(backend, ms)]}) and "fraction of GEMM" rows from ruda-bench's JSON
+    lines. Exits with a message when the file cannot be read, holds a line that is not a figure, or
+    lacks a step some chosen model and dtype needs: a table of '-' beside PyTorch's figures is no
+    comparison."""
+    ruda, fractions = {}, []
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        sys.exit(f"compare_torch.py: {path}: {e.strerror}")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if r["suite"] == "models" and r["unit"] == "ms":
+                ruda.setdefault(r["name"], []).append((r["backend"], float(r["median"])))
+            elif r["suite"] == "models" and r["name"].endswith("fraction of GEMM"):
+                if not isinstance(r["peer"], str) or not float(r["peer_median"]) > 0:
+                    raise ValueError("no GEMM peer")
+                fractions.append(r)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            sys.exit(f"compare_torch.py: {path}:{number}: not a ruda-bench --json figure ({type(e).__name__}: {e})")
+    missing = [row.format(dtype) for _, row, _, _, dtypes in configs for dtype in dtypes if row.format(dtype) not in ruda]
+    if missing:
+        sys.exit(f"compare_torch.py: {path} holds no ruda figure for: {'; '.join(missing)}"
+                 + (" (it holds none of suite models: is it the output of ruda-bench --suite models --json?)"
+                    if not ruda else ""))
+    return ruda, fractions
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("figures")
     parser.add_argument("--no-compile", action="store_true", help="eager PyTorch only")
-    parser.add_argument("--only", action="append", help="only these models (mlp, gpt, gpt2-small)")
+    parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS],
+                        help="only these models (mlp, gpt, gpt2-small)")
     args = parser.parse_args()
-    ruda, fractions = {}, []
-    for line in open(args.figures):
-        r = json.loads(line)
-        if r["suite"] == "models" and r["unit"] == "ms":
-            ruda.setdefault(r["name"], []).append((r["backend"], r["median"]))
-        elif r["suite"] == "models" and r["name"].endswith("fraction of GEMM"):
-            fractions.append(r)
+    configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
+    ruda, fractions = load_figures(args.figures, configs)
     load_start = os.getloadavg()[0]
     print(f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads;"
           f" ruda figures from ruda-bench --suite models; step medians in ms; ratio = ruda / PyTorch (time)")
@@ -171,9 +199,7 @@ def main():
           f" | {'best torch f32':>14} {'ratio':>6}")
     notes = []
     best_f32 = {}
-    for name, row, build, runs, dtypes in CONFIGS:
-        if args.only and name not in args.only:
-            continue
+    for name, row, build, runs, dtypes in configs:
         for dtype in dtypes:
             label = f"{name} {dtype}"
             fig, compile_s = torch_figures(build, runs, dtype, not args.no_compile)
@@ -185,21 +211,19 @@ def main():
             elif compile_s is not None:
                 notes.append(f"{label}: torch.compile's first step (compiling, or Inductor's on-disk cache of an"
                              f" earlier run) took {compile_s:.1f} s")
-            rows = ruda.get(row.format(dtype), [("-", None)])
-            for backend, ms in rows:
+            for backend, ms in ruda[row.format(dtype)]:
                 def cell(torch_ms, width):
                     if not isinstance(torch_ms, float):
                         return f"{'-':>{width}} {'-':>6}"
-                    ratio = f"{ms / torch_ms:6.3f}" if ms is not None else f"{'-':>6}"
-                    return f"{torch_ms:{width}.2f} {ratio}"
-                ruda_ms = f"{ms:8.2f}" if ms is not None else f"{'-':>8}"
-                print(f"{label:<17} {backend:<7} {ruda_ms} | {cell(fig['eager'], 11)} | {cell(fig.get('compile'), 13)}"
+                    return f"{torch_ms:{width}.2f} {ms / torch_ms:6.3f}"
+                print(f"{label:<17} {backend:<7} {ms:8.2f} | {cell(fig['eager'], 11)} | {cell(fig.get('compile'), 13)}"
                       f" | {cell(best_f32[name], 14)}")
                 sys.stdout.flush()
     # The matrix-product rates behind the steps: ruda's (the "fraction of GEMM" rows' peer, same
     # ruda-bench run) beside PyTorch's on the same product, and each step's model FLOPs per second.
+    # The ratio is of times, as the step table's (torch's rate over ruda's): below 1 is ruda faster.
     if fractions:
-        print(f"{'GEMM behind the step':<44} {'backend':<7} {'ruda GFLOP/s':>12} {'torch GFLOP/s':>13} {'ratio':>6}"
+        print(f"{'GEMM behind the step':<44} {'backend':<7} {'ruda GFLOP/s':>12} {'torch GFLOP/s':>13} {'ruda/torch time':>15}"
               f" | {'ruda step GFLOP/s':>17} {'fraction':>8}")
         rates = {}
         for r in fractions:
@@ -208,11 +232,13 @@ def main():
                 (m, k), (_, n) = (tuple(int(v) for v in side.strip(" []").split(",")) for side in shape.rsplit(" ", 1)[0].split(" x "))
                 rates[shape] = gemm_gflops(m, k, n, shape.rsplit(" ", 1)[1])
             print(f"{shape:<44} {r['backend']:<7} {r['peer_median']:12.1f} {rates[shape]:13.1f}"
-                  f" {rates[shape] / r['peer_median']:6.3f} | {r['median']:17.1f} {r['median'] / r['peer_median']:8.3f}")
+                  f" {rates[shape] / r['peer_median']:15.3f} | {r['median']:17.1f} {r['median'] / r['peer_median']:8.3f}")
+    best = ("eager f32 only (--no-compile: nothing compiled)" if args.no_compile
+            else "the faster of eager and compiled f32")
     print("notes:")
     print("  torch compile: torch.compile (Inductor, default mode) of the forward and loss, backward through"
           " AOTAutograd; optimizer foreach, eager. bf16: autocast (oneDNN bf16), loss in f32, parameters f32,"
-          " as ruda's bf16 compute. best torch f32: the faster of eager and compiled f32, the baseline of ruda's"
+          f" as ruda's bf16 compute. best torch f32: {best}, the baseline of ruda's"
           " targets (f32 <= 0.75x, bf16 <= 0.5x). Inductor hands the matrix products (MKL) and SDPA (flash"
           " attention) to the same ATen kernels as eager, 74% and 17% of the GPT-2-small step in a profile on a"
           " 2-core Zen machine, so compiling speeds only the rest (norms, GELU, adds, the loss) and is at best a"

@@ -126,11 +126,13 @@ def worker(model_name, steps, out, warmup=5):
 
 
 def rss(out, command):
-    """Runs command (one MPI rank: the child inherits the rank's environment) and writes its peak RSS."""
+    """Runs command (one MPI rank: the child inherits the rank's environment) and writes its peak RSS
+    and exit status (the report takes nothing from a rank whose command failed)."""
     rc = subprocess.call(command)
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0"))
     with open(f"{out}.{rank}", "w") as f:
-        json.dump({"rank": int(rank), "maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}, f)
+        json.dump({"rank": int(rank), "maxrss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+                   "exit_status": rc}, f)
     sys.exit(rc)
 
 
@@ -152,36 +154,60 @@ def ruda_steps(metrics, first):
 
 
 def report(folder):
+    """Prints the table; returns 1 when a side failed or left no figures (their cells are '-': no
+    ratio is computed from a failed run), 0 otherwise."""
     print("sharded: 2 ranks on this machine, 1 thread each; step medians (rank 0's clock) in ms;"
           " ratio = ruda / PyTorch (time)")
     print(f"{'model':<40} {'ruda ms':>8} {'torch ms':>9} {'ratio':>6} | {'ruda tensor MB':>14} {'ruda RSS MB':>11}"
           f" {'torch RSS MB':>12} {'torch RSS-start':>15} {'RSS ratio':>9}")
     notes = []
+    incomplete = False
     for model, label, batch in (("mlp", "MLP 784-1024-1024-10 b128", 128), ("gpt", "GPT d256 L4 H4 T128 b16", 16)):
         try:
             t = json.load(open(f"{folder}/torch-{model}.json"))
         except (OSError, ValueError):
             t = None
-        ruda_ms, ruda_peaks = [], None
-        try:
-            rates, ruda_peaks = ruda_steps(f"{folder}/ruda-{model}.jsonl", first=11)
-            ruda_ms = [batch / r * 1e3 for r in rates]
-        except (OSError, ValueError, KeyError):
-            notes.append(f"{model}: no ruda-train figures (see its output above)")
+        # A failed side (compare-torch leaves <side>-<model>.failed; a rank's error or exit status
+        # says so too) gives no figure at all: its partial steps and its RSS would make false ratios.
         ruda_rss = []
+        ruda_failed = os.path.exists(f"{folder}/ruda-{model}.failed")
         for rank in (0, 1):
             try:
-                ruda_rss.append(json.load(open(f"{folder}/ruda-{model}.rss.{rank}"))["maxrss_kib"] / 1024)
-            except (OSError, ValueError):
-                pass
-        if t is None or not t["ranks"][0]["times_ms"]:
-            notes.append(f"{model}: no PyTorch figures"
-                         + (f" ({t['ranks'][0]['kind']} step failed: {t['ranks'][0]['error']})" if t else ""))
+                r = json.load(open(f"{folder}/ruda-{model}.rss.{rank}"))
+                ruda_failed = ruda_failed or r.get("exit_status", 0) != 0
+                ruda_rss.append(r["maxrss_kib"] / 1024)
+            except (OSError, ValueError, KeyError):
+                ruda_failed = True
+        ruda_ms, ruda_peaks = [], None
+        if ruda_failed:
+            notes.append(f"{model}: ruda-train failed (see its output above): no ruda figures")
+            ruda_rss = []
+        else:
+            try:
+                rates, ruda_peaks = ruda_steps(f"{folder}/ruda-{model}.jsonl", first=11)
+                ruda_ms = [batch / r * 1e3 for r in rates]
+                if not ruda_ms or len(ruda_peaks) < 2:
+                    raise ValueError("no timed steps")
+            except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+                notes.append(f"{model}: no ruda-train figures (see its output above)")
+                ruda_ms, ruda_peaks = [], None
+        try:
+            torch_failed = (os.path.exists(f"{folder}/torch-{model}.failed") or t is None
+                            or len(t["ranks"]) < 2 or any(r["error"] for r in t["ranks"])
+                            or not t["ranks"][0]["times_ms"])
+        except (KeyError, TypeError, IndexError):
+            torch_failed, t = True, None
+        if torch_failed:
+            errors = "; ".join(f"rank {r['rank']}: {r['error']}" for r in t["ranks"] if r["error"]) if t else ""
+            notes.append(f"{model}: PyTorch failed: no PyTorch figures"
+                         + (f" ({t['ranks'][0]['kind']} step: {errors})" if errors else " (see its output above)"))
+            t = None
+        incomplete = incomplete or ruda_failed or torch_failed or not ruda_ms
         kind = t["ranks"][0]["kind"] if t else "FSDP2"
         if t and t["ranks"][0]["reason"]:
             notes.append(f"{model}: FSDP2 could not shard here ({t['ranks'][0]['reason']}); the peer is DDP")
         r_med = statistics.median(ruda_ms) if ruda_ms else None
-        t_med = statistics.median(t["ranks"][0]["times_ms"]) if t and t["ranks"][0]["times_ms"] else None
+        t_med = statistics.median(t["ranks"][0]["times_ms"]) if t else None
         fmt = lambda v, w, p=2: f"{v:{w}.{p}f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = r_med / t_med if r_med and t_med else None
         for rank in (0, 1):
@@ -217,31 +243,47 @@ def report(folder):
     for model in ("mlp", "gpt"):
         try:
             r0 = json.load(open(f"{folder}/torch-{model}.json"))["ranks"][0]
+            rs, ar = r0["reduce_scatter_ms"], r0["all_reduce_ms"]
+            # What was measured, not what was expected: about 1 means the reduce-scatter runs as an
+            # all-reduce; a ring's would take about half of one.
             notes.append(f"gloo here (rank 0, after the {model} steps), 4 MB f32: reduce_scatter_tensor"
-                         f" {r0['reduce_scatter_ms']:.2f} ms, all_reduce {r0['all_reduce_ms']:.2f} ms (medians of 15;"
-                         " about equal: the reduce-scatter is an all-reduce; a ring's would take about half)")
-        except (OSError, ValueError, KeyError):
+                         f" {rs:.2f} ms, all_reduce {ar:.2f} ms (medians of 15): reduce-scatter / all-reduce"
+                         f" = {rs / ar:.2f} (1: it runs as an all-reduce; a ring's would be about 0.5)")
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
             pass
     for n in notes:
         print("  " + n)
     print(f"  load average (1 min) of this machine at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
           " (others' work shifts the ratios; MPI ranks poll while they wait, so a rank without a core stalls its peer)")
+    return 1 if incomplete else 0
+
+
+USAGE = """usage: compare_torch_fsdp.py worker --model mlp|gpt --steps N --out FILE
+       compare_torch_fsdp.py rss OUT -- COMMAND...
+       compare_torch_fsdp.py report DIR"""
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    role = sys.argv[1]
+    role = sys.argv[1] if len(sys.argv) > 1 else None
     if role == "worker":
         import argparse
-        p = argparse.ArgumentParser()
-        p.add_argument("--model", required=True)
+        p = argparse.ArgumentParser(prog="compare_torch_fsdp.py worker")
+        p.add_argument("--model", required=True, choices=("mlp", "gpt"))
         p.add_argument("--steps", type=int, default=20)
         p.add_argument("--out", required=True)
         a = p.parse_args(sys.argv[2:])
+        if a.steps < 1:
+            p.error(f"--steps must be at least 1, got {a.steps}")
         worker(a.model, a.steps, a.out)
     elif role == "rss":
-        rss(sys.argv[2], sys.argv[4:] if sys.argv[3] == "--" else sys.argv[3:])
+        command = sys.argv[4:] if sys.argv[3:4] == ["--"] else sys.argv[3:]
+        if len(sys.argv) < 3 or not command:
+            sys.exit(USAGE)
+        rss(sys.argv[2], command)
     elif role == "report":
-        report(sys.argv[2])
+        if len(sys.argv) != 3:
+            sys.exit(USAGE)
+        sys.exit(report(sys.argv[2]))
     else:
-        sys.exit(f"compare_torch_fsdp.py: unknown role {role}")
+        sys.exit(f"compare_torch_fsdp.py: unknown role {role}\n{USAGE}" if role else USAGE)

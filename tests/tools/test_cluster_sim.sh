@@ -5,6 +5,8 @@
 # - `up` makes 2 nodes with their own hostnames, `run` starts one rank on each;
 # - the sharded MLP trained over the two nodes (TCP through the throttled links) gives exactly the
 #   losses of the same job as 2 ranks on one host (shared memory);
+# - `run` works from a checkout whose path has a space in it;
+# - `calibrate --rates` restores the link setting it found (rate and queue), also when the suite fails;
 # - `down` leaves no namespace, interface or file behind, and is idempotent.
 # Exit 77 (ctest's SKIP_RETURN_CODE) where network namespaces cannot be made, with the reason.
 set -euo pipefail
@@ -102,6 +104,31 @@ paste "$tmp/dense.loss" "$tmp/hybrid.loss" | awk '{
   } END { exit bad }' || fail "the hybrid losses across the nodes differ from the dense ones"
 echo "bytes out of node 0 for 4 steps: full shard $full_bytes, hybrid $hybrid_bytes"
 [ $((hybrid_bytes * 2)) -lt "$full_bytes" ] || fail "hybrid sent $hybrid_bytes bytes, not under half of full shard's $full_bytes"
+
+echo "--- run from a checkout whose path has a space (OpenMPI splits plm_rsh_agent's value on whitespace)"
+spaced="$tmp/a checkout/tools"
+mkdir -p "$spaced"
+cp "$(dirname "$sim")"/{cluster-sim,cluster-sim-agent,common.sh} "$spaced/"
+hosts=$("$spaced/cluster-sim" run 1 hostname | sort | tr '\n' ' ')
+[ "$hosts" = "ruda-n0 ruda-n1 " ] || fail "run from '$spaced' printed '$hosts', not one rank on each node"
+
+echo "--- calibrate restores the link setting it found, after a failing suite too"
+# Stub ruda-bench-mpi folders (RUDA_BIN_DIR: nothing is built): one whose suite fails, one whose
+# suite succeeds. The links are at 1gbit with 4 bursts of queue (set above).
+for outcome in fail ok; do
+  mkdir -p "$tmp/$outcome-bin"
+  ln -s "$train" "$tmp/$outcome-bin/ruda-train"
+  printf '#!/bin/sh\nexit %s\n' "$([ $outcome = ok ] && echo 0 || echo 3)" >"$tmp/$outcome-bin/ruda-bench-mpi"
+  chmod +x "$tmp/$outcome-bin/ruda-bench-mpi"
+  status=0
+  RUDA_BIN_DIR=$tmp/$outcome-bin "$sim" calibrate --rates 10gbit >"$tmp/calibrate.log" 2>&1 || status=$?
+  if [ $outcome = ok ] && [ $status != 0 ]; then cat "$tmp/calibrate.log"; fail "calibrate exited $status on a suite that succeeded"; fi
+  if [ $outcome = fail ] && [ $status = 0 ]; then cat "$tmp/calibrate.log"; fail "calibrate exited 0 on a suite that failed"; fi
+  qdisc=$(tc -n ruda-n0 qdisc show dev ruda-eth0)
+  if ! grep -q "rate 1Gbit" <<<"$qdisc" || ! grep -q "lat 4ms" <<<"$qdisc"; then
+    fail "calibrate ($outcome) left the link at '$qdisc', not 1gbit with 4 bursts of queue"
+  fi
+done
 
 echo "--- down leaves nothing, twice"
 "$sim" down

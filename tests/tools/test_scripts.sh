@@ -12,6 +12,14 @@
 #   bench-mpi-quick  tools/bench --quick --suite collectives-mpi: the MPI suite the README quotes, at
 #               2, 3 and 4 ranks
 #   fuzz-safetensors  tools/fuzz-safetensors for a few seconds: it builds its fuzzer and finds nothing
+#               (a crash file an earlier run left is not counted as this run's)
+#   arguments   the scripts' argument and failure handling, in seconds, on stub binaries and fake
+#               commands first on PATH (mpiexec, id, cmake, ctest, dpkg-query): which suites plain
+#               tools/bench runs at which rank counts, refused values with a message naming the
+#               option (never a bash error), nothing installed or built where RUDA_BIN_DIR is set
+#   compare-torch  tools/compare-torch on stubs (a fake PyTorch venv and torchrun, a stub
+#               ruda-train under the real mpiexec): a failed side exits non-zero and gives no ratio
+# shellcheck disable=SC2016  # the stubs' bodies are single-quoted: they expand when a stub runs
 set -euo pipefail
 case_name=$1
 export RUDA_BIN_DIR=$2
@@ -29,6 +37,20 @@ fail() {
 }
 expect() {  # expect FRAGMENT: the output so far contains it
   grep -qF -- "$1" "$log" || fail "expected '$1' in the output"
+}
+# refused CMD...: CMD fails, with a message of its own rather than bash's (an unset variable, a
+# syntax error in arithmetic, a line number) or a Python traceback; the output is in $log.
+refused() {
+  if "$@" >"$log" 2>&1; then fail "'$*' succeeded"; fi
+  if grep -qE 'unbound variable|syntax error|invalid arithmetic|line [0-9]+:|Traceback' "$log"; then
+    fail "'$*' failed with an error of bash or Python, not a message of its own"
+  fi
+}
+# stub PATH NAME BODY: an executable bash script PATH/NAME running BODY.
+stub() {
+  mkdir -p "$1"
+  printf '#!/usr/bin/env bash\n%s\n' "$3" >"$1/$2"
+  chmod +x "$1/$2"
 }
 
 case "$case_name" in
@@ -105,8 +127,176 @@ case "$case_name" in
     done
     ;;
   fuzz-safetensors)
+    # A crash file an earlier run left behind is neither this run's finding nor copied again.
+    mkdir -p "$work/fuzz/crashes"
+    echo stale >"$work/fuzz/crashes/crash-0000stale"
     RUDA_FUZZ_DIR=$work/fuzz "$root/tools/fuzz-safetensors" 5 >"$log" 2>&1 || fail "tools/fuzz-safetensors exited $?"
+    stale=("$root"/tests/data/safetensors-corpus/regression-crash-0000stale*)
+    if [ -e "${stale[0]}" ]; then
+      rm -f "${stale[@]}"
+      fail "an earlier run's crash file was copied into the corpus again"
+    fi
     expect "fuzzed for 5s: 0 failing inputs"
+    ;;
+  arguments)
+    fake=$work/fake bins=$work/bin
+    export STUB_CALLS=$work/calls
+    # Installing or building would show as a call to one of these (tools/setup asks dpkg-query).
+    for c in cmake ctest dpkg-query; do
+      stub "$fake" "$c" "echo \"$c \$*\" >>\"\$STUB_CALLS\"; [ $c != dpkg-query ] || echo 'install ok installed'"
+    done
+    # Not root to tools/bench: it takes the loopback path instead of making a cluster.
+    stub "$fake" id 'if [ "${1:-}" = -u ]; then echo 1000; else exec /usr/bin/id "$@"; fi'
+    # mpiexec records its rank count and the suites it was given, and runs nothing.
+    stub "$fake" mpiexec 'n=$(sed -n "s/.* -n \([0-9]*\) .*/\1/p" <<<" $* ")
+echo "mpiexec -n $n $(grep -o -- "--suite [a-z-]*" <<<"$*" | tr "\n" " ")" >>"$STUB_CALLS"'
+    stub "$bins" ruda-train 'exit 0'
+    stub "$bins" ruda-bench 'if [ "${1:-}" = --list ]; then printf "%s\n" gemm overlap-emulated hybrid-emulated
+else echo "ruda-bench $*" >>"$STUB_CALLS"; fi'
+    stub "$bins" ruda-bench-mpi '[ "${1:-}" != --list ] || printf "%s\n" cluster-calibrate collectives-mpi hybrid overlap train-step-mpi'
+    export PATH=$fake:$PATH
+    calls=$STUB_CALLS
+    # Plain tools/bench: each MPI suite only at its own rank counts, cluster-calibrate not at all.
+    : >"$calls"
+    RUDA_BIN_DIR=$bins "$root/tools/bench" >"$log" 2>&1 || fail "plain tools/bench on stubs exited $?"
+    expect "overlap: no simulated cluster: not root (network namespaces need root); on loopback"
+    cp "$calls" "$log"
+    grep -q -- '-n [0-9]* *$' "$calls" && fail "an MPI run named no suite (ruda-bench-mpi then runs them all)"
+    grep -q cluster-calibrate "$calls" && fail "plain tools/bench ran cluster-calibrate"
+    grep -- '--suite overlap' "$calls" | grep -qv -- '-n 2 ' && fail "overlap ran at another count than 2"
+    grep -- '--suite hybrid' "$calls" | grep -qv -- '-n 4 ' && fail "hybrid ran at another count than 4"
+    for n in 2 4; do
+      grep -qx -- "mpiexec -n $n --suite collectives-mpi --suite train-step-mpi *" "$calls" ||
+        fail "collectives-mpi and train-step-mpi did not run together at $n ranks"
+    done
+    grep -qx -- "mpiexec -n 3 --suite collectives-mpi *" "$calls" || fail "collectives-mpi did not run at 3 ranks"
+    grep -qx -- "mpiexec -n 2 --suite overlap *" "$calls" || fail "overlap did not run at 2 ranks"
+    grep -qx -- "mpiexec -n 4 --suite hybrid *" "$calls" || fail "hybrid did not run at 4 ranks"
+    [ "$(grep -c '^ruda-bench' "$calls")" = 1 ] || fail "ruda-bench ran more than once (the emulated suites again)"
+    refused env RUDA_BIN_DIR="$bins" "$root/tools/bench" --suite cluster-calibrate
+    expect "tools/cluster-sim calibrate"
+    refused env RUDA_BIN_DIR="$bins" "$root/tools/bench" --suite
+    expect "--suite needs a name"
+
+    # compare-torch: an option without its value; RUDA_BIN_DIR installs and builds nothing, and
+    # says what to run when PyTorch's environment is missing.
+    : >"$calls"
+    refused "$root/tools/compare-torch" --backend
+    expect "compare-torch: --backend needs a name"
+    refused "$root/tools/compare-torch" --bogus
+    expect "unknown argument '--bogus'"
+    refused env RUDA_BIN_DIR="$bins" RUDA_BENCH_VENV="$work/no-venv" "$root/tools/compare-torch"
+    expect "run tools/setup --bench"
+    [ ! -s "$calls" ] || fail "compare-torch with RUDA_BIN_DIR installed or built: $(cat "$calls")"
+
+    # cluster-sim: values checked (before anything is built or changed), named in the message.
+    for rate in 1.5gbit fastgbit 0gbit 200gbit 99999999999999999999gbit; do
+      refused "$root/tools/cluster-sim" up --rate "$rate"
+      expect "up: --rate: '$rate' is not a link rate"
+    done
+    refused "$root/tools/cluster-sim" up --rate
+    expect "up: --rate needs a rate"
+    refused "$root/tools/cluster-sim" up --nodes
+    expect "up: --nodes needs a number"
+    refused "$root/tools/cluster-sim" rate 1.5gbit
+    expect "rate: '1.5gbit' is not a link rate"
+    refused "$root/tools/cluster-sim" run 99999999999999999999 true
+    expect "ranks per node must be a number from 1 to 64"
+    refused env RUDA_SIM_QUEUE_BURSTS=x "$root/tools/cluster-sim" up
+    expect "RUDA_SIM_QUEUE_BURSTS: 'x'"
+    : >"$calls"
+    refused env -u RUDA_BIN_DIR "$root/tools/cluster-sim" calibrate --rates 1gbit,fastgbit
+    expect "calibrate: --rates: 'fastgbit' is not a link rate"
+    refused env -u RUDA_BIN_DIR "$root/tools/cluster-sim" calibrate --rates
+    expect "calibrate: --rates needs a list"
+    [ ! -s "$calls" ] || fail "cluster-sim calibrate installed or built before checking its arguments: $(cat "$calls")"
+
+    # tools/check: ctest arguments alone run on release (not taken for a preset); a bad preset is
+    # refused before anything is built.
+    : >"$calls"
+    "$root/tools/check" -R engine >"$log" 2>&1 || fail "tools/check -R engine exited $?"
+    grep -qx "ctest --preset release -R engine" "$calls" || fail "tools/check -R engine ran: $(cat "$calls")"
+    grep -qx "cmake --build --preset release" "$calls" || fail "tools/check -R engine built: $(cat "$calls")"
+    : >"$calls"
+    refused "$root/tools/check" releas
+    expect "unknown preset 'releas'"
+    grep -q '^cmake' "$calls" && fail "tools/check built for an unknown preset"
+
+    # The rest: each refuses what it cannot do, with its own message.
+    refused "$root/tools/setup" --bnech
+    expect "unknown argument '--bnech' (valid: none, or --bench)"
+    refused "$root/tools/fuzz-safetensors" 5s
+    expect "SECONDS must be a whole number"
+    printf '{"step": 1, "loss": 2.5}\n' >"$work/metrics.jsonl"
+    if "$root/tools/plot" "$work/metrics.jsonl" "$work/no-such-dir/plot.png" >"$work/plot.stdout" 2>"$log"; then
+      fail "tools/plot wrote into a folder that does not exist"
+    fi
+    [ ! -s "$work/plot.stdout" ] || fail "tools/plot wrote $(wc -c <"$work/plot.stdout") bytes to stdout"
+    expect "cannot write $work/no-such-dir/plot.png"
+    printf '{"step": 1, "loss": 2.5}\n{"step": 2}\n' >"$work/metrics.jsonl"
+    refused "$root/tools/plot" "$work/metrics.jsonl" "$work/plot.png"
+    expect 'metrics.jsonl:2: not a ruda-train metrics record (no "loss")'
+    # demo-large: only the memory plan's refusal is the expected one (the real ruda-train).
+    refused "$root/tools/demo-large" --refuse-only --bogus-option
+    expect "but not with the memory plan's refusal"
+    ;;
+  compare-torch)
+    # A fake PyTorch: the venv's python is the system's with a stub torch module (enough to import
+    # compare_torch.py), and torchrun writes figures, failing when told to.
+    venv=$work/venv bins=$work/bin
+    mkdir -p "$work/stub-torch/torch/nn"
+    printf 'from . import nn\n__version__ = "stub"\n' >"$work/stub-torch/torch/__init__.py"
+    printf 'class Module:\n    pass\n' >"$work/stub-torch/torch/nn/__init__.py"
+    : >"$work/stub-torch/torch/nn/functional.py"
+    export STUB_TORCH=$work/stub-torch
+    stub "$venv/bin" python 'if [ "${1:-}" = -m ] && [ "${2:-}" = torch.distributed.run ]; then
+  out=$(sed -n "s/.* --out \([^ ]*\).*/\1/p" <<<"$*")
+  exec /usr/bin/python3 - "$out" "${STUB_TORCH_FAIL:+RuntimeError: stub failure}" <<PY
+import json, sys
+ranks = [{"rank": r, "kind": "FSDP2", "reason": "", "error": sys.argv[2] if r == 0 else "", "times_ms": [128.0] * 20,
+          "maxrss_kib": 204800, "start_rss_kib": 102400, "reduce_scatter_ms": 2.0, "all_reduce_ms": 2.1,
+          "torch": "stub"} for r in (0, 1)]
+json.dump({"model": "stub", "ranks": ranks}, open(sys.argv[1], "w"))
+sys.exit(1 if sys.argv[2] else 0)
+PY
+fi
+PYTHONPATH=$STUB_TORCH exec /usr/bin/python3 "$@"'
+    # ruda-train: rank 0 writes 31 steps of metrics at 128 ms a step (the MLP's 128 samples, the
+    # GPT's 16), as the stub torchrun reports.
+    stub "$bins" ruda-train 'if [ -n "${STUB_RUDA_FAIL:-}" ]; then echo "ruda-train: error: stub failure" >&2; exit 1; fi
+metrics=$(sed -n "s/.*--metrics \([^ ]*\).*/\1/p" <<<"$*")
+rate=1000.0
+[[ " $* " != *" lm "* ]] || rate=125.0
+[ "${OMPI_COMM_WORLD_RANK:-0}" = 0 ] || exit 0
+for i in $(seq 1 31); do
+  echo "{\"step\": $i, \"loss\": 1.0, \"samples_per_s\": $rate, \"peak_memory_bytes\": [1000000, 1000000]}"
+done >"$metrics"'
+    stub "$bins" ruda-bench 'exit 0'  # no figures at all
+    export RUDA_BIN_DIR=$bins RUDA_BENCH_VENV=$venv
+    # The table's ratio columns (step, RSS) for each row: "-" where no ratio was computed.
+    ratios() { grep -E '^(MLP|GPT) ' "$log" | cut -c41- | awk '{print $3, $9}'; }
+
+    "$root/tools/compare-torch" --sharded >"$log" 2>&1 || fail "compare-torch --sharded on stubs exited $?"
+    # Rank 0's rows: a step ratio of 1 (equal stub times); every row: an RSS ratio.
+    if ! { [ "$(ratios | awk '{print $1}' | sort -u | tr '\n' ' ')" = "- 1.000 " ] &&
+           ratios | awk '$2 !~ /^[0-9]+\.[0-9]+$/ {bad = 1} END {exit bad}'; }; then
+      fail "expected step ratios of 1 and RSS ratios from the stubs' figures, got: $(ratios | tr '\n' ' ')"
+    fi
+    expect "reduce-scatter / all-reduce = 0.95"
+
+    refused env STUB_RUDA_FAIL=1 "$root/tools/compare-torch" --sharded
+    expect "compare-torch: ruda-train mlp over 2 MPI ranks failed"
+    expect "mlp: ruda-train failed"
+    [ "$(ratios | sort -u)" = "- -" ] || fail "a ratio from a failed ruda-train: $(ratios | tr '\n' ' ')"
+
+    refused env STUB_TORCH_FAIL=1 "$root/tools/compare-torch" --sharded
+    expect "compare-torch: PyTorch's sharded mlp step failed"
+    expect "rank 0: RuntimeError: stub failure"
+    [ "$(ratios | sort -u)" = "- -" ] || fail "a ratio from a failed PyTorch run: $(ratios | tr '\n' ' ')"
+
+    # The dense comparison on a figures file without ruda's rows is an error, not a table of '-'.
+    refused "$root/tools/compare-torch" --no-compile
+    expect "holds no ruda figure for: mlp step, f32"
     ;;
   *)
     echo "test_scripts.sh: unknown case $case_name" >&2
