@@ -468,14 +468,25 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   // A directory that only starts with "step-" is the user's: upkeep used to remove it, contents and all.
   fs::create_directories(dir.path / "step-notes");
   std::ofstream(dir.path / "step-notes" / "precious.txt") << "keep";
+  // A step whose index.json is there but no regular file is damage, not a killed save's leftover:
+  // upkeep removed it with its rank files. Kept, and named in the warnings.
+  fs::create_directories(dir.path / "step-00000033" / "index.json");
+  std::ofstream(dir.path / "step-00000033" / "rank-00000-of-00002.safetensors") << "moments";
+  std::vector<std::string> warnings;
   run_ranks(2, [&](Communicator& comm) {
     nn::manual_seed(1);
     nn::Linear layer(4, 3);
     nn::fully_shard(layer, comm);
     nn::save_checkpoint(dir.str(), 36, layer, nullptr, comm, {}, /*keep=*/2);
     // Saving a step again (a run resumed from an earlier one) replaces it whole.
-    nn::save_checkpoint(dir.str(), 36, layer, nullptr, comm, {}, /*keep=*/2);
+    const auto info = nn::save_checkpoint(dir.str(), 36, layer, nullptr, comm, {}, /*keep=*/2);
+    if (comm.rank() == 0) warnings = info.warnings;
   });
+  CHECK_FALSE(fs::exists(dir.path / "step-00000035"));
+  CHECK(fs::exists(dir.path / "step-00000033" / "rank-00000-of-00002.safetensors"));
+  REQUIRE(warnings.size() == 1);
+  CHECK(warnings[0].find("step-00000033 (its index.json is not a regular file)") != std::string::npos);
+  fs::remove_all(dir.path / "step-00000033");
   CHECK(fs::exists(dir.path / "step-00000030" / "index.json"));
   CHECK(fs::exists(dir.path / "step-00000036" / "index.json"));
   CHECK_FALSE(fs::exists(dir.path / "step-00000020"));
@@ -648,6 +659,15 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
     test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"piece", "weight"});
     test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "x.safetensors").string()); },
                                 {"piece", "weight"});
+  }
+  SUBCASE("an index whose shape has more axes than any tensor") {
+    const fs::path index = step / "index.json";
+    std::stringstream text;
+    text << std::ifstream(index).rdbuf();
+    nlohmann::json j = nlohmann::json::parse(text.str());
+    j["params"]["bias"]["shape"] = nlohmann::json::array({1, 1, 1, 1, 1, 1, 1, 1, 1, 3});
+    std::ofstream(index) << test::restamped(j).dump(1);
+    test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"bias", "10 axes", "at most 8"});
   }
   SUBCASE("a corrupt index") {
     std::ofstream(step / "index.json") << "{\"format\": \"ruda-sharded-checkpoint\", \"version\": 1, \"step\": ";

@@ -251,6 +251,14 @@ void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& u
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
     if (entry.path().filename() == current) continue;
     if (!is_complete_step(entry.path())) {
+      // A kill leaves no index.json at all (it is renamed into place whole). One that is there
+      // but no regular file (a directory, a dangling link) is damage to look at, not a leftover:
+      // its rank files were deleted with it. Left alone, and named in the warnings.
+      std::error_code probing;
+      if (fs::exists(fs::symlink_status(entry.path() / "index.json", probing))) {
+        upkeep.skipped.push_back(entry.path().string() + " (its index.json is not a regular file)");
+        continue;
+      }
       upkeep.remove_all(entry.path());
       continue;
     }

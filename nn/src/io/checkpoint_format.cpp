@@ -283,6 +283,11 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
   p.name = name;
   const json& shape = member(jp, "shape", where);
   if (!shape.is_array()) fail(where + "'s 'shape' must be an array, not " + shape.dump());
+  // No tensor has more axes: such an index passed list and verify, and consolidate failed on it
+  // naming its output file.
+  if (shape.size() > static_cast<std::size_t>(kMaxDims))
+    fail(where + "'s shape has " + std::to_string(shape.size()) + " axes; tensors have at most " +
+         std::to_string(kMaxDims));
   for (std::size_t d = 0; d < shape.size(); ++d) {
     p.shape.push_back(integer(shape[d], where + "'s extent " + std::to_string(d), 0, INT64_MAX));
   }
