@@ -457,6 +457,52 @@ TEST_CASE("two forwards, then their two backwards, on sharded layers") {
   }
 }
 
+TEST_CASE("a weight changed between forward and backward: Recompute refuses it as the dense backward does") {
+  // Recompute gathered the slices of backward's time: after an optimizer step between a forward
+  // and its backward, backward used other weights than the forward, and the gradients were wrong
+  // with no error (a squared norm of 176.6 for 128.9). Dense refuses the change of a saved weight.
+  auto forward_step_backward = [](nn::Module& m, nn::Linear& layer, const Tensor& x) {
+    const Tensor l1 = sum(square(layer.forward(x))), l2 = sum(tanh(layer.forward(x)));
+    l1.backward();
+    nn::SGD(m.parameters(), {.lr = 0.1}).step();  // the weights change; l2's graph still needs them
+    l2.backward();
+  };
+  // x requires grad: its gradient needs the weight, which the linear then saves.
+  const Tensor x = randn({3, 6}, 1).set_requires_grad();
+  {
+    nn::manual_seed(5);
+    nn::Linear dense(6, 4);
+    test::check_throws<AutogradError>([&] { forward_step_backward(dense, dense, x); },
+                                      {"modified in place after it was saved"});
+  }
+  for (bool group : {true, false}) {
+    for (auto strategy : {nn::CheckpointStrategy::recompute, nn::CheckpointStrategy::retain}) {
+      CAPTURE(group);
+      CAPTURE(strategy == nn::CheckpointStrategy::recompute);
+      run_ranks(2, [&](Communicator& comm) {
+        nn::manual_seed(5);
+        nn::Linear layer(6, 4);
+        nn::fully_shard(layer, comm, {.policy = {.strategy = strategy}, .group = group});
+        if (strategy == nn::CheckpointStrategy::recompute) {
+          test::check_throws<AutogradError>([&] { forward_step_backward(layer, layer, x); },
+                                            {"backward", "'weight'", "modified in place after the forward"});
+        } else {
+          forward_step_backward(layer, layer, x);  // the gathered weights were kept: the forward's own
+        }
+      });
+    }
+  }
+  // Replaced (set_data) between forward and backward, in a group: refused too.
+  run_ranks(2, [&](Communicator& comm) {
+    nn::manual_seed(5);
+    nn::Linear layer(6, 4);
+    nn::fully_shard(layer, comm);
+    const Tensor loss = sum(square(layer.forward(x)));
+    layer.weight.set_data(zeros_like(layer.weight.data().detach()));
+    test::check_throws<AutogradError>([&] { loss.backward(); }, {"'weight'", "was replaced (Param::set_data)"});
+  });
+}
+
 TEST_CASE("tied weights: one id, one local storage, contributions of both uses summed") {
   run_ranks(3, [](Communicator& comm) {
     nn::manual_seed(1);

@@ -357,6 +357,25 @@ std::shared_ptr<GradientSink> ShardGroup::make_sink(const std::vector<ShardBucke
   return sink;
 }
 
+namespace {
+// Refuses a recompute of parameter `p` whose slice is no longer the one a forward used (`used`, at
+// `version`).
+void require_unchanged(const Param& p, const Tensor& used, std::uint64_t version) {
+  const ShardInfo& info = *p.shard();
+  const std::string what(dtype_name(used.dtype()));
+  if (!p.data().is_same(used)) {
+    fail<AutogradError>("backward", info.describe(), " (", what, ") was replaced (Param::set_data) after the ",
+                        "forward that used it; its recomputed value would not be the forward's (backward first, or ",
+                        "CheckpointStrategy::retain)");
+  }
+  if (used.version() != version) {
+    fail<AutogradError>("backward", info.describe(), " (", what, ") was modified in place after the forward that ",
+                        "used it (version ", version, ", now ", used.version(), "); its recomputed value would not ",
+                        "be the forward's (backward first, or CheckpointStrategy::retain)");
+  }
+}
+}  // namespace
+
 Tensor ShardGroup::use(std::size_t index) {
   Values& v = *values_;
   const Tensor& local = v.sources[index];
@@ -376,11 +395,16 @@ Tensor ShardGroup::use(std::size_t index) {
   ++sink->nodes[sink->bucket_of[index]];
   if (!RetainGathered::active() && param(index).shard()->policy.strategy == CheckpointStrategy::recompute) {
     // Ops that save this value keep the recipe instead: the group unshards again in backward.
+    // The slice this forward gathered, and its version: a recompute gathers the slices of
+    // backward's time, so one changed since (an optimizer step, an in-place edit, set_data) would
+    // give backward other weights than the forward used, silently; the dense model's backward
+    // refuses the same change of a weight it saved, and so does this one.
     autograd::set_recompute(
         value,
-        [group = weak_from_this(), index] {
+        [group = weak_from_this(), index, used = local, version = local.version()] {
           const auto g = group.lock();
           if (!g) fail<ShardingError>("backward", "the group of a recomputed weight was destroyed");
+          require_unchanged(g->param(index), used, version);
           return g->value(index);
         },
         weak_from_this());

@@ -208,9 +208,17 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   if (info.policy.strategy == CheckpointStrategy::recompute && !RetainGathered::active() &&
       autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.
+    // A slice changed in place since (an optimizer step between forward and backward) would be
+    // gathered as it is now: refused, as the dense backward refuses its saved weight's change.
     autograd::set_recompute(
         value,
-        [shard = local.detach(), c = &comm, options, dtype, numel = info.numel, shape = info.logical_shape] {
+        [shard = local.detach(), version = local.version(), name = info.describe(), c = &comm, options, dtype,
+         numel = info.numel, shape = info.logical_shape] {
+          if (shard.version() != version) {
+            fail<AutogradError>("backward", name, " was modified in place after the forward that used it (version ",
+                                version, ", now ", shard.version(), "); its recomputed value would not be the ",
+                                "forward's (backward first, or CheckpointStrategy::retain)");
+          }
           return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
         },
         owner);
