@@ -16,6 +16,7 @@ class EigenBackend : public Backend {
   void unary(UnaryOp op, const View& x, const View& y) override;
   void unary_backward(UnaryOp op, const View& x, const View& y, const View& gy, const View& gx) override;
   void unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) override;
+  void add_scaled(const View& x, double alpha, const View& y) override;
   void binary(BinaryOp op, const View& a, const View& b, const View& out) override;
   void where(const View& cond, const View& a, const View& b, const View& out) override;
   void reduce(ReduceOp op, const View& x, const View& out) override;

@@ -514,6 +514,36 @@ void EigenBackend::binary(BinaryOp op, const View& a, const View& b, const View&
   });
 }
 
+void EigenBackend::add_scaled(const View& x, double alpha, const View& y) {
+  dispatch_float(y.dtype, "add_", [&](auto tag) {
+    using T = decltype(tag);
+    using C = compute_t<T>;
+    const View* views[2] = {&x, &y};
+    Layout<2> layout(views);
+    const T* px = x.ptr<const T>();
+    T* py = y.ptr<T>();
+    const C a = static_cast<C>(alpha);
+    const std::int64_t sx = layout.inner_stride(0), sy = layout.inner_stride(1);
+    parallel_for(y.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+      for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
+        const T* xs = px + off[0];
+        T* ys = py + off[1];
+        // One fused multiply-add in the compute type, rounded once, as PyTorch's add with an
+        // alpha (its vectorized fmadd), then to the dtype.
+        if (sx == 1 && sy == 1) {
+          for (std::int64_t i = 0; i < n; ++i) {
+            ys[i] = Num<T>::store(static_cast<C>(std::fma(Num<T>::load(xs[i]), a, Num<T>::load(ys[i]))));
+          }
+        } else {
+          for (std::int64_t i = 0; i < n; ++i) {
+            ys[i * sy] = Num<T>::store(static_cast<C>(std::fma(Num<T>::load(xs[i * sx]), a, Num<T>::load(ys[i * sy]))));
+          }
+        }
+      });
+    });
+  });
+}
+
 void EigenBackend::where(const View& cond, const View& a, const View& b, const View& out) {
   auto run = [&](auto tag) {
     using T = decltype(tag);

@@ -15,6 +15,7 @@
 #include <ruda/error.h>
 #include <ruda/tensor.h>
 
+#include "internal.h"
 #include "op_descriptors.h"
 
 #ifdef RUDA_HAVE_OPENMP
@@ -108,6 +109,14 @@ void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const
 }
 
 }  // namespace ops
+
+void Backend::add_scaled(const View& x, double alpha, const View& y) {
+  const Shape shape(y.shape.begin(), y.shape.begin() + y.ndim);
+  const Tensor factor = full({}, alpha, Options(x.dtype, this));
+  Tensor scaled = empty(shape, Options(x.dtype, this));
+  binary(BinaryOp::mul, x, detail::broadcast_view(factor, shape), scaled.view());
+  binary(BinaryOp::add, y, scaled.view(), y);
+}
 
 void Backend::unary_with_derivative(UnaryOp op, const View& x, const View& y, const View& dydx) {
   ops::check_unary_with_derivative(op, x, y, dydx);

@@ -476,6 +476,18 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
                      dtype_name(dtype()), " ", shape(), " tensor in place (cast one of them first)");
   }
   detail::require_exact_scalar("add_", alpha, *this);
+  if (is_floating(dtype()) && other.dtype() == dtype() && alpha != 1.0) {
+    // x + alpha * y in one pass with no temporary (Backend::add_scaled; one fused multiply-add,
+    // as PyTorch's add with an alpha, where x * alpha and an add rounded twice): SGD's and weight
+    // decay's updates read each value once less, and a parameter's update cannot run out of
+    // memory after its optimizer state was written.
+    Tensor operand = other;
+    if (detail::may_overlap(operand, *this) && !same_elements(operand, *this)) operand = operand.detach().clone();
+    const View self_view = detail::view_of(*this);
+    bump_version();
+    backend().add_scaled(detail::broadcast_view(operand, shape()), alpha, self_view);
+    return *this;
+  }
   if (is_floating(dtype()) && (is_16bit_float(dtype()) || other.dtype() != dtype()) &&
       (alpha != 1.0 || other.dtype() != dtype())) {
     // As x + alpha * y computes it (and PyTorch's add_): in f32 for 16-bit tensors, in the wider

@@ -727,6 +727,53 @@ TEST_CASE("log_softmax keeps a confident row's small log-probabilities; its NaN 
   }
 }
 
+TEST_CASE("add_ with an alpha is one fused multiply-add, as PyTorch's, through views and broadcasts") {
+  // Backend::add_scaled: no temporary (an optimizer's update cannot fail after its state's), and
+  // PyTorch's rounding (its vectorized fmadd: one rounding in the compute type, then the dtype).
+  auto fused = [](const std::vector<float>& y, const std::vector<float>& x, float alpha, DType d) {
+    std::vector<float> out(y.size());
+    for (std::size_t i = 0; i < y.size(); ++i) out[i] = std::fma(x[i], alpha, y[i]);
+    return from_vector<float>(out, {static_cast<std::int64_t>(out.size())}).to(d).to_vector<float>();
+  };
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(d));
+    const float alpha = -0.37f;
+    // Contiguous, the operand itself (exact alias), a transposed self, a broadcast operand.
+    Tensor y = randn({20, 50}, 1).to(d), x = randn({20, 50}, 2).to(d);
+    std::vector<float> want = fused(y.to_vector<float>(), x.to_vector<float>(), alpha, d);
+    y.add_(x, alpha);
+    CHECK(y.to_vector<float>() == want);
+    want = fused(x.to_vector<float>(), x.to_vector<float>(), alpha, d);
+    x.add_(x, alpha);
+    CHECK(x.to_vector<float>() == want);
+    Tensor base = randn({50, 20}, 3).to(d);
+    Tensor t = base.transpose(0, 1);  // a [20, 50] view with strides (1, 20)
+    const Tensor src = randn({20, 50}, 4).to(d);
+    want = fused(t.contiguous().to_vector<float>(), src.to_vector<float>(), alpha, d);
+    t.add_(src, alpha);
+    CHECK(t.contiguous().to_vector<float>() == want);
+    Tensor z = randn({20, 50}, 5).to(d);
+    const Tensor row = randn({1, 50}, 6).to(d);
+    want = fused(z.to_vector<float>(), row.expand({20, 50}).contiguous().to_vector<float>(), alpha, d);
+    z.add_(row, alpha);
+    CHECK(z.to_vector<float>() == want);
+    // The interface's default (a temporary and binary's add, two roundings) within one rounding.
+    Tensor w = randn({1000}, 7).to(d), v = randn({1000}, 8).to(d);
+    Tensor w2 = w.clone();
+    w.add_(v, alpha);
+    default_backend().Backend::add_scaled(v.view(), alpha, w2.view());
+    test::check_close(w2, w, d == DType::f32 ? 1e-6 : 1e-2, d == DType::f32 ? 1e-6 : 1e-2);
+  }
+  // f64 in double.
+  Tensor y = randn({300}, 9).to(DType::f64);
+  const Tensor x = randn({300}, 10).to(DType::f64);
+  std::vector<double> want = y.to_vector<double>();
+  const std::vector<double> xs = x.to_vector<double>();
+  for (std::size_t i = 0; i < want.size(); ++i) want[i] = std::fma(xs[i], 1.7, want[i]);
+  y.add_(x, 1.7);
+  CHECK(y.to_vector<double>() == want);
+}
+
 TEST_CASE("tanh and GELU's tanh form keep f32's tail: tanh reaches 1 at |x| = 9.01, not at Eigen's clamp of 7.9") {
   // Eigen's rational tanh read -1 from |x| = 7.9053, so 1 + tanh (gelu_tanh of x < -4.85) and 1 -
   // tanh^2 (the backward) were 0 where PyTorch's are ~1e-7.

@@ -387,6 +387,38 @@ TEST_CASE("a step that fails partway changes nothing and counts for no parameter
   }
 }
 
+TEST_CASE("SGD momentum out of memory mid-step: a parameter and its buffer both as they were, or both stepped") {
+  // Nesterov's g + momentum * buffer allocated after the buffer's update (and add_ with an alpha
+  // made a temporary for the parameter's): running out of memory there left the buffer a step
+  // ahead of its parameter, and the retry moved it again. Now every temporary comes first.
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    nn::Param small(ones({2}, dtype)), large(ones({4096}, dtype));
+    nn::SGD opt({small, large}, {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+    auto grads = [&] {
+      small.data().set_grad(ones({2}, dtype));
+      large.data().set_grad(ones({4096}, dtype));
+    };
+    grads();
+    opt.step();  // buffers = g = 1; parameters 1 - 0.1 * (1 + 0.9) = 0.81
+    const double after_one = cast(large.data(), DType::f64).to_vector<double>()[0];
+    grads();
+    memory::set_limit(memory::stats().live_bytes + 1024);
+    CHECK_THROWS_AS(opt.step(), OutOfMemoryError);
+    memory::set_limit(0);
+    CHECK(opt.steps_of(small) == 2);
+    CHECK(opt.steps_of(large) == 1);
+    CHECK(cast(large.data(), DType::f64).to_vector<double>()[0] == after_one);
+    CHECK(cast(opt.state(large).at(0).second, DType::f64).to_vector<double>()[0] == 1.0);  // not 0.9 + 1
+    // The retry steps it once: buffer 1.9, parameter 0.81 - 0.1 * (1 + 0.9 * 1.9).
+    opt.step();
+    CHECK(cast(opt.state(large).at(0).second, DType::f64).to_vector<double>()[0] ==
+          doctest::Approx(1.9).epsilon(dtype == DType::f32 ? 1e-6 : 1e-2));
+    CHECK(cast(large.data(), DType::f64).to_vector<double>()[0] ==
+          doctest::Approx(after_one - 0.1 * (1 + 0.9 * 1.9)).epsilon(dtype == DType::f32 ? 1e-6 : 1e-2));
+  }
+}
+
 TEST_CASE("a step that runs out of memory while updating counts for the parameters it updated") {
   // SGD with weight decay makes g + decay * p per parameter as it updates: the large parameter's
   // runs out of memory after the small one was updated. Each count stays the updates it took.

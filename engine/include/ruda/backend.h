@@ -203,6 +203,14 @@ class Backend {
   /// any other stride a view's). out may be a view too (in-place updates through a view) and may
   /// alias a or b exactly, never in part (the engine copies a partially overlapping operand).
   virtual void binary(BinaryOp op, const View& a, const View& b, const View& out) = 0;
+  /// y += alpha * x in place (Tensor::add_ with an alpha): x broadcast to y's shape through its
+  /// strides, y any strides, one float dtype, y aliasing x exactly or not at all. The built-in
+  /// backends compute it as one fused multiply-add in the compute type (f32 for 16-bit), rounded
+  /// once and then to the dtype, as PyTorch's add with an alpha does. Not pure: this default
+  /// scales x into a temporary and runs binary(add) (the product and the sum each rounded); a
+  /// backend overrides it with one pass that allocates nothing (an optimizer step relies on that:
+  /// a parameter's update cannot then fail after its state's).
+  virtual void add_scaled(const View& x, double alpha, const View& y);
   /// out = cond ? a : b, with cond (bool), a and b broadcast to out's shape through strides.
   virtual void where(const View& cond, const View& a, const View& b, const View& out) = 0;
   /// out = reduction of x over the axes where out's extent is 1 and x's is not (out keeps x's rank).

@@ -197,6 +197,11 @@ void SGD::step() {
       if (decay != 0) g = g + p.data() * decay;
       if (options_.momentum != 0) {
         Tensor& buffer = *buffers[i];
+        // Nesterov's direction, g + momentum * buffer, gets its tensor before the buffer changes:
+        // made after it (as g + buffer * momentum), running out of memory there left the buffer a
+        // step ahead of its parameter. After the buffer's first write nothing allocates: add_
+        // with an alpha is one pass (Backend::add_scaled), as PyTorch's grad.add(buf, alpha=m).
+        Tensor direction = options_.nesterov ? g.detach().clone() : Tensor();
         // The buffer starts as the first gradient, as PyTorch's: one that state() made for a
         // checkpoint before this parameter's first step holds zeros, not a history to dampen.
         if (own_steps(p) == 0) {
@@ -204,7 +209,12 @@ void SGD::step() {
         } else {
           buffer.mul_(options_.momentum).add_(g, 1.0 - options_.dampening);
         }
-        g = options_.nesterov ? g + buffer * options_.momentum : buffer;
+        if (options_.nesterov) {
+          direction.add_(buffer, options_.momentum);
+          g = direction;
+        } else {
+          g = buffer;
+        }
       }
       p.data().add_(g, -lr_of(i));
     }
