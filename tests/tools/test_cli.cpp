@@ -334,11 +334,25 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   const Run verified = run(ckpt("verify " + ck));
   CHECK_MESSAGE(verified.exit_code == 0, verified.output);
   // Metrics beside the steps, in the checkpoint directory resumed from, are no checkpoint's file.
-  const Run resumed =
-      run(train(lm + "--steps 5 --resume " + ck + " --checkpoint-dir " + ck + " --metrics " + ck + "/m.jsonl"));
+  // A metrics file that went past the checkpoint (steps 5 and 6 of a run the checkpoint left, the
+  // last line cut short by a kill) keeps its lines up to step 4: each step once, every line whole
+  // (the resumed steps were appended beside the old ones, and the cut line ran into the next).
+  {
+    std::ofstream(ck + "/m.jsonl") << "{\"step\": 3, \"loss\": 9}\n{\"step\": 4, \"loss\": 9}\n"
+                                   << "{\"step\": 5, \"loss\": 9}\n{\"step\": 6, \"lo";
+  }
+  const Run resumed = run(train(lm + "--steps 6 --log-every 1 --resume " + ck + " --checkpoint-dir " + ck +
+                                " --metrics " + ck + "/m.jsonl"));
   CHECK_MESSAGE(resumed.output.find("resumed from " + ck + "/step-00000004 at step 4") != std::string::npos,
                 resumed.output);
-  CHECK(fs::file_size(ck + "/m.jsonl") > 0);
+  std::vector<std::int64_t> steps;
+  {
+    std::ifstream in(ck + "/m.jsonl");
+    std::string line;
+    while (std::getline(in, line)) steps.push_back(nlohmann::json::parse(line).at("step").get<std::int64_t>());
+  }
+  CHECK(steps == std::vector<std::int64_t>{3, 4, 5, 6});
+  CHECK(losses(ck + "/m.jsonl").at(5) != 9.0);  // the resumed run's step 5, not the abandoned one's
 }
 
 namespace {
@@ -408,12 +422,14 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CHECK(lm.output.find(w) != std::string::npos);
   }
   const Run per_parameter =
-      run(train("--per-parameter --overlap on --unsharded-groups 1 --emulate 2 "
+      run(train("--per-parameter --overlap on --unsharded-groups 1 --no-prefetch --emulate 2 --ranks-per-node 2 "
                 "--collective-timeout 5s mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 "
                 "--epochs 1 --log-every 0"));
   CHECK_MESSAGE(per_parameter.exit_code == 0, per_parameter.output);
   for (const char* w : {"warning: --unsharded-groups has no effect with --per-parameter",
                         "warning: --overlap has no effect with --per-parameter",
+                        "warning: --no-prefetch has no effect with --per-parameter",
+                        "warning: --ranks-per-node has no effect without --hybrid",
                         "warning: --collective-timeout has no effect with --emulate"}) {
     CAPTURE(w);
     CHECK(per_parameter.output.find(w) != std::string::npos);

@@ -384,7 +384,7 @@ void run(const Config& cfg, Communicator& comm) {
   }
   train::Metrics metrics;
   setup_phase(comm, [&] {
-    if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0);
+    if (main_rank) metrics = train::Metrics(cfg.metrics, start_step > 0 ? start_step : -1);
   });
   if (main_rank) {
     std::cout << task->description() << ", " << task->module().parameter_count() << " parameters, ";

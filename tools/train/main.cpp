@@ -250,11 +250,14 @@ int main(int argc, char** argv) {
     if (cfg.skip_checksums && cfg.resume.empty() && !cfg.resume_latest)
       ignored("--skip-checksums has no effect without --resume or --resume-latest");
     if (cfg.per_parameter) {
-      for (const char* name : {"--unsharded-groups", "--overlap"}) {
+      for (const char* name : {"--unsharded-groups", "--overlap", "--no-prefetch"}) {
         if (given(app, name))
           ignored(std::string(name) + " has no effect with --per-parameter (it shapes the groups' schedule)");
       }
     }
+    // Nodes shape the hybrid mesh, and an emulated link's sharing; nothing else reads them.
+    if (given(app, "--ranks-per-node") && !cfg.hybrid && (cfg.emulate == 0 || cfg.emulate_link.empty()))
+      ignored("--ranks-per-node has no effect without --hybrid (or, with --emulate, --emulate-link)");
     if (cfg.emulate > 0 && given(app, "--collective-timeout"))
       ignored("--collective-timeout has no effect with --emulate (emulated ranks time out after 60 s)");
   }

@@ -5,8 +5,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -99,10 +101,15 @@ class Progress {
 class Metrics {
  public:
   Metrics() = default;
-  explicit Metrics(const std::string& path, bool append) {
+  /// A fresh file (resumed_from < 0), or, for a run resumed from step `resumed_from`, the file's
+  /// lines up to that step: the lines of the steps after it were the run the checkpoint left
+  /// behind, which this one trains again (each step appeared twice, with two values), and a line
+  /// a kill cut short would run into the next one.
+  Metrics(const std::string& path, std::int64_t resumed_from) {
     if (path.empty()) return;
     path_ = path;
-    out_.open(path, append ? std::ios::app : std::ios::trunc);
+    if (resumed_from >= 0) keep_steps_up_to(resumed_from);
+    out_.open(path, resumed_from >= 0 ? std::ios::app : std::ios::trunc);
     if (!out_) throw std::runtime_error("cannot write metrics file " + path);
   }
   void write(const nlohmann::json& record) {
@@ -113,6 +120,43 @@ class Metrics {
   }
 
  private:
+  // Rewrites the file (beside it, then renamed over it) without the lines of steps after `step`
+  // and without a last line that is not whole JSON; other lines are kept as they are.
+  void keep_steps_up_to(std::int64_t step) {
+    std::ifstream in(path_, std::ios::binary);
+    if (!in) return;  // no file yet: nothing to keep
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    std::string kept;
+    // A file that does not end with a newline is rewritten too: the next line would join its last.
+    bool rewrite = !text.empty() && text.back() != '\n';
+    for (std::size_t begin = 0; begin < text.size();) {
+      std::size_t end = text.find('\n', begin);
+      const bool last = end == std::string::npos || end + 1 == text.size();
+      if (end == std::string::npos) end = text.size();
+      const std::string line = text.substr(begin, end - begin);
+      begin = end + 1;
+      const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      const bool whole = !record.is_discarded();
+      if ((!whole && last) || (whole && record.is_object() && record.contains("step") &&
+                               record["step"].is_number_integer() && record["step"].get<std::int64_t>() > step)) {
+        rewrite = true;
+        continue;
+      }
+      kept += line + '\n';
+    }
+    if (!rewrite) return;
+    const std::string temporary = path_ + ".tmp";
+    {
+      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+      out << kept;
+      if (!out.flush()) throw std::runtime_error("cannot rewrite metrics file " + path_);
+    }
+    if (std::rename(temporary.c_str(), path_.c_str()) != 0) {
+      std::remove(temporary.c_str());
+      throw std::runtime_error("cannot rewrite metrics file " + path_);
+    }
+  }
+
   std::string path_;
   std::ofstream out_;
 };
