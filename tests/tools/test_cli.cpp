@@ -105,6 +105,9 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(train("lm --text /nonexistent.txt")), {"/nonexistent.txt", "no such file"});
   one_error_line(run(train("mlp --bogus 3")), {"--bogus"});
   one_error_line(run(train("mlp --dtype f8")), {"--dtype", "f8"});
+  // A global batch larger than the training set names the options (it said "BatchSampler").
+  one_error_line(run(train("--emulate 2 mlp --limit 10 --batch 32 --epochs 1")),
+                 {"--batch 32 (global)", "10 training images", "--limit 10"});
   one_error_line(run(train("--collective-timeout soon mlp")), {"--collective-timeout", "'soon'"});
   one_error_line(run(train("--emulate 3 mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(train("mlp --resume " + tmp / "none")), {tmp / "none", "does not exist"});

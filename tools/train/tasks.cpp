@@ -111,6 +111,12 @@ struct MlpTask : Task {
       in = h;
     }
     model->push_back(std::make_shared<nn::Linear>(in, 10));
+    if (cfg.batch > train.size()) {
+      // Named by the options, not by the sampler that would refuse it.
+      throw ArgumentError("--batch " + std::to_string(cfg.batch) + " (global) exceeds the " +
+                          std::to_string(train.size()) + " training images" +
+                          (cfg.limit > 0 ? " that --limit " + std::to_string(cfg.limit) + " keeps" : std::string()));
+    }
     sampler = std::make_unique<nn::BatchSampler>(train.size(), cfg.batch, comm.rank(), comm.world_size(), cfg.seed);
   }
   std::string description() const override {
