@@ -424,6 +424,16 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CAPTURE(w);
     CHECK(lm.output.find(w) != std::string::npos);
   }
+  {
+    // --resume-latest into a directory without a checkpoint starts afresh: nothing to skip checks of.
+    TempDir empty;
+    const Run fresh = run(train("--skip-checksums --resume-latest --checkpoint-dir " + empty.path.string() +
+                                " lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 --steps 1 "
+                                "--eval-every 0 --log-every 0"));
+    CHECK_MESSAGE(fresh.exit_code == 0, fresh.output);
+    CHECK(fresh.output.find("warning: --skip-checksums has no effect: " + empty.path.string() + " holds no checkpoint") !=
+          std::string::npos);
+  }
   const Run per_parameter =
       run(train("--per-parameter --overlap on --unsharded-groups 1 --no-prefetch --emulate 2 --ranks-per-node 2 "
                 "--collective-timeout 5s mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 "

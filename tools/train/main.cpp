@@ -270,7 +270,13 @@ int main(int argc, char** argv) {
   // when there is none. Every rank sees the same directory, so every rank decides alike.
   if (cfg.resume_latest) {
     try {
-      if (!nn::holds_checkpoint(cfg.checkpoint_dir)) cfg.resume_latest = false;
+      if (!nn::holds_checkpoint(cfg.checkpoint_dir)) {
+        cfg.resume_latest = false;
+        // (Checked here: the warnings above ran before it was known that nothing is resumed.)
+        if (print && cfg.skip_checksums && cfg.resume.empty())
+          std::cerr << "ruda-train: warning: --skip-checksums has no effect: " << cfg.checkpoint_dir
+                    << " holds no checkpoint to resume, so this run starts afresh" << std::endl;
+      }
     } catch (const std::exception& e) {
       if (print) print_error(e.what());
       return 1;
