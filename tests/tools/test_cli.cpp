@@ -431,8 +431,8 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
                                 " lm --d-model 16 --layers 1 --heads 1 --context 16 --batch 4 --steps 1 "
                                 "--eval-every 0 --log-every 0"));
     CHECK_MESSAGE(fresh.exit_code == 0, fresh.output);
-    CHECK(fresh.output.find("warning: --skip-checksums has no effect: " + empty.path.string() + " holds no checkpoint") !=
-          std::string::npos);
+    CHECK(fresh.output.find("warning: --skip-checksums has no effect: " + empty.path.string() +
+                            " holds no checkpoint") != std::string::npos);
   }
   const Run per_parameter =
       run(train("--per-parameter --overlap on --unsharded-groups 1 --no-prefetch --emulate 2 --ranks-per-node 2 "

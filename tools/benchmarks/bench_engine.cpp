@@ -147,6 +147,11 @@ void kernels_suite(Context& ctx) {
         "transpose to contiguous", [&] { (void)transpose(a, 0, 1).contiguous(); }, copy, "a copy");
     row(
         "fill", [&] { filled.fill_(0.0); }, [&] { filled.copy_(a); }, "a copy into the same tensor");
+    // add_ with an alpha (SGD's update, weight decay) in one pass, against what it did before:
+    // the operand scaled into a temporary, then added.
+    row(
+        "add_ with an alpha", [&] { filled.add_(b, -0.01); }, [&] { filled.add_(b * -0.01); },
+        "b * alpha into a temporary, then add_");
   }
   // exp over f32 values (a GELU derivative's, a softmax's) against Eigen's own exp of the same
   // values into a fresh array, on as many threads, alternated: ruda's takes pexp's steps but
