@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <shared_mutex>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 
 #include <ruda/error.h>
 
@@ -20,6 +22,7 @@
 
 #ifdef RUDA_HAVE_OPENMP
 #include <omp.h>
+#include <oneapi/dnnl/dnnl_debug.h>
 #endif
 
 namespace ruda::onednn {
@@ -84,6 +87,9 @@ struct Cache {
   std::unordered_map<Key, std::shared_ptr<const Primitive>, KeyHash> map;
   std::atomic<std::size_t> capacity{initial_capacity()};
   std::atomic<std::int64_t> created{0}, refused{0}, hits{0}, executions{0};
+  // Primitives built per (primitive kind, oneDNN implementation), for implementations().
+  std::mutex built_mutex;
+  std::map<std::pair<std::string, std::string>, std::int64_t> built;
 };
 
 // Never destroyed: primitives may be in use by threads still running while statics are torn down,
@@ -152,7 +158,10 @@ std::shared_ptr<Primitive> make_primitive(const dnnl::primitive_desc& pd, const 
   p->primitive = dnnl::primitive(pd);
   for (int id : arg_ids) p->args.emplace_back(id, pd.query_md(dnnl::query::exec_arg_md, id));
   p->scratchpad = pd.scratchpad_desc();
-  cache().created.fetch_add(1, std::memory_order_relaxed);
+  Cache& c = cache();
+  c.created.fetch_add(1, std::memory_order_relaxed);
+  std::lock_guard lock(c.built_mutex);  // creation is rare: a lock here costs nothing per call
+  ++c.built[{dnnl_prim_kind2str(static_cast<dnnl_primitive_kind_t>(pd.get_kind())), impl}];
   return p;
 }
 
@@ -442,6 +451,14 @@ bool bf16_native() {
     return (isa & bf16) == bf16;
   }();
   return native;
+}
+
+std::vector<Implementation> implementations() {
+  detail::Cache& c = detail::cache();
+  std::lock_guard lock(c.built_mutex);
+  std::vector<Implementation> out;
+  for (const auto& [kind_impl, count] : c.built) out.push_back({kind_impl.first, kind_impl.second, count});
+  return out;
 }
 
 std::vector<Fallback> fallbacks() {

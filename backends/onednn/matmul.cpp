@@ -2,6 +2,7 @@
 // 0 as a broadcast batch dimension of 1), transposes expressed as memory-descriptor strides (no
 // copies), bias fused, alpha as output scales, beta as a sum post-op. bf16 runs natively on CPUs
 // with bf16 instructions (f32 accumulation, f32 or bf16 output) and is computed in f32 elsewhere.
+#include <string_view>
 #include <vector>
 
 #include "context.h"
@@ -23,6 +24,34 @@ bool bias_as_post_op(const GemmDesc& d) { return d.bias != nullptr && d.alpha !=
 int bias_arg(const GemmDesc& d) {
   if (!bias_as_post_op(d)) return DNNL_ARG_BIAS;
   return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
+}
+
+// f32 2-D products whose B is read as stored (not transposed) run on oneDNN's gemm path
+// (gemm:jit) where it offers one, not on the brgemm path it ranks first. oneDNN 2.6.3's f32 brgemm
+// with plain row-major weights collapses on some widths: [1024, 768] x [768, 3072] (GPT-2-small's
+// fc1) at 179 GFLOP/s against gemm:jit's 378 on 2 threads (86 against 199 on one), the weight
+// gradient [768, 1024]^T x [1024, 3072] at 158 against 371, and N = 2560 at 257 against 382; the
+// gemm path held 350-383 on every width measured, and matched or beat brgemm on every shape with
+// B as stored (0.95-2.3x; 2026-12-05, a 2-core Xeon with AMX, oneDNN picked brg:avx512_core for
+// f32 there). With B transposed brgemm won three shapes of five (up to 1.26x: [128, 1024] x
+// [1024, 1024]^T), so those keep oneDNN's first choice, as do batched products (not measured) and
+// 16-bit ones (AMX and avx512_core_bf16 brgemm). `ruda-bench --suite gemm-onednn` times the two
+// paths on these shapes, to re-check the rule on another CPU.
+bool prefers_gemm_path(const GemmDesc& d) {
+  return d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32 && d.batch == 1 && !d.trans_b;
+}
+
+// oneDNN's implementation of `desc` whose name starts with `prefix` (e.g. "gemm:"), else its first
+// choice. A primitive descriptor walks its candidates in place, so the first choice is kept apart.
+// `desc` must outlive the walk: oneDNN 2.6's next_impl() reads the operation descriptor again
+// (from a temporary, it found nothing past the first candidate).
+dnnl::matmul::primitive_desc matmul_impl(const dnnl::matmul::desc& desc, const dnnl::primitive_attr& attr,
+                                         std::string_view prefix) {
+  dnnl::matmul::primitive_desc walker(desc, attr, cpu_engine());
+  do {
+    if (std::string_view(walker.impl_info_str()).substr(0, prefix.size()) == prefix) return walker;
+  } while (walker.next_impl());
+  return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
 }
 
 std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
@@ -94,7 +123,9 @@ std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
 
     const bool fused_bias = d.bias && !bias_as_post_op(d);
     const auto desc = fused_bias ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md) : dnnl::matmul::desc(a_md, b_md, c_md);
-    const dnnl::matmul::primitive_desc pd(desc, attr, cpu_engine());
+    const dnnl::matmul::primitive_desc pd = prefers_gemm_path(d)
+                                                ? matmul_impl(desc, attr, "gemm:")
+                                                : dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
     std::vector<int> args{DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
     if (d.bias) args.push_back(bias_arg(d));
     return make_primitive(pd, args);

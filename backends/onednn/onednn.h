@@ -46,6 +46,15 @@ bool bf16_native();
 /// f32 broadcasts; see backends/onednn/README.md) run there.
 bool all_kernels();
 
+/// The oneDNN implementations primitives were built with: per primitive kind ("matmul") and
+/// implementation ("gemm:jit", "brg:avx512_core_amx", ...), how many were built. Says which of
+/// oneDNN's kernels run on this CPU (e.g. whether bf16 products reach AMX).
+struct Implementation {
+  std::string primitive, implementation;
+  std::int64_t built = 0;
+};
+std::vector<Implementation> implementations();
+
 /// One distinct way an op did not run as a native oneDNN primitive of its own dtype.
 struct Fallback {
   std::string op, dtype, reason;

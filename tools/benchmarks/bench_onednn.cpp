@@ -13,7 +13,9 @@
 #include <chrono>
 #include <functional>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -36,16 +38,26 @@ struct Gemm {
 };
 
 // A oneDNN matmul C = A B on row-major buffers of one dtype, built once: the peer of ruda's matmul.
+// A or B transposed reads the buffer as stored [k, m] or [n, k]. By default oneDNN's first-ranked
+// implementation; with `impl`, the first whose name starts with it (the constructor throws when
+// oneDNN offers none).
 class DirectMatmul {
  public:
-  DirectMatmul(const Gemm& g, DType dtype, const void* a, const void* b, void* c)
+  DirectMatmul(const Gemm& g, DType dtype, const void* a, const void* b, void* c, bool trans_a = false,
+               bool trans_b = false, std::string_view impl = {})
       : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
     using dnnl::memory;
     const auto type = dtype == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-    const memory::desc a_md({g.m, g.k}, type, memory::dims{g.k, 1}), b_md({g.k, g.n}, type, memory::dims{g.n, 1});
+    const memory::desc a_md({g.m, g.k}, type, trans_a ? memory::dims{1, g.m} : memory::dims{g.k, 1});
+    const memory::desc b_md({g.k, g.n}, type, trans_b ? memory::dims{1, g.k} : memory::dims{g.n, 1});
     const memory::desc c_md({g.m, g.n}, type, memory::dims{g.n, 1});
-    num_threads();  // the same OpenMP team as ruda's kernels on this thread
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), engine_);
+    num_threads();                                    // the same OpenMP team as ruda's kernels on this thread
+    const dnnl::matmul::desc desc(a_md, b_md, c_md);  // outlives the walk: next_impl() reads it again
+    dnnl::matmul::primitive_desc pd(desc, engine_);
+    while (std::string_view(pd.impl_info_str()).substr(0, impl.size()) != impl) {
+      if (!pd.next_impl()) throw std::runtime_error("oneDNN offers no " + std::string(impl) + " matmul here");
+    }
+    impl_ = pd.impl_info_str();
     matmul_ = dnnl::matmul(pd);
     a_ = memory(a_md, engine_, const_cast<void*>(a));
     b_ = memory(b_md, engine_, const_cast<void*>(b));
@@ -55,20 +67,23 @@ class DirectMatmul {
     matmul_.execute(stream_, {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}});
     stream_.wait();
   }
+  const std::string& impl() const { return impl_; }
 
  private:
   dnnl::engine engine_;
   dnnl::stream stream_;
   dnnl::matmul matmul_;
   dnnl::memory a_, b_, c_;
+  std::string impl_;
 };
 
 void block_product_rows(Context& ctx);
+void gemm_path_rows(Context& ctx);
 
 void gemm_suite(Context& ctx) {
   if (ctx.backend != "onednn") return;
-  std::vector<Gemm> shapes = {
-      {256, 256, 256}, {512, 512, 512}, {1024, 1024, 1024}, {128, 1024, 1024}, {1024, 128, 1024}};
+  std::vector<Gemm> shapes = {{256, 256, 256},   {512, 512, 512},   {1024, 1024, 1024},
+                              {128, 1024, 1024}, {1024, 128, 1024}, {1024, 768, 3072}};
   if (ctx.quick) shapes.resize(2);
   for (DType dtype : {DType::f32, DType::bf16}) {
     for (const Gemm& g : shapes) {
@@ -92,7 +107,7 @@ void gemm_suite(Context& ctx) {
         const auto [ruda_time, direct_time] = measure_pair(ctx, through_ruda, *direct);
         r.value = rate(ruda_time, g.gflop());
         r.peer = rate(direct_time, g.gflop());
-        r.peer_name = "oneDNN matmul direct";
+        r.peer_name = "oneDNN matmul direct (" + direct->impl() + ")";
       } else {
         r.value = rate(measure(ctx, through_ruda), g.gflop());
       }
@@ -100,6 +115,50 @@ void gemm_suite(Context& ctx) {
     }
   }
   block_product_rows(ctx);
+  gemm_path_rows(ctx);
+}
+
+// oneDNN's two f32 matmul paths called directly on the same buffers: gemm:jit, which ruda's 2-D
+// f32 products with B as stored run on, against brgemm, which oneDNN ranks first (the rule in
+// backends/onednn/matmul.cpp; "ratio" > 1: the gemm path is faster). GPT-2-small's linear layers
+// (tokens 1024, d 768), forward, weight gradient (A transposed) and input gradient (B transposed,
+// where the rule keeps oneDNN's first choice), and the default GPT's fc1.
+void gemm_path_rows(Context& ctx) {
+  struct Case {
+    Gemm g;
+    bool trans_a, trans_b;
+  };
+  std::vector<Case> cases = {{{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},
+                             {{1024, 768, 2304}, false, false}, {{2048, 256, 1024}, false, false},
+                             {{1024, 3072, 768}, false, true},  {{1024, 768, 3072}, false, true}};
+  if (ctx.quick) cases.resize(2);
+  for (const Case& c : cases) {
+    const Tensor a = c.trans_a ? randn({c.g.k, c.g.m}, 1) : randn({c.g.m, c.g.k}, 1);
+    const Tensor b = c.trans_b ? randn({c.g.n, c.g.k}, 2) : randn({c.g.k, c.g.n}, 2);
+    const Tensor out = empty({c.g.m, c.g.n}, DType::f32);
+    Result r;
+    r.suite = "gemm-onednn";
+    r.name = c.g.name(DType::f32) + (c.trans_a ? ", A transposed" : "") + (c.trans_b ? ", B transposed" : "") +
+             ": oneDNN gemm:jit";
+    r.backend = ctx.backend;
+    r.unit = "GFLOP/s";
+    DirectMatmul gemm_path(c.g, DType::f32, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "gemm:");
+    std::optional<DirectMatmul> brgemm;
+    try {
+      brgemm.emplace(c.g, DType::f32, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "brg:");
+    } catch (const std::runtime_error& e) {
+      r.peer_name = std::string("none: ") + e.what();  // no f32 brgemm below AVX-512: nothing to choose
+    }
+    if (brgemm) {
+      const auto [gemm_time, brgemm_time] = measure_pair(ctx, gemm_path, *brgemm);
+      r.value = rate(gemm_time, c.g.gflop());
+      r.peer = rate(brgemm_time, c.g.gflop());
+      r.peer_name = "oneDNN " + brgemm->impl();
+    } else {
+      r.value = rate(measure(ctx, gemm_path), c.g.gflop());
+    }
+    ctx.report(r);
+  }
 }
 
 // The fused attention's block products as the oneDNN kernel runs them (one thread, scores
