@@ -26,19 +26,25 @@ int bias_arg(const GemmDesc& d) {
   return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
 }
 
-// f32 2-D products whose B is read as stored (not transposed) run on oneDNN's gemm path
-// (gemm:jit) where it offers one, not on the brgemm path it ranks first. oneDNN 2.6.3's f32 brgemm
-// with plain row-major weights collapses on some widths: [1024, 768] x [768, 3072] (GPT-2-small's
-// fc1) at 179 GFLOP/s against gemm:jit's 378 on 2 threads (86 against 199 on one), the weight
-// gradient [768, 1024]^T x [1024, 3072] at 158 against 371, and N = 2560 at 257 against 382; the
-// gemm path held 350-383 on every width measured, and matched or beat brgemm on every shape with
-// B as stored (0.95-2.3x; 2026-12-05, a 2-core Xeon with AMX, oneDNN picked brg:avx512_core for
-// f32 there). With B transposed brgemm won three shapes of five (up to 1.26x: [128, 1024] x
-// [1024, 1024]^T), so those keep oneDNN's first choice, as do batched products (not measured) and
-// 16-bit ones (AMX and avx512_core_bf16 brgemm). `ruda-bench --suite gemm-onednn` times the two
-// paths on these shapes, to re-check the rule on another CPU.
+// f32 2-D products that read B as stored (not transposed) run on oneDNN's gemm path (gemm:jit)
+// where it offers one, not on the brgemm path it ranks first, unless A is transposed and the
+// output is narrower than 2048 columns. oneDNN 2.6.3's f32 brgemm with plain row-major weights
+// collapses on some widths: [1024, 768] x [768, 3072] (GPT-2-small's fc1) at 179 GFLOP/s against
+// gemm:jit's 378 on 2 threads (86 against 199 on one), the weight gradient [768, 1024]^T x
+// [1024, 3072] at 158 against 371, N = 2560 at 257 against 382; the gemm path held 350-383 on
+// every width measured. Measured 2026-12-05 on a 2-core Xeon with AMX (oneDNN picked
+// brg:avx512_core for f32 there), gemm:jit's speed over brgemm's:
+//   A and B as stored, 24 shapes from [128, 784] x [784, 1024] to [4096, 256] x [256, 1024]:
+//     1.01-2.1x
+//   A transposed (weight gradients): N >= 2048 1.10-2.3x; narrower 0.84-1.08x (0.84 on the default
+//     GPT's fc2 [1024, 2048]^T x [2048, 256]), so those keep brgemm
+//   B transposed (input gradients): 0.79-1.08x, so those keep brgemm
+// Batched products (not measured) and 16-bit ones (AMX and avx512_core_bf16 brgemm) keep oneDNN's
+// first choice too. `ruda-bench --suite gemm-onednn` times the two paths on such shapes, to
+// re-check the rule on another CPU.
 bool prefers_gemm_path(const GemmDesc& d) {
-  return d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32 && d.batch == 1 && !d.trans_b;
+  return d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32 && d.batch == 1 && !d.trans_b &&
+         (!d.trans_a || d.n >= 2048);
 }
 
 // oneDNN's implementation of `desc` whose name starts with `prefix` (e.g. "gemm:"), else its first

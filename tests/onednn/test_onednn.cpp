@@ -185,6 +185,8 @@ std::int64_t built_with(const std::string& impl) {
 }
 
 TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused bias and GELU included") {
+  // (Narrower products with A transposed, and those with B transposed, keep oneDNN's first choice,
+  // which is the gemm path itself where brgemm is missing: not asserted.)
   // oneDNN 2.6 ranks its f32 brgemm first, which ran 2x slower on GPT-2-small's fc1 shape
   // (backends/onednn/matmul.cpp). Fresh shapes, so that each call builds its primitive.
   const Tensor x = gaussian({72, 88}, 31), w = gaussian({88, 136}, 32), b = gaussian({136}, 33);
@@ -198,6 +200,10 @@ TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused
                     linear_gelu(x, w, b, GeluApproximation::erf, WeightLayout::in_out, GeluBackward::recompute), 1e-5,
                     1e-5);
   CHECK(built_with("gemm:jit") == before + 3);
+  // A transposed (a weight gradient's x^T dy, read in place) with at least 2048 output columns.
+  const Tensor xt = gaussian({40, 24}, 34), dy = gaussian({40, 2048}, 35);
+  test::check_close(matmul(xt.to(dnnl()).transpose(0, 1), dy.to(dnnl())), matmul(xt.transpose(0, 1), dy), 1e-5, 1e-5);
+  CHECK(built_with("gemm:jit") == before + 4);
   // Every primitive built is listed once per (kind, implementation), with a positive count.
   std::int64_t listed = 0;
   for (const auto& i : onednn::implementations()) {

@@ -122,7 +122,8 @@ void gemm_suite(Context& ctx) {
 // f32 products with B as stored run on, against brgemm, which oneDNN ranks first (the rule in
 // backends/onednn/matmul.cpp; "ratio" > 1: the gemm path is faster). GPT-2-small's linear layers
 // (tokens 1024, d 768), forward, weight gradient (A transposed) and input gradient (B transposed,
-// where the rule keeps oneDNN's first choice), and the default GPT's fc1.
+// where the rule keeps oneDNN's first choice), and the default GPT's fc1 and fc2 weight gradient
+// (A transposed, 256 columns: brgemm kept).
 void gemm_path_rows(Context& ctx) {
   struct Case {
     Gemm g;
@@ -130,7 +131,8 @@ void gemm_path_rows(Context& ctx) {
   };
   std::vector<Case> cases = {{{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},
                              {{1024, 768, 2304}, false, false}, {{2048, 256, 1024}, false, false},
-                             {{1024, 3072, 768}, false, true},  {{1024, 768, 3072}, false, true}};
+                             {{1024, 2048, 256}, true, false},  {{1024, 3072, 768}, false, true},
+                             {{1024, 768, 3072}, false, true}};
   if (ctx.quick) cases.resize(2);
   for (const Case& c : cases) {
     const Tensor a = c.trans_a ? randn({c.g.k, c.g.m}, 1) : randn({c.g.m, c.g.k}, 1);
