@@ -18,11 +18,12 @@
 
 #include <ruda/error.h>
 
+#include <oneapi/dnnl/dnnl_debug.h>
+
 #include "onednn.h"
 
 #ifdef RUDA_HAVE_OPENMP
 #include <omp.h>
-#include <oneapi/dnnl/dnnl_debug.h>
 #endif
 
 namespace ruda::onednn {
@@ -177,7 +178,8 @@ dnnl::stream& thread_stream() {
 }
 
 // The scratchpad of the calling thread, grown to the largest request: primitives are built with
-// a user scratchpad so that executions allocate nothing, and a thread runs one primitive at a time.
+// a user scratchpad so that executions take no scratch memory of their own (oneDNN's gemm:jit
+// path may still allocate its packing buffers inside), and a thread runs one primitive at a time.
 void* thread_scratchpad(std::size_t bytes) {
   struct Buffer {
     std::unique_ptr<std::byte[]> storage;

@@ -30,18 +30,20 @@ int bias_arg(const GemmDesc& d) {
 // where it offers one, not on the brgemm path it ranks first, unless A is transposed and the
 // output is narrower than 2048 columns. oneDNN 2.6.3's f32 brgemm with plain row-major weights
 // collapses on some widths: [1024, 768] x [768, 3072] (GPT-2-small's fc1) at 179 GFLOP/s against
-// gemm:jit's 378 on 2 threads (86 against 199 on one), the weight gradient [768, 1024]^T x
-// [1024, 3072] at 158 against 371, N = 2560 at 257 against 382; the gemm path held 350-383 on
-// every width measured. Measured 2026-12-05 on a 2-core Xeon with AMX (oneDNN picked
-// brg:avx512_core for f32 there), gemm:jit's speed over brgemm's:
-//   A and B as stored, 24 shapes from [128, 784] x [784, 1024] to [4096, 256] x [256, 1024]:
+// gemm:jit's 378 on 2 threads (86 against 199 on one), its weight gradient x^T dy (x [1024, 768],
+// dy [1024, 3072]) at 158 against 371, N = 2560 at 257 against 382; the gemm path held 350-383 on
+// every width measured. A scratch survey on 2026-12-05 (a 2-core Xeon with AMX, where oneDNN
+// picked brg:avx512_core for f32; median of 6 runs of 5 products, filled buffers), gemm:jit's
+// speed over brgemm's:
+//   A and B as stored, 20 shapes from [128, 784] x [784, 1024] to [4096, 256] x [256, 1024]:
 //     1.01-2.1x
 //   A transposed (weight gradients): N >= 2048 1.10-2.3x; narrower 0.84-1.08x (0.84 on the default
-//     GPT's fc2 [1024, 2048]^T x [2048, 256]), so those keep brgemm
+//     GPT's fc2 h^T dy, h [2048, 1024], dy [2048, 256]), so those keep brgemm
 //   B transposed (input gradients): 0.79-1.08x, so those keep brgemm
-// Batched products (not measured) and 16-bit ones (AMX and avx512_core_bf16 brgemm) keep oneDNN's
-// first choice too. `ruda-bench --suite gemm-onednn` times the two paths on such shapes, to
-// re-check the rule on another CPU.
+// Batched products (not measured) and native 16-bit ones (AMX and avx512_core_bf16 brgemm) keep
+// oneDNN's first choice too; bf16 products on CPUs without bf16 instructions are computed as f32
+// products (gemm_bf16_in_f32 below), which this rule covers. `ruda-bench --suite gemm-onednn` times
+// the two paths on such shapes, to re-check the rule on another CPU.
 bool prefers_gemm_path(const GemmDesc& d) {
   return d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32 && d.batch == 1 && !d.trans_b &&
          (!d.trans_a || d.n >= 2048);

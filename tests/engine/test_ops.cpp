@@ -32,10 +32,16 @@ double tol(DType d) {
   }
 }
 
-// Element i of v, read through a call the optimizer cannot see into.
+// Element i of v, read through a call the optimizer cannot see into (GCC's noipa; elsewhere a
+// call through a volatile function pointer).
 template <class T>
-__attribute__((noipa)) T element(const std::vector<T>& v, std::size_t i) {
+T element_of(const std::vector<T>& v, std::size_t i) {
   return v.at(i);
+}
+template <class T>
+T element(const std::vector<T>& v, std::size_t i) {
+  T (*volatile read)(const std::vector<T>&, std::size_t) = &element_of<T>;
+  return read(v, i);
 }
 }  // namespace
 
