@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <shared_mutex>
+#include <string_view>
 #include <tuple>
 #include <unordered_map>
 #include <utility>
@@ -164,6 +165,16 @@ std::shared_ptr<Primitive> make_primitive(const dnnl::primitive_desc& pd, const 
   std::lock_guard lock(c.built_mutex);  // creation is rare: a lock here costs nothing per call
   ++c.built[{dnnl_prim_kind2str(static_cast<dnnl_primitive_kind_t>(pd.get_kind())), impl}];
   return p;
+}
+
+// A primitive descriptor walks its candidates in place, so the first choice is made apart.
+dnnl::matmul::primitive_desc matmul_impl(const dnnl::matmul::desc& desc, const dnnl::primitive_attr& attr,
+                                         std::string_view prefix) {
+  dnnl::matmul::primitive_desc walker(desc, attr, cpu_engine());
+  do {
+    if (std::string_view(walker.impl_info_str()).substr(0, prefix.size()) == prefix) return walker;
+  } while (walker.next_impl());
+  return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
 }
 
 // --- execution ---

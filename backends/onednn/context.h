@@ -64,6 +64,12 @@ struct Primitive {
 /// Builds a primitive from its descriptor: rejects oneDNN's reference ("ref:") implementations,
 /// which are scalar loops slower than the Eigen kernels, and records the descriptors of `arg_ids`.
 std::shared_ptr<Primitive> make_primitive(const dnnl::primitive_desc& pd, const std::vector<int>& arg_ids);
+
+/// oneDNN's matmul implementation of `desc` whose name starts with `prefix` (e.g. "gemm:"), else
+/// its first choice. `desc` must outlive the call: oneDNN 2.6's next_impl() reads the operation
+/// descriptor again (walking from a temporary found nothing past the first candidate).
+dnnl::matmul::primitive_desc matmul_impl(const dnnl::matmul::desc& desc, const dnnl::primitive_attr& attr,
+                                         std::string_view prefix);
 /// A refusal with that reason.
 std::shared_ptr<Primitive> refuse(std::string reason);
 

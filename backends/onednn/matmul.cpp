@@ -49,19 +49,6 @@ bool prefers_gemm_path(const GemmDesc& d) {
          (!d.trans_a || d.n >= 2048);
 }
 
-// oneDNN's implementation of `desc` whose name starts with `prefix` (e.g. "gemm:"), else its first
-// choice. A primitive descriptor walks its candidates in place, so the first choice is kept apart.
-// `desc` must outlive the walk: oneDNN 2.6's next_impl() reads the operation descriptor again
-// (from a temporary, it found nothing past the first candidate).
-dnnl::matmul::primitive_desc matmul_impl(const dnnl::matmul::desc& desc, const dnnl::primitive_attr& attr,
-                                         std::string_view prefix) {
-  dnnl::matmul::primitive_desc walker(desc, attr, cpu_engine());
-  do {
-    if (std::string_view(walker.impl_info_str()).substr(0, prefix.size()) == prefix) return walker;
-  } while (walker.next_impl());
-  return dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
-}
-
 std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {
   const bool two_axes = d.batch_inner > 1;
   const bool batched = d.batch > 1;
