@@ -35,10 +35,11 @@ class DnnlBlockGemm {
   static constexpr bool kDenseOperands = true;
 
   // f32 products with A transposed and B as stored (the backward's dV = P^T dO and dK = dS^T Q) run
-  // on oneDNN's gemm path, which was faster than the brgemm it ranks first on every such block
-  // measured (one thread, N = 64, M and K 64-256; a 2-core Xeon with AMX, 2026-12-05): 1.00-1.37x,
-  // e.g. 171 against 125 GFLOP/s at 256 x 64 x 64, 172 against 156 at 256 x 256 x 64. The other
-  // products and bf16 (AMX brgemm 1.1-3.6x the gemm path's rate) keep oneDNN's first choice.
+  // on oneDNN's gemm path, never slower than the brgemm it ranks first on such blocks (one thread,
+  // N = 64; a 2-core Xeon with AMX, 2026-12-05; `ruda-bench --suite gemm-onednn`, "an attention
+  // block" rows, three runs): 1.15-1.17x at 256 x 256 x 64, 1.00-1.02x at 256 x 64 x 64. The
+  // other products and bf16 (AMX brgemm 1.1-3.6x the gemm path's rate in a scratch survey) keep
+  // oneDNN's first choice.
   static constexpr bool prefers_gemm_path(bool ta, bool tb) { return std::is_same_v<G, float> && ta && !tb; }
 
   void operator()(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda,

@@ -32,8 +32,8 @@ double tol(DType d) {
   }
 }
 
-// Element i of v, read through a call the optimizer cannot see into (GCC's noipa; elsewhere a
-// call through a volatile function pointer).
+// Element i of v, read through a volatile function pointer: a call the optimizer cannot see into,
+// so the vector's stored bytes are what is compared.
 template <class T>
 T element_of(const std::vector<T>& v, std::size_t i) {
   return v.at(i);

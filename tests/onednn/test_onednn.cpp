@@ -186,10 +186,10 @@ std::int64_t built_with(const std::string& prefix) {
 }
 
 TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused bias and GELU included") {
-  // (Narrower products with A transposed, and those with B transposed, keep oneDNN's first choice,
-  // which is the gemm path itself where brgemm is missing: not asserted.)
   // oneDNN 2.6 ranks its f32 brgemm first, which ran 2x slower on GPT-2-small's fc1 shape
-  // (backends/onednn/matmul.cpp). Fresh shapes, so that each call builds its primitive.
+  // (backends/onednn/matmul.cpp). Fresh shapes, so that each call builds its primitive. (Narrower
+  // products with A transposed, and those with B transposed, keep oneDNN's first choice, which is
+  // the gemm path itself where brgemm is missing: not asserted.)
   const Tensor x = gaussian({72, 88}, 31), w = gaussian({88, 136}, 32), b = gaussian({136}, 33);
   const std::int64_t before = built_with("gemm:");
   test::check_close(matmul(x.to(dnnl()), w.to(dnnl())), matmul(x, w), 1e-5, 1e-5);

@@ -123,26 +123,30 @@ void gemm_suite(Context& ctx) {
 // f32 products with B as stored run on, against brgemm, which oneDNN ranks first (the rule in
 // backends/onednn/matmul.cpp; "ratio" > 1: the gemm path is faster). GPT-2-small's linear layers
 // (tokens 1024, d 768), forward, weight gradient (A transposed) and input gradient (B transposed,
-// where the rule keeps oneDNN's first choice), and the default GPT's fc1 and fc2 weight gradient
-// (A transposed, 256 columns: brgemm kept).
+// where the rule keeps oneDNN's first choice), the default GPT's fc1 and fc2 weight gradient
+// (A transposed, 256 columns: brgemm kept), and on one thread the fused attention's dV / dK block
+// products (A transposed, N = 64: the rule in backends/onednn/attention.cpp).
 void gemm_path_rows(Context& ctx) {
   struct Case {
     Gemm g;
     bool trans_a, trans_b;
+    bool one_thread = false;
   };
-  std::vector<Case> cases = {{{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},
-                             {{1024, 768, 2304}, false, false}, {{2048, 256, 1024}, false, false},
-                             {{1024, 2048, 256}, true, false},  {{1024, 3072, 768}, false, true},
-                             {{1024, 768, 3072}, false, true}};
+  std::vector<Case> cases = {
+      {{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},   {{1024, 768, 2304}, false, false},
+      {{2048, 256, 1024}, false, false}, {{1024, 2048, 256}, true, false},   {{1024, 3072, 768}, false, true},
+      {{1024, 768, 3072}, false, true},  {{256, 64, 64}, true, false, true}, {{256, 256, 64}, true, false, true}};
   if (ctx.quick) cases.resize(2);
+  const int threads = num_threads();
   for (const Case& c : cases) {
+    set_num_threads(c.one_thread ? 1 : threads);  // a primitive keeps the team it was built with
     const Tensor a = c.trans_a ? randn({c.g.k, c.g.m}, 1) : randn({c.g.m, c.g.k}, 1);
     const Tensor b = c.trans_b ? randn({c.g.n, c.g.k}, 2) : randn({c.g.k, c.g.n}, 2);
     const Tensor out = empty({c.g.m, c.g.n}, DType::f32);
     Result r;
     r.suite = "gemm-onednn";
     r.name = c.g.name(DType::f32) + (c.trans_a ? ", A transposed" : "") + (c.trans_b ? ", B transposed" : "") +
-             ": oneDNN gemm:jit";
+             (c.one_thread ? ", one thread (an attention block)" : "") + ": oneDNN gemm:jit";
     r.backend = ctx.backend;
     r.unit = "GFLOP/s";
     std::optional<DirectMatmul> gemm_path;
@@ -168,6 +172,7 @@ void gemm_path_rows(Context& ctx) {
     }
     ctx.report(r);
   }
+  set_num_threads(threads);
 }
 
 // The fused attention's block products as the oneDNN kernel runs them (one thread, scores
