@@ -23,7 +23,16 @@ using dnnl::memory;
 
 namespace {
 
-// One thread's block products: c (f32) = alpha * op(a) op(b) (+ c), operands of G.
+// What a block product applies to its result on the way out, as oneDNN post-ops (the
+// transposed backward below). The block is [m, n] with one value per column in `column`.
+enum class Epilogue : std::int64_t {
+  none,         // c (f32) = alpha * op(a) op(b) (+ c)
+  exp_minus,    // c (G) = exp(alpha * a b^T - column[j]): the recomputed weights
+  times_minus,  // c (G) = p[i, j] * (a b^T - column[j]): the softmax's gradient
+};
+
+// One thread's block products: c (f32) = alpha * op(a) op(b) (+ c), operands of G, and the two
+// products with an epilogue that the backward runs.
 template <class G>
 class DnnlBlockGemm {
  public:
@@ -34,23 +43,50 @@ class DnnlBlockGemm {
   // 0.93-0.95x at 128 and 256. So the kernel copies q, k, v and dO blocks dense.
   static constexpr bool kDenseOperands = true;
 
-  // f32 products with A transposed and B as stored (the backward's dV = P^T dO and dK = dS^T Q) run
-  // on oneDNN's gemm path, never slower than the brgemm it ranks first on such blocks (one thread,
-  // N = 64; a 2-core Xeon with AMX, 2026-12-05; `ruda-bench --suite gemm-onednn`, "an attention
-  // block" rows, three runs): 1.15-1.17x at 256 x 256 x 64, 1.00-1.02x at 256 x 64 x 64. The
-  // other products and bf16 (AMX brgemm 1.1-3.6x the gemm path's rate in a scratch survey) keep
-  // oneDNN's first choice.
+  // f32 products with A transposed and B as stored (the backward's dQ = dS K on transposed blocks,
+  // the shared kernel's dV = P^T dO and dK = dS^T Q) run on oneDNN's gemm path, never slower than
+  // the brgemm it ranks first on such blocks (one thread, N = 64; a 2-core Xeon with AMX,
+  // 2026-12-05; `ruda-bench --suite gemm-onednn`, "an attention block" rows, three runs):
+  // 1.15-1.17x at 256 x 256 x 64, 1.00-1.02x at 256 x 64 x 64. The other products and bf16 (AMX
+  // brgemm 1.1-3.6x the gemm path's rate in a scratch survey) keep oneDNN's first choice.
   static constexpr bool prefers_gemm_path(bool ta, bool tb) { return std::is_same_v<G, float> && ta && !tb; }
 
   void operator()(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda,
                   const G* b, std::int64_t ldb, float* c, std::int64_t ldc, float alpha, bool accumulate) {
-    const Primitive& p = primitive({ta, tb, m, n, k, lda, ldb, ldc, bits(alpha), accumulate});
+    const Primitive& p = primitive({ta, tb, m, n, k, lda, ldb, ldc, bits(alpha), accumulate, 0});
     if (p.refused()) return fallback(ta, tb, m, n, k, a, lda, b, ldb, c, ldc, alpha, accumulate, p.refusal);
     execute(current_, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
   }
 
+  // c[m, n] (row stride n) = exp(alpha * a b^T - column[j]); a [m, k], b stored [n, k].
+  void exp_minus(std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda, const G* b,
+                 std::int64_t ldb, G* c, const float* column, float alpha) {
+    const Primitive& p = epilogue_primitive(Epilogue::exp_minus, m, n, k, lda, ldb, alpha);
+    if (p.refused()) {
+      return epilogue_fallback(Epilogue::exp_minus, m, n, k, a, lda, b, ldb, c, column, nullptr, alpha, p.refusal);
+    }
+    execute(current_, {{DNNL_ARG_SRC, a},
+                       {DNNL_ARG_WEIGHTS, b},
+                       {DNNL_ARG_DST, c},
+                       {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, column}});
+  }
+
+  // c[m, n] (row stride n) = p[i, j] * (a b^T - column[j]); a [m, k], b stored [n, k], p [m, n].
+  void times_minus(std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda, const G* b,
+                   std::int64_t ldb, G* c, const float* column, const G* p) {
+    const Primitive& prim = epilogue_primitive(Epilogue::times_minus, m, n, k, lda, ldb, 1.0f);
+    if (prim.refused()) {
+      return epilogue_fallback(Epilogue::times_minus, m, n, k, a, lda, b, ldb, c, column, p, 1.0f, prim.refusal);
+    }
+    execute(current_, {{DNNL_ARG_SRC, a},
+                       {DNNL_ARG_WEIGHTS, b},
+                       {DNNL_ARG_DST, c},
+                       {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, column},
+                       {DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, p}});
+  }
+
  private:
-  using Shape = std::array<std::int64_t, 10>;
+  using Shape = std::array<std::int64_t, 11>;
   struct Entry {
     Shape shape;
     std::shared_ptr<const Primitive> primitive;
@@ -60,6 +96,17 @@ class DnnlBlockGemm {
     std::uint32_t u;
     std::memcpy(&u, &v, sizeof u);
     return u;
+  }
+  static float from_bits(std::int64_t b) {
+    const auto word = static_cast<std::uint32_t>(b);
+    float v;
+    std::memcpy(&v, &word, sizeof v);
+    return v;
+  }
+
+  const Primitive& epilogue_primitive(Epilogue e, std::int64_t m, std::int64_t n, std::int64_t k, std::int64_t lda,
+                                      std::int64_t ldb, float alpha) {
+    return primitive({false, true, m, n, k, lda, ldb, n, bits(alpha), false, static_cast<std::int64_t>(e)});
   }
 
   const Primitive& primitive(const Shape& s) {
@@ -73,27 +120,38 @@ class DnnlBlockGemm {
     key << std::int64_t{40} << static_cast<std::int64_t>(kDType);
     for (std::int64_t v : s) key << v;
     current_ = lookup(key, 1, [&] {
-      const auto [ta, tb, m, n, k, lda, ldb, ldc, alpha_bits, accumulate] = s;
+      const auto [ta, tb, m, n, k, lda, ldb, ldc, alpha_bits, accumulate, epilogue_id] = s;
+      const auto epilogue = static_cast<Epilogue>(epilogue_id);
       const auto gt = *dnnl_type(kDType);
+      const auto f32 = memory::data_type::f32;
       const memory::desc a_md({m, k}, gt, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
       const memory::desc b_md({k, n}, gt, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
-      const memory::desc c_md({m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+      const memory::desc c_md({m, n}, epilogue == Epilogue::none ? f32 : gt, memory::dims{ldc, 1});
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-      float alpha;
-      const auto alpha_word = static_cast<std::uint32_t>(alpha_bits);
-      std::memcpy(&alpha, &alpha_word, sizeof alpha);
+      const float alpha = from_bits(alpha_bits);
       if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-      if (accumulate) {
-        dnnl::post_ops ops;
-        ops.append_sum(1.0f);
-        attr.set_post_ops(ops);
+      std::vector<int> arg_ids = {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST};
+      dnnl::post_ops ops;
+      if (accumulate) ops.append_sum(1.0f);
+      if (epilogue != Epilogue::none) {
+        // The per-column value is oneDNN's per-output-channel broadcast, which its brgemm fuses;
+        // a per-row one ({m, 1}) falls to its reference kernel.
+        ops.append_binary(dnnl::algorithm::binary_sub, memory::desc({1, n}, f32, memory::dims{n, 1}));
+        arg_ids.push_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1);
+        if (epilogue == Epilogue::exp_minus) {
+          ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_exp, 0.0f, 0.0f);
+        } else {
+          ops.append_binary(dnnl::algorithm::binary_mul, memory::desc({m, n}, gt, memory::dims{n, 1}));
+          arg_ids.push_back(DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1);
+        }
       }
+      if (ops.len() > 0) attr.set_post_ops(ops);
       const dnnl::matmul::desc desc(a_md, b_md, c_md);
       const dnnl::matmul::primitive_desc pd = prefers_gemm_path(ta, tb)
                                                   ? matmul_impl(desc, attr, "gemm:")
                                                   : dnnl::matmul::primitive_desc(desc, attr, cpu_engine());
-      return make_primitive(pd, {DNNL_ARG_SRC, DNNL_ARG_WEIGHTS, DNNL_ARG_DST});
+      return make_primitive(pd, arg_ids);
     });
     seen_.push_back({s, current_});
     return *current_;
@@ -116,10 +174,25 @@ class DnnlBlockGemm {
     }
   }
 
+  // The same for a product with an epilogue: the product in f32, then the epilogue value by value.
+  void epilogue_fallback(Epilogue e, std::int64_t m, std::int64_t n, std::int64_t k, const G* a, std::int64_t lda,
+                         const G* b, std::int64_t ldb, G* c, const float* column, const G* p, float alpha,
+                         const std::string& reason) {
+    wide_c_.resize(static_cast<std::size_t>(m * n));
+    fallback(false, true, m, n, k, a, lda, b, ldb, wide_c_.data(), n, alpha, false, reason);
+    for (std::int64_t i = 0; i < m; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float x = wide_c_[i * n + j] - column[j];
+        const float y = e == Epilogue::exp_minus ? std::exp(x) : kernels::Num<G>::load(p[i * n + j]) * x;
+        c[i * n + j] = kernels::Num<G>::store(y);
+      }
+    }
+  }
+
   static constexpr DType kDType = std::is_same_v<G, float> ? DType::f32 : DType::bf16;
   std::vector<Entry> seen_;
   std::shared_ptr<const Primitive> current_;
-  kernels::attention::detail::Scratch<float> wide_a_, wide_b_;
+  kernels::attention::detail::Scratch<float> wide_a_, wide_b_, wide_c_;
 };
 
 // Where the kernel runs: oneDNN's block products for f32 and for bf16 on CPUs with bf16
@@ -147,6 +220,140 @@ Route route(DType dtype) {
   }
 }
 
+// The backward on transposed blocks, where oneDNN fuses the softmax's elementwise passes into the
+// block products. For a key block and a query chunk, with the [keys, queries] layout:
+//   P^T  = exp(scale * K Q^T - lse)     (lse per query: a per-column value, which oneDNN's brgemm
+//                                        fuses as a post-op; per row it would not)
+//   dV  += P^T dO
+//   dS^T = P^T * (V dO^T - delta)       (delta per query, again per column)
+//   dK  += scale * dS^T Q,   dQ += scale * (dS^T)^T K
+// so that no pass of the kernel's own reads or writes the weights: the exp, the softmax gradient
+// and (bf16) the conversions to the operand type all run in the products' epilogues, on the CPU's
+// widest vectors. Only the diagonal's masked entries are zeroed here. The shared kernel's
+// backward (eigen/attention_kernel.h) remains the one with dropout, whose mask would need a pass
+// of its own, and f32's by default (kernel_policy.h: the post-op exp is the slower one there;
+// RUDA_ONEDNN_KERNELS=all runs this one, which the suite's [onednn-all] entries check at f32's
+// tolerance). Parallel over B x H and, when that is fewer than the threads, over interleaved sets
+// of key blocks, as the shared kernel is (each item owns its key rows' dK and dV; split heads'
+// dQ is summed afterwards in a fixed order).
+// dst[c] = src[c] as T, for c in [0, n).
+template <class T>
+void store_row(const float* src, T* dst, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; ++c) dst[c] = kernels::Num<T>::store(src[c]);
+}
+
+template <class T>
+void backward_transposed(const AttentionDesc& d) {
+  using namespace kernels::attention;
+  using namespace kernels::attention::detail;
+  using G = T;
+  const std::int64_t batch = d.q.shape[0], heads = d.q.shape[1], tq = d.q.shape[2], dim = d.q.shape[3];
+  const std::int64_t tk = d.k.shape[2], dv = d.v.shape[3], bh_count = batch * heads;
+  const Blocks bs = block_sizes(tq, tk);
+  const std::int64_t nq = (tq + bs.q - 1) / bs.q, nk = (tk + bs.kv - 1) / bs.kv;
+  const bool need_dq = d.dq.data != nullptr, need_dk = d.dk.data != nullptr, need_dv = d.dv.data != nullptr;
+  const bool need_ds = need_dq || need_dk;
+  const Rows<const T> q(d.q), k(d.k), v(d.v), out(d.out), dout(d.dout);
+  const Rows<T> dq(d.dq), dk(d.dk), dv_rows(d.dv);
+  const float* const lse = d.lse.ptr<const float>();
+  const auto scale = static_cast<float>(d.scale);
+  const std::int64_t threads = num_threads();
+  const std::int64_t splits = bh_count >= threads ? 1 : std::min<std::int64_t>(nk, (threads + bh_count - 1) / bh_count);
+  Scratch<float> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
+
+  for_each_item(bh_count * splits, [&] {
+    struct Worker {
+      DnnlBlockGemm<G> gemm;
+      Scratch<float> dq_acc, dk_acc, dv_acc, delta, lse_row;
+      Scratch<G> pt, ds, qbuf, kbuf, vbuf, obuf;
+    };
+    auto w = std::make_shared<Worker>();
+    const auto block = static_cast<std::size_t>(bs.q * bs.kv);
+    w->pt.resize(block);
+    w->ds.resize(need_ds ? block : 0);
+    w->dk_acc.resize(static_cast<std::size_t>(bs.kv * dim));
+    w->dv_acc.resize(static_cast<std::size_t>(bs.kv * dv));
+    w->delta.resize(static_cast<std::size_t>(tq));
+    w->lse_row.resize(static_cast<std::size_t>(tq));
+    if (need_dq && splits == 1) w->dq_acc.resize(static_cast<std::size_t>(tq * dim));
+    return [&, w](std::int64_t item) {
+      const std::int64_t bh = item % bh_count, split = item / bh_count, b = bh / heads, h = bh % heads;
+      // The head's row terms, contiguous (the epilogues read them as one value per column):
+      // delta_i = dO_i . O_i, and the logsumexp (lse may be a strided view).
+      for (std::int64_t i = 0; i < tq; ++i) {
+        w->delta[i] = row_dot<float>(out.row(b, h, i), dout.row(b, h, i), dv);
+        w->lse_row[i] = lse[d.lse.strides[0] * b + d.lse.strides[1] * h + d.lse.strides[2] * i];
+      }
+      float* dq_acc = nullptr;
+      if (need_dq) {
+        dq_acc = splits == 1 ? w->dq_acc.data() : dq_parts.data() + (bh * splits + split) * tq * dim;
+        std::fill(dq_acc, dq_acc + tq * dim, 0.0f);
+      }
+      std::int64_t ldq = 0, ldo = 0;
+      const G* q_head = stage<G>(q.row(b, h, 0), tq, dim, q.st, w->qbuf, ldq, true);
+      const G* o_head = stage<G>(dout.row(b, h, 0), tq, dv, dout.st, w->obuf, ldo, true);
+      for (std::int64_t kj = split; kj < nk; kj += splits) {
+        const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
+        std::int64_t ldk = 0, ldv = 0;
+        const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk, true);
+        const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv, true);
+        std::fill(w->dk_acc.begin(), w->dk_acc.end(), 0.0f);
+        std::fill(w->dv_acc.begin(), w->dv_acc.end(), 0.0f);
+        const std::int64_t first = d.causal ? j0 / bs.q : 0;
+        for (std::int64_t qi = first; qi < nq; ++qi) {
+          const std::int64_t i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
+          for_each_chunk(d.causal, i0, rows, j0, cols, [&](const Chunk& c) {
+            // Queries [ci, ci + nr) against the block's first nc keys; P^T and dS^T are [nc, nr].
+            const std::int64_t ci = i0 + c.first, nr = c.rows, nc = c.cols;
+            const G* qb = q_head + ci * ldq;
+            const G* ob = o_head + ci * ldo;
+            G* const pt = w->pt.data();
+            w->gemm.exp_minus(nc, nr, dim, kb, ldk, qb, ldq, pt, w->lse_row.data() + ci, scale);
+            if (c.masked) {
+              // Key j0 + r is seen by queries from j0 + r on: zero the columns before.
+              for (std::int64_t r = 0; r < nc; ++r) {
+                const std::int64_t hidden = std::clamp<std::int64_t>(j0 + r - ci, 0, nr);
+                std::fill(pt + r * nr, pt + r * nr + hidden, G{});
+              }
+            }
+            if (need_dv) w->gemm(false, false, nc, dv, nr, pt, nr, ob, ldo, w->dv_acc.data(), dv, 1.0f, true);
+            if (!need_ds) return;
+            G* const ds = w->ds.data();
+            w->gemm.times_minus(nc, nr, dv, vb, ldv, ob, ldo, ds, w->delta.data() + ci, pt);
+            if (need_dk) w->gemm(false, false, nc, dim, nr, ds, nr, qb, ldq, w->dk_acc.data(), dim, scale, true);
+            if (need_dq) w->gemm(true, false, nr, dim, nc, ds, nr, kb, ldk, dq_acc + ci * dim, dim, scale, true);
+          });
+        }
+        for (std::int64_t r = 0; r < cols; ++r) {
+          if (need_dk) store_row(w->dk_acc.data() + r * dim, dk.row(b, h, j0 + r), dim);
+          if (need_dv) store_row(w->dv_acc.data() + r * dv, dv_rows.row(b, h, j0 + r), dv);
+        }
+      }
+      if (need_dq && splits == 1) {
+        for (std::int64_t i = 0; i < tq; ++i) store_row(dq_acc + i * dim, dq.row(b, h, i), dim);
+      }
+    };
+  });
+
+  if (need_dq && splits > 1) {
+    // The split heads' dQ: the items' partial sums added in split order.
+    kernels::parallel_for(bh_count * tq,
+                          std::max<std::int64_t>(1, kernels::kElementGrain / std::max<std::int64_t>(1, dim * splits)),
+                          [&](std::int64_t r0, std::int64_t r1) {
+                            for (std::int64_t r = r0; r < r1; ++r) {
+                              const std::int64_t bh = r / tq, i = r % tq;
+                              T* o = dq.row(bh / heads, bh % heads, i);
+                              for (std::int64_t c = 0; c < dim; ++c) {
+                                float s = 0;
+                                for (std::int64_t sp = 0; sp < splits; ++sp)
+                                  s += dq_parts[((bh * splits + sp) * tq + i) * dim + c];
+                                o[c] = kernels::Num<T>::store(s);
+                              }
+                            }
+                          });
+  }
+}
+
 }  // namespace
 
 void OneDnnBackend::attention(const AttentionDesc& d) {
@@ -165,9 +372,15 @@ void OneDnnBackend::attention_backward(const AttentionDesc& d) {
   using namespace kernels::attention;
   switch (route(d.q.dtype)) {
     case Route::dnnl_f32:
-      return backward<float, float, float>(d, [] { return DnnlBlockGemm<float>{}; });
+      if (d.dropout > 0 || shared_attention_backward_faster(DType::f32)) {
+        return backward<float, float, float>(d, [] { return DnnlBlockGemm<float>{}; });
+      }
+      return backward_transposed<float>(d);
     case Route::dnnl_bf16:
-      return backward<bfloat16, bfloat16, float>(d, [] { return DnnlBlockGemm<bfloat16>{}; });
+      if (d.dropout > 0 || shared_attention_backward_faster(DType::bf16)) {
+        return backward<bfloat16, bfloat16, float>(d, [] { return DnnlBlockGemm<bfloat16>{}; });
+      }
+      return backward_transposed<bfloat16>(d);
     case Route::eigen:
       return EigenBackend::attention_backward(d);
   }

@@ -98,4 +98,14 @@ inline bool eigen_faster_innermost_sum(DType dtype) { return !all_kernels_reques
 // oneDNN (Eigen's widening loop: 266-295 against 1525-2671).
 inline bool eigen_faster_softmax(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
 
+// The fused attention's backward (backends/onednn/attention.cpp): on transposed blocks, with the
+// softmax's passes as oneDNN post-ops of the block products, against the shared kernel's, with
+// those passes in ruda's own vector loops (2026-12-05, 2-core Xeon with AMX, `ruda-bench --suite
+// attention`, the two libraries alternated, 3 runs each, medians, causal fwd+bwd, B 1, H 12,
+// D 64): bf16 took 0.84x the time at T = 512, 1024 and 2048 (0.88x at 128; the conversions of
+// the weights and their gradient to bf16 go into the products too); f32 1.01-1.07x (the product
+// with the exp post-op ran at 93 GFLOP/s on a thread against 155 without it, by DNNL_VERBOSE:
+// more than the loop it replaces). So f32 keeps the shared backward.
+inline bool shared_attention_backward_faster(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
+
 }  // namespace ruda::onednn::detail
