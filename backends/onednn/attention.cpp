@@ -85,6 +85,18 @@ class DnnlBlockGemm {
                        {DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1, p}});
   }
 
+  // Whether oneDNN fuses both epilogues on this CPU (asked once per dtype, on a 64-row block): the
+  // transposed backward runs only then. A product it refuses on some other shape is computed by
+  // Eigen with the epilogue after it (epilogue_fallback).
+  static bool fuses_epilogues() {
+    static const bool fuses = [] {
+      DnnlBlockGemm gemm;
+      return !gemm.epilogue_primitive(Epilogue::exp_minus, 64, 64, 64, 64, 64, 0.125f).refused() &&
+             !gemm.epilogue_primitive(Epilogue::times_minus, 64, 64, 64, 64, 64, 1.0f).refused();
+    }();
+    return fuses;
+  }
+
  private:
   using Shape = std::array<std::int64_t, 11>;
   struct Entry {
@@ -379,12 +391,13 @@ void OneDnnBackend::attention_backward(const AttentionDesc& d) {
   using namespace kernels::attention;
   switch (route(d.q.dtype)) {
     case Route::dnnl_f32:
-      if (d.dropout > 0 || shared_attention_backward_faster(DType::f32)) {
+      if (d.dropout > 0 || shared_attention_backward_faster(DType::f32) || !DnnlBlockGemm<float>::fuses_epilogues()) {
         return backward<float, float, float>(d, [] { return DnnlBlockGemm<float>{}; });
       }
       return backward_transposed<float>(d);
     case Route::dnnl_bf16:
-      if (d.dropout > 0 || shared_attention_backward_faster(DType::bf16)) {
+      if (d.dropout > 0 || shared_attention_backward_faster(DType::bf16) ||
+          !DnnlBlockGemm<bfloat16>::fuses_epilogues()) {
         return backward<bfloat16, bfloat16, float>(d, [] { return DnnlBlockGemm<bfloat16>{}; });
       }
       return backward_transposed<bfloat16>(d);
