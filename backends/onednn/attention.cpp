@@ -235,6 +235,18 @@ Route route(DType dtype) {
   }
 }
 
+// The transposed backward's blocks: 256 queries (fewer at short lengths) against 128 keys. One
+// run of a scratch bf16 causal fwd+bwd, B 1, H 12, D 64, backward times in ms, two runs each
+// (queries x keys): T = 1024 256 x 256 (the shared kernel's choice) 7.86 / 7.75, 256 x 128 7.20 /
+// 7.01, 128 x 128 7.58 / 7.48, 512 x 128 7.61 / 8.40, 256 x 64 7.57 / 8.35; T = 512 128 x 128 (the
+// shared choice) 2.50, 256 x 128 2.34; T = 2048 27.6-27.7 for all three. `ruda-bench --suite
+// attention`, 256 x 256 alternated with 256 x 128, 3 runs each, bf16 fwd+bwd medians: 0.98x
+// (T = 128), 1.00x (512), 0.92x (1024), 0.99x (2048), 0.92-0.93x on the T = 1024 projection rows.
+inline kernels::attention::Blocks transposed_block_sizes(std::int64_t tq, std::int64_t tk) {
+  return {std::max<std::int64_t>(1, std::min<std::int64_t>(256, tq)),
+          std::max<std::int64_t>(1, std::min<std::int64_t>(128, tk))};
+}
+
 // dst[c] = src[c] as T, for c in [0, n).
 template <class T>
 void store_row(const float* src, T* dst, std::int64_t n) {
@@ -274,7 +286,7 @@ void backward_transposed(const AttentionDesc& d) {
   using G = T;
   const std::int64_t batch = d.q.shape[0], heads = d.q.shape[1], tq = d.q.shape[2], dim = d.q.shape[3];
   const std::int64_t tk = d.k.shape[2], dv = d.v.shape[3], bh_count = batch * heads;
-  const Blocks bs = block_sizes(tq, tk);
+  const Blocks bs = transposed_block_sizes(tq, tk);
   const std::int64_t nq = (tq + bs.q - 1) / bs.q, nk = (tk + bs.kv - 1) / bs.kv;
   const bool need_dq = d.dq.data != nullptr, need_dk = d.dk.data != nullptr, need_dv = d.dv.data != nullptr;
   const bool need_ds = need_dq || need_dk;
