@@ -245,6 +245,10 @@ void accumulate(Tensor& into, Tensor grad) {
 // `by` and `input`: the node whose input the leaf is, named in the error as for a node's input
 // (none for the root itself).
 void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, const Node* by = nullptr, std::size_t input = 0) {
+  // A leaf frozen (set_requires_grad(false)) after the forward that used it gets nothing, as
+  // PyTorch's AccumulateGrad decides at backward time too; the sharded layers' gradient sinks
+  // read requires_grad when they reduce, so dense and sharded models agree.
+  if (!leaf.requires_grad) return;
   grad = detail::dense(grad);  // a leaf's gradient is read raw (optimizers, collectives)
   if (grad.shape() != leaf.shape || grad.dtype() != leaf.dtype) {
     if (by) {

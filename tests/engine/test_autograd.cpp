@@ -59,6 +59,25 @@ TEST_CASE("detach and no_grad cut the graph") {
   CHECK_CLOSE(x.grad(), {1, 2}, {2});
 }
 
+TEST_CASE("a leaf frozen between its forward and the backward gets no gradient, as in PyTorch") {
+  // PyTorch's AccumulateGrad reads requires_grad when backward reaches the leaf: w.grad stays
+  // None (an earlier gradient stays as it was), while the other leaves get theirs.
+  Tensor w = full({3}, 1.0).set_requires_grad(), v = full({3}, 1.0).set_requires_grad();
+  (w * 2.0).sum().backward();
+  REQUIRE(w.grad().defined());
+  const Tensor y = (w * 5.0).sum() + (v * 3.0).sum();
+  w.set_requires_grad(false);
+  y.backward();
+  CHECK(w.grad().to_vector<double>() == std::vector<double>{2, 2, 2});
+  CHECK(v.grad().to_vector<double>() == std::vector<double>{3, 3, 3});
+
+  Tensor u = full({2}, 1.0).set_requires_grad();
+  const Tensor z = (u * 4.0).sum();
+  u.set_requires_grad(false);
+  z.backward();  // nothing left to receive a gradient: no error, no gradient
+  CHECK_FALSE(u.grad().defined());
+}
+
 TEST_CASE("backward with an explicit output gradient") {
   Tensor x = values({1, 2, 3}, {3}).set_requires_grad();
   Tensor y = x * x;

@@ -122,6 +122,67 @@ TEST_CASE("replicated gradients: the sum over ranks, zeros from a rank without o
   });
 }
 
+TEST_CASE("a parameter frozen between forward and backward gets no gradient, dense and sharded alike") {
+  // The dense reference: both ranks' parts in one process, the first layer's weight frozen after
+  // the forward (PyTorch's semantics: AccumulateGrad reads requires_grad at backward time).
+  constexpr int kWorld = 2;
+  const std::string frozen = "down.weight";
+  auto freeze = [](nn::Module& model, const std::string& name) {
+    for (auto& [n, p] : model.named_parameters()) {
+      if (n == name) p.data().set_requires_grad(false);
+    }
+  };
+  std::map<std::string, std::vector<double>> dense;
+  {
+    nn::manual_seed(7);
+    test::TinyLM model;
+    Tensor loss;
+    for (int r = 0; r < kWorld; ++r) {
+      const Tensor l = model.loss_sum(test::part(test::batch_tokens(0), r, kWorld),
+                                      test::part(test::batch_targets(0), r, kWorld), test::uses_aux(r));
+      loss = loss.defined() ? loss + l : l;
+    }
+    freeze(model, frozen);
+    loss.backward();
+    for (auto& [name, p] : model.named_parameters()) {
+      if (p.grad().defined()) dense[name] = p.grad().reshape({-1}).to_vector<double>();
+    }
+  }
+  REQUIRE_FALSE(dense.count(frozen));
+  REQUIRE(dense.size() > 1);
+  std::vector<std::map<std::string, std::vector<double>>> sharded(kWorld);
+  run_ranks(kWorld, [&](Communicator& comm) {
+    nn::manual_seed(7);
+    test::TinyLM model;
+    nn::fully_shard(model, comm);
+    const Tensor loss = model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), kWorld),
+                                       test::part(test::batch_targets(0), comm.rank(), kWorld),
+                                       test::uses_aux(comm.rank()));
+    freeze(model, frozen);
+    loss.backward();
+    autograd::NoGradGuard guard;
+    for (auto& [name, p] : model.named_parameters()) {
+      // Every rank takes part in each gather (collectives pair up), with zeros for no gradient.
+      const bool has = p.grad().defined();
+      const Tensor g = has ? p.grad() : zeros({p.shard()->shard_size}, Options(p.data().dtype()));
+      const Tensor whole = comm.all_gather(g).slice(0, 0, p.shard()->numel);
+      if (has) sharded[comm.rank()][name] = whole.to_vector<double>();
+    }
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    CAPTURE(r);
+    CHECK_FALSE(sharded[r].count(frozen));
+    CHECK(sharded[r].size() == dense.size());
+    for (const auto& [name, g] : dense) {
+      CAPTURE(name);
+      REQUIRE(sharded[r].count(name));
+      const std::vector<double>& got = sharded[r].at(name);
+      REQUIRE(got.size() == g.size());
+      for (std::size_t i = 0; i < g.size(); ++i) CHECK(got[i] == doctest::Approx(g[i]).epsilon(1e-5).scale(1e-3));
+    }
+  }
+}
+
 TEST_CASE("the seed's layers name their parameters in the order check") {
   nn::manual_seed(1);
   nn::Linear fc1(4, 4), fc2(4, 4);
