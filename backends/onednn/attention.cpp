@@ -235,17 +235,19 @@ Route route(DType dtype) {
   }
 }
 
-// The transposed backward's blocks: 256 queries (fewer at short lengths) against 128 keys. One
-// run of a scratch bf16 causal fwd+bwd, B 1, H 12, D 64, backward times in ms, two runs each
-// (queries x keys): T = 1024 256 x 256 (the shared kernel's choice) 7.86 / 7.75, 256 x 128 7.20 /
-// 7.01, 128 x 128 7.58 / 7.48, 512 x 128 7.61 / 8.40, 256 x 64 7.57 / 8.35; T = 512 128 x 128 (the
-// shared choice) 2.50, 256 x 128 2.34; T = 2048 27.6-27.7 for all three. `ruda-bench --suite
-// attention`, 256 x 256 alternated with 256 x 128, 3 runs each, bf16 fwd+bwd medians: 0.98x
-// (T = 128), 1.00x (512), 0.92x (1024), 0.99x (2048), 0.92-0.93x on the T = 1024 projection rows.
-inline kernels::attention::Blocks transposed_block_sizes(std::int64_t tq, std::int64_t tk) {
-  return {std::max<std::int64_t>(1, std::min<std::int64_t>(256, tq)),
-          std::max<std::int64_t>(1, std::min<std::int64_t>(128, tk))};
-}
+// The transposed backward's blocks: 128 keys, against the queries that see them in segments of
+// 256, one product each (a segment that crosses the causal diagonal is multiplied whole and its
+// hidden part zeroed, rather than cut into row chunks as the shared kernel's blocks are: fewer,
+// larger products, oneDNN's fixed cost a call being ~7% of the bf16 attention by perf). Scratch
+// bf16 causal fwd+bwd, B 1, H 12, D 64, T = 1024, backward ms, runs in pairs: 256-query blocks
+// against 256 keys (the shared kernel's sizes) 7.86 / 7.75, against 128 keys (in 64-row chunks on
+// the diagonal) 7.20 / 7.01; 128 keys in segments of 256 0.91-0.99x of the chunked ones in five
+// pairs (segments of 128: 0.96x, 512: 1.06x, 1024: 1.15x). `ruda-bench --suite attention`, bf16
+// fwd+bwd medians of 3 alternated runs: 256 x 128 (chunked) against 256 x 256, 0.98x (T = 128),
+// 1.00x (512), 0.92x (1024), 0.99x (2048); then segments against the chunked 256 x 128, 0.99x,
+// 0.94x, 0.98x, 0.94x, and 0.90-0.95x on the projection and qkvpacked rows.
+constexpr std::int64_t kTransposedKeyBlock = 128;
+constexpr std::int64_t kTransposedQuerySegment = 256;
 
 // dst[c] = src[c] as T, for c in [0, n).
 template <class T>
@@ -254,7 +256,7 @@ void store_row(const float* src, T* dst, std::int64_t n) {
 }
 
 // The backward on transposed blocks, where oneDNN fuses the softmax's elementwise passes into the
-// block products. For a key block and a query chunk, with the [keys, queries] layout:
+// block products. For a key block and a segment of queries, with the [keys, queries] layout:
 //   P^T  = exp(scale * K Q^T - lse)     (lse per query: a per-column value, which oneDNN's brgemm
 //                                        fuses as a post-op; per row it would not)
 //   dV  += P^T dO
@@ -286,8 +288,9 @@ void backward_transposed(const AttentionDesc& d) {
   using G = T;
   const std::int64_t batch = d.q.shape[0], heads = d.q.shape[1], tq = d.q.shape[2], dim = d.q.shape[3];
   const std::int64_t tk = d.k.shape[2], dv = d.v.shape[3], bh_count = batch * heads;
-  const Blocks bs = transposed_block_sizes(tq, tk);
-  const std::int64_t nq = (tq + bs.q - 1) / bs.q, nk = (tk + bs.kv - 1) / bs.kv;
+  const std::int64_t key_block = std::max<std::int64_t>(1, std::min(kTransposedKeyBlock, tk));
+  const std::int64_t segment = std::max<std::int64_t>(1, std::min(kTransposedQuerySegment, tq));
+  const std::int64_t nk = (tk + key_block - 1) / key_block;
   const bool need_dq = d.dq.data != nullptr, need_dk = d.dk.data != nullptr, need_dv = d.dv.data != nullptr;
   const bool need_ds = need_dq || need_dk;
   const Rows<const T> q(d.q), k(d.k), v(d.v), out(d.out), dout(d.dout);
@@ -305,11 +308,11 @@ void backward_transposed(const AttentionDesc& d) {
       Scratch<G> pt, ds, qbuf, kbuf, vbuf, obuf;
     };
     auto w = std::make_shared<Worker>();
-    const auto block = static_cast<std::size_t>(bs.q * bs.kv);
+    const auto block = static_cast<std::size_t>(segment * key_block);
     w->pt.resize(block);
     w->ds.resize(need_ds ? block : 0);
-    w->dk_acc.resize(static_cast<std::size_t>(bs.kv * dim));
-    w->dv_acc.resize(static_cast<std::size_t>(bs.kv * dv));
+    w->dk_acc.resize(static_cast<std::size_t>(key_block * dim));
+    w->dv_acc.resize(static_cast<std::size_t>(key_block * dv));
     w->delta.resize(static_cast<std::size_t>(tq));
     w->lse_row.resize(static_cast<std::size_t>(tq));
     if (need_dq && splits == 1) w->dq_acc.resize(static_cast<std::size_t>(tq * dim));
@@ -330,36 +333,34 @@ void backward_transposed(const AttentionDesc& d) {
       const G* q_head = stage<G>(q.row(b, h, 0), tq, dim, q.st, w->qbuf, ldq, true);
       const G* o_head = stage<G>(dout.row(b, h, 0), tq, dv, dout.st, w->obuf, ldo, true);
       for (std::int64_t kj = split; kj < nk; kj += splits) {
-        const std::int64_t j0 = kj * bs.kv, cols = std::min(bs.kv, tk - j0);
+        const std::int64_t j0 = kj * key_block, cols = std::min(key_block, tk - j0);
         std::int64_t ldk = 0, ldv = 0;
         const G* kb = stage<G>(k.row(b, h, j0), cols, dim, k.st, w->kbuf, ldk, true);
         const G* vb = stage<G>(v.row(b, h, j0), cols, dv, v.st, w->vbuf, ldv, true);
         std::fill(w->dk_acc.begin(), w->dk_acc.end(), 0.0f);
         std::fill(w->dv_acc.begin(), w->dv_acc.end(), 0.0f);
-        const std::int64_t first = d.causal ? j0 / bs.q : 0;
-        for (std::int64_t qi = first; qi < nq; ++qi) {
-          const std::int64_t i0 = qi * bs.q, rows = std::min(bs.q, tq - i0);
-          for_each_chunk(d.causal, i0, rows, j0, cols, [&](const Chunk& c) {
-            // Queries [ci, ci + nr) against the block's first nc keys; P^T and dS^T are [nc, nr].
-            const std::int64_t ci = i0 + c.first, nr = c.rows, nc = c.cols;
-            const G* qb = q_head + ci * ldq;
-            const G* ob = o_head + ci * ldo;
-            G* const pt = w->pt.data();
-            w->gemm.exp_minus(nc, nr, dim, kb, ldk, qb, ldq, pt, w->lse_row.data() + ci, scale);
-            if (c.masked) {
-              // Key j0 + r is seen by queries from j0 + r on: zero the columns before.
-              for (std::int64_t r = 0; r < nc; ++r) {
-                const std::int64_t hidden = std::clamp<std::int64_t>(j0 + r - ci, 0, nr);
-                std::fill(pt + r * nr, pt + r * nr + hidden, G{});
-              }
+        // The queries that see a key of this block (causal: from its first key on, top-left
+        // aligned), in segments: queries [s0, s0 + ns) against the block's keys, P^T and dS^T
+        // [cols, ns].
+        for (std::int64_t s0 = d.causal ? j0 : 0; s0 < tq; s0 += segment) {
+          const std::int64_t ns = std::min(segment, tq - s0);
+          const G* qb = q_head + s0 * ldq;
+          const G* ob = o_head + s0 * ldo;
+          G* const pt = w->pt.data();
+          w->gemm.exp_minus(cols, ns, dim, kb, ldk, qb, ldq, pt, w->lse_row.data() + s0, scale);
+          if (d.causal && s0 < j0 + cols - 1) {
+            // Key j0 + r is seen by queries from j0 + r on: zero the columns before.
+            for (std::int64_t r = 0; r < cols; ++r) {
+              const std::int64_t hidden = std::clamp<std::int64_t>(j0 + r - s0, 0, ns);
+              std::fill(pt + r * ns, pt + r * ns + hidden, G{});
             }
-            if (need_dv) w->gemm(false, false, nc, dv, nr, pt, nr, ob, ldo, w->dv_acc.data(), dv, 1.0f, true);
-            if (!need_ds) return;
-            G* const ds = w->ds.data();
-            w->gemm.times_minus(nc, nr, dv, vb, ldv, ob, ldo, ds, w->delta.data() + ci, pt);
-            if (need_dk) w->gemm(false, false, nc, dim, nr, ds, nr, qb, ldq, w->dk_acc.data(), dim, scale, true);
-            if (need_dq) w->gemm(true, false, nr, dim, nc, ds, nr, kb, ldk, dq_acc + ci * dim, dim, scale, true);
-          });
+          }
+          if (need_dv) w->gemm(false, false, cols, dv, ns, pt, ns, ob, ldo, w->dv_acc.data(), dv, 1.0f, true);
+          if (!need_ds) continue;
+          G* const ds = w->ds.data();
+          w->gemm.times_minus(cols, ns, dv, vb, ldv, ob, ldo, ds, w->delta.data() + s0, pt);
+          if (need_dk) w->gemm(false, false, cols, dim, ns, ds, ns, qb, ldq, w->dk_acc.data(), dim, scale, true);
+          if (need_dq) w->gemm(true, false, ns, dim, cols, ds, ns, kb, ldk, dq_acc + s0 * dim, dim, scale, true);
         }
         for (std::int64_t r = 0; r < cols; ++r) {
           if (need_dk) store_row(w->dk_acc.data() + r * dim, dk.row(b, h, j0 + r), dim);
