@@ -155,9 +155,9 @@ TEST_CASE("a parameter frozen between forward and backward gets no gradient, den
     nn::manual_seed(7);
     test::TinyLM model;
     nn::fully_shard(model, comm);
-    const Tensor loss = model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), kWorld),
-                                       test::part(test::batch_targets(0), comm.rank(), kWorld),
-                                       test::uses_aux(comm.rank()));
+    const Tensor loss =
+        model.loss_sum(test::part(test::batch_tokens(0), comm.rank(), kWorld),
+                       test::part(test::batch_targets(0), comm.rank(), kWorld), test::uses_aux(comm.rank()));
     freeze(model, frozen);
     loss.backward();
     autograd::NoGradGuard guard;
