@@ -306,6 +306,38 @@ void for_each_chunk(bool causal, std::int64_t i0, std::int64_t rows, std::int64_
   }
 }
 
+/// dst[c] = src[c] as T, for c in [0, n): an accumulator row written out.
+template <class T, class Acc>
+void store_row(const Acc* src, T* dst, std::int64_t n) {
+  for (std::int64_t c = 0; c < n; ++c) dst[c] = Num<T>::store(static_cast<compute_t<T>>(src[c]));
+}
+
+/// How many items a backward splits each of B x H heads into (over interleaved sets of its
+/// `key_blocks` key blocks): 1 when the heads alone give every thread work.
+inline std::int64_t head_splits(std::int64_t bh_count, std::int64_t key_blocks) {
+  const std::int64_t threads = num_threads();
+  return bh_count >= threads ? 1 : std::min<std::int64_t>(key_blocks, (threads + bh_count - 1) / bh_count);
+}
+
+/// The dQ of split heads: each row's partial sums ([bh][split][Tq][D] in `parts`) added in split
+/// order, so that no two threads write one value and the result does not depend on timing.
+template <class T, class Acc>
+void sum_split_dq(const Rows<T>& dq, const Acc* parts, std::int64_t bh_count, std::int64_t heads, std::int64_t tq,
+                  std::int64_t dim, std::int64_t splits) {
+  parallel_for(bh_count * tq, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, dim * splits)),
+               [&](std::int64_t r0, std::int64_t r1) {
+                 for (std::int64_t r = r0; r < r1; ++r) {
+                   const std::int64_t bh = r / tq, i = r % tq;
+                   T* o = dq.row(bh / heads, bh % heads, i);
+                   for (std::int64_t c = 0; c < dim; ++c) {
+                     Acc s = 0;
+                     for (std::int64_t sp = 0; sp < splits; ++sp) s += parts[((bh * splits + sp) * tq + i) * dim + c];
+                     o[c] = Num<T>::store(static_cast<compute_t<T>>(s));
+                   }
+                 }
+               });
+}
+
 }  // namespace detail
 
 /// The forward: out and lse of desc. make_gemm() returns a block-product policy for one thread
@@ -418,8 +450,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
   const Rows<T> dq(d.dq), dk(d.dk), dv_rows(d.dv);
   const Acc* const lse = d.lse.ptr<const Acc>();
   const Acc scale = static_cast<Acc>(d.scale);
-  const std::int64_t threads = num_threads();
-  const std::int64_t splits = bh_count >= threads ? 1 : std::min<std::int64_t>(nk, (threads + bh_count - 1) / bh_count);
+  const std::int64_t splits = head_splits(bh_count, nk);
   // Per-item dQ partial sums of split heads ([bh][split][Tq][D]); none when heads are not split.
   detail::Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
@@ -522,43 +553,17 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
           });
         }
         for (std::int64_t r = 0; r < cols; ++r) {
-          if (need_dk) {
-            T* o = dk.row(b, h, j0 + r);
-            for (std::int64_t c = 0; c < dim; ++c)
-              o[c] = Num<T>::store(static_cast<compute_t<T>>(w->dk_acc[r * dim + c]));
-          }
-          if (need_dv) {
-            T* o = dv_rows.row(b, h, j0 + r);
-            for (std::int64_t c = 0; c < dv; ++c)
-              o[c] = Num<T>::store(static_cast<compute_t<T>>(w->dv_acc[r * dv + c]));
-          }
+          if (need_dk) store_row(w->dk_acc.data() + r * dim, dk.row(b, h, j0 + r), dim);
+          if (need_dv) store_row(w->dv_acc.data() + r * dv, dv_rows.row(b, h, j0 + r), dv);
         }
       }
       if (need_dq && splits == 1) {
-        for (std::int64_t i = 0; i < tq; ++i) {
-          T* o = dq.row(b, h, i);
-          for (std::int64_t c = 0; c < dim; ++c) o[c] = Num<T>::store(static_cast<compute_t<T>>(dq_acc[i * dim + c]));
-        }
+        for (std::int64_t i = 0; i < tq; ++i) store_row(dq_acc + i * dim, dq.row(b, h, i), dim);
       }
     };
   });
 
-  if (need_dq && splits > 1) {
-    // The split heads' dQ: the items' partial sums added in split order.
-    parallel_for(bh_count * tq, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, dim * splits)),
-                 [&](std::int64_t r0, std::int64_t r1) {
-                   for (std::int64_t r = r0; r < r1; ++r) {
-                     const std::int64_t bh = r / tq, i = r % tq;
-                     T* o = dq.row(bh / heads, bh % heads, i);
-                     for (std::int64_t c = 0; c < dim; ++c) {
-                       Acc s = 0;
-                       for (std::int64_t sp = 0; sp < splits; ++sp)
-                         s += dq_parts[((bh * splits + sp) * tq + i) * dim + c];
-                       o[c] = Num<T>::store(static_cast<compute_t<T>>(s));
-                     }
-                   }
-                 });
-  }
+  if (need_dq && splits > 1) sum_split_dq(dq, dq_parts.data(), bh_count, heads, tq, dim, splits);
 }
 
 }  // namespace ruda::kernels::attention

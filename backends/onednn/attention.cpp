@@ -238,22 +238,14 @@ Route route(DType dtype) {
 // The transposed backward's blocks: 128 keys, against the queries that see them in segments of
 // 256, one product each (a segment that crosses the causal diagonal is multiplied whole and its
 // hidden part zeroed, rather than cut into row chunks as the shared kernel's blocks are: fewer,
-// larger products, oneDNN's fixed cost a call being ~7% of the bf16 attention by perf). Scratch
-// bf16 causal fwd+bwd, B 1, H 12, D 64, T = 1024, backward ms, runs in pairs: 256-query blocks
-// against 256 keys (the shared kernel's sizes) 7.86 / 7.75, against 128 keys (in 64-row chunks on
-// the diagonal) 7.20 / 7.01; 128 keys in segments of 256 0.91-0.99x of the chunked ones in five
-// pairs (segments of 128: 0.96x, 512: 1.06x, 1024: 1.15x). `ruda-bench --suite attention`, bf16
-// fwd+bwd medians of 3 alternated runs: 256 x 128 (chunked) against 256 x 256, 0.98x (T = 128),
-// 1.00x (512), 0.92x (1024), 0.99x (2048); then segments against the chunked 256 x 128, 0.99x,
-// 0.94x, 0.98x, 0.94x, and 0.90-0.95x on the projection and qkvpacked rows.
+// larger products, oneDNN's fixed cost a call being ~7% of the bf16 attention by perf; longer
+// segments, 512 and 1024, were slower in scratch timings). `ruda-bench --suite attention`, bf16
+// fwd+bwd medians of 3 alternated runs: 256 x 128 (in 64-row chunks on the diagonal) against the
+// shared kernel's 256 x 256, 0.98x (T = 128), 1.00x (512), 0.92x (1024), 0.99x (2048); then
+// segments against the chunked 256 x 128, 0.99x, 0.94x, 0.98x, 0.94x, and 0.90-0.95x on the
+// projection and qkvpacked rows.
 constexpr std::int64_t kTransposedKeyBlock = 128;
 constexpr std::int64_t kTransposedQuerySegment = 256;
-
-// dst[c] = src[c] as T, for c in [0, n).
-template <class T>
-void store_row(const float* src, T* dst, std::int64_t n) {
-  for (std::int64_t c = 0; c < n; ++c) dst[c] = kernels::Num<T>::store(src[c]);
-}
 
 // The backward on transposed blocks, where oneDNN fuses the softmax's elementwise passes into the
 // block products. For a key block and a segment of queries, with the [keys, queries] layout:
@@ -275,10 +267,10 @@ void store_row(const float* src, T* dst, std::int64_t n) {
 // of key blocks, as the shared kernel is (each item owns its key rows' dK and dV; split heads'
 // dQ is summed afterwards in a fixed order).
 // Tried and left (2026-12-05): folding the per-column terms into the products, one more column
-// each (K' = [K | 1], Q' = [Q | -lse / scale], V' = [V | 1], dO' = [dO | -delta]), since the
-// subtraction post-op costs as much as the exp (one thread, 256 x 64 x 256 f32: 50.6 us plain,
-// 66.6 with the subtraction, 65.8 with the exp, 91.4 with both). The f32 backward ran 6% faster,
-// but where scores are in the hundreds (test_attention's scale 40) the shifted scores round
+// each (K' = [K | 1], Q' = [Q | -lse / scale], V' = [V | 1], dO' = [dO | -delta]), which saves the
+// subtraction post-op (`ruda-bench --suite gemm-onednn`, "attention backward block" rows: the f32
+// product at 0.67 of its plain rate with the subtraction, 0.76 with the exp, 0.56 with both). But
+// where scores are in the hundreds (test_attention's scale 40) the shifted scores round
 // differently from the composed ops' and the gradients moved to 9.5e-6 of the 1e-5 tolerance
 // (2-3e-5 with the scale on Q instead); bf16 would round lse itself to 8 bits.
 template <class T>
@@ -297,8 +289,7 @@ void backward_transposed(const AttentionDesc& d) {
   const Rows<T> dq(d.dq), dk(d.dk), dv_rows(d.dv);
   const float* const lse = d.lse.ptr<const float>();
   const auto scale = static_cast<float>(d.scale);
-  const std::int64_t threads = num_threads();
-  const std::int64_t splits = bh_count >= threads ? 1 : std::min<std::int64_t>(nk, (threads + bh_count - 1) / bh_count);
+  const std::int64_t splits = head_splits(bh_count, nk);
   Scratch<float> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
   for_each_item(bh_count * splits, [&] {
@@ -373,23 +364,7 @@ void backward_transposed(const AttentionDesc& d) {
     };
   });
 
-  if (need_dq && splits > 1) {
-    // The split heads' dQ: the items' partial sums added in split order.
-    kernels::parallel_for(bh_count * tq,
-                          std::max<std::int64_t>(1, kernels::kElementGrain / std::max<std::int64_t>(1, dim * splits)),
-                          [&](std::int64_t r0, std::int64_t r1) {
-                            for (std::int64_t r = r0; r < r1; ++r) {
-                              const std::int64_t bh = r / tq, i = r % tq;
-                              T* o = dq.row(bh / heads, bh % heads, i);
-                              for (std::int64_t c = 0; c < dim; ++c) {
-                                float s = 0;
-                                for (std::int64_t sp = 0; sp < splits; ++sp)
-                                  s += dq_parts[((bh * splits + sp) * tq + i) * dim + c];
-                                o[c] = kernels::Num<T>::store(s);
-                              }
-                            }
-                          });
-  }
+  if (need_dq && splits > 1) sum_split_dq(dq, dq_parts.data(), bh_count, heads, tq, dim, splits);
 }
 
 }  // namespace

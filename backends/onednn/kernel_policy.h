@@ -103,9 +103,11 @@ inline bool eigen_faster_softmax(DType dtype) { return !all_kernels_requested() 
 // those passes in ruda's own vector loops (2026-12-05, 2-core Xeon with AMX, `ruda-bench --suite
 // attention`, the two libraries alternated, 3 runs each, medians, causal fwd+bwd, B 1, H 12,
 // D 64): bf16 took 0.84x the time at T = 512, 1024 and 2048 (0.88x at 128; the conversions of
-// the weights and their gradient to bf16 go into the products too); f32 1.01-1.07x (the product
-// with the exp post-op ran at 93 GFLOP/s on a thread against 155 without it, by DNNL_VERBOSE:
-// more than the loop it replaces). So f32 keeps the shared backward.
+// the weights and their gradient to bf16 go into the products too); f32 1.01-1.07x. Where the f32
+// time goes: `ruda-bench --suite gemm-onednn`, its "attention backward block" rows (one thread,
+// 128 x 64 x 256, each against the same product alone in the same run): the product with
+// exp(. - lse) fused ran at 0.56 of the plain product's rate in f32 (108 against 191 GFLOP/s,
+// ~17 us more for 32768 weights), the softmax gradient's at 0.65. So f32 keeps the shared backward.
 inline bool shared_attention_backward_faster(DType dtype) { return !all_kernels_requested() && dtype == DType::f32; }
 
 }  // namespace ruda::onednn::detail

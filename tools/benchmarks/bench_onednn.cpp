@@ -1,7 +1,8 @@
 // oneDNN suites (run for --backend onednn only):
 //   gemm-onednn     f32 and bf16 GEMM through ruda against a oneDNN matmul primitive called
 //                   directly (created once, executed repeatedly on preallocated buffers); and
-//                   the attention's block products on strided heads against dense copies.
+//                   the attention's block products on strided heads against dense copies, and
+//                   with the post-ops its transposed backward fuses against without them.
 //   onednn-ranks    two emulated ranks (long-lived threads) running GEMMs at once, with
 //                   cores / ranks and with all cores as intra-op threads each, against one rank
 //                   using the whole machine: the cost of oversubscribing the cores.
@@ -18,6 +19,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -80,6 +82,7 @@ class DirectMatmul {
 
 void block_product_rows(Context& ctx);
 void gemm_path_rows(Context& ctx);
+void epilogue_rows(Context& ctx);
 
 void gemm_suite(Context& ctx) {
   if (ctx.backend != "onednn") return;
@@ -117,6 +120,7 @@ void gemm_suite(Context& ctx) {
   }
   block_product_rows(ctx);
   gemm_path_rows(ctx);
+  epilogue_rows(ctx);
 }
 
 // oneDNN's two f32 matmul paths called directly on the same buffers: gemm:jit, which ruda's 2-D
@@ -233,6 +237,107 @@ void block_product_rows(Context& ctx) {
     r.peer = rate(on_copies, gflop);
     r.peer_name = "dense operands (" + copied.impl() + ")";
     ctx.report(r);
+  }
+  set_num_threads(threads);
+}
+
+// The fused attention's transposed backward (backends/onednn/attention.cpp): its block products
+// K Q^T of one key block (128 keys, D = 64) against a segment of 256 queries, one thread, with the
+// post-ops it fuses, against the same product without them in the same run: what each epilogue
+// costs. oneDNN's per-output-channel subtraction (the logsumexp or delta, one value a query), its
+// exp, both (the recomputed weights) and the subtraction with a multiply by the weights (the
+// softmax gradient); f32 and, where the CPU has bf16 instructions, bf16 (output in the operands'
+// dtype, as the kernel writes it). The measurement behind f32 keeping the shared backward
+// (shared_attention_backward_faster in backends/onednn/kernel_policy.h).
+class EpilogueBlock {
+ public:
+  enum class Post { none, subtract, exp, subtract_exp, subtract_multiply };
+  static constexpr std::int64_t kKeys = 128, kDim = 64, kQueries = 256;
+
+  EpilogueBlock(Post post, DType dtype, const void* k, const void* q, void* out, const float* column, const void* p)
+      : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
+    using dnnl::memory;
+    const auto type = dtype == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+    const memory::desc k_md({kKeys, kDim}, type, memory::dims{kDim, 1});
+    const memory::desc qt_md({kDim, kQueries}, type, memory::dims{1, kDim});
+    const memory::desc out_md({kKeys, kQueries}, post == Post::none ? memory::data_type::f32 : type,
+                              memory::dims{kQueries, 1});
+    const memory::desc column_md({1, kQueries}, memory::data_type::f32, memory::dims{kQueries, 1});
+    const memory::desc p_md({kKeys, kQueries}, type, memory::dims{kQueries, 1});
+    dnnl::post_ops ops;
+    if (post == Post::subtract || post == Post::subtract_exp || post == Post::subtract_multiply) {
+      ops.append_binary(dnnl::algorithm::binary_sub, column_md);
+    }
+    if (post == Post::exp || post == Post::subtract_exp) ops.append_eltwise(1.0f, dnnl::algorithm::eltwise_exp, 0, 0);
+    if (post == Post::subtract_multiply) ops.append_binary(dnnl::algorithm::binary_mul, p_md);
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    num_threads();
+    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(k_md, qt_md, out_md), attr, engine_);
+    impl_ = pd.impl_info_str();
+    matmul_ = dnnl::matmul(pd);
+    args_ = {{DNNL_ARG_SRC, memory(k_md, engine_, const_cast<void*>(k))},
+             {DNNL_ARG_WEIGHTS, memory(qt_md, engine_, const_cast<void*>(q))},
+             {DNNL_ARG_DST, memory(out_md, engine_, out)}};
+    if (ops.len() > 0 && post != Post::exp) {
+      args_[DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1] =
+          memory(column_md, engine_, const_cast<float*>(column));
+    }
+    if (post == Post::subtract_multiply) {
+      args_[DNNL_ARG_ATTR_MULTIPLE_POST_OP(1) | DNNL_ARG_SRC_1] = memory(p_md, engine_, const_cast<void*>(p));
+    }
+  }
+  void operator()() {
+    matmul_.execute(stream_, args_);
+    stream_.wait();
+  }
+  const std::string& impl() const { return impl_; }
+  static double gflop() { return 2e-9 * static_cast<double>(kKeys * kDim * kQueries); }
+
+ private:
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  dnnl::matmul matmul_;
+  std::unordered_map<int, dnnl::memory> args_;
+  std::string impl_;
+};
+
+void epilogue_rows(Context& ctx) {
+  using Post = EpilogueBlock::Post;
+  const int threads = num_threads();
+  set_num_threads(1);  // the kernel runs its products one per thread
+  const std::pair<Post, const char*> posts[] = {{Post::subtract, "a per-query subtraction"},
+                                                {Post::exp, "exp"},
+                                                {Post::subtract_exp, "exp(. - lse): the recomputed weights"},
+                                                {Post::subtract_multiply, "P * (. - delta): the softmax gradient"}};
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    // Filled operands (a zero-filled buffer would time the zero page), scores of a few units.
+    const Tensor k = (randn({EpilogueBlock::kKeys, EpilogueBlock::kDim}, 1) * 0.3).to(dtype);
+    const Tensor q = (randn({EpilogueBlock::kQueries, EpilogueBlock::kDim}, 2) * 0.3).to(dtype);
+    const Tensor column = full({EpilogueBlock::kQueries}, 2.0);
+    const Tensor p = rand({EpilogueBlock::kKeys, EpilogueBlock::kQueries}, 3).to(dtype);
+    const Tensor plain_out = empty({EpilogueBlock::kKeys, EpilogueBlock::kQueries}, DType::f32);
+    const Tensor out = empty({EpilogueBlock::kKeys, EpilogueBlock::kQueries}, dtype);
+    std::optional<EpilogueBlock> plain;
+    try {
+      plain.emplace(Post::none, dtype, k.data_ptr(), q.data_ptr(), plain_out.data_ptr(), nullptr, nullptr);
+    } catch (const dnnl::error&) {
+      continue;  // no bf16 matmul on this ISA (ruda computes bf16 attention on Eigen there): no such kernel
+    }
+    for (const auto& [post, what] : posts) {
+      EpilogueBlock fused(post, dtype, k.data_ptr(), q.data_ptr(), out.data_ptr(), column.data<float>(), p.data_ptr());
+      const auto [with, without] = measure_pair(ctx, fused, *plain);
+      Result r;
+      r.suite = "gemm-onednn";
+      r.name = std::string(dtype_name(dtype)) + " attention backward block K Q^T 128x64x256, one thread, with " + what +
+               " (" + fused.impl() + ")";
+      r.backend = ctx.backend;
+      r.unit = "GFLOP/s";
+      r.value = rate(with, EpilogueBlock::gflop());
+      r.peer = rate(without, EpilogueBlock::gflop());
+      r.peer_name = "the product alone (" + plain->impl() + ")";
+      ctx.report(r);
+    }
   }
   set_num_threads(threads);
 }
