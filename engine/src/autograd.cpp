@@ -35,6 +35,8 @@ thread_local std::vector<std::shared_ptr<Node>> t_always_run;
 thread_local std::size_t t_always_run_prune_at = 64;
 // The node whose backward is running on this thread, for error messages about its saved tensors.
 thread_local const char* t_running_node = nullptr;
+// Whether the loss reached the node whose backward is running (autograd::reached); true outside.
+thread_local bool t_running_reached = true;
 // How many backward() calls are running on this thread (a checkpointed block nests one), and what
 // the outermost one runs when it returns.
 thread_local int t_backward_depth = 0;
@@ -96,6 +98,7 @@ Node::~Node() {
 }
 
 bool in_backward() noexcept { return t_backward_depth > 0; }
+bool reached() noexcept { return t_running_reached; }
 std::uint64_t backward_serial() noexcept { return t_backward_serial; }
 
 void at_backward_end(std::function<void()> callback) {
@@ -191,6 +194,7 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   }
   node->backward = std::move(backward_fn);
   node->always_run = options.always_run || recomputes;
+  node->collective = options.collective;
   node->strided_grad = options.strided_grad;
   // Given an owner: its control block orders apart from an empty weak_ptr's (none). An expired
   // owner is still one, so expired() alone cannot tell the two apart. Without one, a node that
@@ -408,13 +412,18 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       for (Node* n : nodes) {
         n->pending = Tensor();
         n->written = {};
+        n->reached = false;
       }
     }
   } clear{order};
 
+  // A nested backward (a checkpointed block's, run by its node) reaches what that node's own
+  // gradient reached: nothing, where the node runs only because it is always-run.
+  const bool root_reached = t_running_reached;
   if (Node* first = impl_of(root)->grad_fn.get()) {
     first->pending = grad;
-  } else if (root.requires_grad()) {
+    first->reached = root_reached;
+  } else if (root.requires_grad() && root_reached) {
     accumulate_leaf(*impl_of(root), grad);
   }
 
@@ -454,10 +463,26 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     // Restored, not cleared: a node's backward may run a nested backward (activation checkpointing).
     struct RestoreRunning {
       const char* previous = t_running_node;
-      ~RestoreRunning() { t_running_node = previous; }
+      bool previous_reached = t_running_reached;
+      ~RestoreRunning() {
+        t_running_node = previous;
+        t_running_reached = previous_reached;
+      }
     } restore_running;
     t_running_node = node->name;
-    if (add_into_region(*node, g)) {
+    t_running_reached = node->reached;
+    // What an always-run node the loss did not reach hands on is zeros: dropped, so that the
+    // inputs it alone would reach get no gradient (the dense graph's leaves get none), unless it
+    // is a collective, whose gradients carry other ranks' too.
+    // (An unreached node that is not always-run, the root of such a node's nested backward, has
+    // nothing to run for.)
+    const bool passes = node->reached || node->collective;
+    if (!passes && !node->always_run) {
+      release_unless_retained(node);
+      continue;
+    }
+    if (passes && add_into_region(*node, g)) {
+      node->next[0].node->reached = true;
       release_unless_retained(node);
       continue;
     }
@@ -469,7 +494,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     }
     for (std::size_t i = 0; i < grads.size(); ++i) {
       Edge& e = node->next[i];
-      if (!grads[i].defined() || !e.connected()) continue;
+      if (!grads[i].defined() || !e.connected() || !passes) continue;
       if (e.node && (grads[i].shape() != e.node->out_shape || grads[i].dtype() != e.node->out_dtype)) {
         fail<AutogradError>("backward", node->name, " produced a gradient ", dtype_name(grads[i].dtype()), " ",
                             grads[i].shape(), " for its input ", i, " of ", dtype_name(e.node->out_dtype), " ",
@@ -478,6 +503,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       if (e.node) {
         complete_pending(*e.node);
         accumulate(e.node->pending, std::move(grads[i]));
+        e.node->reached = true;
       } else {
         accumulate_leaf(*e.leaf, std::move(grads[i]), node, i);
       }

@@ -161,7 +161,10 @@ class Node {
   Saved saved;
   BackwardFn backward;
   bool always_run = false;
+  bool collective = false;  // RecordOptions::collective
   bool strided_grad = false;
+  // Set while a backward runs: a gradient from the loss reached this node (see autograd::reached).
+  bool reached = false;
   // RecordOptions::owner, and whether one was given (an empty weak_ptr reads as expired too).
   std::weak_ptr<const void> owner;
   bool has_owner = false;

@@ -5,6 +5,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <map>
 #include <thread>
 
 #include "helpers.h"
@@ -116,9 +117,76 @@ TEST_CASE("nodes run in reverse creation order and always-run nodes run without 
   CHECK(autograd::pending_always_run() == 1);
   sum(b + c).backward();
   CHECK(log == std::vector<std::string>{"c", "b", "unused", "a"});
-  CHECK_CLOSE(x.grad(), {2, 2}, {2});  // the always-run node contributed zeros
+  CHECK_CLOSE(x.grad(), {2, 2}, {2});  // the always-run node ran, and handed on nothing
   CHECK(autograd::pending_always_run() == 0);
   (void)unused;
+}
+
+TEST_CASE("an always-run node the loss does not reach hands on nothing, unless it is a collective") {
+  // What each node saw from autograd::reached() while its backward ran.
+  std::map<std::string, bool> seen;
+  auto node = [&](const char* name, const Tensor& in, autograd::RecordOptions options = {}) {
+    Tensor out = in.detach().clone();
+    autograd::record(
+        name, out, {in}, {},
+        [&seen, name](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+          seen[name] = autograd::reached();
+          return std::vector<Tensor>{g * 2.0};
+        },
+        options);
+    return out;
+  };
+  CHECK(autograd::reached());  // outside a backward
+  SUBCASE("a plain always-run node: its input, a leaf, and what lies between get nothing") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    Tensor other = values({3}, {1}).set_requires_grad();
+    const Tensor branch = node("always", node("between", w), {.always_run = true});
+    sum(other * 3.0).backward();
+    CHECK(seen == std::map<std::string, bool>{{"always", false}});  // "between" never ran
+    CHECK_FALSE(w.grad().defined());                                // the dense graph without the branch: no gradient
+    CHECK_CLOSE(other.grad(), {3}, {1});
+    (void)branch;
+  }
+  SUBCASE("a collective passes its gradient on, marked reached") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    Tensor other = values({3}, {1}).set_requires_grad();
+    const Tensor branch = node("collective", node("between", w), {.always_run = true, .collective = true});
+    sum(other * 3.0).backward();
+    CHECK(seen == std::map<std::string, bool>{{"between", true}, {"collective", false}});
+    CHECK_CLOSE(w.grad(), {0, 0}, {2});  // zeros here; another rank's gradient in a real reduce-scatter
+    (void)branch;
+  }
+  SUBCASE("reached through the loss: every node says so") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    sum(node("always", node("between", w), {.always_run = true})).backward();
+    CHECK(seen == std::map<std::string, bool>{{"always", true}, {"between", true}});
+    CHECK_CLOSE(w.grad(), {4, 4}, {2});
+  }
+  SUBCASE("a backward nested in an unreached node's reaches nothing either (a checkpointed block's)") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    Tensor inner_leaf = values({5}, {1}).set_requires_grad();
+    Tensor out = w.detach().clone();
+    bool nested_reached = true;
+    autograd::record("outer", out, {w}, {},
+                     [&](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       Tensor inner;
+                       {
+                         // grad mode is off in a backward; the recompute turns it on, as checkpoint does
+                         autograd::set_grad_enabled(true);
+                         inner = node("inner", inner_leaf, {.always_run = true}) * 1.0;
+                         autograd::set_grad_enabled(false);
+                       }
+                       autograd::backward(inner, zeros({1}));
+                       nested_reached = seen.at("inner");
+                       return std::vector<Tensor>{g};
+                     },
+                     {.always_run = true});
+    Tensor other = values({3}, {1}).set_requires_grad();
+    sum(other).backward();
+    CHECK_FALSE(nested_reached);
+    CHECK_FALSE(inner_leaf.grad().defined());
+    CHECK_FALSE(w.grad().defined());
+  }
 }
 
 namespace {

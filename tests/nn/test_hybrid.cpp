@@ -181,11 +181,15 @@ TEST_CASE("hybrid: gathers and reduce-scatters stay inside the node, each reduce
         on_nodes(2));
     // blocks.0, blocks.1, the root: all still unsharded at the end of the forward (2 blocks, the
     // limit), so the backward gathers nothing again.
+    // Besides, one small all-reduce on each of the two per backward: which parameters the loss
+    // reached on any rank.
     const std::size_t groups = 3;
     CHECK(count_calls(shard_calls, "all_gather") == groups);
     CHECK(count_calls(shard_calls, "reduce_scatter") == groups);
-    CHECK(count_calls(replicate_calls, "all_reduce(f32") == groups);
-    CHECK(count_calls(replicate_calls, "across nodes") == groups);
+    CHECK(count_calls(shard_calls, "all_reduce(f32") == 1);
+    CHECK(count_calls(shard_calls, "which parameters the loss reached") == 1);
+    CHECK(count_calls(replicate_calls, "all_reduce(f32") == groups + 1);
+    CHECK(count_calls(replicate_calls, "across nodes") == groups + 1);
     CHECK(count_calls(replicate_calls, "all_gather") == 0);
     CHECK(world_calls.empty());  // nothing of the step on the world
   }
@@ -455,7 +459,9 @@ TEST_CASE("accumulation: K = 1, 2 and 4 micro-batches give one batch's gradient,
       CAPTURE(r);
       check_same(full[static_cast<std::size_t>(r)], slices(r, 4), 1e-6);
       check_same(hybrid[static_cast<std::size_t>(r)], slices(r % 2, 2), 1e-6);
-      CHECK(across[static_cast<std::size_t>(r)] == 3);  // one all-reduce per group, whatever the micro-batches
+      // One all-reduce of gradients per group, whatever the micro-batches, and one of the reached
+      // flags per micro-batch (the gradients' presence must agree across nodes at every step).
+      CHECK(across[static_cast<std::size_t>(r)] == 3 + static_cast<std::size_t>(micro));
     }
   }
 }

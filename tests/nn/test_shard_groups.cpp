@@ -317,7 +317,9 @@ TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups less those s
     CHECK(calls_of(step2,
                    "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
                    "parameters)") == 2);
-    CHECK(step2.size() == calls_of(step2, "group '"));
+    // And one small all-reduce per backward: which parameters the loss reached on any rank.
+    CHECK(calls_of(step2, "all_reduce(f32, 52, sum, \"shard groups: which parameters the loss reached\")") == 1);
+    CHECK(step2.size() == calls_of(step2, "group '") + 1);
   }
 }
 
@@ -454,6 +456,140 @@ TEST_CASE("a sharded parameter's gradient is a slice of its bucket's sum, never 
       body(local);
     } else {
       run_ranks(world, body);
+    }
+  }
+}
+
+namespace {
+
+// A trunk and two heads; the spare head runs on every rank (plainly or checkpointed), and the
+// loss adds it only on the ranks `reaches` names.
+struct Heads : nn::Module {
+  std::shared_ptr<nn::Linear> trunk = std::make_shared<nn::Linear>(5, 4);
+  std::shared_ptr<nn::Linear> used = std::make_shared<nn::Linear>(4, 3);
+  std::shared_ptr<nn::Linear> spare = std::make_shared<nn::Linear>(4, 2);
+  Heads() {
+    register_module("trunk", trunk);
+    register_module("used", used);
+    register_module("spare", spare);
+  }
+  Tensor loss(const Tensor& x, bool with_spare, bool checkpointed) {
+    const Tensor h = tanh(trunk->forward(x));
+    Tensor l = sum(square(used->forward(h)));
+    const Tensor s = checkpointed ? nn::checkpoint(*spare, h) : spare->forward(h);
+    if (with_spare) l = l + sum(square(s)) * 0.5;
+    return l / 16.0;
+  }
+};
+
+// Each parameter's full gradient (nullopt: none) and full value after one AdamW step.
+struct HeadsResult {
+  std::map<std::string, std::optional<std::vector<double>>> grads;
+  std::map<std::string, std::vector<double>> after;
+};
+
+}  // namespace
+
+TEST_CASE("a parameter no rank's loss reaches gets no gradient and no optimizer step, dense and sharded alike") {
+  // The dense model leaves such a parameter without a gradient, and AdamW skips it (no weight
+  // decay, its own step count). Sharded, every rank reduce-scatters every bucket with zeros for
+  // what its loss did not reach: the zeros became a gradient, and the step decayed the weights.
+  const Tensor x = randn({12, 5}, 31);
+  const nn::AdamWOptions adam{.lr = 1e-2, .weight_decay = 0.1};
+  enum class Layout { grouped, one_group, hybrid, replicated };
+  for (const bool any_rank : {false, true}) {        // rank 0's loss takes the spare head, or none does
+    for (const bool checkpointed : {false, true}) {  // the spare head through nn::checkpoint
+      for (const Layout layout : {Layout::grouped, Layout::one_group, Layout::hybrid, Layout::replicated}) {
+        CAPTURE(any_rank);
+        CAPTURE(checkpointed);
+        CAPTURE(static_cast<int>(layout));
+        const int world = layout == Layout::hybrid ? 4 : 3;
+        HeadsResult dense;
+        {
+          nn::manual_seed(9);
+          Heads m;
+          nn::AdamW opt(m.parameters(), adam);
+          Tensor total;
+          for (int r = 0; r < world; ++r) {
+            const Tensor l = m.loss(test::part(x, r, world), any_rank && r == 0, checkpointed);
+            total = total.defined() ? total + l : l;
+          }
+          total.backward();
+          for (const auto& [name, p] : m.named_parameters()) {
+            dense.grads[name] = p.grad().defined() ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
+          }
+          opt.step();
+          dense.after = test::snapshot(m);
+        }
+        REQUIRE(dense.grads.at("spare.weight").has_value() == any_rank);
+        std::vector<HeadsResult> got(static_cast<std::size_t>(world));
+        EmulatedOptions options;
+        options.check_order = true;  // a collective out of step raises instead of hanging
+        if (layout == Layout::hybrid) options.ranks_per_node = 2;
+        run_ranks(
+            world,
+            [&](Communicator& comm) {
+              const std::optional<ShardMesh> mesh =
+                  layout == Layout::hybrid ? std::optional(ShardMesh::by_node(comm)) : std::nullopt;
+              nn::manual_seed(9);
+              Heads m;
+              auto shard = [&](nn::Module& module) {
+                if (mesh) {
+                  nn::fully_shard(module, *mesh);
+                } else {
+                  nn::fully_shard(module, comm);
+                }
+              };
+              if (layout == Layout::replicated) {
+                shard(*m.used);  // the trunk and the spare head stay replicated
+              } else if (layout == Layout::one_group) {
+                shard(m);
+              } else {
+                for (nn::Module* sub : std::vector<nn::Module*>{m.trunk.get(), m.used.get(), m.spare.get()})
+                  shard(*sub);
+                shard(m);
+              }
+              nn::AdamW opt(m.parameters(), adam);
+              m.loss(test::part(x, comm.rank(), world), any_rank && comm.rank() == 0, checkpointed).backward();
+              if (layout == Layout::replicated) nn::all_reduce_replicated_gradients(m, comm);
+              HeadsResult& mine = got[static_cast<std::size_t>(comm.rank())];
+              for (const auto& [name, p] : m.named_parameters()) {
+                const bool has = p.grad().defined();
+                if (!p.is_sharded()) {
+                  mine.grads[name] = has ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
+                  continue;
+                }
+                // Every rank takes part in each gather (collectives pair up), with zeros for none.
+                autograd::NoGradGuard guard;
+                const Tensor g = has ? p.grad() : zeros({p.shard()->shard_size}, Options(p.data().dtype()));
+                const Tensor whole = p.shard()->comm->all_gather(g).slice(0, 0, p.shard()->numel);
+                mine.grads[name] = has ? std::optional(whole.to_vector<double>()) : std::nullopt;
+              }
+              opt.step();
+              mine.after = test::snapshot(m);
+            },
+            options);
+        for (int r = 0; r < world; ++r) {
+          CAPTURE(r);
+          const HeadsResult& mine = got[static_cast<std::size_t>(r)];
+          REQUIRE(mine.grads.size() == dense.grads.size());
+          for (const auto& [name, want] : dense.grads) {
+            CAPTURE(name);
+            const auto& have = mine.grads.at(name);
+            REQUIRE(have.has_value() == want.has_value());
+            if (!want) continue;
+            REQUIRE(have->size() == want->size());
+            for (std::size_t i = 0; i < want->size(); ++i)
+              CHECK((*have)[i] == doctest::Approx((*want)[i]).epsilon(1e-6));
+          }
+          for (const auto& [name, want] : dense.after) {
+            CAPTURE(name);
+            const std::vector<double>& have = mine.after.at(name);
+            REQUIRE(have.size() == want.size());
+            for (std::size_t i = 0; i < want.size(); ++i) CHECK(have[i] == doctest::Approx(want[i]).epsilon(1e-6));
+          }
+        }
+      }
     }
   }
 }

@@ -952,7 +952,7 @@ TEST_CASE("--gather-quantization int8: half the bytes of the step's collectives,
   one_error_line(run(train("--gather-quantization int4" + lm + tmp / "x.jsonl")), {"--gather-quantization", "int4"});
 }
 
-TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybrid crosses nodes once a step") {
+TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybrid gradients cross nodes once a step") {
   TempDir tmp;
   const std::string lm =
       " lm --d-model 32 --layers 2 --heads 2 --context 16 --batch 24 --steps 4 --eval-every 0 "
@@ -969,7 +969,11 @@ TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybr
     for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));
     const auto a = last_record(tmp / "k1.jsonl"), b = last_record(tmp / "k3.jsonl");
     if (layout.find("--hybrid") != std::string::npos) {
-      CHECK(b["comm_bytes_inter"].get<double>() == a["comm_bytes_inter"].get<double>());     // one all-reduce per group
+      // One all-reduce of gradients per group whatever K, and per micro-batch one of a flag per
+      // parameter (which ones the loss reached): a few hundred bytes more.
+      const double inter_one = a["comm_bytes_inter"].get<double>(), inter_three = b["comm_bytes_inter"].get<double>();
+      CHECK(inter_three > inter_one);
+      CHECK(inter_three - inter_one < 0.01 * inter_one);
       CHECK(b["comm_bytes_intra"].get<double>() > 2 * a["comm_bytes_intra"].get<double>());  // gathers per micro-batch
     }
   }

@@ -112,6 +112,11 @@ struct RecordOptions {
   /// in the same order. A node that saves a recomputed tensor is always-run too, because its
   /// recompute may itself be a collective.
   bool always_run = false;
+  /// For an always-run node whose backward is a collective (a reduce-scatter): its gradients hold
+  /// other ranks' too, so they pass on where this rank's loss did not reach the node. Without it,
+  /// what an always-run node the loss did not reach hands on (zeros) is dropped: its inputs get no
+  /// gradient from it, as in a graph without the node (see reached()).
+  bool collective = false;
   /// For an always-run node: what it belongs to (a module, a shard group). Once that is destroyed
   /// the node is dropped from its thread's always-run list: a pending node of a model that is gone
   /// (a forward with grad mode on that no backward followed) no longer runs in the next backward
@@ -143,6 +148,13 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph = false)
 
 /// Whether a backward() is running on this thread (including inside a node's own nested backward).
 bool in_backward() noexcept;
+
+/// Inside a node's backward: whether the loss reached the node, through gradients that flowed to
+/// it. False for an always-run node that runs with a zero gradient because none reached it
+/// (RecordOptions::always_run), and for the nodes of a backward such a node runs nested (a
+/// checkpointed block's recompute). True outside a backward. Sharded gradient sinks read it: a
+/// parameter that no rank's loss reached gets no gradient, as in the dense model.
+bool reached() noexcept;
 
 /// How many outermost backward() calls have started on this thread: tells one backward from the next.
 std::uint64_t backward_serial() noexcept;

@@ -2,6 +2,7 @@
 #include "sharding/shard_group.h"
 
 #include <algorithm>
+#include <map>
 #include <utility>
 
 #include <ruda/autograd.h>
@@ -27,12 +28,13 @@ Tensor as_rows(const Tensor& grad, std::int64_t numel, std::int64_t world, std::
 
 // --- gradients: post-backward ---
 
-void GradientSink::deposit(std::size_t index, const Tensor& grad) {
+void GradientSink::deposit(std::size_t index, const Tensor& grad, bool from_loss) {
   const auto owner = group.lock();
   const std::uint64_t now = autograd::backward_serial();
   if (serial != now) {  // the first deposit of this backward
     serial = now;
     remaining = nodes;
+    reached.assign(params.size(), 0);
     if (owner) {
       owner->schedule()->enter_phase(true);
       owner->schedule()->touched(shared_from_this());
@@ -40,7 +42,10 @@ void GradientSink::deposit(std::size_t index, const Tensor& grad) {
   }
   started = true;
   // Uses of one value in one graph arrive as the engine would sum them: the latest use first.
-  grads[index] = grads[index].defined() ? grads[index] + grad : grad;
+  if (from_loss) {
+    grads[index] = grads[index].defined() ? grads[index] + grad : grad;
+    reached[index] = 1;
+  }
   const std::size_t b = bucket_of[index];
   if (--remaining[b] > 0) return;
   issue(b);
@@ -168,6 +173,7 @@ void GradientSink::accumulate(std::size_t b, const Tensor& reduced) {
       grad.add_(piece.dtype() == leaf.dtype() ? piece : cast(piece, leaf.dtype()));
     } else {
       leaf.set_grad(piece.dtype() != leaf.dtype() ? cast(piece, leaf.dtype()) : own ? piece : piece.clone());
+      p.shard()->gradient_made_by = autograd::backward_serial();
     }
   }
 }
@@ -388,7 +394,7 @@ Tensor ShardGroup::use(std::size_t index) {
   const std::shared_ptr<GradientSink> sink = v.sink;
   autograd::record("all_gather", value, {local}, {},
                    [sink, index](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-                     sink->deposit(index, g);
+                     sink->deposit(index, g, autograd::reached());
                      return std::vector<Tensor>{Tensor()};
                    },
                    {.always_run = true, .owner = weak_from_this()});
@@ -640,6 +646,7 @@ void ShardSchedule::end_backward() {
   std::vector<std::shared_ptr<GradientSink>> sinks;
   sinks.swap(touched_);
   for (const auto& sink : sinks) sink->flush();
+  drop_unreached_gradients(sinks);
   // Hybrid accumulation: a group this backward did not reach still holds its node's partial sums
   // from earlier micro-batches; they cross nodes now, or the replicas would step apart. The flags
   // are alike on every rank (every rank runs the same program), and so are these all-reduces.
@@ -648,6 +655,51 @@ void ShardSchedule::end_backward() {
   }
   enter_phase(false);
   if (!report_.decided && probing == 0) time_step();
+}
+
+void ShardSchedule::drop_unreached_gradients(const std::vector<std::shared_ptr<GradientSink>>& sinks) {
+  // Every rank reduce-scatters every bucket (zeros for what its loss did not reach), so each
+  // parameter got a gradient; one that no rank's loss reached must have none, as in the dense
+  // model, where the optimizer then skips it (no weight decay, no momentum step, its own step
+  // count). The flags of one backward in one collective, not a column more in each bucket's
+  // reduce-scatter: a large parameter's bucket is reduced straight from its gradient, which an
+  // extra column would copy. Per parameter, not per sink: a checkpointed block's recompute
+  // deposits into a sink of its own beside the forward's. The same sinks and members in the same
+  // order on every rank (touched()), so the same flags.
+  std::vector<std::weak_ptr<Param::State>> params;
+  std::vector<double> flags;
+  std::map<const Param::State*, std::size_t> index;
+  for (const auto& sink : sinks) {
+    for (std::size_t i = 0; i < sink->params.size(); ++i) {
+      const auto state = sink->params[i].lock();
+      if (!state) continue;  // destroyed alike on every rank
+      const auto [at, fresh] = index.emplace(state.get(), params.size());
+      if (fresh) {
+        params.push_back(sink->params[i]);
+        flags.push_back(0);
+      }
+      if (sink->reached[i]) flags[at->second] = 1;
+    }
+  }
+  if (flags.empty()) return;
+  const char* tag = "shard groups: which parameters the loss reached";
+  Tensor reached = comm_.get("backward", "the reached flags")
+                       .all_reduce(from_values(flags, {static_cast<std::int64_t>(flags.size())}, DType::f32),
+                                   Reduction::sum, {.tag = tag});
+  if (replicate_) {
+    reached = replicate_.get("backward", "the reached flags")
+                  .all_reduce(reached, Reduction::sum, {.tag = std::string(tag) + " across nodes"});
+  }
+  const std::vector<float> anywhere = reached.to_vector<float>();
+  const std::uint64_t now = autograd::backward_serial();
+  for (std::size_t k = 0; k < params.size(); ++k) {
+    if (anywhere[k] != 0) continue;
+    const Param p = ParamAccess::lock(params[k]);
+    // A gradient from an earlier backward (accumulation) stays: this one added zeros to it.
+    if (!p.defined() || p.shard()->gradient_made_by != now) continue;
+    p.data().set_grad(Tensor());
+    p.shard()->gradient_partial = false;
+  }
 }
 
 thread_local int ShardSchedule::probing = 0;

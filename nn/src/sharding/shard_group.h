@@ -120,11 +120,15 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   /// Per member (hybrid): its gradient's earlier partial sums went into the all-reduce, whose
   /// result replaces the gradient instead of adding to it.
   std::vector<char> replaces;
+  /// Per member, in this backward: a node the loss reached deposited (autograd::reached).
+  std::vector<char> reached;
   std::weak_ptr<ShardGroup> group;
   std::uint64_t serial = 0;  // the backward (autograd::backward_serial) being counted
   bool started = false;      // a backward has run some of its nodes: it takes no further use
 
-  void deposit(std::size_t index, const Tensor& grad);
+  /// A use's node ran: `grad` is its gradient, zeros where `from_loss` is false (an always-run
+  /// node the loss did not reach), which then counts only towards the bucket's nodes.
+  void deposit(std::size_t index, const Tensor& grad, bool from_loss);
   /// The end of a backward: issues what a node that did not run left unissued (a graph run by
   /// two backwards), waits for the reduce-scatters and adds each slice to its parameter's
   /// gradient.
@@ -280,6 +284,10 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
 
  private:
   void end_backward();
+  /// After the sinks are flushed: agrees with the other ranks (one all-reduce of a flag per
+  /// parameter) on which parameters no rank's loss reached, and takes back the gradients of zeros
+  /// this backward gave them.
+  void drop_unreached_gradients(const std::vector<std::shared_ptr<GradientSink>>& sinks);
   /// The automatic overlap trial: one more step timed; decides after enough of both kinds.
   void time_step();
   /// Finishes reduce-scatters until `keep` are in flight (hybrid: starts their all-reduces across

@@ -169,11 +169,14 @@ Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const 
     Communicator* c = &comm;
     // Always-run: every rank reduce-scatters this gradient in every backward, with zeros where
     // its loss did not reach the gathered value, so no rank waits for a collective another skips.
+    // A collective: its slice holds the other ranks' gradients, so it reaches the local slice
+    // even where this rank's loss did not (and a zero gradient where no rank's did: this path
+    // has no flag to tell, unlike a shard group's).
     autograd::record("all_gather", full, {local}, {},
                      [c, options](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
                        return std::vector<Tensor>{c->reduce_scatter(g, options)};
                      },
-                     {.always_run = true, .owner = std::move(owner)});
+                     {.always_run = true, .collective = true, .owner = std::move(owner)});
   }
   return full;
 }
@@ -492,18 +495,27 @@ std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& 
     ++count;
   }
   for (auto& [dtype, params] : by_dtype) {
+    // After the gradients, a flag per parameter: 1 where this rank has a gradient. Their sums say
+    // which parameters no rank's loss reached; those keep none.
     std::vector<Tensor> flat;
+    std::vector<double> has;
     for (const auto& [name, p] : params) {
       const Tensor g = p.grad();
       flat.push_back(g.defined() ? g.reshape({-1}) : zeros({p.data().numel()}, Options(dtype, &p.data().backend())));
+      has.push_back(g.defined() ? 1 : 0);
     }
+    const auto count = static_cast<std::int64_t>(params.size());
+    flat.push_back(from_values(has, {count}, Options(dtype, &params.front().second.data().backend())));
     const Tensor summed = comm.all_reduce(concat(flat, 0), Reduction::sum,
                                           {.tag = "replicated gradients (" + params.front().first + ", ...)"});
+    const std::vector<double> anywhere = summed.slice(0, summed.numel() - count, summed.numel()).to_vector<double>();
     std::int64_t offset = 0;
-    for (const auto& [name, p] : params) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i].second;
       const std::int64_t n = p.data().numel();
       Tensor g = summed.slice(0, offset, offset + n).reshape(p.data().shape());
       offset += n;
+      if (anywhere[i] == 0) continue;
       Tensor leaf = p.data();
       leaf.set_grad(g);
     }

@@ -122,6 +122,9 @@ struct ShardInfo {
   /// Hybrid: the gradient holds sums of this node's ranks only (a backward without the all-reduce
   /// across nodes, set_requires_all_reduce): the next all-reduce includes it.
   bool gradient_partial = false;
+  /// The backward (autograd::backward_serial) whose reduction gave the parameter its gradient
+  /// where it had none: taken back at that backward's end if no rank's loss reached the parameter.
+  std::uint64_t gradient_made_by = 0;
   /// Names the parameter in collective tags and messages ("layers.2.weight").
   std::string name;
   /// The group that gathers it with the rest of its module (set by fully_shard), and its place
@@ -302,7 +305,8 @@ std::size_t broadcast_replicated(const Module& module, Communicator& comm, int r
 /// one flat buffer per dtype), in place; call it after backward and before clipping or the
 /// optimizer step. With each rank's loss divided by the GLOBAL count (global_count), the sum is
 /// the gradient of the global loss, as for sharded parameters. A parameter that got no gradient
-/// on this rank takes part with zeros, so the ranks never disagree on the collective. Sharded
+/// on this rank takes part with zeros, so the ranks never disagree on the collective; one that got
+/// none on any rank keeps none (the optimizer skips it, as in the dense model). Sharded
 /// parameters are skipped (their gathers' backward already reduce-scattered them), and so are
 /// frozen ones (requires_grad off). Returns the number of parameters summed.
 std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& comm);
