@@ -198,7 +198,7 @@ TEST_CASE("a checkpointed sharded block as one group: one gather (the recomputat
   }
 }
 
-TEST_CASE("a checkpointed sharded block, per parameter: two gathers and one reduce-scatter per parameter") {
+TEST_CASE("a checkpointed sharded block, per parameter: two gathers and one reduce-scatter a parameter") {
   for (auto strategy : {nn::CheckpointStrategy::retain, nn::CheckpointStrategy::recompute}) {
     std::vector<std::string> calls;
     run_ranks(2, [&](Communicator& comm) {
@@ -212,12 +212,19 @@ TEST_CASE("a checkpointed sharded block, per parameter: two gathers and one redu
     // The forward without a graph, the recomputation (its gathers kept for the backward that
     // follows, whatever the strategy), then the reduce-scatters in reverse order.
     const std::vector<std::string> expected = {
-        "all_gather(f32, 15, \"0.weight\")",  "all_gather(f32, 3, \"0.bias\")",
-        "all_gather(f32, 8, \"2.weight\")",   "all_gather(f32, 2, \"2.bias\")",
-        "all_gather(f32, 15, \"0.weight\")",  "all_gather(f32, 3, \"0.bias\")",
-        "all_gather(f32, 8, \"2.weight\")",   "all_gather(f32, 2, \"2.bias\")",
-        "reduce_scatter(f32, 4, \"2.bias\")", "reduce_scatter(f32, 16, \"2.weight\")",
-        "reduce_scatter(f32, 6, \"0.bias\")", "reduce_scatter(f32, 30, \"0.weight\")"};
+        "all_gather(f32, 15, \"0.weight\")",
+        "all_gather(f32, 3, \"0.bias\")",
+        "all_gather(f32, 8, \"2.weight\")",
+        "all_gather(f32, 2, \"2.bias\")",
+        "all_gather(f32, 15, \"0.weight\")",
+        "all_gather(f32, 3, \"0.bias\")",
+        "all_gather(f32, 8, \"2.weight\")",
+        "all_gather(f32, 2, \"2.bias\")",
+        "reduce_scatter(f32, 4, \"2.bias\")",
+        "reduce_scatter(f32, 16, \"2.weight\")",
+        "reduce_scatter(f32, 6, \"0.bias\")",
+        "reduce_scatter(f32, 30, \"0.weight\")",
+        "all_reduce(f32, 4, sum, \"sharded parameters: which ones the loss reached\")"};
     REQUIRE(calls.size() == expected.size());
     for (std::size_t i = 0; i < calls.size(); ++i) {
       CAPTURE(i);

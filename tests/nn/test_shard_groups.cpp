@@ -496,10 +496,11 @@ TEST_CASE("a parameter no rank's loss reaches gets no gradient and no optimizer 
   // what its loss did not reach: the zeros became a gradient, and the step decayed the weights.
   const Tensor x = randn({12, 5}, 31);
   const nn::AdamWOptions adam{.lr = 1e-2, .weight_decay = 0.1};
-  enum class Layout { grouped, one_group, hybrid, replicated };
+  enum class Layout { grouped, one_group, hybrid, replicated, per_parameter };
   for (const bool any_rank : {false, true}) {        // rank 0's loss takes the spare head, or none does
     for (const bool checkpointed : {false, true}) {  // the spare head through nn::checkpoint
-      for (const Layout layout : {Layout::grouped, Layout::one_group, Layout::hybrid, Layout::replicated}) {
+      for (const Layout layout :
+           {Layout::grouped, Layout::one_group, Layout::hybrid, Layout::replicated, Layout::per_parameter}) {
         CAPTURE(any_rank);
         CAPTURE(checkpointed);
         CAPTURE(static_cast<int>(layout));
@@ -537,12 +538,12 @@ TEST_CASE("a parameter no rank's loss reaches gets no gradient and no optimizer 
                 if (mesh) {
                   nn::fully_shard(module, *mesh);
                 } else {
-                  nn::fully_shard(module, comm);
+                  nn::fully_shard(module, comm, nn::FullyShardOptions{.group = layout != Layout::per_parameter});
                 }
               };
               if (layout == Layout::replicated) {
                 shard(*m.used);  // the trunk and the spare head stay replicated
-              } else if (layout == Layout::one_group) {
+              } else if (layout == Layout::one_group || layout == Layout::per_parameter) {
                 shard(m);
               } else {
                 for (nn::Module* sub : std::vector<nn::Module*>{m.trunk.get(), m.used.get(), m.spare.get()})

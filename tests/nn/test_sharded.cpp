@@ -280,6 +280,8 @@ TEST_CASE("per-parameter path: each parameter gathered and reduce-scattered once
                            "reduce_scatter(f32, 6, \"0.bias\")", "reduce_scatter(f32, 30, \"0.weight\")"}) {
       expected.push_back(rs);
     }
+    // Then, at the backward's end, which of the 4 parameters the loss reached on any rank.
+    expected.push_back("all_reduce(f32, 4, sum, \"sharded parameters: which ones the loss reached\")");
     REQUIRE(calls.size() == expected.size());
     for (std::size_t i = 0; i < calls.size(); ++i) {
       CAPTURE(i);

@@ -181,9 +181,11 @@ class ShardedParameter {
 Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype = std::nullopt);
 
 /// All-gather of 1-D local slices as a node of the autograd graph (backward: reduce-scatter SUM),
-/// always run. Communicator::all_gather is the plain collective, which autograd does not see.
-/// `owner` (what the slice belongs to, e.g. its parameter's shard info): once it is destroyed the
-/// pending node is dropped rather than run in a later, unrelated backward (RecordOptions::owner).
+/// always run: where no rank's loss reached the gathered value, `local` gets a gradient of zeros
+/// (gather_param, which knows the parameter, takes such a gradient back at the backward's end).
+/// Communicator::all_gather is the plain collective, which autograd does not see. `owner` (what the slice belongs to,
+/// e.g. its parameter's shard info): once it is destroyed the pending node is dropped rather than run in a later,
+/// unrelated backward (RecordOptions::owner).
 Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options = {},
                                  std::weak_ptr<const void> owner = {});
 
