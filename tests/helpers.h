@@ -79,6 +79,8 @@ struct TempDir {
     return c;
   }
   std::string str() const { return path.string(); }
+  /// The path of `name` in the directory, as a string (for command lines).
+  std::string operator/(const std::string& name) const { return (path / name).string(); }
 };
 
 /// The names in `dir` that are temporary files of an atomic write (name.tmp-XXXXXX, or the fixed

@@ -40,18 +40,7 @@ Run run(const std::string& command, const std::string& env = "") {
 std::string train(const std::string& args) { return std::string(RUDA_TRAIN_BIN) + " " + args; }
 std::string ckpt(const std::string& args) { return std::string(RUDA_CKPT_BIN) + " " + args; }
 
-struct TempDir {
-  fs::path path = fs::temp_directory_path() / ("ruda-cli-test-" + std::to_string(::getpid()));
-  TempDir() {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ignored;  // never throws: see tests/helpers.h
-    fs::remove_all(path, ignored);
-  }
-  std::string operator/(const std::string& name) const { return (path / name).string(); }
-};
+using ruda::test::TempDir;
 
 // A small, fast training configuration (a tiny hidden layer, a slice of the data).
 const std::string kSmall = "--hidden 32 --limit 640 --test-limit 200 --batch 64 --log-every 0";
