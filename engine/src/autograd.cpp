@@ -160,6 +160,10 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   if (!name) fail<ArgumentError>("record", "the node has no name (nullptr)");
   if (!backward_fn) fail<ArgumentError>("record", name, ": the backward function is empty");
   if (!output.defined()) fail<ArgumentError>("record", name, ": the output tensor is undefined");
+  if (options.collective && !options.always_run) {
+    // Run only where the loss reaches it, its collective would wait for ranks whose loss does not.
+    fail<ArgumentError>("record", name, ": a collective node must be always-run (RecordOptions::always_run)");
+  }
   for (const Tensor& in : inputs) {
     // The node would hang on its own input: a leaf stopped being one, and the node's edge back to
     // it made a cycle that was never freed.

@@ -457,6 +457,16 @@ TEST_CASE("copy_ and add_ refuse, under grad mode, an operand that requires grad
   CHECK_CLOSE(buf, {2, 4}, {2}, 0, 0);
 }
 
+TEST_CASE("record refuses a collective node that is not always-run") {
+  // Run only where the loss reaches it, its collective would wait for ranks whose loss does not.
+  Tensor x = values({1, 2}, {2}).set_requires_grad();
+  Tensor out = x.detach().clone();
+  auto pass = [](const Tensor& g, const autograd::Saved&, autograd::GradMask) { return std::vector<Tensor>{g}; };
+  test::check_throws<ArgumentError>([&] { autograd::record("gather", out, {x}, {}, pass, {.collective = true}); },
+                                    {"record", "gather", "collective", "always-run"});
+  CHECK_FALSE(out.requires_grad());
+}
+
 TEST_CASE("record refuses an output that is one of its inputs") {
   // Accepted, it made a leaf stop being one and a cycle (tensor -> node -> edge -> tensor) that leaked.
   Tensor x = values({1, 2}, {2}).set_requires_grad();

@@ -115,7 +115,8 @@ struct RecordOptions {
   /// For an always-run node whose backward is a collective (a reduce-scatter): its gradients hold
   /// other ranks' too, so they pass on where this rank's loss did not reach the node. Without it,
   /// what an always-run node the loss did not reach hands on (zeros) is dropped: its inputs get no
-  /// gradient from it, as in a graph without the node (see reached()).
+  /// gradient from it, as in a graph without the node (see reached()). Only with always_run (an
+  /// ArgumentError otherwise).
   bool collective = false;
   /// For an always-run node: what it belongs to (a module, a shard group). Once that is destroyed
   /// the node is dropped from its thread's always-run list: a pending node of a model that is gone
