@@ -336,9 +336,8 @@ void write_region(Node& producer, const Node::InputRegion& r, const Tensor& g) {
 }
 
 // A slice node's gradient added into its region of the producer's pending gradient (see
-// Node::input_region), in place when that gradient is ours alone; false where the node's own
-// backward must run instead: its input is a leaf (a parameter sliced directly gets one padded
-// gradient per slice, added into its own gradient buffer in place).
+// Node::input_region), in place when that gradient is ours alone; false where its input is a
+// leaf (add_into_leaf_region).
 bool add_into_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].node) return false;
   Node& producer = *node.next[0].node;
@@ -355,6 +354,29 @@ bool add_into_region(const Node& node, const Tensor& g) {
   } else {
     into.slice(r.axis, r.start, r.start + r.length).add_(g);
   }
+  return true;
+}
+
+// A slice node whose input is a leaf (a parameter sliced directly): its gradient is added into
+// its region of the leaf's gradient, made zeros of the leaf's shape first if it has none, instead
+// of one zero-padded full-size gradient per slice added whole. False where the node's own
+// backward must run instead (a gradient of another shape or dtype, whose error it reports).
+bool add_into_leaf_region(const Node& node, const Tensor& g) {
+  if (!node.input_region || node.next.size() != 1 || !node.next[0].leaf) return false;
+  detail::TensorImpl& leaf = *node.next[0].leaf;
+  const Node::InputRegion& r = *node.input_region;
+  Shape expected = leaf.shape;
+  if (r.axis < 0 || static_cast<std::size_t>(r.axis) >= expected.size()) return false;
+  expected[static_cast<std::size_t>(r.axis)] = r.length;
+  if (g.shape() != expected || g.dtype() != leaf.dtype) return false;
+  if (!leaf.requires_grad) return true;  // frozen after the forward: nothing (accumulate_leaf)
+  const std::lock_guard lock(leaf_lock(leaf));
+  if (!leaf.grad.defined()) {
+    leaf.grad = zeros(leaf.shape, Options(leaf.dtype, leaf.backend));
+  } else if (leaf.grad.shape() != leaf.shape || leaf.grad.dtype() != leaf.dtype) {
+    return false;
+  }
+  leaf.grad.slice(r.axis, r.start, r.start + r.length).add_(g);
   return true;
 }
 
@@ -487,6 +509,10 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     }
     if (passes && add_into_region(*node, g)) {
       node->next[0].node->reached = true;
+      release_unless_retained(node);
+      continue;
+    }
+    if (passes && add_into_leaf_region(*node, g)) {
       release_unless_retained(node);
       continue;
     }

@@ -633,6 +633,48 @@ TEST_CASE("three slices of a projection cost one full-size gradient, not three")
   CHECK_CLOSE(slice(x.grad(), 1, c, 2 * c), wk * 2.0, 1e-6, 1e-6);
 }
 
+TEST_CASE("slices of a leaf add into one gradient of the leaf, not one padded gradient each") {
+  // A parameter sliced directly (a fused [3C, C] projection weight split into q, k and v). The
+  // padded path made a zero-padded full-size gradient per slice and added each whole.
+  const std::int64_t n = 256, c = 128;
+  Tensor w = randn({3 * c, n}, 9).set_requires_grad();
+  const Tensor a = randn({c, n}, 10), b = randn({c, n}, 11), d = randn({2 * c, n}, 12);
+  auto loss_of = [&](const Tensor& t) {  // disjoint, overlapping, and the whole once more
+    return sum(slice(t, 0, 0, c) * a) + sum(slice(t, 0, c, 2 * c) * b) + sum(slice(t, 0, c, 3 * c) * d) + sum(t);
+  };
+  {
+    // q, k and v: the leaf's gradient and one third-size part at a time (the padded path held a
+    // padded full-size gradient beside the leaf's from the second slice on).
+    Tensor qkv = randn({3 * c, n}, 15).set_requires_grad();
+    const Tensor three =
+        sum(slice(qkv, 0, 0, c) * a) + sum(slice(qkv, 0, c, 2 * c) * b) + sum(slice(qkv, 0, 2 * c, 3 * c) * a);
+    const std::int64_t full = 3 * c * n * 4;
+    memory::reset_peak();
+    const std::int64_t before = memory::stats().live_bytes;
+    three.backward();
+    CHECK(memory::stats().peak_bytes - before < 2 * full);
+    CHECK_CLOSE(slice(qkv.grad(), 0, c, 2 * c), b, 1e-6, 1e-6);
+  }
+  loss_of(w).backward();
+  Tensor expected = ones({3 * c, n});
+  expected = slice_assign(expected, 0, 0, c, slice(expected, 0, 0, c) + a);
+  expected = slice_assign(expected, 0, c, 2 * c, slice(expected, 0, c, 2 * c) + b);
+  expected = slice_assign(expected, 0, c, 3 * c, slice(expected, 0, c, 3 * c) + d);
+  CHECK_CLOSE(w.grad(), expected, 1e-6, 1e-6);
+  // A second backward adds to the gradient there is; a leaf frozen since its forward gets nothing.
+  loss_of(w).backward();
+  CHECK_CLOSE(w.grad(), expected * 2.0, 1e-6, 1e-6);
+  Tensor frozen = randn({4, 3}, 13).set_requires_grad();
+  const Tensor later = sum(slice(frozen, 1, 1, 2) * 3.0);
+  frozen.set_requires_grad(false);
+  later.backward();
+  CHECK_FALSE(frozen.grad().defined());
+  // Only the region a lone slice reaches is written; the rest of the gradient is zero.
+  Tensor v = randn({5}, 14).set_requires_grad();
+  sum(slice(v, 0, 1, 3) * 2.0).backward();
+  CHECK(v.grad().to_vector<double>() == std::vector<double>{0, 2, 2, 0, 0});
+}
+
 TEST_CASE("an op of more than 64 inputs, some of which require grad, differentiates (no 64-input cap)") {
   // concat of 70 rows, the 3rd and the 67th requiring grad: the node's mask needs more than 64 bits.
   std::vector<Tensor> rows;
