@@ -35,12 +35,18 @@ thread_local std::vector<std::shared_ptr<Node>> t_always_run;
 thread_local std::size_t t_always_run_prune_at = 64;
 // The node whose backward is running on this thread, for error messages about its saved tensors.
 thread_local const char* t_running_node = nullptr;
-// Whether the loss reached the node whose backward is running (autograd::reached); true outside.
+// Whether the loss reached the node whose backward is running (autograd::reached), and whether it
+// hands its gradients on (reached, or carrying other ranks'); both true outside a backward. A
+// backward nested in the node's (a checkpointed block's recompute) starts from them.
 thread_local bool t_running_reached = true;
+thread_local bool t_running_passes = true;
 // How many backward() calls are running on this thread (a checkpointed block nests one), and what
 // the outermost one runs when it returns.
 thread_local int t_backward_depth = 0;
 thread_local std::uint64_t t_backward_serial = 0;
+// Serials come from one process-wide counter: a backward on one thread is never taken for another
+// thread's (a leaf's loss_gradient_serial, a sink's count), whichever thread ran more of them.
+std::atomic<std::uint64_t> g_next_backward_serial{1};
 thread_local std::vector<std::function<void()>> t_backward_end;
 
 // Removes from an always-run list the nodes a backward has run and freed (on any thread), and
@@ -99,6 +105,10 @@ Node::~Node() {
 
 bool in_backward() noexcept { return t_backward_depth > 0; }
 bool reached() noexcept { return t_running_reached; }
+bool loss_reached(const Tensor& leaf) {
+  detail::require_defined("loss_reached", leaf);
+  return t_backward_depth > 0 && impl_of(leaf)->loss_gradient_serial == t_backward_serial;
+}
 std::uint64_t backward_serial() noexcept { return t_backward_serial; }
 
 void at_backward_end(std::function<void()> callback) {
@@ -252,7 +262,8 @@ void accumulate(Tensor& into, Tensor grad) {
 
 // `by` and `input`: the node whose input the leaf is, named in the error as for a node's input
 // (none for the root itself).
-void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, const Node* by = nullptr, std::size_t input = 0) {
+void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, bool from_loss, const Node* by = nullptr,
+                     std::size_t input = 0) {
   // A leaf frozen (set_requires_grad(false)) after the forward that used it gets nothing, as
   // PyTorch's AccumulateGrad decides at backward time too; the sharded layers' gradient sinks
   // read requires_grad when they reduce, so dense and sharded models agree.
@@ -273,6 +284,7 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, const Node* by = nul
   } else {
     leaf.grad.add_(grad);  // the leaf's gradient buffer is its own: accumulate in place
   }
+  if (from_loss) leaf.loss_gradient_serial = t_backward_serial;
 }
 
 // Zeroes what no slice wrote into a pending gradient that slices built (Node::written), so that
@@ -361,6 +373,16 @@ bool add_into_region(const Node& node, const Tensor& g) {
 // its region of the leaf's gradient, made zeros of the leaf's shape first if it has none, instead
 // of one zero-padded full-size gradient per slice added whole. False where the node's own
 // backward must run instead (a gradient of another shape or dtype, whose error it reports).
+// What a node's gradient tells the node it flows into: the loss reached it, or other ranks'
+// gradients (an unreached collective's, or what such a gradient reached) arrive with it.
+void mark(Node& target, const Node& from) {
+  if (from.reached) {
+    target.reached = true;
+  } else {
+    target.carries = true;
+  }
+}
+
 bool add_into_leaf_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].leaf) return false;
   detail::TensorImpl& leaf = *node.next[0].leaf;
@@ -377,6 +399,7 @@ bool add_into_leaf_region(const Node& node, const Tensor& g) {
     return false;
   }
   leaf.grad.slice(r.axis, r.start, r.start + r.length).add_(g);
+  if (node.reached) leaf.loss_gradient_serial = t_backward_serial;
   return true;
 }
 
@@ -399,7 +422,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
   NoGradGuard no_grad;
   struct Depth {
     Depth() {
-      if (t_backward_depth++ == 0) ++t_backward_serial;
+      if (t_backward_depth++ == 0) t_backward_serial = g_next_backward_serial.fetch_add(1, std::memory_order_relaxed);
     }
     ~Depth() {
       // An outermost backward that throws drops its callbacks: the work they would finish belongs to
@@ -439,18 +462,20 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
         n->pending = Tensor();
         n->written = {};
         n->reached = false;
+        n->carries = false;
       }
     }
   } clear{order};
 
   // A nested backward (a checkpointed block's, run by its node) reaches what that node's own
   // gradient reached: nothing, where the node runs only because it is always-run.
-  const bool root_reached = t_running_reached;
+  const bool root_reached = t_running_reached, root_passes = t_running_passes;
   if (Node* first = impl_of(root)->grad_fn.get()) {
     first->pending = grad;
     first->reached = root_reached;
-  } else if (root.requires_grad() && root_reached) {
-    accumulate_leaf(*impl_of(root), grad);
+    first->carries = root_passes && !root_reached;
+  } else if (root.requires_grad() && root_passes) {
+    accumulate_leaf(*impl_of(root), grad, root_reached);
   }
 
   auto release_unless_retained = [&](Node* node) {
@@ -489,26 +514,28 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     // Restored, not cleared: a node's backward may run a nested backward (activation checkpointing).
     struct RestoreRunning {
       const char* previous = t_running_node;
-      bool previous_reached = t_running_reached;
+      bool previous_reached = t_running_reached, previous_passes = t_running_passes;
       ~RestoreRunning() {
         t_running_node = previous;
         t_running_reached = previous_reached;
+        t_running_passes = previous_passes;
       }
     } restore_running;
     t_running_node = node->name;
     t_running_reached = node->reached;
     // What an always-run node the loss did not reach hands on is zeros: dropped, so that the
     // inputs it alone would reach get no gradient (the dense graph's leaves get none), unless it
-    // is a collective, whose gradients carry other ranks' too.
-    // (An unreached node that is not always-run, the root of such a node's nested backward, has
-    // nothing to run for.)
-    const bool passes = node->reached || node->collective;
+    // is a collective, whose gradients hold other ranks' too, or carries such gradients. (A node
+    // that is not always-run and that nothing reached, the root of such a node's nested backward,
+    // has nothing to run for.)
+    const bool passes = node->reached || node->carries || node->collective;
+    t_running_passes = passes;
     if (!passes && !node->always_run) {
       release_unless_retained(node);
       continue;
     }
     if (passes && add_into_region(*node, g)) {
-      node->next[0].node->reached = true;
+      mark(*node->next[0].node, *node);
       release_unless_retained(node);
       continue;
     }
@@ -533,9 +560,9 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       if (e.node) {
         complete_pending(*e.node);
         accumulate(e.node->pending, std::move(grads[i]));
-        e.node->reached = true;
+        mark(*e.node, *node);
       } else {
-        accumulate_leaf(*e.leaf, std::move(grads[i]), node, i);
+        accumulate_leaf(*e.leaf, std::move(grads[i]), node->reached, node, i);
       }
     }
     release_unless_retained(node);

@@ -71,6 +71,9 @@ struct TensorImpl {
   bool requires_grad = false;
   std::shared_ptr<autograd::Node> grad_fn;
   Tensor grad;
+  // The backward (autograd::backward_serial) that last added to `grad` from a node the loss
+  // reached (autograd::loss_reached).
+  std::uint64_t loss_gradient_serial = 0;
   std::shared_ptr<const std::function<Tensor()>> recompute;
   std::weak_ptr<const void> recompute_owner;  // set_recompute's owner
 
@@ -163,8 +166,10 @@ class Node {
   bool always_run = false;
   bool collective = false;  // RecordOptions::collective
   bool strided_grad = false;
-  // Set while a backward runs: a gradient from the loss reached this node (see autograd::reached).
+  // Set while a backward runs: a gradient from the loss reached this node (see autograd::reached),
+  // or (carries) one an unreached collective handed on, which holds other ranks' gradients.
   bool reached = false;
+  bool carries = false;
   // RecordOptions::owner, and whether one was given (an empty weak_ptr reads as expired too).
   std::weak_ptr<const void> owner;
   bool has_owner = false;

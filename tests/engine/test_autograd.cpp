@@ -6,6 +6,7 @@
 #include <future>
 #include <limits>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "helpers.h"
@@ -147,18 +148,34 @@ TEST_CASE("an always-run node the loss does not reach hands on nothing, unless i
     CHECK_CLOSE(other.grad(), {3}, {1});
     (void)branch;
   }
-  SUBCASE("a collective passes its gradient on, marked reached") {
+  // What loss_reached(w) said at the end of the backward.
+  std::optional<bool> w_loss_reached;
+  auto ask_at_end = [&](const Tensor& w) {
+    Tensor out = w.detach().clone();
+    autograd::record("asks", out, {w}, {},
+                     [&, w](const Tensor&, const autograd::Saved&, autograd::GradMask) {
+                       autograd::at_backward_end([&, w] { w_loss_reached = autograd::loss_reached(w); });
+                       return std::vector<Tensor>{Tensor()};
+                     },
+                     {.always_run = true});
+  };
+  SUBCASE("a collective passes its gradient on: what it reaches runs, though the loss did not reach it") {
     Tensor w = values({1, 2}, {2}).set_requires_grad();
     Tensor other = values({3}, {1}).set_requires_grad();
+    ask_at_end(w);
     const Tensor branch = node("collective", node("between", w), {.always_run = true, .collective = true});
     sum(other * 3.0).backward();
-    CHECK(seen == std::map<std::string, bool>{{"between", true}, {"collective", false}});
+    CHECK(seen == std::map<std::string, bool>{{"between", false}, {"collective", false}});
     CHECK_CLOSE(w.grad(), {0, 0}, {2});  // zeros here; another rank's gradient in a real reduce-scatter
+    CHECK(w_loss_reached == false);      // only what the collective handed on
     (void)branch;
   }
   SUBCASE("reached through the loss: every node says so") {
     Tensor w = values({1, 2}, {2}).set_requires_grad();
+    ask_at_end(w);
     sum(node("always", node("between", w), {.always_run = true})).backward();
+    CHECK(w_loss_reached == true);
+    CHECK_FALSE(autograd::loss_reached(w));  // outside a backward
     CHECK(seen == std::map<std::string, bool>{{"always", true}, {"between", true}});
     CHECK_CLOSE(w.grad(), {4, 4}, {2});
   }

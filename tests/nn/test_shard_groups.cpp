@@ -497,97 +497,108 @@ TEST_CASE("a parameter no rank's loss reaches gets no gradient and no optimizer 
   const Tensor x = randn({12, 5}, 31);
   const nn::AdamWOptions adam{.lr = 1e-2, .weight_decay = 0.1};
   enum class Layout { grouped, one_group, hybrid, replicated, per_parameter };
+  // With `penalty`, an L2 term on the spare head's weight, recorded before the forward: on each
+  // rank's local slice (once, on rank 0, where the weight is replicated), so that the loss does
+  // reach that slice though no head output does. Its gradient must stay beside the zeros.
   for (const bool any_rank : {false, true}) {        // rank 0's loss takes the spare head, or none does
     for (const bool checkpointed : {false, true}) {  // the spare head through nn::checkpoint
-      for (const Layout layout :
-           {Layout::grouped, Layout::one_group, Layout::hybrid, Layout::replicated, Layout::per_parameter}) {
-        CAPTURE(any_rank);
-        CAPTURE(checkpointed);
-        CAPTURE(static_cast<int>(layout));
-        const int world = layout == Layout::hybrid ? 4 : 3;
-        HeadsResult dense;
-        {
-          nn::manual_seed(9);
-          Heads m;
-          nn::AdamW opt(m.parameters(), adam);
-          Tensor total;
-          for (int r = 0; r < world; ++r) {
-            const Tensor l = m.loss(test::part(x, r, world), any_rank && r == 0, checkpointed);
-            total = total.defined() ? total + l : l;
+      for (const bool penalty : {false, true}) {
+        for (const Layout layout :
+             {Layout::grouped, Layout::one_group, Layout::hybrid, Layout::replicated, Layout::per_parameter}) {
+          CAPTURE(any_rank);
+          CAPTURE(checkpointed);
+          CAPTURE(penalty);
+          CAPTURE(static_cast<int>(layout));
+          const int world = layout == Layout::hybrid ? 4 : 3;
+          HeadsResult dense;
+          {
+            nn::manual_seed(9);
+            Heads m;
+            nn::AdamW opt(m.parameters(), adam);
+            Tensor total = penalty ? sum(square(m.spare->weight.data())) * 0.05 : Tensor();
+            for (int r = 0; r < world; ++r) {
+              const Tensor l = m.loss(test::part(x, r, world), any_rank && r == 0, checkpointed);
+              total = total.defined() ? total + l : l;
+            }
+            total.backward();
+            for (const auto& [name, p] : m.named_parameters()) {
+              dense.grads[name] = p.grad().defined() ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
+            }
+            opt.step();
+            dense.after = test::snapshot(m);
           }
-          total.backward();
-          for (const auto& [name, p] : m.named_parameters()) {
-            dense.grads[name] = p.grad().defined() ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
-          }
-          opt.step();
-          dense.after = test::snapshot(m);
-        }
-        REQUIRE(dense.grads.at("spare.weight").has_value() == any_rank);
-        std::vector<HeadsResult> got(static_cast<std::size_t>(world));
-        EmulatedOptions options;
-        options.check_order = true;  // a collective out of step raises instead of hanging
-        if (layout == Layout::hybrid) options.ranks_per_node = 2;
-        run_ranks(
-            world,
-            [&](Communicator& comm) {
-              const std::optional<ShardMesh> mesh =
-                  layout == Layout::hybrid ? std::optional(ShardMesh::by_node(comm)) : std::nullopt;
-              nn::manual_seed(9);
-              Heads m;
-              auto shard = [&](nn::Module& module) {
-                if (mesh) {
-                  nn::fully_shard(module, *mesh);
+          REQUIRE(dense.grads.at("spare.weight").has_value() == (any_rank || penalty));
+          REQUIRE(dense.grads.at("spare.bias").has_value() == any_rank);
+          std::vector<HeadsResult> got(static_cast<std::size_t>(world));
+          EmulatedOptions options;
+          options.check_order = true;  // a collective out of step raises instead of hanging
+          if (layout == Layout::hybrid) options.ranks_per_node = 2;
+          run_ranks(
+              world,
+              [&](Communicator& comm) {
+                const std::optional<ShardMesh> mesh =
+                    layout == Layout::hybrid ? std::optional(ShardMesh::by_node(comm)) : std::nullopt;
+                nn::manual_seed(9);
+                Heads m;
+                auto shard = [&](nn::Module& module) {
+                  if (mesh) {
+                    nn::fully_shard(module, *mesh);
+                  } else {
+                    nn::fully_shard(module, comm, nn::FullyShardOptions{.group = layout != Layout::per_parameter});
+                  }
+                };
+                if (layout == Layout::replicated) {
+                  shard(*m.used);  // the trunk and the spare head stay replicated
+                } else if (layout == Layout::one_group || layout == Layout::per_parameter) {
+                  shard(m);
                 } else {
-                  nn::fully_shard(module, comm, nn::FullyShardOptions{.group = layout != Layout::per_parameter});
+                  for (nn::Module* sub : std::vector<nn::Module*>{m.trunk.get(), m.used.get(), m.spare.get()})
+                    shard(*sub);
+                  shard(m);
                 }
-              };
-              if (layout == Layout::replicated) {
-                shard(*m.used);  // the trunk and the spare head stay replicated
-              } else if (layout == Layout::one_group || layout == Layout::per_parameter) {
-                shard(m);
-              } else {
-                for (nn::Module* sub : std::vector<nn::Module*>{m.trunk.get(), m.used.get(), m.spare.get()})
-                  shard(*sub);
-                shard(m);
-              }
-              nn::AdamW opt(m.parameters(), adam);
-              m.loss(test::part(x, comm.rank(), world), any_rank && comm.rank() == 0, checkpointed).backward();
-              if (layout == Layout::replicated) nn::all_reduce_replicated_gradients(m, comm);
-              HeadsResult& mine = got[static_cast<std::size_t>(comm.rank())];
-              for (const auto& [name, p] : m.named_parameters()) {
-                const bool has = p.grad().defined();
-                if (!p.is_sharded()) {
-                  mine.grads[name] = has ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
-                  continue;
+                nn::AdamW opt(m.parameters(), adam);
+                const bool adds_penalty = penalty && (layout != Layout::replicated || comm.rank() == 0);
+                const Tensor l2 = adds_penalty ? sum(square(m.spare->weight.data())) * 0.05 : Tensor();
+                const Tensor loss =
+                    m.loss(test::part(x, comm.rank(), world), any_rank && comm.rank() == 0, checkpointed);
+                (l2.defined() ? loss + l2 : loss).backward();
+                if (layout == Layout::replicated) nn::all_reduce_replicated_gradients(m, comm);
+                HeadsResult& mine = got[static_cast<std::size_t>(comm.rank())];
+                for (const auto& [name, p] : m.named_parameters()) {
+                  const bool has = p.grad().defined();
+                  if (!p.is_sharded()) {
+                    mine.grads[name] = has ? std::optional(p.grad().to_vector<double>()) : std::nullopt;
+                    continue;
+                  }
+                  // Every rank takes part in each gather (collectives pair up), with zeros for none.
+                  autograd::NoGradGuard guard;
+                  const Tensor g = has ? p.grad() : zeros({p.shard()->shard_size}, Options(p.data().dtype()));
+                  const Tensor whole = p.shard()->comm->all_gather(g).slice(0, 0, p.shard()->numel);
+                  mine.grads[name] = has ? std::optional(whole.to_vector<double>()) : std::nullopt;
                 }
-                // Every rank takes part in each gather (collectives pair up), with zeros for none.
-                autograd::NoGradGuard guard;
-                const Tensor g = has ? p.grad() : zeros({p.shard()->shard_size}, Options(p.data().dtype()));
-                const Tensor whole = p.shard()->comm->all_gather(g).slice(0, 0, p.shard()->numel);
-                mine.grads[name] = has ? std::optional(whole.to_vector<double>()) : std::nullopt;
-              }
-              opt.step();
-              mine.after = test::snapshot(m);
-            },
-            options);
-        for (int r = 0; r < world; ++r) {
-          CAPTURE(r);
-          const HeadsResult& mine = got[static_cast<std::size_t>(r)];
-          REQUIRE(mine.grads.size() == dense.grads.size());
-          for (const auto& [name, want] : dense.grads) {
-            CAPTURE(name);
-            const auto& have = mine.grads.at(name);
-            REQUIRE(have.has_value() == want.has_value());
-            if (!want) continue;
-            REQUIRE(have->size() == want->size());
-            for (std::size_t i = 0; i < want->size(); ++i)
-              CHECK((*have)[i] == doctest::Approx((*want)[i]).epsilon(1e-6));
-          }
-          for (const auto& [name, want] : dense.after) {
-            CAPTURE(name);
-            const std::vector<double>& have = mine.after.at(name);
-            REQUIRE(have.size() == want.size());
-            for (std::size_t i = 0; i < want.size(); ++i) CHECK(have[i] == doctest::Approx(want[i]).epsilon(1e-6));
+                opt.step();
+                mine.after = test::snapshot(m);
+              },
+              options);
+          for (int r = 0; r < world; ++r) {
+            CAPTURE(r);
+            const HeadsResult& mine = got[static_cast<std::size_t>(r)];
+            REQUIRE(mine.grads.size() == dense.grads.size());
+            for (const auto& [name, want] : dense.grads) {
+              CAPTURE(name);
+              const auto& have = mine.grads.at(name);
+              REQUIRE(have.has_value() == want.has_value());
+              if (!want) continue;
+              REQUIRE(have->size() == want->size());
+              for (std::size_t i = 0; i < want->size(); ++i)
+                CHECK((*have)[i] == doctest::Approx((*want)[i]).epsilon(1e-6));
+            }
+            for (const auto& [name, want] : dense.after) {
+              CAPTURE(name);
+              const std::vector<double>& have = mine.after.at(name);
+              REQUIRE(have.size() == want.size());
+              for (std::size_t i = 0; i < want.size(); ++i) CHECK(have[i] == doctest::Approx(want[i]).epsilon(1e-6));
+            }
           }
         }
       }

@@ -157,7 +157,14 @@ bool in_backward() noexcept;
 /// parameter that no rank's loss reached gets no gradient, as in the dense model.
 bool reached() noexcept;
 
-/// How many outermost backward() calls have started on this thread: tells one backward from the next.
+/// Whether the backward running on this thread has added to `leaf`'s gradient from a node the
+/// loss reached (not only what an unreached always-run node handed on: zeros, or other ranks'
+/// gradients through a collective). False outside a backward. What tells a sharded parameter's
+/// gradient of zeros, to be taken back, from one that a loss term on its local slice added to.
+bool loss_reached(const Tensor& leaf);
+
+/// The number of the outermost backward() running (or last run) on this thread: tells one backward
+/// from the next. Numbers are unique in the process (one counter for every thread) and increase.
 std::uint64_t backward_serial() noexcept;
 
 /// Queues `callback` to run when the outermost backward() running on this thread returns, after

@@ -695,8 +695,10 @@ void ShardSchedule::drop_unreached_gradients(const std::vector<std::shared_ptr<G
   for (std::size_t k = 0; k < params.size(); ++k) {
     if (anywhere[k] != 0) continue;
     const Param p = ParamAccess::lock(params[k]);
-    // A gradient from an earlier backward (accumulation) stays: this one added zeros to it.
-    if (!p.defined() || p.shard()->gradient_made_by != now) continue;
+    // A gradient from an earlier backward (accumulation) stays: this one added zeros to it; so does
+    // one that a loss term on the local slice added to (an L2 penalty on the shard) after the
+    // reduction made it.
+    if (!p.defined() || p.shard()->gradient_made_by != now || autograd::loss_reached(p.data())) continue;
     p.data().set_grad(Tensor());
     p.shard()->gradient_partial = false;
   }

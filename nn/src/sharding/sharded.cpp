@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <unordered_map>
 
 #include <ruda/autograd.h>
 #include <ruda/nn/layers.h>
@@ -165,20 +166,23 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
 namespace {
 
 // The per-parameter path's answer to which parameters no rank's loss reached (a shard group's is
-// ShardSchedule::drop_unreached_gradients): each gather node of a parameter registers its slice
-// and whether the loss reached the node, and at the backward's end one all-reduce per
-// communicator sums the flags; a slice that no rank's loss reached loses the gradient of zeros
-// that this backward gave it, as the dense model's parameter has none. A flag column in each
-// reduce-scatter would have copied every full gradient (a weight's size of memory and traffic).
-struct ReachedSlice {
-  Tensor leaf;
+// ShardSchedule::drop_unreached_gradients): each gather node of a parameter registers it and
+// whether the loss reached the node, and at the backward's end one all-reduce per communicator
+// sums the flags; a parameter that no rank's loss reached loses the gradient of zeros this
+// backward gave it (unless a loss term on its local slice added to it), as the dense model's has
+// none. A flag column in each reduce-scatter would have copied every full gradient (a weight's
+// size of memory and traffic). Weak references: a backward that failed leaves its entries
+// (its callback is dropped) without keeping a destroyed model's slices alive.
+struct ReachedParam {
+  std::weak_ptr<Param::State> param;
   bool reached = false;
   bool had_gradient = false;  // before this backward's first gather node of it ran
 };
 struct ReachedFlags {
   Communicator* comm = nullptr;
   std::weak_ptr<const void> alive;
-  std::vector<ReachedSlice> slices;  // in the order the nodes ran: the same on every rank
+  std::vector<ReachedParam> params;  // one per parameter, in the order first gathered: alike on every rank
+  std::unordered_map<const Param::State*, std::size_t> index;
 };
 thread_local std::vector<ReachedFlags> t_reached_flags;
 thread_local std::uint64_t t_reached_serial = 0;
@@ -187,51 +191,46 @@ void settle_reached_flags() {
   autograd::NoGradGuard no_grad;
   std::vector<ReachedFlags> all;
   all.swap(t_reached_flags);
-  for (ReachedFlags& f : all) {
+  for (const ReachedFlags& f : all) {
     if (f.alive.expired()) continue;  // destroyed alike on every rank
-    // One entry per slice (a tied weight's two gathers are one parameter): reached by any of its
-    // nodes, and whether it had a gradient before the first of them.
-    std::vector<ReachedSlice> unique;
-    for (ReachedSlice& s : f.slices) {
-      auto it =
-          std::find_if(unique.begin(), unique.end(), [&](const ReachedSlice& u) { return u.leaf.is_same(s.leaf); });
-      if (it == unique.end()) {
-        unique.push_back(std::move(s));
-      } else {
-        it->reached = it->reached || s.reached;
-      }
-    }
     std::vector<double> flags;
-    for (const ReachedSlice& u : unique) flags.push_back(u.reached ? 1 : 0);
+    for (const ReachedParam& r : f.params) flags.push_back(r.reached ? 1 : 0);
     const std::vector<float> anywhere =
         f.comm
             ->all_reduce(from_values(flags, {static_cast<std::int64_t>(flags.size())}, DType::f32), Reduction::sum,
                          {.tag = "sharded parameters: which ones the loss reached"})
             .to_vector<float>();
-    for (std::size_t k = 0; k < unique.size(); ++k) {
-      if (anywhere[k] == 0 && !unique[k].had_gradient) unique[k].leaf.set_grad(Tensor());
+    for (std::size_t k = 0; k < f.params.size(); ++k) {
+      if (anywhere[k] != 0 || f.params[k].had_gradient) continue;
+      const Param p = ParamAccess::lock(f.params[k].param);
+      if (p.defined() && !autograd::loss_reached(p.data())) p.data().set_grad(Tensor());
     }
   }
 }
 
-// Called by a gather node's backward, before the engine adds its result to `leaf`'s gradient.
-void register_reached(Communicator& comm, const Tensor& leaf) {
+// Called by a gather node's backward, before the engine adds its result to the parameter's gradient.
+void register_reached(Communicator& comm, const std::weak_ptr<Param::State>& param) {
   const std::uint64_t now = autograd::backward_serial();
   if (t_reached_serial != now) {  // the first of this backward (a failed one dropped its callback)
     t_reached_serial = now;
     t_reached_flags.clear();
     autograd::at_backward_end(settle_reached_flags);
   }
-  auto it = std::find_if(t_reached_flags.begin(), t_reached_flags.end(),
-                         [&](const ReachedFlags& f) { return f.comm == &comm; });
-  if (it == t_reached_flags.end()) it = t_reached_flags.insert(it, ReachedFlags{&comm, comm.liveness(), {}});
-  it->slices.push_back({leaf, autograd::reached(), leaf.grad().defined()});
+  const Param p = ParamAccess::lock(param);
+  if (!p.defined()) return;  // destroyed alike on every rank
+  auto f = std::find_if(t_reached_flags.begin(), t_reached_flags.end(),
+                        [&](const ReachedFlags& flags) { return flags.comm == &comm; });
+  if (f == t_reached_flags.end()) f = t_reached_flags.insert(f, ReachedFlags{&comm, comm.liveness(), {}, {}});
+  // A tied weight's gathers are one parameter: reached by any of them; its gradient as before the first.
+  const auto [at, fresh] = f->index.emplace(param.lock().get(), f->params.size());
+  if (fresh) f->params.push_back({param, false, p.data().grad().defined()});
+  if (autograd::reached()) f->params[at->second].reached = true;
 }
 
-// differentiable_all_gather, and with `leaf` (the parameter slice that `local` was cast from, or
-// `local` itself) the reached flags above.
+// differentiable_all_gather, and with `param` (whose slice `local` is, or was cast from) the
+// reached flags above.
 Tensor gather_node(const Tensor& local, Communicator& comm, const CollectiveOptions& options,
-                   std::weak_ptr<const void> owner, const Tensor* leaf) {
+                   std::weak_ptr<const void> owner, std::weak_ptr<Param::State> param) {
   Tensor full = comm.all_gather(local, options);
   if (autograd::needs_grad(local)) {
     Communicator* c = &comm;
@@ -239,13 +238,12 @@ Tensor gather_node(const Tensor& local, Communicator& comm, const CollectiveOpti
     // its loss did not reach the gathered value, so no rank waits for a collective another skips.
     // A collective: its slice holds the other ranks' gradients, so it passes on even where this
     // rank's loss did not reach the node.
-    autograd::record(
-        "all_gather", full, {local}, {},
-        [c, options, slice = leaf ? *leaf : Tensor()](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-          if (slice.defined()) register_reached(*c, slice);
-          return std::vector<Tensor>{c->reduce_scatter(g, options)};
-        },
-        {.always_run = true, .collective = true, .owner = std::move(owner)});
+    autograd::record("all_gather", full, {local}, {},
+                     [c, options, param](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                       if (!param.expired()) register_reached(*c, param);
+                       return std::vector<Tensor>{c->reduce_scatter(g, options)};
+                     },
+                     {.always_run = true, .collective = true, .owner = std::move(owner)});
   }
   return full;
 }
@@ -254,7 +252,7 @@ Tensor gather_node(const Tensor& local, Communicator& comm, const CollectiveOpti
 
 Tensor differentiable_all_gather(const Tensor& local, Communicator& comm, const CollectiveOptions& options,
                                  std::weak_ptr<const void> owner) {
-  return gather_node(local, comm, options, std::move(owner), nullptr);
+  return gather_node(local, comm, options, std::move(owner), {});
 }
 
 // A compute dtype from outside (a policy, a gather's own): a float, or the weights would be truncated.
@@ -282,8 +280,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   // The parameter's shard info owns the nodes below: a model destroyed with some pending (a
   // forward that no backward followed) leaves none to run in a later, unrelated backward.
   const std::weak_ptr<const void> owner = param.shard();
-  Tensor value =
-      reshape(slice(gather_node(source, comm, options, owner, &local), 0, 0, info.numel), info.logical_shape);
+  Tensor value = reshape(slice(gather_node(source, comm, options, owner, ParamAccess::weak(param)), 0, 0, info.numel),
+                         info.logical_shape);
   if (info.policy.strategy == CheckpointStrategy::recompute && !RetainGathered::active() &&
       autograd::is_grad_enabled() && local.requires_grad()) {
     // Ops that save this value keep this recipe instead, and gather again in their backward.
