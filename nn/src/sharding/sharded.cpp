@@ -578,11 +578,12 @@ std::size_t all_reduce_replicated_gradients(const Module& module, Communicator& 
       flat.push_back(g.defined() ? g.reshape({-1}) : zeros({p.data().numel()}, Options(dtype, &p.data().backend())));
       has.push_back(g.defined() ? 1 : 0);
     }
-    const auto count = static_cast<std::int64_t>(params.size());
-    flat.push_back(from_values(has, {count}, Options(dtype, &params.front().second.data().backend())));
+    const auto flag_count = static_cast<std::int64_t>(params.size());
+    flat.push_back(from_values(has, {flag_count}, Options(dtype, &params.front().second.data().backend())));
     const Tensor summed = comm.all_reduce(concat(flat, 0), Reduction::sum,
                                           {.tag = "replicated gradients (" + params.front().first + ", ...)"});
-    const std::vector<double> anywhere = summed.slice(0, summed.numel() - count, summed.numel()).to_vector<double>();
+    const std::vector<double> anywhere =
+        summed.slice(0, summed.numel() - flag_count, summed.numel()).to_vector<double>();
     std::int64_t offset = 0;
     for (std::size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i].second;
