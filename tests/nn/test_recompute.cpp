@@ -258,3 +258,66 @@ TEST_CASE("checkpointing lowers the GPT's activation peak by about all but one b
   CHECK(block > 0);
   CHECK(plain - checkpointed >= (config.layers - 1) * block * 3 / 4);
 }
+
+namespace {
+// A block that returns a tensor existing beside the call: x itself, its parameter, a stored
+// buffer, or an integer tensor, by `kind`.
+struct Returns : nn::UnaryModule {
+  enum Kind { input, parameter, buffer, integer } kind;
+  nn::Param weight{randn({3, 4}, 40)};
+  Tensor table = randn({3, 4}, 41);
+  explicit Returns(Kind k) : kind(k) { register_parameter("weight", &weight); }
+  Tensor forward(const Tensor& x) override {
+    switch (kind) {
+      case input:
+        return x;
+      case parameter:
+        return weight.value();
+      case buffer:
+        return table.slice(0, 0, x.shape()[0]);
+      case integer:
+        return argmax(x, 1);
+    }
+    return x;
+  }
+};
+}  // namespace
+
+TEST_CASE("checkpoint of a block that returns x, a parameter, a buffer or integers: the plain block's gradients") {
+  // checkpoint recorded its node on the block's result itself: the parameter stopped being a
+  // leaf, the buffer's node recomputed the buffer again and backward recursed until the stack
+  // overflowed, and x (an identity block) was refused as "one of the inputs".
+  for (const auto kind : {Returns::input, Returns::parameter, Returns::buffer, Returns::integer}) {
+    CAPTURE(static_cast<int>(kind));
+    Returns plain(kind), checkpointed(kind);
+    const Tensor x0 = randn({3, 4}, 42);
+    const Tensor xa = x0.clone().set_requires_grad(), xb = x0.clone().set_requires_grad();
+    const Tensor ya = plain.forward(xa), yb = nn::checkpoint(checkpointed, xb);
+    CHECK(yb.to_vector<double>() == ya.to_vector<double>());
+    CHECK(checkpointed.weight.data().is_leaf());
+    CHECK(checkpointed.table.grad_fn() == nullptr);
+    if (kind == Returns::integer) {
+      CHECK_FALSE(yb.requires_grad());
+      continue;
+    }
+    // A loss that always reaches x: the block's own contribution where it has one.
+    sum(ya * xa).backward();
+    sum(yb * xb).backward();
+    CHECK(xb.grad().to_vector<double>() == xa.grad().to_vector<double>());
+    CHECK(checkpointed.weight.grad().defined() == plain.weight.grad().defined());
+    if (plain.weight.grad().defined()) {
+      CHECK(checkpointed.weight.grad().to_vector<double>() == plain.weight.grad().to_vector<double>());
+    }
+  }
+}
+
+TEST_CASE("a checkpointed block destroyed before the backward that recomputes it is an AutogradError") {
+  // Its node returned no gradient: the layers before it silently got none.
+  nn::Linear first(4, 4);
+  Tensor y;
+  {
+    auto block = std::make_shared<nn::Linear>(4, 4);
+    y = nn::checkpoint(*block, first.forward(randn({2, 4}, 43)));
+  }
+  test::check_throws<AutogradError>([&] { sum(y).backward(); }, {"checkpoint", "destroyed", "keep the block alive"});
+}

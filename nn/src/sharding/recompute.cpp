@@ -47,7 +47,15 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
     }
   }
   const std::vector<std::uint64_t> draws_before = dropout_offsets(block);
-  Tensor output = autograd::no_grad([&] { return block.forward(x); });
+  const Tensor result = autograd::no_grad([&] { return block.forward(x); });
+  if (!result.defined()) fail<ArgumentError>("checkpoint", "the block returned an undefined tensor");
+  // An integer result carries no gradient (argmax): nothing to recompute for.
+  if (!is_floating(result.dtype())) return result;
+  // The node goes on a handle of its own: the block may return a tensor that exists beside this
+  // call (x itself from an identity block, a parameter, a stored buffer), whose own graph or
+  // leafhood a node recorded on it would overwrite (a parameter that stopped being a leaf; a
+  // buffer whose node's recompute returned the buffer again, recursing without end).
+  Tensor output = result.detach();
   // A sharded block's recompute gathers its weights: its node must run in every rank's backward,
   // reached by the loss or not, so that the ranks' collectives pair up (always-run). A block
   // without sharded parameters needs no such guarantee, and its node is an ordinary one: freed
@@ -60,9 +68,13 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   autograd::record("checkpoint", output, {x, anchor}, {x},
                    [target, alive = block.lifetime(), draws_before](const Tensor& grad, const autograd::Saved& saved,
                                                                     autograd::GradMask needs) {
-                     // A sharded block destroyed before a backward reached its pending node: nothing left to
-                     // recompute (every rank destroys its model alike).
-                     if (alive.expired()) return std::vector<Tensor>{Tensor(), Tensor()};
+                     if (alive.expired()) {
+                       // A sharded block destroyed before a backward ran its pending node: nothing left to
+                       // recompute (every rank destroys its model alike), and no loss needs it.
+                       if (!autograd::reached()) return std::vector<Tensor>{Tensor(), Tensor()};
+                       fail<AutogradError>("backward", "checkpoint: the checkpointed block was destroyed before the ",
+                                           "backward that recomputes it; keep the block alive until then");
+                     }
                      Tensor input = saved[0].get().detach();
                      if (needs[0]) input.set_requires_grad(true);
                      Tensor recomputed;
@@ -77,6 +89,9 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
                        recomputed = target->forward(input);
                        set_dropout_offsets(*target, draws_now);
                      }
+                     // A result that depends on nothing needing a gradient (a stored buffer, a forward under
+                     // no_grad) passes none, as the plain block's would.
+                     if (!recomputed.requires_grad()) return std::vector<Tensor>{Tensor(), Tensor()};
                      autograd::backward(recomputed, grad);
                      return std::vector<Tensor>{needs[0] ? input.grad() : Tensor(), Tensor()};
                    },
