@@ -1,5 +1,7 @@
 // Fully sharded training equals dense training, on emulated ranks (world sizes 1 to 5), and the
 // sharding contract: validation, padding, tied weights, unused parameters, policies, clipping.
+#include <cmath>
+#include <limits>
 #include <mutex>
 
 #include "helpers.h"
@@ -652,5 +654,73 @@ TEST_CASE("from_local and gather validate their input with typed errors") {
     } catch (const nn::ShardingError& e) {
       if (std::string(e.what()).find("of 3") == std::string::npos) throw;
     }
+  });
+}
+
+TEST_CASE("per parameter, bottom-up: the root takes what is left, as with groups; mixing the two is refused") {
+  // fully_shard(child, {.group = false}) then the root's call refused "sharded already".
+  auto gradients = [](bool bottom_up) {
+    std::vector<std::map<std::string, std::vector<double>>> out(2);
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(4);
+      auto l1 = std::make_shared<nn::Linear>(4, 5), l2 = std::make_shared<nn::Linear>(5, 3);
+      nn::Sequential m({l1, std::make_shared<nn::Tanh>(), l2});
+      const nn::FullyShardOptions per_parameter{.group = false};
+      if (bottom_up) {
+        CHECK(nn::fully_shard(*l1, comm, per_parameter) == 2);
+        CHECK(nn::fully_shard(*l2, comm, per_parameter) == 2);
+      }
+      CHECK(nn::fully_shard(m, comm, per_parameter) == (bottom_up ? 0 : 4));
+      sum(square(m.forward(randn({4, 4}, 5 + comm.rank())))).backward();
+      for (const auto& [name, p] : m.named_parameters()) {
+        CHECK(p.shard()->name == name);  // renamed relative to the root
+        out[static_cast<std::size_t>(comm.rank())][name] = p.grad().to_vector<double>();
+      }
+    });
+    return out;
+  };
+  CHECK(gradients(true) == gradients(false));
+  run_ranks(2, [&](Communicator& comm) {
+    nn::Sequential grouped_first({std::make_shared<nn::Linear>(3, 3)});
+    nn::fully_shard(*grouped_first[0], comm);
+    test::check_throws<nn::ShardingError>(
+        [&] { nn::fully_shard(grouped_first, comm, nn::FullyShardOptions{.group = false}); },
+        {"fully_shard", "0.weight", "in a group already", "all in groups or all per parameter"});
+    nn::Sequential per_parameter_first({std::make_shared<nn::Linear>(3, 3)});
+    nn::fully_shard(*per_parameter_first[0], comm, nn::FullyShardOptions{.group = false});
+    test::check_throws<nn::ShardingError>([&] { nn::fully_shard(per_parameter_first, comm); },
+                                          {"fully_shard", "0.weight", "per parameter already"});
+  });
+}
+
+TEST_CASE("global_count refuses a negative or non-finite local count on every rank") {
+  // -1 on one rank and 1 on the other summed to 0: every loss divided by zero, silently.
+  for (const double bad : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+    CAPTURE(bad);
+    std::vector<std::string> errors(2);
+    run_ranks(2, [&](Communicator& comm) {
+      try {
+        (void)nn::global_count(comm, comm.rank() == 0 ? bad : 1.0);
+      } catch (const ArgumentError& e) {
+        errors[static_cast<std::size_t>(comm.rank())] = e.what();
+      }
+    });
+    for (const std::string& e : errors) {
+      CHECK(e.find("global_count") != std::string::npos);
+      CHECK(e.find("1 rank(s) passed a local count that is negative or not finite") != std::string::npos);
+    }
+  }
+  run_ranks(2, [&](Communicator& comm) { CHECK(nn::global_count(comm, 2.5 + comm.rank()) == 6.0); });
+}
+
+TEST_CASE("fully_shard names a parameter it cannot shard (no elements)") {
+  struct Empty : nn::Module {
+    nn::Param none{zeros({0, 3})};
+    Empty() { register_parameter("none", &none); }
+  };
+  run_ranks(2, [&](Communicator& comm) {
+    Empty m;
+    test::check_throws<nn::ShardingError>([&] { nn::fully_shard(m, comm); },
+                                          {"fully_shard", "parameter 'none'", "positive", "[0, 3]"});
   });
 }

@@ -1,3 +1,4 @@
+#include <cmath>
 #include <limits>
 
 #include <ruda/autograd.h>
@@ -227,7 +228,18 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
 
 double global_count(Communicator& comm, double local) {
   autograd::NoGradGuard guard;
-  return comm.all_reduce(scalar(local, DType::f64), Reduction::sum, {.tag = "global_count"}).item();
+  // A count below zero or not finite would divide every rank's loss by a wrong total (-1 on one
+  // rank and 1 on another: by 0). Its flag travels with the counts, so every rank raises alike
+  // instead of the others waiting in the collective for the one that raised.
+  const bool bad = !std::isfinite(local) || local < 0;
+  const std::vector<double> both = comm.all_reduce(from_values({bad ? 0.0 : local, bad ? 1.0 : 0.0}, {2}, DType::f64),
+                                                   Reduction::sum, {.tag = "global_count"})
+                                       .to_vector<double>();
+  if (both[1] > 0) {
+    fail<ArgumentError>("global_count", "rank ", comm.rank(), ": ", static_cast<std::int64_t>(both[1]),
+                        " rank(s) passed a local count that is negative or not finite (this rank: ", local, ")");
+  }
+  return both[0];
 }
 
 std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index) {

@@ -67,13 +67,14 @@ void check_topology(const char* op, int rank, int world_size) {
   if (rank < 0 || rank >= world_size) fail<ShardingError>(op, "rank ", rank, " is outside world size ", world_size);
 }
 
-std::int64_t checked_numel(const char* op, const Shape& shape) {
-  if (shape.empty()) fail<ShardingError>(op, "logical shape must have at least one dimension, got []");
+std::int64_t checked_numel(const char* op, const Shape& shape, const std::string& name = {}) {
+  const std::string of = name.empty() ? std::string() : "parameter '" + name + "': ";
+  if (shape.empty()) fail<ShardingError>(op, of, "logical shape must have at least one dimension, got []");
   std::int64_t n = 1;
   for (std::int64_t d : shape) {
-    if (d <= 0) fail<ShardingError>(op, "every logical extent must be positive, got ", shape);
+    if (d <= 0) fail<ShardingError>(op, of, "every logical extent must be positive, got ", shape);
     if (n > std::numeric_limits<std::int64_t>::max() / d)
-      fail<ShardingError>(op, "logical shape ", shape, " overflows");
+      fail<ShardingError>(op, of, "logical shape ", shape, " overflows");
     n *= d;
   }
   return n;
@@ -150,7 +151,7 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
       return ShardedParameter(Param(existing));  // a tied weight again: the same shard
   }
   check_param_dtype(op, full);
-  checked_numel(op, full.shape());
+  checked_numel(op, full.shape(), name);
   auto info = make_info(full.shape(), rank, world_size);
   // The slice is a new leaf with the same id; requires_grad as the source (a Param always has it).
   Param local(local_slice(full, *info), full.id());
@@ -370,7 +371,22 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
   for (auto& [name, param] : module.named_parameters()) {
     if (param.is_sharded()) {
       const auto& held = param.shard()->group;
-      if (!options.group || !held) fail<ShardingError>(op, "parameter '", name, "' is sharded already");
+      if (!options.group) {
+        // Per parameter, bottom-up as with groups: what an earlier call on a submodule sharded
+        // stays as it is, renamed relative to this module.
+        if (held) {
+          fail<ShardingError>(op, "parameter '", name, "' is sharded in a group already; shard a model's modules ",
+                              "all in groups or all per parameter");
+        }
+        if (param.shard()->comm != &comm)
+          fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
+        param.shard()->name = name;
+        continue;
+      }
+      if (!held) {
+        fail<ShardingError>(op, "parameter '", name, "' is sharded per parameter already; shard a model's modules ",
+                            "all in groups or all per parameter");
+      }
       if (held->comm() != &comm)
         fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
       if (held->replicate() != options.replicate) {
@@ -383,7 +399,7 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
       continue;
     }
     check_param_dtype(op, param);
-    checked_numel(op, param.shape());
+    checked_numel(op, param.shape(), name);
     auto info = make_info(param.shape(), comm.rank(), comm.world_size());
     info->policy = options.policy;
     info->comm = &comm;

@@ -44,7 +44,8 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const CrossEntro
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
                                         LossReduction reduction = LossReduction::mean, const Tensor& pos_weight = {});
 
-/// The number of samples/tokens in the whole step: `local` summed over the ranks of `comm`.
+/// The number of samples/tokens in the whole step: `local` summed over the ranks of `comm`
+/// (collective). A local count that is negative or not finite is an ArgumentError on every rank.
 double global_count(Communicator& comm, double local);
 /// How many targets of `targets` count in a cross-entropy (those not equal to ignore_index).
 std::int64_t counted_targets(const Tensor& targets, std::int64_t ignore_index = -100);
