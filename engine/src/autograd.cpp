@@ -369,10 +369,6 @@ bool add_into_region(const Node& node, const Tensor& g) {
   return true;
 }
 
-// A slice node whose input is a leaf (a parameter sliced directly): its gradient is added into
-// its region of the leaf's gradient, made zeros of the leaf's shape first if it has none, instead
-// of one zero-padded full-size gradient per slice added whole. False where the node's own
-// backward must run instead (a gradient of another shape or dtype, whose error it reports).
 // What a node's gradient tells the node it flows into: the loss reached it, or other ranks'
 // gradients (an unreached collective's, or what such a gradient reached) arrive with it.
 void mark(Node& target, const Node& from) {
@@ -383,6 +379,10 @@ void mark(Node& target, const Node& from) {
   }
 }
 
+// A slice node whose input is a leaf (a parameter sliced directly): its gradient is added into
+// its region of the leaf's gradient, made zeros of the leaf's shape first if it has none, instead
+// of one zero-padded full-size gradient per slice added whole. False where the node's own
+// backward must run instead (a gradient of another shape or dtype, whose error it reports).
 bool add_into_leaf_region(const Node& node, const Tensor& g) {
   if (!node.input_region || node.next.size() != 1 || !node.next[0].leaf) return false;
   detail::TensorImpl& leaf = *node.next[0].leaf;

@@ -657,51 +657,49 @@ void ShardSchedule::end_backward() {
   if (!report_.decided && probing == 0) time_step();
 }
 
+void take_back_unreached(const std::vector<ReachCandidate>& candidates, Communicator& comm, Communicator* replicate,
+                         const std::string& tag) {
+  if (candidates.empty()) return;
+  std::vector<double> flags;
+  for (const ReachCandidate& c : candidates) flags.push_back(c.reached ? 1 : 0);
+  Tensor reached = comm.all_reduce(from_values(flags, {static_cast<std::int64_t>(flags.size())}, DType::f32),
+                                   Reduction::sum, {.tag = tag});
+  if (replicate) reached = replicate->all_reduce(reached, Reduction::sum, {.tag = tag + " across nodes"});
+  const std::vector<float> anywhere = reached.to_vector<float>();
+  for (std::size_t k = 0; k < candidates.size(); ++k) {
+    // A gradient from an earlier backward (accumulation) stays: this one added zeros to it.
+    if (anywhere[k] != 0 || !candidates[k].made_now) continue;
+    const Param p = ParamAccess::lock(candidates[k].param);
+    if (!p.defined() || autograd::loss_reached(p.data())) continue;
+    p.data().set_grad(Tensor());
+    p.shard()->gradient_partial = false;
+  }
+}
+
 void ShardSchedule::drop_unreached_gradients(const std::vector<std::shared_ptr<GradientSink>>& sinks) {
-  // Every rank reduce-scatters every bucket (zeros for what its loss did not reach), so each
-  // parameter got a gradient; one that no rank's loss reached must have none, as in the dense
-  // model, where the optimizer then skips it (no weight decay, no momentum step, its own step
-  // count). The flags of one backward in one collective, not a column more in each bucket's
+  // The flags of one backward in one collective, not a column more in each bucket's
   // reduce-scatter: a large parameter's bucket is reduced straight from its gradient, which an
   // extra column would copy. Per parameter, not per sink: a checkpointed block's recompute
   // deposits into a sink of its own beside the forward's. The same sinks and members in the same
-  // order on every rank (touched()), so the same flags.
-  std::vector<std::weak_ptr<Param::State>> params;
-  std::vector<double> flags;
+  // order on every rank (touched()), so the same candidates.
+  std::vector<ReachCandidate> candidates;
   std::map<const Param::State*, std::size_t> index;
+  const std::uint64_t now = autograd::backward_serial();
   for (const auto& sink : sinks) {
     for (std::size_t i = 0; i < sink->params.size(); ++i) {
       const auto state = sink->params[i].lock();
       if (!state) continue;  // destroyed alike on every rank
-      const auto [at, fresh] = index.emplace(state.get(), params.size());
+      const auto [at, fresh] = index.emplace(state.get(), candidates.size());
       if (fresh) {
-        params.push_back(sink->params[i]);
-        flags.push_back(0);
+        const Param p = ParamAccess::lock(sink->params[i]);
+        candidates.push_back({sink->params[i], false, p.shard()->gradient_made_by == now});
       }
-      if (sink->reached[i]) flags[at->second] = 1;
+      if (sink->reached[i]) candidates[at->second].reached = true;
     }
   }
-  if (flags.empty()) return;
-  const char* tag = "shard groups: which parameters the loss reached";
-  Tensor reached = comm_.get("backward", "the reached flags")
-                       .all_reduce(from_values(flags, {static_cast<std::int64_t>(flags.size())}, DType::f32),
-                                   Reduction::sum, {.tag = tag});
-  if (replicate_) {
-    reached = replicate_.get("backward", "the reached flags")
-                  .all_reduce(reached, Reduction::sum, {.tag = std::string(tag) + " across nodes"});
-  }
-  const std::vector<float> anywhere = reached.to_vector<float>();
-  const std::uint64_t now = autograd::backward_serial();
-  for (std::size_t k = 0; k < params.size(); ++k) {
-    if (anywhere[k] != 0) continue;
-    const Param p = ParamAccess::lock(params[k]);
-    // A gradient from an earlier backward (accumulation) stays: this one added zeros to it; so does
-    // one that a loss term on the local slice added to (an L2 penalty on the shard) after the
-    // reduction made it.
-    if (!p.defined() || p.shard()->gradient_made_by != now || autograd::loss_reached(p.data())) continue;
-    p.data().set_grad(Tensor());
-    p.shard()->gradient_partial = false;
-  }
+  take_back_unreached(candidates, comm_.get("backward", "the reached flags"),
+                      replicate_ ? &replicate_.get("backward", "the reached flags") : nullptr,
+                      "shard groups: which parameters the loss reached");
 }
 
 thread_local int ShardSchedule::probing = 0;

@@ -99,6 +99,25 @@ class CommRef {
   std::weak_ptr<const void> alive_;
 };
 
+/// A parameter that no rank's loss may have reached in a backward (a shard group's member, a
+/// parameter gathered on the per-parameter path): whether this rank's loss reached it, and whether
+/// this backward gave it the gradient it has (it had none before).
+struct ReachCandidate {
+  std::weak_ptr<Param::State> param;
+  bool reached = false;
+  bool made_now = false;
+};
+
+/// The end of a backward: sums the candidates' reached flags over `comm`, then `replicate` (hybrid
+/// sharding; may be null), one small all-reduce each, tagged `tag`; every rank passes the same
+/// candidates in the same order. Every rank reduce-scatters every gradient (zeros for what its
+/// loss did not reach), so a parameter no rank's loss reached got a gradient of zeros: where this
+/// backward made it, it is taken back, unless a loss term on the local slice added to it
+/// (autograd::loss_reached), so that the optimizer skips the parameter as it skips the dense
+/// model's (no weight decay, no momentum step, its own step count).
+void take_back_unreached(const std::vector<ReachCandidate>& candidates, Communicator& comm, Communicator* replicate,
+                         const std::string& tag);
+
 /// Where the gradient nodes of one unshard deposit: each use of a full value in a pass records a
 /// node (so that separate graphs free theirs separately); the nodes of a bucket sum into one
 /// gradient per parameter, and when the last has run, the bucket's gradients go into one buffer

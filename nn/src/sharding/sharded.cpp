@@ -167,22 +167,15 @@ ShardedParameter ShardedParameter::from_full(const Param& full, int rank, int wo
 namespace {
 
 // The per-parameter path's answer to which parameters no rank's loss reached (a shard group's is
-// ShardSchedule::drop_unreached_gradients): each gather node of a parameter registers it and
-// whether the loss reached the node, and at the backward's end one all-reduce per communicator
-// sums the flags; a parameter that no rank's loss reached loses the gradient of zeros this
-// backward gave it (unless a loss term on its local slice added to it), as the dense model's has
-// none. A flag column in each reduce-scatter would have copied every full gradient (a weight's
-// size of memory and traffic). Weak references: a backward that failed leaves its entries
-// (its callback is dropped) without keeping a destroyed model's slices alive.
-struct ReachedParam {
-  std::weak_ptr<Param::State> param;
-  bool reached = false;
-  bool had_gradient = false;  // before this backward's first gather node of it ran
-};
+// ShardSchedule::drop_unreached_gradients): each gather node of a parameter registers it, and at
+// the backward's end take_back_unreached runs once per communicator. A flag column in each
+// reduce-scatter would have copied every full gradient (a weight's size of memory and traffic).
+// Weak references: a backward that failed leaves its entries (its callback is dropped) without
+// keeping a destroyed model's slices alive.
 struct ReachedFlags {
   Communicator* comm = nullptr;
   std::weak_ptr<const void> alive;
-  std::vector<ReachedParam> params;  // one per parameter, in the order first gathered: alike on every rank
+  std::vector<ReachCandidate> params;  // one per parameter, in the order first gathered: alike on every rank
   std::unordered_map<const Param::State*, std::size_t> index;
 };
 thread_local std::vector<ReachedFlags> t_reached_flags;
@@ -194,18 +187,7 @@ void settle_reached_flags() {
   all.swap(t_reached_flags);
   for (const ReachedFlags& f : all) {
     if (f.alive.expired()) continue;  // destroyed alike on every rank
-    std::vector<double> flags;
-    for (const ReachedParam& r : f.params) flags.push_back(r.reached ? 1 : 0);
-    const std::vector<float> anywhere =
-        f.comm
-            ->all_reduce(from_values(flags, {static_cast<std::int64_t>(flags.size())}, DType::f32), Reduction::sum,
-                         {.tag = "sharded parameters: which ones the loss reached"})
-            .to_vector<float>();
-    for (std::size_t k = 0; k < f.params.size(); ++k) {
-      if (anywhere[k] != 0 || f.params[k].had_gradient) continue;
-      const Param p = ParamAccess::lock(f.params[k].param);
-      if (p.defined() && !autograd::loss_reached(p.data())) p.data().set_grad(Tensor());
-    }
+    take_back_unreached(f.params, *f.comm, nullptr, "sharded parameters: which ones the loss reached");
   }
 }
 
@@ -217,14 +199,15 @@ void register_reached(Communicator& comm, const std::weak_ptr<Param::State>& par
     t_reached_flags.clear();
     autograd::at_backward_end(settle_reached_flags);
   }
-  const Param p = ParamAccess::lock(param);
-  if (!p.defined()) return;  // destroyed alike on every rank
+  const std::shared_ptr<Param::State> state = param.lock();
+  if (!state) return;  // destroyed alike on every rank
   auto f = std::find_if(t_reached_flags.begin(), t_reached_flags.end(),
                         [&](const ReachedFlags& flags) { return flags.comm == &comm; });
   if (f == t_reached_flags.end()) f = t_reached_flags.insert(f, ReachedFlags{&comm, comm.liveness(), {}, {}});
-  // A tied weight's gathers are one parameter: reached by any of them; its gradient as before the first.
-  const auto [at, fresh] = f->index.emplace(param.lock().get(), f->params.size());
-  if (fresh) f->params.push_back({param, false, p.data().grad().defined()});
+  // A tied weight's gathers are one parameter: reached by any of them; made by this backward when
+  // it had no gradient before the first of them.
+  const auto [at, fresh] = f->index.emplace(state.get(), f->params.size());
+  if (fresh) f->params.push_back({param, false, !ParamAccess::lock(param).data().grad().defined()});
   if (autograd::reached()) f->params[at->second].reached = true;
 }
 
