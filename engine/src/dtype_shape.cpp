@@ -35,7 +35,13 @@ DType parse_dtype(std::string_view name) {
   fail<ArgumentError>("parse_dtype", "unknown dtype '", name, "' (expected f32, f64, f16, bf16, i64 or bool)");
 }
 
+namespace {
+// The public helpers take the caller's op name as a C string: a null one reads as "shape".
+const char* op_or_shape(const char* op) noexcept { return op ? op : "shape"; }
+}  // namespace
+
 std::int64_t shape_numel(const Shape& shape, const char* op) {
+  op = op_or_shape(op);
   // `span`, the product of the extents with 0 counted as 1, is what contiguous strides and
   // flattened extents multiply to even when the shape holds no element: it must fit too.
   std::int64_t n = 1, span = 1;
@@ -52,6 +58,11 @@ std::int64_t shape_numel(const Shape& shape, const char* op) {
 std::string to_string(const Shape& shape) { return detail::concat(shape); }
 
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  op = op_or_shape(op);
+  for (const Shape* s : {&a, &b}) {
+    if (std::any_of(s->begin(), s->end(), [](std::int64_t d) { return d < 0; }))
+      fail<ShapeError>(op, "negative extent in shape ", *s, " (broadcasting ", a, " and ", b, ")");
+  }
   const std::size_t n = std::max(a.size(), b.size());
   Shape out(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -64,6 +75,9 @@ Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
 }
 
 int normalize_axis(std::int64_t axis, std::int64_t ndim, const char* op) {
+  op = op_or_shape(op);
+  if (ndim < 0 || ndim > kMaxDims)
+    fail<ShapeError>(op, "a tensor of ", ndim, " dimensions (at most ", kMaxDims, ") has no axis ", axis);
   if (axis < -ndim || axis >= ndim) {
     fail<IndexError>(op, "axis ", axis, " is out of range for a tensor with ", ndim,
                      ndim == 1 ? " dimension" : " dimensions");

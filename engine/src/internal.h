@@ -74,6 +74,8 @@ struct TensorImpl {
   // The backward (autograd::backward_serial) that last added to `grad` from a node the loss
   // reached (autograd::loss_reached).
   std::uint64_t loss_gradient_serial = 0;
+  // Why a backward must not add to this leaf's gradient (autograd::retire_leaf); null while it may.
+  std::shared_ptr<const std::string> retired;
   std::shared_ptr<const std::function<Tensor()>> recompute;
   std::weak_ptr<const void> recompute_owner;  // set_recompute's owner
 
@@ -127,6 +129,11 @@ inline constexpr double kTwo63 = 9223372036854775808.0;
 void require_exact_scalar(const char* op, double value, const Tensor& like);
 /// The same check for a tensor not made yet (full: checked before its memory is allocated).
 void require_exact_scalar(const char* op, double value, DType dtype, const Shape& shape);
+/// Throws DTypeError where a finite number becomes infinite in a float dtype (full, fill_).
+void require_finite_in(const char* op, double value, DType dtype, const Shape& shape);
+/// scalar() without require_finite_in: arithmetic's number operand (x * 1e39 overflows as
+/// arithmetic does).
+Tensor arithmetic_scalar_tensor(double value, Options options);
 /// Throws DTypeError unless a and b have the same dtype.
 void require_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void require_defined(const char* op, const Tensor& t);

@@ -111,7 +111,7 @@ void set_limit(std::int64_t bytes, const char* source) {
 std::int64_t parse_size(std::string_view text) {
   const std::string s(text);
   auto bad = [&]() -> std::int64_t {
-    fail<ArgumentError>("memory size", "'", s, "' is not a size (examples: 512MB, 2GiB, 1048576)");
+    fail<ArgumentError>("memory size", "'", detail::shown_nul(s), "' is not a size (examples: 512MB, 2GiB, 1048576)");
   };
   // Digits with at most one decimal point, then a unit: not stod's whole grammar, which read
   // "0x10" as 16 and "1e3" as 1000 (the collective timeout's parser refuses them too).

@@ -36,7 +36,7 @@ Tensor binary_forward(BinaryOp op, const char* name, const Tensor& a, const Tens
 
 Tensor scalar_like(double value, const Tensor& like) {
   detail::require_defined("scalar", like);
-  return scalar(value, Options(like.dtype(), &like.backend()));
+  return detail::arithmetic_scalar_tensor(value, Options(like.dtype(), &like.backend()));
 }
 
 // A number for arithmetic with `like`: refused where an integer tensor could not hold it exactly.
@@ -453,6 +453,32 @@ void require_exact_scalar(const char* op, double value, DType dtype, const Shape
   if (std::floor(value) == value && value >= -kTwo63 && value < kTwo63) return;
   fail<DTypeError>(op, "the number ", value, " is not an i64 value, and the tensor is i64 ", shape,
                    " (cast it to a float dtype first)");
+}
+
+void require_finite_in(const char* op, double value, DType dtype, const Shape& shape) {
+  if (!std::isfinite(value)) return;  // infinities and NaN are values of every float dtype
+  const float f = static_cast<float>(value);
+  bool overflows = false;
+  switch (dtype) {
+    case DType::f32:
+      overflows = std::isinf(f);
+      break;
+    case DType::bf16:
+      overflows = std::isinf(to_float(to_bfloat16(f)));
+      break;
+    case DType::f16:
+      overflows = std::isinf(to_float(to_float16(f)));
+      break;
+    case DType::f64:
+    case DType::i64:
+    case DType::boolean:
+      break;
+  }
+  if (overflows) {
+    fail<DTypeError>(op, "the number ", value, " is beyond the largest ", dtype_name(dtype),
+                     " value, and the tensor is ", dtype_name(dtype), " ", shape,
+                     " (pass infinity itself for infinity)");
+  }
 }
 
 void require_exact_scalar(const char* op, double value, const Tensor& like) {

@@ -187,8 +187,19 @@ Tensor squeeze(const Tensor& x, std::int64_t axis) {
   return reshape(x, shape);
 }
 
+namespace {
+// unsqueeze and stack add an axis: named here, not by the reshape that would refuse the result.
+void require_room_for_an_axis(const char* op, const Tensor& x) {
+  if (x.ndim() >= kMaxDims) {
+    fail<ShapeError>(op, "a ", dtype_name(x.dtype()), " ", x.shape(), " tensor has ", x.ndim(),
+                     " dimensions: one more exceeds the ", kMaxDims, " a tensor may have");
+  }
+}
+}  // namespace
+
 Tensor unsqueeze(const Tensor& x, std::int64_t axis) {
   detail::require_defined("unsqueeze", x);
+  require_room_for_an_axis("unsqueeze", x);
   const int a = normalize_axis(axis, x.ndim() + 1, "unsqueeze");
   Shape shape = x.shape();
   shape.insert(shape.begin() + a, 1);
@@ -329,6 +340,7 @@ Tensor concat(const std::vector<Tensor>& tensors, std::int64_t axis) {
 Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis) {
   if (tensors.empty()) fail<ArgumentError>("stack", "needs at least one tensor");
   detail::require_defined("stack", tensors.front());
+  require_room_for_an_axis("stack", tensors.front());
   const int a = normalize_axis(axis, tensors.front().ndim() + 1, "stack");
   std::vector<Tensor> expanded;
   expanded.reserve(tensors.size());
@@ -336,6 +348,10 @@ Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis) {
     detail::require_defined("stack", t);
     if (t.shape() != tensors.front().shape()) {
       fail<ShapeError>("stack", "shapes differ: ", tensors.front().shape(), " and ", t.shape());
+    }
+    if (t.dtype() != tensors.front().dtype()) {
+      fail<DTypeError>("stack", "dtypes differ: ", dtype_name(tensors.front().dtype()), " ", tensors.front().shape(),
+                       " and ", dtype_name(t.dtype()), " ", t.shape());
     }
     expanded.push_back(unsqueeze(t, a));
   }

@@ -326,6 +326,10 @@ bool Tensor::is_leaf() const { return checked(*this, "is_leaf").grad_fn == nullp
 Tensor Tensor::grad() const { return checked(*this, "grad").grad; }
 void Tensor::set_grad(const Tensor& grad) {
   auto& impl = const_cast<TensorImpl&>(checked(*this, "set_grad"));
+  if (grad.defined() && !is_floating(impl.dtype)) {  // as set_requires_grad: no gradient for them
+    fail<DTypeError>("set_grad", "only floating-point tensors have gradients, got ", dtype_name(impl.dtype), " ",
+                     impl.shape);
+  }
   if (grad.defined() && grad.dtype() != impl.dtype) {
     fail<DTypeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
                      dtype_name(impl.dtype), " ", impl.shape);
@@ -452,6 +456,7 @@ Tensor& Tensor::fill_(double value) {
   begin_inplace(*this, "fill_");
   detail::require_writable_layout("fill_", *this);
   detail::require_exact_scalar("fill_", value, *this);  // fill_(2.7) on i64 filled 2
+  detail::require_finite_in("fill_", value, dtype(), shape());
   bump_version();
   backend().fill(detail::view_of(*this), value);
   return *this;
@@ -550,10 +555,13 @@ Tensor empty(const Shape& shape, Options options) {
 
 namespace {
 // full's work, its errors named by the function the caller called (zeros, ones, scalar...).
-Tensor filled(const char* op, const Shape& shape, double value, Options options) {
+// `checked`: a finite number the float dtype cannot hold is refused, as for i64 (full(.., 1e39)
+// gave infinities); arithmetic's own scalars (x * 1e39) are not, since they overflow as arithmetic.
+Tensor filled(const char* op, const Shape& shape, double value, Options options, bool checked = true) {
   check_enum<DTypeError>(options.dtype, op, "dtype");
   // Before allocating: a refused value must not first cost (or fail on) a large allocation.
   detail::require_exact_scalar(op, value, options.dtype, shape);  // full(.., 2.7, i64) gave 2, NaN gave 0
+  if (checked) detail::require_finite_in(op, value, options.dtype, shape);
   Tensor t = detail::make_tensor(shape, options.dtype, backend_or_default(options), op);
   if (t.numel()) t.backend().fill(detail::view_of(t), value);
   return finish(std::move(t), options);
@@ -563,9 +571,18 @@ Tensor filled(const char* op, const Shape& shape, double value, Options options)
 Tensor full(const Shape& shape, double value, Options options) { return filled("full", shape, value, options); }
 Tensor zeros(const Shape& shape, Options options) { return filled("zeros", shape, 0.0, options); }
 Tensor ones(const Shape& shape, Options options) { return filled("ones", shape, 1.0, options); }
-Tensor zeros_like(const Tensor& like) { return zeros(like.shape(), Options(like.dtype(), &like.backend())); }
-Tensor ones_like(const Tensor& like) { return ones(like.shape(), Options(like.dtype(), &like.backend())); }
+Tensor zeros_like(const Tensor& like) {
+  detail::require_defined("zeros_like", like);
+  return zeros(like.shape(), Options(like.dtype(), &like.backend()));
+}
+Tensor ones_like(const Tensor& like) {
+  detail::require_defined("ones_like", like);
+  return ones(like.shape(), Options(like.dtype(), &like.backend()));
+}
 Tensor scalar(double value, Options options) { return filled("scalar", {}, value, options); }
+Tensor detail::arithmetic_scalar_tensor(double value, Options options) {
+  return filled("scalar", {}, value, options, false);
+}
 
 namespace {
 // arange in i64, exactly: through f64, values past 2^53 repeated (2^53, 2^53, 2^53 + 2) and a
@@ -653,6 +670,16 @@ Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Options op
   Tensor t = detail::make_tensor(shape, dtype, backend_or_default(options), "from_buffer");
   if (t.numel()) {
     if (!data) fail<ArgumentError>("from_buffer", "null data for shape ", shape);
+    if (dtype == DType::boolean) {
+      // A bool is one byte holding 0 or 1 (dtype.h): another byte would print as true yet sum,
+      // cast and compare as its own value (as the safetensors reader refuses it too).
+      const auto* bytes = static_cast<const unsigned char*>(data);
+      const auto* bad = std::find_if(bytes, bytes + t.numel(), [](unsigned char b) { return b > 1; });
+      if (bad != bytes + t.numel()) {
+        fail<DTypeError>("from_buffer", "byte ", bad - bytes, " of a bool ", shape, " buffer is ",
+                         static_cast<int>(*bad), ", not a bool (0 or 1)");
+      }
+    }
     std::memcpy(t.data_ptr(), data, t.nbytes());
   }
   return finish(std::move(t), options);

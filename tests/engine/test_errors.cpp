@@ -342,6 +342,67 @@ TEST_CASE("fill_ and full on i64 refuse numbers that are no i64 value, as add_ a
   CHECK(full({2}, 0.5).to_vector<float>() == std::vector<float>{0.5f, 0.5f});
 }
 
+TEST_CASE("full, scalar and fill_ refuse a finite number the float dtype cannot hold; arithmetic overflows as usual") {
+  const double inf = std::numeric_limits<double>::infinity();
+  test::check_throws<DTypeError>([&] { full({2}, 70000, Options(DType::f16)); }, {"full", "70000", "f16 [2]"});
+  test::check_throws<DTypeError>([&] { full({2}, 1e39); }, {"full", "1e+39", "f32 [2]"});
+  test::check_throws<DTypeError>([&] { scalar(-1e39, Options(DType::bf16)); }, {"scalar", "bf16 []"});
+  Tensor h = ones({2}, Options(DType::f16));
+  test::check_throws<DTypeError>([&] { h.fill_(1e6); }, {"fill_", "f16 [2]"});
+  CHECK(h.to_vector<double>() == std::vector<double>{1, 1});
+  // What the dtype holds, infinity itself and NaN are values; f64 takes any finite number.
+  CHECK(full({1}, 65504, Options(DType::f16)).to_vector<double>() == std::vector<double>{65504});
+  CHECK(std::isinf(full({1}, -inf, Options(DType::bf16)).to_vector<double>()[0]));
+  CHECK(std::isnan(scalar(std::numeric_limits<double>::quiet_NaN()).item()));
+  CHECK(full({1}, 1e300, Options(DType::f64)).item() == 1e300);
+  // Arithmetic with a number overflows to infinity, as the products of two tensors do.
+  CHECK(std::isinf((ones({2}) * 1e39).to_vector<double>()[0]));
+  CHECK(std::isinf((ones({2}, Options(DType::f16)) * 70000.0).to_vector<double>()[1]));
+  CHECK(clamp(test::values({3}, {1}), -1e39, 1e39).item() == 3);
+}
+
+TEST_CASE("a bool buffer holds 0 and 1 only; set_grad refuses integer tensors as set_requires_grad does") {
+  const unsigned char ok[] = {0, 1, 1};
+  CHECK(from_buffer(ok, {3}, DType::boolean).to_vector<bool>() == std::vector<bool>{false, true, true});
+  const unsigned char bad[] = {1, 0, 255};
+  test::check_throws<DTypeError>([&] { from_buffer(bad, {3}, DType::boolean); },
+                                 {"from_buffer", "byte 2", "bool [3]", "255"});
+  Tensor i = zeros({2}, Options(DType::i64));
+  test::check_throws<DTypeError>([&] { i.set_grad(zeros({2}, Options(DType::i64))); }, {"set_grad", "i64 [2]"});
+  Tensor b = zeros({2}, Options(DType::boolean));
+  test::check_throws<DTypeError>([&] { b.set_grad(zeros({2}, Options(DType::boolean))); }, {"set_grad", "bool [2]"});
+  i.set_grad(Tensor());  // clearing is always allowed
+  CHECK_FALSE(i.grad().defined());
+}
+
+TEST_CASE("the public shape helpers: a null op name, negative extents, an impossible number of dimensions") {
+  test::check_throws<ShapeError>([&] { shape_numel({-1}, nullptr); }, {"shape:", "negative"});
+  test::check_throws<ShapeError>([&] { broadcast_shapes({2}, {3}, nullptr); }, {"shape:", "[2] and [3]"});
+  test::check_throws<IndexError>([&] { normalize_axis(5, 2, nullptr); }, {"shape:", "axis 5"});
+  test::check_throws<ShapeError>([&] { broadcast_shapes({-2}, {-2}, "op"); }, {"op", "negative", "[-2]"});
+  test::check_throws<ShapeError>([&] { broadcast_shapes({1}, {-5}, "op"); }, {"op", "negative", "[-5]"});
+  test::check_throws<ShapeError>([&] { normalize_axis(-1, std::numeric_limits<std::int64_t>::max(), "op"); },
+                                 {"op", "dimensions (at most 8)"});
+  test::check_throws<ShapeError>([&] { normalize_axis(0, -1, "op"); }, {"op", "-1 dimensions"});
+  test::check_throws<ShapeError>([&] { normalize_axis(0, std::numeric_limits<std::int64_t>::min(), "op"); }, {"op"});
+  CHECK(normalize_axis(-1, 8, "op") == 7);
+  CHECK(broadcast_shapes({1, 3}, {2, 1}, "op") == Shape{2, 3});
+}
+
+TEST_CASE("errors name the op the caller called: zeros_like, ones_like, stack, unsqueeze; NULs in sizes shown") {
+  test::check_throws<ArgumentError>([&] { zeros_like(Tensor()); }, {"zeros_like", "undefined"});
+  test::check_throws<ArgumentError>([&] { ones_like(Tensor()); }, {"ones_like", "undefined"});
+  test::check_throws<DTypeError>(
+      [&] {
+        stack({zeros({2}), zeros({2}, Options(DType::i64))});
+      },
+      {"stack", "f32 [2] and i64 [2]"});
+  const Tensor eight = zeros({1, 1, 1, 1, 1, 1, 1, 2});
+  test::check_throws<ShapeError>([&] { stack({eight, eight}); }, {"stack", "[1, 1, 1, 1, 1, 1, 1, 2]", "8"});
+  test::check_throws<ShapeError>([&] { unsqueeze(eight, 0); }, {"unsqueeze", "[1, 1, 1, 1, 1, 1, 1, 2]"});
+  test::check_throws<ArgumentError>([&] { memory::parse_size(std::string("5\0MB", 4)); }, {"memory size", "5\\0MB"});
+}
+
 TEST_CASE("a refused in-place op changes nothing, its version included") {
   Tensor x = ones({2, 3});
   const std::uint64_t before = x.version();

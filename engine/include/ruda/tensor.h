@@ -187,7 +187,8 @@ template <TensorElement T>
 Tensor from_vector(const std::vector<T>& values, const Shape& shape, Options options = {});
 /// A copy of the values converted to options.dtype.
 Tensor from_values(const std::vector<double>& values, const Shape& shape, Options options = {});
-/// A copy of a raw buffer holding shape_numel(shape) elements of `dtype`.
+/// A copy of a raw buffer holding shape_numel(shape) elements of `dtype`. A bool buffer's bytes must
+/// be 0 or 1 (DTypeError naming the first other one).
 Tensor from_buffer(const void* data, const Shape& shape, DType dtype, Options options = {});
 /// A 0-d tensor.
 Tensor scalar(double value, Options options = {});
