@@ -65,6 +65,15 @@ std::mutex& leaf_lock(const detail::TensorImpl& leaf) {
   static std::array<std::mutex, 64> locks;
   return locks[(reinterpret_cast<std::uintptr_t>(&leaf) >> 6) % locks.size()];
 }
+
+// For a leaf its holder replaced (retire_leaf), under the leaf's lock: an AutogradError where the
+// loss reached the node adding to it, true (add nothing) where only an unreached always-run node
+// did, false for a leaf still in use.
+bool refuse_retired(const detail::TensorImpl& leaf, bool from_loss) {
+  if (!leaf.retired) return false;
+  if (from_loss) fail<AutogradError>("backward", *leaf.retired);
+  return true;
+}
 }  // namespace
 
 namespace {
@@ -110,6 +119,25 @@ bool loss_reached(const Tensor& leaf) {
   return t_backward_depth > 0 && impl_of(leaf)->loss_gradient_serial == t_backward_serial;
 }
 std::uint64_t backward_serial() noexcept { return t_backward_serial; }
+
+void retire_leaf(const Tensor& leaf, std::string why) {
+  detail::require_defined("retire_leaf", leaf);
+  detail::TensorImpl& impl = *impl_of(leaf);
+  if (impl.grad_fn)
+    fail<ArgumentError>("retire_leaf", "a ", dtype_name(impl.dtype), " ", impl.shape, " tensor that a ",
+                        impl.grad_fn->name, " node produced is not a leaf");
+  if (why.empty()) fail<ArgumentError>("retire_leaf", "the reason is empty");
+  auto reason = std::make_shared<const std::string>(std::move(why));
+  const std::lock_guard lock(leaf_lock(impl));
+  impl.retired = std::move(reason);
+}
+
+void refuse_if_retired(const Tensor& leaf) {
+  detail::require_defined("refuse_if_retired", leaf);
+  const detail::TensorImpl& impl = *impl_of(leaf);
+  const std::lock_guard lock(leaf_lock(impl));
+  refuse_retired(impl, t_backward_depth > 0 && t_running_reached);
+}
 
 void at_backward_end(std::function<void()> callback) {
   if (!callback) fail<ArgumentError>("at_backward_end", "the callback is empty");
@@ -278,6 +306,7 @@ void accumulate_leaf(detail::TensorImpl& leaf, Tensor grad, bool from_loss, cons
                         dtype_name(leaf.dtype), " ", leaf.shape);
   }
   const std::lock_guard lock(leaf_lock(leaf));
+  if (refuse_retired(leaf, from_loss)) return;
   if (!leaf.grad.defined()) {
     leaf.grad = exclusively_owned(grad) ? std::move(grad) : grad.clone();
     impl_of(leaf.grad)->backend = leaf.backend;  // a leaf's gradient lives where the leaf does
@@ -393,6 +422,7 @@ bool add_into_leaf_region(const Node& node, const Tensor& g) {
   if (g.shape() != expected || g.dtype() != leaf.dtype) return false;
   if (!leaf.requires_grad) return true;  // frozen after the forward: nothing (accumulate_leaf)
   const std::lock_guard lock(leaf_lock(leaf));
+  if (refuse_retired(leaf, node.reached)) return true;
   if (!leaf.grad.defined()) {
     leaf.grad = zeros(leaf.shape, Options(leaf.dtype, leaf.backend));
   } else if (leaf.grad.shape() != leaf.shape || leaf.grad.dtype() != leaf.dtype) {

@@ -206,6 +206,74 @@ TEST_CASE("an always-run node the loss does not reach hands on nothing, unless i
   }
 }
 
+TEST_CASE("a retired leaf: a backward the loss reaches it through fails; zeros from an unreached node are dropped") {
+  // retire_leaf is how a parameter whose data was swapped (Param::set_data, fully_shard) keeps a
+  // graph recorded on the old tensor from adding a gradient nobody reads.
+  SUBCASE("reached: AutogradError with the reason, through a plain node and through a slice of the leaf") {
+    for (const bool sliced : {false, true}) {
+      CAPTURE(sliced);
+      Tensor w = values({1, 2, 3}, {3}).set_requires_grad();
+      const Tensor loss = sum((sliced ? w.slice(0, 1, 3) : w) * 2.0);
+      autograd::retire_leaf(w, "the holder replaced w");
+      test::check_throws<AutogradError>([&] { loss.backward(); }, {"backward", "the holder replaced w"});
+      CHECK_FALSE(w.grad().defined());
+    }
+  }
+  SUBCASE("a frozen retired leaf gets nothing, as a frozen one does") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    const Tensor loss = sum(w * 2.0);
+    autograd::retire_leaf(w, "replaced");
+    w.set_requires_grad(false);
+    loss.backward();
+    CHECK_FALSE(w.grad().defined());
+  }
+  SUBCASE("an unreached collective hands it zeros: dropped, no error") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    Tensor other = values({3}, {1}).set_requires_grad();
+    Tensor out = w.detach().clone();
+    autograd::record("collective", out, {w}, {},
+                     [](const Tensor& g, const autograd::Saved&, autograd::GradMask) { return std::vector<Tensor>{g}; },
+                     {.always_run = true, .collective = true});
+    autograd::retire_leaf(w, "replaced");
+    sum(other * 3.0).backward();
+    CHECK_FALSE(w.grad().defined());
+    CHECK_CLOSE(other.grad(), {3}, {1});
+  }
+  SUBCASE("refuse_if_retired: only where the loss reached the running node") {
+    for (const bool reach : {true, false}) {
+      CAPTURE(reach);
+      Tensor w = values({1, 2}, {2}).set_requires_grad();
+      Tensor other = values({3}, {1}).set_requires_grad();
+      autograd::retire_leaf(w, "w was swapped");
+      Tensor routed = other.detach().clone();
+      // A node routing its leaf's gradient elsewhere (a shard group's gather): it hands back none.
+      autograd::record("routes", routed, {other}, {},
+                       [w](const Tensor&, const autograd::Saved&, autograd::GradMask) {
+                         autograd::refuse_if_retired(w);
+                         return std::vector<Tensor>{Tensor()};
+                       },
+                       {.always_run = true});
+      Tensor plain = values({1}, {1}).set_requires_grad();
+      const Tensor loss = reach ? sum(routed) : sum(plain * 1.0);
+      if (reach) {
+        test::check_throws<AutogradError>([&] { loss.backward(); }, {"backward", "w was swapped"});
+      } else {
+        loss.backward();  // the routing node runs unreached: nothing to refuse
+        CHECK_CLOSE(plain.grad(), {1}, {1});
+      }
+    }
+    CHECK_NOTHROW(autograd::refuse_if_retired(values({1}, {1})));  // outside a backward
+  }
+  SUBCASE("bad arguments") {
+    Tensor w = values({1, 2}, {2}).set_requires_grad();
+    test::check_throws<ArgumentError>([&] { autograd::retire_leaf(Tensor(), "x"); }, {"retire_leaf"});
+    test::check_throws<ArgumentError>([&] { autograd::retire_leaf(w, ""); }, {"retire_leaf", "reason"});
+    test::check_throws<ArgumentError>([&] { autograd::retire_leaf(w * 2.0, "x"); },
+                                      {"retire_leaf", "f32 [2]", "not a leaf"});
+    test::check_throws<ArgumentError>([&] { autograd::refuse_if_retired(Tensor()); }, {"refuse_if_retired"});
+  }
+}
+
 namespace {
 // A copy of `in` whose node is always run (even where the loss does not reach it), passing the
 // gradient through and counting its runs in *runs (when given).

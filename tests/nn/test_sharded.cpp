@@ -724,3 +724,33 @@ TEST_CASE("fully_shard names a parameter it cannot shard (no elements)") {
                                           {"fully_shard", "parameter 'none'", "positive", "[0, 3]"});
   });
 }
+
+TEST_CASE("a graph recorded before fully_shard or Param::set_data fails in backward instead of losing the gradient") {
+  // The graph's leaf is the parameter's old tensor; the parameter holds a new one. Before, the
+  // backward added the gradient to the old tensor and the parameter silently got none.
+  for (const bool group : {true, false}) {
+    CAPTURE(group);
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(3);
+      nn::Linear lin(4, 3);
+      const Tensor x = randn({2, 4}, 1);
+      const Tensor before = sum(lin.forward(x));  // dense
+      nn::fully_shard(lin, comm, nn::FullyShardOptions{.group = group});
+      test::check_throws<AutogradError>([&] { before.backward(); },
+                                        {"backward", "fully_shard", "parameter '", "forward again"});
+      // A forward after the sharding trains as usual.
+      lin.zero_grad();
+      sum(lin.forward(x)).backward();
+      CHECK(lin.weight.grad().defined());
+      CHECK(lin.bias.grad().defined());
+      // And a sharded forward whose parameter's slice set_data replaced before its backward.
+      const Tensor sharded = sum(lin.forward(x));
+      lin.weight.set_data(lin.weight.data().clone());
+      test::check_throws<AutogradError>([&] { sharded.backward(); }, {"backward", "Param::set_data", "forward again"});
+    });
+  }
+  nn::Linear lin(4, 3);
+  const Tensor loss = sum(lin.forward(randn({2, 4}, 1)));
+  lin.weight.set_data(zeros({4, 3}));
+  test::check_throws<AutogradError>([&] { loss.backward(); }, {"backward", "Param::set_data", "[4, 3]"});
+}

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -162,6 +163,18 @@ bool reached() noexcept;
 /// gradients through a collective). False outside a backward. What tells a sharded parameter's
 /// gradient of zeros, to be taken back, from one that a loss term on its local slice added to.
 bool loss_reached(const Tensor& leaf);
+
+/// Marks `leaf` as replaced by its holder (a parameter whose data Param::set_data or fully_shard
+/// swapped for a new tensor): a later backward whose loss reaches it raises AutogradError with
+/// `why`, instead of adding a gradient that nobody reads while the holder's new tensor gets none.
+/// What only an unreached always-run node hands it (zeros) is dropped. ArgumentError for an
+/// undefined tensor, a non-leaf or an empty reason.
+void retire_leaf(const Tensor& leaf, std::string why);
+
+/// For a node that routes a leaf's gradient elsewhere instead of handing it back (a shard group's
+/// gather, whose gradient goes to its sink): inside a backward whose loss reached the running
+/// node (reached()), the AutogradError a retired `leaf` gets; nothing otherwise.
+void refuse_if_retired(const Tensor& leaf);
 
 /// The number of the outermost backward() running (or last run) on this thread: tells one backward
 /// from the next. Numbers are unique in the process (one counter for every thread) and increase.

@@ -2,6 +2,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <ruda/autograd.h>
 #include <ruda/nn/module.h>
 
 #include "model/param_state.h"
@@ -34,7 +35,7 @@ Param::Param(const Shape& shape, Initializer init, DType dtype) : state_(std::ma
     state_->deferred_shape = shape;
     state_->deferred_dtype = dtype;
   } else {
-    replace_data(init.make(shape, dtype));
+    replace_data(init.make(shape, dtype), {});
   }
 }
 
@@ -44,7 +45,7 @@ Param::Param(const Tensor& value, ParamId id) : state_(std::make_shared<State>()
     fail<DTypeError>("Param", "parameters are floating-point, got ", dtype_name(value.dtype()), " ", value.shape());
   }
   state_->id = id;
-  replace_data(value);
+  replace_data(value, {});
 }
 
 namespace {
@@ -80,7 +81,7 @@ const Initializer& Param::initializer() const {
 }
 void Param::materialize() const {
   const State& s = checked(state_, "Param::materialize");
-  if (s.deferred) replace_data(s.deferred->make(s.deferred_shape, s.deferred_dtype));
+  if (s.deferred) replace_data(s.deferred->make(s.deferred_shape, s.deferred_dtype), {});
 }
 DType Param::dtype() const {
   const State& s = checked(state_, "Param::dtype");
@@ -106,10 +107,13 @@ void Param::set_data(const Tensor& value) const {
     fail<ShapeError>("Param::set_data", "a ", dtype_name(value.dtype()), " ", value.shape(), " value for a ",
                      s.shard ? "sharded parameter whose local slice is " : "parameter of shape ", now);
   }
-  replace_data(value);
+  replace_data(value, detail::concat("Param::set_data replaced this ", now,
+                                     " parameter's data after the forward that recorded this graph used it: its "
+                                     "gradient would go to the old data, which the parameter no longer holds. Run "
+                                     "the forward again after set_data"));
 }
 
-void Param::replace_data(const Tensor& value) const {
+void Param::replace_data(const Tensor& value, std::string_view why_old_retired) const {
   State& s = checked(state_, "Param::set_data");
   if (!is_floating(value.dtype())) {
     fail<DTypeError>("Param::set_data", "parameters are floating-point, got ", dtype_name(value.dtype()), " ",
@@ -120,6 +124,7 @@ void Param::replace_data(const Tensor& value) const {
   // optimizers' fused kernels, the collectives and checkpoints read a parameter's bytes.
   Tensor leaf = value.is_contiguous() ? value.detach() : value.detach().contiguous();
   leaf.set_requires_grad(true);
+  if (s.data.defined() && !why_old_retired.empty()) autograd::retire_leaf(s.data, std::string(why_old_retired));
   s.data = leaf;
   s.deferred = nullptr;
 }

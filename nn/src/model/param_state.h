@@ -36,7 +36,9 @@ struct ParamAccess {
   /// The parameter behind a weak reference, or an undefined Param if it is gone.
   static Param lock(const std::weak_ptr<Param::State>& state) { return Param(state.lock()); }
   /// Param::set_data without its shape check: sharding (full -> slice).
-  static void replace_data(const Param& p, const Tensor& value) { p.replace_data(value); }
+  static void replace_data(const Param& p, const Tensor& value, std::string_view why_old_retired) {
+    p.replace_data(value, why_old_retired);
+  }
 };
 
 }  // namespace ruda::nn

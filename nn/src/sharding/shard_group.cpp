@@ -392,8 +392,11 @@ Tensor ShardGroup::use(std::size_t index) {
   // reach the value), so each bucket's reduce-scatter runs on every rank.
   Tensor value = v.values[index].detach();
   const std::shared_ptr<GradientSink> sink = v.sink;
+  // `local` is held by the node's edge anyway; the lambda's handle tells whether its parameter's
+  // data was replaced since (fully_shard's caller cannot have: a sharded parameter; set_data).
   autograd::record("all_gather", value, {local}, {},
-                   [sink, index](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                   [sink, index, local](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+                     autograd::refuse_if_retired(local);
                      sink->deposit(index, g, autograd::reached());
                      return std::vector<Tensor>{Tensor()};
                    },

@@ -398,7 +398,12 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
   std::vector<Param> fresh;
   for (Planned& p : planned) {
     // In place: the module's members (and every tied use) see the same Param, now a slice.
-    ParamAccess::replace_data(p.param, std::move(p.slice));
+    ParamAccess::replace_data(p.param, std::move(p.slice),
+                              detail::concat("fully_shard sharded parameter '", p.info->name, "' (",
+                                             dtype_name(p.param.dtype()), " ", p.param.shape(),
+                                             ") after the forward that recorded this graph used it whole: its "
+                                             "gradient would go to the whole tensor, which the parameter no "
+                                             "longer holds. Run the forward again after fully_shard"));
     p.param.data().set_requires_grad(p.requires_grad);
     p.param.set_shard(std::move(p.info));
     fresh.push_back(p.param);

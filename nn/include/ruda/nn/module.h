@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -72,7 +73,9 @@ class Param {
   /// Replaces the stored values (same id), e.g. with loaded ones or another floating dtype: a new
   /// leaf sharing `value`'s storage. The shape must stay what it is (the local slice's for a
   /// sharded parameter, the declared one for a deferred one): ShapeError otherwise, since the
-  /// module that owns the parameter was built for that shape.
+  /// module that owns the parameter was built for that shape. A graph recorded on the old values
+  /// and differentiated afterwards raises AutogradError in backward (its gradient would go to the
+  /// old tensor, which the parameter no longer holds): run the forward again after set_data.
   void set_data(const Tensor& value) const;
   /// Whether two handles are the same parameter.
   bool same(const Param& other) const noexcept { return state_ == other.state_; }
@@ -82,8 +85,10 @@ class Param {
  private:
   friend class ShardedParameter;
   friend struct ParamAccess;  // nn's internals (param_state.h)
-  // set_data without the shape check, for sharding (full -> slice) and materialization.
-  void replace_data(const Tensor& value) const;
+  // set_data without the shape check, for sharding (full -> slice) and materialization. The old
+  // data is retired (autograd::retire_leaf) with `why_old_retired`: a graph recorded on it before
+  // the swap fails in backward instead of losing the parameter's gradient.
+  void replace_data(const Tensor& value, std::string_view why_old_retired) const;
   explicit Param(std::shared_ptr<State> state) : state_(std::move(state)) {}
   std::shared_ptr<State> state_;
 };
