@@ -283,6 +283,20 @@ TEST_CASE("GPT checks its whole configuration, naming the field, before building
     check_throws<ShapeError>([] { nn::CausalSelfAttention(std::int64_t{1} << 62, 1); },
                              {"CausalSelfAttention", "3 * d_model overflows"});
   }
+  // Each block's parameters fit, the whole model not: refused before the first block, not built
+  // block by block until the system runs out of memory; deferred, its modules alone do not fit.
+  check_throws<OutOfMemoryError>(
+      [] { nn::GPT({.vocabulary = 4, .context = 4, .d_model = 4, .layers = 1LL << 40, .heads = 1}); },
+      {"GPT", "1099511627776 layers", "f32 parameters", "DeferredInit"});
+  check_throws<OutOfMemoryError>([] { nn::GPT({.d_model = 1 << 14, .layers = 1 << 16, .heads = 1}); }, {"GPT"});
+  {
+    nn::DeferredInit deferred;
+    check_throws<OutOfMemoryError>(
+        [] { nn::GPT({.vocabulary = 4, .context = 4, .d_model = 4, .layers = 1LL << 50, .heads = 1}); },
+        {"GPT", "for their modules alone"});
+    check_throws<ShapeError>([] { nn::GPT({.d_model = 1LL << 30, .layers = 1LL << 20, .heads = 1}); },
+                             {"GPT", "more than int64 counts"});
+  }
 }
 
 TEST_CASE("text: ranges and contexts whose sums would overflow are refused, before anything is allocated") {

@@ -2,6 +2,7 @@
 // resharding to other world sizes, partial reads, atomicity, and clear errors on bad files.
 #include <fcntl.h>
 #include <linux/fs.h>
+#include <sys/file.h>
 #include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -142,6 +143,137 @@ TEST_CASE("the ranks must save one checkpoint: another directory, step or model 
   CHECK(std::filesystem::exists(dir.path / "step-00000005" / "index.json"));
   CHECK_FALSE(std::filesystem::exists(dir.path / "step-00000001"));
   CHECK_FALSE(std::filesystem::exists(dir.path / "r0"));
+}
+
+TEST_CASE("the ranks must save with one optimizer: another kind, setting, group or rate on one rank is refused") {
+  // Rank 1's state was recorded as rank 0's kind, groups and rate, without a word.
+  TempDir dir;
+  std::atomic<int> refused{0};
+  run_ranks(2, [&](Communicator& comm) {
+    const int r = comm.rank();
+    nn::manual_seed(5);
+    nn::Sequential model({std::make_shared<nn::Linear>(4, 4), std::make_shared<nn::Linear>(4, 2)});
+    nn::fully_shard(model, comm);
+    nn::Adam adam(model.parameters(), {.lr = 1e-3});
+    nn::AdamW adamw(model.parameters(), {.lr = 1e-3});
+    nn::Adam other_beta(model.parameters(), {.lr = 1e-3, .beta2 = r == 1 ? 0.99 : 0.999});
+    nn::Adam other_rate(model.parameters(), {.lr = r == 1 ? 0.5 : 1e-3});
+    nn::AdamW grouped(nn::decay_2d_only(model), {.lr = 1e-3});
+    nn::Optimizer* kind = r == 0 ? static_cast<nn::Optimizer*>(&adam) : &adamw;
+    nn::Optimizer* groups = r == 0 ? static_cast<nn::Optimizer*>(&adamw) : &grouped;
+    for (nn::Optimizer* opt :
+         {kind, groups, static_cast<nn::Optimizer*>(&other_beta), static_cast<nn::Optimizer*>(&other_rate)}) {
+      test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1, model, opt, comm); },
+                                  {"different models", "rank 1", "another optimizer", "Adam"});
+    }
+    ++refused;
+    CHECK(nn::save_checkpoint(dir.str(), 2, model, &adam, comm).step == 2);
+  });
+  CHECK(refused == 2);
+  CHECK_FALSE(std::filesystem::exists(dir.path / "step-00000001"));
+}
+
+TEST_CASE("a checkpoint the index shows does not fit is refused before anything is loaded, optimizer included") {
+  TempDir dir;
+  nn::manual_seed(1);
+  nn::Sequential saved({std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 2)});
+  nn::AdamW saved_opt(saved.parameters());
+  LocalCommunicator comm;
+  nn::save_checkpoint(dir.str(), 1, saved, &saved_opt, comm);  // its moments are zeros, its step count 0
+  // The same first layer, another second one: the first layer's values and moments were loaded
+  // before the second's mismatch was found, the step count was not.
+  nn::manual_seed(2);
+  nn::Sequential model({std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 3)});
+  nn::AdamW opt(model.parameters());
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    sum(square(model.forward(ones({2, 2})))).backward();
+    opt.step();
+  }
+  auto snapshot = [&] {
+    std::vector<std::vector<double>> out;
+    for (const nn::Param& p : model.parameters()) {
+      out.push_back(p.data().to_vector<double>());
+      for (const auto& [name, t] : opt.state(p)) out.push_back(t.to_vector<double>());
+    }
+    return out;
+  };
+  const auto before = snapshot();
+  test::check_throws<IOError>([&] { nn::load_checkpoint(dir.str(), model, &opt, comm); },
+                              {"parameter '1.weight'", "[4, 2] in the checkpoint but [4, 3]"});
+  CHECK(snapshot() == before);
+  CHECK(opt.steps() == 3);
+  // A state dtype the index shows differs: refused before anything is loaded, too.
+  nn::manual_seed(3);
+  nn::Sequential same({std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 2)});
+  nn::AdamW same_opt(same.parameters());
+  const auto first = same.parameters()[0].data().to_vector<double>();
+  {
+    const fs::path index = dir.path / "step-00000001" / "index.json";
+    std::ifstream in(index);
+    nlohmann::json j = nlohmann::json::parse(in);
+    in.close();
+    for (auto& [state, dtype] : j["params"]["1.weight"]["state_dtypes"].items()) dtype = "f64";  // the second layer's
+    std::ofstream(index) << test::restamped(j).dump(1);
+  }
+  CHECK_THROWS_AS(nn::load_checkpoint(dir.str(), same, &same_opt, comm), IOError);
+  CHECK(same.parameters()[0].data().to_vector<double>() == first);
+}
+
+TEST_CASE("one save at a time into a checkpoint directory; none into a step directory or inside one") {
+  TempDir dir;
+  nn::manual_seed(1);
+  nn::Linear layer(3, 2);
+  LocalCommunicator comm;
+  // Another process saving there holds the directory's lock: refused, nothing written.
+  {
+    std::filesystem::create_directories(dir.path);
+    const int fd = ::open((dir.path / ".ruda-save.lock").c_str(), O_RDWR | O_CREAT, 0644);
+    REQUIRE(fd >= 0);
+    REQUIRE(::flock(fd, LOCK_EX) == 0);
+    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1, layer, nullptr, comm); },
+                                {dir.str(), "another save into this checkpoint directory is running"});
+    ::close(fd);
+  }
+  CHECK_FALSE(std::filesystem::exists(dir.path / "step-00000001"));
+  CHECK(nn::save_checkpoint(dir.str(), 1, layer, nullptr, comm).step == 1);
+  // Two threads saving into one directory at once: each save either completes or is refused by
+  // name, and what is published loads (the saves used to remove each other's files and publish
+  // indexes naming files the other had replaced).
+  std::atomic<int> done{0}, busy{0};
+  std::vector<std::thread> savers;
+  for (int t = 0; t < 2; ++t) {
+    savers.emplace_back([&, t] {
+      LocalCommunicator own;
+      for (int i = 0; i < 20; ++i) {
+        try {
+          nn::save_checkpoint(dir.str(), 10 + t * 100 + i, layer, nullptr, own);
+          ++done;
+        } catch (const IOError& e) {
+          if (std::string(e.what()).find("another save") == std::string::npos) throw;
+          ++busy;
+        }
+      }
+    });
+  }
+  for (auto& s : savers) s.join();
+  CHECK(done + busy == 40);
+  CHECK(done > 0);
+  nn::Linear back(3, 2);
+  nn::load_checkpoint(dir.str(), back, nullptr, comm);
+  CHECK(back.weight.data().to_vector<float>() == layer.weight.data().to_vector<float>());
+  // A step directory, and any place inside one, is no checkpoint directory: a checkpoint there
+  // was hidden behind the step (readers take a directory with an index.json for the step).
+  const std::string step = nn::resolve_checkpoint(dir.str());
+  for (const std::string& inner : {step, step + "/nested", step + "/a/b"}) {
+    CAPTURE(inner);
+    CHECK_THROWS_AS(nn::save_checkpoint(inner, 3, layer, nullptr, comm), IOError);
+    CHECK_FALSE(std::filesystem::exists(inner + "/step-00000003"));
+  }
+  test::check_throws<IOError>([&] { nn::save_checkpoint(step, 3, layer, nullptr, comm); },
+                              {"is a checkpoint step (it holds an index.json)"});
+  test::check_throws<IOError>([&] { nn::save_checkpoint(step + "/a/b", 3, layer, nullptr, comm); },
+                              {"lies inside", "a checkpoint step"});
 }
 
 TEST_CASE("the ranks must load one checkpoint: another step, model or optimizer on one rank is refused on all") {

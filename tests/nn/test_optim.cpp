@@ -246,6 +246,38 @@ TEST_CASE("clip_grad_norm on dense parameters") {
   CHECK(c.grad().to_vector<double>()[1] == 12 * (13 / (13 + 1e-6)));
 }
 
+TEST_CASE("clip_grad_norm refuses a parameter listed twice, as the optimizers do (it counted and scaled twice)") {
+  auto p = param({3, 4}), q = param({1});
+  set_grad(p, {3, 4});
+  set_grad(q, {1});
+  test::check_throws<ArgumentError>(
+      [&] {
+        nn::clip_grad_norm({p, q, p}, 1);
+      },
+      {"clip_grad_norm", "given twice", "positions 0 and 2"});
+  CHECK_CLOSE(p.grad(), {3, 4}, {2});  // refused before any gradient is scaled
+  test::check_throws<ArgumentError>([&] { nn::grad_norm({q, q}); }, {"given twice"});
+}
+
+TEST_CASE("the step count never overflows: a step that would take it to INT64_MAX is refused, changing nothing") {
+  auto p = param({1, 2});
+  for (const int kind : {0, 1, 2}) {
+    CAPTURE(kind);
+    std::unique_ptr<nn::Optimizer> opt;
+    if (kind == 0) opt = std::make_unique<nn::SGD>(std::vector<nn::Param>{p}, nn::SGDOptions{.lr = 0.1});
+    if (kind == 1) opt = std::make_unique<nn::Adam>(std::vector<nn::Param>{p});
+    if (kind == 2) opt = std::make_unique<nn::AdamW>(std::vector<nn::Param>{p});
+    opt->set_steps(std::numeric_limits<std::int64_t>::max() - 2);
+    set_grad(p, {1, 1});
+    opt->step();  // to INT64_MAX - 1
+    const auto before = p.data().to_vector<double>();
+    test::check_throws<ArgumentError>([&] { opt->step(); }, {"::step", "9223372036854775806", "overflow"});
+    CHECK(p.data().to_vector<double>() == before);
+    CHECK(opt->steps() == std::numeric_limits<std::int64_t>::max() - 1);
+    for (double v : before) CHECK(std::isfinite(v));
+  }
+}
+
 TEST_CASE("optimizer options are validated where they are given") {
   const nn::Param p = param({1, 2, 3});
   // A parameter twice would be updated twice per step; no parameter at all is a mistake too.

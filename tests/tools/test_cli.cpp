@@ -309,6 +309,21 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
                  {ck, "already holds checkpoints", "--resume-latest"});
   one_error_line(run(train(lm + "--steps 2 --metrics " + ck + "/step-00000004/index.json")),
                  {"--metrics", "step directory"});
+  // A checkpoint directory in a step directory was hidden behind that step (--resume-latest
+  // resumed the outer run's), and one in the data directory was read as data by the next run:
+  // refused before step 1, as ruda-ckpt split's --out is.
+  for (const std::string& inside : {ck + "/step-00000004", ck + "/step-00000004/nested"}) {
+    CAPTURE(inside);
+    one_error_line(run(train(lm + "--steps 2 --checkpoint-dir " + inside)), {"--checkpoint-dir", "checkpoint step"});
+  }
+  fs::create_directories(tmp / "corpus");
+  std::ofstream(tmp / "corpus/a.txt") << text;
+  for (const std::string& inside : {tmp / "corpus", tmp / "corpus/ck"}) {
+    CAPTURE(inside);
+    one_error_line(run(train(lm + "--steps 2 --text " + tmp / "corpus" + " --checkpoint-dir " + inside)),
+                   {"--checkpoint-dir", "the data directory", "read as data"});
+  }
+  CHECK_FALSE(fs::exists(tmp / "corpus/ck"));
   // An update that makes the weights infinite is not saved: the good steps and latest stay.
   one_error_line(run(train(lm + "--steps 8 --checkpoint-every 1 --resume-latest --lr 1e308 --checkpoint-dir " + ck)),
                  {"not finite after step 5", "no checkpoint written"});
@@ -324,6 +339,8 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   REQUIRE(run(ckpt("consolidate " + ck + " " + tmp / "full.safetensors")).exit_code == 0);
   one_error_line(run(ckpt("split " + tmp / "full.safetensors" + " --world 2 --out " + ck + " --step 4")),
                  {"holds optimizer state", "--step"});
+  one_error_line(run(ckpt("split " + tmp / "full.safetensors" + " --world 1 --out " + ck + "/step-00000004")),
+                 {"is a checkpoint step", "not a checkpoint directory"});
   one_error_line(
       run(ckpt("split " + ck + "/step-00000004/rank-00000-of-00001.safetensors --world 1 --out " + tmp / "s")),
       {"rank file", "consolidate"});

@@ -39,6 +39,23 @@ void setup_phase(Communicator& comm, const std::function<void()>& phase) {
 
 // --- outputs, checked before any step ---
 
+// Where `path` lies against `place`, compared as canonical paths (links resolved as far as they
+// exist): the same file or directory, inside it (a directory), or elsewhere.
+enum class Placement { elsewhere, same, inside };
+Placement placement(const fs::path& path, const fs::path& place) {
+  std::error_code ec;
+  if (fs::exists(path, ec) && fs::exists(place, ec) && fs::equivalent(path, place, ec)) return Placement::same;
+  std::error_code within_ec;
+  const fs::path a = fs::weakly_canonical(path, within_ec), b = fs::weakly_canonical(place, within_ec);
+  if (within_ec) return Placement::elsewhere;
+  const fs::path rel = a.lexically_relative(b);
+  if (rel == ".") return Placement::same;
+  return !rel.empty() && *rel.begin() != ".." ? Placement::inside : Placement::elsewhere;
+}
+
+// The run's training data: --text for lm, --data for the others.
+const std::string& data_input(const Config& cfg) { return cfg.model == "lm" ? cfg.text : cfg.data; }
+
 // A --checkpoint-dir the saves could not write (a file, a device, a read-only place, a name too
 // long) used to fail at the first save, after the training it was to keep. And a fresh run (no
 // --resume, no --resume-latest) into a directory holding another run's checkpoints replaced their
@@ -48,6 +65,19 @@ void setup_phase(Communicator& comm, const std::function<void()>& phase) {
 void check_checkpoint_dir(const Config& cfg, int rank) {
   const fs::path dir(cfg.checkpoint_dir);
   std::error_code ec;
+  // A checkpoint directory that is the data directory or inside it: its files (latest, the steps'
+  // rank files) are read as data by the next run, which then refuses to resume ("the resumed run
+  // would train on other samples").
+  if (const std::string conflict = nn::checkpoint_dir_conflict(cfg.checkpoint_dir); !conflict.empty())
+    throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": " + conflict);
+  const std::string& data = data_input(cfg);
+  if (!data.empty() && fs::is_directory(data, ec)) {
+    if (const Placement where = placement(dir, data); where != Placement::elsewhere) {
+      throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is " +
+                          (where == Placement::same ? "" : "inside ") + "the data directory " + data +
+                          ", whose files this run reads: its checkpoints would be read as data");
+    }
+  }
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
     throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is not a directory");
   }
@@ -85,15 +115,10 @@ void check_metrics_path(const Config& cfg) {
   // The model's own data (a file, or a directory whose files it reads: a metrics file there would
   // be read as data next time), and the resumed checkpoint itself (a file inside its steps is a
   // checkpoint member, below; beside them, in its directory, metrics are welcome).
-  const std::string data = cfg.model == "lm" ? cfg.text : cfg.data;
-  for (const auto& [input, whole_directory] : {std::pair{data, true}, std::pair{cfg.resume, false}}) {
+  for (const auto& [input, whole_directory] : {std::pair{data_input(cfg), true}, std::pair{cfg.resume, false}}) {
     if (input.empty()) continue;
-    const fs::path in(input);
-    const bool same = fs::exists(path, ec) && fs::exists(in, ec) && fs::equivalent(path, in, ec);
-    std::error_code within_ec;
-    const fs::path a = fs::weakly_canonical(path, within_ec), b = fs::weakly_canonical(in, within_ec);
-    const auto rel = a.lexically_relative(b);
-    const bool inside = whole_directory && !within_ec && !rel.empty() && *rel.begin() != ".." && rel != ".";
+    const Placement where = placement(path, input);
+    const bool same = where == Placement::same, inside = whole_directory && where == Placement::inside;
     if (same || inside) {
       throw ArgumentError("--metrics " + cfg.metrics + ": is " + (same ? "" : "inside ") + input +
                           ", an input of this run (the metrics file is rewritten from the start)");

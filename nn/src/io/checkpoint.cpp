@@ -4,9 +4,11 @@
 // checkpoint_format.cpp; this file holds the operations and the checkpoint directory's upkeep.
 #include <cxxabi.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -116,6 +118,39 @@ void create_directories(const fs::path& dir) {
   }
   fail(dir.string(), "cannot create the directory: " + ec.message());
 }
+
+// One save at a time into a checkpoint directory: an exclusive flock on its .ruda-save.lock,
+// held from preparing the step to publishing it. Two processes saving into one directory at once
+// removed each other's temporaries and rank files and overwrote each other's, and published
+// indexes whose files the other had replaced, each reporting success. The second is refused (an
+// IOError), not queued: a directory taking two runs' saves is a mistake of its own (each run's
+// pruning would remove the other's steps). The file stays (unlinking it would let a third process
+// lock a new file while a second holds the old one). flock is per machine: on a network file
+// system it may not reach other machines' processes.
+class SaveLock {
+ public:
+  explicit SaveLock(const fs::path& dir) {
+    nn::create_directories(dir);
+    const fs::path file = dir / ".ruda-save.lock";
+    fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) fail(dir.string(), "cannot open its save lock " + file.string() + ": " + std::strerror(errno));
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      ::close(fd_);
+      if (error == EWOULDBLOCK) {
+        fail(dir.string(), "another save into this checkpoint directory is running (it holds " + file.string() +
+                               "): a directory takes one save at a time");
+      }
+      fail(dir.string(), "cannot lock " + file.string() + ": " + std::strerror(error));
+    }
+  }
+  ~SaveLock() { ::close(fd_); }  // (closing releases the lock)
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 // What an entry is, for messages.
 std::string kind_of(fs::file_type type) {
@@ -349,6 +384,31 @@ std::string checkpoint_member(const std::string& path) {
       if (is_step_name(it->path().filename().string()) && it->is_directory(probing))
         return "is the latest pointer of the checkpoint directory " + parent.string();
     }
+  }
+  return {};
+}
+
+// Where a checkpoint directory `dir` is a checkpoint step itself or lies inside one (at any depth),
+// what the error says; "" otherwise. Readers take a directory holding an index.json for a step, so
+// a checkpoint saved there was hidden behind the outer step (--resume-latest resumed the outer one),
+// and the outer run's upkeep (pruning, leftovers of a step directory without an index) removes it.
+std::string checkpoint_dir_conflict(const std::string& dir) {
+  std::error_code ec;
+  const fs::path canonical = fs::weakly_canonical(fs::path(dir), ec);
+  const fs::path p = ec ? fs::path(dir) : canonical;
+  if (fs::exists(fs::symlink_status(p / "index.json", ec))) {
+    return "is a checkpoint step (it holds an index.json), not a checkpoint directory: save into the directory that "
+           "holds the steps";
+  }
+  for (fs::path up = p.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
+    std::error_code probing;
+    if (fs::exists(fs::symlink_status(up / "index.json", probing)))
+      return "lies inside " + up.string() + ", a checkpoint step (it holds an index.json)";
+    // A step directory without its index yet (being written, or left by a kill) beside a latest
+    // pointer: the directory holding it is a checkpoint's (a user's step-5/ elsewhere is not).
+    if (is_step_name(up.filename().string()) && fs::is_directory(up, probing) &&
+        fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
+      return "lies inside the step directory " + up.string() + " of a checkpoint";
   }
   return {};
 }
@@ -614,6 +674,7 @@ void check_save_arguments(const std::string& dir, std::int64_t step, int world,
   if (dir.find('\0') != std::string::npos) {
     fail(dir, "contains a NUL character, where the system would cut the path short");
   }
+  if (const std::string nested = checkpoint_dir_conflict(dir); !nested.empty()) fail(dir, nested);
   if (step < 0) fail(dir, "the step must not be negative, got " + std::to_string(step));
   if (world < 1 || world > kMaxWorldSize) {
     fail(dir,
@@ -663,14 +724,42 @@ std::string rank_list(const std::vector<int>& list) {
 }
 
 // The model a save writes or a load fills, as the ranks must agree on it: the parameters' names,
-// shapes, dtypes and sharding, and whether an optimizer's state goes with them.
-std::uint64_t model_fingerprint(const std::vector<std::pair<std::string, Param>>& params, bool with_optimizer) {
-  std::string what = with_optimizer ? "optimizer" : "no optimizer";
+// shapes, dtypes and sharding, and the optimizer or none: its kind, settings and groups, and its
+// rate where `with_rate` (a save records rank 0's; a load sets the checkpoint's). Ranks saving with
+// another optimizer had their state recorded as rank 0's kind, groups and rate.
+std::uint64_t model_fingerprint(const std::vector<std::pair<std::string, Param>>& params, const Optimizer* optimizer,
+                                bool with_rate) {
+  std::ostringstream settings;
+  settings.precision(17);
+  if (!optimizer) {
+    settings << "no optimizer";
+  } else {
+    settings << optimizer_kind(*optimizer) << ' ' << describe(groups_of(*optimizer, params));
+    if (with_rate) settings << " lr " << optimizer->lr();
+    if (const auto* adam = dynamic_cast<const Adam*>(optimizer)) {
+      const AdamOptions& o = adam->options();
+      settings << " betas " << o.beta1 << ' ' << o.beta2 << " eps " << o.eps << " decay " << o.weight_decay;
+    } else if (const auto* sgd = dynamic_cast<const SGD*>(optimizer)) {
+      const SGDOptions& o = sgd->options();
+      settings << " momentum " << o.momentum << " dampening " << o.dampening << " nesterov " << o.nesterov << " decay "
+               << o.weight_decay;
+    }
+  }
+  std::string what = settings.str();
   for (const auto& [name, p] : params) {
     what += '\0' + name + ' ' + to_string(p.shape()) + ' ' + std::string(dtype_name(p.data().dtype())) +
             (p.is_sharded() ? " sharded" : " dense");
   }
   return fingerprint(what);
+}
+
+// "no optimizer", or "AdamW, lr 0.001": what an error about the ranks' optimizers names.
+std::string optimizer_text(const Optimizer* optimizer) {
+  if (!optimizer) return "no optimizer";
+  std::ostringstream out;
+  out << optimizer_kind(*optimizer) << ", lr " << optimizer->lr() << ", " << optimizer->groups().size()
+      << (optimizer->groups().size() == 1 ? " group" : " groups");
+  return out.str();
 }
 
 // Every rank's `values` (the same count on each), rank after rank: one all_gather.
@@ -701,10 +790,10 @@ void check_optimizer_in_module(const std::string& dir, const Optimizer& optimize
 // others' dropped). Every rank learns every rank's fingerprints (one all_gather of two numbers)
 // and all raise the same error, naming the ranks that differ from rank 0.
 void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_t step,
-                         const std::vector<std::pair<std::string, Param>>& params, bool with_optimizer) {
+                         const std::vector<std::pair<std::string, Param>>& params, const Optimizer* optimizer) {
   if (comm.world_size() == 1) return;
   const std::vector<std::int64_t> all =
-      every_rank(comm, {fingerprint(dir + '\0' + std::to_string(step)), model_fingerprint(params, with_optimizer)},
+      every_rank(comm, {fingerprint(dir + '\0' + std::to_string(step)), model_fingerprint(params, optimizer, true)},
                  "checkpoint: the ranks' directory, step and parameters");
   std::vector<int> other_place, other_model;
   for (int r = 1; r < comm.world_size(); ++r) {
@@ -721,8 +810,9 @@ void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_
   }
   if (!other_model.empty()) {
     ckpt::fail(dir, "the ranks save different models: " + rank_list(other_model) +
-                        " hold other parameters (names, shapes, dtypes or sharding) or optimizer than rank 0 (" +
-                        mine_text + ")");
+                        " hold other parameters (names, shapes, dtypes or sharding) or another optimizer (kind, "
+                        "settings, groups or rate) than rank 0 (" +
+                        mine_text + ", " + optimizer_text(optimizer) + ")");
   }
 }
 
@@ -731,10 +821,11 @@ void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_
 // that read different checkpoints (two steps, `latest` read before and after a save moved it)
 // each loaded their own slices, mixing two checkpoints into one model without a word.
 void agree_on_loading(Communicator& comm, const Index& index, const std::vector<std::pair<std::string, Param>>& params,
-                      bool with_optimizer) {
+                      const Optimizer* optimizer) {
   if (comm.world_size() == 1) return;
   const std::vector<std::int64_t> all = every_rank(
-      comm, {index.text_fingerprint, static_cast<std::uint64_t>(index.step), model_fingerprint(params, with_optimizer)},
+      comm,
+      {index.text_fingerprint, static_cast<std::uint64_t>(index.step), model_fingerprint(params, optimizer, false)},
       "checkpoint load: the ranks' index and parameters");
   std::vector<int> other_index, other_model;
   std::string steps;
@@ -755,10 +846,10 @@ void agree_on_loading(Communicator& comm, const Index& index, const std::vector<
   }
   if (!other_model.empty()) {
     ckpt::fail(index.dir, "the ranks load into different models: " + rank_list(other_model) +
-                              " hold other parameters (names, shapes, dtypes or sharding) or optimizer than rank 0 "
-                              "(this rank, " +
-                              std::to_string(comm.rank()) + ": " + std::to_string(params.size()) + " parameters" +
-                              (with_optimizer ? ", an optimizer)" : ", no optimizer)"));
+                              " hold other parameters (names, shapes, dtypes or sharding) or another optimizer "
+                              "(kind, settings or groups) than rank 0 (this rank, " +
+                              std::to_string(comm.rank()) + ": " + std::to_string(params.size()) + " parameters, " +
+                              optimizer_text(optimizer) + ")");
   }
 }
 
@@ -790,16 +881,18 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
   const int rank = comm.rank(), world = comm.world_size();
   const std::string step_dir = (fs::path(dir) / step_name(step)).string();
   const auto params = module.named_parameters();
-  agree_on_checkpoint(comm, dir, step, params, optimizer != nullptr);
+  agree_on_checkpoint(comm, dir, step, params, optimizer);
 
   // 1. Every rank checks the arguments (what would fail only at publishing, after every file is
   // written), and rank 0 prepares the step directory; no rank writes until both are done. A step
   // directory written before (a run resumed from an earlier step reaches it again) keeps its
   // files and index until step 4 replaces the index (prepare_step).
+  std::optional<SaveLock> lock;  // rank 0's, until the save returns or throws
   run_agreed_or_fail(comm, dir.empty() ? "''" : dir, "preparing the directory", [&] {
     check_save_arguments(dir, step, world, extra, keep);
     if (optimizer) check_optimizer_in_module(dir, *optimizer, params);
     if (rank != 0) return;
+    lock.emplace(dir);
     check_latest_pointer(dir);  // a pointer that cannot be replaced would fail only after every file is written
     prepare_step(step_dir);
   });
@@ -966,6 +1059,9 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     }
   };
 
+  // Every mismatch the index shows, before anything is loaded: a refused checkpoint changes
+  // nothing (checked inside the loop, the parameters before the mismatch and their moments were
+  // overwritten, the step counts not: a "resume, or start afresh" caller went on with a mixture).
   for (const auto& [name, p] : params) {
     const auto found = by_name.find(name);
     if (found == by_name.end()) fail(index.dir, "has no parameter '" + name + "'");
@@ -978,6 +1074,18 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       fail(index.dir, "parameter '" + name + "' is " + std::string(dtype_name(entry.dtype)) +
                           " in the checkpoint but " + std::string(dtype_name(p.data().dtype())) + " in the model");
     }
+    if (!loads_state(name, p)) continue;
+    for (const auto& [state, t] : optimizer->state(p)) {
+      const auto recorded = entry.state_dtypes.find(state);
+      if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
+        fail(index.dir, "optimizer state '" + state + "' of parameter '" + name + "' is " +
+                            std::string(dtype_name(recorded->second)) + " in the checkpoint but " +
+                            std::string(dtype_name(t.dtype())) + " in the optimizer");
+      }
+    }
+  }
+  for (const auto& [name, p] : params) {
+    const IndexParam& entry = *by_name.at(name);
     const Piece want =
         p.is_sharded() ? Piece{p.shard()->offset(), p.shard()->real_elements()} : Piece{0, p.data().numel()};
     // Padding stays zero: fill the whole local tensor, then the real part from the files.
@@ -988,13 +1096,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     if (optimizer && index.has_optimizer && optimizer->updates(p) && !entry.optimized) {
       for (auto& [state, t] : optimizer->state(p)) t.fill_(0.0);
     } else if (loads_state(name, p)) {
-      for (auto& [state, t] : optimizer->state(p)) {  // (the same names as the index's: checked above)
-        const auto recorded = entry.state_dtypes.find(state);
-        if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
-          fail(index.dir, "optimizer state '" + state + "' of parameter '" + name + "' is " +
-                              std::string(dtype_name(recorded->second)) + " in the checkpoint but " +
-                              std::string(dtype_name(t.dtype())) + " in the optimizer");
-        }
+      for (auto& [state, t] : optimizer->state(p)) {  // (names and dtypes the index's: checked above)
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
         gather_range(entry, optim_tensor(name, state), t.dtype(), dtype_size(t.dtype()), want, staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
@@ -1043,7 +1145,7 @@ CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimize
   };
   std::optional<Index> index;
   agreed([&] { index = read_index(resolve_checkpoint(path)); });
-  agree_on_loading(comm, *index, module.named_parameters(), optimizer != nullptr);
+  agree_on_loading(comm, *index, module.named_parameters(), optimizer);
   CheckpointInfo info;
   agreed([&] {
     info =
@@ -1258,6 +1360,7 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
            "--step, or remove the step first");
     }
   }
+  const SaveLock lock(out_dir);
   check_latest_pointer(out_dir);  // as a save: a pointer that cannot be replaced fails before any file is written
   prepare_step(step_dir);         // as a save: a step split again keeps its files until the new index replaces it
   std::vector<json> reports;

@@ -2,6 +2,7 @@
 #include "io/files.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,9 +11,11 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <random>
 #include <utility>
@@ -110,6 +113,43 @@ int open_regular_file(const std::string& path, const std::string& origin, std::u
   if (size) *size = static_cast<std::uint64_t>(st.st_size);
   return fd;
 }
+
+namespace detail {
+// Bytes this process may still allocate: the smaller of the system's MemAvailable and what the
+// address-space and data limits (ulimit -v, -d) leave; unknown parts count as unlimited.
+std::uint64_t allocatable_bytes() {
+  std::uint64_t out = std::numeric_limits<std::uint64_t>::max();
+  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kb = 0;
+    while (std::fgets(line, sizeof line, f)) {
+      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+        out = std::min<std::uint64_t>(out, static_cast<std::uint64_t>(kb) * 1024);
+        break;
+      }
+    }
+    std::fclose(f);
+  }
+  unsigned long long size_pages = 0, data_pages = 0, skip = 0;
+  bool have_statm = false;
+  if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+    have_statm =
+        std::fscanf(f, "%llu %llu %llu %llu %llu %llu", &size_pages, &skip, &skip, &skip, &skip, &data_pages) == 6;
+    std::fclose(f);
+  }
+  const auto page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+  auto headroom = [&](int resource, std::uint64_t used) {
+    rlimit limit{};
+    if (have_statm && ::getrlimit(resource, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+      const auto cap = static_cast<std::uint64_t>(limit.rlim_cur);
+      out = std::min(out, cap > used ? cap - used : 0);
+    }
+  };
+  headroom(RLIMIT_AS, size_pages * page);
+  headroom(RLIMIT_DATA, data_pages * page);
+  return out;
+}
+}  // namespace detail
 
 namespace testing {
 std::int64_t crash_after_bytes() {

@@ -101,6 +101,9 @@ class AtomicFile {
   bool settled_ = false;  // renamed into place, or its temporary removed
 };
 
+/// Bytes this process may still allocate: the smaller of the system's MemAvailable and what the
+/// address-space and data limits (ulimit -v, -d) leave; unknown parts count as unlimited.
+std::uint64_t allocatable_bytes();
 }  // namespace detail
 
 namespace testing {

@@ -3,8 +3,11 @@
 
 #include <ruda/attention.h>
 #include <ruda/autograd.h>
+#include <ruda/memory.h>
 #include <ruda/nn/layers.h>
 #include <ruda/nn/recompute.h>
+
+#include "io/files.h"
 
 namespace ruda::nn {
 
@@ -262,6 +265,34 @@ void check_gpt_config(const GPTConfig& c) {
   if (overflows) {
     fail<ShapeError>("GPT", "vocabulary ", c.vocabulary, ", context ", c.context, " and d_model ", c.d_model,
                      " give parameters whose element counts overflow int64");
+  }
+  // The whole model, before any block is built: each block's parameters fit, so a model of 2^40
+  // blocks was built block by block until the system ran out of memory (an abort in libgomp, or
+  // the OOM killer), never an error. Under DeferredInit nothing is allocated (the model is to be
+  // sharded), so only the count must be a number.
+  const long double d = static_cast<long double>(c.d_model);
+  const long double per_block = 12 * d * d + 13 * d;  // qkv, proj, fc1, fc2 with biases, two norms
+  const long double total = static_cast<long double>(c.layers) * per_block +
+                            (static_cast<long double>(c.vocabulary) + static_cast<long double>(c.context)) * d + 2 * d +
+                            (c.tied_head ? 0 : static_cast<long double>(c.vocabulary) * d);
+  if (total > static_cast<long double>(std::numeric_limits<std::int64_t>::max())) {
+    fail<ShapeError>("GPT", c.layers, " layers of d_model ", c.d_model, " hold ", static_cast<double>(total),
+                     " parameters, more than int64 counts");
+  }
+  // Deferred, each block is still a few objects (modules, parameter records): 256 bytes is far
+  // below what one takes, so a model refused here could never be built.
+  const bool deferred = DeferredInit::active();
+  const long double bytes = deferred ? static_cast<long double>(c.layers) * 256 : total * 4;  // f32 values
+  const std::uint64_t room = safetensors::detail::allocatable_bytes();
+  if (bytes > static_cast<long double>(room)) {
+    auto shown = [](long double b) {
+      return memory::format_bytes(
+          static_cast<std::int64_t>(std::min(b, static_cast<long double>(std::numeric_limits<std::int64_t>::max()))));
+    };
+    fail<OutOfMemoryError>("GPT", c.layers, " layers of d_model ", c.d_model, " need ", deferred ? "more than " : "",
+                           shown(bytes), deferred ? " for their modules alone" : " for their f32 parameters",
+                           ", more than this process can allocate (", shown(static_cast<long double>(room)), ")",
+                           deferred ? "" : ": build it under DeferredInit and fully_shard it");
   }
 }
 }  // namespace

@@ -104,6 +104,12 @@ void Optimizer::require_own(const char* op, const Param& param) const {
   }
 }
 
+void Optimizer::require_step_room(const char* op) const {
+  if (steps_ >= std::numeric_limits<std::int64_t>::max() - 1) {
+    fail<ArgumentError>(op, "the step count ", steps_, " cannot grow: another step would overflow it");
+  }
+}
+
 std::int64_t Optimizer::steps_of(const Param& param) const {
   require_own("Optimizer::steps_of", param);
   return own_steps(param);
@@ -170,6 +176,7 @@ void Optimizer::finish_partial(const std::vector<std::size_t>& without_gradient,
 }
 
 void SGD::step() {
+  require_step_room("SGD::step");
   autograd::NoGradGuard guard;
   for (const Param& p : params_) require_complete_gradient(p, "SGD::step");
   std::vector<std::size_t> without_gradient;
@@ -269,6 +276,7 @@ Adam::Moments& Adam::moments(const Param& param) {
 }
 
 void Adam::step() {
+  require_step_room(options_.decoupled_weight_decay ? "AdamW::step" : "Adam::step");
   for (const Param& p : params_) require_complete_gradient(p, "Adam::step");
   // First pass: every check and allocation (see finish_partial); the kernel itself allocates nothing.
   std::vector<std::size_t> without_gradient;
@@ -393,9 +401,16 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
   autograd::NoGradGuard guard;
   double dense = 0;
   std::vector<std::pair<Communicator*, double>> sharded;  // per communicator, first named first
+  // A parameter listed twice would count twice in the norm and be scaled twice (the optimizers
+  // refuse such a list too).
+  std::unordered_map<ParamId, std::size_t> position;
   for (std::size_t i = 0; i < params.size(); ++i) {
     const Param& p = params[i];
     if (!p.defined()) fail<ArgumentError>(op, "parameter ", i, " of ", params.size(), " is undefined");
+    if (const auto [it, fresh] = position.try_emplace(p.id(), i); !fresh) {
+      fail<ArgumentError>(op, "parameter ", p.shape(), " (id ", p.id(), ") is given twice, at positions ", it->second,
+                          " and ", i);
+    }
     require_complete_gradient(p, op);
     double* into = &dense;
     if (p.is_sharded()) {

@@ -84,7 +84,10 @@ struct LoadOptions {
 /// error, the others an IOError naming it and its error). The ranks must load the same checkpoint
 /// (the same index.json, wherever each finds it) into the same model, with an optimizer on all or
 /// none: otherwise every rank raises an IOError naming the ranks that differ, before anything is
-/// loaded. After a failure while loading the module's values are unspecified. A checkpoint without
+/// loaded. A checkpoint the index shows does not fit (names, shapes, dtypes, the optimizer's kind,
+/// state and groups) is refused before anything is loaded too; after a failure while reading (a
+/// damaged or missing file) the module's values and the optimizer's state are unspecified (its step
+/// counts and rate are set last, so they keep their values). A checkpoint without
 /// optimizer state (a model-only one: ruda-ckpt split of a consolidated file) loads into a run with
 /// an optimizer, which keeps its fresh state: the returned info's `warnings` says so.
 CheckpointInfo load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer, Communicator& comm,
@@ -99,6 +102,12 @@ std::string resolve_checkpoint(const std::string& path);
 /// `latest` beside step directories. Writers of other files (consolidate, ruda-train's metrics)
 /// refuse such a path: writing it would damage a checkpoint.
 std::string checkpoint_member(const std::string& path);
+/// Why `dir` cannot be a checkpoint directory, as a phrase ("is a checkpoint step (it holds an
+/// index.json), ...", "lies inside D, a checkpoint step"), or "" when it can: a step directory
+/// itself, or any place inside one, where a checkpoint would be hidden behind the step (readers
+/// take a directory holding an index.json for a step) and removed by its directory's upkeep.
+/// save_checkpoint and split_checkpoint refuse such a directory (IOError).
+std::string checkpoint_dir_conflict(const std::string& dir);
 /// Whether checkpoint directory `dir` holds a complete checkpoint (a step with its index), whatever
 /// its `latest` pointer says. IOError naming it if `latest` is there but not a pointer file.
 bool holds_checkpoint(const std::string& dir);

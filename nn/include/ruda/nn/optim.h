@@ -82,6 +82,9 @@ class Optimizer {
 
   /// ArgumentError naming `op` unless `param` is one of params().
   void require_own(const char* op, const Param& param) const;
+  /// ArgumentError naming `op` where the step count cannot grow (a step would take it to
+  /// INT64_MAX, which set_steps refuses: the step after would overflow). step() calls it first.
+  void require_step_room(const char* op) const;
   /// steps_of without the membership check: the steps `param` completed.
   std::int64_t own_steps(const Param& param) const;
   /// Counts a completed step: for every parameter but params()[i], i in without_gradient. step()
@@ -120,6 +123,7 @@ class SGD : public Optimizer {
   SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
+  const SGDOptions& options() const noexcept { return options_; }
 
  private:
   /// The parameter's buffer (zeros when new); DTypeError naming `op` if the parameter changed
