@@ -112,7 +112,7 @@ void check_unary_with_derivative(UnaryOp op, const View& x, const View& y, const
 
 void Backend::add_scaled(const View& x, double alpha, const View& y) {
   const Shape shape(y.shape.begin(), y.shape.begin() + y.ndim);
-  const Tensor factor = full({}, alpha, Options(x.dtype, this));
+  const Tensor factor = detail::arithmetic_scalar_tensor(alpha, Options(x.dtype, this));  // overflows as arithmetic
   Tensor scaled = empty(shape, Options(x.dtype, this));
   binary(BinaryOp::mul, x, detail::broadcast_view(factor, shape), scaled.view());
   binary(BinaryOp::add, y, scaled.view(), y);

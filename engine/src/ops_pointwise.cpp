@@ -1,4 +1,5 @@
 // Elementwise ops: arithmetic with broadcasting, comparisons, where, unary math, casts, dropout.
+#include <charconv>
 #include <cmath>
 #include <limits>
 
@@ -65,7 +66,7 @@ Tensor with_number(Tensor (*op)(const Tensor&, const Tensor&), const char* name,
   detail::require_defined(name, t);
   if (is_16bit_float(t.dtype()) && !holds_exactly(t.dtype(), static_cast<float>(number))) {
     const Tensor wide = cast(t, DType::f32);
-    const Tensor s = scalar(number, Options(DType::f32, &t.backend()));
+    const Tensor s = detail::arithmetic_scalar_tensor(number, Options(DType::f32, &t.backend()));
     return cast(number_first ? op(s, wide) : op(wide, s), t.dtype());
   }
   const Tensor s = arithmetic_scalar(name, number, t);
@@ -475,7 +476,10 @@ void require_finite_in(const char* op, double value, DType dtype, const Shape& s
       break;
   }
   if (overflows) {
-    fail<DTypeError>(op, "the number ", value, " is beyond the largest ", dtype_name(dtype),
+    // The shortest text that reads back as `value`: 65519.999999999993 is no 65520.
+    char digits[32];
+    *std::to_chars(digits, digits + sizeof digits - 1, value).ptr = '\0';
+    fail<DTypeError>(op, "the number ", digits, " is beyond the largest ", dtype_name(dtype),
                      " value, and the tensor is ", dtype_name(dtype), " ", shape,
                      " (pass infinity itself for infinity)");
   }

@@ -540,7 +540,7 @@ Tensor& Tensor::mul_(double factor) {
     }
     return copy_(product);
   }
-  const Tensor f = scalar(factor, Options(dtype(), &backend()));
+  const Tensor f = detail::arithmetic_scalar_tensor(factor, Options(dtype(), &backend()));
   const View self_view = detail::view_of(*this);
   bump_version();
   backend().binary(BinaryOp::mul, self_view, detail::broadcast_view(f, shape()), self_view);

@@ -345,6 +345,8 @@ TEST_CASE("fill_ and full on i64 refuse numbers that are no i64 value, as add_ a
 TEST_CASE("full, scalar and fill_ refuse a finite number the float dtype cannot hold; arithmetic overflows as usual") {
   const double inf = std::numeric_limits<double>::infinity();
   test::check_throws<DTypeError>([&] { full({2}, 70000, Options(DType::f16)); }, {"full", "70000", "f16 [2]"});
+  test::check_throws<DTypeError>([&] { full({2}, 65519.999999999993, Options(DType::f16)); },
+                                 {"full", "65519.99999999999", "f16"});
   test::check_throws<DTypeError>([&] { full({2}, 1e39); }, {"full", "1e+39", "f32 [2]"});
   test::check_throws<DTypeError>([&] { scalar(-1e39, Options(DType::bf16)); }, {"scalar", "bf16 []"});
   Tensor h = ones({2}, Options(DType::f16));
@@ -358,6 +360,11 @@ TEST_CASE("full, scalar and fill_ refuse a finite number the float dtype cannot 
   // Arithmetic with a number overflows to infinity, as the products of two tensors do.
   CHECK(std::isinf((ones({2}) * 1e39).to_vector<double>()[0]));
   CHECK(std::isinf((ones({2}, Options(DType::f16)) * 70000.0).to_vector<double>()[1]));
+  CHECK(std::isinf((ones({2}, Options(DType::f16)) * 1e39).to_vector<double>()[1]));  // through f32
+  Tensor m = ones({2});
+  CHECK(std::isinf(m.mul_(1e39).to_vector<double>()[0]));
+  Tensor acc = ones({2}, Options(DType::f16));
+  CHECK(std::isinf(acc.add_(ones({2}, Options(DType::f16)), 1e39).to_vector<double>()[0]));
   CHECK(clamp(test::values({3}, {1}), -1e39, 1e39).item() == 3);
 }
 

@@ -271,9 +271,13 @@ TEST_CASE("one save at a time into a checkpoint directory; none into a step dire
     CHECK_FALSE(std::filesystem::exists(inner + "/step-00000003"));
   }
   test::check_throws<IOError>([&] { nn::save_checkpoint(step, 3, layer, nullptr, comm); },
-                              {"is a checkpoint step (it holds an index.json)"});
+                              {"holds an index.json, so readers take it for a checkpoint step"});
   test::check_throws<IOError>([&] { nn::save_checkpoint(step + "/a/b", 3, layer, nullptr, comm); },
-                              {"lies inside", "a checkpoint step"});
+                              {"lies inside the step directory", step});
+  // An index.json of a project's own higher up is no checkpoint step: nothing reads upward.
+  std::filesystem::create_directories(dir.path / "project" / "runs");
+  std::ofstream(dir.path / "project" / "index.json") << "{}";
+  CHECK(nn::save_checkpoint((dir.path / "project" / "runs" / "ck").string(), 1, layer, nullptr, comm).step == 1);
 }
 
 TEST_CASE("the ranks must load one checkpoint: another step, model or optimizer on one rank is refused on all") {

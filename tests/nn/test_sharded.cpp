@@ -753,4 +753,17 @@ TEST_CASE("a graph recorded before fully_shard or Param::set_data fails in backw
   const Tensor loss = sum(lin.forward(randn({2, 4}, 1)));
   lin.weight.set_data(zeros({4, 3}));
   test::check_throws<AutogradError>([&] { loss.backward(); }, {"backward", "Param::set_data", "[4, 3]"});
+  // A caller may have stored a non-leaf through data(): nothing to retire, and fully_shard shards
+  // every parameter (a throw mid-way had left the module half sharded).
+  lin.weight.data() = lin.weight.data() * 2.0;
+  lin.bias.data() = lin.bias.data() * 2.0;
+  run_ranks(2, [&](Communicator& comm) {
+    nn::Linear layer(4, 3);
+    layer.weight.data() = layer.weight.data() * 1.0;
+    nn::fully_shard(layer, comm);
+    CHECK(layer.weight.is_sharded());
+    CHECK(layer.bias.is_sharded());
+  });
+  lin.weight.set_data(zeros({4, 3}));
+  CHECK(lin.weight.data().is_leaf());
 }

@@ -314,16 +314,16 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   // refused before step 1, as ruda-ckpt split's --out is.
   for (const std::string& inside : {ck + "/step-00000004", ck + "/step-00000004/nested"}) {
     CAPTURE(inside);
-    one_error_line(run(train(lm + "--steps 2 --checkpoint-dir " + inside)), {"--checkpoint-dir", "checkpoint step"});
+    one_error_line(run(train(lm + "--steps 2 --checkpoint-dir " + inside)), {"--checkpoint-dir", "step", "checkpoint"});
   }
   fs::create_directories(tmp / "corpus");
   std::ofstream(tmp / "corpus/a.txt") << text;
-  for (const std::string& inside : {tmp / "corpus", tmp / "corpus/ck"}) {
-    CAPTURE(inside);
-    one_error_line(run(train(lm + "--steps 2 --text " + tmp / "corpus" + " --checkpoint-dir " + inside)),
-                   {"--checkpoint-dir", "the data directory", "read as data"});
-  }
-  CHECK_FALSE(fs::exists(tmp / "corpus/ck"));
+  one_error_line(run(train(lm + "--steps 2 --text " + tmp / "corpus" + " --checkpoint-dir " + tmp / "corpus")),
+                 {"--checkpoint-dir", "the --text directory", "read as text"});
+  CHECK_FALSE(fs::exists(tmp / "corpus/latest"));
+  // A directory inside it is fine: the corpus is its files, not its subdirectories'.
+  const Run beside = run(train(lm + "--steps 1 --text " + tmp / "corpus" + " --checkpoint-dir " + tmp / "corpus/ck"));
+  CHECK_MESSAGE(beside.exit_code == 0, beside.output);
   // An update that makes the weights infinite is not saved: the good steps and latest stay.
   one_error_line(run(train(lm + "--steps 8 --checkpoint-every 1 --resume-latest --lr 1e308 --checkpoint-dir " + ck)),
                  {"not finite after step 5", "no checkpoint written"});
@@ -340,7 +340,7 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   one_error_line(run(ckpt("split " + tmp / "full.safetensors" + " --world 2 --out " + ck + " --step 4")),
                  {"holds optimizer state", "--step"});
   one_error_line(run(ckpt("split " + tmp / "full.safetensors" + " --world 1 --out " + ck + "/step-00000004")),
-                 {"is a checkpoint step", "not a checkpoint directory"});
+                 {"holds an index.json", "readers take it for a checkpoint step"});
   one_error_line(
       run(ckpt("split " + ck + "/step-00000004/rank-00000-of-00001.safetensors --world 1 --out " + tmp / "s")),
       {"rank file", "consolidate"});

@@ -65,18 +65,18 @@ const std::string& data_input(const Config& cfg) { return cfg.model == "lm" ? cf
 void check_checkpoint_dir(const Config& cfg, int rank) {
   const fs::path dir(cfg.checkpoint_dir);
   std::error_code ec;
-  // A checkpoint directory that is the data directory or inside it: its files (latest, the steps'
-  // rank files) are read as data by the next run, which then refuses to resume ("the resumed run
-  // would train on other samples").
+  // A step directory or a place inside one (a checkpoint there was hidden behind the step), as the
+  // first save would find only after the training.
   if (const std::string conflict = nn::checkpoint_dir_conflict(cfg.checkpoint_dir); !conflict.empty())
     throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": " + conflict);
-  const std::string& data = data_input(cfg);
-  if (!data.empty() && fs::is_directory(data, ec)) {
-    if (const Placement where = placement(dir, data); where != Placement::elsewhere) {
-      throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is " +
-                          (where == Placement::same ? "" : "inside ") + "the data directory " + data +
-                          ", whose files this run reads: its checkpoints would be read as data");
-    }
+  // lm's --text directory itself: its regular files are the corpus, so the checkpoint directory's
+  // own (latest, the save lock) were read as text by the next run, which then refused to resume
+  // ("the resumed run would train on other samples"). Its subdirectories are not read, and the mlp
+  // task opens its --data files by name.
+  if (cfg.model == "lm" && !cfg.text.empty() && fs::is_directory(cfg.text, ec) &&
+      placement(dir, cfg.text) == Placement::same) {
+    throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is the --text directory " + cfg.text +
+                        ", whose files are the corpus: its checkpoint files would be read as text");
   }
   if (fs::exists(dir, ec) && !fs::is_directory(dir, ec)) {
     throw ArgumentError("--checkpoint-dir " + cfg.checkpoint_dir + ": is not a directory");

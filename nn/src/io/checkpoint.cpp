@@ -132,7 +132,11 @@ class SaveLock {
   explicit SaveLock(const fs::path& dir) {
     nn::create_directories(dir);
     const fs::path file = dir / ".ruda-save.lock";
-    fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    // Read-only: flock needs no write access, so another user's lock file in a shared directory
+    // locks as well; created 0666 less the umask, as ruda's other files, only where it is missing
+    // (opening without O_CREAT first: a sticky directory may refuse O_CREAT on another's file).
+    fd_ = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0 && errno == ENOENT) fd_ = ::open(file.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0666);
     if (fd_ < 0) fail(dir.string(), "cannot open its save lock " + file.string() + ": " + std::strerror(errno));
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
       const int error = errno;
@@ -390,23 +394,22 @@ std::string checkpoint_member(const std::string& path) {
 
 // Where a checkpoint directory `dir` is a checkpoint step itself or lies inside one (at any depth),
 // what the error says; "" otherwise. Readers take a directory holding an index.json for a step, so
-// a checkpoint saved there was hidden behind the outer step (--resume-latest resumed the outer one),
-// and the outer run's upkeep (pruning, leftovers of a step directory without an index) removes it.
+// a checkpoint saved there was hidden (--resume-latest resumed the outer step), and a step's own
+// directory prunes it (pruning, or the leftovers of a step without an index). Above `dir` only a
+// step of ruda's naming counts, with its index or beside a latest pointer: no reader looks upward,
+// so a project's own index.json higher up (a web root, a data set's manifest) hides nothing.
 std::string checkpoint_dir_conflict(const std::string& dir) {
   std::error_code ec;
   const fs::path canonical = fs::weakly_canonical(fs::path(dir), ec);
   const fs::path p = ec ? fs::path(dir) : canonical;
   if (fs::exists(fs::symlink_status(p / "index.json", ec))) {
-    return "is a checkpoint step (it holds an index.json), not a checkpoint directory: save into the directory that "
-           "holds the steps";
+    return "holds an index.json, so readers take it for a checkpoint step: save into another directory (a "
+           "checkpoint's steps go in the directory that holds them)";
   }
   for (fs::path up = p.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
     std::error_code probing;
-    if (fs::exists(fs::symlink_status(up / "index.json", probing)))
-      return "lies inside " + up.string() + ", a checkpoint step (it holds an index.json)";
-    // A step directory without its index yet (being written, or left by a kill) beside a latest
-    // pointer: the directory holding it is a checkpoint's (a user's step-5/ elsewhere is not).
-    if (is_step_name(up.filename().string()) && fs::is_directory(up, probing) &&
+    if (!is_step_name(up.filename().string()) || !fs::is_directory(up, probing)) continue;
+    if (fs::exists(fs::symlink_status(up / "index.json", probing)) ||
         fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
       return "lies inside the step directory " + up.string() + " of a checkpoint";
   }
@@ -734,7 +737,15 @@ std::uint64_t model_fingerprint(const std::vector<std::pair<std::string, Param>>
   if (!optimizer) {
     settings << "no optimizer";
   } else {
-    settings << optimizer_kind(*optimizer) << ' ' << describe(groups_of(*optimizer, params));
+    // A parameter the module does not hold is named by its id, which differs between emulated
+    // ranks: one placeholder, so that save's own check names it instead of "different models".
+    auto groups = groups_of(*optimizer, params);
+    for (auto& g : groups) {
+      for (auto& name : g.params) {
+        if (name.rfind("<not in the module", 0) == 0) name = "<not in the module>";
+      }
+    }
+    settings << optimizer_kind(*optimizer) << ' ' << describe(groups);
     if (with_rate) settings << " lr " << optimizer->lr();
     if (const auto* adam = dynamic_cast<const Adam*>(optimizer)) {
       const AdamOptions& o = adam->options();

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <random>
@@ -115,21 +116,31 @@ int open_regular_file(const std::string& path, const std::string& origin, std::u
 }
 
 namespace detail {
-// Bytes this process may still allocate: the smaller of the system's MemAvailable and what the
-// address-space and data limits (ulimit -v, -d) leave; unknown parts count as unlimited.
-std::uint64_t allocatable_bytes() {
-  std::uint64_t out = std::numeric_limits<std::uint64_t>::max();
-  if (FILE* f = std::fopen("/proc/meminfo", "r")) {
-    char line[256];
-    unsigned long long kb = 0;
-    while (std::fgets(line, sizeof line, f)) {
-      if (std::sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
-        out = std::min<std::uint64_t>(out, static_cast<std::uint64_t>(kb) * 1024);
-        break;
+namespace {
+// The sum of /proc/meminfo's `keys` in bytes; nullopt where one is missing.
+std::optional<std::uint64_t> meminfo_bytes(std::initializer_list<const char*> keys) {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return std::nullopt;
+  std::uint64_t total = 0;
+  std::size_t found = 0;
+  char line[256];
+  while (std::fgets(line, sizeof line, f)) {
+    for (const char* key : keys) {
+      const std::size_t n = std::strlen(key);
+      unsigned long long kb = 0;
+      if (std::strncmp(line, key, n) == 0 && line[n] == ':' && std::sscanf(line + n + 1, " %llu kB", &kb) == 1) {
+        total += static_cast<std::uint64_t>(kb) * 1024;
+        ++found;
       }
     }
-    std::fclose(f);
   }
+  std::fclose(f);
+  return found == keys.size() ? std::optional<std::uint64_t>(total) : std::nullopt;
+}
+
+// The smaller of `memory` and what the address-space and data limits (ulimit -v, -d) leave.
+std::uint64_t within_limits(std::uint64_t memory) {
+  std::uint64_t out = memory;
   unsigned long long size_pages = 0, data_pages = 0, skip = 0;
   bool have_statm = false;
   if (FILE* f = std::fopen("/proc/self/statm", "r")) {
@@ -148,6 +159,15 @@ std::uint64_t allocatable_bytes() {
   headroom(RLIMIT_AS, size_pages * page);
   headroom(RLIMIT_DATA, data_pages * page);
   return out;
+}
+}  // namespace
+
+std::uint64_t allocatable_bytes() {
+  return within_limits(meminfo_bytes({"MemAvailable"}).value_or(std::numeric_limits<std::uint64_t>::max()));
+}
+
+std::uint64_t memory_ceiling_bytes() {
+  return within_limits(meminfo_bytes({"MemTotal", "SwapTotal"}).value_or(std::numeric_limits<std::uint64_t>::max()));
 }
 }  // namespace detail
 

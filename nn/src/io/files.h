@@ -104,6 +104,9 @@ class AtomicFile {
 /// Bytes this process may still allocate: the smaller of the system's MemAvailable and what the
 /// address-space and data limits (ulimit -v, -d) leave; unknown parts count as unlimited.
 std::uint64_t allocatable_bytes();
+/// The most this process could ever hold: the system's memory and swap (MemTotal + SwapTotal),
+/// within the same limits. A size beyond it fails whatever else is freed first.
+std::uint64_t memory_ceiling_bytes();
 }  // namespace detail
 
 namespace testing {

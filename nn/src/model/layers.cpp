@@ -283,7 +283,8 @@ void check_gpt_config(const GPTConfig& c) {
   // below what one takes, so a model refused here could never be built.
   const bool deferred = DeferredInit::active();
   const long double bytes = deferred ? static_cast<long double>(c.layers) * 256 : total * 4;  // f32 values
-  const std::uint64_t room = safetensors::detail::allocatable_bytes();
+  // Against memory and swap, not what is free now: a model that fits slowly is the caller's choice.
+  const std::uint64_t room = safetensors::detail::memory_ceiling_bytes();
   if (bytes > static_cast<long double>(room)) {
     auto shown = [](long double b) {
       return memory::format_bytes(
@@ -291,7 +292,7 @@ void check_gpt_config(const GPTConfig& c) {
     };
     fail<OutOfMemoryError>("GPT", c.layers, " layers of d_model ", c.d_model, " need ", deferred ? "more than " : "",
                            shown(bytes), deferred ? " for their modules alone" : " for their f32 parameters",
-                           ", more than this process can allocate (", shown(static_cast<long double>(room)), ")",
+                           ", more than this machine's memory and swap (", shown(static_cast<long double>(room)), ")",
                            deferred ? "" : ": build it under DeferredInit and fully_shard it");
   }
 }

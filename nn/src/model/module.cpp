@@ -124,7 +124,9 @@ void Param::replace_data(const Tensor& value, std::string_view why_old_retired) 
   // optimizers' fused kernels, the collectives and checkpoints read a parameter's bytes.
   Tensor leaf = value.is_contiguous() ? value.detach() : value.detach().contiguous();
   leaf.set_requires_grad(true);
-  if (s.data.defined() && !why_old_retired.empty()) autograd::retire_leaf(s.data, std::string(why_old_retired));
+  // Only a leaf takes gradients (a caller may have stored a non-leaf through data()).
+  if (s.data.defined() && s.data.is_leaf() && !why_old_retired.empty())
+    autograd::retire_leaf(s.data, std::string(why_old_retired));
   s.data = leaf;
   s.deferred = nullptr;
 }

@@ -396,8 +396,10 @@ Tensor ShardGroup::use(std::size_t index) {
   // data was replaced since (fully_shard's caller cannot have: a sharded parameter; set_data).
   autograd::record("all_gather", value, {local}, {},
                    [sink, index, local](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-                     autograd::refuse_if_retired(local);
+                     // After the deposit: its reduce-scatter is issued on this rank as on the
+                     // others, whose loss may not reach the retired slice (they raise nothing).
                      sink->deposit(index, g, autograd::reached());
+                     autograd::refuse_if_retired(local);
                      return std::vector<Tensor>{Tensor()};
                    },
                    {.always_run = true, .owner = weak_from_this()});
