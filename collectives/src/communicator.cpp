@@ -323,11 +323,36 @@ std::string format_collective_timeout(std::chrono::milliseconds timeout) {
 // --- Communicator ---
 
 struct Communicator::Call {
+  // This thread's hold on the communicator (acquire_use), released when the call ends, also by an
+  // exception.
+  struct Release {
+    void operator()(Communicator* c) const noexcept { c->release_use(); }
+  };
+  std::unique_ptr<Communicator, Release> use;
   std::uint64_t sequence = 0;
   std::string fingerprint;  // for the order check
   std::uint64_t start = 0;  // a cd::Stopwatch reading
   std::uint64_t bytes = 0;  // bus bytes (Traffic::bytes)
 };
+
+void Communicator::acquire_use(const char* op) {
+  const std::thread::id me = std::this_thread::get_id();
+  if (user_.load(std::memory_order_acquire) == me) {  // a collective nested in this thread's own
+    ++user_depth_;
+    return;
+  }
+  std::thread::id none;
+  if (!user_.compare_exchange_strong(none, me, std::memory_order_acq_rel)) {
+    fail<ArgumentError>(op, rank_text_,
+                        ": another thread is running a collective on this communicator; a communicator is used by "
+                        "one thread at a time (give each thread its own: split)");
+  }
+  user_depth_ = 1;
+}
+
+void Communicator::release_use() noexcept {
+  if (--user_depth_ == 0) user_.store(std::thread::id{}, std::memory_order_release);
+}
 
 void Communicator::finish(const Call& call) {
   const double seconds = cd::Stopwatch::seconds(call.start, cd::Stopwatch::now());
@@ -401,12 +426,14 @@ Communicator::Call Communicator::begin(Op op, bool has_data, std::int64_t count,
       name = "split_by_node";
       break;
   }
+  Call call;
+  acquire_use(name);
+  call.use.reset(this);
   check_enum(options.accumulate, name, "Accumulate", rank_text_);
   // A tag is text for messages: a NUL would end them mid-way (mismatch reports, timeouts).
   if (!options.tag.empty() && options.tag.find('\0') != std::string::npos) {
     fail<ArgumentError>(name, rank_text_, ": the tag '", detail::shown_nul(options.tag), "' contains a NUL character");
   }
-  Call call;
   call.start = cd::Stopwatch::now();
   if (has_data && world_size_ > 1) {
     call.bytes =

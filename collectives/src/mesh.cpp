@@ -27,6 +27,18 @@ std::string layout_text(const std::vector<std::int64_t>& all, int world) {
 
 ShardMesh ShardMesh::by_node(Communicator& world, int ranks_per_node) {
   const int n = world.world_size();
+  // Every rank's count first: a rank asking for another count built a layout others did not ask
+  // for, and one whose count was refused left the others waiting in split() until the timeout.
+  const std::vector<std::int64_t> asked =
+      world.all_gather(from_vector<std::int64_t>({ranks_per_node}, {1}), {.tag = "ShardMesh::by_node: ranks per node"})
+          .to_vector<std::int64_t>();
+  for (int r = 1; r < n; ++r) {
+    if (asked[static_cast<std::size_t>(r)] != asked[0]) {
+      fail<TopologyError>("ShardMesh::by_node", "rank ", world.rank(),
+                          ": the ranks ask for different ranks per node: ", "rank 0 for ", asked[0], ", rank ", r,
+                          " for ", asked[static_cast<std::size_t>(r)], " (every rank passes the same count)");
+    }
+  }
   if (ranks_per_node < 0 || (ranks_per_node > 0 && n % ranks_per_node != 0)) {
     fail<TopologyError>("ShardMesh::by_node", "rank ", world.rank(), ": ", ranks_per_node,
                         " ranks per node do not divide a world of ", n, " ranks into nodes of equal size",
@@ -39,7 +51,7 @@ ShardMesh ShardMesh::by_node(Communicator& world, int ranks_per_node) {
 }
 
 ShardMesh::ShardMesh(Communicator& world, std::unique_ptr<Communicator> shard, std::unique_ptr<Communicator> replicate)
-    : world_(&world), shard_(std::move(shard)), replicate_(std::move(replicate)) {
+    : world_(&world), world_alive_(world.liveness()), shard_(std::move(shard)), replicate_(std::move(replicate)) {
   const int n = world.world_size();
   // Every rank's place in both, on every rank: each decides the same.
   const std::vector<std::int64_t> mine = shard_ && replicate_
@@ -138,6 +150,10 @@ void ShardMesh::require_communicators(const char* what) const {
 }
 Communicator& ShardMesh::world() const {
   require_communicators("ShardMesh::world");
+  if (world_alive_.expired()) {
+    fail<ArgumentError>("ShardMesh::world", "the world communicator this ", describe(),
+                        " mesh was made over was destroyed (it must outlive the mesh)");
+  }
   return *world_;
 }
 Communicator& ShardMesh::shard() const {

@@ -628,6 +628,54 @@ TEST_CASE("emulated: a ShardMesh moved from raises ArgumentError from every acce
   });
 }
 
+TEST_CASE("emulated: a ShardMesh's destroyed world and ranks asking for other node sizes are typed errors") {
+  // world() of a mesh whose world communicator was destroyed dereferenced it (a segfault).
+  run_ranks(2, [](Communicator& comm) {
+    auto world = comm.split(0, comm.rank());
+    const ShardMesh mesh = ShardMesh::by_node(*world, 1);
+    world.reset();
+    expect_throw<ArgumentError>([&] { (void)mesh.world(); }, {"ShardMesh::world", "destroyed"}, "world");
+    CHECK(mesh.shard().world_size() == 1);  // its own communicators are still there
+  });
+  // Ranks passing other counts: a layout rank 0 did not ask for, silently (both counts valid), or
+  // the ranks whose count was valid waiting in split() until the timeout (under MPI).
+  for (const int other : {1, 3}) {
+    run_ranks(2, [other](Communicator& comm) {
+      expect_throw<TopologyError>(
+          [&] { (void)ShardMesh::by_node(comm, comm.rank() == 0 ? 2 : other); },
+          {"ShardMesh::by_node", "different ranks per node", "rank 0 for 2", "rank 1 for " + std::to_string(other)},
+          "by_node");
+      CHECK(ShardMesh::by_node(comm, 2).describe() == "1 node x 2 ranks");  // agreed: fine
+    });
+  }
+}
+
+TEST_CASE("emulated: a collective begun while another thread's runs on the communicator is refused, not a crash") {
+  // Two threads' calls interleaved in the communicator's records (one thread's call paired with
+  // the other's) or crashed. Rank 0's helper thread waits in an all_reduce that rank 1 joins only
+  // after rank 0's main thread was refused.
+  std::atomic<bool> refused{false}, helper_started{false};
+  run_ranks(2, [&](Communicator& comm) {
+    if (comm.rank() == 1) {
+      while (!refused) std::this_thread::sleep_for(1ms);
+      CHECK(comm.all_reduce(ones({2})).sum().item() == 4.0);
+      comm.barrier();
+      return;
+    }
+    std::thread helper([&] {
+      helper_started = true;
+      CHECK(comm.all_reduce(ones({2})).sum().item() == 4.0);
+    });
+    while (!helper_started) std::this_thread::sleep_for(1ms);
+    std::this_thread::sleep_for(200ms);  // the helper is inside its all_reduce, waiting for rank 1
+    expect_throw<ArgumentError>([&] { comm.barrier(); },
+                                {"barrier", "rank 0", "another thread", "one thread at a time"}, "barrier");
+    refused = true;
+    helper.join();
+    comm.barrier();  // one thread at a time again: fine, from any thread
+  });
+}
+
 TEST_CASE("emulated: an Accumulate that changes nothing is no mismatch; split against split_by_node is one") {
   run_ranks(2, [](Communicator& comm) {
     const Accumulate mine = comm.rank() == 0 ? Accumulate::f32 : Accumulate::native;

@@ -268,6 +268,14 @@ TEST_CASE("IdxImages checks its files as load_idx does; errors name the file") {
     test::check_throws<IOError>([&] { open(limit); }, {img, "3 images but 2 labels", lab});
     test::check_throws<IOError>([&] { (void)nn::load_idx(img, lab, limit); }, {img, "3 images but 2 labels"});
   }
+  // A negative limit read every sample, silently.
+  write_raw(lab, labels());
+  for (std::int64_t limit : {std::int64_t{-1}, std::int64_t{-1000000}}) {
+    CAPTURE(limit);
+    test::check_throws<ArgumentError>([&] { open(limit); }, {"IdxImages", "limit", "negative", img});
+    test::check_throws<ArgumentError>([&] { (void)nn::load_idx(img, lab, limit); }, {"load_idx", "negative"});
+  }
+  CHECK(open(0).size() == 3);
   write_raw(lab, idx_file({1, 3}, {1, 2, 3}));
   test::check_throws<IOError>([&] { open(); }, {lab, "not an IDX file", "1 dimensions"});
   write_raw(lab, {0, 0, 8});

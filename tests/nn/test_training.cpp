@@ -1,6 +1,7 @@
 // The pieces of a training job in nn/training.h, sharded over emulated ranks against the same
 // computation in one process: the padded evaluation of a classifier, the windows of a language
 // model's data stream, and sampling.
+#include <atomic>
 #include <fstream>
 #include <mutex>
 
@@ -59,6 +60,22 @@ TEST_CASE("evaluate_classifier scores the whole test set over any world size, pa
   const nn::IdxImages test = nn::open_fashion_mnist(nn::kFashionMnistDir, false, 8, cache.str());
   test::check_throws<ArgumentError>([&] { nn::evaluate_classifier(layer, local, test, 0); },
                                     {"evaluate_classifier", "chunk 0"});
+}
+
+TEST_CASE("evaluate_classifier refuses ranks holding test sets of other sizes, on every rank") {
+  // Each rank took its share of its own set and divided by its own size: a different "global"
+  // score on each rank, some samples counted twice and others never.
+  TempDir cache;
+  std::atomic<int> refused{0};
+  run_ranks(2, [&](Communicator& comm) {
+    const nn::IdxImages test =
+        nn::open_fashion_mnist(nn::kFashionMnistDir, false, comm.rank() == 0 ? 4 : 2, cache.str());
+    nn::Linear layer(784, 10);
+    test::check_throws<ArgumentError>([&] { nn::evaluate_classifier(layer, comm, test, 8); },
+                                      {"evaluate_classifier", "test sets differ", "rank 0 holds 4", "rank 1 2"});
+    ++refused;
+  });
+  CHECK(refused == 2);
 }
 
 TEST_CASE("TextWindows: the ranks' parts of a step are the one-process batch, each a window of the range") {

@@ -5,6 +5,7 @@
 // parameters lives in nn (<ruda/nn/sharded.h>).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <ruda/error.h>
@@ -169,7 +171,9 @@ std::string format_collective_timeout(std::chrono::milliseconds timeout);
 /// it may hang until the collective timeout, fail on some ranks only, or return wrong data without
 /// an error (a broadcast of 2 values against 4 leaves the tail of the larger uninitialized; sum
 /// against max, or bf16 against f16, complete with mixed results). Develop with the check on.
-/// A communicator is used by one thread at a time.
+/// A communicator is used by one thread at a time: a collective begun while another thread's
+/// runs on it is an ArgumentError on the second thread (two threads' calls used to interleave in
+/// its records, pairing one thread's call with the other's, or crash).
 ///
 /// Data movement follows axis 0: all_gather concatenates the ranks' tensors along axis 0 (a 0-d
 /// tensor counts as one row), reduce_scatter splits the (summed) tensor along axis 0 into
@@ -335,6 +339,13 @@ class Communicator {
   std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
   std::vector<Record> history_;  // ring of the last kHistory calls; the current one is the newest
   static constexpr std::size_t kHistory = 32;
+  // The thread running a collective on this communicator (none: a default id), and how deep its
+  // calls nest (a collective may run another on the same communicator): begin() takes it, the
+  // call releases it when it ends. Only the holding thread touches user_depth_.
+  std::atomic<std::thread::id> user_{};
+  int user_depth_ = 0;
+  void acquire_use(const char* op);
+  void release_use() noexcept;
 };
 
 /// World size 1: every collective is the identity (results share the input's storage, cut from
@@ -421,8 +432,9 @@ class ShardMesh {
   /// Splits `world` by node. ranks_per_node 0: by the communicator's own nodes (split_by_node:
   /// MPI's shared-memory nodes, emulated ranks' EmulatedOptions::ranks_per_node); N > 0: blocks of
   /// N consecutive ranks (as `mpiexec --map-by ppr:N:node` places them), which must divide the
-  /// world. Nodes of different sizes, or an N that does not divide the world, are a TopologyError
-  /// on every rank. Collective over `world`, which must outlive the mesh.
+  /// world. Nodes of different sizes, an N that does not divide the world, or ranks passing
+  /// different N are a TopologyError on every rank. Collective over `world`, which must outlive
+  /// the mesh.
   static ShardMesh by_node(Communicator& world, int ranks_per_node = 0);
   /// From communicators the caller made (any split of `world`). Checks that they tile `world`
   /// (collective over all three): TopologyError on every rank otherwise, naming the layouts.
@@ -430,7 +442,8 @@ class ShardMesh {
   ShardMesh(ShardMesh&&) noexcept = default;
   ShardMesh& operator=(ShardMesh&&) noexcept = default;
 
-  // Every accessor of a mesh moved from raises ArgumentError (it holds no communicators).
+  // Every accessor of a mesh moved from raises ArgumentError (it holds no communicators), and
+  // world() of one whose world communicator was destroyed.
   Communicator& world() const;
   /// Within a node: all-gathers and reduce-scatters of the shards.
   Communicator& shard() const;
@@ -446,6 +459,7 @@ class ShardMesh {
  private:
   void require_communicators(const char* what) const;
   Communicator* world_;
+  std::weak_ptr<const void> world_alive_;  // world_->liveness(): world() refuses a destroyed one
   std::unique_ptr<Communicator> shard_, replicate_;
 };
 

@@ -402,7 +402,18 @@ ImageDataset load_idx_files(const std::string& images_path, const std::string& l
 }
 }  // namespace
 
+namespace {
+// 0 (every sample) or a positive count: a negative one read every sample, silently.
+void check_limit(const char* op, std::int64_t limit, const std::string& images_path) {
+  if (limit < 0) {
+    throw ArgumentError(std::string(op) + ": limit " + std::to_string(limit) + " for " + images_path +
+                        " is negative (0 takes every sample, a positive count the first ones)");
+  }
+}
+}  // namespace
+
 ImageDataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
+  check_limit("load_idx", limit, images_path);
   return load_idx_files(images_path, labels_path, limit);
 }
 
@@ -450,6 +461,7 @@ struct IdxImages::State {
 IdxImages::IdxImages(const std::string& images_path, const std::string& labels_path, std::int64_t limit,
                      const std::string& cache_dir)
     : state_(std::make_shared<State>()) {
+  check_limit("IdxImages", limit, images_path);
   state_->images = open_idx(images_path, 3, limit, cache_dir);  // images first: errors name them first
   state_->labels = open_idx(labels_path, 1, limit, cache_dir);
   check_counts(images_path, state_->images.items_in_file, labels_path, state_->labels.items_in_file);

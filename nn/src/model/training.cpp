@@ -14,6 +14,20 @@ ClassifierScore evaluate_classifier(UnaryModule& model, Communicator& comm, cons
   if (chunk <= 0) throw ArgumentError("evaluate_classifier: chunk " + std::to_string(chunk) + " is not positive");
   autograd::NoGradGuard guard;
   const std::int64_t n = test.size(), world = comm.world_size(), features = test.rows() * test.cols();
+  // Every rank must hold the same set: each took its share of its own size and divided by it, so
+  // sets of other sizes gave each rank another "global" score (samples counted twice or never).
+  // Sizes agreed first (an all-gather), so that all raise alike.
+  const auto sizes =
+      comm.all_gather(from_vector<std::int64_t>({n}, {1}), {.tag = "evaluate_classifier: test set sizes"})
+          .to_vector<std::int64_t>();
+  for (std::size_t r = 0; r < sizes.size(); ++r) {
+    if (sizes[r] != sizes[0]) {
+      throw ArgumentError("evaluate_classifier: rank " + std::to_string(comm.rank()) +
+                          ": the ranks' test sets differ: rank 0 holds " + std::to_string(sizes[0]) +
+                          " samples, rank " + std::to_string(r) + " " + std::to_string(sizes[r]) +
+                          " (every rank passes the whole test set; each scores its share)");
+    }
+  }
   // (Every rank holds the same set: all raise alike.) The scores divided by 0 were NaN.
   if (n == 0) throw ArgumentError("evaluate_classifier: the test set is empty");
   const std::int64_t share = (n + world - 1) / world, mine = comm.rank() * share;
