@@ -1164,6 +1164,30 @@ TEST_CASE("linear_gelu equals gelu(linear(...)), forward and backward, keeping o
                   ArgumentError);
 }
 
+TEST_CASE("16-bit sums over separate axes round once, as over one run of axes (and the broadcast gradient)") {
+  // Folded run by run, each partial sum was rounded to 16 bits: bf16 sum over {0, 2} of
+  // arange(24) * 0.7 - 5 read 1.9375 for 2. The reference: the f64 sum of the 16-bit values,
+  // rounded once.
+  for (const DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = (arange(0, 24, 1, DType::f64) * 0.7 - 5.0).reshape({2, 3, 4}).to(dtype);
+    const Tensor exact = sum(x.to(DType::f64), {0, 2}).to(dtype);
+    CHECK(sum(x, {0, 2}).to_vector<double>() == exact.to_vector<double>());
+    const Tensor wide = randn({4, 6, 9}, 3).to(dtype);
+    for (const Axes& axes : {Axes{0, 2}, Axes{1}, Axes{0, 1, 2}}) {
+      CHECK(sum(wide, axes).to_vector<double>() == sum(wide.to(DType::f64), axes).to(dtype).to_vector<double>());
+    }
+    const auto got = logsumexp(wide, {0, 2}).to_vector<double>();
+    const auto want = logsumexp(wide.to(DType::f64), {0, 2}).to_vector<double>();
+    for (std::size_t i = 0; i < want.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= 8e-3 * std::abs(want[i]));
+    // The gradient of a [1, 6, 1] operand broadcast against [4, 6, 9]: one rounding too.
+    const Tensor b = ones({1, 6, 1}, dtype).set_requires_grad();
+    sum((b * wide) * wide).backward();
+    CHECK(b.grad().reshape({6}).to_vector<double>() ==
+          sum(((wide * wide).to(DType::f64)), {0, 2}).to(dtype).to_vector<double>());
+  }
+}
+
 TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a repeated index in f32") {
   // Rounded to bf16 after every add, a destination stopped growing at 256 (256 + 1 is 256).
   for (const DType dtype : {DType::bf16, DType::f16}) {
