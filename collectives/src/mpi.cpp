@@ -35,6 +35,45 @@ namespace ruda {
 namespace {
 
 namespace cd = collectives_detail;
+
+// The job's start-up collectives (agree_on_startup, a communicator's creation) run before any
+// watchdog exists: blocking, a rank stopped or frozen there hung every other rank forever, whatever
+// RUDA_COLLECTIVE_TIMEOUT said. They run non-blocking instead, and past `limit` (0: none) this
+// rank reports and ends the job as the watchdog does.
+void wait_unwatched(MPI_Request& request, std::chrono::milliseconds limit, const char* what) {
+  const auto start = std::chrono::steady_clock::now();
+  auto pause = std::chrono::microseconds(50);
+  for (;;) {
+    int done = 0;
+    mpi_detail::check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), what);
+    if (done) return;
+    if (limit.count() > 0 && std::chrono::steady_clock::now() - start > limit) {
+      int rank = -1, size = 0;
+      MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+      MPI_Comm_size(MPI_COMM_WORLD, &size);
+      std::fprintf(stderr,
+                   "ruda: rank %d of %d failed: %s: not complete after the collective timeout of %s "
+                   "(RUDA_COLLECTIVE_TIMEOUT): another rank did not arrive (this runs before the watchdog that "
+                   "would name it: its process is stopped, frozen or has exited, or its node is unreachable)\n",
+                   rank, size, what, format_collective_timeout(limit).c_str());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 1);
+      std::abort();  // MPI_Abort does not return
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(10));
+  }
+}
+
+// RUDA_COLLECTIVE_TIMEOUT for the start-up waits; the default where it is not valid (whose error
+// the communicator's own agreement reports on every rank).
+std::chrono::milliseconds startup_timeout() {
+  try {
+    return collective_timeout_from_env();
+  } catch (const ArgumentError&) {
+    return kDefaultCollectiveTimeout;
+  }
+}
 using mpi_detail::Buffer;
 using mpi_detail::check;
 using mpi_detail::int_count;
@@ -265,8 +304,14 @@ struct MpiCommunicator::Impl {
   }
 
   void create(MPI_Comm parent, bool timeout_from_env) {
-    check(MPI_Comm_dup(parent, &data), "MPI_Comm_dup");
-    check(MPI_Comm_dup(parent, &control), "MPI_Comm_dup");
+    // Before the watchdog starts (below): waited for under the timeout by wait_unwatched.
+    const std::chrono::milliseconds limit =
+        timeout_from_env ? startup_timeout() : std::chrono::milliseconds(timeout_ms.load(std::memory_order_relaxed));
+    MPI_Request request = MPI_REQUEST_NULL;
+    check(MPI_Comm_idup(parent, &data, &request), "MPI_Comm_idup");
+    wait_unwatched(request, limit, "MPI_Comm_idup (creating a communicator)");
+    check(MPI_Comm_idup(parent, &control, &request), "MPI_Comm_idup");
+    wait_unwatched(request, limit, "MPI_Comm_idup (creating a communicator)");
     MPI_Comm_set_errhandler(data, MPI_ERRORS_RETURN);
     MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN);
     check(MPI_Comm_rank(data, &rank), "MPI_Comm_rank");
@@ -292,7 +337,9 @@ struct MpiCommunicator::Impl {
       refused = e.what();
       agreed[0] = 1;
     }
-    check(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control), "MPI_Allreduce");
+    check(MPI_Iallreduce(MPI_IN_PLACE, agreed, 3, MPI_UNSIGNED_LONG_LONG, MPI_MAX, control, &request),
+          "MPI_Iallreduce");
+    wait_unwatched(request, limit, "MPI_Iallreduce (a new communicator's agreement on the RUDA_ variables)");
     if (agreed[0]) {
       throw ArgumentError("MpiCommunicator: rank " + std::to_string(rank) + " of " + std::to_string(size) + ": " +
                           (refused.empty() ? "another rank's RUDA_RING_MIN_BYTES, RUDA_COLLECTIVE_TIMEOUT or "
@@ -964,15 +1011,19 @@ std::vector<RankFailure> agree_on_startup(const std::string& error) {
   if (!MpiEnvironment::active()) {
     throw CollectiveError("agree_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
   }
+  const std::chrono::milliseconds limit = startup_timeout();
   MPI_Comm world = MPI_COMM_NULL;
-  check(MPI_Comm_dup(MPI_COMM_WORLD, &world), "MPI_Comm_dup (agree_on_startup)");
+  MPI_Request request = MPI_REQUEST_NULL;
+  check(MPI_Comm_idup(MPI_COMM_WORLD, &world, &request), "MPI_Comm_idup (agree_on_startup)");
+  wait_unwatched(request, limit, "agree_on_startup (MPI_Comm_idup)");
   MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
   int size = 0;
   MPI_Comm_size(world, &size);
   const std::string mine = error.substr(0, 4096);  // "" is no failure
   const int length = static_cast<int>(mine.size());
   std::vector<int> lengths(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
-  int code = MPI_Allgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, world);
+  int code = MPI_Iallgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, world, &request);
+  if (code == MPI_SUCCESS) wait_unwatched(request, limit, "agree_on_startup (MPI_Iallgather)");
   int total = 0;
   for (int r = 0; r < size; ++r) {
     offsets[static_cast<std::size_t>(r)] = total;
@@ -980,7 +1031,9 @@ std::vector<RankFailure> agree_on_startup(const std::string& error) {
   }
   std::vector<char> all(static_cast<std::size_t>(std::max(total, 1)));
   if (code == MPI_SUCCESS) {
-    code = MPI_Allgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world);
+    code = MPI_Iallgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world,
+                           &request);
+    if (code == MPI_SUCCESS) wait_unwatched(request, limit, "agree_on_startup (MPI_Iallgatherv)");
   }
   MPI_Comm_free(&world);
   check(code, "MPI_Allgather (agree_on_startup)");

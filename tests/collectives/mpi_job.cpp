@@ -15,6 +15,10 @@
 //   stall-setring  in set_ring_min_bytes (a raw MPI_Allreduce once, which no watchdog covered)
 //   deadlock     the last rank blocks forever outside any collective (it still answers queries)
 //   stall-settimeout  as stall, with the timeout set by set_timeout (the message names it)
+// Before any watchdog exists, the last rank stops itself and the others must still end the job
+// within the timeout (they waited forever):
+//   stall-startup  before ruda::agree_on_startup
+//   stall-create   before its MpiCommunicator is made (MPI_Comm_dup and the variables' agreement)
 // A variable the communicator reads, bad on rank 1 alone (set there before the communicator is
 // made), must raise a typed error on every rank (it threw on rank 1 while the others waited in
 // MPI_Comm_dup or in their first collective):
@@ -82,7 +86,7 @@ int main(int argc, char** argv) {
   if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
       mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "stall-setring" &&
       mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" && mode != "env-check" &&
-      mode != "after-finalize") {
+      mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }
@@ -101,6 +105,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "caught: %s\n", e.what());
     }
     comm.reset();
+    return 0;
+  }
+  if (mode == "stall-startup" || mode == "stall-create") {
+    ruda::MpiEnvironment mpi(argc, argv);
+    if (mpi.world_rank() == mpi.world_size() - 1) std::raise(SIGSTOP);
+    if (mode == "stall-startup") (void)ruda::agree_on_startup("");
+    ruda::MpiCommunicator comm;
+    std::fprintf(stderr, "rank %d: the start-up completed\n", comm.rank());
     return 0;
   }
   if (mode.rfind("env-", 0) == 0) {
