@@ -130,6 +130,52 @@ std::string seconds_text(std::int64_t ms) {
 
 // --- MpiEnvironment ---
 
+namespace {
+// MPI_Init and MPI_Finalize wait for every rank (their fences) and no watchdog can run inside
+// them: a rank stopped or frozen before either hung the others there forever. While one runs, a
+// timer thread waits out RUDA_COLLECTIVE_TIMEOUT (0: none) and then ends this process with a
+// message and a non-zero exit, which makes mpiexec end the job (MPI_Abort needs MPI running).
+class StartOrEndDeadline {
+ public:
+  explicit StartOrEndDeadline(const char* what) noexcept {
+    const std::chrono::milliseconds limit = startup_timeout();
+    if (limit.count() == 0) return;
+    try {
+      timer_ = std::thread([this, limit, what] {
+        std::unique_lock lock(mutex_);
+        if (done_.wait_for(lock, limit, [this] { return finished_; })) return;
+        const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+        std::fprintf(stderr,
+                     "ruda: rank %s: %s: not complete after the collective timeout of %s (RUDA_COLLECTIVE_TIMEOUT): "
+                     "another rank did not arrive (its process is stopped, frozen or has exited, or its node is "
+                     "unreachable); ending this process\n",
+                     rank ? rank : "?", what, format_collective_timeout(limit).c_str());
+        std::fflush(stderr);
+        std::_Exit(1);
+      });
+    } catch (...) {  // no thread: the call runs unwatched, as before
+    }
+  }
+  ~StartOrEndDeadline() {
+    if (!timer_.joinable()) return;
+    {
+      const std::lock_guard lock(mutex_);
+      finished_ = true;
+    }
+    done_.notify_all();
+    timer_.join();
+  }
+  StartOrEndDeadline(const StartOrEndDeadline&) = delete;
+  StartOrEndDeadline& operator=(const StartOrEndDeadline&) = delete;
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_;
+  bool finished_ = false;
+  std::thread timer_;
+};
+}  // namespace
+
 MpiEnvironment::MpiEnvironment() { init(nullptr, nullptr); }
 MpiEnvironment::MpiEnvironment(int& argc, char**& argv) { init(&argc, &argv); }
 
@@ -143,6 +189,7 @@ void MpiEnvironment::init(int* argc, char*** argv) {
   if (initialized) {
     MPI_Query_thread(&provided);
   } else {
+    const StartOrEndDeadline deadline("MPI_Init_thread");
     check(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided), "MPI_Init_thread");
     owns_ = true;
   }
@@ -159,7 +206,10 @@ void MpiEnvironment::init(int* argc, char*** argv) {
 
 MpiEnvironment::~MpiEnvironment() {
   if (std::uncaught_exceptions() > uncaught_) return;  // unwinding: see the class comment
-  if (owns_ && active()) MPI_Finalize();
+  if (owns_ && active()) {
+    const StartOrEndDeadline deadline("MPI_Finalize");
+    MPI_Finalize();
+  }
 }
 
 bool MpiEnvironment::active() {

@@ -19,6 +19,8 @@
 // within the timeout (they waited forever):
 //   stall-startup  before ruda::agree_on_startup
 //   stall-create   before its MpiCommunicator is made (MPI_Comm_dup and the variables' agreement)
+//   stall-init     before MPI_Init (the others wait in MPI_Init's fence)
+//   stall-finalize after its last collective, before MPI_Finalize (the others wait in its fence)
 // A variable the communicator reads, bad on rank 1 alone (set there before the communicator is
 // made), must raise a typed error on every rank (it threw on rank 1 while the others waited in
 // MPI_Comm_dup or in their first collective):
@@ -86,7 +88,8 @@ int main(int argc, char** argv) {
   if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
       mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "stall-setring" &&
       mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" && mode != "env-check" &&
-      mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create") {
+      mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create" && mode != "stall-init" &&
+      mode != "stall-finalize") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }
@@ -105,6 +108,20 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "caught: %s\n", e.what());
     }
     comm.reset();
+    return 0;
+  }
+  if (mode == "stall-init" || mode == "stall-finalize") {
+    // The launcher's rank variable: MPI is not running yet.
+    const char* rank_env = std::getenv("OMPI_COMM_WORLD_RANK");
+    const char* size_env = std::getenv("OMPI_COMM_WORLD_SIZE");
+    const bool last = rank_env && size_env && std::atoi(rank_env) == std::atoi(size_env) - 1;
+    if (mode == "stall-init" && last) std::raise(SIGSTOP);
+    ruda::MpiEnvironment mpi(argc, argv);
+    {
+      ruda::MpiCommunicator comm;
+      comm.all_gather(ruda::ones({4}));
+    }
+    if (mode == "stall-finalize" && last) std::raise(SIGSTOP);
     return 0;
   }
   if (mode == "stall-startup" || mode == "stall-create") {
