@@ -40,6 +40,17 @@ namespace cd = collectives_detail;
 // watchdog exists: blocking, a rank stopped or frozen there hung every other rank forever, whatever
 // RUDA_COLLECTIVE_TIMEOUT said. They run non-blocking instead, and past `limit` (0: none) this
 // rank reports and ends the job as the watchdog does.
+// The line a rank prints when a wait no watchdog covers (the start-up collectives, MPI_Init,
+// MPI_Finalize) ran past the timeout; `who` is "rank 0 of 3 failed" or, before MPI runs, "rank 0".
+void print_unwatched_timeout(const std::string& who, const char* what, std::chrono::milliseconds limit) {
+  std::fprintf(stderr,
+               "ruda: %s: %s: not complete after the collective timeout of %s (RUDA_COLLECTIVE_TIMEOUT): another "
+               "rank did not arrive (no watchdog runs here to name it: its process is stopped, frozen or has "
+               "exited, or its node is unreachable)\n",
+               who.c_str(), what, format_collective_timeout(limit).c_str());
+  std::fflush(stderr);
+}
+
 void wait_unwatched(MPI_Request& request, std::chrono::milliseconds limit, const char* what) {
   const auto start = std::chrono::steady_clock::now();
   auto pause = std::chrono::microseconds(50);
@@ -51,12 +62,7 @@ void wait_unwatched(MPI_Request& request, std::chrono::milliseconds limit, const
       int rank = -1, size = 0;
       MPI_Comm_rank(MPI_COMM_WORLD, &rank);
       MPI_Comm_size(MPI_COMM_WORLD, &size);
-      std::fprintf(stderr,
-                   "ruda: rank %d of %d failed: %s: not complete after the collective timeout of %s "
-                   "(RUDA_COLLECTIVE_TIMEOUT): another rank did not arrive (this runs before the watchdog that "
-                   "would name it: its process is stopped, frozen or has exited, or its node is unreachable)\n",
-                   rank, size, what, format_collective_timeout(limit).c_str());
-      std::fflush(stderr);
+      print_unwatched_timeout("rank " + std::to_string(rank) + " of " + std::to_string(size) + " failed", what, limit);
       MPI_Abort(MPI_COMM_WORLD, 1);
       std::abort();  // MPI_Abort does not return
     }
@@ -144,13 +150,8 @@ class StartOrEndDeadline {
       timer_ = std::thread([this, limit, what] {
         std::unique_lock lock(mutex_);
         if (done_.wait_for(lock, limit, [this] { return finished_; })) return;
-        const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
-        std::fprintf(stderr,
-                     "ruda: rank %s: %s: not complete after the collective timeout of %s (RUDA_COLLECTIVE_TIMEOUT): "
-                     "another rank did not arrive (its process is stopped, frozen or has exited, or its node is "
-                     "unreachable); ending this process\n",
-                     rank ? rank : "?", what, format_collective_timeout(limit).c_str());
-        std::fflush(stderr);
+        const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");  // MPI is not running: the launcher's
+        print_unwatched_timeout(std::string("rank ") + (rank ? rank : "?"), what, limit);
         std::_Exit(1);
       });
     } catch (...) {  // no thread: the call runs unwatched, as before
