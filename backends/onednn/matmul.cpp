@@ -2,6 +2,7 @@
 // 0 as a broadcast batch dimension of 1), transposes expressed as memory-descriptor strides (no
 // copies), bias fused, alpha as output scales, beta as a sum post-op. bf16 runs natively on CPUs
 // with bf16 instructions (f32 accumulation, f32 or bf16 output) and is computed in f32 elsewhere.
+#include <algorithm>
 #include <string_view>
 #include <vector>
 
@@ -26,27 +27,37 @@ int bias_arg(const GemmDesc& d) {
   return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
 }
 
-// f32 2-D products that read B as stored (not transposed) run on oneDNN's gemm path (gemm:jit)
-// where it offers one, not on the brgemm path it ranks first, unless A is transposed and the
-// output is narrower than 2048 columns. oneDNN 2.6.3's f32 brgemm with plain row-major weights
-// collapses on some widths: [1024, 768] x [768, 3072] (GPT-2-small's fc1) at 179 GFLOP/s against
-// gemm:jit's 378 on 2 threads (86 against 199 on one), its weight gradient x^T dy (x [1024, 768],
-// dy [1024, 3072]) at 158 against 371, N = 2560 at 257 against 382; the gemm path held 350-383 on
-// every width measured. A scratch survey on 2026-12-05 (a 2-core Xeon with AMX, where oneDNN
-// picked brg:avx512_core for f32; median of 6 runs of 5 products, filled buffers), gemm:jit's
-// speed over brgemm's:
-//   A and B as stored, 20 shapes from [128, 784] x [784, 1024] to [4096, 256] x [256, 1024]:
-//     1.01-2.1x
-//   A transposed (weight gradients): N >= 2048 1.10-2.3x; narrower 0.84-1.08x (0.84 on the default
-//     GPT's fc2 h^T dy, h [2048, 1024], dy [2048, 256]), so those keep brgemm
-//   B transposed (input gradients): 0.79-1.08x, so those keep brgemm
+// f32 2-D products run on oneDNN's gemm path (gemm:jit) rather than the brgemm path it ranks
+// first, where a survey found the gemm path faster: with A and B as stored always; with A
+// transposed (weight gradients) when the output has 2048 rows or columns; with B transposed (input
+// gradients) when the output is wider than the inner dimension and has 512 rows or more. oneDNN
+// 2.6.3's f32 brgemm with plain row-major weights collapses on some widths: [1024, 768] x
+// [768, 3072] (GPT-2-small's fc1) at 179 GFLOP/s against gemm:jit's 378 on 2 threads (86 against
+// 199 on one), its weight gradient x^T dy (x [1024, 768], dy [1024, 3072]) at 158 against 371,
+// N = 2560 at 257 against 382; the gemm path held 350-383 on every width measured. Two scratch
+// surveys on a 2-core Xeon with AMX, where oneDNN picked brg:avx512_core for f32 (2026-12-05:
+// median of 6 runs of 5 products, filled buffers; 2026-12-06: the linear shapes of the three
+// models of `ruda-bench --suite models` and ten others, the two paths alternated, median of 8
+// runs, random buffers), gemm:jit's speed over brgemm's:
+//   A and B as stored, 32 shapes from [128, 784] x [784, 1024] to [4096, 256] x [256, 1024]:
+//     1.01-2.2x
+//   A transposed: 2048 or more output columns 1.10-2.45x; 2048 or more rows 0.97-1.09x (1.09 on
+//     GPT-2-small's fc2 h^T dy, h [1024, 3072], dy [1024, 768]); smaller outputs 0.84-1.16x (0.84
+//     on the default GPT's fc2 h^T dy, h [2048, 1024], dy [2048, 256]), so those keep brgemm
+//   B transposed: wider than the inner dimension with 512 rows or more 1.03-1.11x (1.11 on
+//     GPT-2-small's fc2 input gradient dy w^T, dy [1024, 768], w [3072, 768]); fewer rows
+//     0.90-0.98x; as wide as the inner dimension or narrower 0.79-1.03x (0.89-0.90 on the fc1
+//     input gradients, dy [T, 4d], w [d, 4d]), so those keep brgemm
 // Batched products (not measured) and native 16-bit ones (AMX and avx512_core_bf16 brgemm) keep
 // oneDNN's first choice too; bf16 products on CPUs without bf16 instructions are computed as f32
 // products (gemm_bf16_in_f32 below), which this rule covers. `ruda-bench --suite gemm-onednn` times
 // the two paths on such shapes, to re-check the rule on another CPU.
 bool prefers_gemm_path(const GemmDesc& d) {
-  return d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32 && d.batch == 1 && !d.trans_b &&
-         (!d.trans_a || d.n >= 2048);
+  if (d.a_dtype != DType::f32 || d.b_dtype != DType::f32 || d.c_dtype != DType::f32 || d.batch != 1) return false;
+  if (d.trans_a && d.trans_b) return false;
+  if (d.trans_a) return std::max(d.m, d.n) >= 2048;
+  if (d.trans_b) return d.n > d.k && d.m >= 512;
+  return true;
 }
 
 std::shared_ptr<const Primitive> matmul_primitive(const GemmDesc& d) {

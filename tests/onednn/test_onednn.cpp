@@ -187,9 +187,9 @@ std::int64_t built_with(const std::string& prefix) {
 
 TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused bias and GELU included") {
   // oneDNN 2.6 ranks its f32 brgemm first, which ran 2x slower on GPT-2-small's fc1 shape
-  // (backends/onednn/matmul.cpp). Fresh shapes, so that each call builds its primitive. (Narrower
-  // products with A transposed, and those with B transposed, keep oneDNN's first choice, which is
-  // the gemm path itself where brgemm is missing: not asserted.)
+  // (backends/onednn/matmul.cpp). Fresh shapes, so that each call builds its primitive. (The
+  // products the rule leaves to brgemm keep oneDNN's first choice, which is the gemm path itself
+  // where brgemm is missing: not asserted.)
   const Tensor x = gaussian({72, 88}, 31), w = gaussian({88, 136}, 32), b = gaussian({136}, 33);
   const std::int64_t before = built_with("gemm:");
   test::check_close(matmul(x.to(dnnl()), w.to(dnnl())), matmul(x, w), 1e-5, 1e-5);
@@ -205,6 +205,17 @@ TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused
   const Tensor xt = gaussian({40, 24}, 34), dy = gaussian({40, 2048}, 35);
   test::check_close(matmul(xt.to(dnnl()).transpose(0, 1), dy.to(dnnl())), matmul(xt.transpose(0, 1), dy), 1e-5, 1e-5);
   CHECK(built_with("gemm:") == before + 4);
+  // A transposed with at least 2048 output rows (GPT-2-small's fc2 weight gradient h^T dy).
+  const Tensor ht = gaussian({40, 2048}, 40), dy2 = gaussian({40, 24}, 41);
+  test::check_close(matmul(ht.to(dnnl()).transpose(0, 1), dy2.to(dnnl())), matmul(ht.transpose(0, 1), dy2), 1e-5,
+                    1e-5);
+  CHECK(built_with("gemm:") == before + 5);
+  // B transposed, wider than the inner dimension, with 512 rows (an input gradient dy w^T of a
+  // layer that narrows: GPT-2-small's fc2).
+  const Tensor dy3 = gaussian({512, 24}, 42), w3 = gaussian({56, 24}, 43);
+  test::check_close(matmul(dy3.to(dnnl()), w3.to(dnnl()).transpose(0, 1)), matmul(dy3, w3.transpose(0, 1)), 1e-5,
+                    1e-5);
+  CHECK(built_with("gemm:") == before + 6);
   // Multi-threaded (past 4 MFLOP a product runs on every thread), with every GemmDesc feature the
   // gemm path's post-processing handles: rows of A and B read with leading dimensions past their
   // lengths, alpha (the bias then a binary post-op after the scale), beta (a sum post-op).

@@ -126,10 +126,12 @@ void gemm_suite(Context& ctx) {
 // oneDNN's two f32 matmul paths called directly on the same buffers: gemm:jit, which ruda's 2-D
 // f32 products with B as stored run on, against brgemm, which oneDNN ranks first (the rule in
 // backends/onednn/matmul.cpp; "ratio" > 1: the gemm path is faster). GPT-2-small's linear layers
-// (tokens 1024, d 768), forward, weight gradient (A transposed) and input gradient (B transposed,
-// where the rule keeps oneDNN's first choice), the default GPT's fc1 and fc2 weight gradient
-// (A transposed, 256 columns: brgemm kept), and on one thread the fused attention's dV / dK block
-// products (A transposed, N = 64: the rule in backends/onednn/attention.cpp).
+// (tokens 1024, d 768), forward, weight gradients (A transposed: fc1's 3072 columns and fc2's 3072
+// rows take the gemm path) and input gradients (B transposed: fc1's, narrower than its inner
+// dimension, keeps brgemm; fc2's takes the gemm path), the default GPT's fc1 forward, fc2 weight
+// gradient (A transposed, 256 columns: brgemm kept) and fc2 input gradient (B transposed, 1024
+// columns from 256: gemm), and on one thread the fused attention's dV / dK block products (A
+// transposed, N = 64: the rule in backends/onednn/attention.cpp).
 void gemm_path_rows(Context& ctx) {
   struct Case {
     Gemm g;
@@ -139,7 +141,8 @@ void gemm_path_rows(Context& ctx) {
   std::vector<Case> cases = {
       {{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},   {{1024, 768, 2304}, false, false},
       {{2048, 256, 1024}, false, false}, {{1024, 2048, 256}, true, false},   {{1024, 3072, 768}, false, true},
-      {{1024, 768, 3072}, false, true},  {{256, 64, 64}, true, false, true}, {{256, 256, 64}, true, false, true}};
+      {{1024, 768, 3072}, false, true},  {{3072, 1024, 768}, true, false},  {{2048, 256, 1024}, false, true},
+      {{256, 64, 64}, true, false, true}, {{256, 256, 64}, true, false, true}};
   if (ctx.quick) cases.resize(2);
   const int threads = num_threads();
   for (const Case& c : cases) {
