@@ -207,14 +207,12 @@ TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused
   CHECK(built_with("gemm:") == before + 4);
   // A transposed with at least 2048 output rows (GPT-2-small's fc2 weight gradient h^T dy).
   const Tensor ht = gaussian({40, 2048}, 40), dy2 = gaussian({40, 24}, 41);
-  test::check_close(matmul(ht.to(dnnl()).transpose(0, 1), dy2.to(dnnl())), matmul(ht.transpose(0, 1), dy2), 1e-5,
-                    1e-5);
+  test::check_close(matmul(ht.to(dnnl()).transpose(0, 1), dy2.to(dnnl())), matmul(ht.transpose(0, 1), dy2), 1e-5, 1e-5);
   CHECK(built_with("gemm:") == before + 5);
   // B transposed, wider than the inner dimension, with 512 rows (an input gradient dy w^T of a
   // layer that narrows: GPT-2-small's fc2).
   const Tensor dy3 = gaussian({512, 24}, 42), w3 = gaussian({56, 24}, 43);
-  test::check_close(matmul(dy3.to(dnnl()), w3.to(dnnl()).transpose(0, 1)), matmul(dy3, w3.transpose(0, 1)), 1e-5,
-                    1e-5);
+  test::check_close(matmul(dy3.to(dnnl()), w3.to(dnnl()).transpose(0, 1)), matmul(dy3, w3.transpose(0, 1)), 1e-5, 1e-5);
   CHECK(built_with("gemm:") == before + 6);
   // Multi-threaded (past 4 MFLOP a product runs on every thread), with every GemmDesc feature the
   // gemm path's post-processing handles: rows of A and B read with leading dimensions past their

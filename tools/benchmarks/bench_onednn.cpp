@@ -139,9 +139,9 @@ void gemm_path_rows(Context& ctx) {
     bool one_thread = false;
   };
   std::vector<Case> cases = {
-      {{1024, 768, 3072}, false, false}, {{768, 1024, 3072}, true, false},   {{1024, 768, 2304}, false, false},
-      {{2048, 256, 1024}, false, false}, {{1024, 2048, 256}, true, false},   {{1024, 3072, 768}, false, true},
-      {{1024, 768, 3072}, false, true},  {{3072, 1024, 768}, true, false},  {{2048, 256, 1024}, false, true},
+      {{1024, 768, 3072}, false, false},  {{768, 1024, 3072}, true, false},   {{1024, 768, 2304}, false, false},
+      {{2048, 256, 1024}, false, false},  {{1024, 2048, 256}, true, false},   {{1024, 3072, 768}, false, true},
+      {{1024, 768, 3072}, false, true},   {{3072, 1024, 768}, true, false},   {{2048, 256, 1024}, false, true},
       {{256, 64, 64}, true, false, true}, {{256, 256, 64}, true, false, true}};
   if (ctx.quick) cases.resize(2);
   const int threads = num_threads();
