@@ -520,6 +520,70 @@ TEST_CASE("killed while writing a checkpoint: the previous one stays loadable an
   }
 }
 
+namespace {
+// The weights of two checkpoints, consolidated, compared bit for bit.
+void same_weights(const TempDir& tmp, const std::string& a_dir, const std::string& b_dir) {
+  const std::string a = tmp / (fs::path(a_dir).filename().string() + ".safetensors");
+  const std::string b = tmp / (fs::path(b_dir).filename().string() + ".safetensors");
+  REQUIRE(run(ckpt("consolidate " + a_dir + " " + a)).exit_code == 0);
+  REQUIRE(run(ckpt("consolidate " + b_dir + " " + b)).exit_code == 0);
+  ruda::safetensors::Reader ra(a), rb(b);
+  REQUIRE(ra.tensors().size() == rb.tensors().size());
+  for (const auto& t : ra.tensors()) {
+    CAPTURE(t.name);
+    CHECK(ra.read(t.name).to_vector<float>() == rb.read(t.name).to_vector<float>());
+  }
+}
+}  // namespace
+
+TEST_CASE("SIGINT, SIGTERM or SIGUSR1 during the steps: that step is saved, the exit is 128 + signal, it resumes") {
+  // The signal is raised inside the last rank during a step (RUDA_TEST_RAISE), as one sent from
+  // outside arrives; the ranks agree at the end of the step and all save it.
+  TempDir tmp;
+  // 10 steps (640 samples / 64), a checkpoint every 4: steps 4, 8 and 10.
+  const std::string args = "--emulate 2 mlp --epochs 1 " + kSmall + " --checkpoint-every 4 --checkpoint-dir ";
+  const Run full = run(train(args + tmp / "ok"));
+  REQUIRE_MESSAGE(full.exit_code == 0, full.output);
+
+  const Run stopped = run(train(args + tmp / "s"), "RUDA_TEST_RAISE=INT@6");
+  CHECK_MESSAGE(stopped.exit_code == 130, stopped.output);
+  CHECK_MESSAGE(stopped.output.find("stopped by SIGINT after step 6, checkpoint " + tmp / "s" + "/step-00000006") !=
+                    std::string::npos,
+                stopped.output);
+  CHECK(stopped.output.find("done:") == std::string::npos);
+  CHECK(fs::exists(tmp.path / "s" / "step-00000006" / "index.json"));
+  CHECK_FALSE(fs::exists(tmp.path / "s" / "step-00000008"));
+  const Run verify = run(ckpt("verify " + tmp / "s"));
+  CHECK_MESSAGE(verify.exit_code == 0, verify.output);
+  const Run resumed = run(train(args + tmp / "s" + " --resume-latest"));
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(resumed.output.find("at step 6") != std::string::npos);
+  same_weights(tmp, tmp / "ok", tmp / "s");
+
+  // A signal during a step that saves anyway (8): one checkpoint of it, not two.
+  const Run at_save = run(train(args + tmp / "t"), "RUDA_TEST_RAISE=TERM@8");
+  CHECK_MESSAGE(at_save.exit_code == 143, at_save.output);
+  CHECK(at_save.output.find("stopped by SIGTERM after step 8 (its checkpoint is above)") != std::string::npos);
+  std::size_t saves = 0;
+  for (std::size_t at = at_save.output.find("/step-00000008"); at != std::string::npos;
+       at = at_save.output.find("/step-00000008", at + 1))
+    ++saves;
+  CHECK_MESSAGE(saves == 1, at_save.output);
+
+  // SIGUSR1 (the one mpiexec forwards without killing the ranks after) stops the same way.
+  const Run usr1 = run(train(args + tmp / "v"), "RUDA_TEST_RAISE=USR1@2");
+  CHECK_MESSAGE(usr1.exit_code == 138, usr1.output);
+  CHECK(usr1.output.find("stopped by SIGUSR1 after step 2, checkpoint") != std::string::npos);
+  CHECK(fs::exists(tmp.path / "v" / "step-00000002" / "index.json"));
+
+  // Without a checkpoint directory there is nothing to keep: the signal ends the run as before.
+  const Run unsaved = run(train("--emulate 2 mlp --epochs 1 " + kSmall), "RUDA_TEST_RAISE=TERM@3");
+  CHECK_MESSAGE(unsaved.exit_code == 143, unsaved.output);
+  CHECK(unsaved.output.find("stopped by") == std::string::npos);
+  // A malformed hook is refused, not ignored.
+  CHECK(run(train(args + tmp / "u"), "RUDA_TEST_RAISE=TERM@x").exit_code != 0);
+}
+
 TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains on") {
   TempDir tmp;
   REQUIRE(run(train("--emulate 3 mlp --epochs 1 --hidden 32 --limit 640 --test-limit 200 --batch 66 --log-every 0"
@@ -709,6 +773,29 @@ TEST_CASE("mpiexec: a checkpoint that cannot be saved mid-run ends every rank wi
   one_error_line(r, {"checkpoint " + tmp / "c", "preparing the directory failed on rank 0", "is not a directory"});
   CHECK_MESSAGE(r.output.find("MPI_ABORT") == std::string::npos, r.output);
   CHECK_MESSAGE(r.output.find("ruda: rank") == std::string::npos, r.output);
+}
+
+TEST_CASE("mpiexec: SIGTERM in one rank stops every rank after the same step, saved; --resume-latest finishes") {
+  TempDir tmp;
+  const std::string small = "mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1 --log-every 1 ";
+  const Run reference = run(mpi_train(2, small + "--metrics " + tmp / "ref.jsonl --checkpoint-dir " + tmp / "ref"));
+  REQUIRE_MESSAGE(reference.exit_code == 0, reference.output);
+  // Rank 1 receives it during step 3; rank 0 learns it at the end of the step.
+  const Run stopped =
+      run(mpi_train(2, small + "--metrics " + tmp / "m.jsonl --checkpoint-dir " + tmp / "m"), "RUDA_TEST_RAISE=TERM@3");
+  CHECK_MESSAGE(stopped.exit_code == 143, stopped.output);
+  CHECK_MESSAGE(stopped.output.find("stopped by SIGTERM after step 3, checkpoint " + tmp / "m" + "/step-00000003") !=
+                    std::string::npos,
+                stopped.output);
+  CHECK_MESSAGE(stopped.output.find("MPI_ABORT") == std::string::npos, stopped.output);
+  CHECK(run(ckpt("verify " + tmp / "m")).exit_code == 0);
+  CHECK(losses(tmp / "m.jsonl").size() == 3);
+  const Run resumed =
+      run(mpi_train(2, small + "--metrics " + tmp / "m.jsonl --checkpoint-dir " + tmp / "m" + " --resume-latest"));
+  REQUIRE_MESSAGE(resumed.exit_code == 0, resumed.output);
+  CHECK(resumed.output.find("at step 3") != std::string::npos);
+  CHECK(losses(tmp / "m.jsonl") == losses(tmp / "ref.jsonl"));
+  same_weights(tmp, tmp / "ref", tmp / "m");
 }
 
 TEST_CASE("mpiexec: a run under --collective-timeout trains as usual") {

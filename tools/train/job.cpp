@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -16,6 +17,7 @@
 #include <tuple>
 
 #include "report.h"
+#include "stop.h"
 #include "tasks.h"
 
 namespace ruda::train {
@@ -282,7 +284,7 @@ std::string format_evaluation(const json& evaluation, const char* separator) {
 
 }  // namespace
 
-void run(const Config& cfg, Communicator& comm) {
+int run(const Config& cfg, Communicator& comm) {
   // This rank's own memory figures (emulated ranks and MPI processes alike); the dataset shared
   // by a process is loaded outside it.
   memory::Scope rank_memory;
@@ -461,7 +463,8 @@ void run(const Config& cfg, Communicator& comm) {
   const std::int64_t plan_check_step = std::min(start_step + 2, total);
   memory::reset_peak();
   std::string upkeep_warning;  // printed once, not at every save that meets the same entries
-  auto save = [&](std::int64_t step) {
+  std::int64_t saved_step = -1;
+  auto save = [&](std::int64_t step) -> std::string {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
         {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
@@ -499,6 +502,8 @@ void run(const Config& cfg, Communicator& comm) {
       upkeep_warning = warning;
       std::cerr << "ruda-train: warning: " << warning << std::endl;
     }
+    saved_step = step;
+    return info.directory;
   };
 
   // What this rank's collectives cost: on the world's communicator, plus (hybrid) inside the node
@@ -520,6 +525,11 @@ void run(const Config& cfg, Communicator& comm) {
     return out;
   };
   Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)
+  // A graceful stop (stop.h): with somewhere to save, SIGINT and SIGTERM during the steps end the
+  // run at the end of the step, with a checkpoint of it. Outside the steps they act as before.
+  std::optional<StopSignals> stop_signals;
+  if (!cfg.checkpoint_dir.empty()) stop_signals.emplace();
+  const RaiseForTest raise_at = raise_for_test();
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
@@ -540,6 +550,9 @@ void run(const Config& cfg, Communicator& comm) {
         part.backward();
         loss = loss.defined() ? loss + part.detach() : part.detach();
       }
+    }
+    if (raise_at.signal != 0 && raise_at.step == step + 1 && comm.rank() + 1 == comm.world_size()) {
+      ::raise(raise_at.signal);
     }
     double norm = -1;
     if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
@@ -601,6 +614,21 @@ void run(const Config& cfg, Communicator& comm) {
       last_eval = eval;
       progress.line("step " + std::to_string(step + 1) + " " + task->where(step) + format_evaluation(eval, " "));
     }
+    if (stop_signals) {
+      // Whether any rank received a signal during the step: every rank stops after the same one.
+      // (Outside the step's traffic: the metrics' comm_* figures do not count it.)
+      const int signal =
+          static_cast<int>(comm.all_reduce(from_values({static_cast<double>(StopSignals::received())}, {1}, DType::f64),
+                                           Reduction::max, {.tag = "stop requested"})
+                               .item());
+      if (signal != 0) {
+        const std::string directory = saved_step == step + 1 ? std::string() : save(step + 1);
+        progress.line("stopped by " + signal_name(signal) + " after step " + std::to_string(step + 1) +
+                      (directory.empty() ? std::string(" (its checkpoint is above)") : ", checkpoint " + directory) +
+                      ": --resume-latest goes on from it");
+        return 128 + signal;
+      }
+    }
   }
   if (!cfg.checkpoint_dir.empty() && total > start_step &&
       (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
@@ -643,6 +671,7 @@ void run(const Config& cfg, Communicator& comm) {
       }
     }
   }
+  return 0;
 }
 
 }  // namespace ruda::train

@@ -18,9 +18,10 @@ struct Reported : std::runtime_error {
 /// "ruda-train: error: <message>" on standard error.
 void print_error(const std::string& message);
 
-/// Sets up, trains and evaluates the task `cfg` names on this rank. Collective over comm. Throws
-/// Reported for a failure already printed (a setup phase or a non-finite loss, agreed on by every
-/// rank), and any other exception for a failure on this rank alone.
-void run(const Config& cfg, Communicator& comm);
+/// Sets up, trains and evaluates the task `cfg` names on this rank. Collective over comm. Returns
+/// the exit status: 0, or 128 + the signal after a graceful stop (stop.h: every rank returns it).
+/// Throws Reported for a failure already printed (a setup phase or a non-finite loss, agreed on by
+/// every rank), and any other exception for a failure on this rank alone.
+int run(const Config& cfg, Communicator& comm);
 
 }  // namespace ruda::train

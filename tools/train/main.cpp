@@ -2,6 +2,7 @@
 // ranks emulated as threads (--emulate N), or alone. Models: `mlp` on Fashion-MNIST, and `lm`, a
 // byte-level GPT-style language model on any text. This file parses the options and picks the
 // communicator; job.cpp runs the job on each rank, tasks.cpp holds the two models.
+#include <atomic>
 #include <iostream>
 
 #include <ruda/nn.h>
@@ -300,9 +301,10 @@ int main(int argc, char** argv) {
         }
         options.ranks_per_node = cfg.ranks_per_node;
       }
+      std::atomic<int> status{0};  // every rank returns the same
       run_ranks(
-          cfg.emulate, [&](Communicator& comm) { run(cfg, comm); }, options);
-      return 0;
+          cfg.emulate, [&](Communicator& comm) { status.store(run(cfg, comm)); }, options);
+      return status.load();
     }
     if (launched_by_mpi()) {
 #ifdef RUDA_TRAIN_WITH_MPI
@@ -322,18 +324,16 @@ int main(int argc, char** argv) {
       MpiCommunicator comm;
       if (cfg.collective_timeout_ms >= 0) comm.set_timeout(std::chrono::milliseconds(cfg.collective_timeout_ms));
       try {
-        run(cfg, comm);
+        return run(cfg, comm);
       } catch (const Reported&) {
         return 1;  // every rank knows; each exits by itself
       }
-      return 0;
 #else
       throw std::runtime_error("this ruda-train was built without MPI");
 #endif
     }
     LocalCommunicator comm;
-    run(cfg, comm);
-    return 0;
+    return run(cfg, comm);
   } catch (const Reported&) {
     return 1;
   } catch (const std::exception& e) {
