@@ -32,11 +32,21 @@ if ! why=$(unshare --net --uts sh -c 'hostname ruda-probe && ip link add ruda-pr
           ip link add ruda-probe2 type bridge && tc qdisc add dev ruda-probe0 root tbf rate 1gbit burst 64kb limit 128kb' 2>&1); then
   skip "cannot make network namespaces, veths, bridges or tbf here: $why"
 fi
-# One simulated cluster per machine: never take down one that someone else brought up.
+# One simulated cluster per machine: never take down one that someone else brought up. But a run
+# of this test that was killed (ctest's timeout kills it, and no trap runs) left its cluster, with
+# its marker naming a process that is gone: that one is this test's to take down, so that the
+# next run does not skip for good.
+marker=/run/ruda-cluster-sim-test.pid
+if [ -n "$(leftovers)" ] && [ -f "$marker" ] && ! kill -0 "$(cat "$marker")" 2>/dev/null; then
+  echo "--- taking down the cluster a killed run of this test left (its process $(cat "$marker") is gone)"
+  "$sim" down
+  rm -f "$marker"
+fi
 [ -z "$(leftovers)" ] || skip "a cluster-sim cluster (or its leftovers) exists already: $(leftovers | tr '\n' ' ')(tools/cluster-sim down removes it)"
 
 tmp=$(mktemp -d)
-trap '"$sim" down; rm -rf "$tmp"' EXIT
+echo $$ >"$marker"
+trap '"$sim" down; rm -rf "$tmp" "$marker"' EXIT
 
 echo "--- a failing up (a stale node namespace in the way) removes what it made"
 ip netns add ruda-n1
