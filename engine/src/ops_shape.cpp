@@ -195,12 +195,23 @@ void require_room_for_an_axis(const char* op, const Tensor& x) {
                      " dimensions: one more exceeds the ", kMaxDims, " a tensor may have");
   }
 }
+
+// Where the new axis goes, in [-(ndim + 1), ndim]. Checked here rather than as an axis of the
+// result (normalize_axis with ndim + 1), whose message named the result's rank as the input's.
+int new_axis_position(const char* op, const Tensor& x, std::int64_t axis) {
+  const std::int64_t nd = x.ndim();
+  if (axis < -(nd + 1) || axis > nd) {
+    fail<IndexError>(op, "axis ", axis, " is out of range [", -(nd + 1), ", ", nd, "] for a new axis of a ",
+                     dtype_name(x.dtype()), " ", x.shape(), " tensor (", nd, nd == 1 ? " dimension)" : " dimensions)");
+  }
+  return static_cast<int>(axis < 0 ? axis + nd + 1 : axis);
+}
 }  // namespace
 
 Tensor unsqueeze(const Tensor& x, std::int64_t axis) {
   detail::require_defined("unsqueeze", x);
   require_room_for_an_axis("unsqueeze", x);
-  const int a = normalize_axis(axis, x.ndim() + 1, "unsqueeze");
+  const int a = new_axis_position("unsqueeze", x, axis);
   Shape shape = x.shape();
   shape.insert(shape.begin() + a, 1);
   return reshape(x, shape);
@@ -341,7 +352,7 @@ Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis) {
   if (tensors.empty()) fail<ArgumentError>("stack", "needs at least one tensor");
   detail::require_defined("stack", tensors.front());
   require_room_for_an_axis("stack", tensors.front());
-  const int a = normalize_axis(axis, tensors.front().ndim() + 1, "stack");
+  const int a = new_axis_position("stack", tensors.front(), axis);
   std::vector<Tensor> expanded;
   expanded.reserve(tensors.size());
   for (const Tensor& t : tensors) {

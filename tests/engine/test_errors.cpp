@@ -407,6 +407,18 @@ TEST_CASE("errors name the op the caller called: zeros_like, ones_like, stack, u
   const Tensor eight = zeros({1, 1, 1, 1, 1, 1, 1, 2});
   test::check_throws<ShapeError>([&] { stack({eight, eight}); }, {"stack", "[1, 1, 1, 1, 1, 1, 1, 2]", "8"});
   test::check_throws<ShapeError>([&] { unsqueeze(eight, 0); }, {"unsqueeze", "[1, 1, 1, 1, 1, 1, 1, 2]"});
+  // An axis out of range names the input's rank and the range a new axis may take (it named the
+  // result's rank as the input's: "a tensor with 3 dimensions" for a [2, 3]).
+  const Tensor m = zeros({2, 3});
+  for (const std::int64_t axis : {3, -4}) {
+    CAPTURE(axis);
+    test::check_throws<IndexError>([&] { unsqueeze(m, axis); },
+                                   {"unsqueeze", "axis " + std::to_string(axis), "[-3, 2]", "[2, 3]", "2 dimensions"});
+    test::check_throws<IndexError>([&] { stack({m, m}, axis); }, {"stack", "[-3, 2]", "[2, 3]", "2 dimensions"});
+  }
+  CHECK(unsqueeze(m, 2).shape() == Shape{2, 3, 1});
+  CHECK(unsqueeze(m, -3).shape() == Shape{1, 2, 3});
+  CHECK(stack({m, m}, -1).shape() == Shape{2, 3, 2});
   test::check_throws<ArgumentError>([&] { memory::parse_size(std::string("5\0MB", 4)); }, {"memory size", "5\\0MB"});
 }
 
