@@ -308,6 +308,14 @@ TEST_CASE("a save removes what killed saves left, and only that") {
   CHECK(fs::exists(dir.path / "step-00000001" / "mine.tmp"));
   CHECK(nn::verify_checkpoint((dir.path / "step-00000001").string()) > 0);
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000002").string());
+  // The step saved again (a run killed while saving it, resumed from the step before, saves it
+  // anew): a killed save's temporary in that very step goes too; other files stay.
+  std::ofstream(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp-k1ll3d")) << "partial";
+  std::ofstream(dir.path / "step-00000002" / "mine.tmp-a1b2c3") << "mine";
+  save_layer(dir, 2, 2);
+  CHECK_FALSE(fs::exists(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp-k1ll3d")));
+  CHECK(fs::exists(dir.path / "step-00000002" / "mine.tmp-a1b2c3"));
+  CHECK(nn::verify_checkpoint((dir.path / "step-00000002").string()) > 0);
 }
 
 TEST_CASE("a failed save names the failing rank and its cause on every rank") {

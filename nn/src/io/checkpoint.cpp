@@ -283,12 +283,18 @@ void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
 }
 
 // Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
-// only) and step directories without an index, except `current` (the step being saved). Run by
-// rank 0 once the new checkpoint is published, so that a kill during the cleaning loses nothing.
+// only) and step directories without an index, except `current` (the step just saved), of which
+// only the temporaries go: every rank's file of this save is in place, so one there is a killed
+// earlier save's of the same step (a run stopped during it, resumed from the step before, saves
+// the step again). Run by rank 0 once the new checkpoint is published, so that a kill during the
+// cleaning loses nothing.
 void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   remove_temporaries(dir, true, upkeep);
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
-    if (entry.path().filename() == current) continue;
+    if (entry.path().filename() == current) {
+      remove_temporaries(entry.path(), false, upkeep);
+      continue;
+    }
     if (!is_complete_step(entry.path())) {
       // A kill leaves no index.json at all (it is renamed into place whole). One that is there
       // but no regular file (a directory, a dangling link) is damage to look at, not a leftover:
