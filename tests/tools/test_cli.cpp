@@ -582,6 +582,18 @@ TEST_CASE("SIGINT, SIGTERM or SIGUSR1 during the steps: that step is saved, the 
   CHECK(unsaved.output.find("stopped by") == std::string::npos);
   // A malformed hook is refused, not ignored.
   CHECK(run(train(args + tmp / "u"), "RUDA_TEST_RAISE=TERM@x").exit_code != 0);
+  CHECK(run(train(args + tmp / "u"), "RUDA_TEST_RAISE=TERM@99999999999999999999").exit_code != 0);
+
+  // A signal just after the last step's check is not swallowed: it ends the process at once, as
+  // one during the final save, the sampling or the summary does (no final save, no summary).
+  const Run late = run(train(args + tmp / "w"), "RUDA_TEST_RAISE=TERM@end");
+  CHECK_MESSAGE(late.exit_code == 143, late.output);
+  CHECK(late.output.find("done:") == std::string::npos);
+  CHECK(late.output.find("stopped by") == std::string::npos);
+  std::ifstream latest(tmp.path / "w" / "latest");
+  std::string latest_step;
+  latest >> latest_step;
+  CHECK(latest_step == "step-00000008");
 }
 
 TEST_CASE("ruda-ckpt lists, consolidates and splits; the split checkpoint trains on") {
@@ -796,6 +808,36 @@ TEST_CASE("mpiexec: SIGTERM in one rank stops every rank after the same step, sa
   CHECK(resumed.output.find("at step 3") != std::string::npos);
   CHECK(losses(tmp / "m.jsonl") == losses(tmp / "ref.jsonl"));
   same_weights(tmp, tmp / "ref", tmp / "m");
+}
+
+TEST_CASE("mpiexec: a metrics file that cannot be written ends every rank with one error line, no abort") {
+  // A full disk under --metrics: an 4 KB tmpfs in a mount namespace of the job's own (root only).
+  // Rank 0 alone writes the metrics; its failure used to end the job through MPI_Abort.
+  TempDir tmp;
+  const std::string small = tmp / "small";
+  fs::create_directories(small);
+  const std::string mount = "unshare --mount sh -c 'mount -t tmpfs -o size=4k tmpfs " + small + " && exec ";
+  if (run(mount + "true'").exit_code != 0) {
+    MESSAGE("not run: no mount namespace or tmpfs mount here (root only)");
+    return;
+  }
+  const Run r = run(mount +
+                    mpi_train(2,
+                              "mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 3 --log-every 1 "
+                              "--metrics " +
+                                  small + "/m.jsonl") +
+                    "'");
+  one_error_line(r, {"--metrics " + small + "/m.jsonl", "writing a line failed", "No space left on device"});
+  CHECK_MESSAGE(r.output.find("MPI_ABORT") == std::string::npos, r.output);
+  CHECK_MESSAGE(r.output.find("ruda: rank") == std::string::npos, r.output);
+}
+
+TEST_CASE("mpiexec: a malformed RUDA_TEST_RAISE is one error line before step 1") {
+  const Run r =
+      run(mpi_train(2, "mlp --hidden 32 --limit 640 --test-limit 64 --batch 64 --epochs 1"), "RUDA_TEST_RAISE=TERM@x");
+  one_error_line(r, {"RUDA_TEST_RAISE=TERM@x"});
+  CHECK_MESSAGE(r.output.find("MPI_ABORT") == std::string::npos, r.output);
+  CHECK(r.output.find("step 1/") == std::string::npos);
 }
 
 TEST_CASE("mpiexec: a run under --collective-timeout trains as usual") {

@@ -530,6 +530,7 @@ int run(const Config& cfg, Communicator& comm) {
   std::optional<StopSignals> stop_signals;
   if (!cfg.checkpoint_dir.empty()) stop_signals.emplace();
   const RaiseForTest raise_at = raise_for_test();
+  std::string metrics_error;  // rank 0's failure to write the metrics, agreed on at the end of the step
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
@@ -607,21 +608,32 @@ int run(const Config& cfg, Communicator& comm) {
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
         for (auto& [k, v] : eval.items()) record[k] = v;
-        metrics.write(record);
+        try {
+          metrics.write(record);
+        } catch (const std::exception& e) {
+          metrics_error = e.what();  // every rank learns it at the end of the step
+        }
       }
     }
     if (!eval.empty()) {
       last_eval = eval;
       progress.line("step " + std::to_string(step + 1) + " " + task->where(step) + format_evaluation(eval, " "));
     }
-    if (stop_signals) {
-      // Whether any rank received a signal during the step: every rank stops after the same one.
-      // (Outside the step's traffic: the metrics' comm_* figures do not count it.)
-      const int signal =
-          static_cast<int>(comm.all_reduce(from_values({static_cast<double>(StopSignals::received())}, {1}, DType::f64),
-                                           Reduction::max, {.tag = "stop requested"})
-                               .item());
-      if (signal != 0) {
+    if (stop_signals || !cfg.metrics.empty()) {
+      // What the ranks agree on at the end of a step (outside its traffic: the metrics' comm_*
+      // figures do not count it): whether rank 0 failed to write the metrics, and whether any rank
+      // received a signal during the step. Every rank then stops after the same one.
+      const auto agreed =
+          comm.all_reduce(from_values({metrics_error.empty() ? 0.0 : 1.0, static_cast<double>(StopSignals::received())},
+                                      {2}, DType::f64),
+                          Reduction::max, {.tag = "end of step"})
+              .to_vector<double>();
+      if (agreed[0] != 0) {
+        if (main_rank) print_error(metrics_error);
+        throw Reported("metrics");
+      }
+      if (const int signal = static_cast<int>(agreed[1]); signal != 0) {
+        StopSignals::acknowledge();
         const std::string directory = saved_step == step + 1 ? std::string() : save(step + 1);
         progress.line("stopped by " + signal_name(signal) + " after step " + std::to_string(step + 1) +
                       (directory.empty() ? std::string(" (its checkpoint is above)") : ", checkpoint " + directory) +
@@ -630,6 +642,10 @@ int run(const Config& cfg, Communicator& comm) {
       }
     }
   }
+  // Past the steps a signal acts as before: at once (one that came after the last step's check is
+  // raised again here).
+  if (raise_at.signal != 0 && raise_at.step < 0 && comm.rank() + 1 == comm.world_size()) ::raise(raise_at.signal);
+  stop_signals.reset();
   if (!cfg.checkpoint_dir.empty() && total > start_step &&
       (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {
     save(total);

@@ -14,6 +14,7 @@
 #include "../cli_bounds.h"
 #include "config.h"
 #include "job.h"
+#include "stop.h"
 
 using namespace ruda;
 using namespace ruda::train;
@@ -34,6 +35,7 @@ std::string environment_problem(const Config& cfg) {
     (void)ring_min_bytes_from_env();
     (void)memory::limit();
     if (cfg.backend.empty()) (void)default_backend();
+    (void)raise_for_test();
   } catch (const std::exception& e) {
     return *e.what() ? e.what() : "a startup check failed";
   }

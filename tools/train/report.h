@@ -4,9 +4,11 @@
 
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <string>
@@ -109,17 +111,23 @@ class Metrics {
     if (path.empty()) return;
     path_ = path;
     if (resumed_from >= 0) keep_steps_up_to(resumed_from);
+    errno = 0;
     out_.open(path, resumed_from >= 0 ? std::ios::app : std::ios::trunc);
-    if (!out_) throw std::runtime_error("cannot write metrics file " + path);
+    if (!out_) throw std::runtime_error("--metrics " + path + ": cannot be opened for writing" + cause());
   }
+  /// Throws where the line could not be written (the caller has every rank learn it).
   void write(const nlohmann::json& record) {
     if (!out_.is_open()) return;
+    errno = 0;
     out_ << record.dump() << '\n';
     out_.flush();
-    if (!out_) throw std::runtime_error("writing the metrics file " + path_ + " failed (a full disk?)");
+    if (!out_) throw std::runtime_error("--metrics " + path_ + ": writing a line failed" + cause());
   }
 
  private:
+  // " (<the system's reason>)" where the failed stream operation left one in errno.
+  static std::string cause() { return errno != 0 ? std::string(" (") + std::strerror(errno) + ")" : std::string(); }
+
   // Rewrites the file (beside it, then renamed over it) without the lines of steps after `step`
   // and without a last line that is not whole JSON; other lines are kept as they are.
   void keep_steps_up_to(std::int64_t step) {

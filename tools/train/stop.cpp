@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <mutex>
 #include <stdexcept>
@@ -46,9 +47,12 @@ StopSignals::~StopSignals() {
   std::lock_guard lock(g_mutex);
   if (--g_holders > 0) return;
   for (int i = 0; i < kCount; ++i) sigaction(kSignals[i], &g_previous[i], nullptr);
+  if (const int signal = g_received.exchange(0)) ::raise(signal);
 }
 
 int StopSignals::received() { return g_received.load(std::memory_order_relaxed); }
+
+void StopSignals::acknowledge() { g_received.store(0, std::memory_order_relaxed); }
 
 std::string signal_name(int signal) {
   switch (signal) {
@@ -73,9 +77,15 @@ RaiseForTest raise_for_test() {
   r.signal = name == "TERM" ? SIGTERM : name == "INT" ? SIGINT : name == "USR1" ? SIGUSR1 : 0;
   char* end = nullptr;
   const std::string step(at == std::string_view::npos ? "" : value.substr(at + 1));
+  if (r.signal != 0 && step == "end") {
+    r.step = -1;
+    return r;
+  }
+  errno = 0;
   r.step = std::strtoll(step.c_str(), &end, 10);
-  if (r.signal == 0 || step.empty() || *end != '\0' || r.step < 1) {
-    throw std::invalid_argument("RUDA_TEST_RAISE=" + std::string(value) + ": expected TERM@N, INT@N or USR1@N, N >= 1");
+  if (r.signal == 0 || step.empty() || *end != '\0' || errno == ERANGE || r.step < 1) {
+    throw std::invalid_argument("RUDA_TEST_RAISE=" + std::string(value) +
+                                ": expected TERM@N, INT@N or USR1@N, N >= 1 or end");
   }
   return r;
 }
