@@ -11,6 +11,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <thread>
 
@@ -300,7 +301,8 @@ TEST_CASE("a gzip file cut short anywhere is refused as truncated, and leaves no
   for (std::size_t i = 0; i < content.size(); ++i) content[i] = static_cast<std::uint8_t>(i * 13 + i / 97);
   const std::string whole = dir.str() + "/whole.gz";
   write_gzip(whole, content);
-  const std::vector<std::uint8_t> gz = nn::load_text_bytes(whole);
+  std::ifstream compressed(whole, std::ios::binary);
+  const std::vector<std::uint8_t> gz{std::istreambuf_iterator<char>(compressed), std::istreambuf_iterator<char>()};
   REQUIRE(gz.size() > 40);
   // The header alone, inside the deflate stream, and without (part of) the 8-byte trailer: zlib's
   // gzread returned what it had inflated and no error, and a partial copy was cached as complete.
@@ -435,6 +437,29 @@ TEST_CASE("TextCorpus reads the bytes of load_text_bytes at any position, across
   test::check_throws<IOError>([&] { nn::TextCorpus(dir.str() + "/b"); }, {"/b", "holds no text"});
   write_raw(dir.str() + "/d", {'D'});  // shrunk since the corpus listed it
   test::check_throws<IOError>([&] { corpus.read(4, 3); }, {dir.str() + "/d", "truncated"});
+}
+
+TEST_CASE("TextCorpus reads a gzip file's text, not its compressed bytes, also among plain files") {
+  // (README: a gzip file is decompressed once into the cache; the corpus used to read the
+  // compressed bytes as text.)
+  TempDir dir, cache;
+  const std::string text = "hello, gzip corpus\n";
+  write_gzip(dir.str() + "/a.txt.gz", std::vector<std::uint8_t>(text.begin(), text.end()));
+  write_raw(dir.str() + "/b", {'B'});
+  const nn::TextCorpus one(dir.str() + "/a.txt.gz", cache.str());
+  CHECK(one.size() == static_cast<std::int64_t>(text.size()));
+  const auto got = one.read(0, one.size());
+  CHECK(std::string(got.begin(), got.end()) == text);
+  CHECK(one.files().front().path == dir.str() + "/a.txt.gz");
+  CHECK(one.files().front().read_from != one.files().front().path);
+  const nn::TextCorpus both(dir.str(), cache.str());
+  const auto all = both.read(0, both.size());
+  CHECK(std::string(all.begin(), all.end()) == text + "B");
+  CHECK(both.resident_bytes() == 0);
+  // A damaged stream is refused by name when the corpus is made, not read as text.
+  write_corrupt_gzip(dir.str() + "/c.gz", std::vector<std::uint8_t>(text.begin(), text.end()));
+  TempDir other_cache;
+  test::check_throws<IOError>([&] { nn::TextCorpus(dir.str() + "/c.gz", other_cache.str()); }, {"c.gz"});
 }
 
 TEST_CASE("TextWindows draws every window of its range, the last byte's included; bad steps and ranks are refused") {

@@ -505,10 +505,13 @@ IdxImages open_fashion_mnist(const std::string& directory, bool train, std::int6
   return IdxImages(images, labels, limit, cache_dir);
 }
 
-TextCorpus::TextCorpus(const std::string& path) {
+TextCorpus::TextCorpus(const std::string& path, const std::string& cache_dir) {
   for (auto& name : text_files(path)) {
-    const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(name).size());  // (opens it: fails early)
-    files_.push_back({std::move(name), size_, bytes});
+    // (Opening it fails early on what is wrong with it. A gzip stream cannot be read from the
+    // middle, and its compressed bytes are no text: it is read from its decompressed copy.)
+    std::string read_from = uncompressed_file(name, cache_dir);
+    const std::int64_t bytes = static_cast<std::int64_t>(ReadFile(read_from).size());
+    files_.push_back({std::move(name), size_, bytes, std::move(read_from)});
     size_ += bytes;
   }
   if (size_ == 0) data_fail(path, "holds no text");
@@ -536,7 +539,7 @@ void TextCorpus::read(std::int64_t pos, std::int64_t len, std::uint8_t* out) con
   for (; len > 0; ++file) {
     const std::int64_t n = std::min(len, file->offset + file->size - pos);
     if (n <= 0) continue;
-    ReadFile(file->path)
+    ReadFile(file->read_from)
         .read(static_cast<std::uint64_t>(pos - file->offset), static_cast<std::size_t>(n), out, file->path);
     out += n;
     pos += n;

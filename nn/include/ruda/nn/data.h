@@ -100,9 +100,12 @@ class TextCorpus {
   struct File {
     std::string path;
     std::int64_t offset = 0, size = 0;  // where the file's bytes lie in the concatenation
+    std::string read_from;              // path itself, or (a gzip file) its uncompressed_file() copy
   };
-  /// IOError naming the path when it is missing, a file cannot be opened, or nothing is left.
-  explicit TextCorpus(const std::string& path);
+  /// IOError naming the path when it is missing, a file cannot be opened, or nothing is left. A
+  /// gzip file is read through its uncompressed_file() copy in `cache_dir` (its text, not its
+  /// compressed bytes).
+  explicit TextCorpus(const std::string& path, const std::string& cache_dir = "");
 
   std::int64_t size() const noexcept { return size_; }
   const std::vector<File>& files() const noexcept { return files_; }
