@@ -1099,6 +1099,9 @@ TEST_CASE("--grad-accum K: the losses of one batch, less activation memory; hybr
     REQUIRE_MESSAGE(one.exit_code == 0, one.output);
     REQUIRE_MESSAGE(three.exit_code == 0, three.output);
     CHECK(three.output.find("3 micro-batches per step") != std::string::npos);
+    // The plan is for one micro-batch of 2 rows (of a local batch of 6), and says so.
+    CHECK_MESSAGE(three.output.find("micro-batch 2; ") != std::string::npos, three.output);
+    CHECK(one.output.find("local batch 6; ") != std::string::npos);
     const auto want = losses(tmp / "k1.jsonl"), got = losses(tmp / "k3.jsonl");
     REQUIRE(got.size() == 4);
     for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));

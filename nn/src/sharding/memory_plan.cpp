@@ -343,7 +343,9 @@ std::string MemoryPlan::table(std::int64_t limit) const {
                                        (shard_ranks == 1 ? " rank" : " ranks") + " of a node, replicated over " +
                                        std::to_string(world_size / shard_ranks) + " nodes";
   out += "memory plan per rank (" + std::to_string(world_size) + (world_size > 1 ? " ranks" : " rank") + hybrid +
-         ", local batch " + std::to_string(local_batch) + (schedule.empty() ? "" : "; " + schedule) + "):\n";
+         // A step of micro-batches is planned for one of them (the schedule names their count).
+         (probe.accumulating ? ", micro-batch " : ", local batch ") + std::to_string(local_batch) +
+         (schedule.empty() ? "" : "; " + schedule) + "):\n";
   row("parameters", parameters, share);
   row("gradients", gradients, share);
   row("optimizer", optimizer, share);
