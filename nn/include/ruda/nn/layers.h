@@ -17,6 +17,10 @@ struct LinearOptions {
 };
 
 /// y = x @ weight + bias over any leading axes; weight is [in, out] (not PyTorch's [out, in]).
+/// A floating-point x of another dtype is cast to the weight's (as FSDP's mixed precision casts
+/// forward inputs to the compute dtype: under ShardPolicy::compute_dtype the gathered weights are
+/// bf16 while the data stays f32), so an f64 input to an f32 layer computes in f32; PyTorch raises
+/// there. An integer or bool x is a DTypeError.
 class Linear : public UnaryModule {
  public:
   Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});

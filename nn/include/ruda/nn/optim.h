@@ -194,7 +194,10 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps =
 
 /// Clips the global gradient norm to max_norm (scaling every gradient by max_norm / (norm + 1e-6)
 /// where that is below 1, as PyTorch's; a NaN norm makes every gradient NaN; max_norm 0 zeroes
-/// them; a negative or NaN max_norm is an ArgumentError) and returns the norm before clipping. Correct on shards:
+/// them; a negative or NaN max_norm is an ArgumentError) and returns the norm before clipping. The
+/// squares are summed in f64 whatever the gradients' dtype: where their sum overflows f32 (an
+/// element of 2e19 or more) the norm is still finite and the gradients are scaled to it, where
+/// PyTorch (summing in the gradients' dtype) returns inf and zeroes them. Correct on shards:
 /// squares of sharded gradients are summed over each local slice without its padding and all-reduced over the
 /// communicator fully_shard sharded them over (under hybrid sharding the node's, where one replica's shards make the
 /// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required), one all-reduce per
