@@ -210,6 +210,17 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
                           output.shape(), "); record on a new tensor (an op's result)");
     }
   }
+  // An output that already has a node (recorded twice: the first node's graph was cut off without
+  // a word) or is a leaf that requires grad (a user's parameter, which would silently stop being a
+  // leaf and never receive its gradient).
+  if (const auto& existing = impl_of(output)->grad_fn) {
+    fail<ArgumentError>("record", name, ": the output (", dtype_name(output.dtype()), " ", output.shape(),
+                        ") already has a node, ", existing->name, "; record on a new tensor (an op's result)");
+  }
+  if (output.requires_grad()) {
+    fail<ArgumentError>("record", name, ": the output (", dtype_name(output.dtype()), " ", output.shape(),
+                        ") is a leaf that requires grad; record on a new tensor (an op's result)");
+  }
   if (!t_grad_enabled) return;
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());

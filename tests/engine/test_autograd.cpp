@@ -566,6 +566,34 @@ TEST_CASE("record refuses an output that is one of its inputs") {
   CHECK(x.is_leaf());
 }
 
+TEST_CASE("record refuses an output that already has a node, or is a leaf that requires grad") {
+  // Accepted, the second record replaced the first node (its graph cut off without a word), and a
+  // user's parameter given as the output stopped being a leaf (it never received its gradient).
+  auto identity = [](const Tensor& g, const autograd::Saved&, autograd::GradMask) { return std::vector<Tensor>{g}; };
+  Tensor a = values({1, 2}, {2}).set_requires_grad(), b = values({3, 4}, {2}).set_requires_grad();
+  Tensor y = a * 2.0;
+  test::check_throws<ArgumentError>([&] { autograd::record("again", y, {b}, {}, identity); },
+                                    {"record", "again", "f32 [2]", "already has a node", "mul"});
+  Tensor w = values({5, 6}, {2}).set_requires_grad();
+  test::check_throws<ArgumentError>([&] { autograd::record("onto", w, {b}, {}, identity); },
+                                    {"record", "onto", "f32 [2]", "leaf that requires grad"});
+  CHECK(w.is_leaf());
+  // Refused under no-grad too: the mistake shows on the first run, whatever the mode.
+  autograd::no_grad([&] {
+    test::check_throws<ArgumentError>([&] { autograd::record("onto", w, {b}, {}, identity); },
+                                      {"leaf that requires grad"});
+  });
+  // The graph before is intact: y's gradient still reaches a.
+  sum(y).backward();
+  CHECK(a.grad().to_vector<float>() == std::vector<float>{2, 2});
+  CHECK_FALSE(b.grad().defined());
+  // A new tensor records as before.
+  Tensor z = b.detach().clone();
+  autograd::record("fresh", z, {b}, {}, identity);
+  sum(z).backward();
+  CHECK(b.grad().to_vector<float>() == std::vector<float>{1, 1});
+}
+
 TEST_CASE("the graph frees saved tensors after backward") {
   const std::int64_t before = memory::stats().live_bytes;
   {
