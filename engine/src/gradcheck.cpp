@@ -13,6 +13,29 @@ bool same_elements(const Tensor& a, const Tensor& b) {
   return a.shares_storage(b) && a.storage_offset() == b.storage_offset() && a.shape() == b.shape() &&
          a.strides() == b.strides() && a.dtype() == b.dtype();
 }
+
+// Whether some of t's elements share a place in memory (an expanded, stride-0 axis): writing one
+// in place would move the others.
+bool overlaps_itself(const Tensor& t) {
+  for (std::size_t d = 0; d < t.shape().size(); ++d) {
+    if (t.strides()[d] == 0 && t.shape()[d] > 1) return true;
+  }
+  return false;
+}
+
+// Element `flat` (in row-major order) of t as a one-element view: where an in-place perturbation
+// writes. (Built under no-grad by the caller: a view of a leaf that requires grad records nothing.)
+Tensor element_of(const Tensor& t, std::int64_t flat) {
+  const Shape& shape = t.shape();
+  std::vector<std::int64_t> index(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    index[d] = flat % shape[d];
+    flat /= shape[d];
+  }
+  Tensor e = t;
+  for (std::size_t d = 0; d < shape.size(); ++d) e = e.slice(static_cast<std::int64_t>(d), index[d], index[d] + 1);
+  return e;
+}
 }  // namespace
 
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,
@@ -88,8 +111,29 @@ GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)
     if (!in.defined() || !in.requires_grad()) continue;
     const std::vector<double>& grad = analytic[which];
     const std::vector<double> base = in.to_vector<double>();
+    // Each element is perturbed in place and put back, as PyTorch's gradcheck does: a function
+    // that reads the input through a closure (a module's parameter) rather than its argument sees
+    // the perturbation too (built from a copy passed as the argument, every numeric derivative of
+    // such a function was 0: a correct layer failed, and a weight whose gradient was lost passed).
+    // An input with an expanded axis cannot be written in place: a copy is passed instead.
+    const bool in_place = !overlaps_itself(in);
     for (std::int64_t i = 0; i < in.numel(); ++i) {
       auto shifted = [&](double delta) {
+        if (in_place) {
+          autograd::NoGradGuard guard;
+          Tensor place = element_of(in, i);
+          // Put back whatever happens in f: the original value, read as f64, is exact in its dtype.
+          struct PutBack {
+            Tensor& place;
+            double value;
+            ~PutBack() {
+              autograd::NoGradGuard restoring;
+              place.fill_(value);
+            }
+          } put_back{place, base[static_cast<std::size_t>(i)]};
+          place.fill_(base[static_cast<std::size_t>(i)] + delta);
+          return objective(leaves);
+        }
         std::vector<double> values = base;
         values[static_cast<std::size_t>(i)] += delta;
         // Every slot holding these elements moves with this one, as an in-place perturbation would

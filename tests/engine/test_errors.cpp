@@ -526,6 +526,22 @@ TEST_CASE("gradcheck: non-leaf inputs, a tensor passed twice, the inputs' gradie
   CHECK(
       gradcheck([&](const std::vector<Tensor>& in) { return tanh(in[0].shares_storage(leaf) ? leaf : in[0]); }, {leaf})
           .ok);
+  // One that reads the leaf only through its closure, ignoring its argument (a module's forward
+  // reading its own weight): the numeric pass perturbs the leaf itself. Built from a copy passed as
+  // the argument, every numeric derivative was 0: a correct function failed, and one whose
+  // gradient is lost (detached) passed.
+  const Tensor x = from_values({0.3, -0.7, 1.1, 0.2, 0.9, -0.4}, {2, 3}, Options(DType::f64));
+  const Tensor w = from_values({0.5, -0.25, 1.5, 0.75, -1.0, 0.125}, {3, 2}, Options(DType::f64)).set_requires_grad();
+  const std::vector<double> w_before = w.to_vector<double>();
+  CHECK(gradcheck([&](const std::vector<Tensor>&) { return tanh(matmul(x, w)); }, {w}).ok);
+  const GradcheckResult lost = gradcheck([&](const std::vector<Tensor>&) { return tanh(matmul(x, w.detach())); }, {w});
+  CHECK_FALSE(lost.ok);
+  CHECK(lost.message.find("analytic 0") != std::string::npos);
+  CHECK(w.to_vector<double>() == w_before);  // every perturbation put back, bit for bit
+  CHECK(w.is_leaf());
+  // An expanded input (one place in memory for several elements) is perturbed through a copy.
+  const Tensor row = from_values({0.5, -1.5}, {1, 2}, Options(DType::f64)).set_requires_grad();
+  CHECK(gradcheck([](const std::vector<Tensor>& in) { return tanh(in[0]) * in[0]; }, {row.expand({3, 2})}).ok);
   // The caller's gradients are left as they were (gradcheck wiped them, then left its own there).
   leaf.set_grad(from_values({7, 8, 9}, {3}, Options(DType::f64)));
   CHECK(gradcheck(product, {leaf, non_leaf}).ok);

@@ -26,10 +26,12 @@ struct GradcheckResult {
 
 /// Checks d(sum(f(inputs) * r))/d(input) for a fixed random r against central differences, for
 /// every input that requires grad (at least one, else ArgumentError). The inputs are passed to f
-/// as they are, so f may close over a leaf it is also given (a module's parameter); a non-leaf
-/// input is replaced by a leaf on its storage. The leaves' grad() are as they were afterwards.
-/// Inputs holding the same elements (one tensor passed twice) are perturbed together, as an
-/// in-place perturbation would: their gradient is the sum of their uses. f must return a defined
+/// as they are, and each element is perturbed in place (and put back, bit for bit), as PyTorch's
+/// gradcheck does, so f may read a leaf it is also given through a closure (a module's
+/// parameter) instead of its argument; an input with an expanded (stride-0) axis is perturbed
+/// through a copy passed as the argument instead. A non-leaf input is replaced by a leaf on its
+/// storage. The leaves' grad() are as they were afterwards. Inputs holding the same elements (one
+/// tensor passed twice) move together: their gradient is the sum of their uses. f must return a defined
 /// floating-point tensor; one that does not depend on the inputs has zero gradients. Inputs other
 /// than f64 fail for rounding at the default eps; the message says so.
 GradcheckResult gradcheck(const std::function<Tensor(const std::vector<Tensor>&)>& f, const std::vector<Tensor>& inputs,

@@ -129,7 +129,10 @@ class Module {
 
  protected:
   /// Registers a Param member under `name`. The member is read at traversal time, so assigning
-  /// another Param to it later (tying) is seen.
+  /// another Param to it later (tying) is seen. The module keeps the pointer: the Param must stay
+  /// at its address for the module's lifetime (a member, or an element of a std::deque or
+  /// std::list that only grows at its ends; not a std::vector that may reallocate as it grows,
+  /// whose earlier elements' pointers then dangle).
   void register_parameter(std::string name, Param* param);
   /// Registers a child module under `name`.
   void register_module(std::string name, std::shared_ptr<Module> child);
