@@ -155,10 +155,18 @@ std::int64_t parse_size(std::string_view text) {
     }
     return bytes;
   }
+  // A byte count with a fraction ("0.4", "1.5B") is no size: rounded, "0.4" became 0, which is no
+  // limit at all, and "1.5" 2 bytes. With a unit the fraction is of the unit ("1.5GB").
+  if (unit.empty() || unit == "b") {
+    fail<ArgumentError>("memory size", "'", s, "' is not a whole number of bytes (examples: 512MB, 1.5GB, 1048576)");
+  }
   for (const auto& [name, scale] : units) {
     if (unit != name) continue;
     const double bytes = std::round(number * scale);
     if (bytes >= 9223372036854775808.0) return too_large();  // 2^63
+    if (bytes == 0 && number > 0) {
+      fail<ArgumentError>("memory size", "'", s, "' is less than one byte (0, no limit, is written 0)");
+    }
     return static_cast<std::int64_t>(bytes);
   }
   return bad();
@@ -166,22 +174,36 @@ std::int64_t parse_size(std::string_view text) {
 
 std::string format_bytes(std::int64_t bytes) {
   const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
+  char buf[32];
+  if (bytes > -1000 && bytes < 1000) {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
+    return buf;
+  }
   double value = static_cast<double>(bytes);
   int unit = 0;
   while (std::abs(value) >= 1000 && unit < 5) {
     value /= 1000;
     ++unit;
   }
-  char buf[32];
-  if (unit == 0) {
-    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(bytes));
-  } else {
-    std::snprintf(buf, sizeof buf,
-                  std::abs(value) >= 100  ? "%.0f %s"
-                  : std::abs(value) >= 10 ? "%.1f %s"
-                                          : "%.2f %s",
-                  value, units[unit]);
+  // Three significant digits, rounded before printing: where the rounding reaches the next unit
+  // (999999 B printed as "1000 KB") the next unit is taken, and where it reaches the next power of
+  // ten (99.95 KB) the decimals follow it ("100 KB", not "100.0 KB").
+  auto decimals_for = [](double v) { return std::abs(v) >= 100 ? 0 : std::abs(v) >= 10 ? 1 : 2; };
+  int decimals = decimals_for(value);
+  for (;;) {
+    const double scale = decimals == 0 ? 1 : decimals == 1 ? 10 : 100;
+    const double rounded = std::round(value * scale) / scale;
+    if (std::abs(rounded) >= 1000 && unit < 5) {
+      value = rounded / 1000;
+      ++unit;
+      decimals = decimals_for(value);
+      continue;
+    }
+    value = rounded;
+    decimals = decimals_for(rounded);
+    break;
   }
+  std::snprintf(buf, sizeof buf, "%.*f %s", decimals, value, units[unit]);
   return buf;
 }
 

@@ -91,6 +91,23 @@ TEST_CASE("sizes parse in decimal and binary units") {
   CHECK(memory::parse_size("64k") == 64'000);
   CHECK(memory::parse_size("256 MiB") == 256LL << 20);
   CHECK(memory::parse_size("9223372036854775807") == std::numeric_limits<std::int64_t>::max());  // exactly
+  // A byte count with a fraction, or a size below one byte: "0.4" read as 0, which is no limit.
+  for (const char* fraction : {"0.4", "1.5", "1.5B", "2.0 b"}) {
+    CAPTURE(fraction);
+    test::check_throws<ArgumentError>([&] { memory::parse_size(fraction); }, {fraction, "not a whole number of bytes"});
+  }
+  test::check_throws<ArgumentError>([&] { memory::parse_size("0.0001KB"); }, {"0.0001KB", "less than one byte"});
+  CHECK(memory::parse_size("0") == 0);
+  CHECK(memory::parse_size("0.5KB") == 500);
+  CHECK(memory::parse_size("1.3GiB") == 1395864371);  // rounded to a whole byte
+  // Three significant digits, rounded before the unit is chosen (999999 B printed "1000 KB").
+  CHECK(memory::format_bytes(999) == "999 B");
+  CHECK(memory::format_bytes(999999) == "1.00 MB");
+  CHECK(memory::format_bytes(99950) == "100 KB");
+  CHECK(memory::format_bytes(9996) == "10.0 KB");
+  CHECK(memory::format_bytes(1234567) == "1.23 MB");
+  CHECK(memory::format_bytes(-999999) == "-1.00 MB");
+  CHECK(memory::format_bytes(std::numeric_limits<std::int64_t>::max()) == "9223 PB");
   for (const char* huge : {"9223372036854775808", "99999999999999999999", "10000000TB"}) {
     CAPTURE(huge);
     test::check_throws<ArgumentError>([&] { memory::parse_size(huge); }, {"more bytes than an int64 holds"});

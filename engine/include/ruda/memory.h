@@ -44,7 +44,8 @@ void set_limit(std::int64_t bytes, const char* source = "memory::set_limit");
 /// measurement whose result decides whether the configuration fits, such as nn::probe_step.
 class LimitSuspended : public ThreadFlagScope<LimitSuspended> {};
 /// Bytes from "512MB", "2GiB", "1.5GB", "64k" or plain "1048576" (decimal units are powers of 1000,
-/// binary ones of 1024; case-insensitive). ArgumentError on anything else, negative or overflowing.
+/// binary ones of 1024; case-insensitive). ArgumentError on anything else, negative or overflowing,
+/// a byte count with a fraction ("0.4") or a size below one byte ("0.0001KB").
 std::int64_t parse_size(std::string_view text);
 /// "1.23 GB", "512 MB", "64.0 KB", "17 B": decimal units, three significant digits.
 std::string format_bytes(std::int64_t bytes);
