@@ -107,6 +107,23 @@ case "$case_name" in
     if "$root/tools/bench" --backend bogus --suite gemm >"$log" 2>&1; then fail "--backend bogus accepted"; fi
     expect "unknown backend 'bogus'"
     grep -q "terminate called" "$log" && fail "an uncaught exception"
+    # --list checks the other arguments too (it listed and exited 0).
+    if "$RUDA_BIN_DIR/ruda-bench" --suite nope --list >"$log" 2>&1; then fail "--suite nope --list accepted"; fi
+    expect "unknown suite 'nope'"
+    # A bad environment variable is one line and exit 2 before any suite; a suite's own failure
+    # (its sizes past a memory limit) one line naming the suite and exit 1: both used to end in
+    # "terminate called" (exit 134).
+    rc=0; RUDA_MEMORY_LIMIT=garbage "$RUDA_BIN_DIR/ruda-bench" --quick --suite gemm >"$log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] || fail "RUDA_MEMORY_LIMIT=garbage: exited $rc, not 2"
+    expect "ruda-bench: error: RUDA_MEMORY_LIMIT"
+    rc=0; RUDA_EMULATE_LINK=garbage "$RUDA_BIN_DIR/ruda-bench" --quick --suite collectives >"$log" 2>&1 || rc=$?
+    [ "$rc" = 2 ] || fail "RUDA_EMULATE_LINK=garbage: exited $rc, not 2"
+    expect "ruda-bench: error: RUDA_EMULATE_LINK"
+    rc=0; RUDA_MEMORY_LIMIT=1KB "$RUDA_BIN_DIR/ruda-bench" --quick --suite gemm >"$log" 2>&1 || rc=$?
+    [ "$rc" = 1 ] || fail "a suite over RUDA_MEMORY_LIMIT=1KB exited $rc, not 1"
+    expect "ruda-bench: error: suite gemm"
+    expect "out of memory"
+    grep -q "terminate called" "$log" && fail "an uncaught exception"
     ;;
   bench-quick)
     suites=(kernels attention models layer-norm checkpoint onednn-kernels gemm gemm-onednn op-overhead memory optimizer
@@ -222,6 +239,17 @@ else echo "ruda-bench $*" >>"$STUB_CALLS"; fi'
     expect "unknown preset 'releas'"
     grep -q '^cmake' "$calls" && fail "tools/check built for an unknown preset"
 
+    # tools/bench and compare-torch: --help prints the usage and runs nothing (tools/bench passed
+    # it to every run, clusters included); an unknown option is refused before any build.
+    : >"$calls"
+    "$root/tools/bench" --help >"$log" 2>&1 || fail "tools/bench --help exited $?"
+    expect "tools/bench [--json] [--suite NAME]"
+    "$root/tools/compare-torch" --help >"$log" 2>&1 || fail "tools/compare-torch --help exited $?"
+    expect "tools/compare-torch --sharded"
+    refused "$root/tools/bench" --bogus
+    expect "tools/bench: unknown argument '--bogus'"
+    [ ! -s "$calls" ] || fail "tools/bench --help or --bogus ran: $(cat "$calls")"
+
     # The rest: each refuses what it cannot do, with its own message.
     refused "$root/tools/setup" --bnech
     expect "unknown argument '--bnech' (valid: none, or --bench)"
@@ -236,6 +264,26 @@ else echo "ruda-bench $*" >>"$STUB_CALLS"; fi'
     printf '{"step": 1, "loss": 2.5}\n{"step": 2}\n' >"$work/metrics.jsonl"
     refused "$root/tools/plot" "$work/metrics.jsonl" "$work/plot.png"
     expect 'metrics.jsonl:2: not a ruda-train metrics record (no "loss")'
+    # Never over the input (it turned the metrics into a PNG and said "wrote"); a field that is no
+    # number, a file that is not UTF-8, a folder: a message of its own, no traceback.
+    printf '{"step": 1, "loss": 2.5}\n' >"$work/metrics.jsonl"
+    refused "$root/tools/plot" "$work/metrics.jsonl" "$work/metrics.jsonl"
+    expect "is the metrics file itself"
+    grep -q '"step": 1' "$work/metrics.jsonl" || fail "tools/plot damaged its input"
+    printf '{"step": "x", "loss": 2.5}\n' >"$work/string.jsonl"
+    refused "$root/tools/plot" "$work/string.jsonl" "$work/plot.png"
+    expect '"step" is "x", not a number'
+    printf '\xff\xfe\n' >"$work/binary.jsonl"
+    refused "$root/tools/plot" "$work/binary.jsonl" "$work/plot.png"
+    expect "binary.jsonl:1: not a ruda-train metrics record"
+    mkdir -p "$work/folder.jsonl"
+    refused "$root/tools/plot" "$work/folder.jsonl"
+    expect "not a regular file"
+    # The default output is beside the input, named after the file (not cut at a folder's dot).
+    mkdir -p "$work/run.v2"
+    printf '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n' >"$work/run.v2/metrics"
+    "$root/tools/plot" "$work/run.v2/metrics" >"$log" 2>&1 || fail "tools/plot of run.v2/metrics exited $?"
+    [ -f "$work/run.v2/metrics.png" ] || fail "tools/plot did not write run.v2/metrics.png: $(cat "$log")"
     # demo-large: only the memory plan's refusal is the expected one (the real ruda-train).
     refused "$root/tools/demo-large" --refuse-only --bogus-option
     expect "but not with the memory plan's refusal"

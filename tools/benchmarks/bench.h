@@ -29,7 +29,9 @@ struct Result {
 struct Context {
   std::string backend;  // the backend under test ("eigen", "onednn")
   int repeats = 15;     // timed runs per figure
-  bool quick = false;   // fewer repeats and smaller sizes (smoke runs)
+  bool quick = false;   // fewer repeats (3, unless --repeats is given) and smaller sizes (smoke runs)
+  bool repeats_given = false;
+  int runs() const { return quick && !repeats_given ? 3 : repeats; }
   std::function<void(const Result&)> report;
 };
 
@@ -39,13 +41,17 @@ bool register_suite(const char* name, Suite suite);
 
 /// Whether this process prints results (the MPI bench prints from rank 0 only).
 extern bool (*should_print)();
+/// Says that a suite failed on this process (`message` names the program, suite and cause) and
+/// returns the exit status. The MPI bench names the rank and ends the job (MPI_Abort): the other
+/// ranks may be waiting in a collective that this one will not join.
+extern int (*report_failure)(const std::string& message);
 
 /// Seconds per call of f over ctx.repeats timed runs, after `warmup` untimed ones.
 template <class F>
 Stats measure(const Context& ctx, F&& f, int warmup = 2) {
   for (int i = 0; i < warmup; ++i) f();
   std::vector<double> seconds;
-  const int runs = ctx.quick ? 3 : ctx.repeats;
+  const int runs = ctx.runs();
   for (int i = 0; i < runs; ++i) {
     const auto start = std::chrono::steady_clock::now();
     f();
@@ -66,7 +72,7 @@ std::pair<Stats, Stats> measure_pair(const Context& ctx, F&& f, G&& g, int warmu
     g();
   }
   std::vector<double> fs, gs;
-  const int runs = ctx.quick ? 3 : ctx.repeats;
+  const int runs = ctx.runs();
   auto time = [](auto&& h) {
     const auto start = std::chrono::steady_clock::now();
     h();

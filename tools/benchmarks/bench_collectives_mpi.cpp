@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -303,9 +304,19 @@ void run(Context& ctx) {
   MPI_Comm_free(&raw);
 }
 
+// A suite's failure on this rank: named with the rank, then the job ends (MPI_Abort) where other
+// ranks may be waiting for this one in a collective.
+int report_failure_and_end_job(const std::string& message) {
+  std::cerr << message << " (rank " << environment().world_rank() << " of " << environment().world_size() << ")"
+            << std::endl;
+  if (environment().world_size() > 1) MPI_Abort(MPI_COMM_WORLD, 1);
+  return 1;
+}
+
 const bool registered = [] {
   environment();
   should_print = &is_rank_zero;
+  report_failure = &report_failure_and_end_job;
   return register_suite("collectives-mpi", run);
 }();
 

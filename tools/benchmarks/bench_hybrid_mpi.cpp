@@ -5,6 +5,7 @@
 // /proc/net/dev, which shows the reading process's network namespace). Without cluster-sim the
 // ranks share this machine's loopback, and blocks of 2 ranks stand for the nodes (no byte rows).
 #include <ruda/mpi.h>
+#include <iostream>
 
 #include <cstdlib>
 #include <fstream>
@@ -43,7 +44,13 @@ void run(Context& ctx) {
   // One backend is enough here: the fastest built (onednn where built), as ruda-train would use.
   if (ctx.backend != available_backends().back()) return;
   MpiCommunicator comm;
-  if (comm.world_size() % 2 != 0) return;
+  if (comm.world_size() % 2 != 0) {
+    if (comm.rank() == 0) {
+      std::cerr << "ruda-bench-mpi: suite hybrid needs an even number of ranks (nodes of 2 at least; got "
+                << comm.world_size() << "): nothing measured" << std::endl;
+    }
+    return;
+  }
   ShardMesh mesh = ShardMesh::by_node(comm);
   std::string where;
   if (const char* rate = std::getenv("RUDA_LINK_RATE"); rate && *rate && mesh.nodes() > 1) {

@@ -1,10 +1,17 @@
 // ruda-bench: runs the registered suites and prints a table, or JSON lines with --json.
+#include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <string>
+#include <vector>
 
 #include <ruda/backend.h>
+#include <ruda/collectives.h>
+#include <ruda/error.h>
+#include <ruda/memory.h>
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -34,12 +41,19 @@ bool register_suite(const char* name, Suite suite) {
 
 /// Hook for builds whose suites must only report from one process (the MPI bench sets it).
 bool (*should_print)() = [] { return true; };
+int (*report_failure)(const std::string& message) = [](const std::string& message) {
+  std::cerr << message << std::endl;
+  return 1;
+};
 
 }  // namespace ruda::bench
 
 int main(int argc, char** argv) {
   using namespace ruda::bench;
-  CLI::App app{"ruda-bench: figures of ruda's kernels, collectives and training steps (medians of repeated runs)"};
+  // ruda-bench, or ruda-bench-mpi (this file's other build), whose ranks all parse the same
+  // arguments: only the printing rank says what is wrong, once, under its own name.
+  const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : "ruda-bench";
+  CLI::App app{program + ": figures of ruda's kernels, collectives and training steps (medians of repeated runs)"};
   std::vector<std::string> selected;
   std::vector<std::string> backends;
   bool json = false, list = false;
@@ -47,21 +61,15 @@ int main(int argc, char** argv) {
   app.add_option("--suite", selected, "Suites to run (repeatable; default: all)");
   app.add_option("--backend", backends, "Backends to measure (repeatable; default: every built backend)");
   app.add_flag("--json", json, "One JSON object per figure instead of a table");
-  ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure")->check(ruda::cli::at_least(1));
+  CLI::Option* repeats =
+      ruda::cli::add_whole(app, "--repeats", ctx.repeats, "Timed runs per figure (default 15, 3 with --quick)")
+          ->check(ruda::cli::at_least(1));
   app.add_flag("--quick", ctx.quick, "Fewer runs and sizes (a smoke run)");
   app.add_flag("--list", list, "List the suites and exit");
-  // ruda-bench, or ruda-bench-mpi (this file's other build), whose ranks all parse the same
-  // arguments: only the printing rank says what is wrong, once, under its own name.
-  const std::string program = argc > 0 ? std::filesystem::path(argv[0]).filename().string() : "ruda-bench";
   const bool printing = should_print();
   if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, program, printing)) return *exit_code;
+  ctx.repeats_given = repeats->count() > 0;
 
-  if (list) {
-    if (printing) {
-      for (const auto& [name, suite] : suites()) std::cout << name << "\n";
-    }
-    return 0;
-  }
   for (const auto& s : selected) {
     if (!suites().count(s)) {
       if (printing) std::cerr << program << ": error: unknown suite '" << s << "' (see --list)\n";
@@ -77,6 +85,40 @@ int main(int argc, char** argv) {
       if (printing) std::cerr << program << ": error: unknown backend '" << b << "' (built: " << names << ")\n";
       return 2;
     }
+  }
+  // A backend or suite named twice is measured once.
+  auto dedupe = [](std::vector<std::string>& names) {
+    std::vector<std::string> once;
+    for (const auto& n : names) {
+      if (std::find(once.begin(), once.end(), n) == once.end()) once.push_back(n);
+    }
+    names = once;
+  };
+  dedupe(backends);
+  dedupe(selected);
+  if (list) {  // (after the checks above: --suite nope --list is refused too)
+    if (printing) {
+      for (const auto& [name, suite] : suites()) std::cout << name << "\n";
+    }
+    return 0;
+  }
+  // The environment the suites read, checked before any of them runs: a bad value is one line and
+  // exit 2, not a terminate in the middle of a suite.
+  try {
+    (void)ruda::num_threads();
+    (void)ruda::memory::limit();
+    (void)ruda::LinkModel::from_env();
+    if (const char* rate = std::getenv("RUDA_LINK_RATE"); rate && *rate) {
+      try {
+        (void)ruda::LinkModel::parse(std::string(rate) + "bit/s");
+      } catch (const std::exception&) {
+        throw ruda::ArgumentError(std::string("RUDA_LINK_RATE='") + rate +
+                                  "' is not a rate in bits per second (tools/cluster-sim exports it)");
+      }
+    }
+  } catch (const std::exception& e) {
+    if (printing) std::cerr << program << ": error: " << e.what() << "\n";
+    return 2;
   }
 
   bool header = false;
@@ -112,7 +154,13 @@ int main(int argc, char** argv) {
     for (const auto& backend : backends) {
       ctx.backend = backend;
       ruda::set_default_backend(backend);
-      suite(ctx);
+      try {
+        suite(ctx);
+      } catch (const std::exception& e) {
+        // One line naming the suite (a memory limit the suite's sizes pass, say), never a
+        // terminate: what was measured before it has been printed.
+        return report_failure(program + ": error: suite " + name + " (" + backend + "): " + e.what());
+      }
     }
   }
   return 0;
