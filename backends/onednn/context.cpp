@@ -322,7 +322,10 @@ ThreadScope::~ThreadScope() {
 bool all_kernels_requested() {
   static const bool all = [] {
     const char* env = std::getenv("RUDA_ONEDNN_KERNELS");
-    return env && std::string_view(env) == "all";
+    if (!env || !*env) return false;
+    if (std::string_view(env) == "all") return true;
+    std::fprintf(stderr, "ruda: ignoring RUDA_ONEDNN_KERNELS='%s': the one setting is all\n", env);
+    return false;
   }();
   return all;
 }
@@ -358,7 +361,11 @@ struct FallbackLog {
   std::vector<Fallback> in_order;
   const bool print = [] {
     const char* env = std::getenv("RUDA_LOG");
-    return env && std::string_view(env) == "debug";
+    if (!env || !*env) return false;
+    if (std::string_view(env) == "debug") return true;
+    // Said, not ignored in silence (as the other RUDA_* variables are): a misspelt level printed nothing.
+    std::fprintf(stderr, "ruda: ignoring RUDA_LOG='%s': the one level is debug\n", env);
+    return false;
   }();
 };
 

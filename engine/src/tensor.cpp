@@ -338,6 +338,12 @@ void Tensor::set_grad(const Tensor& grad) {
     fail<ShapeError>("set_grad", "gradient ", dtype_name(grad.dtype()), " ", grad.shape(), " does not match tensor ",
                      dtype_name(impl.dtype), " ", impl.shape);
   }
+  // A gradient on the tensor's own storage (t.set_grad(t), or a view of it): an optimizer's update of
+  // the values would rewrite the gradient it reads (PyTorch refuses it too).
+  if (grad.defined() && grad.shares_storage(*this)) {
+    fail<ArgumentError>("set_grad", "the gradient ", dtype_name(grad.dtype()), " ", grad.shape(),
+                        " shares the tensor's own storage; pass a copy (clone())");
+  }
   // Contiguous, like every gradient backward accumulates: optimizers read a gradient's bytes.
   impl.grad = grad.defined() ? detail::dense(grad) : grad;
 }

@@ -379,6 +379,13 @@ TEST_CASE("a bool buffer holds 0 and 1 only; set_grad refuses integer tensors as
   Tensor b = zeros({2}, Options(DType::boolean));
   test::check_throws<DTypeError>([&] { b.set_grad(zeros({2}, Options(DType::boolean))); }, {"set_grad", "bool [2]"});
   i.set_grad(Tensor());  // clearing is always allowed
+  // A gradient on the tensor's own storage: an in-place update of the values rewrote it.
+  Tensor w = ones({2, 2}).set_requires_grad();
+  test::check_throws<ArgumentError>([&] { w.set_grad(w); },
+                                    {"set_grad", "f32 [2, 2]", "shares the tensor's own storage"});
+  test::check_throws<ArgumentError>([&] { w.set_grad(w.detach()); }, {"set_grad", "shares the tensor's own storage"});
+  w.set_grad(w.detach().clone());
+  CHECK(w.grad().to_vector<float>() == std::vector<float>{1, 1, 1, 1});
   CHECK_FALSE(i.grad().defined());
 }
 
