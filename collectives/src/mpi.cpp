@@ -246,6 +246,11 @@ struct MpiCommunicator::Impl {
   mpi_detail::RingScratch ring;
   Buffer wide;                         // 16-bit data widened to f32
   cd::ProgressThread progress_thread;  // the non-blocking collectives, in the order started
+  // The order check saw ranks at different calls (every rank sees it, in the same exchange): the
+  // ranks' sequences have parted, and the destructor's final exchange is skipped. A rank that
+  // caught the CollectiveMismatchError and returned normally waited there for a rank that had
+  // already left (the job stalled until the collective timeout).
+  bool order_parted = false;
 
   // What this rank's threads are in, for the watchdog: the calling thread (blocking collectives
   // and the order check) and the progress thread. Guarded by slot_lock, a spin lock: taken twice
@@ -855,7 +860,7 @@ MpiCommunicator::~MpiCommunicator() {
   } catch (const std::exception&) {
     // Its error was reported to whoever waited for it.
   }
-  if (order_check() && MpiEnvironment::active()) {
+  if (order_check() && MpiEnvironment::active() && !impl_->order_parted) {
     // A last fingerprint: a rank that skipped the final collectives meets the others here, and
     // both sides learn of it instead of waiting forever.
     const std::string end = cd::numbered(current_sequence() + 1, "end of communicator");
@@ -1053,7 +1058,11 @@ std::vector<std::string> MpiCommunicator::exchange_fingerprints(const std::strin
   // On the control communicator, from the calling thread: it may run while the progress thread
   // is inside a collective on the data communicator.
   const Impl::Watch watch(*impl_, impl_->caller, current_record(), "order check");
-  return impl_->exchange(fingerprint);
+  std::vector<std::string> all = impl_->exchange(fingerprint);
+  if (std::any_of(all.begin(), all.end(), [&](const std::string& f) { return f != fingerprint; })) {
+    impl_->order_parted = true;
+  }
+  return all;
 }
 
 std::optional<std::size_t> ring_min_bytes_from_env() { return cd::ring_min_bytes_from_env(); }

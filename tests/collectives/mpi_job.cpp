@@ -53,7 +53,7 @@ namespace {
 
 int run(const std::string& mode) {
   ruda::MpiCommunicator comm;
-  comm.set_order_check(mode == "skip" || mode == "stall-check");
+  comm.set_order_check(mode == "skip" || mode == "skip-caught" || mode == "stall-check");
   if (mode == "stall-settimeout") comm.set_timeout(std::chrono::seconds(2));
   const bool last = comm.rank() == comm.world_size() - 1;
   const ruda::Tensor x = ruda::ones({1024});
@@ -61,7 +61,7 @@ int run(const std::string& mode) {
     if ((mode == "throw" || mode == "unwind") && comm.rank() == 1 && step == 2) {
       throw std::runtime_error("injected failure at step 2");
     }
-    if (mode == "skip" && comm.rank() == 1 && step == 4) break;
+    if ((mode == "skip" || mode == "skip-caught") && comm.rank() == 1 && step == 4) break;
     if (mode.rfind("stall", 0) == 0 && last && step == 2) std::raise(SIGSTOP);
     if (mode == "deadlock" && last && step == 2) deadlock();
     if (mode == "stall-async" && step == 2) {
@@ -73,11 +73,21 @@ int run(const std::string& mode) {
       // 64 Ki f32 per rank: far above the 64 KiB below which reduce_scatter is MPI's own.
       ruda::Work gradients = comm.reduce_scatter_async(ruda::ones({65536 * comm.world_size()}), {"grad"});
       gradients.wait();
+    } else if (mode == "skip-caught") {
+      // The mismatch caught and the program ending normally: its communicator's destructor must
+      // not wait for the rank that left (it did, until the collective timeout).
+      try {
+        comm.all_gather(x, {"step " + std::to_string(step)});
+      } catch (const ruda::CollectiveMismatchError& e) {
+        std::fprintf(stderr, "rank %d caught: %s\n", comm.rank(), e.what());
+        break;
+      }
     } else {
       comm.all_gather(x, {"step " + std::to_string(step)});
     }
   }
-  if (mode != "ok" && mode != "skip") std::fprintf(stderr, "rank %d: the stalled collective completed\n", comm.rank());
+  if (mode != "ok" && mode != "skip" && mode != "skip-caught")
+    std::fprintf(stderr, "rank %d: the stalled collective completed\n", comm.rank());
   return 0;
 }
 
@@ -85,11 +95,11 @@ int run(const std::string& mode) {
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "ok";
-  if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "stall" &&
-      mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" && mode != "stall-setring" &&
-      mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" && mode != "env-check" &&
-      mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create" && mode != "stall-init" &&
-      mode != "stall-finalize") {
+  if (mode != "ok" && mode != "throw" && mode != "unwind" && mode != "skip" && mode != "skip-caught" &&
+      mode != "stall" && mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" &&
+      mode != "stall-setring" && mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" &&
+      mode != "env-check" && mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create" &&
+      mode != "stall-init" && mode != "stall-finalize") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }

@@ -58,7 +58,8 @@ enum class GatherQuantization : std::uint8_t {
   /// rank quantizes its own slice of each parameter, in blocks of that parameter alone (symmetric,
   /// scale = max|x| / 127), from its current values at every gather, and every rank dequantizes
   /// into the compute dtype: about 1/4 of the f32 bytes. Only
-  /// the gathered values are approximate (each element within scale / 2): parameters, gradients
+  /// the gathered values are approximate (each element within scale / 2, plus half a unit of a
+  /// 16-bit compute dtype where the dequantized value is rounded to it): parameters, gradients
   /// and optimizer state stay in full precision, and the gradient's reduce-scatter is not
   /// quantized. A NaN or infinity in a slice is a ShardingError on every rank naming the parameter.
   int8,
