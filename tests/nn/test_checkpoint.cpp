@@ -218,6 +218,16 @@ TEST_CASE("a checkpoint the index shows does not fit is refused before anything 
   }
   CHECK_THROWS_AS(nn::load_checkpoint(dir.str(), same, &same_opt, comm), IOError);
   CHECK(same.parameters()[0].data().to_vector<double>() == first);
+  // A parameter more or fewer is named, as a renamed one is (it said only "holds 4 parameters,
+  // the model has 3").
+  nn::Sequential fewer(
+      {std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 2, nn::LinearOptions{.bias = false})});
+  test::check_throws<IOError>([&] { nn::load_checkpoint(dir.str(), fewer, nullptr, comm); },
+                              {"holds 4 parameters, the model has 3", "the model has no parameter '1.bias'"});
+  nn::Sequential more(
+      {std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 2), std::make_shared<nn::Linear>(2, 2)});
+  test::check_throws<IOError>([&] { nn::load_checkpoint(dir.str(), more, nullptr, comm); },
+                              {"holds 4 parameters, the model has 6", "it has no parameter '2.weight'"});
 }
 
 TEST_CASE("one save at a time into a checkpoint directory; none into a step directory or inside one") {

@@ -995,12 +995,31 @@ namespace {
 CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimizer, bool verify) {
   CheckpointInfo info{index.dir, index.step, index.world_size, index.extra};
   const auto params = module.named_parameters();
-  if (index.params.size() != params.size()) {
-    fail(index.dir, "holds " + std::to_string(index.params.size()) + " parameters, the model has " +
-                        std::to_string(params.size()));
-  }
   std::map<std::string, const IndexParam*> by_name;
   for (const auto& p : index.params) by_name[p.name] = &p;
+  if (index.params.size() != params.size()) {
+    // Named, as a renamed parameter is: the first the model has and the checkpoint lacks, or the
+    // first the checkpoint holds and the model does not.
+    std::string which;
+    for (const auto& [name, p] : params) {
+      if (!by_name.count(name)) {
+        which = "; it has no parameter '" + name + "'";
+        break;
+      }
+    }
+    if (which.empty()) {
+      std::set<std::string> names;
+      for (const auto& [name, p] : params) names.insert(name);
+      for (const auto& p : index.params) {
+        if (!names.count(p.name)) {
+          which = "; the model has no parameter '" + p.name + "'";
+          break;
+        }
+      }
+    }
+    fail(index.dir, "holds " + std::to_string(index.params.size()) + " parameters, the model has " +
+                        std::to_string(params.size()) + which);
+  }
   if (optimizer) check_optimizer_in_module(index.dir, *optimizer, params);
   // The state a parameter takes from the checkpoint: where this optimizer updates it and the
   // saving one did. One this optimizer updates that the saving one did not (frozen then) starts
