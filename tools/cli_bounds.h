@@ -108,7 +108,21 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv, const std:
     if (print) std::cout << app.help();
     return 0;
   } catch (const CLI::ParseError& e) {
-    if (print) std::cerr << program << ": error: " << e.what() << " (see --help)" << std::endl;
+    if (print) {
+      // A word that is no subcommand ("ruda-ckpt lsit") is named, with the valid ones: CLI11 says
+      // only "A subcommand is required" (the word went to the remaining arguments).
+      const auto subcommands = app.get_subcommands([](const CLI::App*) { return true; });
+      const std::vector<std::string> left = app.remaining();
+      if (!subcommands.empty() && !left.empty() && !left.front().empty() && left.front()[0] != '-' &&
+          app.get_subcommands().empty()) {
+        std::string names;
+        for (const CLI::App* sub : subcommands) names += (names.empty() ? "" : ", ") + sub->get_name();
+        std::cerr << program << ": error: unknown subcommand '" << left.front() << "' (one of: " << names << ")"
+                  << std::endl;
+      } else {
+        std::cerr << program << ": error: " << e.what() << " (see --help)" << std::endl;
+      }
+    }
     return 2;
   }
   return std::nullopt;

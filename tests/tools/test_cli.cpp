@@ -98,6 +98,9 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(train("lm --text /nonexistent.txt")), {"/nonexistent.txt", "no such file"});
   one_error_line(run(train("mlp --bogus 3")), {"--bogus"});
   one_error_line(run(train("mlp --dtype f8")), {"--dtype", "f8"});
+  // A word that is no subcommand is named with the valid ones (it said "A subcommand is required").
+  one_error_line(run(train("--emulate 2 mpl")), {"unknown subcommand 'mpl'", "mlp, lm"});
+  one_error_line(run(ckpt("lsit " + tmp / "c")), {"unknown subcommand 'lsit'", "list, verify, consolidate, split"});
   // A global batch larger than the training set names the options (it said "BatchSampler").
   one_error_line(run(train("--emulate 2 mlp --limit 10 --batch 32 --epochs 1")),
                  {"--batch 32 (global)", "10 training images", "--limit 10"});
