@@ -257,9 +257,11 @@ Acc exp_shifted_packets(Acc* row, std::int64_t n, Acc shift) {
 
 /// exp_shifted_packets, on the CPU's 16-lane vectors where the build's are 8 lanes wide and the CPU
 /// has AVX-512 (exp_wide.h): the same bits, the exp pass at twice the width. `ruda-bench --suite
-/// attention`, oneDNN f32 causal fwd+bwd B 1 H 12 D 64, the two kernels alternated, medians of 3
-/// (2-core Xeon with AMX, GCC 12 build): 24.41 against 24.48 ms at T = 1024, 87.1 against 91.0 at
-/// T = 2048. A small gain: the block products dominate the kernel.
+/// attention`'s "softmax exp pass" row (4096 rows of 256, against the 8-lane kernel in the same
+/// run; 2-core Xeon with AMX, GCC 12 build): 0.64-0.66 of the time, three runs. In the whole op a
+/// small gain (the same suite's fwd+bwd rows, the two kernels alternated through a temporary
+/// switch, medians of 3: 24.41 against 24.48 ms at T = 1024, 87.1 against 91.0 at T = 2048): the
+/// block products dominate the kernel.
 template <class Acc>
 Acc exp_shifted(Acc* row, std::int64_t n, Acc shift) {
   if constexpr (std::is_same_v<Acc, float>) {

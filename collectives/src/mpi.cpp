@@ -36,10 +36,6 @@ namespace {
 
 namespace cd = collectives_detail;
 
-// The job's start-up collectives (agree_on_startup, a communicator's creation) run before any
-// watchdog exists: blocking, a rank stopped or frozen there hung every other rank forever, whatever
-// RUDA_COLLECTIVE_TIMEOUT said. They run non-blocking instead, and past `limit` (0: none) this
-// rank reports and ends the job as the watchdog does.
 // The line a rank prints when a wait no watchdog covers (the start-up collectives, MPI_Init,
 // MPI_Finalize) ran past the timeout; `who` is "rank 0 of 3 failed" or, before MPI runs, "rank 0".
 void print_unwatched_timeout(const std::string& who, const char* what, std::chrono::milliseconds limit) {
@@ -51,6 +47,10 @@ void print_unwatched_timeout(const std::string& who, const char* what, std::chro
   std::fflush(stderr);
 }
 
+// The job's start-up collectives (agree_on_startup, a communicator's creation) run before any
+// watchdog exists: blocking, a rank stopped or frozen there hung every other rank forever, whatever
+// RUDA_COLLECTIVE_TIMEOUT said. They run non-blocking instead, waited for here: past `limit` (0:
+// none) this rank reports and ends the job as the watchdog does.
 void wait_unwatched(MPI_Request& request, std::chrono::milliseconds limit, const char* what) {
   const auto start = std::chrono::steady_clock::now();
   auto pause = std::chrono::microseconds(50);

@@ -11,6 +11,8 @@
 #               (all but memory-scale, minutes even when quick): every suite runs and reports
 #   bench-mpi-quick  tools/bench --quick --suite collectives-mpi: the MPI suite the README quotes, at
 #               2, 3 and 4 ranks
+#   mpiexec-signal  the README's graceful stop through mpiexec itself: SIGUSR1 sent to mpiexec
+#               reaches both ranks, which save the same step and exit 138; the checkpoint verifies
 #   fuzz-safetensors  tools/fuzz-safetensors for a few seconds: it builds its fuzzer and finds nothing
 #               (a crash file an earlier run left is not counted as this run's)
 #   arguments   the scripts' argument and failure handling, in seconds, on stub binaries and fake
@@ -134,6 +136,7 @@ case "$case_name" in
     for suite in "${suites[@]}"; do grep -q "^$suite " "$log" || fail "no rows of suite $suite"; done
     expect "exp ["
     expect "qkvpacked on a [B, T, 3, H, D] projection"
+    expect "f32 softmax exp pass, 4096 rows of 256"
     ;;
   bench-mpi-quick)
     "$root/tools/bench" --quick --suite collectives-mpi >"$log" 2>&1 || fail "tools/bench --suite collectives-mpi exited $?"
@@ -142,6 +145,26 @@ case "$case_name" in
         grep -q "^collectives-mpi  *mpi $collective n=$ranks 4KiB" "$log" || fail "no 4 KiB $collective row at $ranks ranks"
       done
     done
+    ;;
+  mpiexec-signal)
+    # A run long enough to be signalled mid-training (it stops within a step of the signal).
+    mpiexec -n 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$RUDA_BIN_DIR/ruda-train" mlp --hidden 32 \
+      --limit 640 --test-limit 64 --batch 64 --epochs 100000 --log-every 1 --checkpoint-dir "$work/c" >"$log" 2>&1 &
+    job=$!
+    for _ in $(seq 600); do
+      grep -q '^step [0-9]*/' "$log" && break
+      kill -0 "$job" 2>/dev/null || break
+      sleep 0.1
+    done
+    grep -q '^step [0-9]*/' "$log" || { kill -KILL "$job" 2>/dev/null; fail "ruda-train did not start training"; }
+    kill -USR1 "$job"
+    rc=0; wait "$job" || rc=$?
+    [ "$rc" = 138 ] || fail "mpiexec signalled with SIGUSR1 exited $rc, not 138"
+    expect "stopped by SIGUSR1 after step"
+    step=$(sed -n 's/^stopped by SIGUSR1 after step \([0-9]*\),.*/\1/p' "$log")
+    [ -n "$step" ] || fail "no step in the stop line"
+    "$RUDA_BIN_DIR/ruda-ckpt" verify "$work/c" >>"$log" 2>&1 || fail "ruda-ckpt verify exited $?"
+    [ "$(cat "$work/c/latest")" = "$(printf 'step-%08d' "$step")" ] || fail "latest is $(cat "$work/c/latest"), not step $step"
     ;;
   fuzz-safetensors)
     # A crash file an earlier run left behind is neither this run's finding nor copied again.

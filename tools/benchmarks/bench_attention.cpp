@@ -15,6 +15,8 @@
 #include "bench.h"
 
 namespace ruda::bench {
+void attention_exp_rows(Context& ctx);  // bench_attention_exp.cpp: the softmax's exp pass
+
 namespace {
 
 constexpr std::int64_t kBatch = 1, kHeads = 12, kDim = 64;
@@ -144,6 +146,8 @@ void attention_suite(Context& ctx) {
                 "f32 scores q k^T of permuted heads B=4 H=12 D=64 T=" + std::to_string(t) + ", read in place", ours,
                 peer, "copied contiguous, then multiplied", "ms", 1e3);
   }
+  // The exp pass is the shared kernel's, whichever backend: measured once.
+  if (ctx.backend == available_backends().front()) attention_exp_rows(ctx);
 }
 
 const bool registered = register_suite("attention", attention_suite);

@@ -525,8 +525,8 @@ int run(const Config& cfg, Communicator& comm) {
     return out;
   };
   Traffic comm_total;  // of the training steps alone (not evaluation or checkpoints)
-  // A graceful stop (stop.h): with somewhere to save, SIGINT and SIGTERM during the steps end the
-  // run at the end of the step, with a checkpoint of it. Outside the steps they act as before.
+  // A graceful stop (stop.h): with somewhere to save, SIGINT, SIGTERM or SIGUSR1 during the steps
+  // ends the run at the end of the step, with a checkpoint of it. Outside the steps they act as before.
   std::optional<StopSignals> stop_signals;
   if (!cfg.checkpoint_dir.empty()) stop_signals.emplace();
   const RaiseForTest raise_at = raise_for_test();

@@ -2,11 +2,10 @@
 // preemption or scancel; Kubernetes on eviction) and a user with Ctrl-C (SIGINT); SIGUSR1 is the
 // one mpiexec forwards to the ranks without killing them after (and SLURM's --signal=USR1@T sends
 // before the time limit). With a checkpoint directory, such a signal during the steps no longer
-// loses the steps since the last checkpoint:
-// the rank records it, the ranks agree at the end of the step (one all-reduce of the signal a
-// step), every rank saves that step, and the run ends with exit status 128 + the signal, as a
-// process the signal ended would. The first signal restores the previous disposition, so a second
-// one ends the process at once, as before.
+// loses the steps since the last checkpoint: the rank records it, the ranks agree at the end of
+// the step (one all-reduce a step), every rank saves that step, and the run ends with exit status
+// 128 + the signal, as a process the signal ended would. The first signal restores the previous
+// disposition, so a second one ends the process at once, as before.
 #pragma once
 
 #include <string>
@@ -16,8 +15,9 @@ namespace ruda::train {
 /// While one exists (emulated ranks each hold one; the first installs, the last restores), SIGINT,
 /// SIGTERM and SIGUSR1 are recorded instead of ending the process. The last to go restores the
 /// previous dispositions and raises a signal received that the run did not act on (one that came
-/// after the last step's check), so that it ends the process as it would have. A signal the process ignored when the
-/// first one was made (a shell's background job ignores SIGINT) stays ignored.
+/// after the last step's check), so that it ends the process as it would have. A signal the
+/// process ignored when the first one was made (a shell's background job ignores SIGINT) stays
+/// ignored.
 class StopSignals {
  public:
   StopSignals();
