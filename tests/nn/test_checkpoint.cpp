@@ -1071,7 +1071,10 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
     test::check_throws<IOError>(
         [&] { safetensors::parse_header(header, 8 + header.size() + data_bytes, tensors, metadata); }, {fragment});
   };
-  rejects("[1, 2]", 0, "not a JSON object");
+  rejects("[1, 2]", 0, "does not begin with '{'");
+  rejects(" {}", 0, "does not begin with '{'");
+  rejects("\xEF\xBB\xBF{}", 0, "does not begin with '{'");
+  rejects("", 0, "does not begin with '{'");
   rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [2], \"data_offsets\": [0, 9]}}", 8, "outside");
   rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [3], \"data_offsets\": [0, 8]}}", 8, "8 bytes for a [3]");
   rejects("{\"x\": {\"dtype\": \"Q8\", \"shape\": [1], \"data_offsets\": [0, 1]}}", 8, "unsupported dtype");
@@ -1082,7 +1085,9 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
       "{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
       " \"y\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [2, 6]}}",
       8, "overlap");
-  rejects(std::string(40, '[') + std::string(40, ']'), 0, "nested too deeply");
+  std::string deep;
+  for (int i = 0; i < 40; ++i) deep += "{\"a\": ";
+  rejects(deep + "1" + std::string(40, '}'), 0, "nested too deeply");
   rejects("{\"__metadata__\": {\"k\": 1}}", 0, "not a string");
 
   // An empty tensor owns no bytes, so its offsets may sit inside another tensor's range.

@@ -149,6 +149,9 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
   const std::string where = "header";
   // A NUL ends nlohmann's input early: what follows it would be ignored here and read by others.
   if (header.find('\0') != std::string::npos) io_fail(where, "contains a NUL byte");
+  // The format's header begins with '{' (0x7B), as the reference reader checks: whitespace or a
+  // byte-order mark before it is no safetensors file, though a JSON parser would skip it.
+  if (header.empty() || header.front() != '{') io_fail(where, "does not begin with '{'");
   if (const auto refusal = json_refusal(header, kMaxJsonDepth)) io_fail(where, *refusal);
   nlohmann::json j;
   std::string duplicate;
@@ -157,7 +160,6 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
   } catch (const nlohmann::json::exception& e) {
     io_fail(where, std::string("not valid JSON: ") + e.what());
   }
-  if (!j.is_object()) io_fail(where, "is not a JSON object");
   if (!duplicate.empty()) io_fail(where, "names '" + duplicate + "' twice in one object");
   const std::uint64_t data_start = 8 + header.size();
   if (data_start > file_size) io_fail(where, "runs past the end of the file");
