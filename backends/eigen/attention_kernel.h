@@ -87,27 +87,6 @@ struct EigenBlockGemm {
 
 namespace detail {
 
-/// Scratch memory on 64-byte boundaries. Eigen's vectorized reductions (the rows' max and sum)
-/// peel to the packet alignment of the actual address, so a row's summation order follows its
-/// address: with malloc's 16-byte alignment two identical calls could round differently. On fixed
-/// boundaries every call gives the same bits.
-template <class T>
-struct AlignedAllocator {
-  using value_type = T;
-  static constexpr std::align_val_t kAlign{64};
-  AlignedAllocator() = default;
-  template <class U>
-  AlignedAllocator(const AlignedAllocator<U>&) noexcept {}  // NOLINT: rebinding is implicit
-  T* allocate(std::size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
-  template <class U>
-  bool operator==(const AlignedAllocator<U>&) const noexcept {
-    return true;
-  }
-};
-template <class T>
-using Scratch = std::vector<T, AlignedAllocator<T>>;
-
 /// Runs work(i) for every item in [0, items) on up to num_threads() threads, each taking the next
 /// item from a shared counter (items of unequal cost, as causal blocks are, balance themselves).
 /// make_worker() builds each thread's worker (its scratch). The first exception stops the loop
@@ -476,7 +455,7 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
   const Acc scale = static_cast<Acc>(d.scale);
   const std::int64_t splits = head_splits(bh_count, nk);
   // Per-item dQ partial sums of split heads ([bh][split][Tq][D]); none when heads are not split.
-  detail::Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
+  Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
   for_each_item(bh_count * splits, [&] {
     using Gemm = decltype(make_gemm());

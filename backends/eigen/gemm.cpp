@@ -65,8 +65,8 @@ void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias
 }
 
 template <class T>
-std::vector<float> widen(const void* p, std::int64_t n) {
-  std::vector<float> out(static_cast<std::size_t>(n));
+Scratch<float> widen(const void* p, std::int64_t n) {
+  Scratch<float> out(static_cast<std::size_t>(n));
   const T* src = static_cast<const T*>(p);
   for (std::int64_t i = 0; i < n; ++i) out[i] = Num<T>::load(src[i]);
   return out;
@@ -134,13 +134,13 @@ void EigenBackend::gemm(const GemmDesc& d) {
   auto widen_any = [](DType t, const void* p, std::int64_t n) {
     return dispatch_float(t, "gemm", [&](auto tag) { return widen<decltype(tag)>(p, n); });
   };
-  const std::vector<float> a = widen_any(d.a_dtype, d.a, na);
-  const std::vector<float> b = widen_any(d.b_dtype, d.b, nb);
-  std::vector<float> c =
+  const Scratch<float> a = widen_any(d.a_dtype, d.a, na);
+  const Scratch<float> b = widen_any(d.b_dtype, d.b, nb);
+  Scratch<float> c =
       // Read back when C has gaps too, so the rounding pass below rewrites them unchanged.
       d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_any(d.c_dtype, d.c, nc)
-                                                  : std::vector<float>(static_cast<std::size_t>(nc));
-  std::vector<float> bias;
+                                                  : Scratch<float>(static_cast<std::size_t>(nc));
+  Scratch<float> bias;
   if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);
   apply_epilogue(d, c.data(), DType::f32);  // in f32, before the one rounding

@@ -17,7 +17,7 @@ constexpr bool kSixteenBit = std::is_same_v<T, bfloat16> || std::is_same_v<T, fl
 
 // 0 .. n-1 ordered by idx[i], stable (ascending i among equal indices): the additions into one
 // destination, in the order the unsorted loop made them.
-void order_by_index(const std::int64_t* idx, std::int64_t n, std::vector<std::int64_t>& order) {
+void order_by_index(const std::int64_t* idx, std::int64_t n, Scratch<std::int64_t>& order) {
   order.resize(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
   std::stable_sort(order.begin(), order.end(), [idx](std::int64_t a, std::int64_t b) { return idx[a] < idx[b]; });
@@ -49,10 +49,10 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
     if constexpr (kSixteenBit<T>) {
       // 16-bit: each table row sums its source rows in f32 and is rounded once. Rounded after
       // every add, a row stopped growing (bf16 256 + 1 is 256): a token seen 300 times got 256.
-      std::vector<std::int64_t> order;
+      Scratch<std::int64_t> order;
       order_by_index(idx, rows, order);
       parallel_for(features, grain, [&](std::int64_t j0, std::int64_t j1) {
-        std::vector<float> acc(static_cast<std::size_t>(j1 - j0));
+        Scratch<float> acc(static_cast<std::size_t>(j1 - j0));
         for (std::size_t g = 0; g < order.size();) {
           const std::int64_t target = idx[order[g]];
           T* row = t + target * features;
@@ -101,7 +101,7 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
     if constexpr (kSixteenBit<T>) {
       // 16-bit: the picks of one destination are summed in f32 and rounded once (rounded after
       // every add, 300 picks of one bf16 element gave 256), in pick order within a destination.
-      std::vector<std::int64_t> order;
+      Scratch<std::int64_t> order;
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t* row_idx = idx + r * picks;
         order_by_index(row_idx, picks, order);

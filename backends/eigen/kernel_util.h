@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <limits>
+#include <new>
 #include <type_traits>
+#include <vector>
 
 #include <ruda/backend.h>
 #include <ruda/dtype.h>
@@ -59,23 +63,67 @@ decltype(auto) dispatch_all(DType dtype, const char* op, F&& f) {
 
 /// Runs body(begin, end) over [0, total) split into one contiguous chunk per thread, or inline
 /// when the work is smaller than `grain` elements (small ops must not pay for a parallel region).
+/// An exception from a chunk (a scratch allocation that fails, a kernel's own check) is rethrown
+/// on the calling thread after the region: none may leave an OpenMP region, where it would end
+/// the process in std::terminate. The first one thrown wins; the other chunks run to their end.
 template <class Body>
 void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&& body) {
   if (total <= 0) return;
 #ifdef RUDA_HAVE_OPENMP
   const int threads = static_cast<int>(std::min<std::int64_t>(num_threads(), (total + grain - 1) / grain));
   if (threads > 1) {
+    std::exception_ptr error;
 #pragma omp parallel num_threads(threads)
     {
       const std::int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
       const std::int64_t begin = total * t / n, end = total * (t + 1) / n;
-      if (begin < end) body(begin, end);
+      try {
+        if (begin < end) body(begin, end);
+      } catch (...) {
+#pragma omp critical(ruda_parallel_for_error)
+        if (!error) error = std::current_exception();
+      }
     }
+    if (error) std::rethrow_exception(error);
     return;
   }
 #endif
   body(std::int64_t{0}, total);
 }
+
+/// Throws OutOfMemoryError for `bytes` of a kernel's working memory that the system refused: the
+/// tracker does not count a kernel's scratch, so without this a failed allocation reached callers
+/// as std::bad_alloc, which is no ruda::Error (a caller that catches OutOfMemoryError to retry
+/// smaller, as auto-fit does, missed it).
+[[noreturn]] void scratch_refused(std::size_t bytes);
+
+/// A kernel's scratch memory: on 64-byte boundaries (a vectorized loop's peeling, and so its
+/// summation order, then does not depend on malloc's alignment), and OutOfMemoryError when the
+/// system refuses it.
+template <class T>
+struct ScratchAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  ScratchAllocator() = default;
+  template <class U>
+  ScratchAllocator(const ScratchAllocator<U>&) noexcept {}  // NOLINT: rebinding is implicit
+  T* allocate(std::size_t n) {
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
+      scratch_refused(std::numeric_limits<std::size_t>::max());
+    try {
+      return static_cast<T*>(::operator new(n * sizeof(T), kAlign));
+    } catch (const std::bad_alloc&) {
+      scratch_refused(n * sizeof(T));
+    }
+  }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const ScratchAllocator<U>&) const noexcept {
+    return true;
+  }
+};
+template <class T>
+using Scratch = std::vector<T, ScratchAllocator<T>>;
 
 /// The sum of value(0 .. n) in 16 interleaved partial sums, combined pairwise: the compiler
 /// vectorizes it (a plain running sum is one dependent add per element, which it may not

@@ -116,11 +116,11 @@ void EigenBackend::layer_norm_backward(const View& x, const View& weight, const 
       // afterwards, so the order of additions depends on the shape alone, not on the threads.
       constexpr std::int64_t kBlockRows = 32;
       const std::int64_t blocks = (rows + kBlockRows - 1) / kBlockRows;
-      std::vector<S> part_w(affine ? static_cast<std::size_t>(blocks * n) : 0),
+      Scratch<S> part_w(affine ? static_cast<std::size_t>(blocks * n) : 0),
           part_b(affine ? static_cast<std::size_t>(blocks * n) : 0);
       parallel_for(
           blocks, std::max<std::int64_t>(1, kElementGrain / (kBlockRows * n)), [&](std::int64_t b0, std::int64_t b1) {
-            std::vector<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
+            Scratch<S> gw(static_cast<std::size_t>(n)), xhat(static_cast<std::size_t>(n));
             for (std::int64_t blk = b0; blk < b1; ++blk) {
               S* pw = affine ? part_w.data() + blk * n : nullptr;
               S* pb = affine ? part_b.data() + blk * n : nullptr;

@@ -223,14 +223,14 @@ template <class T>
 void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int64_t j0, std::int64_t j1,
                       std::int64_t o) {
   using A = Acc<T>;
-  std::vector<A> acc(static_cast<std::size_t>(j1 - j0));
+  Scratch<A> acc(static_cast<std::size_t>(j1 - j0));
   const T* base = x + o * b.reduce * b.inner;
   T* dst = out + o * b.inner;
   if (op == ReduceOp::sum) {
     // Runs of kRun rows summed in A (vectorized across the columns), each run's sums then added
     // into SumAcc: the rounding of a float column sum no longer grows with the row count.
     constexpr std::int64_t kRun = 32;
-    std::vector<SumAcc<T>> total(static_cast<std::size_t>(j1 - j0));
+    Scratch<SumAcc<T>> total(static_cast<std::size_t>(j1 - j0));
     for (std::int64_t i0 = 0; i0 < b.reduce; i0 += kRun) {
       for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] = Num<T>::load(base[i0 * b.inner + j]);
       for (std::int64_t i = i0 + 1; i < std::min(b.reduce, i0 + kRun); ++i) {
@@ -266,7 +266,7 @@ void reduce_block(ReduceOp op, const T* x, const Block& b, void* out) {
     if (b.outer == 1 && op == ReduceOp::sum && b.reduce > 4 * kElementGrain) {
       constexpr std::int64_t kBlock = 1 << 16;
       const std::int64_t blocks = (b.reduce + kBlock - 1) / kBlock;
-      std::vector<SumAcc<T>> partial(static_cast<std::size_t>(blocks));
+      Scratch<SumAcc<T>> partial(static_cast<std::size_t>(blocks));
       parallel_for(blocks, 1, [&](std::int64_t begin, std::int64_t end) {
         for (std::int64_t k = begin; k < end; ++k)
           partial[k] = line_sum(x + k * kBlock, std::min(kBlock, b.reduce - k * kBlock), 1);
@@ -321,7 +321,7 @@ void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
     // A 16-bit sum folded run by run rounded each partial sum to 16 bits (bf16 sum over axes
     // {0, 2} of [2, 3, 4] read 1.9375 for 2): the folds run in f32, rounded once at the end, as a
     // single run's sum is (max and min compose exactly and stay 16-bit).
-    auto dense_f32 = [](const View& like, std::vector<float>& storage) {
+    auto dense_f32 = [](const View& like, Scratch<float>& storage) {
       View v = like;
       v.dtype = DType::f32;
       storage.resize(static_cast<std::size_t>(like.numel()));
@@ -333,7 +333,7 @@ void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
       }
       return v;
     };
-    std::vector<float> wide_x, wide_out;
+    Scratch<float> wide_x, wide_out;
     const View x32 = dense_f32(x, wide_x), out32 = dense_f32(out, wide_out);
     cast(x, x32);
     reduce(op, x32, out32);
@@ -357,9 +357,8 @@ void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
     }
     for (int d = 0; d < x.ndim; ++d) count *= partial.shape[d];
     const std::size_t elem = dtype_size(x.dtype);
-    std::vector<std::uint8_t> buffer(static_cast<std::size_t>(count) * elem + 64);
-    void* aligned = buffer.data() + (64 - reinterpret_cast<std::uintptr_t>(buffer.data()) % 64) % 64;
-    partial.data = aligned;
+    Scratch<std::uint8_t> buffer(static_cast<std::size_t>(count) * elem);  // on 64-byte boundaries
+    partial.data = buffer.data();
     std::int64_t stride = 1;
     for (int d = x.ndim - 1; d >= 0; --d) {
       partial.strides[d] = stride;
@@ -422,13 +421,19 @@ void dense_softmax_backward(const C* y, const C* gy, C* gx, std::int64_t n, bool
   }
 }
 
-// This thread's line buffers of the compute type, reused from line to line.
+// Three line buffers of n values of the compute type, one after another: this thread's, reused
+// from line to line, for lines of up to kKeptLine values; `own`, freed after the line, for longer
+// ones (a thread-local buffer kept the longest line a thread ever saw, uncounted by the memory
+// tracker, for the life of the process: 24 GB after one bf16 softmax over a line of 2^31).
+constexpr std::int64_t kKeptLine = std::int64_t{1} << 16;
 template <class C>
-std::vector<C>& line_buffer(int which, std::int64_t n) {
-  thread_local std::vector<C> buffers[3];
-  std::vector<C>& b = buffers[which];
-  if (static_cast<std::int64_t>(b.size()) < n) b.resize(static_cast<std::size_t>(n));
-  return b;
+C* line_buffers(std::int64_t n, Scratch<C>& own) {
+  if (n > kKeptLine) {
+    own.resize(3 * static_cast<std::size_t>(n));
+    return own.data();
+  }
+  thread_local Scratch<C> kept(3 * static_cast<std::size_t>(kKeptLine));
+  return kept.data();
 }
 
 // One softmax line of n values with stride s. A strided or 16-bit line is gathered (widened) into
@@ -440,8 +445,9 @@ void softmax_line(const T* x, T* y, std::int64_t n, std::int64_t s, bool log) {
   if constexpr (std::is_same_v<T, C>) {
     if (s == 1) return dense_softmax(x, y, n, log);
   }
-  C* const in = line_buffer<C>(0, n).data();
-  C* const out = line_buffer<C>(1, n).data();
+  Scratch<C> own;
+  C* const in = line_buffers<C>(n, own);
+  C* const out = in + n;
   for (std::int64_t i = 0; i < n; ++i) in[i] = Num<T>::load(x[i * s]);
   dense_softmax(in, out, n, log);
   for (std::int64_t i = 0; i < n; ++i) y[i * s] = Num<T>::store(out[i]);
@@ -453,9 +459,10 @@ void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::
   if constexpr (std::is_same_v<T, C>) {
     if (s == 1) return dense_softmax_backward(y, gy, gx, n, log);
   }
-  C* const yc = line_buffer<C>(0, n).data();
-  C* const gc = line_buffer<C>(1, n).data();
-  C* const out = line_buffer<C>(2, n).data();
+  Scratch<C> own;
+  C* const yc = line_buffers<C>(n, own);
+  C* const gc = yc + n;
+  C* const out = gc + n;
   for (std::int64_t i = 0; i < n; ++i) {
     yc[i] = Num<T>::load(y[i * s]);
     gc[i] = Num<T>::load(gy[i * s]);

@@ -207,7 +207,7 @@ class DnnlBlockGemm {
   static constexpr DType kDType = std::is_same_v<G, float> ? DType::f32 : DType::bf16;
   std::vector<Entry> seen_;
   std::shared_ptr<const Primitive> current_;
-  kernels::attention::detail::Scratch<float> wide_a_, wide_b_, wide_c_;
+  kernels::Scratch<float> wide_a_, wide_b_, wide_c_;
 };
 
 // Where the kernel runs: oneDNN's block products for f32 and for bf16 on CPUs with bf16
@@ -290,13 +290,13 @@ void backward_transposed(const AttentionDesc& d) {
   const float* const lse = d.lse.ptr<const float>();
   const auto scale = static_cast<float>(d.scale);
   const std::int64_t splits = head_splits(bh_count, nk);
-  Scratch<float> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
+  kernels::Scratch<float> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
   for_each_item(bh_count * splits, [&] {
     struct Worker {
       DnnlBlockGemm<G> gemm;
-      Scratch<float> dq_acc, dk_acc, dv_acc, delta, lse_row;
-      Scratch<G> pt, ds, qbuf, kbuf, vbuf, obuf;
+      kernels::Scratch<float> dq_acc, dk_acc, dv_acc, delta, lse_row;
+      kernels::Scratch<G> pt, ds, qbuf, kbuf, vbuf, obuf;
     };
     auto w = std::make_shared<Worker>();
     const auto block = static_cast<std::size_t>(segment * key_block);

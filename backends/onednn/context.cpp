@@ -21,6 +21,7 @@
 
 #include <oneapi/dnnl/dnnl_debug.h>
 
+#include "eigen/kernel_util.h"
 #include "onednn.h"
 
 #ifdef RUDA_HAVE_OPENMP
@@ -192,19 +193,12 @@ dnnl::stream& thread_stream() {
 // a user scratchpad so that executions take no scratch memory of their own (oneDNN's gemm:jit
 // path may still allocate its packing buffers inside), and a thread runs one primitive at a time.
 void* thread_scratchpad(std::size_t bytes) {
-  struct Buffer {
-    std::unique_ptr<std::byte[]> storage;
-    std::size_t size = 0;
-  };
-  thread_local Buffer buffer;
-  constexpr std::size_t kAlign = 64;
-  if (buffer.size < bytes) {
-    buffer.storage = std::make_unique<std::byte[]>(bytes + kAlign);
-    buffer.size = bytes;
+  thread_local kernels::Scratch<std::byte> buffer;  // on 64-byte boundaries
+  if (buffer.size() < bytes) {
+    buffer = {};  // the old one freed before the larger one is allocated
+    buffer.resize(bytes);
   }
-  void* p = buffer.storage.get();
-  std::size_t space = bytes + kAlign;
-  return std::align(kAlign, bytes, p, space);
+  return buffer.data();
 }
 
 void check(dnnl_status_t status, const char* what) {

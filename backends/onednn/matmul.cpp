@@ -157,8 +157,8 @@ bool run_matmul(const GemmDesc& d) {
   return true;
 }
 
-std::vector<float> widen_bf16(const void* p, std::int64_t n) {
-  std::vector<float> out(static_cast<std::size_t>(n));
+kernels::Scratch<float> widen_bf16(const void* p, std::int64_t n) {
+  kernels::Scratch<float> out(static_cast<std::size_t>(n));
   const auto* src = static_cast<const bfloat16*>(p);
   kernels::parallel_for(n, kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) out[i] = to_float(src[i]);
@@ -166,7 +166,7 @@ std::vector<float> widen_bf16(const void* p, std::int64_t n) {
   return out;
 }
 
-void narrow_to_bf16(const std::vector<float>& src, void* p) {
+void narrow_to_bf16(const kernels::Scratch<float>& src, void* p) {
   auto* dst = static_cast<bfloat16*>(p);
   kernels::parallel_for(static_cast<std::int64_t>(src.size()), kernels::kElementGrain,
                         [&](std::int64_t begin, std::int64_t end) {
@@ -179,7 +179,7 @@ void narrow_to_bf16(const std::vector<float>& src, void* p) {
 // accumulation computes up to summation order.
 void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
   const std::int64_t na = d.span_a(), nb = d.span_b(), nc = d.span_c();
-  const std::vector<float> a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
+  const kernels::Scratch<float> a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
   GemmDesc f = d;
   f.a = a.data();
   f.b = b.data();
@@ -189,9 +189,10 @@ void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
     return;
   }
   // Read back when C has gaps too, so narrowing rewrites them unchanged.
-  std::vector<float> c = d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_bf16(d.c, nc)
-                                                                     : std::vector<float>(static_cast<std::size_t>(nc));
-  std::vector<float> bias;
+  kernels::Scratch<float> c = d.beta != 0.0f || nc != d.batch * d.m * d.n
+                                  ? widen_bf16(d.c, nc)
+                                  : kernels::Scratch<float>(static_cast<std::size_t>(nc));
+  kernels::Scratch<float> bias;
   if (d.bias) bias = widen_bf16(d.bias, d.n);
   f.c = c.data();
   f.c_dtype = DType::f32;

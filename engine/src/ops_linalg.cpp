@@ -70,7 +70,7 @@ Tensor product(const char* op, const Tensor& a, bool ta, const Tensor& b, bool t
   // An empty product has nothing to read. Decided before any layout work: an empty tensor counts
   // as contiguous whatever its strides, so contiguous() would not normalize them and the
   // many-batch-axes path below would call itself on the same layout forever.
-  if (shape_numel(out_shape) == 0) return make_tensor(out_shape, a.dtype(), a.backend(), op);
+  if (shape_numel(out_shape, op) == 0) return make_tensor(out_shape, a.dtype(), a.backend(), op);
   if (k == 0) {
     // No product, and nothing to read (empty operands: the same reason as above, with a non-empty
     // output; [4, 3, 2, 5, 0] permuted @ [0, 7] recursed until the stack overflowed): the bias

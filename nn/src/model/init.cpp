@@ -58,7 +58,7 @@ void manual_seed(std::uint64_t seed) {
 std::uint64_t next_seed() { return mix(t_base ^ mix(t_count++)); }
 
 Tensor Initializer::range(const Shape& shape, std::int64_t begin, std::int64_t end, DType dtype) const {
-  const std::int64_t numel = shape_numel(shape);
+  const std::int64_t numel = shape_numel(shape, "Initializer::range");
   if (begin < 0 || begin > end || end > numel) {
     fail<IndexError>("Initializer::range", "elements [", begin, ", ", end, ") are outside ", shape);
   }
@@ -66,7 +66,7 @@ Tensor Initializer::range(const Shape& shape, std::int64_t begin, std::int64_t e
 }
 
 Tensor Initializer::make(const Shape& shape, DType dtype) const {
-  return produce(*this, shape, 0, shape_numel(shape), shape, dtype);
+  return produce(*this, shape, 0, shape_numel(shape, "Initializer::make"), shape, dtype);
 }
 
 namespace init {

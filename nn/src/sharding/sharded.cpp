@@ -47,7 +47,7 @@ ShardInfo ShardInfo::layout(const Shape& logical_shape, int rank, int world_size
   }
   ShardInfo info;
   info.logical_shape = logical_shape;
-  info.numel = shape_numel(logical_shape);
+  info.numel = shape_numel(logical_shape, "ShardInfo::layout");
   // Rounded up without numel + world - 1, which overflows for a numel near INT64_MAX.
   info.shard_size = info.numel / world_size + (info.numel % world_size != 0 ? 1 : 0);
   info.rank = rank;
