@@ -1067,41 +1067,56 @@ std::vector<std::string> MpiCommunicator::exchange_fingerprints(const std::strin
 
 std::optional<std::size_t> ring_min_bytes_from_env() { return cd::ring_min_bytes_from_env(); }
 
-std::vector<RankFailure> agree_on_startup(const std::string& error) {
+std::vector<std::string> gather_on_startup(const std::string& text) {
   if (!MpiEnvironment::active()) {
-    throw CollectiveError("agree_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
+    throw CollectiveError("gather_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
+  }
+  if (text.size() > kMaxStartupText) {
+    throw ArgumentError("gather_on_startup: a text of " + std::to_string(text.size()) + " bytes is over the " +
+                        std::to_string(kMaxStartupText) + " a process may give");
   }
   const std::chrono::milliseconds limit = startup_timeout();
   MPI_Comm world = MPI_COMM_NULL;
   MPI_Request request = MPI_REQUEST_NULL;
-  check(MPI_Comm_idup(MPI_COMM_WORLD, &world, &request), "MPI_Comm_idup (agree_on_startup)");
-  wait_unwatched(request, limit, "agree_on_startup (MPI_Comm_idup)");
+  check(MPI_Comm_idup(MPI_COMM_WORLD, &world, &request), "MPI_Comm_idup (gather_on_startup)");
+  wait_unwatched(request, limit, "gather_on_startup (MPI_Comm_idup)");
   MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
   int size = 0;
   MPI_Comm_size(world, &size);
-  const std::string mine = error.substr(0, 4096);  // "" is no failure
-  const int length = static_cast<int>(mine.size());
+  const int length = static_cast<int>(text.size());
   std::vector<int> lengths(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
   int code = MPI_Iallgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, world, &request);
-  if (code == MPI_SUCCESS) wait_unwatched(request, limit, "agree_on_startup (MPI_Iallgather)");
-  int total = 0;
+  if (code == MPI_SUCCESS) wait_unwatched(request, limit, "gather_on_startup (MPI_Iallgather)");
+  // Each length as given (at most kMaxStartupText, so the total fits an int for any world MPI has).
+  std::int64_t total = 0;
   for (int r = 0; r < size; ++r) {
-    offsets[static_cast<std::size_t>(r)] = total;
+    offsets[static_cast<std::size_t>(r)] = static_cast<int>(total);
     total += lengths[static_cast<std::size_t>(r)];
   }
-  std::vector<char> all(static_cast<std::size_t>(std::max(total, 1)));
+  std::vector<char> all(static_cast<std::size_t>(std::max<std::int64_t>(total, 1)));
   if (code == MPI_SUCCESS) {
-    code = MPI_Iallgatherv(mine.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world,
+    code = MPI_Iallgatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world,
                            &request);
-    if (code == MPI_SUCCESS) wait_unwatched(request, limit, "agree_on_startup (MPI_Iallgatherv)");
+    if (code == MPI_SUCCESS) wait_unwatched(request, limit, "gather_on_startup (MPI_Iallgatherv)");
   }
   MPI_Comm_free(&world);
-  check(code, "MPI_Allgather (agree_on_startup)");
-  std::vector<RankFailure> failures;
+  check(code, "MPI_Allgather (gather_on_startup)");
+  std::vector<std::string> texts;
   for (int r = 0; r < size; ++r) {
     const auto i = static_cast<std::size_t>(r);
-    if (lengths[i] > 0)
-      failures.push_back({r, std::string(all.data() + offsets[i], static_cast<std::size_t>(lengths[i]))});
+    texts.emplace_back(all.data() + offsets[i], static_cast<std::size_t>(lengths[i]));
+  }
+  return texts;
+}
+
+std::vector<RankFailure> agree_on_startup(const std::string& error) {
+  if (!MpiEnvironment::active()) {
+    throw CollectiveError("agree_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
+  }
+  const std::vector<std::string> errors = gather_on_startup(error.substr(0, 4096));  // "" is no failure
+  std::vector<RankFailure> failures;
+  for (std::size_t r = 0; r < errors.size(); ++r) {
+    if (!errors[r].empty()) failures.push_back({static_cast<int>(r), errors[r]});
   }
   return failures;
 }

@@ -771,6 +771,36 @@ TEST_CASE("mpiexec: bad input ends every rank with one error line and a non-zero
   one_error_line(run(two), {"rank 1: RUDA_COLLECTIVE_TIMEOUT", "'soon'"});
 }
 
+TEST_CASE("mpiexec: ranks started with different options or collective settings are refused in one line") {
+  // MPMD lines that differ: different --epochs or --batch ended in heap corruption (the first
+  // collective sized from them wrote past a buffer), a different --seed trained silently on data
+  // streams the checkpoint did not record, and RUDA_CHECK_COLLECTIVES on one rank waited for the
+  // collective timeout. Now one line names the rank and the setting, before any communicator.
+  const std::string small = "mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1";
+  auto mpmd = [](const std::string& first, const std::string& second) {
+    return std::string(RUDA_MPIEXEC) + " --quiet --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1 -n 1 " +
+           first + " : -n 1 " + second;
+  };
+  for (const auto& [other, fragment] : std::vector<std::pair<std::string, std::string>>{
+           {train(small + " --epochs 2"), "rank 1 was started with epochs=2, rank 0 with epochs=1"},
+           {train(small + " --batch 32"), "rank 1 was started with batch=32, rank 0 with batch=64"},
+           {train(small + " --seed 7"), "rank 1 was started with seed=7, rank 0 with seed=1"},
+           {"-x RUDA_CHECK_COLLECTIVES=1 " + train(small),
+            "rank 1 was started with RUDA_CHECK_COLLECTIVES=on, rank 0 with RUDA_CHECK_COLLECTIVES=off"},
+           {"-x RUDA_RING_MIN_BYTES=1kB " + train(small),
+            "RUDA_RING_MIN_BYTES=1000, rank 0 with RUDA_RING_MIN_BYTES=unset"},
+           {"-x RUDA_BACKEND=eigen " + train(small), "backend in use=eigen"}}) {
+    CAPTURE(other);
+    const Run r = run(mpmd(train(small), other));
+    CHECK(r.exit_code == 2);
+    one_error_line(r, {fragment, "every rank of a job needs the same options"});
+  }
+  // The same options spelled differently (--name=value, another order, a default given) agree.
+  const Run same =
+      run(mpmd(train(small), train("mlp --epochs=1 --test-limit 10 --batch=64 --limit 64 --hidden 8 --seed 1")));
+  CHECK_MESSAGE(same.exit_code == 0, same.output);
+}
+
 TEST_CASE("mpiexec: --emulate under mpiexec is refused in one line, not once per rank") {
   one_error_line(run(mpi_train(2, "--emulate 2 mlp --hidden 8 --limit 64")),
                  {"--emulate", "do not launch it with mpiexec"});

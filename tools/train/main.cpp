@@ -41,6 +41,51 @@ std::string environment_problem(const Config& cfg) {
   }
   return {};
 }
+
+// What every rank of one job must share, one `name=value` a line: the options as parsed (CLI11's
+// config form, defaults included, so `--seed=1` and `--seed 1` read alike), then the environment
+// that decides which collectives run (RUDA_CHECK_COLLECTIVES adds an exchange to every collective,
+// RUDA_RING_MIN_BYTES picks their algorithm) and the backend a checkpoint records. Ranks that
+// differ in any of it run different collectives: the first one sized from them wrote past a
+// buffer (MPMD lines with different --epochs or --batch ended in heap corruption), a different
+// --seed trained silently on streams the checkpoint did not record, and one rank's
+// RUDA_CHECK_COLLECTIVES waited for an exchange the others never started.
+std::string launch_fingerprint(const CLI::App& app, const Config& cfg) {
+  std::string text = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
+  text += std::string("RUDA_CHECK_COLLECTIVES=") + (order_check_from_env() ? "on" : "off") + "\n";
+  const std::optional<std::size_t> ring = ring_min_bytes_from_env();
+  text += "RUDA_RING_MIN_BYTES=" + (ring ? std::to_string(*ring) : std::string("unset")) + "\n";
+  text += "backend in use=" + (cfg.backend.empty() ? std::string(default_backend().name()) : cfg.backend) + "\n";
+  return text;
+}
+
+// The first line in which a rank's fingerprint differs from rank 0's, as a message ("" when every
+// rank's is rank 0's): the same on every rank, which all hold every fingerprint.
+std::string launch_difference(const std::vector<std::string>& fingerprints) {
+  auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    std::size_t at = 0;
+    while (at < text.size()) {
+      const std::size_t end = std::min(text.find('\n', at), text.size());
+      out.push_back(text.substr(at, end - at));
+      at = end + 1;
+    }
+    return out;
+  };
+  const std::vector<std::string> first = lines(fingerprints.front());
+  for (std::size_t r = 1; r < fingerprints.size(); ++r) {
+    if (fingerprints[r] == fingerprints.front()) continue;
+    const std::vector<std::string> mine = lines(fingerprints[r]);
+    std::size_t i = 0;
+    while (i < first.size() && i < mine.size() && first[i] == mine[i]) ++i;
+    const std::string theirs = i < mine.size() ? mine[i] : "(nothing)";
+    const std::string ours = i < first.size() ? first[i] : "(nothing)";
+    return "rank " + std::to_string(r) + " was started with " + theirs + ", rank 0 with " + ours +
+           ": every rank of a job needs the same options, RUDA_CHECK_COLLECTIVES, RUDA_RING_MIN_BYTES and backend "
+           "(see mpiexec's -x and its per-rank command lines)";
+  }
+  return {};
+}
 }  // namespace
 #endif
 
@@ -321,6 +366,11 @@ int main(int argc, char** argv) {
                           ? first.message
                           : "rank " + std::to_string(first.rank) + ": " + first.message);
         }
+        return 2;
+      }
+      if (const std::string difference = launch_difference(gather_on_startup(launch_fingerprint(app, cfg)));
+          !difference.empty()) {
+        if (mpi.world_rank() == 0) print_error(difference);
         return 2;
       }
       MpiCommunicator comm;

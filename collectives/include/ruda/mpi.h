@@ -173,6 +173,16 @@ std::optional<std::size_t> ring_min_bytes_from_env();
 /// MPI must be initialized (MpiEnvironment).
 std::vector<RankFailure> agree_on_startup(const std::string& error);
 
+/// The most bytes of text a process gives gather_on_startup.
+inline constexpr std::size_t kMaxStartupText = std::size_t{1} << 20;
+
+/// Every process's `text` on every process, in rank order, before any communicator exists: what
+/// a program compares across its ranks at startup (its options, the environment its collectives
+/// read), which must agree before the first collective sizes a buffer from them. Collective over
+/// MPI_COMM_WORLD (a duplicate of it), as agree_on_startup; ArgumentError for a text over
+/// kMaxStartupText bytes (raised before the collective: give every rank a text within it).
+std::vector<std::string> gather_on_startup(const std::string& text);
+
 /// Runs fn and returns its result. If fn throws, prints "ruda: rank R of N failed: <message>" to
 /// stderr and calls MPI_Abort, so the whole job ends with a non-zero exit instead of leaving the
 /// other ranks waiting in a collective forever. Use it around the body of main().
