@@ -801,6 +801,30 @@ TEST_CASE("mpiexec: ranks started with different options or collective settings 
   CHECK_MESSAGE(same.exit_code == 0, same.output);
 }
 
+TEST_CASE("mpiexec: a --checkpoint-dir that is not one directory for every rank is refused before step 1") {
+  // The same relative path from two working directories, as a node-local disk gives the same
+  // absolute path on two machines: rank 0's saves wrote an index that named rank 1's files it
+  // could not see, `latest` pointed at it, and no resume could load it.
+  TempDir dir;
+  fs::create_directories(dir.path / "a");
+  fs::create_directories(dir.path / "b");
+  const std::string args = "mlp --hidden 8 --limit 64 --batch 64 --test-limit 10 --epochs 1 --checkpoint-dir c";
+  const std::string two =
+      std::string(RUDA_MPIEXEC) + " --quiet --bind-to none --mca btl self,vader -x OMP_NUM_THREADS=1" + " -n 1 -wdir " +
+      (dir.path / "a").string() + " " + train(args) + " : -n 1 -wdir " + (dir.path / "b").string() + " " + train(args);
+  one_error_line(run(two), {"--checkpoint-dir c", "rank 1 does not see the file rank 0 wrote there"});
+  // Nothing saved, and rank 0's marker is gone.
+  CHECK(fs::is_empty(dir.path / "a" / "c"));
+  // One directory for both: the run saves as usual, and leaves no marker.
+  const Run shared =
+      run(std::string(RUDA_MPIEXEC) + " --quiet -n 2 --oversubscribe --bind-to none --mca btl self,vader" +
+          " -x OMP_NUM_THREADS=1 -wdir " + (dir.path / "a").string() + " " + train(args));
+  CHECK_MESSAGE(shared.exit_code == 0, shared.output);
+  for (const auto& entry : fs::directory_iterator(dir.path / "a" / "c"))
+    CHECK(entry.path().filename().string().rfind(".ruda-train-shared", 0) != 0);
+  CHECK(fs::exists(dir.path / "a" / "c" / "latest"));
+}
+
 TEST_CASE("mpiexec: --emulate under mpiexec is refused in one line, not once per rank") {
   one_error_line(run(mpi_train(2, "--emulate 2 mlp --hidden 8 --limit 64")),
                  {"--emulate", "do not launch it with mpiexec"});

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iostream>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <tuple>
 
@@ -102,6 +103,47 @@ void check_checkpoint_dir(const Config& cfg, int rank) {
                         "): continue that run with --resume-latest, or give another directory (a fresh run would "
                         "replace and prune its steps)");
   }
+}
+
+// Every rank must see the directory rank 0 sees: rank 0 alone writes each step's index and the
+// latest pointer, for every rank's files. A directory of the same path on machines that share no
+// file system (a node-local disk) saved steps "successfully" that held rank 0's file alone, with
+// latest naming them, which no resume could load; and the other nodes' copies were never pruned.
+// Rank 0 leaves a marker named by a random token, the token reaches every rank (one all-reduce),
+// and each rank looks for that marker; rank 0 removes it whatever the outcome.
+void check_shared_checkpoint_dir(const Config& cfg, Communicator& comm) {
+  const fs::path dir(cfg.checkpoint_dir);
+  auto marker = [&](std::int64_t token) { return dir / (".ruda-train-shared-" + std::to_string(token)); };
+  std::int64_t token = 0;
+  if (comm.rank() == 0) {
+    std::random_device random;
+    token = static_cast<std::int64_t>((std::uint64_t{random()} << 20 ^ random()) % (std::int64_t{1} << 52)) + 1;
+  }
+  struct Removal {
+    fs::path path;
+    ~Removal() {
+      std::error_code ec;
+      if (!path.empty()) fs::remove(path, ec);
+    }
+  } written;
+  setup_phase(comm, [&] {
+    if (comm.rank() != 0) return;
+    written.path = marker(token);
+    std::ofstream file(written.path);
+    file << "a ruda-train run's check that every rank sees this directory: removed when it ends\n";
+    file.flush();
+    if (!file) throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there");
+  });
+  // Below 2^53: exact through the all-reduce's sum of the other ranks' zeros.
+  token = static_cast<std::int64_t>(comm.all_reduce(from_values({static_cast<double>(token)}, {1}, DType::i64)).item());
+  setup_phase(comm, [&] {
+    std::error_code ec;
+    if (comm.rank() != 0 && !fs::exists(marker(token), ec)) {
+      throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": rank " + std::to_string(comm.rank()) +
+                    " does not see the file rank 0 wrote there: every rank needs the same directory (one file system "
+                    "all nodes share), since rank 0 writes each checkpoint's index for every rank's files");
+    }
+  });
 }
 
 // The metrics file is truncated when a run starts: it must not be one of the run's inputs (the
@@ -347,6 +389,7 @@ int run(const Config& cfg, Communicator& comm) {
     task = make_task(cfg, comm);
     check_state_fits(cfg, comm, *task, plan_options);
   });
+  if (!cfg.checkpoint_dir.empty() && comm.world_size() > 1) check_shared_checkpoint_dir(cfg, comm);
   // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
   // one rank here (an allocation past the limit) ends the job rather than being agreed on.
   const nn::FullyShardOptions shard_options{.policy = policy,
