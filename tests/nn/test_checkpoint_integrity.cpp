@@ -68,9 +68,10 @@ void check_contains(const std::string& text, const std::vector<std::string>& fra
     CHECK_MESSAGE(text.find(f) != std::string::npos, "'" << text << "' lacks '" << f << "'");
 }
 
-std::string rank_file(int rank, int world) {
+// A rank file's name; `alternate`: the name a rewrite of a saved step writes beside it.
+std::string rank_file(int rank, int world, bool alternate = false) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d.safetensors", rank, world);
+  std::snprintf(buf, sizeof buf, "rank-%05d-of-%05d%s.safetensors", rank, world, alternate ? ".b" : "");
   return buf;
 }
 
@@ -316,6 +317,20 @@ TEST_CASE("a save removes what killed saves left, and only that") {
   CHECK_FALSE(fs::exists(dir.path / "step-00000002" / (rank_file(1, 2) + ".tmp-k1ll3d")));
   CHECK(fs::exists(dir.path / "step-00000002" / "mine.tmp-a1b2c3"));
   CHECK(nn::verify_checkpoint((dir.path / "step-00000002").string()) > 0);
+  // A rewrite of step 1 killed after its new rank files were in place, before its index named
+  // them (and one at another world size): rank files the index does not name. The run resumed
+  // from step 1 never saves it again; the next save of another step removes them.
+  const fs::path one = dir.path / "step-00000001";
+  fs::copy_file(one / rank_file(0, 2), one / rank_file(0, 2, /*alternate=*/true));
+  fs::copy_file(one / rank_file(1, 2), one / rank_file(1, 2, /*alternate=*/true));
+  std::ofstream(one / rank_file(0, 3)) << "a killed rewrite at 3 ranks";
+  save_layer(dir, 2, 3);
+  CHECK_FALSE(fs::exists(one / rank_file(0, 2, true)));
+  CHECK_FALSE(fs::exists(one / rank_file(1, 2, true)));
+  CHECK_FALSE(fs::exists(one / rank_file(0, 3)));
+  CHECK(fs::exists(one / rank_file(0, 2)));
+  CHECK(fs::exists(one / "mine.tmp"));
+  CHECK(nn::verify_checkpoint(one.string()) > 0);
 }
 
 TEST_CASE("a failed save names the failing rank and its cause on every rank") {

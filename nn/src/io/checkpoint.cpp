@@ -282,12 +282,36 @@ void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
   if (ec) upkeep.skip(dir, ec);
 }
 
+void remove_unlisted_rank_files(const fs::path& step_dir, const std::vector<std::string>& listed, Upkeep* upkeep);
+
+// Whether `step_dir`'s rank files are other than one file per rank of one world: a rank's file
+// under both names, or files of two world sizes. A rewrite of a complete step killed after its
+// new rank files were written, before its index named them, leaves that; the step, resumed from
+// and never saved again, kept them (70 MB beside 70 MB in a probe) until it was pruned, if ever.
+bool holds_unlisted_rank_files(const fs::path& step_dir, Upkeep& upkeep) {
+  std::set<std::string> ranks, worlds;
+  std::size_t files = 0;
+  std::error_code ec;
+  fs::directory_iterator it(step_dir, ec);
+  for (const fs::directory_iterator end; !ec && it != end; it.increment(ec)) {
+    std::string name = it->path().filename().string();
+    if (!is_rank_file_name(name)) continue;
+    ++files;
+    if (const std::size_t b = name.rfind(".b.safetensors"); b != std::string::npos) name.erase(b, 2);
+    ranks.insert(name);
+    worlds.insert(name.substr(name.find("-of-")));
+  }
+  if (ec) upkeep.skip(step_dir, ec);
+  return ranks.size() != files || worlds.size() > 1;
+}
+
 // Removes what killed saves leave behind: temporary files (ruda's own names only, regular files
 // only) and step directories without an index, except `current` (the step just saved), of which
 // only the temporaries go: every rank's file of this save is in place, so one there is a killed
 // earlier save's of the same step (a run stopped during it, resumed from the step before, saves
-// the step again). Run by rank 0 once the new checkpoint is published, so that a kill during the
-// cleaning loses nothing.
+// the step again). In a complete step, rank files its index does not name go too (a killed
+// rewrite's; the index is read only for a step that holds such files). Run by rank 0 once the
+// new checkpoint is published, so that a kill during the cleaning loses nothing.
 void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& upkeep) {
   remove_temporaries(dir, true, upkeep);
   for (const fs::directory_entry& entry : upkeep.step_dirs(dir)) {
@@ -308,6 +332,13 @@ void remove_leftovers(const fs::path& dir, const std::string& current, Upkeep& u
       continue;
     }
     remove_temporaries(entry.path(), false, upkeep);
+    if (holds_unlisted_rank_files(entry.path(), upkeep)) {
+      try {
+        remove_unlisted_rank_files(entry.path(), read_index(entry.path().string()).files, &upkeep);
+      } catch (const std::exception& e) {
+        upkeep.skipped.push_back(entry.path().string() + " (its index cannot be read: " + e.what() + ")");
+      }
+    }
   }
 }
 
@@ -713,6 +744,17 @@ std::vector<std::string> publish(const fs::path& dir, const std::string& step_di
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
   const json index = with_index_checksum(unchecked_index);
   const Index parsed = parse_index(index, index_path, step_dir);
+  // Every rank reported its file written; rank 0 must see each one where the index will name it.
+  // Ranks saving into directories of one path that are not one directory (a node-local disk on
+  // each machine) published a step that held rank 0's file alone, with latest naming it.
+  for (std::size_t r = 0; r < parsed.files.size(); ++r) {
+    std::error_code ec;
+    if (!fs::is_regular_file(fs::path(step_dir) / parsed.files[r], ec)) {
+      fail(step_dir, "rank " + std::to_string(r) + " wrote " + parsed.files[r] +
+                         " but rank 0 does not see it there: every rank must save into one directory that all "
+                         "ranks share (one file system), since rank 0 writes the index of every rank's files");
+    }
+  }
   safetensors::write_text_atomically(index_path, index.dump(1));  // the swap: the new files are the step's
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");
   Upkeep upkeep;
