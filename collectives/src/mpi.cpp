@@ -121,6 +121,20 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kWatchPeriod = std::chrono::milliseconds(50);
 // How long a rank whose collective timed out waits for the others' answers (at most the timeout).
 constexpr auto kGrace = std::chrono::milliseconds(1000);
+// A gap between two of the watchdog's looks longer than this means this rank's own process did
+// not run meanwhile (SIGSTOP, a paused VM, swapping, a starved thread): the watchdog sleeps
+// kWatchPeriod between looks and does nothing that blocks, so a look normally follows the previous
+// one after ~kWatchPeriod, a few scheduler time slices late at worst on a loaded machine. Such a
+// gap, less one kWatchPeriod, is not counted against the collective timeout: the rank could not
+// tell whether its peers were late meanwhile, and the peers that waited for it have timed out
+// themselves. Without this, a rank stopped for longer than the timeout blamed a peer when it was
+// resumed (mpiexec sends SIGCONT when it ends the job): "rank 0 did not arrive at collective #497"
+// of a rank that had passed #497 and exited. steady_clock (CLOCK_MONOTONIC) runs on while the
+// process is stopped, which is what shows the gap; it stops only while the whole machine
+// suspends, when no rank waits either. Neither the process's CPU time (a rank blocked in MPI uses
+// little or much, depending on how MPI waits) nor CLOCK_BOOTTIME (it differs from
+// CLOCK_MONOTONIC only across a suspend) tells a stopped process apart.
+constexpr auto kStallGap = std::chrono::milliseconds(500);
 
 std::int64_t millis_since(Clock::time_point t) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
@@ -264,14 +278,17 @@ struct MpiCommunicator::Impl {
     const Record* call = nullptr;  // the base's history entry, or a queued task's copy: neither
                                    // changes while the slot is active
     const char* stage = "";        // "order check" while agreeing the call's fingerprint
-    // The watchdog's own: the activation it saw last and when it first saw it.
+    // The watchdog's own: the activation it saw last, when it first saw it, and for how long since
+    // then this process did not run (not counted against the timeout; see kStallGap).
     std::uint64_t seen = 0;
     Clock::time_point seen_since;
+    Clock::duration not_running{};
   };
   // A stalled collective as the watchdog reports it.
   struct Stalled {
     Record call;
     std::string stage;
+    Clock::duration not_running{};
     std::string text() const {
       std::string out = call.text() + " #" + std::to_string(call.sequence);
       if (!stage.empty()) out += " (" + stage + ")";
@@ -439,28 +456,36 @@ struct MpiCommunicator::Impl {
   // --- the watchdog (its own thread; the only one that touches `query` and `outgoing`) ---
 
   void watch() {
+    Clock::time_point previous = Clock::now();
     for (;;) {
       {
         std::unique_lock lock(watch_mutex);
         watch_wake.wait_for(lock, kWatchPeriod, [&] { return watch_stop; });
         if (watch_stop) return;
       }
+      // One clock read for the whole look: a stop after it shows as the next look's gap.
+      const Clock::time_point now = Clock::now();
+      const Clock::duration gap = now - previous;
+      previous = now;
+      const Clock::duration not_running = gap > kStallGap ? gap - kWatchPeriod : Clock::duration::zero();
       const std::int64_t limit = timeout_ms.load(std::memory_order_relaxed);
       bool late = false;
       Stalled stalled;
       {
         std::lock_guard lock(slot_lock);
-        observe();
+        observe(now, not_running);
         const Slot* oldest = nullptr;
         for (const Slot* slot : {&caller, &progress}) {
-          if (limit > 0 && slot->active && millis_since(slot->seen_since) >= limit &&
+          if (limit <= 0 || !slot->active) continue;
+          const Clock::duration waited = now - slot->seen_since - slot->not_running;  // while this process ran
+          if (waited >= std::chrono::milliseconds(limit) &&
               (!oldest || slot->call->sequence < oldest->call->sequence)) {
             oldest = slot;
           }
         }
         if (oldest) {
           late = true;
-          stalled = Stalled{*oldest->call, oldest->stage};
+          stalled = Stalled{*oldest->call, oldest->stage, oldest->not_running};
         }
       }
       if (!MpiEnvironment::active()) return;
@@ -470,13 +495,16 @@ struct MpiCommunicator::Impl {
   }
 
   // Notes the time of activations and of the last collective's end that the watchdog had not
-  // seen yet. The caller holds slot_lock.
-  void observe() {
-    const Clock::time_point now = Clock::now();
+  // seen yet, and adds `not_running` (this process did not run: kStallGap) to the waits it had
+  // seen before. The caller holds slot_lock.
+  void observe(Clock::time_point now = Clock::now(), Clock::duration not_running = {}) {
     for (Slot* slot : {&caller, &progress}) {
       if (slot->active && slot->seen != slot->activations) {
         slot->seen = slot->activations;
         slot->seen_since = now;
+        slot->not_running = {};
+      } else if (slot->active) {
+        slot->not_running += not_running;
       }
     }
     if (last_seen != last_sequence) {
@@ -583,6 +611,9 @@ struct MpiCommunicator::Impl {
       MPI_Wait(&receive, MPI_STATUS_IGNORE);
     }
 
+    // A rank that answered with an earlier collective is known to be behind; one that did not
+    // answer may be anywhere (it may even have passed this collective and exited since), so it is
+    // named as silent, not as missing.
     std::vector<int> missing, silent, arrived;
     std::string where_they_are;
     for (int r = 0; r < size; ++r) {
@@ -591,35 +622,47 @@ struct MpiCommunicator::Impl {
       const Note& a = answers[i];
       if (!answered[i]) {
         silent.push_back(r);
-      } else if (a.sequence >= sequence) {
+        continue;
+      }
+      if (a.sequence >= sequence) {
         arrived.push_back(r);
         continue;
+      }
+      const std::string op(a.op, strnlen(a.op, sizeof a.op));
+      where_they_are += "; rank " + std::to_string(r);
+      if (a.waiting) {
+        where_they_are +=
+            " is in collective #" + std::to_string(a.sequence) + " " + op + " since " + seconds_text(a.milliseconds);
+      } else if (a.sequence == 0) {
+        where_they_are +=
+            " is not in a collective and has finished none (busy for " + seconds_text(a.milliseconds) + ")";
       } else {
-        const std::string op(a.op, strnlen(a.op, sizeof a.op));
-        where_they_are += "; rank " + std::to_string(r);
-        if (a.waiting) {
-          where_they_are +=
-              " is in collective #" + std::to_string(a.sequence) + " " + op + " since " + seconds_text(a.milliseconds);
-        } else if (a.sequence == 0) {
-          where_they_are +=
-              " is not in a collective and has finished none (busy for " + seconds_text(a.milliseconds) + ")";
-        } else {
-          where_they_are += " is not in a collective (busy since #" + std::to_string(a.sequence) + " " + op +
-                            " ended " + seconds_text(a.milliseconds) + " ago)";
-        }
+        where_they_are += " is not in a collective (busy since #" + std::to_string(a.sequence) + " " + op + " ended " +
+                          seconds_text(a.milliseconds) + " ago)";
       }
       missing.push_back(r);
     }
     const std::string number = "collective #" + std::to_string(sequence);
-    std::string out = missing.empty() ? "every rank arrived at " + number + ", but it did not complete"
-                                      : cd::rank_list(missing) + " did not arrive at " + number;
+    std::string out;
+    if (!missing.empty()) out = cd::rank_list(missing) + " did not arrive at " + number + where_they_are;
     if (!silent.empty()) {
-      out += "; " + cd::rank_list(silent) + " did not answer within " + format_collective_timeout(grace) +
-             " (its process has ended this communicator or exited, is stopped or frozen, or its node is unreachable)";
+      out += std::string(out.empty() ? "" : "; ") + cd::rank_list(silent) + " did not answer within " +
+             format_collective_timeout(grace) + ", so whether " + (silent.size() == 1 ? "it" : "they") +
+             " arrived at " + number +
+             " is not known (a rank that does not answer may have exited or ended this communicator, be stopped or "
+             "frozen, or be on an unreachable node)";
     }
-    out += where_they_are;
-    if (!arrived.empty() && !missing.empty()) out += "; " + cd::rank_list(arrived) + " arrived";
+    if (out.empty()) return "every rank arrived at " + number + ", but it did not complete";
+    if (!arrived.empty()) out += "; " + cd::rank_list(arrived) + " arrived";
     return out;
+  }
+
+  // What the message adds when this rank's own process did not run for part of the wait (kStallGap).
+  std::string not_running_text(Clock::duration not_running) const {
+    if (not_running <= Clock::duration::zero()) return "";
+    return "; rank " + std::to_string(rank) + "'s own process did not run for " +
+           seconds_text(std::chrono::duration_cast<std::chrono::milliseconds>(not_running).count()) +
+           " of the wait (stopped, paused or swapped out), which the timeout does not count";
   }
 
   // A collective of this rank waited longer than the timeout: report and end the job. (A blocking
@@ -630,7 +673,8 @@ struct MpiCommunicator::Impl {
                                                "set_timeout"};
     const std::string message = "rank " + std::to_string(rank) + ": " + stalled.text() +
                                 ": not complete after the collective timeout of " + format_collective_timeout(limit) +
-                                " (" + kSources[timeout_source.load(std::memory_order_relaxed)] + "): " + verdict;
+                                " (" + kSources[timeout_source.load(std::memory_order_relaxed)] + "): " + verdict +
+                                not_running_text(stalled.not_running);
     int world_rank = -1, world_size = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world_size);

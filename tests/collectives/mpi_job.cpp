@@ -15,6 +15,11 @@
 //   stall-setring  in set_ring_min_bytes (a raw MPI_Allreduce once, which no watchdog covered)
 //   deadlock     the last rank blocks forever outside any collective (it still answers queries)
 //   stall-settimeout  as stall, with the timeout set by set_timeout (the message names it)
+// The last rank's own process stopped (SIGSTOP by a child, SIGCONT 3 s later) for longer than the
+// 2 s timeout while it waits in its third collective, which rank 0 reaches late: that time is not
+// the peers' to answer for (it blamed rank 0 when it resumed), so (2 ranks)
+//   self-stop       rank 0 arrives 4 s late, 1 s of this rank's running time: the job completes
+//   self-stop-late  rank 0 never arrives (deadlock): the message says the rank was stopped for ~3 s
 // Before any watchdog exists, the last rank stops itself and the others must still end the job
 // within the timeout (they waited forever):
 //   stall-startup  before ruda::agree_on_startup
@@ -38,6 +43,11 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <ruda/mpi.h>
 
@@ -49,6 +59,29 @@ namespace {
   std::condition_variable never;
   std::unique_lock lock(m);
   for (;;) never.wait(lock);
+}
+
+void sleep_ms(long ms) {
+  timespec t{ms / 1000, (ms % 1000) * 1000000};
+  while (::nanosleep(&t, &t) != 0) {
+  }
+}
+
+// Stops this process (SIGSTOP) `after` ms from now and resumes it (SIGCONT) `stopped` ms later,
+// from a child process (a stopped process cannot resume itself). The child, forked from a process
+// with threads, calls only async-signal-safe functions. Returns the child's id.
+pid_t stop_me_later(long after, long stopped) {
+  const pid_t me = ::getpid();
+  const pid_t child = ::fork();
+  if (child == 0) {
+    sleep_ms(after);
+    ::kill(me, SIGSTOP);
+    sleep_ms(stopped);
+    ::kill(me, SIGCONT);
+    ::_exit(0);
+  }
+  if (child < 0) throw std::runtime_error("fork failed");
+  return child;
 }
 
 int run(const std::string& mode) {
@@ -64,6 +97,16 @@ int run(const std::string& mode) {
     if ((mode == "skip" || mode == "skip-caught") && comm.rank() == 1 && step == 4) break;
     if (mode.rfind("stall", 0) == 0 && last && step == 2) std::raise(SIGSTOP);
     if (mode == "deadlock" && last && step == 2) deadlock();
+    pid_t stopper = -1;
+    if (mode.rfind("self-stop", 0) == 0 && step == 2) {
+      if (last) {
+        stopper = stop_me_later(500, 3000);
+      } else if (mode == "self-stop") {
+        std::this_thread::sleep_for(std::chrono::seconds(4));  // busy, not in a collective
+      } else {
+        deadlock();
+      }
+    }
     if (mode == "stall-async" && step == 2) {
       ruda::Work prefetch = comm.all_gather_async(x, {"prefetch"});
       prefetch.wait();
@@ -85,6 +128,7 @@ int run(const std::string& mode) {
     } else {
       comm.all_gather(x, {"step " + std::to_string(step)});
     }
+    if (stopper > 0) ::waitpid(stopper, nullptr, 0);
   }
   if (mode != "ok" && mode != "skip" && mode != "skip-caught")
     std::fprintf(stderr, "rank %d: the stalled collective completed\n", comm.rank());
@@ -99,7 +143,7 @@ int main(int argc, char** argv) {
       mode != "stall" && mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" &&
       mode != "stall-setring" && mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" &&
       mode != "env-check" && mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create" &&
-      mode != "stall-init" && mode != "stall-finalize") {
+      mode != "stall-init" && mode != "stall-finalize" && mode != "self-stop" && mode != "self-stop-late") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }

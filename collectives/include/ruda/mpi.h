@@ -90,13 +90,15 @@ class MpiEnvironment {
 /// completed within the timeout ends the job: the watchdog asks the other ranks where they are
 /// (their watchdogs answer even while they compute), prints
 ///   ruda: rank 0 of 3 failed: rank 0: all_gather(f32, 1024, "step 2") #3: not complete after the
-///   collective timeout of 2 s (RUDA_COLLECTIVE_TIMEOUT): rank 2 did not arrive at collective #3;
-///   rank 2 did not answer within 1 s (its process has ended this communicator or exited, is
-///   stopped or frozen, or its node is unreachable); rank 1 arrived
-/// and calls MPI_Abort. Nothing is thrown: a blocking MPI collective cannot be interrupted, and
+///   collective timeout of 2 s (RUDA_COLLECTIVE_TIMEOUT): rank 2 did not answer within 1 s, so
+///   whether it arrived at collective #3 is not known (a rank that does not answer may have exited
+///   or ended this communicator, be stopped or frozen, or be on an unreachable node); rank 1 arrived
+/// and calls MPI_Abort. Time in which this rank's own process did not run (SIGSTOP, a paused VM) is
+/// not counted against the timeout. Nothing is thrown: a blocking MPI collective cannot be interrupted, and
 /// MPI's non-blocking collectives, which could be abandoned, are 1.3-3x slower here. A rank that
-/// is busy outside collectives answers "not in a collective (busy since #2 ... ended 600.0 s
-/// ago)". Splits are watched; the constructor (MPI_Comm_dup of MPI_COMM_WORLD, before a watchdog exists) is not.
+/// is busy outside collectives answers and is named as behind: "rank 2 did not arrive at
+/// collective #3; rank 2 is not in a collective (busy since #2 ... ended 600.0 s ago)". Splits are watched; the
+/// constructor (MPI_Comm_dup of MPI_COMM_WORLD, before a watchdog exists) is not.
 class MpiCommunicator final : public Communicator {
  public:
   /// All processes of the job. The timeout comes from RUDA_COLLECTIVE_TIMEOUT (10 min when unset;
