@@ -1111,26 +1111,28 @@ std::vector<std::string> MpiCommunicator::exchange_fingerprints(const std::strin
 
 std::optional<std::size_t> ring_min_bytes_from_env() { return cd::ring_min_bytes_from_env(); }
 
-std::vector<std::string> gather_on_startup(const std::string& text) {
+namespace {
+// gather_on_startup's collective, its waits named after `op` (the public function called).
+std::vector<std::string> gather_startup_texts(const std::string& text, const std::string& op) {
   if (!MpiEnvironment::active()) {
-    throw CollectiveError("gather_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
+    throw CollectiveError(op + ": MPI is not initialized (create a ruda::MpiEnvironment first)");
   }
   if (text.size() > kMaxStartupText) {
-    throw ArgumentError("gather_on_startup: a text of " + std::to_string(text.size()) + " bytes is over the " +
+    throw ArgumentError(op + ": a text of " + std::to_string(text.size()) + " bytes is over the " +
                         std::to_string(kMaxStartupText) + " a process may give");
   }
   const std::chrono::milliseconds limit = startup_timeout();
   MPI_Comm world = MPI_COMM_NULL;
   MPI_Request request = MPI_REQUEST_NULL;
-  check(MPI_Comm_idup(MPI_COMM_WORLD, &world, &request), "MPI_Comm_idup (gather_on_startup)");
-  wait_unwatched(request, limit, "gather_on_startup (MPI_Comm_idup)");
+  check(MPI_Comm_idup(MPI_COMM_WORLD, &world, &request), ("MPI_Comm_idup (" + op + ")").c_str());
+  wait_unwatched(request, limit, (op + " (MPI_Comm_idup)").c_str());
   MPI_Comm_set_errhandler(world, MPI_ERRORS_RETURN);
   int size = 0;
   MPI_Comm_size(world, &size);
   const int length = static_cast<int>(text.size());
   std::vector<int> lengths(static_cast<std::size_t>(size)), offsets(static_cast<std::size_t>(size));
   int code = MPI_Iallgather(&length, 1, MPI_INT, lengths.data(), 1, MPI_INT, world, &request);
-  if (code == MPI_SUCCESS) wait_unwatched(request, limit, "gather_on_startup (MPI_Iallgather)");
+  if (code == MPI_SUCCESS) wait_unwatched(request, limit, (op + " (MPI_Iallgather)").c_str());
   // Each length as given (at most kMaxStartupText, so the total fits an int for any world MPI has).
   std::int64_t total = 0;
   for (int r = 0; r < size; ++r) {
@@ -1141,10 +1143,10 @@ std::vector<std::string> gather_on_startup(const std::string& text) {
   if (code == MPI_SUCCESS) {
     code = MPI_Iallgatherv(text.data(), length, MPI_CHAR, all.data(), lengths.data(), offsets.data(), MPI_CHAR, world,
                            &request);
-    if (code == MPI_SUCCESS) wait_unwatched(request, limit, "gather_on_startup (MPI_Iallgatherv)");
+    if (code == MPI_SUCCESS) wait_unwatched(request, limit, (op + " (MPI_Iallgatherv)").c_str());
   }
   MPI_Comm_free(&world);
-  check(code, "MPI_Allgather (gather_on_startup)");
+  check(code, ("MPI_Allgather (" + op + ")").c_str());
   std::vector<std::string> texts;
   for (int r = 0; r < size; ++r) {
     const auto i = static_cast<std::size_t>(r);
@@ -1152,12 +1154,15 @@ std::vector<std::string> gather_on_startup(const std::string& text) {
   }
   return texts;
 }
+}  // namespace
+
+std::vector<std::string> gather_on_startup(const std::string& text) {
+  return gather_startup_texts(text, "gather_on_startup");
+}
 
 std::vector<RankFailure> agree_on_startup(const std::string& error) {
-  if (!MpiEnvironment::active()) {
-    throw CollectiveError("agree_on_startup: MPI is not initialized (create a ruda::MpiEnvironment first)");
-  }
-  const std::vector<std::string> errors = gather_on_startup(error.substr(0, 4096));  // "" is no failure
+  const std::vector<std::string> errors =
+      gather_startup_texts(error.substr(0, 4096), "agree_on_startup");  // "" is no failure
   std::vector<RankFailure> failures;
   for (std::size_t r = 0; r < errors.size(); ++r) {
     if (!errors[r].empty()) failures.push_back({static_cast<int>(r), errors[r]});

@@ -864,7 +864,7 @@ void agree_on_checkpoint(Communicator& comm, const std::string& dir, std::int64_
                                 std::to_string(step) + ", " + std::to_string(params.size()) + " parameters";
   if (!other_place.empty()) {
     ckpt::fail(dir, "the ranks save to different places: " + rank_list(other_place) +
-                        " name another directory or step than rank 0 (" + mine_text +
+                        " gave a directory or step other than rank 0's (" + mine_text +
                         "); every rank must save the same checkpoint");
   }
   if (!other_model.empty()) {
