@@ -59,8 +59,11 @@ std::vector<Implementation> implementations();
 struct Fallback {
   std::string op, dtype, reason;
 };
-/// Every distinct (op, dtype, reason) seen so far, in order. With RUDA_LOG=debug each is also
-/// printed to stderr once, when first taken.
+/// The most distinct fallbacks recorded: past them one last entry says the log is full (some
+/// reasons name the shapes refused, so a program whose shapes keep changing would grow it forever).
+inline constexpr std::size_t kMaxFallbacks = 1024;
+/// Every distinct (op, dtype, reason) seen so far, in order, up to kMaxFallbacks. With
+/// RUDA_LOG=debug each is also printed to stderr once, when first taken.
 std::vector<Fallback> fallbacks();
 
 }  // namespace ruda::onednn

@@ -896,3 +896,17 @@ TEST_CASE("RUDA_ONEDNN_CACHE_CAPACITY: a whole number of entries; anything else 
     CHECK(onednn::cache_capacity_from(bad) == 4096);
   }
 }
+
+// Last in this file: it fills the process's fallback log, which the cases above read.
+TEST_CASE("the fallback log is bounded: a program whose refused shapes keep changing does not grow it forever") {
+  // A transposed operand of a product by elements: oneDNN offers only its reference kernel, and
+  // the reason names the shapes, so each new shape was a new entry (0.74 KB each, without end).
+  for (std::int64_t n = 1; static_cast<std::size_t>(n) <= onednn::kMaxFallbacks + 8; ++n) {
+    const Tensor a = ones({n + 64, 65}, Options(DType::f32, &dnnl())).transpose(0, 1);
+    const Tensor b = ones({65, n + 64}, Options(DType::f32, &dnnl()));
+    CHECK((a * b).at({0, 0}) == 1.0);
+  }
+  const std::vector<onednn::Fallback> log = onednn::fallbacks();
+  REQUIRE(log.size() == onednn::kMaxFallbacks + 1);
+  CHECK(log.back().reason.find("the log is full") != std::string::npos);
+}
