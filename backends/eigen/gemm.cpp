@@ -64,9 +64,20 @@ void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias
   }
 }
 
-template <class T>
-Scratch<float> widen(const void* p, std::int64_t n) {
+// The bias (one row: scratch) as f32.
+Scratch<float> widen_bias(DType dtype, const void* p, std::int64_t n) {
   Scratch<float> out(static_cast<std::size_t>(n));
+  dispatch_float(dtype, "gemm", [&](auto tag) {
+    using T = decltype(tag);
+    for (std::int64_t i = 0; i < n; ++i) out[i] = Num<T>::load(static_cast<const T*>(p)[i]);
+  });
+  return out;
+}
+
+// n values at p, as f32 in a buffer charged to this rank.
+template <class T>
+WideBuffer widen(const void* p, std::int64_t n) {
+  WideBuffer out(n, "gemm (16-bit operands widened to f32)");
   const T* src = static_cast<const T*>(p);
   for (std::int64_t i = 0; i < n; ++i) out[i] = Num<T>::load(src[i]);
   return out;
@@ -134,14 +145,13 @@ void EigenBackend::gemm(const GemmDesc& d) {
   auto widen_any = [](DType t, const void* p, std::int64_t n) {
     return dispatch_float(t, "gemm", [&](auto tag) { return widen<decltype(tag)>(p, n); });
   };
-  const Scratch<float> a = widen_any(d.a_dtype, d.a, na);
-  const Scratch<float> b = widen_any(d.b_dtype, d.b, nb);
-  Scratch<float> c =
-      // Read back when C has gaps too, so the rounding pass below rewrites them unchanged.
-      d.beta != 0.0f || nc != d.batch * d.m * d.n ? widen_any(d.c_dtype, d.c, nc)
-                                                  : Scratch<float>(static_cast<std::size_t>(nc));
-  Scratch<float> bias;
-  if (d.bias) bias = widen_any(d.c_dtype, d.bias, d.n);
+  const WideBuffer a = widen_any(d.a_dtype, d.a, na);
+  const WideBuffer b = widen_any(d.b_dtype, d.b, nb);
+  // Read back when C has gaps too, so the rounding pass below rewrites them unchanged.
+  const bool read_c = d.beta != 0.0f || nc != d.batch * d.m * d.n;
+  const WideBuffer c = read_c ? widen_any(d.c_dtype, d.c, nc) : WideBuffer(nc, "gemm (16-bit result in f32)");
+  if (!read_c) std::fill(c.data(), c.data() + nc, 0.0f);
+  const Scratch<float> bias = d.bias ? widen_bias(d.c_dtype, d.bias, d.n) : Scratch<float>();
   gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);
   apply_epilogue(d, c.data(), DType::f32);  // in f32, before the one rounding
   dispatch_float(d.c_dtype, "gemm", [&](auto tag) {

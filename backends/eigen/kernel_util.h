@@ -7,6 +7,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -14,6 +15,8 @@
 #include <ruda/backend.h>
 #include <ruda/dtype.h>
 #include <ruda/error.h>
+
+#include "internal.h"
 
 #ifdef RUDA_HAVE_OPENMP
 #include <omp.h>
@@ -124,6 +127,26 @@ struct ScratchAllocator {
 };
 template <class T>
 using Scratch = std::vector<T, ScratchAllocator<T>>;
+
+/// n f32 values charged to the calling thread's rank as a tensor of that size would be (its
+/// tracker and its limit: OutOfMemoryError naming `op`), not zeroed: for working copies as large
+/// as tensors, such as the f32 copies of a 16-bit product's operands, which scratch memory left
+/// uncounted (a [4096, 4096] bf16 product's were 200 MB past a limit the tracker said held, and
+/// the memory plan under-read a bf16 run on the Eigen backend by 118 MB).
+class WideBuffer {
+ public:
+  WideBuffer(std::int64_t n, const char* op)
+      : storage_(
+            std::make_unique<detail::Storage>(static_cast<std::size_t>(n) * sizeof(float), op, Shape{n}, DType::f32)),
+        size_(n) {}
+  float* data() const noexcept { return static_cast<float*>(storage_->data); }
+  std::int64_t size() const noexcept { return size_; }
+  float& operator[](std::int64_t i) const noexcept { return data()[i]; }
+
+ private:
+  std::unique_ptr<detail::Storage> storage_;
+  std::int64_t size_;
+};
 
 /// The sum of value(0 .. n) in 16 interleaved partial sums, combined pairwise: the compiler
 /// vectorizes it (a plain running sum is one dependent add per element, which it may not

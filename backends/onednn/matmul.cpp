@@ -3,6 +3,7 @@
 // copies), bias fused, alpha as output scales, beta as a sum post-op. bf16 runs natively on CPUs
 // with bf16 instructions (f32 accumulation, f32 or bf16 output) and is computed in f32 elsewhere.
 #include <algorithm>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -157,8 +158,9 @@ bool run_matmul(const GemmDesc& d) {
   return true;
 }
 
-kernels::Scratch<float> widen_bf16(const void* p, std::int64_t n) {
-  kernels::Scratch<float> out(static_cast<std::size_t>(n));
+// n bf16 values at p as f32, in a buffer charged to this rank (kernels::WideBuffer).
+kernels::WideBuffer widen_bf16(const void* p, std::int64_t n) {
+  kernels::WideBuffer out(n, "gemm (bf16 operands widened to f32)");
   const auto* src = static_cast<const bfloat16*>(p);
   kernels::parallel_for(n, kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
     for (std::int64_t i = begin; i < end; ++i) out[i] = to_float(src[i]);
@@ -166,12 +168,11 @@ kernels::Scratch<float> widen_bf16(const void* p, std::int64_t n) {
   return out;
 }
 
-void narrow_to_bf16(const kernels::Scratch<float>& src, void* p) {
+void narrow_to_bf16(const kernels::WideBuffer& src, void* p) {
   auto* dst = static_cast<bfloat16*>(p);
-  kernels::parallel_for(static_cast<std::int64_t>(src.size()), kernels::kElementGrain,
-                        [&](std::int64_t begin, std::int64_t end) {
-                          for (std::int64_t i = begin; i < end; ++i) dst[i] = to_bfloat16(src[i]);
-                        });
+  kernels::parallel_for(src.size(), kernels::kElementGrain, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) dst[i] = to_bfloat16(src[i]);
+  });
 }
 
 // bf16 operands on a CPU without bf16 instructions: widen to f32 (exact), multiply in f32 on
@@ -179,7 +180,7 @@ void narrow_to_bf16(const kernels::Scratch<float>& src, void* p) {
 // accumulation computes up to summation order.
 void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
   const std::int64_t na = d.span_a(), nb = d.span_b(), nc = d.span_c();
-  const kernels::Scratch<float> a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
+  const kernels::WideBuffer a = widen_bf16(d.a, na), b = widen_bf16(d.b, nb);
   GemmDesc f = d;
   f.a = a.data();
   f.b = b.data();
@@ -189,14 +190,14 @@ void gemm_bf16_in_f32(EigenBackend& eigen, const GemmDesc& d) {
     return;
   }
   // Read back when C has gaps too, so narrowing rewrites them unchanged.
-  kernels::Scratch<float> c = d.beta != 0.0f || nc != d.batch * d.m * d.n
-                                  ? widen_bf16(d.c, nc)
-                                  : kernels::Scratch<float>(static_cast<std::size_t>(nc));
-  kernels::Scratch<float> bias;
-  if (d.bias) bias = widen_bf16(d.bias, d.n);
+  const bool read_c = d.beta != 0.0f || nc != d.batch * d.m * d.n;
+  const kernels::WideBuffer c = read_c ? widen_bf16(d.c, nc) : kernels::WideBuffer(nc, "gemm (bf16 result in f32)");
+  if (!read_c) std::fill(c.data(), c.data() + nc, 0.0f);
+  std::optional<kernels::WideBuffer> bias;
+  if (d.bias) bias.emplace(widen_bf16(d.bias, d.n));
   f.c = c.data();
   f.c_dtype = DType::f32;
-  f.bias = d.bias ? bias.data() : nullptr;
+  f.bias = bias ? bias->data() : nullptr;
   if (!run_matmul(f)) eigen.EigenBackend::gemm(f);
   narrow_to_bf16(c, d.c);
 }

@@ -24,8 +24,14 @@ class Tracker {
   void remove(std::int64_t bytes) noexcept;
   Stats stats() const noexcept;
   void reset_peak() noexcept;
+  /// The tracker of the scope this one's is nested in (null for a thread's outermost scope): an
+  /// allocation is charged to it too, within the limit, so that a scope opened inside a rank's
+  /// (to measure a section) neither hides its tensors from the rank nor lifts the rank's limit.
+  Tracker* parent() const noexcept { return parent_.get(); }
+  void set_parent(std::shared_ptr<Tracker> parent) noexcept { parent_ = std::move(parent); }
 
  private:
+  std::shared_ptr<Tracker> parent_;
   std::atomic<std::int64_t> live_{0};
   std::atomic<std::int64_t> peak_{0};
   std::atomic<std::int64_t> allocations_{0};

@@ -207,7 +207,10 @@ std::string format_bytes(std::int64_t bytes) {
   return buf;
 }
 
-Scope::Scope() : tracker_(std::make_shared<Tracker>()), previous_(t_current) { t_current = tracker_; }
+Scope::Scope() : tracker_(std::make_shared<Tracker>()), previous_(t_current) {
+  tracker_->set_parent(previous_);
+  t_current = tracker_;
+}
 Scope::~Scope() { t_current = previous_; }
 Stats Scope::stats() const { return tracker_->stats(); }
 
@@ -362,19 +365,32 @@ namespace {
 }
 }  // namespace
 
+namespace {
+// Removes `bytes` from `tracker` and the trackers of the scopes it is nested in, up to `end`.
+void uncharge(memory::Tracker* tracker, std::int64_t bytes, const memory::Tracker* end = nullptr) noexcept {
+  for (memory::Tracker* t = tracker; t != end; t = t->parent()) t->remove(bytes);
+}
+}  // namespace
+
 Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dtype)
     : bytes(size), tracker(memory::current_tracker()) {
-  // Charge the rank first, so that a refused allocation never touches the system allocator.
+  // Charge the rank first, so that a refused allocation never touches the system allocator: the
+  // calling thread's tracker and those of the scopes it is nested in, each within the limit.
   const auto n = static_cast<std::int64_t>(size);
   const std::int64_t limit = memory::LimitSuspended::active() ? 0 : memory::limit();
   memory::Tracker& rank = tracker ? *tracker : memory::process_tracker();
-  if (!rank.try_add(n, limit)) out_of_memory(op, shape, dtype, n, rank, limit, false);
+  for (memory::Tracker* t = &rank; t; t = t->parent()) {
+    if (!t->try_add(n, limit)) {
+      uncharge(&rank, n, t);
+      out_of_memory(op, shape, dtype, n, *t, limit, false);
+    }
+  }
   if (tracker) memory::process_tracker().add(n);
   try {
     // 64-byte alignment suits AVX-512 loads and oneDNN.
     data = block_cache().take(BlockCache::size_class(size));
   } catch (const std::bad_alloc&) {
-    rank.remove(n);
+    uncharge(&rank, n);
     if (tracker) memory::process_tracker().remove(n);
     out_of_memory(op, shape, dtype, n, rank, limit, true);
   }
@@ -383,7 +399,7 @@ Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dty
 Storage::~Storage() {
   block_cache().give(data, BlockCache::size_class(bytes));
   memory::process_tracker().remove(static_cast<std::int64_t>(bytes));
-  if (tracker) tracker->remove(static_cast<std::int64_t>(bytes));
+  if (tracker) uncharge(tracker.get(), static_cast<std::int64_t>(bytes));
 }
 
 }  // namespace ruda::detail

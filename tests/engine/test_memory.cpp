@@ -143,6 +143,58 @@ TEST_CASE("an allocation past the limit raises OutOfMemoryError naming op, shape
   CHECK(full({100, 1000}, 2.0, DType::f64).numel() == 100'000);
 }
 
+TEST_CASE("a scope opened inside a rank's counts toward the rank: its figures and its limit") {
+  // A nested scope started a fresh tracker that the limit was checked against alone: a section
+  // measured in its own scope could hold a whole limit more than the rank's, and its tensors
+  // were missing from the rank's figures while they lived.
+  LimitGuard restore;
+  memory::Scope rank;
+  memory::set_limit(1'000'000);
+  const Tensor kept = zeros({200'000});  // 800 KB of the rank's 1 MB
+  {
+    memory::Scope section;
+    const Tensor small = zeros({25'000});  // 100 KB: fits the rank's budget too
+    CHECK(section.stats().live_bytes == 100'000);
+    CHECK(rank.stats().live_bytes == 900'000);
+    test::check_throws<OutOfMemoryError>([] { (void)zeros({100'000}); }, {"zeros", "400000 bytes", "limit of 1.00 MB"});
+    // The refusal charged nothing to either scope.
+    CHECK(section.stats().live_bytes == 100'000);
+    CHECK(rank.stats().live_bytes == 900'000);
+  }
+  CHECK(rank.stats().live_bytes == 800'000);
+  CHECK(rank.stats().peak_bytes == 900'000);
+  // A tensor made in a section and kept after it is the rank's as long as it lives.
+  Tensor outlives;
+  {
+    memory::Scope section;
+    outlives = zeros({25'000});
+  }
+  CHECK(rank.stats().live_bytes == 900'000);
+  outlives = Tensor();
+  CHECK(rank.stats().live_bytes == 800'000);
+}
+
+TEST_CASE("a 16-bit product's f32 working copies count toward the rank and its limit, on every path that makes them") {
+  // The Eigen backend (and oneDNN's on CPUs without bf16 instructions) multiplies 16-bit operands
+  // as f32 copies, each twice its operand's size: uncounted scratch before, so a [4096, 4096]
+  // bf16 product went 200 MB past a limit the tracker said held.
+  LimitGuard restore;
+  memory::Scope rank;
+  const Options eigen(DType::bf16, &get_backend("eigen"));
+  const Tensor a = ones({256, 256}, eigen), b = ones({256, 256}, eigen);  // 128 KB each
+  const std::int64_t before = rank.stats().live_bytes;
+  memory::reset_peak();
+  const Tensor c = matmul(a, b);
+  CHECK(c.at({0, 0}) == 256.0);
+  // The 128 KB result, and the f32 copies of a, b and the result (256 KB each) while it ran.
+  CHECK(rank.stats().peak_bytes - before >= 128 * 1024 + 3 * 256 * 1024);
+  CHECK(rank.stats().live_bytes - before == 128 * 1024);
+  memory::set_limit(rank.stats().live_bytes + 128 * 1024 + 1000);
+  test::check_throws<OutOfMemoryError>([&] { (void)matmul(a, b); },
+                                       {"gemm (16-bit operands widened to f32)", "f32 [65536]", "limit"});
+  CHECK(rank.stats().live_bytes - before == 128 * 1024);
+}
+
 TEST_CASE("each emulated rank's scope has its own budget under the one limit") {
   LimitGuard restore;
   memory::set_limit(1'000'000);

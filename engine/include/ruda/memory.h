@@ -1,7 +1,8 @@
 // Accounting of tensor storage: live and peak bytes, per process and per rank.
 //
 // Every tensor allocation is charged to the tracker installed on the allocating thread (the
-// process tracker unless a memory::Scope is active) and to the process tracker; the bytes are
+// process tracker unless a memory::Scope is active; with nested scopes, to each of theirs) and
+// to the process tracker; the bytes are
 // returned to the same trackers when the storage dies, whichever thread frees it. Emulated ranks
 // install one scope per rank thread, so each rank reads its own figures.
 //
@@ -58,7 +59,9 @@ std::int64_t cached_bytes();
 /// Returns every cached block to the system.
 void release_cached();
 
-/// While alive, allocations on this thread are charged to a fresh tracker (and the process's).
+/// While alive, allocations on this thread are charged to a fresh tracker, to the trackers of
+/// the scopes it is nested in, and to the process's. stats() reads this scope's own; a scope
+/// opened inside a rank's (to measure a section) still counts toward the rank's figures and limit.
 class Scope {
  public:
   Scope();
