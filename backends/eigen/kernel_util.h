@@ -113,11 +113,10 @@ struct ScratchAllocator {
   T* allocate(std::size_t n) {
     if (n > std::numeric_limits<std::size_t>::max() / sizeof(T))
       scratch_refused(std::numeric_limits<std::size_t>::max());
-    try {
-      return static_cast<T*>(::operator new(n * sizeof(T), kAlign));
-    } catch (const std::bad_alloc&) {
-      scratch_refused(n * sizeof(T));
-    }
+    // The non-throwing form: AddressSanitizer ends the process when the throwing one fails.
+    void* p = ::operator new(n * sizeof(T), kAlign, std::nothrow);
+    if (!p) scratch_refused(n * sizeof(T));
+    return static_cast<T*>(p);
   }
   void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, kAlign); }
   template <class U>

@@ -354,14 +354,19 @@ namespace {
 [[noreturn]] void out_of_memory(const char* op, const Shape& shape, DType dtype, std::int64_t requested,
                                 const memory::Tracker& rank, std::int64_t limit, bool system) {
   const std::int64_t live = rank.stats().live_bytes;
-  const std::string what = concat(dtype_name(dtype), " ", shape, " needs ", memory::format_bytes(requested), " (",
-                                  requested, " bytes) with ", memory::format_bytes(live), " live on this rank");
+  // A thread in no memory::Scope is charged to (and limited by) the whole process: say so, not
+  // "this rank", whose bytes a plain user thread does not hold.
+  const bool process = &rank == &memory::process_tracker();
+  const std::string what =
+      concat(dtype_name(dtype), " ", shape, " needs ", memory::format_bytes(requested), " (", requested,
+             " bytes) with ", memory::format_bytes(live),
+             process ? " live in this process (this thread is in no memory::Scope)" : " live on this rank");
   if (system) {
     fail<OutOfMemoryError>(op, "out of memory: ", what, ", and the system refused it",
                            limit > 0 ? concat(" (limit ", memory::format_bytes(limit), ")") : std::string());
   }
-  fail<OutOfMemoryError>(op, "out of memory: ", what, ", over this rank's limit of ", memory::format_bytes(limit), " (",
-                         limit, " bytes; ", memory::limit_source(), ")");
+  fail<OutOfMemoryError>(op, "out of memory: ", what, ", over ", process ? "the" : "this rank's", " limit of ",
+                         memory::format_bytes(limit), " (", limit, " bytes; ", memory::limit_source(), ")");
 }
 }  // namespace
 

@@ -143,6 +143,15 @@ TEST_CASE("an allocation past the limit raises OutOfMemoryError naming op, shape
   CHECK(full({100, 1000}, 2.0, DType::f64).numel() == 100'000);
 }
 
+TEST_CASE("outside any scope the limit is the process's, and the refusal says so") {
+  LimitGuard restore;
+  memory::set_limit(memory::process_stats().live_bytes + 1'000'000);
+  const Tensor kept = zeros({200'000});
+  test::check_throws<OutOfMemoryError>(
+      [] { (void)zeros({100'000}); },
+      {"zeros", "live in this process (this thread is in no memory::Scope)", "over the limit of"});
+}
+
 TEST_CASE("a scope opened inside a rank's counts toward the rank: its figures and its limit") {
   // A nested scope started a fresh tracker that the limit was checked against alone: a section
   // measured in its own scope could hold a whole limit more than the rank's, and its tensors
