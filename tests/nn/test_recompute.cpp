@@ -321,3 +321,81 @@ TEST_CASE("a checkpointed block destroyed before the backward that recomputes it
   }
   test::check_throws<AutogradError>([&] { sum(y).backward(); }, {"checkpoint", "destroyed", "keep the block alive"});
 }
+
+namespace {
+// Linear, Dropout, Tanh, Linear, Dropout, with fixed weights and dropout seeds.
+std::shared_ptr<nn::Sequential> dropout_block() {
+  nn::manual_seed(11);
+  return std::make_shared<nn::Sequential>(std::vector<std::shared_ptr<nn::UnaryModule>>{
+      std::make_shared<nn::Linear>(8, 8), std::make_shared<nn::Dropout>(0.5, 21), std::make_shared<nn::Tanh>(),
+      std::make_shared<nn::Linear>(8, 8), std::make_shared<nn::Dropout>(0.5, 22)});
+}
+
+// The input's gradient and every parameter's, as bytes.
+std::vector<std::vector<std::uint8_t>> all_gradients(nn::Sequential& block, const Tensor& x) {
+  std::vector<std::vector<std::uint8_t>> out;
+  auto bytes = [&](const Tensor& g) {
+    REQUIRE(g.defined());
+    const auto* b = static_cast<const std::uint8_t*>(g.data_ptr());
+    out.emplace_back(b, b + g.nbytes());
+  };
+  bytes(x.grad());
+  for (const auto& [name, p] : block.named_parameters()) bytes(p.grad());
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a model switched between train and eval after a checkpointed forward: the forward's masks still") {
+  // The recompute ran with the flags of backward time: put in eval mode between forward and
+  // backward, it recomputed without the dropout masks the forward had used (gradients off by up to
+  // 3.5); the other way round it drew masks the forward never used.
+  for (const bool forward_training : {true, false}) {
+    CAPTURE(forward_training);
+    auto plain = dropout_block(), checkpointed = dropout_block();
+    plain->train(forward_training);
+    checkpointed->train(forward_training);
+    const Tensor x0 = randn({4, 8}, 5);
+    Tensor xa = x0.clone(), xb = x0.clone();
+    xa.set_requires_grad(true);
+    xb.set_requires_grad(true);
+    const Tensor ya = plain->forward(xa), yb = nn::checkpoint(*checkpointed, xb);
+    plain->train(!forward_training);
+    checkpointed->train(!forward_training);
+    sum(square(ya)).backward();
+    sum(square(yb)).backward();
+    CHECK(all_gradients(*plain, xa) == all_gradients(*checkpointed, xb));
+    // The flags are the caller's again.
+    for (const auto& [name, m] : checkpointed->named_modules()) CHECK(m->is_training() == !forward_training);
+  }
+}
+
+namespace {
+// A block that throws from its third forward on: the recompute of a checkpoint that ran twice before.
+struct ThrowsOnThird : nn::UnaryModule {
+  std::shared_ptr<nn::Linear> linear = std::make_shared<nn::Linear>(8, 8);
+  std::shared_ptr<nn::Dropout> dropout = std::make_shared<nn::Dropout>(0.5, 23);
+  int calls = 0;
+  ThrowsOnThird() {
+    register_module("linear", linear);
+    register_module("dropout", dropout);
+  }
+  Tensor forward(const Tensor& x) override {
+    const Tensor h = dropout->forward(linear->forward(x));
+    if (++calls == 3) fail<ArgumentError>("ThrowsOnThird", "injected failure");
+    return tanh(h);
+  }
+};
+}  // namespace
+
+TEST_CASE("a recompute that throws leaves the dropout streams and flags where it found them") {
+  nn::manual_seed(12);
+  ThrowsOnThird block;
+  Tensor x = randn({4, 8}, 6);
+  x.set_requires_grad(true);
+  const Tensor y = nn::checkpoint(block, x);
+  autograd::no_grad([&] { return block.forward(x); });  // a second forward: other draws
+  const std::uint64_t before = block.dropout->generator().offset();
+  test::check_throws<ArgumentError>([&] { sum(square(y)).backward(); }, {"injected failure"});
+  CHECK(block.dropout->generator().offset() == before);  // it read the first forward's position after
+  CHECK(block.is_training());
+}

@@ -24,6 +24,46 @@ void set_dropout_offsets(UnaryModule& block, const std::vector<std::uint64_t>& o
   }
 }
 
+// Each module's training flag, in named_modules' order (a module before its children).
+std::vector<bool> training_flags(UnaryModule& block) {
+  std::vector<bool> flags;
+  for (auto& [name, m] : block.named_modules()) flags.push_back(m->is_training());
+  return flags;
+}
+
+// Sets each module's flag as recorded: train(on) also sets the children, which come after their
+// parent in this order and so get their own recorded flags.
+void set_training_flags(UnaryModule& block, const std::vector<bool>& flags) {
+  std::size_t i = 0;
+  for (auto& [name, m] : block.named_modules()) {
+    if (i < flags.size()) m->train(flags[i++]);
+  }
+}
+
+// The block as the forward ran it, for the recompute: its modules' training flags and its
+// dropouts' draw positions, set on construction and put back as they were on destruction, also
+// when the recompute throws (a failed recompute left the dropout streams rewound: the next
+// forward repeated an old mask).
+class AsInForward {
+ public:
+  AsInForward(UnaryModule& block, const std::vector<bool>& flags, const std::vector<std::uint64_t>& draws)
+      : block_(block), flags_now_(training_flags(block)), draws_now_(dropout_offsets(block)) {
+    set_training_flags(block_, flags);
+    set_dropout_offsets(block_, draws);
+  }
+  ~AsInForward() {
+    set_training_flags(block_, flags_now_);
+    set_dropout_offsets(block_, draws_now_);
+  }
+  AsInForward(const AsInForward&) = delete;
+  AsInForward& operator=(const AsInForward&) = delete;
+
+ private:
+  UnaryModule& block_;
+  std::vector<bool> flags_now_;
+  std::vector<std::uint64_t> draws_now_;
+};
+
 // Grad mode on for a scope (backward runs with it off).
 struct GradEnabled {
   bool previous = autograd::is_grad_enabled();
@@ -47,6 +87,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
     }
   }
   const std::vector<std::uint64_t> draws_before = dropout_offsets(block);
+  const std::vector<bool> training = training_flags(block);
   const Tensor result = autograd::no_grad([&] { return block.forward(x); });
   if (!result.defined()) fail<ArgumentError>("checkpoint", "the block returned an undefined tensor");
   // An integer result carries no gradient (argmax): nothing to recompute for.
@@ -66,8 +107,8 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   for (const auto& [name, p] : block.named_parameters()) sharded = sharded || p.is_sharded();
   UnaryModule* target = &block;
   autograd::record("checkpoint", output, {x, anchor}, {x},
-                   [target, alive = block.lifetime(), draws_before](const Tensor& grad, const autograd::Saved& saved,
-                                                                    autograd::GradMask needs) {
+                   [target, alive = block.lifetime(), draws_before, training](
+                       const Tensor& grad, const autograd::Saved& saved, autograd::GradMask needs) {
                      if (alive.expired()) {
                        // A sharded block destroyed before a backward ran its pending node: nothing left to
                        // recompute (every rank destroys its model alike), and no loss needs it.
@@ -81,13 +122,13 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
                      {
                        GradEnabled grad_on;
                        RetainGathered retain;
-                       // The recompute draws the forward's masks, then leaves the streams where it found them:
-                       // restoring the positions the forward ended at rewound every draw made since (a later
-                       // forward's: two micro-batches, or a validation pass before this backward ran).
-                       const std::vector<std::uint64_t> draws_now = dropout_offsets(*target);
-                       set_dropout_offsets(*target, draws_before);
+                       // The recompute runs the block as the forward did: the forward's training flags (a
+                       // model put in eval mode between forward and backward recomputed without its
+                       // dropout masks: wrong gradients) and its masks. Then it leaves flags and streams
+                       // where it found them: restoring the positions the forward ended at rewound every
+                       // draw made since (a later forward's: two micro-batches, or a validation pass).
+                       const AsInForward as_in_forward(*target, training, draws_before);
                        recomputed = target->forward(input);
-                       set_dropout_offsets(*target, draws_now);
                      }
                      // A result that depends on nothing needing a gradient (a stored buffer, a forward under
                      // no_grad) passes none, as the plain block's would.
