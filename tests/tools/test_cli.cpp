@@ -1079,6 +1079,11 @@ TEST_CASE("a non-finite loss stops training with one line naming the step and th
   for (const std::string ranks : {"", "--emulate 2 "}) {
     CAPTURE(ranks);
     one_error_line(run(train(ranks + "--lr 1e38 mlp " + kSmall)), {"loss became", "nan at step 2", "rank"});
+    // The last step's update made the weights NaN: only its evaluation shows it (the loss is
+    // measured before the update). Without --checkpoint-dir, whose saves check the weights, the
+    // run ended with exit 0 and NaN figures.
+    one_error_line(run(train(ranks + "--lr 1e300 lm --d-model 16 --layers 1 --heads 2 --context 8 --steps 1")),
+                   {"step 1's evaluation gave", "val_loss nan", "not finite after that step's update"});
   }
 }
 

@@ -627,6 +627,25 @@ int run(const Config& cfg, Communicator& comm) {
     const bool final = step + 1 == total;
     json eval = task->evaluate(step, final);
     if (!eval.empty()) nn::reshard(task->module());  // the evaluation's last layers' weights
+    // The training loss is measured before the update that follows it: an update that made the
+    // weights NaN or infinite showed only in the evaluation after it, and a run without
+    // --checkpoint-dir (whose saves check the weights) ended with exit 0 and NaN weights. The
+    // figures are every rank's alike (reduced over the ranks), so every rank stops here.
+    std::string non_finite_figures;
+    for (const auto& [name, value] : eval.items()) {
+      if (value.is_number() && !std::isfinite(value.get<double>())) {
+        std::ostringstream figure;
+        figure << name << " " << value.get<double>();
+        non_finite_figures += (non_finite_figures.empty() ? "" : ", ") + figure.str();
+      }
+    }
+    if (!non_finite_figures.empty()) {
+      if (main_rank) {
+        print_error("step " + std::to_string(step + 1) + "'s evaluation gave " + non_finite_figures +
+                    ": the weights are not finite after that step's update (lower --lr, or --clip)");
+      }
+      throw Reported("non-finite evaluation");
+    }
     const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
     if (log) {
       const auto [peak, data_read] = per_rank();
