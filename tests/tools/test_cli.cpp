@@ -782,14 +782,17 @@ TEST_CASE("mpiexec: ranks started with different options or collective settings 
            first + " : -n 1 " + second;
   };
   for (const auto& [other, fragment] : std::vector<std::pair<std::string, std::string>>{
-           {train(small + " --epochs 2"), "rank 1 was started with epochs=2, rank 0 with epochs=1"},
-           {train(small + " --batch 32"), "rank 1 was started with batch=32, rank 0 with batch=64"},
-           {train(small + " --seed 7"), "rank 1 was started with seed=7, rank 0 with seed=1"},
+           {train(small + " --epochs 2"), "rank 1 was started with --epochs \"2\", rank 0 with --epochs \"1\""},
+           {train(small + " --batch 32"), "rank 1 was started with --batch \"32\", rank 0 with --batch \"64\""},
+           {train(small + " --seed 7"), "rank 1 was started with --seed \"7\", rank 0 with --seed \"1\""},
            {"-x RUDA_CHECK_COLLECTIVES=1 " + train(small),
             "rank 1 was started with RUDA_CHECK_COLLECTIVES=on, rank 0 with RUDA_CHECK_COLLECTIVES=off"},
            {"-x RUDA_RING_MIN_BYTES=1kB " + train(small),
             "RUDA_RING_MIN_BYTES=1000, rank 0 with RUDA_RING_MIN_BYTES=unset"},
-           {"-x RUDA_BACKEND=eigen " + train(small), "backend in use=eigen"}}) {
+           {"-x RUDA_BACKEND=eigen " + train(small), "backend in use=eigen"},
+           // A value with a newline and a byte that is not ASCII, named whole on one line.
+           {train(small + " --data '/nonexistent/x\ny\xff'"),
+            "rank 1 was started with mlp --data \"/nonexistent/x\\ny\\xff\""}}) {
     CAPTURE(other);
     const Run r = run(mpmd(train(small), other));
     CHECK(r.exit_code == 2);

@@ -3,7 +3,10 @@
 // byte-level GPT-style language model on any text. This file parses the options and picks the
 // communicator; job.cpp runs the job on each rank, tasks.cpp holds the two models.
 #include <atomic>
+#include <cstdio>
 #include <iostream>
+#include <optional>
+#include <string>
 
 #include <ruda/nn.h>
 #include <CLI/CLI.hpp>
@@ -42,16 +45,57 @@ std::string environment_problem(const Config& cfg) {
   return {};
 }
 
-// What every rank of one job must share, one `name=value` a line: the options as parsed (CLI11's
-// config form, defaults included, so `--seed=1` and `--seed 1` read alike), then the environment
-// that decides which collectives run (RUDA_CHECK_COLLECTIVES adds an exchange to every collective,
-// RUDA_RING_MIN_BYTES picks their algorithm) and the backend a checkpoint records. Ranks that
-// differ in any of it run different collectives: the first one sized from them wrote past a
-// buffer (MPMD lines with different --epochs or --batch ended in heap corruption), a different
-// --seed trained silently on streams the checkpoint did not record, and one rank's
+// `text` with every byte that is not printable ASCII, and the backslash and quote, escaped (\n,
+// \xNN): a value as one line, fit for an error message (a --prompt holds newlines and any bytes).
+std::string escaped(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\\' || c == '"') {
+      out += '\\';
+      out += c;
+    } else if (byte < 0x20 || byte >= 0x7f) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", byte);
+      out += hex;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// The options of `app` and of its subcommands as parsed, one `[subcommand ]--name "value"` a line:
+// the values given (`--seed=1` and `--seed 1` alike; the last of an option given twice), else the
+// defaults.
+void append_options(const CLI::App& app, const std::string& prefix, std::string& text) {
+  for (const CLI::Option* option : app.get_options()) {
+    std::string value;
+    if (option->count() > 0) {
+      // As the option's policy reduces them (an option given twice takes its last value).
+      for (const std::string& result : option->reduced_results()) value += (value.empty() ? "" : " ") + result;
+    } else {
+      value = option->get_default_str();
+    }
+    text += prefix + option->get_name() + " \"" + escaped(value) + "\"\n";
+  }
+  for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) {
+    append_options(*sub, prefix + sub->get_name() + " ", text);
+  }
+}
+
+// What every rank of one job must share, one line each: the options as parsed, then the
+// environment that decides which collectives run (RUDA_CHECK_COLLECTIVES adds an exchange to every
+// collective, RUDA_RING_MIN_BYTES picks their algorithm) and the backend a checkpoint records.
+// Ranks that differ in any of it run different collectives: the first one sized from them wrote
+// past a buffer (MPMD lines with different --epochs or --batch ended in heap corruption), a
+// different --seed trained silently on streams the checkpoint did not record, and one rank's
 // RUDA_CHECK_COLLECTIVES waited for an exchange the others never started.
 std::string launch_fingerprint(const CLI::App& app, const Config& cfg) {
-  std::string text = app.config_to_str(/*default_also=*/true, /*write_description=*/false);
+  std::string text;
+  append_options(app, "", text);
   text += std::string("RUDA_CHECK_COLLECTIVES=") + (order_check_from_env() ? "on" : "off") + "\n";
   const std::optional<std::size_t> ring = ring_min_bytes_from_env();
   text += "RUDA_RING_MIN_BYTES=" + (ring ? std::to_string(*ring) : std::string("unset")) + "\n";
