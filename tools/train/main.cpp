@@ -308,7 +308,8 @@ int main(int argc, char** argv) {
   add_whole(*lm, "--sample", cfg.sample,
             "After training, print N sampled bytes (with --steps 0 and --resume: sample a checkpoint)")
       ->check(at_least(0));
-  lm->add_option("--prompt", cfg.prompt, "Text the sample continues");
+  // The default is a newline, which the help would print raw (breaking its columns).
+  lm->add_option("--prompt", cfg.prompt, "Text the sample continues (default: a newline)")->option_text("TEXT");
   // 0 is greedy; a positive temperature divides the logits, so it must be a normal number (what
   // nn::sample_bytes takes), which is said here rather than after the training.
   lm->add_option("--temperature", cfg.temperature, "Sampling temperature (0: greedy)")
