@@ -230,6 +230,18 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
                  {"was saved with the optimizer groups decay (", "no_decay (", "this optimizer's are default ("});
 }
 
+TEST_CASE("lm: a text too short for the context is refused naming the fewest bytes that do") {
+  TempDir tmp;
+  std::string text;
+  for (int i = 0; text.size() < 161; ++i) text += "line " + std::to_string(i) + "\n";
+  std::ofstream(tmp / "160.txt") << text.substr(0, 160);
+  std::ofstream(tmp / "161.txt") << text.substr(0, 161);
+  const std::string lm = " lm --d-model 16 --layers 1 --heads 2 --context 16 --steps 1 --text ";
+  one_error_line(run(train(lm + tmp / "160.txt")), {"160 bytes are too few for context 16", "at least 161"});
+  const Run enough = run(train(lm + tmp / "161.txt"));
+  CHECK_MESSAGE(enough.exit_code == 0, enough.output);
+}
+
 TEST_CASE("lm: a resume on another text is refused; the same text under another name resumes") {
   TempDir tmp;
   std::string text;

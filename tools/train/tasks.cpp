@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
+#include <limits>
 #include <mutex>
 #include <numbers>
 #include <optional>
@@ -220,8 +221,21 @@ struct LmTask : Task {
     // Each part holds a window of context + 1 bytes. "- 1 < context", not "< context + 1", which
     // wraps for a context near INT64_MAX.
     if (corpus.size() - train_end - 1 < cfg.context || train_end - 1 < cfg.context) {
+      // The fewest bytes that do (about 10 x (context + 1): the last tenth validates), said so
+      // that a user need not guess from "context + 1".
+      std::string fewest;
+      if (cfg.context <= std::numeric_limits<std::int64_t>::max() / 100) {
+        for (std::int64_t n = 10 * cfg.context;; ++n) {
+          if (n - n * 9 / 10 - 1 >= cfg.context && n * 9 / 10 - 1 >= cfg.context) {
+            fewest = " (it needs at least " + std::to_string(n) +
+                     ": the last tenth validates, and each part holds a "
+                     "window of context + 1 bytes)";
+            break;
+          }
+        }
+      }
       throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
-                    std::to_string(cfg.context));
+                    std::to_string(cfg.context) + fewest);
     }
     train.emplace(corpus, 0, train_end, cfg.context);
     validation.emplace(corpus, train_end, corpus.size(), cfg.context);
