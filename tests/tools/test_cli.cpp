@@ -280,6 +280,14 @@ TEST_CASE("lm: sampling a checkpoint (--steps 0 --resume) trains nothing and say
   CHECK_MESSAGE(below.exit_code == 0, below.output);
   CHECK_MESSAGE(below.output.find("done: 0 steps") != std::string::npos, below.output);
   CHECK_MESSAGE(below.output.find("saved by 1 rank, now 1)") != std::string::npos, below.output);
+  // Nothing is trained, so no training sample is drawn: another --seed (the sample's seed too) or
+  // --batch is no reason to refuse (it was "would train on other samples"); a run that trains is
+  // still refused.
+  const Run other_seed = run(train(lm + "--steps 0 --resume " + tmp / "ck" + " --sample 12 --seed 5 --batch 2"));
+  CHECK_MESSAGE(other_seed.exit_code == 0, other_seed.output);
+  CHECK_MESSAGE(other_seed.output.find("--- sample ---") != std::string::npos, other_seed.output);
+  one_error_line(run(train(lm + "--steps 4 --resume " + tmp / "ck" + " --seed 5")),
+                 {"--seed 5 differs from the --seed 1", "would train on other samples"});
 }
 
 TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-ckpt writes damages a checkpoint") {

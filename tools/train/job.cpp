@@ -427,7 +427,13 @@ int run(const Config& cfg, Communicator& comm) {
     const std::string from = cfg.resume_latest ? cfg.checkpoint_dir : cfg.resume;
     if (!from.empty()) {
       const nn::CheckpointSummary found = nn::describe_checkpoint(from);
-      nn::check_resumable(found.info, task->description(), task->data_stream());
+      // A run that trains no step (it resumes at or past its total: --steps 0 --resume DIR samples
+      // a checkpoint) draws no training samples: its --seed (the sample's seed too), --batch and
+      // data need not be the checkpoint's (a sample of another seed was refused as "would train
+      // on other samples").
+      const bool trains = task->total_steps() > found.info.step;
+      nn::check_resumable(found.info, task->description(),
+                          trains ? task->data_stream() : std::map<std::string, std::string>{});
       resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), shard_comm,
                                     {.verify_checksums = !cfg.skip_checksums});
       start_step = resumed.step;
