@@ -204,8 +204,18 @@ namespace {
 // through the pow kernel, the number in a's dtype.
 Tensor pow_number_value(const Tensor& a, double e) {
   autograd::NoGradGuard guard;
-  if (is_floating(a.dtype()) && e == 0.5) return sqrt(a);
-  if (is_floating(a.dtype()) && e == -0.5) return rsqrt(a);
+  // PyTorch's pow_tensor_scalar computes these exponents of a float tensor by their own formulas,
+  // each operation rounded to the tensor's dtype: x * x * x for 3 (bf16 5.25^3 is 144, from
+  // 27.5 * 5.25; std::pow rounded once, to 145), 1 / x for -1 (std::pow in f32 was 1 ulp off the
+  // correctly rounded reciprocal), 1 / (x * x) for -2, x * x for 2, sqrt and rsqrt for 0.5 and -0.5.
+  if (is_floating(a.dtype())) {
+    if (e == 0.5) return sqrt(a);
+    if (e == -0.5) return rsqrt(a);
+    if (e == 2.0) return a * a;
+    if (e == 3.0) return a * a * a;
+    if (e == -1.0) return reciprocal(a);
+    if (e == -2.0) return reciprocal(a * a);
+  }
   return binary_forward(BinaryOp::pow, "pow", a, arithmetic_scalar("pow", e, a));
 }
 }  // namespace

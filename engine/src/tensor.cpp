@@ -509,7 +509,10 @@ Tensor& Tensor::add_(const Tensor& other, double alpha) {
     Tensor sum;
     {
       autograd::NoGradGuard guard;
-      Tensor scaled = cast(other.detach(), wide);
+      // An integer operand takes this tensor's dtype first, as PyTorch's common dtype of a float
+      // tensor and an integer one is the float's: bf16 1 plus i64 257 is 1 + 256 (bf16's value of
+      // 257) = 257, rounded to 256; widened straight to f32 it gave 258.
+      Tensor scaled = cast(is_floating(other.dtype()) ? other.detach() : cast(other.detach(), dtype()), wide);
       if (alpha != 1.0) scaled = scaled * alpha;
       sum = cast(detach(), wide) + scaled;
     }

@@ -1231,6 +1231,40 @@ TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a r
   test::check_throws<ShapeError>([] { from_values({1, 2}, {3}); }, {"from_values", "2 values", "[3]"});
 }
 
+TEST_CASE("pow with 2, 3, -1 and -2 computes PyTorch's formulas, each operation rounded to the dtype") {
+  // PyTorch 2.15's values (std::pow rounded once: bf16 5.25^3 was 145, f32 x^-1 1 ulp off 1/x).
+  CHECK(pow(full({1}, 5.25, DType::bf16), 3.0).item() == 144.0);
+  CHECK(pow(full({1}, 0.4609375, DType::bf16), -2.0).item() == 4.6875);
+  CHECK(pow(full({1}, -10000.0 / 997), 3.0).item() == -1009.0543212890625);
+  CHECK(pow(full({1}, 4986.0 / 997), -1.0).item() == 0.1999598890542984);
+  // And bit for bit the formulas on every dtype and many values.
+  for (DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor x = (randn({4096}, 41) * 3.0).to(dtype);
+    test::check_close(pow(x, 2.0), x * x, 0, 0);
+    test::check_close(pow(x, 3.0), x * x * x, 0, 0);
+    test::check_close(pow(x, -1.0), reciprocal(x), 0, 0);
+    test::check_close(pow(x, -2.0), reciprocal(x * x), 0, 0);
+  }
+}
+
+TEST_CASE("an integer operand added into a 16-bit tensor in place takes the tensor's dtype first, as PyTorch's") {
+  // PyTorch 2.15: bf16 1 .add_(i64 257) is 256 (257 is 256 in bf16); widened to f32 it was 258.
+  Tensor x = full({1}, 1.0, DType::bf16);
+  x.add_(from_vector<std::int64_t>({257}, {1}));
+  CHECK(x.item() == 256.0);
+  Tensor y = full({1}, 1.0, DType::f16);
+  y.add_(from_vector<std::int64_t>({2049}, {1}));
+  CHECK(y.item() == 2048.0);
+  Tensor z = full({1}, 1.0, DType::bf16);
+  z.add_(from_vector<std::int64_t>({257}, {1}), 3.0);
+  CHECK(z.item() == 768.0);
+  // A float operand still adds in f32 and rounds once (bf16 0.578125 + f32 0.037 is 0.61328125).
+  Tensor w = full({1}, 0.578125, DType::bf16);
+  w.add_(full({1}, 0.037));
+  CHECK(w.item() == 0.61328125);
+}
+
 TEST_CASE("pow with a number: PyTorch's values and gradients at -0 and -inf (0.5 and -0.5 are sqrt and rsqrt)") {
   // PyTorch 2.15's values; std::pow gave pow(-0, 0.5) = 0 and pow(-inf, 0.5) = inf, and the
   // gradient of x^1.5 at -inf inf (PyTorch: 1.5 * sqrt(-inf), NaN).
