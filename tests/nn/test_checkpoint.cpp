@@ -846,6 +846,22 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
     nn::Linear same(4, 3);
     load_into(same);
   }
+  SUBCASE("an output deeper inside a step, or named like a step beside the steps, is refused") {
+    // step-N/export/model.safetensors was accepted, and pruning step N deleted it; a file named
+    // step-N in the checkpoint directory made the save of step N fail after the training.
+    fs::create_directories(step / "export");
+    CHECK(nn::checkpoint_member((step / "export" / "model.safetensors").string()).find("lies inside the step") !=
+          std::string::npos);
+    test::check_throws<IOError>(
+        [&] { nn::consolidate_checkpoint(dir.str(), (step / "export" / "model.safetensors").string()); },
+        {"lies inside the step directory"});
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "step-00000008").string()); },
+                                {"named like a step"});
+    // Beside no steps, such a name is any file's.
+    TempDir elsewhere;
+    nn::consolidate_checkpoint(dir.str(), (elsewhere.path / "step-00000008").string());
+    CHECK(fs::is_regular_file(elsewhere.path / "step-00000008"));
+  }
   SUBCASE("a directory with an index.json is a step whatever its name: no other file is written into it") {
     fs::rename(step, dir.path / "best");
     fs::copy(dir.path / "best", dir.path / "other", fs::copy_options::recursive);

@@ -48,9 +48,11 @@ int main(int argc, char** argv) {
     if (list->parsed()) {
       const nn::CheckpointSummary s = nn::describe_checkpoint(path);
       std::cout << s.info.directory << ": step " << s.info.step << ", " << s.info.world_size
-                << (s.info.world_size == 1 ? " rank, " : " ranks, ") << s.params.size() << " parameters"
+                << (s.info.world_size == 1 ? " rank, " : " ranks, ") << s.params.size()
+                << (s.params.size() == 1 ? " parameter" : " parameters")
                 << (s.checksums ? "" : ", no checksums (format version 1)");
-      if (s.optimizer_steps >= 0) std::cout << ", optimizer state after " << s.optimizer_steps << " steps";
+      if (s.optimizer_steps >= 0)
+        std::cout << ", optimizer state after " << s.optimizer_steps << (s.optimizer_steps == 1 ? " step" : " steps");
       std::cout << "\n";
       // Each parameter's count fits int64 (the index is validated), their sum need not: counted in
       // 128 bits, it is exact for any index (it wrapped negative in int64).

@@ -419,11 +419,28 @@ std::string checkpoint_member(const std::string& path) {
   if (!parent.empty() && fs::exists(fs::symlink_status(parent / "index.json", ec))) {
     return "lies inside " + parent.string() + ", a checkpoint step (it holds an index.json)";
   }
-  if (p.filename() == "latest" && !parent.empty()) {
+  // Deeper inside a step (step-4/export/model.safetensors): pruning step 4 removed it with the
+  // step. Above the parent only a step of ruda's naming counts, with its index or beside a latest
+  // pointer, as for a checkpoint directory (checkpoint_dir_conflict).
+  if (!parent.empty()) {
+    for (fs::path up = parent.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
+      std::error_code probing;
+      if (!is_step_name(up.filename().string()) || !fs::is_directory(up, probing)) continue;
+      if (fs::exists(fs::symlink_status(up / "index.json", probing)) ||
+          fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
+        return "lies inside the step directory " + up.string() + " of a checkpoint";
+    }
+  }
+  // The latest pointer, or a file named like a step, of a directory that holds steps: the next
+  // save of that step found a file where its directory goes and failed, after the training.
+  const bool pointer = p.filename() == "latest", step_named = is_step_name(p.filename().string());
+  if ((pointer || step_named) && !parent.empty()) {
     for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
       std::error_code probing;
-      if (is_step_name(it->path().filename().string()) && it->is_directory(probing))
-        return "is the latest pointer of the checkpoint directory " + parent.string();
+      if (!is_step_name(it->path().filename().string()) || !it->is_directory(probing)) continue;
+      return pointer ? "is the latest pointer of the checkpoint directory " + parent.string()
+                     : "is named like a step of the checkpoint directory " + parent.string() +
+                           " (a save of that step would find this file where its directory goes)";
     }
   }
   return {};
