@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include <atomic>
+#include <csignal>
 
 #include <cstring>
 #include <filesystem>
@@ -1021,6 +1022,36 @@ TEST_CASE("consolidate and split stream: their tracked peak is at most one tenso
   for (const auto& [name, want] : expected) {
     CAPTURE(name);
     CHECK(same_bits(reader.read(name), want));
+  }
+}
+
+TEST_CASE("a signal in the middle of an atomic write removes its temporary where the program asked for it") {
+  // A child process writes half a file and receives SIGTERM (or SIGINT): with
+  // remove_temporaries_on_signals the temporary goes and the child ends by the signal; without, the
+  // temporary stays (ruda-ckpt's interrupted consolidate left hundreds of MB for good).
+  for (const int signal : {SIGTERM, SIGINT}) {
+    for (const bool handled : {true, false}) {
+      CAPTURE(signal);
+      CAPTURE(handled);
+      TempDir dir;
+      const std::string path = (dir.path / "w.safetensors").string();
+      const pid_t child = ::fork();
+      REQUIRE(child >= 0);
+      if (child == 0) {
+        if (handled) safetensors::remove_temporaries_on_signals();
+        const float a[4] = {1, 2, 3, 4};
+        safetensors::Writer w(path, {{"a", DType::f32, {4}}});
+        w.write(a, 8);
+        std::raise(signal);
+        ::_exit(3);  // not reached: the signal ends the process
+      }
+      int status = 0;
+      REQUIRE(::waitpid(child, &status, 0) == child);
+      CHECK(WIFSIGNALED(status));
+      if (WIFSIGNALED(status)) CHECK(WTERMSIG(status) == signal);
+      CHECK_FALSE(fs::exists(path));
+      CHECK(test::temporaries_in(dir.path).empty() == handled);
+    }
   }
 }
 

@@ -44,6 +44,9 @@ int main(int argc, char** argv) {
       ->required();
   ruda::cli::add_whole(*split, "--step", step, "Step number of the new checkpoint")->check(ruda::cli::at_least(0));
   if (const std::optional<int> exit_code = ruda::cli::parse(app, argc, argv, "ruda-ckpt")) return *exit_code;
+  // Ctrl-C or a kill's SIGTERM in the middle of a consolidate or a split removes the temporary
+  // file being written (a consolidate left one of hundreds of MB for good), then ends as it would.
+  ruda::safetensors::remove_temporaries_on_signals();
   try {
     if (list->parsed()) {
       const nn::CheckpointSummary s = nn::describe_checkpoint(path);

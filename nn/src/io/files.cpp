@@ -2,6 +2,7 @@
 #include "io/files.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -181,6 +183,53 @@ std::int64_t crash_after_bytes() {
 }
 }  // namespace testing
 
+namespace {
+// The temporaries of the atomic writes in flight, where a signal handler can read them: fixed
+// slots of fixed size (no allocation, no lock), each free, being filled, or holding a path.
+constexpr int kTemporarySlots = 16;
+struct TemporarySlot {
+  enum State : int { free, filling, held };
+  std::atomic<int> state{free};
+  char path[PATH_MAX + 1] = {};
+};
+TemporarySlot g_temporaries[kTemporarySlots];
+
+// A slot now holding `path`, or -1 (all taken, or a path too long: that write is not covered).
+int hold_temporary(const std::string& path) {
+  if (path.size() > PATH_MAX) return -1;
+  for (int i = 0; i < kTemporarySlots; ++i) {
+    int expected = TemporarySlot::free;
+    if (!g_temporaries[i].state.compare_exchange_strong(expected, TemporarySlot::filling)) continue;
+    std::memcpy(g_temporaries[i].path, path.c_str(), path.size() + 1);
+    g_temporaries[i].state.store(TemporarySlot::held);
+    return i;
+  }
+  return -1;
+}
+
+void release_temporary(int slot) noexcept {
+  if (slot >= 0) g_temporaries[slot].state.store(TemporarySlot::free);
+}
+
+extern "C" void remove_temporaries_and_end(int signal) {
+  // Async-signal-safe only: unlink, signal, raise.
+  for (TemporarySlot& slot : g_temporaries) {
+    if (slot.state.load() == TemporarySlot::held) ::unlink(slot.path);
+  }
+  std::signal(signal, SIG_DFL);
+  std::raise(signal);
+}
+}  // namespace
+
+void remove_temporaries_on_signals() {
+  for (const int signal : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction action {};
+    action.sa_handler = remove_temporaries_and_end;
+    sigemptyset(&action.sa_mask);
+    ::sigaction(signal, &action, nullptr);
+  }
+}
+
 namespace detail {
 
 AtomicFile::AtomicFile(std::string path, std::string origin, bool crash_simulation)
@@ -200,7 +249,10 @@ AtomicFile::AtomicFile(std::string path, std::string origin, bool crash_simulati
     temp_ = (p.parent_path() / (stem + ".tmp-" + random_suffix())).string();
     // 0666 less the umask, as any new file; a replaced file's own permissions below.
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);
-    if (fd_ >= 0) break;
+    if (fd_ >= 0) {
+      slot_ = hold_temporary(temp_);  // removed by a signal's handler (remove_temporaries_on_signals)
+      break;
+    }
     if (errno != EEXIST || attempt == 99) {
       const std::string why = os_error();
       settled_ = true;  // nothing was created
@@ -279,6 +331,7 @@ void AtomicFile::commit() {
     throw;
   }
   settled_ = true;
+  release_temporary(std::exchange(slot_, -1));
   // The rename itself is durable once the directory is.
   const std::string dir = std::filesystem::path(path_).parent_path().string();
   sync_directory(dir.empty() ? "." : dir);
@@ -288,6 +341,7 @@ void AtomicFile::discard() noexcept {
   if (fd_ >= 0) ::close(std::exchange(fd_, -1));
   if (!settled_) ::unlink(temp_.c_str());
   settled_ = true;  // unlinked once: its name is never used again
+  release_temporary(std::exchange(slot_, -1));
 }
 
 }  // namespace detail

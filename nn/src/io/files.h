@@ -98,6 +98,7 @@ class AtomicFile {
   std::string path_, temp_, origin_;
   bool crash_simulation_;
   int fd_ = -1;
+  int slot_ = -1;         // where a signal handler finds the temporary (files.cpp), -1 for none
   bool settled_ = false;  // renamed into place, or its temporary removed
 };
 

@@ -146,4 +146,11 @@ class Writer {
 void write(const std::string& path, const std::vector<std::pair<std::string, Tensor>>& tensors,
            const std::map<std::string, std::string>& metadata = {});
 
+/// Installs handlers of SIGINT, SIGTERM and SIGHUP that remove the temporary files of the atomic
+/// writes in flight (write, checkpoint saves, consolidate, split) and then end the process as the
+/// signal would: a program's choice, for one whose writes a user may interrupt (ruda-ckpt; Ctrl-C
+/// during a consolidate left its temporary, hundreds of MB, for good). A program with handlers
+/// of its own (ruda-train's graceful stop) does not call it. Up to 16 writes at once are covered.
+void remove_temporaries_on_signals();
+
 }  // namespace ruda::safetensors
