@@ -1,11 +1,17 @@
 #include "kernel_util.h"
 
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
 #include <ruda/memory.h>
 
 namespace ruda::kernels {
 
 void scratch_refused(std::size_t bytes) {
-  fail<OutOfMemoryError>("kernel scratch", "out of memory: the system refused ", memory::format_bytes(bytes),
+  // (A count past int64 is the size of a count that overflowed: said as the most it can name.)
+  const auto shown = static_cast<std::int64_t>(std::min<std::size_t>(bytes, std::numeric_limits<std::int64_t>::max()));
+  fail<OutOfMemoryError>("kernel scratch", "out of memory: the system refused ", memory::format_bytes(shown),
                          " of a kernel's working memory");
 }
 
