@@ -1,4 +1,5 @@
 // Matrix products through Eigen's GEMM (f32 and f64; 16-bit floats computed in f32).
+#include <optional>
 #include <vector>
 
 #include <Eigen/Core>
@@ -62,16 +63,6 @@ void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias
   for (std::int64_t i = 0; i < d.batch; ++i) {
     gemm_one<T>(d, a + d.offset_a(i), b + d.offset_b(i), c + d.offset_c(i), bias);
   }
-}
-
-// The bias (one row: scratch) as f32.
-Scratch<float> widen_bias(DType dtype, const void* p, std::int64_t n) {
-  Scratch<float> out(static_cast<std::size_t>(n));
-  dispatch_float(dtype, "gemm", [&](auto tag) {
-    using T = decltype(tag);
-    for (std::int64_t i = 0; i < n; ++i) out[i] = Num<T>::load(static_cast<const T*>(p)[i]);
-  });
-  return out;
 }
 
 // n values at p, as f32 in a buffer charged to this rank.
@@ -151,8 +142,9 @@ void EigenBackend::gemm(const GemmDesc& d) {
   const bool read_c = d.beta != 0.0f || nc != d.batch * d.m * d.n;
   const WideBuffer c = read_c ? widen_any(d.c_dtype, d.c, nc) : WideBuffer(nc, "gemm (16-bit result in f32)");
   if (!read_c) std::fill(c.data(), c.data() + nc, 0.0f);
-  const Scratch<float> bias = d.bias ? widen_bias(d.c_dtype, d.bias, d.n) : Scratch<float>();
-  gemm_batched<float>(d, a.data(), b.data(), c.data(), d.bias ? bias.data() : nullptr);
+  std::optional<WideBuffer> bias;
+  if (d.bias) bias.emplace(widen_any(d.c_dtype, d.bias, d.n));
+  gemm_batched<float>(d, a.data(), b.data(), c.data(), bias ? bias->data() : nullptr);
   apply_epilogue(d, c.data(), DType::f32);  // in f32, before the one rounding
   dispatch_float(d.c_dtype, "gemm", [&](auto tag) {
     using T = decltype(tag);

@@ -368,9 +368,7 @@ namespace {
   fail<OutOfMemoryError>(op, "out of memory: ", what, ", over ", process ? "the" : "this rank's", " limit of ",
                          memory::format_bytes(limit), " (", limit, " bytes; ", memory::limit_source(), ")");
 }
-}  // namespace
 
-namespace {
 // Removes `bytes` from `tracker` and the trackers of the scopes it is nested in, up to `end`.
 void uncharge(memory::Tracker* tracker, std::int64_t bytes, const memory::Tracker* end = nullptr) noexcept {
   for (memory::Tracker* t = tracker; t != end; t = t->parent()) t->remove(bytes);

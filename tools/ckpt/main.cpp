@@ -84,7 +84,7 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << info.directory << " for " << world << (world == 1 ? " rank\n" : " ranks\n");
     }
   } catch (const std::exception& e) {
-    std::cerr << "ruda-ckpt: error: " << e.what() << std::endl;
+    std::cerr << ("ruda-ckpt: error: " + std::string(e.what()) + "\n") << std::flush;  // one write
     return 1;
   }
   return 0;

@@ -26,7 +26,12 @@ namespace ruda::train {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-void print_error(const std::string& message) { std::cerr << "ruda-train: error: " << message << std::endl; }
+// The line in one write: written in pieces (prefix, message, newline), mpiexec's banner about
+// another rank's exit could land between them (test_tools_cli saw "ruda-train: error: " cut off).
+void print_error(const std::string& message) { std::cerr << ("ruda-train: error: " + message + "\n") << std::flush; }
+void print_warning(const std::string& message) {
+  std::cerr << ("ruda-train: warning: " + message + "\n") << std::flush;
+}
 
 namespace {
 
@@ -361,10 +366,9 @@ int run(const Config& cfg, Communicator& comm) {
   if (main_rank && cfg.gather_quantization != "none" && shard_comm.world_size() == 1) {
     // One rank per shard group (one rank, or hybrid with one per node) gathers nothing: the codes
     // would save no bytes and still round the weights every forward uses.
-    std::cerr << "ruda-train: warning: --gather-quantization " << cfg.gather_quantization
-              << " saves nothing with one rank per shard group (nothing is gathered) and still rounds the "
-                 "weights the forward uses"
-              << std::endl;
+    print_warning("--gather-quantization " + cfg.gather_quantization +
+                  " saves nothing with one rank per shard group (nothing is gathered) and still rounds the "
+                  "weights the forward uses");
   }
   const nn::PlanOptions plan_options{.optimizer_states = 2,
                                      .compute_dtype = policy.compute_dtype,
@@ -445,7 +449,7 @@ int run(const Config& cfg, Communicator& comm) {
     std::cout << "resumed from " << resumed.directory << " at step " << start_step << " (saved by "
               << resumed.world_size << (resumed.world_size == 1 ? " rank" : " ranks") << ", now "
               << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
-    for (const std::string& warning : resumed.warnings) std::cerr << "ruda-train: warning: " << warning << std::endl;
+    for (const std::string& warning : resumed.warnings) print_warning(warning);
   }
 
   const std::int64_t total = task->total_steps();
@@ -455,8 +459,8 @@ int run(const Config& cfg, Communicator& comm) {
   if (main_rank && total > 0 && start_step > total) {
     // --steps 0 samples a checkpoint on purpose; a positive total below the checkpoint's step
     // trains nothing, which a run that asked for steps should hear.
-    std::cerr << "ruda-train: warning: the checkpoint is at step " << start_step << ", past the run's " << total
-              << " steps: nothing to train" << std::endl;
+    print_warning("the checkpoint is at step " + std::to_string(start_step) + ", past the run's " +
+                  std::to_string(total) + " steps: nothing to train");
   }
   train::Metrics metrics;
   setup_phase(comm, [&] {
@@ -549,7 +553,7 @@ int run(const Config& cfg, Communicator& comm) {
     for (const std::string& warning : info.warnings) {
       if (warning == upkeep_warning) continue;
       upkeep_warning = warning;
-      std::cerr << "ruda-train: warning: " << warning << std::endl;
+      print_warning(warning);
     }
     saved_step = step;
     return info.directory;

@@ -15,8 +15,11 @@ struct Reported : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// "ruda-train: error: <message>" on standard error.
+/// "ruda-train: error: <message>" on standard error, in one write (under mpiexec other output
+/// cannot cut the line).
 void print_error(const std::string& message);
+/// "ruda-train: warning: <message>", likewise.
+void print_warning(const std::string& message);
 
 /// Sets up, trains and evaluates the task `cfg` names on this rank. Collective over comm. Returns
 /// the exit status: 0, or 128 + the signal after a graceful stop (stop.h: every rank returns it).

@@ -333,7 +333,7 @@ int main(int argc, char** argv) {
   // Options that this run would ignore: said once, on rank 0 (a run is not refused for them).
   if (print) {
     auto given = [&](CLI::App& on, const char* name) { return on.get_option(name)->count() > 0; };
-    auto ignored = [](const std::string& what) { std::cerr << "ruda-train: warning: " << what << std::endl; };
+    auto ignored = [](const std::string& what) { print_warning(what); };
     if (cfg.model == "mlp" && given(app, "--steps")) ignored("--steps has no effect on mlp, which trains --epochs");
     if (cfg.model == "lm" && given(app, "--epochs")) ignored("--epochs has no effect on lm, which trains --steps");
     if (cfg.model == "lm" && cfg.sample == 0 && (given(*lm, "--prompt") || given(*lm, "--temperature")))
@@ -367,8 +367,8 @@ int main(int argc, char** argv) {
         cfg.resume_latest = false;
         // (Checked here: the warnings above ran before it was known that nothing is resumed.)
         if (print && cfg.skip_checksums && cfg.resume.empty())
-          std::cerr << "ruda-train: warning: --skip-checksums has no effect: " << cfg.checkpoint_dir
-                    << " holds no checkpoint to resume, so this run starts afresh" << std::endl;
+          print_warning("--skip-checksums has no effect: " + cfg.checkpoint_dir +
+                        " holds no checkpoint to resume, so this run starts afresh");
       }
     } catch (const std::exception& e) {
       if (print) print_error(e.what());

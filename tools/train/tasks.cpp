@@ -217,26 +217,26 @@ struct LmTask : Task {
   LmTask(const Config& c, Communicator& comm_) : cfg(c), comm(comm_) {
     const nn::TextCorpus corpus(c.text);
     text_identity = identity_of(corpus);
-    const std::int64_t train_end = corpus.size() * 9 / 10;
-    // Each part holds a window of context + 1 bytes. "- 1 < context", not "< context + 1", which
-    // wraps for a context near INT64_MAX.
-    if (corpus.size() - train_end - 1 < cfg.context || train_end - 1 < cfg.context) {
-      // The fewest bytes that do (about 10 x (context + 1): the last tenth validates), said so
-      // that a user need not guess from "context + 1".
+    // The first 9/10 of n bytes train, the rest validates; each part must hold a window of
+    // context + 1 bytes. "- 1 < context", not "< context + 1", which wraps for a context near
+    // INT64_MAX.
+    auto holds_windows = [&](std::int64_t n) {
+      const std::int64_t train_bytes = n * 9 / 10;
+      return n - train_bytes - 1 >= cfg.context && train_bytes - 1 >= cfg.context;
+    };
+    if (!holds_windows(corpus.size())) {
+      // The fewest bytes that do (about 10 x (context + 1)), said so that a user need not guess.
       std::string fewest;
       if (cfg.context <= std::numeric_limits<std::int64_t>::max() / 100) {
-        for (std::int64_t n = 10 * cfg.context;; ++n) {
-          if (n - n * 9 / 10 - 1 >= cfg.context && n * 9 / 10 - 1 >= cfg.context) {
-            fewest = " (it needs at least " + std::to_string(n) +
-                     ": the last tenth validates, and each part holds a "
-                     "window of context + 1 bytes)";
-            break;
-          }
-        }
+        std::int64_t n = 10 * cfg.context;
+        while (!holds_windows(n)) ++n;
+        fewest = " (it needs at least " + std::to_string(n) +
+                 ": the last tenth validates, and each part holds a window of context + 1 bytes)";
       }
       throw IOError(cfg.text + ": " + std::to_string(corpus.size()) + " bytes are too few for context " +
                     std::to_string(cfg.context) + fewest);
     }
+    const std::int64_t train_end = corpus.size() * 9 / 10;
     train.emplace(corpus, 0, train_end, cfg.context);
     validation.emplace(corpus, train_end, corpus.size(), cfg.context);
     check_model_size(cfg, comm.world_size());

@@ -282,6 +282,21 @@ void remove_temporaries(const fs::path& dir, bool pointer, Upkeep& upkeep) {
   if (ec) upkeep.skip(dir, ec);
 }
 
+// The first directory from `from` upward that is a checkpoint step of ruda's naming, with its
+// index or beside a latest pointer ("" when none): what lies inside it goes when the step is
+// pruned. Above a path only such a step counts: no reader looks upward, so a project's own
+// index.json higher up (a web root, a data set's manifest) marks nothing.
+fs::path enclosing_step(fs::path from) {
+  for (fs::path up = std::move(from); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
+    std::error_code probing;
+    if (!is_step_name(up.filename().string()) || !fs::is_directory(up, probing)) continue;
+    if (fs::exists(fs::symlink_status(up / "index.json", probing)) ||
+        fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
+      return up;
+  }
+  return {};
+}
+
 void remove_unlisted_rank_files(const fs::path& step_dir, const std::vector<std::string>& listed, Upkeep* upkeep);
 
 // Whether `step_dir`'s rank files are other than one file per rank of one world: a rank's file
@@ -419,18 +434,9 @@ std::string checkpoint_member(const std::string& path) {
   if (!parent.empty() && fs::exists(fs::symlink_status(parent / "index.json", ec))) {
     return "lies inside " + parent.string() + ", a checkpoint step (it holds an index.json)";
   }
-  // Deeper inside a step (step-4/export/model.safetensors): pruning step 4 removed it with the
-  // step. Above the parent only a step of ruda's naming counts, with its index or beside a latest
-  // pointer, as for a checkpoint directory (checkpoint_dir_conflict).
-  if (!parent.empty()) {
-    for (fs::path up = parent.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
-      std::error_code probing;
-      if (!is_step_name(up.filename().string()) || !fs::is_directory(up, probing)) continue;
-      if (fs::exists(fs::symlink_status(up / "index.json", probing)) ||
-          fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
-        return "lies inside the step directory " + up.string() + " of a checkpoint";
-    }
-  }
+  // Deeper inside a step (step-4/export/model.safetensors): pruning step 4 removed it with the step.
+  if (const fs::path step = enclosing_step(parent.parent_path()); !step.empty())
+    return "lies inside the step directory " + step.string() + " of a checkpoint";
   // The latest pointer, or a file named like a step, of a directory that holds steps: the next
   // save of that step found a file where its directory goes and failed, after the training.
   const bool pointer = p.filename() == "latest", step_named = is_step_name(p.filename().string());
@@ -449,9 +455,8 @@ std::string checkpoint_member(const std::string& path) {
 // Where a checkpoint directory `dir` is a checkpoint step itself or lies inside one (at any depth),
 // what the error says; "" otherwise. Readers take a directory holding an index.json for a step, so
 // a checkpoint saved there was hidden (--resume-latest resumed the outer step), and a step's own
-// directory prunes it (pruning, or the leftovers of a step without an index). Above `dir` only a
-// step of ruda's naming counts, with its index or beside a latest pointer: no reader looks upward,
-// so a project's own index.json higher up (a web root, a data set's manifest) hides nothing.
+// directory prunes it (pruning, or the leftovers of a step without an index). Above `dir`, a step
+// as enclosing_step finds it.
 std::string checkpoint_dir_conflict(const std::string& dir) {
   std::error_code ec;
   const fs::path canonical = fs::weakly_canonical(fs::path(dir), ec);
@@ -460,13 +465,8 @@ std::string checkpoint_dir_conflict(const std::string& dir) {
     return "holds an index.json, so readers take it for a checkpoint step: save into another directory (a "
            "checkpoint's steps go in the directory that holds them)";
   }
-  for (fs::path up = p.parent_path(); !up.empty() && up != up.parent_path(); up = up.parent_path()) {
-    std::error_code probing;
-    if (!is_step_name(up.filename().string()) || !fs::is_directory(up, probing)) continue;
-    if (fs::exists(fs::symlink_status(up / "index.json", probing)) ||
-        fs::exists(fs::symlink_status(up.parent_path() / "latest", probing)))
-      return "lies inside the step directory " + up.string() + " of a checkpoint";
-  }
+  if (const fs::path step = enclosing_step(p.parent_path()); !step.empty())
+    return "lies inside the step directory " + step.string() + " of a checkpoint";
   return {};
 }
 
