@@ -156,7 +156,8 @@ void EigenBackend::adam_update(const AdamDesc& d) {
         // file is compiled without fp-contract, so only these fmas are fused): grad.add(param,
         // alpha=wd) and exp_avg.mul_(b1).add_(grad, alpha=1-b1) are fmas in its vectorized add,
         // exp_avg_sq.mul_(b2).addcmul_(grad, grad, value=1-b2) one over (value * grad) * grad,
-        // denom = sqrt(v) / sqrt(bc2) + eps, and addcdiv_ p - (step_size * m) / denom.
+        // denom = sqrt(v) / sqrt(bc2) + eps, and addcdiv_ p - (step_size * m) / denom. (PyTorch 2
+        // lerps the first moment instead, fma(1-b1, g-m, m): 1 ulp apart on some elements; README.)
         if (l2) gi = std::fma(pi, wd, gi);
         pi *= decay;
         const C mi = std::fma(gi, one_minus_b1, Num<T>::load(m[i]) * b1);
