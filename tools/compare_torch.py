@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """Times one training step of ruda's models in PyTorch 2.x and prints them beside ruda's figures
 (JSON lines of `ruda-bench --suite models --json`, given as the first argument) with the ratios
-ruda / PyTorch (time: below 1 is ruda faster). Run through tools/compare-torch, which sets the
+ruda / PyTorch (time: below 1 is ruda faster). With --attention, the figures are those of
+`ruda-bench --suite attention --json`, and PyTorch's scaled_dot_product_attention is timed beside
+them. Run through tools/compare-torch, which sets the
 threads before import. The sharded peer (FSDP2) is tools/compare_torch_fsdp.py; it imports the
 models from here.
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -183,13 +186,91 @@ def load_figures(path, configs):
     return ruda, fractions
 
 
+ATTENTION_ROW = re.compile(r"(f32|bf16) causal fwd\+bwd B=1 H=12 D=64 T=(\d+)")
+
+
+def load_attention_figures(path):
+    """ruda's attention time rows from ruda-bench --suite attention --json: {(dtype, T): [(backend,
+    fused ms, composed ms)]}. Exits with a message when the file cannot be read, holds a line that is
+    not a figure, or holds no such row."""
+    rows = {}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        sys.exit(f"compare_torch.py: {path}: {e.strerror}")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            match = ATTENTION_ROW.fullmatch(r["name"]) if r["suite"] == "attention" and r["unit"] == "ms" else None
+            if match:
+                rows.setdefault((match[1], int(match[2])), []).append(
+                    (r["backend"], float(r["median"]), float(r["peer_median"])))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            sys.exit(f"compare_torch.py: {path}:{number}: not a ruda-bench --json figure ({type(e).__name__}: {e})")
+    if not rows:
+        sys.exit(f"compare_torch.py: {path} holds no ruda attention time row ('<dtype> causal fwd+bwd B=1 H=12 D=64"
+                 " T=<T>'): is it the output of ruda-bench --suite attention --json?")
+    return rows
+
+
+def sdpa_ms(dtype, t, backend):
+    """PyTorch's causal scaled_dot_product_attention, forward + backward into q, k and v, on the given
+    SDPA kernel, at ruda-bench's shape and repeats (fewer at T = 2048, as ruda-bench)."""
+    from torch.nn.attention import sdpa_kernel
+    torch.manual_seed(0)
+    kind = torch.bfloat16 if dtype == "bf16" else torch.float32
+    q, k, v = (torch.randn(1, 12, t, 64, dtype=kind, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 12, t, 64, dtype=kind)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        with sdpa_kernel(backend):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+    return median_ms(step, warmup=2, runs=5 if t >= 2048 else 10)
+
+
+def attention_main(path):
+    ruda = load_attention_figures(path)
+    from torch.nn.attention import SDPBackend
+    load_start = os.getloadavg()[0]
+    print(f"PyTorch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads;"
+          " causal attention forward + backward into q, k, v, B 1, H 12, D 64; ruda figures from ruda-bench --suite"
+          " attention; medians in ms; ratio = ruda / PyTorch (time)")
+    print(f"{'attention':<16} {'backend':<7} {'ruda fused':>10} {'ruda composed':>13} | {'torch flash':>11} {'fused/flash':>11}"
+          f" | {'torch math':>10} {'composed/math':>13}")
+    for (dtype, t), figures in sorted(ruda.items(), key=lambda item: (item[0][0] != "f32", item[0][1])):
+        flash = sdpa_ms(dtype, t, SDPBackend.FLASH_ATTENTION)
+        math = sdpa_ms(dtype, t, SDPBackend.MATH)
+        for backend, fused, composed in figures:
+            print(f"{dtype + ' T=' + str(t):<16} {backend:<7} {fused:10.2f} {composed:13.2f} | {flash:11.2f}"
+                  f" {fused / flash:11.3f} | {math:10.2f} {composed / math:13.3f}")
+            sys.stdout.flush()
+    print("notes:")
+    print("  torch flash: F.scaled_dot_product_attention(is_causal=True) held to SDPBackend.FLASH_ATTENTION, PyTorch's"
+          " CPU flash-attention kernel (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp), what it chooses for these"
+          " inputs; torch math: held to SDPBackend.MATH, its composed ops (scores, mask, softmax, product), the"
+          " counterpart of ruda's composed row. bf16: the tensors are bf16 (no autocast), as ruda's rows.")
+    print(f"  load average (1 min) of this machine: {load_start:.1f} at the start of PyTorch's part,"
+          f" {os.getloadavg()[0]:.1f} at the end, on {os.cpu_count()} cores (others' work shifts the ratios)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("figures")
     parser.add_argument("--no-compile", action="store_true", help="eager PyTorch only")
     parser.add_argument("--only", action="append", choices=[c[0] for c in CONFIGS],
                         help="only these models (mlp, gpt, gpt2-small)")
+    parser.add_argument("--attention", action="store_true",
+                        help="the figures are ruda-bench --suite attention's: compare the attention with SDPA")
     args = parser.parse_args()
+    if args.attention:
+        if args.no_compile or args.only:
+            parser.error("--attention takes no --no-compile or --only")
+        attention_main(args.figures)
+        return
     configs = [c for c in CONFIGS if not args.only or c[0] in args.only]
     ruda, fractions = load_figures(args.figures, configs)
     load_start = os.getloadavg()[0]

@@ -368,6 +368,10 @@ done >"$metrics"'
     # The dense comparison on a figures file without ruda's rows is an error, not a table of '-'.
     refused "$root/tools/compare-torch" --no-compile
     expect "holds no ruda figure for: mlp step, f32"
+    refused "$root/tools/compare-torch" --attention
+    expect "holds no ruda attention time row"
+    refused "$root/tools/compare-torch" --attention --sharded
+    expect "compare-torch: --attention takes --backend only"
     ;;
   *)
     echo "test_scripts.sh: unknown case $case_name" >&2
