@@ -3,6 +3,9 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 #include <ruda/mpi.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include "nn/sharded_fixture.h"
 
@@ -57,6 +60,39 @@ TEST_CASE("Recompute over MPI with the order check on") {
   const auto [score, where] = test::compare(sharded, dense, 1e-6, 1e-5);
   CHECK_MESSAGE(score <= 1.0, "rank " << g_comm->rank() << ": worst at " << where);
   g_comm->set_order_check(false);
+}
+
+TEST_CASE("a checkpoint directory that is not one directory for every rank is refused on every rank") {
+  // One relative path, each rank in a working directory of its own: the ranks name the same
+  // directory, as ranks on machines with node-local disks would, but rank 0 cannot see the others'
+  // files. The save must fail on every rank and publish nothing (no index, no `latest`), where it
+  // published a step holding rank 0's file alone.
+  const int rank = g_comm->rank();
+  // A base directory named by rank 0's process id, which every rank learns from one all-reduce.
+  const double id = g_comm->all_reduce(scalar(rank == 0 ? static_cast<double>(::getpid()) : 0.0, DType::f64),
+                                       Reduction::sum).item();
+  const std::filesystem::path base =
+      std::filesystem::temp_directory_path() / ("ruda-node-local-" + std::to_string(static_cast<long long>(id)));
+  const std::filesystem::path own = base / ("rank-" + std::to_string(rank));
+  std::filesystem::create_directories(own);
+  const std::filesystem::path start = std::filesystem::current_path();
+  std::filesystem::current_path(own);
+  auto model = std::make_shared<test::TinyLM>();
+  nn::fully_shard(*model, *g_comm);
+  std::string error;
+  try {
+    nn::save_checkpoint("ckpt", 1, *model, nullptr, *g_comm);
+  } catch (const IOError& e) {
+    error = e.what();
+  }
+  std::filesystem::current_path(start);
+  CHECK_MESSAGE(error.find("does not see it there") != std::string::npos, "rank " << rank << ": " << error);
+  CHECK_MESSAGE(error.find("rank 1 wrote") != std::string::npos, "rank " << rank << ": " << error);
+  CHECK_FALSE(std::filesystem::exists(own / "ckpt" / "latest"));
+  CHECK_FALSE(std::filesystem::exists(own / "ckpt" / "step-00000001" / "index.json"));
+  // Every rank has looked before any removes the base.
+  g_comm->all_reduce(scalar(0.0, DType::f64), Reduction::sum);
+  if (rank == 0) std::filesystem::remove_all(base);
 }
 
 int main(int argc, char** argv) {
