@@ -155,6 +155,20 @@ TEST_CASE("layers refuse integer and bool inputs, and undefined ones by their ow
                              {"Linear", "floating-point input", std::string(dtype_name(dtype))});
     check_throws<DTypeError>([&] { (void)linear.forward_gelu(x); }, {"Linear", "floating-point input"});
   }
+  // The seed-style sharded layers check as the dense ones, before their gathers (FullyShardedLinear
+  // computed on i64 token ids cast to f32; an undefined input was named "dtype").
+  LocalCommunicator comm;
+  const auto sharded = nn::FullyShardedLinear::from_full(linear, 0, 1);
+  for (DType dtype : {DType::i64, DType::boolean}) {
+    check_throws<DTypeError>(
+        [&] {
+          (void)sharded->forward(zeros({1, 4}, Options(dtype)), comm);
+        },
+        {"FullyShardedLinear", "floating-point input", std::string(dtype_name(dtype))});
+  }
+  check_throws<ArgumentError>([&] { (void)sharded->forward(Tensor(), comm); }, {"FullyShardedLinear", "undefined"});
+  const auto table = nn::FullyShardedEmbedding::from_full(nn::Embedding(5, 2), 0, 1);
+  check_throws<ArgumentError>([&] { (void)table->forward(Tensor(), comm); }, {"FullyShardedEmbedding", "undefined"});
   nn::CausalSelfAttention attention(8, 2);
   check_throws<ArgumentError>([&] { (void)attention.forward(Tensor()); }, {"CausalSelfAttention", "undefined"});
   nn::GPT gpt({.vocabulary = 11, .context = 4, .d_model = 8, .layers = 1, .heads = 2});
@@ -310,6 +324,10 @@ TEST_CASE("text: ranges and contexts whose sums would overflow are refused, befo
   CHECK(corpus.read(0, 5).size() == 5);
   check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, corpus.size(), INT64_MAX); },
                               {"TextWindows", "too few"});
+  // A batch whose token count overflows is named by the call (it read "empty: shape [...] overflows").
+  nn::TextWindows windows(corpus, 0, corpus.size(), 2);
+  check_throws<ShapeError>([&] { windows.batch(0, 0, std::int64_t{1} << 62, 0, 1); },
+                           {"TextWindows::batch", "4611686018427387904 windows"});
 }
 
 TEST_CASE("initializers and SGD refuse values that give NaN weights or an update uphill") {
@@ -401,6 +419,23 @@ TEST_CASE("memory planners: the largest fitting batch is the largest; negative o
   CHECK(nn::largest_fitting_batch(*layer, 2, 100, probe, limit) == 40);
   CHECK(nn::largest_fitting_batch(*layer, 2, INT64_MAX, probe, limit) == 40);  // its step overflows: does not fit
   CHECK(nn::largest_fitting_batch(*layer, 2, 100, probe, 1) == 0);
+  // A negative limit read as none, so everything "fit" it.
+  check_throws<ArgumentError>([&] { nn::largest_fitting_batch(*layer, 2, 100, probe, -1); },
+                              {"largest_fitting_batch", "memory limit", "-1"});
+  check_throws<ArgumentError>([&] { nn::smallest_fitting_world(*layer, 8, probe, -1); },
+                              {"smallest_fitting_world", "memory limit", "-1"});
+  check_throws<ArgumentError>([&] { (void)nn::plan_memory(*layer, 2, 8, probe).table(-5); },
+                              {"MemoryPlan::table", "-5"});
+  {
+    LocalCommunicator comm;
+    const auto step = [&](std::int64_t samples) { return sum(layer->forward(ones({samples, 4}))); };
+    check_throws<ArgumentError>([&] { nn::plan_memory(*layer, comm, 2, step, -1); }, {"plan_memory", "-1"});
+    check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, comm, 2, step, -1, {}); }, {"fit_schedule", "-1"});
+    nn::FitOptions none;
+    none.max_micro_batches = 0;
+    check_throws<ArgumentError>([&] { nn::fit_schedule(*layer, comm, 2, step, 0, {}, none); },
+                                {"fit_schedule", "max_micro_batches", "0"});
+  }
   check_throws<ArgumentError>([&] { nn::plan_state(*layer, 2, 8, {.optimizer_states = -5}); },
                               {"plan_state", "optimizer_states must not be negative, got -5"});
   check_throws<ArgumentError>([&] { nn::plan_state(*layer, 2, 8, {.shard_ranks = -7}); },
@@ -463,6 +498,8 @@ TEST_CASE("an undefined or invalid argument is named by the call it was given to
   check_throws<ArgumentError>([&] { linear.forward(none); }, {"Linear", "input tensor is undefined"});
   check_throws<ArgumentError>([&] { nn::Dropout(0.5).forward(none); }, {"Dropout", "undefined"});
   check_throws<ArgumentError>([&] { nn::checkpoint(linear, none); }, {"checkpoint", "undefined"});
+  LocalCommunicator comm;  // (an undefined Param was "not sharded")
+  check_throws<ArgumentError>([&] { nn::gather_param(nn::Param(), comm); }, {"gather", "undefined"});
   check_throws<ArgumentError>([&] { nn::take_rows(none, from_vector<std::int64_t>({0}, {1})); },
                               {"take_rows", "data tensor is undefined"});
   check_throws<IndexError>(

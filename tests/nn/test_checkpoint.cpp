@@ -1396,6 +1396,19 @@ TEST_CASE("safetensors: BOOL bytes other than 0 and 1 are refused by every read,
       [&] { long_file.read_range_chunked("b", 5, static_cast<std::int64_t>(n - 5), [](const char*, std::size_t) {}); },
       {"0x07", at});
   test::check_throws<IOError>([&] { long_file.read("b"); }, {"0x07", at});
+
+  // The Writer refuses such bytes too (it committed a file its own Reader refused), naming the
+  // tensor and its element across pieces and across tensors placed out of order.
+  const fs::path written = dir.path / "w.safetensors";
+  {
+    safetensors::Writer w(written.string(), {{"x", DType::f32, {1}}, {"flags", DType::boolean, {3}}});
+    const float one = 1;
+    w.write(&one, sizeof one);
+    w.write("\1\0", 2);
+    test::check_throws<ArgumentError>([&] { w.write("\2", 1); }, {"w.safetensors", "'flags'", "0x02", "element 2"});
+  }
+  CHECK_FALSE(fs::exists(written));
+  test::check_throws<DTypeError>([] { safetensors::format_dtype(static_cast<DType>(33)); }, {"format_dtype", "33"});
 }
 
 TEST_CASE("safetensors: a range read checks its range against the tensor before allocating") {

@@ -69,8 +69,8 @@ TEST_CASE("a checkpoint directory that is not one directory for every rank is re
   // published a step holding rank 0's file alone.
   const int rank = g_comm->rank();
   // A base directory named by rank 0's process id, which every rank learns from one all-reduce.
-  const double id = g_comm->all_reduce(scalar(rank == 0 ? static_cast<double>(::getpid()) : 0.0, DType::f64),
-                                       Reduction::sum).item();
+  const double id =
+      g_comm->all_reduce(scalar(rank == 0 ? static_cast<double>(::getpid()) : 0.0, DType::f64), Reduction::sum).item();
   const std::filesystem::path base =
       std::filesystem::temp_directory_path() / ("ruda-node-local-" + std::to_string(static_cast<long long>(id)));
   const std::filesystem::path own = base / ("rank-" + std::to_string(rank));

@@ -141,7 +141,7 @@ const char* format_dtype(DType dtype) {
     case DType::boolean:
       return "BOOL";
   }
-  return "?";
+  fail<DTypeError>("safetensors::format_dtype", "not a valid dtype: ", static_cast<int>(dtype));
 }
 
 void parse_header(const std::string& header, std::uint64_t file_size, std::vector<TensorInfo>& tensors,
@@ -480,9 +480,11 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
     return dtype_size(tensors[a].dtype) > dtype_size(tensors[b].dtype);
   });
   places_.resize(tensors.size());
+  bool_names_.resize(tensors.size());
   std::uint64_t at = 0;
   for (const std::size_t i : order) {
-    places_[i] = {at, sizes[i]};
+    places_[i] = {at, sizes[i], i, tensors[i].dtype == DType::boolean};
+    if (tensors[i].dtype == DType::boolean) bool_names_[i] = tensors[i].name;
     header[tensors[i].name]["data_offsets"] = {at, at + sizes[i]};
     at += sizes[i];
   }
@@ -527,6 +529,18 @@ void Writer::write(const void* data, std::size_t size) {
     }
     const Place& place = places_[current_];
     const std::uint64_t n = std::min<std::uint64_t>(size, place.bytes - within_);
+    if (place.boolean) {
+      // A BOOL byte other than 0 or 1 made a file its readers refuse (this Reader included).
+      const auto* b = reinterpret_cast<const unsigned char*>(p);
+      const auto* bad = std::find_if(b, b + n, [](unsigned char x) { return x > 1; });
+      if (bad != b + n) {
+        char hex[8];
+        std::snprintf(hex, sizeof hex, "0x%02x", *bad);
+        io_fail<ArgumentError>(
+            path_, "write: BOOL tensor '" + bool_names_[place.tensor] + "' got the byte " + hex + " at element " +
+                       std::to_string(within_ + static_cast<std::uint64_t>(bad - b)) + ", not 0 or 1");
+      }
+    }
     const std::uint64_t target = data_start_ + place.offset + within_;
     if (target != position_) file_->seek(target);  // only where placement reordered the tensors
     file_->write(p, static_cast<std::size_t>(n));

@@ -8,25 +8,15 @@
 #include <ruda/nn/recompute.h>
 
 #include "io/files.h"
+#include "model/layer_inputs.h"
 
 namespace ruda::nn {
 
 namespace {
+using layer_inputs::require_float_input;
+using layer_inputs::require_input;
 // Layers compute in the dtype of their (possibly gathered, possibly bf16) weights.
 Tensor as_dtype(const Tensor& x, DType dtype) { return x.dtype() == dtype ? x : cast(x, dtype); }
-// An undefined input named by the layer (it read "dtype: called on an undefined tensor").
-void require_input(const char* layer, const Tensor& x) {
-  if (!x.defined()) fail<ArgumentError>(layer, "the input tensor is undefined");
-}
-// A layer that computes in floating point takes a floating input: an integer or bool one was cast
-// to the weights' dtype without a word (PyTorch refuses it; LayerNorm here did already).
-void require_float_input(const char* layer, const Tensor& x) {
-  require_input(layer, x);
-  if (!is_floating(x.dtype())) {
-    fail<DTypeError>(layer, "needs a floating-point input, got ", dtype_name(x.dtype()), " ", x.shape(),
-                     " (cast it first)");
-  }
-}
 }  // namespace
 
 Linear::Linear(std::int64_t in_features, std::int64_t out_features, LinearOptions options)

@@ -89,6 +89,11 @@ std::pair<Tensor, Tensor> TextWindows::batch(std::uint64_t seed, std::int64_t st
   }
   first -= global_batch;
   const std::int64_t local = global_batch / world_size, t = context_;
+  std::int64_t tokens = 0;
+  if (__builtin_mul_overflow(local, t + 1, &tokens)) {
+    throw ShapeError("TextWindows::batch: a local batch of " + std::to_string(local) + " windows of " +
+                     std::to_string(t) + " bytes has more tokens than int64 counts");
+  }
   // The batch's tokens as tensors from the start: sized and counted by the tensor allocator (a
   // typed error, under any memory limit, for a batch too large), not a std::vector's bad_alloc.
   Tensor x = empty({local, t}, DType::i64), y = empty({local, t}, DType::i64);

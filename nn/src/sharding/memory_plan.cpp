@@ -19,6 +19,11 @@ void require_world_and_batch(const char* op, std::int64_t world_size, std::int64
   if (global_batch <= 0) fail<ArgumentError>(op, "the global batch must be positive, got ", global_batch);
 }
 
+// A memory limit in bytes per rank, 0 for none: a negative one read as none too, and so "fit".
+void require_limit(const char* op, std::int64_t limit) {
+  if (limit < 0) fail<ArgumentError>(op, "the memory limit must be bytes per rank (0: none), got ", limit);
+}
+
 // a * b bytes of parameter `name`; a ShapeError where the count overflows int64 (a model built
 // under DeferredInit may have parameters whose bytes no machine holds, but plans still compare).
 std::int64_t bytes_of(const std::string& name, std::int64_t a, std::int64_t b) {
@@ -153,6 +158,7 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
                        const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options) {
   if (!step) fail<ArgumentError>("plan_memory", "the step function is empty");
+  require_limit("plan_memory", limit);
   const int world = comm.world_size();
   // Accumulating steps are measured as two micro-batches: the second sees the first's gradients,
   // as every later one does.
@@ -248,6 +254,11 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
   FittedSchedule fit;
   if (!step) fail<ArgumentError>("fit_schedule", "the step function is empty");
   require_world_and_batch("fit_schedule", comm.world_size(), global_batch);
+  require_limit("fit_schedule", limit);
+  if (options.max_micro_batches < 1) {
+    fail<ArgumentError>("fit_schedule", "FitOptions::max_micro_batches must be at least 1, got ",
+                        options.max_micro_batches);
+  }
   // Whether m micro-batches on every rank divide the global batch (a product that overflows does not).
   auto divides = [&](std::int64_t m) {
     std::int64_t per_step = 0;
@@ -292,6 +303,7 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
 std::int64_t largest_fitting_batch(const Module& module, int world_size, std::int64_t global_batch,
                                    const StepProbe& probe, std::int64_t limit, const PlanOptions& options) {
   require_world_and_batch("largest_fitting_batch", world_size, global_batch);
+  require_limit("largest_fitting_batch", limit);
   // Candidates are k * world_size for k in [1, largest]: below global_batch, divisible by the world.
   const std::int64_t largest = (global_batch - 1) / world_size;
   auto fits = [&](std::int64_t k) {
@@ -315,6 +327,7 @@ int smallest_fitting_world(const Module& module, std::int64_t global_batch, cons
     fail<ArgumentError>("smallest_fitting_world", "max_world (the largest world size to try) must be positive, got ",
                         max_world);
   require_world_and_batch("smallest_fitting_world", max_world, global_batch);
+  require_limit("smallest_fitting_world", limit);
   PlanOptions full = options;  // the answer is a fully sharded world
   full.shard_ranks = 0;
   // No world larger than the batch divides it (and counting to INT_MAX overflowed `world`).
@@ -330,6 +343,7 @@ int smallest_fitting_world(const Module& module, std::int64_t global_batch, cons
 }
 
 std::string MemoryPlan::table(std::int64_t limit) const {
+  require_limit("MemoryPlan::table", limit);
   std::string out;
   auto row = [&](const char* what, std::int64_t bytes, const std::string& note) {
     char buf[160];

@@ -8,6 +8,7 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/sharded.h>
 
+#include "model/layer_inputs.h"
 #include "model/param_state.h"
 #include "sharding/gather_scope.h"
 #include "sharding/param_value.h"
@@ -248,7 +249,8 @@ static void check_compute_dtype(DType dtype, const char* op) {
 Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType> compute_dtype) {
   const char* op = "gather";
   if (compute_dtype) check_compute_dtype(*compute_dtype, op);
-  if (!param.defined() || !param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
+  if (!param.defined()) fail<ArgumentError>(op, "the parameter is undefined (a default-constructed Param)");
+  if (!param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
   if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
     fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but ", info.describe(),
@@ -290,8 +292,7 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
 Tensor ShardedParameter::gather(Communicator& comm) const { return gather_param(param_, comm, param_.data().dtype()); }
 
 Tensor ShardedParameter::gather_with_compute_dtype(Communicator& comm, DType dtype) const {
-  if (!is_floating(dtype))
-    fail<DTypeError>("gather_with_compute_dtype", "compute dtype must be floating, got ", dtype_name(dtype));
+  check_compute_dtype(dtype, "gather_with_compute_dtype");
   return gather_param(param_, comm, dtype);
 }
 
@@ -527,6 +528,7 @@ std::shared_ptr<FullyShardedLinear> FullyShardedLinear::from_full(const Linear& 
 }
 
 Tensor FullyShardedLinear::forward(const Tensor& x, Communicator& comm) const {
+  layer_inputs::require_float_input("FullyShardedLinear", x);  // as Linear's, before any gather
   const Tensor w = gather_param(weight_, comm);
   const Tensor b = bias_.defined() ? gather_param(bias_, comm) : Tensor();
   return linear(x.dtype() == w.dtype() ? x : cast(x, w.dtype()), w, b);
@@ -542,6 +544,7 @@ std::shared_ptr<FullyShardedEmbedding> FullyShardedEmbedding::from_full(const Em
 }
 
 Tensor FullyShardedEmbedding::forward(const Tensor& indices, Communicator& comm) const {
+  layer_inputs::require_input("FullyShardedEmbedding", indices);
   return embedding(gather_param(weight_, comm), indices);
 }
 

@@ -165,6 +165,8 @@ struct FittedSchedule {
 /// `global_batch` is the whole step's, and a schedule's plan is one micro-batch's). The first schedule whose plan fits
 /// on every rank is applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
 /// applied again and `fits` is false. Collective: every rank measures the same candidates.
+/// In every planner here `limit` is bytes per rank, 0 for none; a negative one is an ArgumentError,
+/// as is FitOptions::max_micro_batches below 1.
 FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64_t global_batch,
                             const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                             const MemorySchedule& configured, const FitOptions& options = {});

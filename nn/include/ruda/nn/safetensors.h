@@ -16,7 +16,8 @@
 
 namespace ruda::safetensors {
 
-/// The format's dtype names: F32, F64, F16, BF16, I64, BOOL.
+/// The format's dtype names: F32, F64, F16, BF16, I64, BOOL; DTypeError for a value that is no
+/// DType.
 const char* format_dtype(DType dtype);
 
 /// The most file bytes a chunked read holds at once (Reader::read_range_chunked): converting a
@@ -111,7 +112,8 @@ class AtomicFile;
 /// The constructor refuses what no reader would accept, naming the tensor: a dtype that is no
 /// DType (DTypeError), a negative extent, more than kMaxDims dimensions or a size whose bytes
 /// overflow (ShapeError), a header over the readers' limit or not UTF-8, a repeated tensor name or
-/// the reserved name __metadata__ (ArgumentError).
+/// the reserved name __metadata__ (ArgumentError). write() refuses a BOOL tensor's byte other than
+/// 0 or 1 (ArgumentError naming the tensor and element), which every reader refuses.
 class Writer {
  public:
   Writer(const std::string& path, const std::vector<TensorHeader>& tensors,
@@ -129,7 +131,10 @@ class Writer {
  private:
   struct Place {
     std::uint64_t offset = 0, bytes = 0;  // in the data
+    std::size_t tensor = 0;               // its index in the order given
+    bool boolean = false;                 // a BOOL tensor, whose bytes write() checks
   };
+  std::vector<std::string> bool_names_;  // each BOOL tensor's name (by index in the order given)
   std::string path_;
   std::unique_ptr<detail::AtomicFile> file_;
   std::vector<Place> places_;  // of each tensor, in the order given
