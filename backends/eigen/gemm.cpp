@@ -19,13 +19,20 @@ using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMaj
 template <class T>
 using StridedMap = Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>>;
 
-// One product C = alpha * op(A) op(B) + beta * C (+ bias), all row-major with row strides.
+// Rows [r0, r0 + rows) and columns [c0, c0 + cols) of one product C = alpha * op(A) op(B) +
+// beta * C (+ bias), all row-major with row strides.
 template <class T>
-void gemm_one(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
-  const Eigen::Index m = d.m, n = d.n;
-  StridedMap<T> A(a, d.rows_a(), d.cols_a(), Eigen::OuterStride<>(d.ld_a()));
-  StridedMap<T> B(b, d.rows_b(), d.cols_b(), Eigen::OuterStride<>(d.ld_b()));
-  Eigen::Map<RowMatrix<T>, 0, Eigen::OuterStride<>> C(c, m, n, Eigen::OuterStride<>(d.ld_c()));
+void gemm_block(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias, Eigen::Index r0, Eigen::Index rows,
+                Eigen::Index c0, Eigen::Index cols) {
+  const Eigen::Index k = d.k;
+  // op(A)'s rows r0.. are stored rows of A, or its columns when A is transposed; op(B)'s columns
+  // c0.. likewise.
+  StridedMap<T> A(d.trans_a ? a + r0 : a + r0 * d.ld_a(), d.trans_a ? k : rows, d.trans_a ? rows : k,
+                  Eigen::OuterStride<>(d.ld_a()));
+  StridedMap<T> B(d.trans_b ? b + c0 * d.ld_b() : b + c0, d.trans_b ? cols : k, d.trans_b ? k : cols,
+                  Eigen::OuterStride<>(d.ld_b()));
+  Eigen::Map<RowMatrix<T>, 0, Eigen::OuterStride<>> C(c + r0 * d.ld_c() + c0, rows, cols,
+                                                      Eigen::OuterStride<>(d.ld_c()));
   const T alpha(d.alpha), beta(d.beta);
   auto product = [&](auto&& lhs, auto&& rhs) {
     if (beta == T(0)) {
@@ -35,22 +42,50 @@ void gemm_one(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
       C.noalias() += alpha * (lhs * rhs);
     }
   };
-  if (d.trans_a && d.trans_b) {
-    product(A.transpose(), B.transpose());
-  } else if (d.trans_a) {
-    product(A.transpose(), B);
-  } else if (d.trans_b) {
-    product(A, B.transpose());
-  } else {
-    product(A, B);
+  try {
+    if (d.trans_a && d.trans_b) {
+      product(A.transpose(), B.transpose());
+    } else if (d.trans_a) {
+      product(A.transpose(), B);
+    } else if (d.trans_b) {
+      product(A, B.transpose());
+    } else {
+      product(A, B);
+    }
+  } catch (const std::bad_alloc&) {
+    throw library_memory_refused("gemm");  // Eigen's packing buffers
   }
-  if (bias) C.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias, n);
+  if (bias) C.rowwise() += Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(bias + c0, cols);
+}
+
+// One product. Eigen's own parallel GEMM allocates each thread's packing buffer inside its OpenMP
+// region, where a refused allocation (an address-space limit: ulimit -v, a batch system's h_vmem)
+// is a std::bad_alloc no handler can catch: std::terminate ended the process. A product Eigen
+// would parallelize (2 x 50000 multiply-adds or more, its rule) is split here instead, into
+// panels of C's rows (or columns, when it has more) on ruda's threads, whose parallel_for
+// rethrows on the caller; inside that region Eigen stays single-threaded. (Eigen's threads are
+// ruda's: set_num_threads sets OpenMP's count.) Each panel packs its own copy of the other
+// operand, a k x n pass beside the panel's m/threads x n x k product.
+template <class T>
+void gemm_one(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
+  const Eigen::Index m = d.m, n = d.n;
+  const double work = static_cast<double>(d.m) * static_cast<double>(d.n) * static_cast<double>(d.k);
+  const bool parallel = work >= 2 * 50000.0 && num_threads() > 1 && !in_parallel_region();
+  if (!parallel) {
+    gemm_block<T>(d, a, b, c, bias, 0, m, 0, n);
+  } else if (m >= n) {
+    parallel_for(
+        m, 8, [&](std::int64_t begin, std::int64_t end) { gemm_block<T>(d, a, b, c, bias, begin, end - begin, 0, n); });
+  } else {
+    parallel_for(
+        n, 8, [&](std::int64_t begin, std::int64_t end) { gemm_block<T>(d, a, b, c, bias, 0, m, begin, end - begin); });
+  }
 }
 
 template <class T>
 void gemm_batched(const GemmDesc& d, const T* a, const T* b, T* c, const T* bias) {
   // Many small products: one per thread (Eigen then stays single-threaded inside each). Few or
-  // large ones: one after another, each parallelized by Eigen.
+  // large ones: one after another, each split over the threads by gemm_one.
   const bool small = d.m * d.n * d.k < (std::int64_t{1} << 21);
   if (d.batch > 1 && small) {
     parallel_for(d.batch, 1, [&](std::int64_t begin, std::int64_t end) {

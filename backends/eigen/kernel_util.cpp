@@ -15,4 +15,11 @@ void scratch_refused(std::size_t bytes) {
                          " of a kernel's working memory");
 }
 
+OutOfMemoryError library_memory_refused(const char* op) {
+  return OutOfMemoryError(std::string(op) +
+                          ": out of memory: the system refused memory a library kernel allocates itself (Eigen's "
+                          "GEMM packing buffers, a std::bad_alloc): under an address-space limit (ulimit -v) "
+                          "leave more room, or train smaller");
+}
+
 }  // namespace ruda::kernels

@@ -64,11 +64,25 @@ decltype(auto) dispatch_all(DType dtype, const char* op, F&& f) {
 
 // --- threads ---
 
+/// Whether the calling thread is inside an OpenMP region of more than one thread (where a nested
+/// region gets one thread: libraries such as Eigen then stay single-threaded).
+inline bool in_parallel_region() {
+#ifdef RUDA_HAVE_OPENMP
+  return omp_in_parallel() != 0;
+#else
+  return false;
+#endif
+}
+
 /// Runs body(begin, end) over [0, total) split into one contiguous chunk per thread, or inline
 /// when the work is smaller than `grain` elements (small ops must not pay for a parallel region).
 /// An exception from a chunk (a scratch allocation that fails, a kernel's own check) is rethrown
 /// on the calling thread after the region: none may leave an OpenMP region, where it would end
 /// the process in std::terminate. The first one thrown wins; the other chunks run to their end.
+/// An OutOfMemoryError for a std::bad_alloc from inside a library's code (Eigen's GEMM buffers),
+/// which no ruda::Error handler (nor auto-fit) would see; `op` names the kernel.
+OutOfMemoryError library_memory_refused(const char* op);
+
 template <class Body>
 void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&& body) {
   if (total <= 0) return;
@@ -82,6 +96,9 @@ void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&
       const std::int64_t begin = total * t / n, end = total * (t + 1) / n;
       try {
         if (begin < end) body(begin, end);
+      } catch (const std::bad_alloc&) {
+#pragma omp critical(ruda_parallel_for_error)
+        if (!error) error = std::make_exception_ptr(library_memory_refused("parallel kernel"));
       } catch (...) {
 #pragma omp critical(ruda_parallel_for_error)
         if (!error) error = std::current_exception();
@@ -91,7 +108,11 @@ void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&
     return;
   }
 #endif
-  body(std::int64_t{0}, total);
+  try {
+    body(std::int64_t{0}, total);
+  } catch (const std::bad_alloc&) {
+    throw library_memory_refused("kernel");
+  }
 }
 
 /// Throws OutOfMemoryError for `bytes` of a kernel's working memory that the system refused: the

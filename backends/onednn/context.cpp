@@ -2,6 +2,8 @@
 // control, the fallback log and the introspection functions of onednn.h.
 #include "context.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -146,7 +148,30 @@ std::shared_ptr<Primitive> refuse(std::string reason) {
   return p;
 }
 
+// oneDNN 2.6 does not check the allocation of the buffer it generates a primitive's code into:
+// where the system refuses it (an address-space limit, ulimit -v or a batch system's h_vmem, near
+// its end) the creation crashed inside libdnnl (SIGSEGV) instead of failing. Before creating one,
+// the system must grant this much more address space (reserved, never touched, and given back);
+// otherwise an OutOfMemoryError says why. A primitive's code and its creation's own buffers take
+// far less: the guard costs one mmap/munmap per primitive created, and primitives are cached.
+constexpr std::size_t kJitHeadroom = std::size_t{16} << 20;
+
+static void require_jit_headroom() {
+  void* p = ::mmap(nullptr, kJitHeadroom, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) primitive_memory_refused();
+  ::munmap(p, kJitHeadroom);
+}
+
+void primitive_memory_refused() {
+  fail<OutOfMemoryError>("onednn",
+                         "creating a primitive: out of memory: the system refused memory oneDNN "
+                         "allocates itself");
+}
+
 std::shared_ptr<Primitive> refusal_of(const dnnl::error& e) {
+  // Out of memory is no property of the configuration: raised, never cached as a refusal (which
+  // would send every later call of this shape to the Eigen kernel).
+  if (e.status == dnnl_out_of_memory) primitive_memory_refused();
   if (e.status == dnnl_unimplemented) return refuse("oneDNN has no implementation for this configuration on this CPU");
   return refuse(std::string("oneDNN rejected the configuration: ") + e.what());
 }
@@ -157,6 +182,7 @@ std::shared_ptr<Primitive> make_primitive(const dnnl::primitive_desc& pd, const 
     return refuse("oneDNN offers only its reference kernel here (" + std::string(impl) +
                   "), slower than the Eigen kernel");
   }
+  require_jit_headroom();
   auto p = std::make_shared<Primitive>();
   p->primitive = dnnl::primitive(pd);
   for (int id : arg_ids) p->args.emplace_back(id, pd.query_md(dnnl::query::exec_arg_md, id));
@@ -202,6 +228,11 @@ void* thread_scratchpad(std::size_t bytes) {
 }
 
 void check(dnnl_status_t status, const char* what) {
+  if (status == dnnl_out_of_memory) {
+    // oneDNN's own allocations (its gemm path's packing buffers, a memory object), refused by the
+    // system: out of memory like any other refusal, which callers (auto-fit) catch as such.
+    fail<OutOfMemoryError>("onednn", what, ": out of memory: the system refused memory oneDNN allocates itself");
+  }
   if (status != dnnl_success)
     fail<BackendError>("onednn", what, " failed with oneDNN status ", static_cast<int>(status));
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -130,6 +131,8 @@ struct KeyHash {
 std::shared_ptr<const Primitive> find_cached(const Key& key);
 std::shared_ptr<const Primitive> insert_cached(const Key& key, std::shared_ptr<Primitive> p);
 std::shared_ptr<Primitive> refusal_of(const dnnl::error& e);
+/// OutOfMemoryError for a primitive whose creation the system refused memory.
+[[noreturn]] void primitive_memory_refused();
 
 /// Sets the calling thread's OpenMP team size (which oneDNN reads) for its lifetime, then restores
 /// the previous one.
@@ -155,7 +158,9 @@ std::shared_ptr<const Primitive> lookup(Key key, int threads, Make&& make) {
     try {
       built = make();
     } catch (const dnnl::error& e) {
-      built = refusal_of(e);
+      built = refusal_of(e);  // (OutOfMemoryError where oneDNN ran out of memory)
+    } catch (const std::bad_alloc&) {
+      primitive_memory_refused();
     }
   }
   built->threads = threads;
