@@ -230,6 +230,28 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
                  {"was saved with the optimizer groups decay (", "no_decay (", "this optimizer's are default ("});
 }
 
+TEST_CASE("a file-size limit: one error line naming the file and the system's reason, no temporary left") {
+  // SIGXFSZ killed ruda-train and ruda-ckpt mid-write (exit 153, no message, a temporary file
+  // left); the directory check said "cannot write a file there" without the system's reason.
+  TempDir tmp;
+  const std::string lm =
+      "lm --d-model 32 --layers 1 --heads 2 --context 16 --eval-every 0 --steps 2 "
+      "--checkpoint-every 2 --checkpoint-dir ";
+  one_error_line(run("ulimit -f 0; " + train(lm + tmp / "probe")),
+                 {"--checkpoint-dir", "cannot write a file there: File too large"});
+  // 40 KB: the directory's checks pass, the first checkpoint (~100 KB) does not fit.
+  one_error_line(run("ulimit -f 40; " + train(lm + tmp / "save")), {"rank-00000-of-00001", "File too large"});
+  const Run saved = run(train(lm + tmp / "whole"));
+  REQUIRE_MESSAGE(saved.exit_code == 0, saved.output);
+  one_error_line(run("ulimit -f 40; " + ckpt("consolidate " + tmp / "whole" + " " + tmp / "model.safetensors")),
+                 {"model.safetensors", "File too large"});
+  CHECK_FALSE(fs::exists(tmp.path / "save" / "latest"));
+  CHECK_FALSE(fs::exists(tmp.path / "model.safetensors"));
+  for (const auto& entry : fs::recursive_directory_iterator(tmp.path)) {
+    CHECK_MESSAGE(entry.path().filename().string().find(".tmp-") == std::string::npos, entry.path());
+  }
+}
+
 TEST_CASE("lm: a text too short for the context is refused naming the fewest bytes that do") {
   TempDir tmp;
   std::string text;

@@ -1,5 +1,7 @@
 // ruda-ckpt: lists, verifies, consolidates and splits ruda's sharded safetensors checkpoints.
+#include <csignal>
 #include <iostream>
+#include <new>
 #include <string>
 
 #include <ruda/nn.h>
@@ -20,6 +22,9 @@ std::string decimal(unsigned __int128 value) {
 
 int main(int argc, char** argv) {
   using namespace ruda;
+  // A file-size limit (ulimit -f) then fails a write with EFBIG, reported and cleaned up like a full
+  // disk (one error line, no temporary file left), instead of SIGXFSZ ending the process mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"ruda-ckpt: inspect and convert ruda's sharded checkpoints"};
   app.require_subcommand(1);
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -84,7 +89,10 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << info.directory << " for " << world << (world == 1 ? " rank\n" : " ranks\n");
     }
   } catch (const std::exception& e) {
-    std::cerr << ("ruda-ckpt: error: " + std::string(e.what()) + "\n") << std::flush;  // one write
+    const std::string what = dynamic_cast<const std::bad_alloc*>(&e)
+                                 ? "out of memory: the system refused an allocation (std::bad_alloc)"
+                                 : e.what();
+    std::cerr << ("ruda-ckpt: error: " + what + "\n") << std::flush;  // one write
     return 1;
   }
   return 0;

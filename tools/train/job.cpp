@@ -2,13 +2,16 @@
 // training loop with its evaluations, checkpoints and metrics, and the summary.
 #include "job.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -34,6 +37,17 @@ void print_warning(const std::string& message) {
 }
 
 namespace {
+
+// Writes `text` into a new file at `path`: empty, or the system's reason it could not (a read-only
+// file system, a full disk, no permission), which a failed std::ofstream did not keep.
+std::string write_small_file(const fs::path& path, const std::string& text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return std::strerror(errno);
+  const ssize_t written = ::write(fd, text.data(), text.size());
+  int code = written < 0 ? errno : (static_cast<std::size_t>(written) == text.size() ? 0 : ENOSPC);
+  if (::close(fd) != 0 && code == 0) code = errno;
+  return code ? std::strerror(code) : std::string();
+}
 
 // Runs a setup phase on every rank and agrees on its outcome: if it failed anywhere, the lowest
 // failing rank's message is printed once (by rank 0) and every rank leaves with a non-zero exit
@@ -92,14 +106,9 @@ void check_checkpoint_dir(const Config& cfg, int rank) {
   fs::create_directories(dir, ec);
   if (ec) throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot be created: " + ec.message());
   const fs::path probe = dir / (".ruda-train-probe-" + std::to_string(::getpid()) + "-" + std::to_string(rank));
-  {
-    std::ofstream file(probe);
-    file << "probe\n";
-    file.flush();
-    if (!file) {
-      fs::remove(probe, ec);
-      throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there");
-    }
+  if (const std::string refused = write_small_file(probe, "probe\n"); !refused.empty()) {
+    fs::remove(probe, ec);
+    throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there: " + refused);
   }
   fs::remove(probe, ec);
   if (cfg.resume.empty() && !cfg.resume_latest && nn::holds_checkpoint(cfg.checkpoint_dir)) {
@@ -134,10 +143,11 @@ void check_shared_checkpoint_dir(const Config& cfg, Communicator& comm) {
   setup_phase(comm, [&] {
     if (comm.rank() != 0) return;
     written.path = marker(token);
-    std::ofstream file(written.path);
-    file << "a ruda-train run's check that every rank sees this directory: removed when it ends\n";
-    file.flush();
-    if (!file) throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there");
+    if (const std::string refused = write_small_file(
+            written.path, "a ruda-train run's check that every rank sees this directory: removed when it ends\n");
+        !refused.empty()) {
+      throw IOError("--checkpoint-dir " + cfg.checkpoint_dir + ": cannot write a file there: " + refused);
+    }
   });
   // Below 2^53: exact through the all-reduce's sum of the other ranks' zeros.
   token = static_cast<std::int64_t>(comm.all_reduce(from_values({static_cast<double>(token)}, {1}, DType::i64)).item());

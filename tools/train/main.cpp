@@ -3,8 +3,10 @@
 // byte-level GPT-style language model on any text. This file parses the options and picks the
 // communicator; job.cpp runs the job on each rank, tasks.cpp holds the two models.
 #include <atomic>
+#include <csignal>
 #include <cstdio>
 #include <iostream>
+#include <new>
 #include <optional>
 #include <string>
 
@@ -135,6 +137,9 @@ std::string launch_difference(const std::vector<std::string>& fingerprints) {
 
 int main(int argc, char** argv) {
   Config cfg;
+  // A file-size limit (ulimit -f) then fails a write with EFBIG, reported and cleaned up like a full
+  // disk (one error line, no temporary file left), instead of SIGXFSZ ending the process mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{
       "ruda-train: trains a fully sharded model across MPI ranks, emulated ranks, or alone.\n"
       "  mpiexec -n 2 ruda-train mlp          Fashion-MNIST MLP over two MPI processes\n"
@@ -434,8 +439,12 @@ int main(int argc, char** argv) {
   } catch (const Reported&) {
     return 1;
   } catch (const std::exception& e) {
-    // Past the agreed setup only the failing rank reports: name it.
-    print_error((launched_by_mpi() ? "rank " + std::to_string(launcher_rank()) + ": " : std::string()) + e.what());
+    // Past the agreed setup only the failing rank reports: name it. (A std::bad_alloc from outside
+    // ruda's allocator, a container's or a library's, says only "std::bad_alloc".)
+    const std::string what = dynamic_cast<const std::bad_alloc*>(&e)
+                                 ? "out of memory: the system refused an allocation (std::bad_alloc)"
+                                 : e.what();
+    print_error((launched_by_mpi() ? "rank " + std::to_string(launcher_rank()) + ": " : std::string()) + what);
 #ifdef RUDA_TRAIN_WITH_MPI
     // A failure on one MPI rank in the middle of training: end the whole job, never a hang.
     if (launched_by_mpi() && MpiEnvironment::active()) return mpi_abort_on_exception([&]() -> int { throw; });
