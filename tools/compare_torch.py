@@ -154,12 +154,10 @@ def gemm_gflops(m, k, n, dtype):
     return 2 * m * k * n / median_ms(lambda: a @ b, runs=20) / 1e6
 
 
-def load_figures(path, configs):
-    """ruda's step rows ({name: [(backend, ms)]}) and "fraction of GEMM" rows from ruda-bench's JSON
-    lines. Exits with a message when the file cannot be read, holds a line that is not a figure, or
-    lacks a step some chosen model and dtype needs: a table of '-' beside PyTorch's figures is no
-    comparison."""
-    ruda, fractions = {}, []
+def read_figures(path, take):
+    """Calls take(figure) on each JSON line of ruda-bench --json output at `path`. Exits with a
+    message when the file cannot be read or a line is not a figure (take raises ValueError,
+    KeyError, TypeError or AttributeError on one it cannot use), naming the line."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -169,15 +167,26 @@ def load_figures(path, configs):
         if not line.strip():
             continue
         try:
-            r = json.loads(line)
-            if r["suite"] == "models" and r["unit"] == "ms":
-                ruda.setdefault(r["name"], []).append((r["backend"], float(r["median"])))
-            elif r["suite"] == "models" and r["name"].endswith("fraction of GEMM"):
-                if not isinstance(r["peer"], str) or not float(r["peer_median"]) > 0:
-                    raise ValueError("no GEMM peer")
-                fractions.append(r)
+            take(json.loads(line))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             sys.exit(f"compare_torch.py: {path}:{number}: not a ruda-bench --json figure ({type(e).__name__}: {e})")
+
+
+def load_figures(path, configs):
+    """ruda's step rows ({name: [(backend, ms)]}) and "fraction of GEMM" rows from ruda-bench's JSON
+    lines. Exits with a message when the file cannot be read, holds a line that is not a figure, or
+    lacks a step some chosen model and dtype needs: a table of '-' beside PyTorch's figures is no
+    comparison."""
+    ruda, fractions = {}, []
+
+    def take(r):
+        if r["suite"] == "models" and r["unit"] == "ms":
+            ruda.setdefault(r["name"], []).append((r["backend"], float(r["median"])))
+        elif r["suite"] == "models" and r["name"].endswith("fraction of GEMM"):
+            if not isinstance(r["peer"], str) or not float(r["peer_median"]) > 0:
+                raise ValueError("no GEMM peer")
+            fractions.append(r)
+    read_figures(path, take)
     missing = [row.format(dtype) for _, row, _, _, dtypes in configs for dtype in dtypes if row.format(dtype) not in ruda]
     if missing:
         sys.exit(f"compare_torch.py: {path} holds no ruda figure for: {'; '.join(missing)}"
@@ -194,22 +203,13 @@ def load_attention_figures(path):
     fused ms, composed ms)]}. Exits with a message when the file cannot be read, holds a line that is
     not a figure, or holds no such row."""
     rows = {}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        sys.exit(f"compare_torch.py: {path}: {e.strerror}")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            match = ATTENTION_ROW.fullmatch(r["name"]) if r["suite"] == "attention" and r["unit"] == "ms" else None
-            if match:
-                rows.setdefault((match[1], int(match[2])), []).append(
-                    (r["backend"], float(r["median"]), float(r["peer_median"])))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            sys.exit(f"compare_torch.py: {path}:{number}: not a ruda-bench --json figure ({type(e).__name__}: {e})")
+
+    def take(r):
+        match = ATTENTION_ROW.fullmatch(r["name"]) if r["suite"] == "attention" and r["unit"] == "ms" else None
+        if match:
+            rows.setdefault((match[1], int(match[2])), []).append(
+                (r["backend"], float(r["median"]), float(r["peer_median"])))
+    read_figures(path, take)
     if not rows:
         sys.exit(f"compare_torch.py: {path} holds no ruda attention time row ('<dtype> causal fwd+bwd B=1 H=12 D=64"
                  " T=<T>'): is it the output of ruda-bench --suite attention --json?")
