@@ -151,6 +151,7 @@ TEST_CASE("option bounds in words, and an option given twice takes its last valu
   one_error_line(run(train("--emulate 65 mlp")), {"--emulate: must be between 1 and 64, got 65"});
   one_error_line(run(train("mlp --hidden 32,0")), {"--hidden: must be at least 1, got 0"});
   one_error_line(run(train("lm --temperature -1")), {"--temperature: must be at least 0, got -1"});
+  one_error_line(run(train("--backend cuda mlp")), {"--backend: cuda not in {eigen"});
   one_error_line(run(ckpt("split x.safetensors --world 0 --out y")), {"--world: must be at least 1, got 0"});
   for (const auto& r : {run(train("mlp --epochs 0")), run(ckpt("split x.safetensors --world 0 --out y"))}) {
     CHECK_MESSAGE(r.output.find("179769313486231570814527") == std::string::npos, r.output);  // no CLI11 range text
@@ -224,6 +225,12 @@ TEST_CASE("lm --weight-decay-2d-only: saved with its two optimizer groups, resum
   CHECK_MESSAGE(past.output.find("warning: the checkpoint is at step 3, past the run's 1 steps: nothing to train") !=
                     std::string::npos,
                 past.output);
+  // At the run's last step (the finished run's command again) too: it said nothing, trained 0 steps.
+  const Run finished = run(train(lm + " --steps 3 --resume-latest --checkpoint-dir " + tmp / "c"));
+  CHECK_MESSAGE(finished.exit_code == 0, finished.output);
+  CHECK_MESSAGE(finished.output.find("warning: the checkpoint is at step 3, the run's last of 3: nothing to train") !=
+                    std::string::npos,
+                finished.output);
   one_error_line(run(train("--emulate 2 lm --d-model 32 --layers 1 --heads 2 --context 16 --eval-every 0 --steps 3 "
                            "--resume-latest --checkpoint-dir " +
                            tmp / "c")),
@@ -400,7 +407,8 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
     std::ofstream(ck + "/m.jsonl") << "{\"step\": 3, \"loss\": 9}\n{\"step\": 4, \"loss\": 9}\n"
                                    << "{\"step\": 5, \"loss\": 9}\n{\"step\": 6, \"lo";
   }
-  const Run resumed = run(train(lm + "--steps 6 --log-every 1 --resume " + ck + " --checkpoint-dir " + ck +
+  // (--log-every 0: the metrics hold every step whatever the progress lines do.)
+  const Run resumed = run(train(lm + "--steps 6 --log-every 0 --resume " + ck + " --checkpoint-dir " + ck +
                                 " --metrics " + ck + "/m.jsonl"));
   CHECK_MESSAGE(resumed.output.find("resumed from " + ck + "/step-00000004 at step 4") != std::string::npos,
                 resumed.output);
@@ -480,6 +488,23 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CAPTURE(w);
     CHECK(lm.output.find(w) != std::string::npos);
   }
+  // One process without mpiexec (no timeout to apply, no limit to fit to), and --steps 0 sampling
+  // without a checkpoint (the random initial weights).
+  const Run single =
+      run(train("--collective-timeout 5m --no-auto-fit --steps 0 lm --d-model 16 --layers 1 --heads 1 "
+                "--context 16 --batch 4 --eval-every 0 --log-every 0 --sample 2"));
+  CHECK_MESSAGE(single.exit_code == 0, single.output);
+  for (const char* w : {"warning: --collective-timeout has no effect in one process",
+                        "warning: --no-auto-fit has no effect without a memory limit",
+                        "warning: --sample with --steps 0 and no --resume samples the untrained model"}) {
+    CAPTURE(w);
+    CHECK(single.output.find(w) != std::string::npos);
+  }
+  const Run one_rank =
+      run(train("--emulate 1 --emulate-link 1GB/s mlp --hidden 8 --limit 64 --batch 64 "
+                "--test-limit 10 --epochs 1 --log-every 0"));
+  CHECK_MESSAGE(one_rank.exit_code == 0, one_rank.output);
+  CHECK(one_rank.output.find("warning: --emulate-link has no effect with --emulate 1") != std::string::npos);
   {
     // --resume-latest into a directory without a checkpoint starts afresh: nothing to skip checks of.
     TempDir empty;
@@ -738,7 +763,7 @@ TEST_CASE("mpiexec --hybrid: 2 nodes x 2 ranks train like emulated nodes; a layo
   for (const auto& [step, loss] : want) CHECK(got.at(step) == doctest::Approx(loss).epsilon(1e-6));
   // Every rank agrees on the refusal: one line, no hang.
   one_error_line(run(mpi_train(4, "--hybrid --ranks-per-node 3 " + lm + tmp / "bad.jsonl")),
-                 {"ShardMesh::by_node", "3 ranks per node do not divide a world of 4"});
+                 {"--ranks-per-node 3 does not divide the 4 ranks of this job into nodes of equal size"});
 }
 
 TEST_CASE("mpiexec: one rank over its memory limit ends every rank with one error line") {

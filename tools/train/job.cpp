@@ -363,6 +363,14 @@ int run(const Config& cfg, Communicator& comm) {
     if (cfg.gather_quantization != "none" && cfg.per_parameter) {
       throw ArgumentError("--gather-quantization needs grouped parameters (not --per-parameter)");
     }
+    // (Named by the option here: ShardMesh's own error names ShardMesh::by_node. --emulate's nodes
+    // were checked before the ranks started.)
+    if (cfg.hybrid && comm.kind() != "emulated" && cfg.ranks_per_node > 0 &&
+        comm.world_size() % cfg.ranks_per_node != 0) {
+      throw ArgumentError("--ranks-per-node " + std::to_string(cfg.ranks_per_node) + " does not divide the " +
+                          std::to_string(comm.world_size()) + (comm.world_size() == 1 ? " rank" : " ranks") +
+                          " of this job into nodes of equal size");
+    }
     if (cfg.hybrid) mesh = ShardMesh::by_node(comm, comm.kind() == "emulated" ? 0 : cfg.ranks_per_node);
   });
   Communicator& shard_comm = mesh ? mesh->shard() : comm;
@@ -466,11 +474,14 @@ int run(const Config& cfg, Communicator& comm) {
   // The steps this run trains: none when it resumes at or past the total (--steps 0 --resume
   // DIR samples a checkpoint; a total below the checkpoint's step trains nothing more).
   const std::int64_t steps_to_train = std::max<std::int64_t>(0, total - start_step);
-  if (main_rank && total > 0 && start_step > total) {
-    // --steps 0 samples a checkpoint on purpose; a positive total below the checkpoint's step
-    // trains nothing, which a run that asked for steps should hear.
-    print_warning("the checkpoint is at step " + std::to_string(start_step) + ", past the run's " +
-                  std::to_string(total) + " steps: nothing to train");
+  if (main_rank && total > 0 && start_step >= total) {
+    // --steps 0 samples a checkpoint on purpose; a positive total at or below the checkpoint's
+    // step trains nothing, which a run that asked for steps should hear (a finished run's command
+    // run again, with --resume-latest).
+    print_warning("the checkpoint is at step " + std::to_string(start_step) +
+                  (start_step > total ? ", past the run's " + std::to_string(total) + " steps"
+                                      : ", the run's last of " + std::to_string(total)) +
+                  ": nothing to train");
   }
   train::Metrics metrics;
   setup_phase(comm, [&] {
@@ -666,8 +677,9 @@ int run(const Config& cfg, Communicator& comm) {
       }
       throw Reported("non-finite evaluation");
     }
-    const bool log = (cfg.log_every > 0 && (step + 1) % cfg.log_every == 0) || !eval.empty() || final;
-    if (log) {
+    // One record per step (the README's promise): it was written only at --log-every's steps (10
+    // lines for 1000 steps by default), a setting of the progress lines.
+    if (!cfg.metrics.empty()) {
       const auto [peak, data_read] = per_rank();
       if (main_rank) {
         json record = {{"step", step + 1},

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <new>
 #include <optional>
@@ -150,7 +151,8 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--backend", cfg.backend,
                  "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)")
-      ->check(non_empty());
+      ->check(non_empty())
+      ->check(CLI::IsMember(available_backends()));  // (an unknown one was named by get_backend)
   app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")
       ->check(CLI::IsMember({"f32", "bf16"}));
   app.add_option("--strategy", cfg.strategy,
@@ -358,6 +360,15 @@ int main(int argc, char** argv) {
       ignored("--ranks-per-node has no effect without --hybrid (or, with --emulate, --emulate-link)");
     if (cfg.emulate > 0 && given(app, "--collective-timeout"))
       ignored("--collective-timeout has no effect with --emulate (emulated ranks time out after 60 s)");
+    if (cfg.emulate == 0 && !launched_by_mpi() && given(app, "--collective-timeout"))
+      ignored("--collective-timeout has no effect in one process without mpiexec (no rank waits for another)");
+    if (cfg.emulate == 1 && given(app, "--emulate-link"))
+      ignored("--emulate-link has no effect with --emulate 1 (one rank sends nothing)");
+    const char* env_limit = std::getenv("RUDA_MEMORY_LIMIT");
+    if (cfg.no_auto_fit && cfg.memory_limit <= 0 && !(env_limit && *env_limit && std::string(env_limit) != "0"))
+      ignored("--no-auto-fit has no effect without a memory limit (--memory-limit or RUDA_MEMORY_LIMIT)");
+    if (cfg.model == "lm" && cfg.sample > 0 && cfg.steps == 0 && cfg.resume.empty() && !cfg.resume_latest)
+      ignored("--sample with --steps 0 and no --resume samples the untrained model (its random initial weights)");
   }
   if (cfg.resume_latest && cfg.checkpoint_dir.empty()) {
     if (print) print_error("--resume-latest needs --checkpoint-dir");
