@@ -271,7 +271,13 @@ else echo "ruda-bench $*" >>"$STUB_CALLS"; fi'
     expect "tools/compare-torch --sharded"
     refused "$root/tools/bench" --bogus
     expect "tools/bench: unknown argument '--bogus'"
-    [ ! -s "$calls" ] || fail "tools/bench --help or --bogus ran: $(cat "$calls")"
+    # demo and demo-large pass their other arguments to ruda-train, but --help builds nothing
+    # (demo-large --help configured the release build).
+    "$root/tools/demo" --help >"$log" 2>&1 || fail "tools/demo --help exited $?"
+    expect "The main job: trains the Fashion-MNIST MLP"
+    "$root/tools/demo-large" -h >"$log" 2>&1 || fail "tools/demo-large -h exited $?"
+    expect "tools/demo-large [--refuse-only] [ruda-train options...]"
+    [ ! -s "$calls" ] || fail "tools/bench, demo or demo-large --help, or --bogus, ran: $(cat "$calls")"
 
     # The rest: each refuses what it cannot do, with its own message.
     refused "$root/tools/setup" --bnech
