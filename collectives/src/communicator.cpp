@@ -80,17 +80,21 @@ std::string history_text(const std::string& who, const std::vector<std::string>&
 // Adds the call's context to the errors of a collective that completes later.
 class ContextState final : public Work::State {
  public:
+  // `traffic` null: nothing to count (a world of one rank).
   ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
-               std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes)
-      : ContextState(std::move(inner), std::move(prefix), std::move(who), std::move(history), std::move(traffic), start,
-                     bytes, std::chrono::duration<double>(Clock::now() - start).count()) {}
+               std::shared_ptr<Traffic> traffic, std::shared_ptr<Clock::time_point> settled, Clock::time_point start,
+               std::uint64_t bytes)
+      : ContextState(std::move(inner), std::move(prefix), std::move(who), std::move(history), std::move(traffic),
+                     std::move(settled), start, bytes, std::chrono::duration<double>(Clock::now() - start).count()) {}
   ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
-               std::shared_ptr<Traffic> traffic, Clock::time_point start, std::uint64_t bytes, double starting)
+               std::shared_ptr<Traffic> traffic, std::shared_ptr<Clock::time_point> settled, Clock::time_point start,
+               std::uint64_t bytes, double starting)
       : inner_(std::move(inner)),
         prefix_(std::move(prefix)),
         who_(std::move(who)),
         history_(std::move(history)),
         traffic_(std::move(traffic)),
+        settled_(std::move(settled)),
         start_(start),
         bytes_(bytes),
         starting_(starting) {}
@@ -100,13 +104,19 @@ class ContextState final : public Work::State {
       Tensor result = inner_.wait();
       const auto now = Clock::now();
       const auto done = inner_.completed_at().value_or(now);
+      if (!traffic_) return result;
       traffic_->collectives += 1;
       traffic_->bytes += bytes_;
       // The caller waited while starting it (the order check; a start that runs it at once) and in
       // here; the collective took at least that long (a modeled link may complete it sooner than
-      // the other ranks arrived).
+      // the other ranks arrived). Its own time starts when the collectives before it were done:
+      // two started together on one link take turns, and the second's wait in the queue is the
+      // first's time (counted there), not communication of its own hidden behind compute.
       const double exposed = starting_ + std::chrono::duration<double>(now - waiting).count();
-      traffic_->seconds += std::max(std::chrono::duration<double>(done - start_).count(), exposed);
+      const Clock::time_point from = std::max(start_, *settled_);
+      const double own = std::max(0.0, std::chrono::duration<double>(done - from).count());
+      *settled_ = std::max(*settled_, done);
+      traffic_->seconds += std::max(own, exposed);
       traffic_->exposed_seconds += exposed;
       return result;
     } catch (...) {
@@ -121,6 +131,7 @@ class ContextState final : public Work::State {
   std::string who_;  // "rank 3", or a split communicator's "rank 1 (rank 3 before the split)"
   std::vector<std::string> history_;
   std::shared_ptr<Traffic> traffic_;
+  std::shared_ptr<Clock::time_point> settled_;  // the communicator's (Communicator::settled_)
   Clock::time_point start_;
   std::uint64_t bytes_;
   double starting_;  // seconds the caller spent starting it
@@ -355,6 +366,8 @@ void Communicator::release_use() noexcept {
 }
 
 void Communicator::finish(const Call& call) {
+  *settled_ = Clock::now();      // (what was queued before it is done too: it waited for it)
+  if (world_size_ == 1) return;  // a world of one rank moves nothing and counts nothing
   const double seconds = cd::Stopwatch::seconds(call.start, cd::Stopwatch::now());
   traffic_->collectives += 1;
   traffic_->bytes += call.bytes;
@@ -683,7 +696,8 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
   const Call call = begin(Op::all_gather, true, local.numel(), local.dtype(), "", options, &local.shape());
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
+                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -718,7 +732,8 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
                           accumulate_extra(full.dtype(), options.accumulate), options, &full.shape());
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
+                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -741,7 +756,8 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
   const Call call = begin(Op::all_reduce, true, x.numel(), x.dtype(), extra, options, &x.shape());
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
-    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(), traffic_,
+    return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
+                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);

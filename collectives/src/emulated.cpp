@@ -707,10 +707,11 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     fail<ArgumentError>("run_ranks", "world size ", world_size, " is more than the ", kMaxEmulatedRanks,
                         " ranks ruda emulates in one process (each is a thread)");
   }
+  const LinkModel link = options.link ? *options.link : LinkModel::from_env();
   // A link the parser would refuse (its fields set directly).
-  if (const std::string problem = cd::link_problem(options.link); !problem.empty()) {
-    fail<ArgumentError>("run_ranks", "the link model (", options.link.bytes_per_second, " bytes/s, ",
-                        options.link.latency.count(), " ns latency) has ", problem,
+  if (const std::string problem = cd::link_problem(link); !problem.empty()) {
+    fail<ArgumentError>("run_ranks", "the link model (", link.bytes_per_second, " bytes/s, ", link.latency.count(),
+                        " ns latency) has ", problem,
                         ": its bandwidth must be 0 (off) or at least 1 bit/s, its latency within [0, 1 hour]");
   }
   if (!fn) fail<ArgumentError>("run_ranks", "no function to run");
@@ -732,7 +733,7 @@ void run_ranks(int world_size, const std::function<void(Communicator&)>& fn, Emu
     try {
       memory::Scope scope;  // this rank's memory figures
       set_num_threads(threads);
-      EmulatedCommunicator comm(fabric.root_ptr(), rank, options.link, shared_fabric);
+      EmulatedCommunicator comm(fabric.root_ptr(), rank, link, shared_fabric);
       comm.set_order_check(options.check_order);
       fn(comm);
       fabric.finish(rank);

@@ -52,9 +52,26 @@ double bandwidth_unit(const std::string& unit) {
     double bytes_per_second;
   };
   static constexpr Unit units[] = {
-      {"B/s", 1},          {"kB/s", 1e3},        {"KB/s", 1e3},           {"MB/s", 1e6},      {"GB/s", 1e9},
-      {"KiB/s", 1024.0},   {"MiB/s", 1048576.0}, {"GiB/s", 1073741824.0}, {"bit/s", 1.0 / 8}, {"kbit/s", 1e3 / 8},
-      {"Kbit/s", 1e3 / 8}, {"Mbit/s", 1e6 / 8},  {"Gbit/s", 1e9 / 8},
+      {"B/s", 1},
+      {"kB/s", 1e3},
+      {"KB/s", 1e3},
+      {"MB/s", 1e6},
+      {"GB/s", 1e9},
+      {"KiB/s", 1024.0},
+      {"MiB/s", 1048576.0},
+      {"GiB/s", 1073741824.0},
+      {"bit/s", 1.0 / 8},
+      {"kbit/s", 1e3 / 8},
+      {"Kbit/s", 1e3 / 8},
+      {"Mbit/s", 1e6 / 8},
+      {"Gbit/s", 1e9 / 8},
+      // Lower case, and tc's own spellings without "/s", as tools/cluster-sim's rates are written
+      // (RUDA_OVERLAP_RATES=300mbit,1gbit): the same rate reads the same in both.
+      {"mbit/s", 1e6 / 8},
+      {"gbit/s", 1e9 / 8},
+      {"kbit", 1e3 / 8},
+      {"mbit", 1e6 / 8},
+      {"gbit", 1e9 / 8},
   };
   for (const auto& u : units) {
     if (unit == u.name) return u.bytes_per_second;
@@ -81,18 +98,28 @@ std::chrono::nanoseconds nanoseconds(double seconds) {
 
 }  // namespace
 
-LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
-  if (text.find('\0') != std::string::npos) bad_link(source, detail::shown_nul(text), "a NUL character inside");
+// `text` without the spaces around it.
+static std::string trimmed(const std::string& text) {
+  const auto space = [](char c) { return std::isspace(static_cast<unsigned char>(c)) != 0; };
+  std::size_t begin = 0, end = text.size();
+  while (begin < end && space(text[begin])) ++begin;
+  while (end > begin && space(text[end - 1])) --end;
+  return text.substr(begin, end - begin);
+}
+
+LinkModel LinkModel::parse(const std::string& given, const std::string& source) {
+  if (given.find('\0') != std::string::npos) bad_link(source, detail::shown_nul(given), "a NUL character inside");
+  const std::string text = trimmed(given);  // (" 1GB/s" and "1GB/s, 20us" were refused)
   if (text.empty() || text == "off" || text == "0") return {};
   const std::size_t comma = text.find(',');
-  const auto [rate, rate_unit] = number_and_unit(text.substr(0, comma), source, text);
+  const auto [rate, rate_unit] = number_and_unit(trimmed(text.substr(0, comma)), source, text);
   const double scale = bandwidth_unit(rate_unit);
   if (scale == 0) bad_link(source, text, "unknown bandwidth unit '" + rate_unit + "'");
   if (rate == 0) bad_link(source, text, "a bandwidth of 0 (say 'off' for no link model)");
   LinkModel link;
   link.bytes_per_second = rate * scale;
   if (comma != std::string::npos) {
-    const auto [lat, lat_unit] = number_and_unit(text.substr(comma + 1), source, text);
+    const auto [lat, lat_unit] = number_and_unit(trimmed(text.substr(comma + 1)), source, text);
     const double ns = latency_unit(lat_unit);
     if (ns == 0) bad_link(source, text, "unknown latency unit '" + lat_unit + "' (ns, us, ms or s)");
     link.latency = nanoseconds(lat * ns * 1e-9);  // (saturating: 1e20 s reads as ~31 years)
@@ -105,9 +132,8 @@ LinkModel LinkModel::parse(const std::string& text, const std::string& source) {
 
 namespace collectives_detail {
 std::string link_problem(const LinkModel& link) {
-  if (link.bytes_per_second != 0 && !(std::isfinite(link.bytes_per_second) && link.bytes_per_second >= 1.0 / 8)) {
-    return "a bandwidth below 1 bit/s";
-  }
+  if (link.bytes_per_second != 0 && !std::isfinite(link.bytes_per_second)) return "a bandwidth that is not finite";
+  if (link.bytes_per_second != 0 && !(link.bytes_per_second >= 1.0 / 8)) return "a bandwidth below 1 bit/s";
   if (link.latency.count() < 0) return "a negative latency";
   if (link.latency > std::chrono::hours(1)) return "a latency above 1 hour";
   return {};
@@ -146,16 +172,30 @@ std::chrono::nanoseconds LinkModel::barrier_time(int world) const { return ring(
 
 std::string LinkModel::describe() const {
   if (!enabled()) return "off";
+  // In the unit that shows the rate (a slow link read "0.0 MB/s" in the errors that name it).
   char buf[96];
-  const double gb = bytes_per_second / 1e9;
-  if (gb >= 1) {
-    std::snprintf(buf, sizeof buf, "%.2f GB/s", gb);
+  const double b = bytes_per_second;
+  if (b >= 1e15) {
+    std::snprintf(buf, sizeof buf, "%.3g GB/s", b / 1e9);
+  } else if (b >= 1e9) {
+    std::snprintf(buf, sizeof buf, "%.2f GB/s", b / 1e9);
+  } else if (b >= 1e6) {
+    std::snprintf(buf, sizeof buf, "%.1f MB/s", b / 1e6);
+  } else if (b >= 1e3) {
+    std::snprintf(buf, sizeof buf, "%.1f kB/s", b / 1e3);
   } else {
-    std::snprintf(buf, sizeof buf, "%.1f MB/s", bytes_per_second / 1e6);
+    std::snprintf(buf, sizeof buf, "%.3g B/s", b);
   }
   std::string out = buf;
-  if (latency.count() > 0) {
-    std::snprintf(buf, sizeof buf, ", %.1f us latency", static_cast<double>(latency.count()) / 1e3);
+  const double ns = static_cast<double>(latency.count());
+  if (ns >= 1e6) {
+    std::snprintf(buf, sizeof buf, ", %.1f ms latency", ns / 1e6);
+    out += buf;
+  } else if (ns >= 1e3) {
+    std::snprintf(buf, sizeof buf, ", %.1f us latency", ns / 1e3);
+    out += buf;
+  } else if (ns > 0) {
+    std::snprintf(buf, sizeof buf, ", %.0f ns latency", ns);
     out += buf;
   }
   return out;

@@ -402,8 +402,8 @@ TEST_CASE("emulated: with nodes, a link model is one link per node: free inside 
   options.link = LinkModel::parse("100kB/s");
   options.ranks_per_node = 2;
   const std::int64_t count = 10000;  // f32: 40 kB per rank: 400 ms between two ranks
-  const double world_time = std::chrono::duration<double>(options.link.all_gather_time(4, 4 * count)).count();
-  const double pair_time = std::chrono::duration<double>(options.link.all_gather_time(2, 4 * count)).count();
+  const double world_time = std::chrono::duration<double>(options.link->all_gather_time(4, 4 * count)).count();
+  const double pair_time = std::chrono::duration<double>(options.link->all_gather_time(2, 4 * count)).count();
   std::vector<double> intra(4), world(4), across(4);
   run_ranks(
       4,
@@ -479,7 +479,19 @@ TEST_CASE("emulated: a link model is parsed from text and names its source when 
   const LinkModel both = LinkModel::parse("100MB/s,20us");
   CHECK(both.bytes_per_second == 1e8);
   CHECK(both.latency == 20us);
-  for (const char* off : {"", "off", "0"}) CHECK_FALSE(LinkModel::parse(off).enabled());
+  for (const char* off : {"", "off", "0", " off "}) CHECK_FALSE(LinkModel::parse(off).enabled());
+  // Spaces around the parts, lower-case units and tc's spellings (tools/cluster-sim's rates).
+  CHECK(LinkModel::parse(" 1GB/s, 20us ").latency == 20us);
+  CHECK(LinkModel::parse("300mbit").bytes_per_second == 300e6 / 8);
+  CHECK(LinkModel::parse("1gbit/s").bytes_per_second == 1e9 / 8);
+  CHECK(LinkModel::parse("100kbit").bytes_per_second == 100e3 / 8);
+  // Described in a unit that shows the rate (a slow link was "0.0 MB/s" in the errors naming it).
+  CHECK(LinkModel::parse("1GB/s").describe() == "1.00 GB/s");
+  CHECK(LinkModel::parse("100Mbit/s,20us").describe() == "12.5 MB/s, 20.0 us latency");
+  CHECK(LinkModel::parse("1kB/s,2ms").describe() == "1.0 kB/s, 2.0 ms latency");
+  CHECK(LinkModel::parse("8bit/s,5ns").describe() == "1 B/s, 5 ns latency");
+  expect_throw<ArgumentError>([] { LinkModel::parse("1e308GB/s", "RUDA_EMULATE_LINK"); },
+                              {"RUDA_EMULATE_LINK", "not finite"}, "infinite bandwidth");
   for (const char* bad : {"fast", "1GB", "1 furlongs/s", "-1GB/s", "0GB/s", "1GB/s,20", "1GB/s,x"}) {
     CAPTURE(bad);
     expect_throw<ArgumentError>([&] { LinkModel::parse(bad, "RUDA_EMULATE_LINK"); },
@@ -515,7 +527,8 @@ TEST_CASE("emulated: a link or world that would sleep past the timeout or exhaus
     expect_throw<ArgumentError>([&] { LinkModel::parse(bad, "RUDA_EMULATE_LINK"); }, {"RUDA_EMULATE_LINK"}, "bad text");
   }
   EmulatedOptions slow;
-  slow.link.bytes_per_second = 1e-300;  // as parse refuses it: the modeled sleep ignored the timeout
+  slow.link = LinkModel{};
+  slow.link->bytes_per_second = 1e-300;  // as parse refuses it: the modeled sleep ignored the timeout
   expect_throw<ArgumentError>(
       [&] {
         run_ranks(
@@ -523,8 +536,7 @@ TEST_CASE("emulated: a link or world that would sleep past the timeout or exhaus
       },
       {"run_ranks", "at least 1 bit/s"}, "tiny bandwidth");
   EmulatedOptions backwards;
-  backwards.link.bytes_per_second = 1e9;
-  backwards.link.latency = std::chrono::nanoseconds(-5);
+  backwards.link = LinkModel{1e9, std::chrono::nanoseconds(-5)};
   expect_throw<ArgumentError>(
       [&] {
         run_ranks(
@@ -702,7 +714,7 @@ TEST_CASE("emulated: under a link model a collective takes its modeled time, and
   // Small data on a slow link: the modeled time dwarfs the copying, even under sanitizers.
   options.link = LinkModel::parse("10MB/s");  // 400 kB per rank over 2 ranks: 40 ms
   const std::int64_t count = 100000;          // f32: 400 kB
-  const auto modeled = options.link.all_gather_time(2, 4 * count);
+  const auto modeled = options.link->all_gather_time(2, 4 * count);
   REQUIRE(modeled == 40ms);
   std::vector<double> blocking(2), waited(2), queued(2);
   run_ranks(
@@ -758,7 +770,7 @@ TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and 
         blocking[r] = comm.traffic();
         comm.reset_traffic();
         Work work = comm.all_gather_async(ones({count}));
-        std::this_thread::sleep_for(options.link.all_gather_time(3, 4 * count));  // compute that hides it
+        std::this_thread::sleep_for(options.link->all_gather_time(3, 4 * count));  // compute that hides it
         work.wait();
         hidden[r] = comm.traffic();
       },
@@ -776,6 +788,56 @@ TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and 
     CHECK(h.seconds >= 0.200);
     CHECK(h.exposed_seconds < h.seconds / 2);
   }
+}
+
+TEST_CASE("emulated: collectives queued on one link count their own time, not the wait in the queue as hidden") {
+  // Two non-blocking gathers started together take turns on the link (200 ms each here): the
+  // second's 200 ms in the queue were counted as its own communication, hidden behind compute
+  // that never ran (600 ms counted, 400 ms waited, in 400 ms of link time).
+  EmulatedOptions options;
+  options.link = LinkModel::parse("4MB/s");
+  const std::int64_t count = 100000;  // f32: 400 kB per rank, 2 messages of 100 ms over 3 ranks
+  std::vector<Traffic> queued(3);
+  run_ranks(
+      3,
+      [&](Communicator& comm) {
+        comm.reset_traffic();
+        Work first = comm.all_gather_async(ones({count}));
+        Work second = comm.all_gather_async(ones({count}));
+        first.wait();
+        second.wait();
+        queued[static_cast<std::size_t>(comm.rank())] = comm.traffic();
+      },
+      options);
+  const double link = 2 * std::chrono::duration<double>(options.link->all_gather_time(3, 4 * count)).count();
+  for (const Traffic& t : queued) {
+    CHECK(t.collectives == 2);
+    CHECK(t.seconds >= link * 0.95);
+    CHECK(t.seconds < link * 1.25);
+    CHECK(t.seconds - t.exposed_seconds < 0.1 * link);  // nothing ran beside them: nothing hidden
+  }
+}
+
+TEST_CASE("emulated: a world of one rank counts no traffic; a link set in code wins over a bad environment") {
+  run_ranks(1, [](Communicator& comm) {
+    comm.all_reduce(ones({4}));
+    comm.barrier();
+    comm.all_gather_async(ones({4})).wait();
+    CHECK(comm.traffic().collectives == 0);
+    CHECK(comm.traffic().seconds == 0);
+  });
+  // A bad RUDA_EMULATE_LINK failed the options' construction, even where the code then set the
+  // link itself (ruda-train's --emulate-link); now it is read only where none is set.
+  ::setenv("RUDA_EMULATE_LINK", "bogus", 1);
+  EmulatedOptions options;
+  options.link = LinkModel{};
+  bool ran = false;
+  run_ranks(
+      1, [&](Communicator&) { ran = true; }, options);
+  CHECK(ran);
+  expect_throw<ArgumentError>([] { run_ranks(1, [](Communicator&) {}); }, {"RUDA_EMULATE_LINK", "bogus"},
+                              "the environment's link, where the options set none");
+  ::unsetenv("RUDA_EMULATE_LINK");
 }
 
 TEST_CASE("emulated: an enum value that is none of its enumerators fails on every rank, naming it, never a hang") {

@@ -500,6 +500,12 @@ TEST_CASE("options this run ignores are named in a warning, once, and the run go
     CAPTURE(w);
     CHECK(single.output.find(w) != std::string::npos);
   }
+  // A link from RUDA_EMULATE_LINK (--emulate-link's default) is one --ranks-per-node shapes.
+  const Run env_link = run(train("--emulate 2 --ranks-per-node 2 mlp --hidden 8 --limit 64 --batch 64 "
+                                 "--test-limit 10 --epochs 1 --log-every 0"),
+                           "RUDA_EMULATE_LINK=1GB/s");
+  CHECK_MESSAGE(env_link.exit_code == 0, env_link.output);
+  CHECK(env_link.output.find("--ranks-per-node has no effect") == std::string::npos);
   const Run one_rank =
       run(train("--emulate 1 --emulate-link 1GB/s mlp --hidden 8 --limit 64 --batch 64 "
                 "--test-limit 10 --epochs 1 --log-every 0"));

@@ -20,7 +20,7 @@ void run(Context& ctx) {
     options.check_order = false;
     options.ranks_per_node = 2;
     options.link = LinkModel::parse(rate);
-    const std::string where = "emulated " + options.link.describe() + " link per node";
+    const std::string where = "emulated " + options.link->describe() + " link per node";
     for (overlap::Maker make : overlap::models()) {
       run_ranks(
           4,

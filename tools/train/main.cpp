@@ -356,7 +356,9 @@ int main(int argc, char** argv) {
       }
     }
     // Nodes shape the hybrid mesh, and an emulated link's sharing; nothing else reads them.
-    if (given(app, "--ranks-per-node") && !cfg.hybrid && (cfg.emulate == 0 || cfg.emulate_link.empty()))
+    const char* env_link = std::getenv("RUDA_EMULATE_LINK");  // --emulate-link's default
+    const bool emulated_link = !cfg.emulate_link.empty() || (env_link && *env_link);
+    if (given(app, "--ranks-per-node") && !cfg.hybrid && (cfg.emulate == 0 || !emulated_link))
       ignored("--ranks-per-node has no effect without --hybrid (or, with --emulate, --emulate-link)");
     if (cfg.emulate > 0 && given(app, "--collective-timeout"))
       ignored("--collective-timeout has no effect with --emulate (emulated ranks time out after 60 s)");

@@ -337,6 +337,10 @@ class Communicator {
   // Shared with the Works of non-blocking collectives, which account for themselves when waited
   // for (even after the communicator is gone).
   std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
+  // When the collectives waited for so far were complete: a collective queued behind earlier ones
+  // (a link serves them in turn) counts its seconds from then, not from its start.
+  std::shared_ptr<std::chrono::steady_clock::time_point> settled_ =
+      std::make_shared<std::chrono::steady_clock::time_point>();
   std::vector<Record> history_;  // ring of the last kHistory calls; the current one is the newest
   static constexpr std::size_t kHistory = 32;
   // The thread running a collective on this communicator (none: a default id), and how deep its
@@ -393,7 +397,7 @@ struct LinkModel {
   std::chrono::nanoseconds all_reduce_time(int world, std::uint64_t bytes) const;
   std::chrono::nanoseconds broadcast_time(int world, std::uint64_t bytes) const;
   std::chrono::nanoseconds barrier_time(int world) const;
-  /// "1.00 GB/s" or "1.00 GB/s, 20 us latency"; "off".
+  /// "1.00 GB/s", "12.5 MB/s, 20.0 us latency", "125 B/s, 1.0 ms latency" (a unit that shows it); "off".
   std::string describe() const;
 };
 
@@ -405,8 +409,10 @@ struct EmulatedOptions {
   bool check_order = order_check_from_env();
   /// Intra-op threads per rank (0: RUDA_NUM_THREADS, else cores / ranks, at least 1).
   int threads_per_rank = 0;
-  /// The simulated link between the ranks (default: RUDA_EMULATE_LINK, else none).
-  LinkModel link = LinkModel::from_env();
+  /// The simulated link between the ranks; unset: RUDA_EMULATE_LINK, else none, read by run_ranks
+  /// (a bad RUDA_EMULATE_LINK failed the construction of these options, even where a link was
+  /// then given).
+  std::optional<LinkModel> link = std::nullopt;
   /// Consecutive ranks that make one simulated node (split_by_node; must divide the world size). The
   /// link model is then one network interface per node, as in tools/cluster-sim: collectives among
   /// the ranks of one node take no link time, and those that cross nodes share each node's link
