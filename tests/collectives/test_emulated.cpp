@@ -798,23 +798,31 @@ TEST_CASE("emulated: collectives queued on one link count their own time, not th
   options.link = LinkModel::parse("4MB/s");
   const std::int64_t count = 100000;  // f32: 400 kB per rank, 2 messages of 100 ms over 3 ranks
   std::vector<Traffic> queued(3);
+  std::vector<double> second_start(3);
   run_ranks(
       3,
       [&](Communicator& comm) {
+        const Tensor first_input = ones({count}), second_input = ones({count});
         comm.reset_traffic();
-        Work first = comm.all_gather_async(ones({count}));
-        Work second = comm.all_gather_async(ones({count}));
+        Work first = comm.all_gather_async(first_input);
+        const auto before = std::chrono::steady_clock::now();
+        Work second = comm.all_gather_async(second_input);
+        second_start[static_cast<std::size_t>(comm.rank())] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - before).count();
         first.wait();
         second.wait();
         queued[static_cast<std::size_t>(comm.rank())] = comm.traffic();
       },
       options);
   const double link = 2 * std::chrono::duration<double>(options.link->all_gather_time(3, 4 * count)).count();
-  for (const Traffic& t : queued) {
+  for (std::size_t r = 0; r < 3; ++r) {
+    const Traffic& t = queued[r];
     CHECK(t.collectives == 2);
     CHECK(t.seconds >= link * 0.95);
     CHECK(t.seconds < link * 1.25);
-    CHECK(t.seconds - t.exposed_seconds < 0.1 * link);  // nothing ran beside them: nothing hidden
+    // Only the second's start (its copy: work of the caller's, slow under sanitizers) ran beside
+    // the first's link time: hidden behind it, and nothing more.
+    CHECK(t.seconds - t.exposed_seconds < second_start[r] + 0.05 * link);
   }
 }
 
