@@ -186,7 +186,8 @@ TEST_CASE("a checkpointed sharded block as one group: one gather (the recomputat
     // The forward without a graph; the group is still unsharded when the backward begins, so the
     // recomputation takes its values (whatever the strategy); then the reduce-scatter. A rank's
     // part: 15 + 3 + 8 + 2 elements. Then which of the 4 parameters the loss reached on any rank.
-    const std::string group = "group 'root' (0.weight, 0.bias, 2.weight, ... 4 parameters)";
+    // (The first group made over this rank's communicator: #0.)
+    const std::string group = "group 'root' #0 (0.weight, 0.bias, 2.weight, ... 4 parameters)";
     const std::vector<std::string> expected = {
         "all_gather(f32, 28, \"" + group + "\")", "reduce_scatter(f32, 56, \"" + group + "\")",
         "all_reduce(f32, 4, sum, \"shard groups: which parameters the loss reached\")"};

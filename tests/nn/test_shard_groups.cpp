@@ -314,8 +314,9 @@ TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups less those s
                    "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
                    "parameters)") == (retain ? 2 : 3));
     CHECK(calls_of(step2, "group 'blocks.3' (") == 2);
+    // (The root's tag has its number among the communicator's groups: "group 'root' #5 (".)
     CHECK(calls_of(step2,
-                   "group 'root' (token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
+                   "(token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
                    "parameters)") == 2);
     // And one small all-reduce per backward: which parameters the loss reached on any rank.
     CHECK(calls_of(step2, "all_reduce(f32, 52, sum, \"shard groups: which parameters the loss reached\")") == 1);
@@ -603,5 +604,41 @@ TEST_CASE("a parameter no rank's loss reaches gets no gradient and no optimizer 
         }
       }
     }
+  }
+}
+
+TEST_CASE("sibling groups sharded without their parent are told apart: ranks running them in another order raise") {
+  // Two children of one layout, each fully_shard-ed, their parent not: both groups were tagged
+  // "group 'root' (weight, bias)", so that rank 0 running a then c and rank 1 c then a joined a's
+  // slices with c's, forward and backward, with wrong values and no error (even with the order
+  // check). Each group's tag now carries its number among its communicator's groups.
+  struct Pair : nn::Module {
+    std::shared_ptr<nn::Linear> a = std::make_shared<nn::Linear>(5, 5), c = std::make_shared<nn::Linear>(5, 5);
+    Pair() {
+      register_module("a", a);
+      register_module("c", c);
+    }
+  };
+  std::vector<std::string> errors(2);
+  EmulatedOptions checked;
+  checked.check_order = true;  // (same op, dtype and count: only the tags differ)
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        Pair m;
+        nn::fully_shard(*m.a, comm);
+        nn::fully_shard(*m.c, comm);
+        const Tensor x = randn({4, 5}, 5);
+        try {
+          const Tensor y = comm.rank() == 0 ? m.c->forward(m.a->forward(x)) : m.a->forward(m.c->forward(x));
+          sum(y).backward();
+        } catch (const CollectiveError& e) {
+          errors[static_cast<std::size_t>(comm.rank())] = e.what();
+        }
+      },
+      checked);
+  for (const std::string& e : errors) {
+    CHECK_MESSAGE(e.find("group 'root' #0 (weight, bias)") != std::string::npos, e);
+    CHECK_MESSAGE(e.find("group 'root' #1 (weight, bias)") != std::string::npos, e);
   }
 }

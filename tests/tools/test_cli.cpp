@@ -798,13 +798,21 @@ TEST_CASE("mpiexec: each rank reads only its samples, about half of what one pro
     while (std::getline(in, line)) last = line;
     return nlohmann::json::parse(last)["data_bytes_read"].get<std::vector<double>>();
   };
-  const auto one = last_read(tmp / "one.jsonl"), per_rank = last_read(tmp / "two.jsonl");
+  // Emulated ranks too: they share the process's data set, whose reads each rank reported summed
+  // over all ranks (each rank's figure was the whole job's).
+  const Run emulated = run(train("--emulate 2 " + args + "--metrics " + tmp / "emulated.jsonl"));
+  REQUIRE_MESSAGE(emulated.exit_code == 0, emulated.output);
+  const auto one = last_read(tmp / "one.jsonl");
   REQUIRE(one.size() == 1);
-  REQUIRE(per_rank.size() == 2);
-  for (double bytes : per_rank) {
-    // Half the samples, and a page-sized neighbourhood of the labels read along with them.
-    CHECK(bytes / one[0] >= 0.45);
-    CHECK(bytes / one[0] <= 0.6);
+  for (const char* file : {"two.jsonl", "emulated.jsonl"}) {
+    CAPTURE(file);
+    const auto per_rank = last_read(tmp / file);
+    REQUIRE(per_rank.size() == 2);
+    for (double bytes : per_rank) {
+      // Half the samples, and a page-sized neighbourhood of the labels read along with them.
+      CHECK(bytes / one[0] >= 0.45);
+      CHECK(bytes / one[0] <= 0.6);
+    }
   }
 }
 

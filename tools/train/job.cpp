@@ -205,7 +205,10 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
   std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
                     memory::format_bytes(plan.peak()) + " per rank at " + std::to_string(world) +
                     (world == 1 ? " rank" : " ranks") +
-                    (plan.measured() ? "" : " before activations (parameters, gradients and optimizer state)") +
+                    (plan.measured()     ? ""
+                     : plan.gathered > 0 ? " before activations (parameters, gradients, optimizer state and the "
+                                           "largest layer's gathered weight and gradient)"
+                                         : " before activations (parameters, gradients and optimizer state)") +
                     "; limit " + memory::format_bytes(limit);
   const int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
   out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +

@@ -99,8 +99,10 @@ struct MlpTask : Task {
   MlpTask(const Config& c, Communicator& comm_, ImageData data)
       : cfg(c),
         comm(comm_),
-        train(std::move(data.train)),
-        test(std::move(data.test)),
+        // Each rank counts its own reads (emulated ranks share the process's data set, whose
+        // counter summed every rank's: each rank's data_bytes_read was the whole job's).
+        train(data.train.counting_apart()),
+        test(data.test.counting_apart()),
         data_identity(std::move(data.identity)) {
     nn::manual_seed(cfg.seed);
     nn::DeferredInit deferred;  // parameters are materialized by fully_shard, each rank its slice

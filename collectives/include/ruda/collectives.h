@@ -233,6 +233,10 @@ class Communicator {
   /// Collective.
   std::unique_ptr<Communicator> split_by_node();
 
+  /// 0, 1, 2, ... to its callers in turn: ranks that make the same objects over their
+  /// communicators in the same order (as collectives must be) get the same numbers, which name
+  /// what nothing else tells apart (nn's shard groups without a module path: sibling groups).
+  std::uint64_t next_ordinal() noexcept { return ordinals_++; }
   /// The debug check of collective order (off unless RUDA_CHECK_COLLECTIVES=1).
   void set_order_check(bool enabled) noexcept { order_check_ = enabled; }
   bool order_check() const noexcept { return order_check_; }
@@ -334,6 +338,7 @@ class Communicator {
   std::string rank_text_;
   void name_split_from(const Communicator& parent, const char* how);
   std::uint64_t sequence_ = 0;
+  std::uint64_t ordinals_ = 0;  // next_ordinal's
   // Shared with the Works of non-blocking collectives, which account for themselves when waited
   // for (even after the communicator is gone).
   std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();

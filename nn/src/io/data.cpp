@@ -475,6 +475,14 @@ std::int64_t IdxImages::sample_bytes() const noexcept {
 }
 std::int64_t IdxImages::bytes_read() const noexcept { return state_->bytes_read.load(); }
 
+IdxImages IdxImages::counting_apart() const {
+  IdxImages out = *this;
+  out.state_ = std::make_shared<State>();
+  out.state_->images = state_->images;
+  out.state_->labels = state_->labels;
+  return out;
+}
+
 Tensor IdxImages::images(const Tensor& indices) const {
   const auto pixels =
       read_items(state_->images, index_values(indices, "IdxImages::images"), "IdxImages::images", state_->bytes_read);

@@ -80,7 +80,12 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
     plan.parameters = add_bytes(name, plan.parameters, shard);
     plan.gradients = add_bytes(name, plan.gradients, shard);
     plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, shard));
-    const auto compute = static_cast<std::int64_t>(dtype_size(options.compute_dtype.value_or(p.dtype())));
+    const DType compute_dtype = options.compute_dtype.value_or(p.dtype());
+    // Unsharded (one rank holds each parameter whole) and computing in its own dtype, a layer
+    // uses the parameter itself: nothing is gathered (a 1-rank plan was refused for two copies of
+    // the largest layer it never makes).
+    if (shard_ranks == 1 && compute_dtype == p.dtype()) continue;
+    const auto compute = static_cast<std::int64_t>(dtype_size(compute_dtype));
     plan.gathered = std::max(plan.gathered, bytes_of(name, 2, bytes_of(name, numel, compute)));
   }
   return plan;

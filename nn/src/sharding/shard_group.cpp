@@ -191,7 +191,11 @@ struct ShardGroup::Values {
 
 ShardGroup::ShardGroup(const Module* module, const std::vector<Param>& params, Communicator& comm,
                        Communicator* replicate, std::shared_ptr<ShardSchedule> schedule)
-    : module_(module), comm_(&comm), replicate_(replicate), schedule_(std::move(schedule)) {
+    : module_(module),
+      comm_(&comm),
+      replicate_(replicate),
+      schedule_(std::move(schedule)),
+      ordinal_(comm.next_ordinal()) {
   for (const Param& p : params) params_.push_back(ParamAccess::weak(p));
   schedule_->add(this);
   rename();
@@ -220,7 +224,11 @@ void ShardGroup::rename() {
   }
   const std::size_t dot = prefix.rfind('.');
   name_ = dot == std::string::npos ? std::string("root") : prefix.substr(0, dot);
-  tag_ = "group '" + name_ + "' (";
+  // A group named by no module path is the top of its own fully_shard call: sibling submodules
+  // sharded without their parent ("weight, bias" each) had the same tag, so that ranks running
+  // them in different orders joined one's slices with the other's, undetected, even by the
+  // order check. Its number among the groups made over its communicator tells them apart.
+  tag_ = "group '" + name_ + "'" + (name_ == "root" ? " #" + std::to_string(ordinal_) : std::string()) + " (";
   for (std::size_t i = 0; i < names.size() && i < 3; ++i) tag_ += (i ? ", " : "") + names[i];
   tag_ += names.size() > 3 ? ", ... " + std::to_string(names.size()) + " parameters)" : ")";
 }

@@ -239,6 +239,7 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   CommRef replicate_;
   ShardGroup* parent_ = nullptr;
   std::shared_ptr<ShardSchedule> schedule_;
+  std::uint64_t ordinal_ = 0;  // its communicator's next_ordinal() when made
   std::shared_ptr<Values> values_;
   std::optional<PendingGather> prefetch_;
   std::uint64_t backward_done_ = 0;

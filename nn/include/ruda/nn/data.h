@@ -79,6 +79,9 @@ class IdxImages {
   /// Bytes read from the files so far, by this object and its copies (samples close to each
   /// other are read in one call, with the bytes between them: a batch's labels, for one).
   std::int64_t bytes_read() const noexcept;
+  /// A copy reading the same open files whose bytes_read() counts its own reads (and its own
+  /// copies'), from 0: each of the ranks sharing one data set in a process (emulated ranks).
+  IdxImages counting_apart() const;
 
  private:
   struct State;
