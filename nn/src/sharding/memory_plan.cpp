@@ -130,6 +130,14 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
     transient(1);  // once first, so that gradients exist as they do from the second step on
     one = transient(1);
     more = transient(samples);
+    // A schedule whose automatic overlap trial has not decided may train either way: measured
+    // synchronous too, the larger figures planned (every rank meets the same schedules).
+    if (ShardSchedule::Probing::met_undecided()) {
+      const ShardSchedule::Probing synchronous(true);
+      transient(1);
+      one = std::max(one, transient(1));
+      more = std::max(more, transient(samples));
+    }
   } catch (...) {
     module.zero_grad();
     memory::reset_peak();

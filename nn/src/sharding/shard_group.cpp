@@ -716,10 +716,15 @@ void ShardSchedule::drop_unreached_gradients(const std::vector<std::shared_ptr<G
 }
 
 thread_local int ShardSchedule::probing = 0;
+thread_local bool ShardSchedule::probe_synchronous = false;
+thread_local bool ShardSchedule::probe_met_undecided = false;
 
 bool ShardSchedule::overlapping() const noexcept {
-  // A probe measures the schedule that needs more memory while the trial has not decided.
-  if (probing > 0 && !report_.decided) return true;
+  // A probe measures each schedule while the trial has not decided (Probing).
+  if (probing > 0 && !report_.decided) {
+    probe_met_undecided = true;
+    return !probe_synchronous;
+  }
   return report_.overlapping;
 }
 

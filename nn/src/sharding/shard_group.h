@@ -267,13 +267,27 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   /// automatic trial alternates.
   bool overlapping() const noexcept;
   /// While alive, this thread's steps are probes (the memory plan's): the automatic trial does
-  /// not count them, and they run overlapping until it has decided, the schedule with the larger
-  /// transient, so that a plan never counts on the smaller one.
+  /// not count them. Until it has decided, they run overlapping, or synchronously where
+  /// `synchronous` is set: which of the two needs more memory depends on the model and the world
+  /// (a 1-rank MLP's synchronous step peaked 18% above its overlapping one), so a probe that
+  /// meets an undecided schedule (met_undecided) measures both and plans for the larger.
   struct Probing {
-    Probing() noexcept { ++probing; }
-    ~Probing() { --probing; }
+    explicit Probing(bool synchronous = false) noexcept : outer_(probe_synchronous) {
+      ++probing;
+      probe_synchronous = synchronous;
+      if (probing == 1) probe_met_undecided = false;
+    }
+    ~Probing() {
+      --probing;
+      probe_synchronous = outer_;
+    }
     Probing(const Probing&) = delete;
     Probing& operator=(const Probing&) = delete;
+    /// Whether a step of this thread's probes so far ran a schedule whose trial had not decided.
+    static bool met_undecided() noexcept { return probe_met_undecided; }
+
+   private:
+    bool outer_;
   };
   /// Fixes the forward order (otherwise recorded in the first forward).
   void set_forward_order(std::vector<ShardGroup*> order);
@@ -320,9 +334,11 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   /// backward gathered them; one neither unsharded nor done with this backward.
   ShardGroup* next_backward_gather() const;
 
-  static thread_local int probing;  // Probing scopes alive on this thread
-  CommRef comm_;                    // the decision's all-reduce
-  CommRef replicate_;               // hybrid: the decision's all-reduce across nodes too
+  static thread_local int probing;               // Probing scopes alive on this thread
+  static thread_local bool probe_synchronous;    // the innermost Probing's schedule
+  static thread_local bool probe_met_undecided;  // Probing::met_undecided
+  CommRef comm_;                                 // the decision's all-reduce
+  CommRef replicate_;                            // hybrid: the decision's all-reduce across nodes too
   bool prefetch_ = true;
   bool requires_all_reduce_ = true;
   int max_unsharded_ = 2;
