@@ -152,6 +152,13 @@ TEST_CASE("option bounds in words, and an option given twice takes its last valu
   one_error_line(run(train("mlp --hidden 32,0")), {"--hidden: must be at least 1, got 0"});
   one_error_line(run(train("lm --temperature -1")), {"--temperature: must be at least 0, got -1"});
   one_error_line(run(train("--backend cuda mlp")), {"--backend: cuda not in {eigen"});
+  // Said by the options, not by the layer or the loader that would meet them.
+  one_error_line(run(train("lm --d-model 16 --heads 3")), {"--d-model 16 is not a multiple of --heads 3"});
+  {
+    TempDir tmp;
+    std::ofstream(tmp / "file") << "not a folder";
+    one_error_line(run(train("mlp --data " + tmp / "file")), {"--data " + tmp / "file" + ": is not a directory"});
+  }
   one_error_line(run(ckpt("split x.safetensors --world 0 --out y")), {"--world: must be at least 1, got 0"});
   for (const auto& r : {run(train("mlp --epochs 0")), run(ckpt("split x.safetensors --world 0 --out y"))}) {
     CHECK_MESSAGE(r.output.find("179769313486231570814527") == std::string::npos, r.output);  // no CLI11 range text

@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <new>
 #include <optional>
@@ -337,6 +338,23 @@ int main(int argc, char** argv) {
     if (cfg.steps == 0 && app.get_option("--steps")->count() == 0) cfg.steps = 1000;
   }
   if (cfg.batch == 0) cfg.batch = cfg.model == "mlp" ? 128 : 16;
+  // Option errors that the model or the data loader would name by their own terms ("GPT: d_model
+  // 16 is not a multiple of heads 3"; a --data file read as "FILE/train-images-idx3-ubyte.gz: no
+  // such file"), said by the options.
+  {
+    std::string wrong;
+    std::error_code ec;
+    if (cfg.model == "lm" && cfg.d_model % cfg.heads != 0) {
+      wrong = "--d-model " + std::to_string(cfg.d_model) + " is not a multiple of --heads " + std::to_string(cfg.heads);
+    } else if (cfg.model == "mlp" && std::filesystem::exists(cfg.data, ec) &&
+               !std::filesystem::is_directory(cfg.data, ec)) {
+      wrong = "--data " + cfg.data + ": is not a directory (the folder of the Fashion-MNIST IDX files)";
+    }
+    if (!wrong.empty()) {
+      if (print) print_error(wrong);
+      return 2;
+    }
+  }
   // Options that this run would ignore: said once, on rank 0 (a run is not refused for them).
   if (print) {
     auto given = [&](CLI::App& on, const char* name) { return on.get_option(name)->count() > 0; };
