@@ -6,6 +6,7 @@
 #include <cmath>
 #include <iostream>
 #include <limits>
+#include <new>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -16,6 +17,13 @@
 #include <CLI/CLI.hpp>
 
 namespace ruda::cli {
+
+// An error's line: its message, or for a bare std::bad_alloc (a container's or a library's
+// allocation outside ruda's allocator, whose what() says only "std::bad_alloc") what it means.
+inline std::string error_text(const std::exception& e) {
+  return dynamic_cast<const std::bad_alloc*>(&e) ? "out of memory: the system refused an allocation (std::bad_alloc)"
+                                                 : e.what();
+}
 
 // Bounds stated in words, not CLI11's range text: "--unsharded-groups: must be at least 1 (1 keeps
 // only the computing group unsharded), got 0". The help shows them in the option's own text.

@@ -16,10 +16,11 @@ void scratch_refused(std::size_t bytes) {
 }
 
 OutOfMemoryError library_memory_refused(const char* op) {
+  // (Said of any kernel: parallel_for converts every std::bad_alloc, Eigen's the one known.)
   return OutOfMemoryError(std::string(op) +
-                          ": out of memory: the system refused memory a library kernel allocates itself (Eigen's "
-                          "GEMM packing buffers, a std::bad_alloc): under an address-space limit (ulimit -v) "
-                          "leave more room, or train smaller");
+                          ": out of memory: the system refused memory a library allocates itself inside a kernel "
+                          "(a std::bad_alloc, such as Eigen's GEMM packing buffers): under an address-space limit "
+                          "(ulimit -v) leave more room, or train smaller");
 }
 
 }  // namespace ruda::kernels

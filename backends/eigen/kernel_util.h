@@ -74,15 +74,16 @@ inline bool in_parallel_region() {
 #endif
 }
 
+/// An OutOfMemoryError for a std::bad_alloc from inside a library's code (Eigen's GEMM buffers),
+/// which no ruda::Error handler (nor auto-fit) would see; `op` names the kernel.
+OutOfMemoryError library_memory_refused(const char* op);
+
 /// Runs body(begin, end) over [0, total) split into one contiguous chunk per thread, or inline
 /// when the work is smaller than `grain` elements (small ops must not pay for a parallel region).
 /// An exception from a chunk (a scratch allocation that fails, a kernel's own check) is rethrown
 /// on the calling thread after the region: none may leave an OpenMP region, where it would end
 /// the process in std::terminate. The first one thrown wins; the other chunks run to their end.
-/// An OutOfMemoryError for a std::bad_alloc from inside a library's code (Eigen's GEMM buffers),
-/// which no ruda::Error handler (nor auto-fit) would see; `op` names the kernel.
-OutOfMemoryError library_memory_refused(const char* op);
-
+/// A std::bad_alloc arrives as library_memory_refused's OutOfMemoryError.
 template <class Body>
 void parallel_for(std::int64_t total, [[maybe_unused]] std::int64_t grain, Body&& body) {
   if (total <= 0) return;

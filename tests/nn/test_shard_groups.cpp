@@ -314,7 +314,7 @@ TEST_CASE("collectives per step: 2 x groups with Retain, 3 x groups less those s
                    "group 'blocks.0' (blocks.0.ln1.weight, blocks.0.ln1.bias, blocks.0.attn.qkv.weight, ... 12 "
                    "parameters)") == (retain ? 2 : 3));
     CHECK(calls_of(step2, "group 'blocks.3' (") == 2);
-    // (The root's tag has its number among the communicator's groups: "group 'root' #5 (".)
+    // (The root's tag has its number among the communicator's groups: "group 'root' #N (".)
     CHECK(calls_of(step2,
                    "(token_embedding.weight, position_embedding.weight, final_norm.weight, ... 4 "
                    "parameters)") == 2);

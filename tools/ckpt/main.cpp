@@ -1,7 +1,6 @@
 // ruda-ckpt: lists, verifies, consolidates and splits ruda's sharded safetensors checkpoints.
 #include <csignal>
 #include <iostream>
-#include <new>
 #include <string>
 
 #include <ruda/nn.h>
@@ -89,10 +88,7 @@ int main(int argc, char** argv) {
       std::cout << "wrote " << info.directory << " for " << world << (world == 1 ? " rank\n" : " ranks\n");
     }
   } catch (const std::exception& e) {
-    const std::string what = dynamic_cast<const std::bad_alloc*>(&e)
-                                 ? "out of memory: the system refused an allocation (std::bad_alloc)"
-                                 : e.what();
-    std::cerr << ("ruda-ckpt: error: " + what + "\n") << std::flush;  // one write
+    std::cerr << ("ruda-ckpt: error: " + ruda::cli::error_text(e) + "\n") << std::flush;  // one write
     return 1;
   }
   return 0;

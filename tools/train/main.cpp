@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
-#include <new>
 #include <optional>
 #include <string>
 
@@ -470,12 +469,9 @@ int main(int argc, char** argv) {
   } catch (const Reported&) {
     return 1;
   } catch (const std::exception& e) {
-    // Past the agreed setup only the failing rank reports: name it. (A std::bad_alloc from outside
-    // ruda's allocator, a container's or a library's, says only "std::bad_alloc".)
-    const std::string what = dynamic_cast<const std::bad_alloc*>(&e)
-                                 ? "out of memory: the system refused an allocation (std::bad_alloc)"
-                                 : e.what();
-    print_error((launched_by_mpi() ? "rank " + std::to_string(launcher_rank()) + ": " : std::string()) + what);
+    // Past the agreed setup only the failing rank reports: name it.
+    print_error((launched_by_mpi() ? "rank " + std::to_string(launcher_rank()) + ": " : std::string()) +
+                ruda::cli::error_text(e));
 #ifdef RUDA_TRAIN_WITH_MPI
     // A failure on one MPI rank in the middle of training: end the whole job, never a hang.
     if (launched_by_mpi() && MpiEnvironment::active()) return mpi_abort_on_exception([&]() -> int { throw; });

@@ -112,7 +112,9 @@ std::optional<std::string> json_refusal(const std::string& text, std::size_t max
 namespace {
 
 // BOOL bytes other than 0 and 1 are no value of the dtype (the kernels would compare and cast them
-// inconsistently): refused as they are read, naming the first one. `first` is the element of data[0].
+// inconsistently): refused as they are read (IOError) or written (Writer: ArgumentError), naming
+// the first one. `first` is the element of data[0].
+template <class E = IOError>
 void check_bools(const std::string& path, const std::string& tensor, const char* data, std::size_t bytes,
                  std::uint64_t first) {
   const auto* p = reinterpret_cast<const unsigned char*>(data);
@@ -120,8 +122,8 @@ void check_bools(const std::string& path, const std::string& tensor, const char*
   if (bad == p + bytes) return;
   char hex[8];
   std::snprintf(hex, sizeof hex, "0x%02x", *bad);
-  io_fail(path, "tensor '" + tensor + "' holds the byte " + hex + " at element " +
-                    std::to_string(first + static_cast<std::uint64_t>(bad - p)) + ", not a BOOL (0 or 1)");
+  io_fail<E>(path, "tensor '" + tensor + "' holds the byte " + hex + " at element " +
+                       std::to_string(first + static_cast<std::uint64_t>(bad - p)) + ", not a BOOL (0 or 1)");
 }
 
 }  // namespace
@@ -480,11 +482,9 @@ Writer::Writer(const std::string& path, const std::vector<TensorHeader>& tensors
     return dtype_size(tensors[a].dtype) > dtype_size(tensors[b].dtype);
   });
   places_.resize(tensors.size());
-  bool_names_.resize(tensors.size());
   std::uint64_t at = 0;
   for (const std::size_t i : order) {
-    places_[i] = {at, sizes[i], i, tensors[i].dtype == DType::boolean};
-    if (tensors[i].dtype == DType::boolean) bool_names_[i] = tensors[i].name;
+    places_[i] = {at, sizes[i], tensors[i].name, tensors[i].dtype == DType::boolean};
     header[tensors[i].name]["data_offsets"] = {at, at + sizes[i]};
     at += sizes[i];
   }
@@ -529,18 +529,8 @@ void Writer::write(const void* data, std::size_t size) {
     }
     const Place& place = places_[current_];
     const std::uint64_t n = std::min<std::uint64_t>(size, place.bytes - within_);
-    if (place.boolean) {
-      // A BOOL byte other than 0 or 1 made a file its readers refuse (this Reader included).
-      const auto* b = reinterpret_cast<const unsigned char*>(p);
-      const auto* bad = std::find_if(b, b + n, [](unsigned char x) { return x > 1; });
-      if (bad != b + n) {
-        char hex[8];
-        std::snprintf(hex, sizeof hex, "0x%02x", *bad);
-        io_fail<ArgumentError>(
-            path_, "write: BOOL tensor '" + bool_names_[place.tensor] + "' got the byte " + hex + " at element " +
-                       std::to_string(within_ + static_cast<std::uint64_t>(bad - b)) + ", not 0 or 1");
-      }
-    }
+    // A BOOL byte other than 0 or 1 made a file its readers refuse (this Reader included).
+    if (place.boolean) check_bools<ArgumentError>(path_, place.name, p, static_cast<std::size_t>(n), within_);
     const std::uint64_t target = data_start_ + place.offset + within_;
     if (target != position_) file_->seek(target);  // only where placement reordered the tensors
     file_->write(p, static_cast<std::size_t>(n));

@@ -131,10 +131,9 @@ class Writer {
  private:
   struct Place {
     std::uint64_t offset = 0, bytes = 0;  // in the data
-    std::size_t tensor = 0;               // its index in the order given
-    bool boolean = false;                 // a BOOL tensor, whose bytes write() checks
+    std::string name;
+    bool boolean = false;  // a BOOL tensor, whose bytes write() checks
   };
-  std::vector<std::string> bool_names_;  // each BOOL tensor's name (by index in the order given)
   std::string path_;
   std::unique_ptr<detail::AtomicFile> file_;
   std::vector<Place> places_;  // of each tensor, in the order given
