@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 
@@ -646,6 +647,99 @@ TEST_CASE("the latest pointer, pruning, and an incomplete step directory") {
   fs::create_directories(dir.path / "step-00000040");
   fs::remove(dir.path / "latest");
   CHECK(nn::resolve_checkpoint(dir.str()) == (dir.path / "step-00000030").string());
+}
+
+namespace {
+// Forty one-element layers: the index (every parameter's every piece) is larger than either rank's
+// file, so a file-size limit between the two lets every rank file through and refuses the index.
+nn::Sequential many_scalars() {
+  nn::manual_seed(3);
+  std::vector<std::shared_ptr<nn::UnaryModule>> layers;
+  for (int i = 0; i < 40; ++i) layers.push_back(std::make_shared<nn::Linear>(1, 1));
+  return nn::Sequential(std::move(layers));
+}
+std::vector<std::string> rank_files_in(const fs::path& step) {
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(step)) {
+    if (entry.path().filename().string().rfind("rank-", 0) == 0) names.push_back(entry.path().filename().string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+// Runs fn with writes limited to `bytes` a file (SIGXFSZ ignored: a write past it fails with EFBIG).
+template <class F>
+void with_file_size_limit(rlim_t bytes, F&& fn) {
+  rlimit before{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &before) == 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  const rlimit limited{bytes, before.rlim_max};
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &limited) == 0);
+  try {
+    fn();
+  } catch (...) {
+    ::setrlimit(RLIMIT_FSIZE, &before);
+    std::signal(SIGXFSZ, old_handler);
+    throw;
+  }
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+}
+}  // namespace
+
+TEST_CASE("a save or split whose index the disk refuses removes the rank files it wrote; the step before stays") {
+  // Before, the new rank files stayed in a step without an index until the next save's upkeep:
+  // a checkpoint's worth of space kept on the disk that had just run out of it.
+  TempDir dir;
+  run_ranks(2, [&](Communicator& comm) {
+    nn::Sequential model = many_scalars();
+    nn::fully_shard(model, comm);
+    nn::save_checkpoint(dir.str(), 1, model, nullptr, comm);
+  });
+  const fs::path saved = dir.path / "step-00000001";
+  std::uintmax_t largest_rank_file = 0;
+  for (const auto& name : rank_files_in(saved))
+    largest_rank_file = std::max(largest_rank_file, fs::file_size(saved / name));
+  const std::uintmax_t index_size = fs::file_size(saved / "index.json");
+  REQUIRE_MESSAGE(index_size > largest_rank_file + 512, index_size, " vs ", largest_rank_file);
+  const rlim_t limit = largest_rank_file + 256;
+
+  SUBCASE("a new step") {
+    with_file_size_limit(limit, [&] {
+      run_ranks(2, [&](Communicator& comm) {
+        nn::Sequential model = many_scalars();
+        nn::fully_shard(model, comm);
+        test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 2, model, nullptr, comm); },
+                                    {"step-00000002", "publishing the index failed", "File too large"});
+      });
+    });
+    CHECK(rank_files_in(dir.path / "step-00000002").empty());
+  }
+  SUBCASE("the same step saved again keeps its files and index") {
+    const auto before = rank_files_in(saved);
+    with_file_size_limit(limit, [&] {
+      run_ranks(2, [&](Communicator& comm) {
+        nn::Sequential model = many_scalars();
+        nn::fully_shard(model, comm);
+        test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1, model, nullptr, comm); },
+                                    {"publishing the index failed", "File too large"});
+      });
+    });
+    CHECK(rank_files_in(saved) == before);
+  }
+  SUBCASE("a split") {
+    const std::string whole = (dir.path / "whole.safetensors").string();
+    nn::consolidate_checkpoint(dir.str(), whole);
+    test::check_throws<IOError>(
+        [&] { with_file_size_limit(limit, [&] { nn::split_checkpoint(whole, 2, dir.str(), 3); }); },
+        {"File too large"});
+    CHECK(rank_files_in(dir.path / "step-00000003").empty());
+  }
+  CHECK(nn::resolve_checkpoint(dir.str()) == saved.string());
+  run_ranks(2, [&](Communicator& comm) {
+    nn::Sequential model = many_scalars();
+    nn::fully_shard(model, comm);
+    nn::load_checkpoint(dir.str(), model, nullptr, comm);
+  });
 }
 
 TEST_CASE("steps are ordered by number, not as text: step 100000000 is newer than 99999999") {

@@ -691,6 +691,17 @@ void remove_unlisted_rank_files(const fs::path& step_dir, const std::vector<std:
   if (ec) upkeep->skip(step_dir, ec);
 }
 
+// Whether `step_dir` has an index that names rank file `name` (false where it has none, or one
+// that cannot be read).
+bool index_names(const std::string& step_dir, const std::string& name) {
+  try {
+    const auto listed = read_index(step_dir).files;
+    return std::find(listed.begin(), listed.end(), name) != listed.end();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // Makes `step_dir` ready for a save or a split (one process: rank 0). A step saved again (a run
 // resumed from an earlier step reaches it again) keeps its files and its index until the new index
 // replaces it: the new rank files are written beside the ones the index names (new_rank_file),
@@ -998,7 +1009,7 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
 
   // 4. Rank 0 publishes.
   std::vector<std::string> skipped;
-  run_agreed_or_fail(comm, step_dir, "publishing the index", [&] {
+  const auto failures = run_agreed(comm, "checkpoint publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
     for (const auto& [name, p] : params) {
@@ -1014,6 +1025,18 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
     skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, extra, reports), keep);
   });
+  if (!failures.empty()) {
+    // Every rank is past the phase (it failed on some, agreed on all). Where it failed before the
+    // index named the new files (a full disk refusing index.json), no reader will ever take them:
+    // each rank removes its own, which upkeep would otherwise remove only at the next save,
+    // keeping a checkpoint's worth of space on the disk that just ran out of it. Where the index
+    // was written (the latest pointer failed after it), the files are the step's and stay.
+    if (!index_names(step_dir, fs::path(file).filename().string())) {
+      std::error_code ec;
+      fs::remove(file, ec);
+    }
+    fail(step_dir, "publishing the index failed on " + describe(failures));
+  }
   CheckpointInfo info{step_dir, step, world, extra};
   if (!skipped.empty()) {
     std::string warning = "checkpoint upkeep in " + dir + " skipped what it could not inspect or remove: ";
@@ -1466,12 +1489,16 @@ CheckpointInfo split_checkpoint(const std::string& input_file, int world_size, c
       reports.push_back(write_split_rank(input, rank, world_size, step, file));
       written.push_back(file);
     }
+    publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
   } catch (...) {
+    // No index names them (a failed write, or an index the disk refused), unless publishing
+    // failed after the index (the latest pointer): then they are the step's.
     std::error_code ec;
-    for (const auto& file : written) fs::remove(file, ec);  // no index names them
+    for (const auto& file : written) {
+      if (!index_names(step_dir, fs::path(file).filename().string())) fs::remove(file, ec);
+    }
     throw;
   }
-  publish(out_dir, step_dir, step, build_index(step, world_size, headers, nullptr, {}, extra, reports), 0);
   return CheckpointInfo{step_dir, step, world_size, extra};
 }
 
