@@ -46,8 +46,8 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
           const T* row = xp + r * n;
           // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
           const S mu =
-              lane_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
-          const S sq = lane_sum<S>(n, [&](std::int64_t j) {
+              long_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
+          const S sq = long_sum<S>(n, [&](std::int64_t j) {
             const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
             return d * d;
           });
@@ -59,7 +59,7 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
             S m = 0;
             for (std::int64_t j = 0; j < n; ++j) m = std::max(m, std::abs(static_cast<S>(Num<T>::load(row[j])) - mu));
             if (std::isfinite(m)) {
-              const S q = lane_sum<S>(n,
+              const S q = long_sum<S>(n,
                                       [&](std::int64_t j) {
                                         const S d = (static_cast<S>(Num<T>::load(row[j])) - mu) / m;
                                         return d * d;
@@ -144,8 +144,8 @@ void EigenBackend::layer_norm_backward(const View& x, const View& weight, const 
                 } else {
                   for (std::int64_t j = 0; j < n; ++j) gw[j] = static_cast<S>(Num<T>::load(gr[j]));
                 }
-                const S sum_g = lane_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
-                const S sum_gx = lane_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
+                const S sum_g = long_sum<S>(n, [&](std::int64_t j) { return gw[j]; });
+                const S sum_gx = long_sum<S>(n, [&](std::int64_t j) { return gw[j] * xhat[j]; });
                 const S mean_g = sum_g / static_cast<S>(n), mean_gx = sum_gx / static_cast<S>(n);
                 T* o = out + r * n;
                 for (std::int64_t j = 0; j < n; ++j) {

@@ -402,7 +402,7 @@ void dense_softmax(const C* x, C* y, std::int64_t n, bool log) {
   Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>> out(y, n);
   const C m = in.maxCoeff();
   out = ops::vector_exp(in - m);
-  const C total = out.sum();
+  const C total = long_sum<C>(n, [&](std::int64_t i) { return out[i]; });
   if (log) {
     out = (in - m) - std::log(total);
   } else {
@@ -415,9 +415,9 @@ void dense_softmax_backward(const C* y, const C* gy, C* gx, std::int64_t n, bool
   Eigen::Map<const Eigen::Array<C, Eigen::Dynamic, 1>> yv(y, n), g(gy, n);
   Eigen::Map<Eigen::Array<C, Eigen::Dynamic, 1>> out(gx, n);
   if (log) {
-    out = g - ops::vector_exp(yv) * g.sum();
+    out = g - ops::vector_exp(yv) * long_sum<C>(n, [&](std::int64_t i) { return g[i]; });
   } else {
-    out = yv * (g - (g * yv).sum());
+    out = yv * (g - long_sum<C>(n, [&](std::int64_t i) { return g[i] * yv[i]; }));
   }
 }
 

@@ -24,6 +24,10 @@ namespace {
 std::int64_t longest_accurate_sum(DType dtype) {
   return dtype == DType::f32 ? std::int64_t{1} << 12 : std::int64_t{1} << 16;
 }
+// Longer lines go to the Eigen kernels. The same accumulators sum a softmax line (its normalizer,
+// its backward's sum of dy * y): over a line of 1e6 f32 values the probabilities added up to
+// 1 + 2.3e-6 (Eigen's kernel: within 1e-7).
+constexpr const char* kLongLineReason = "a line longer than oneDNN's f32 accumulation keeps to the dtype's precision";
 
 const char* unsupported_reduction(ReduceOp op) {
   switch (op) {
@@ -116,7 +120,7 @@ void OneDnnBackend::reduce(ReduceOp op, const View& x, const View& out) {
   if (r > longest_accurate_sum(x.dtype)) {
     // oneDNN's f32 accumulators drift on long lines: 20M bf16 values of 0.1 summed 1.5 bf16 ulps
     // off (2023424 for 2001953, where 1998848 is the nearest bf16); Eigen's kernel sums in double.
-    note_fallback(op_name(op), x.dtype, "a line longer than oneDNN's f32 accumulation keeps to the dtype's precision");
+    note_fallback(op_name(op), x.dtype, kLongLineReason);
     return EigenBackend::reduce(op, x, out);
   }
   const memory::dims src_dims = outer == 1 ? memory::dims{r} : memory::dims{outer, r};
@@ -251,6 +255,10 @@ void OneDnnBackend::softmax(const View& x, const View& y, int axis, bool log) {
     note_fallback(name, x.dtype, kEigenFasterReason);
     return EigenBackend::softmax(x, y, axis, log);
   }
+  if (x.shape[axis] > longest_accurate_sum(x.dtype)) {
+    note_fallback(name, x.dtype, kLongLineReason);
+    return EigenBackend::softmax(x, y, axis, log);
+  }
   const auto p = lookup(softmax_key(6, x, axis, log), threads_for(x.numel()), [&] {
     const memory::desc md = softmax_desc(x, axis, *type);
     dnnl::primitive_attr attr;
@@ -283,6 +291,10 @@ void OneDnnBackend::softmax_backward(const View& y, const View& gy, const View& 
     // As the forward: the Eigen kernel computes a bf16 line in f32 and rounds once (oneDNN's had
     // 1.4x PyTorch's count of gradients more than 1 ulp off an f64 reference).
     note_fallback(name, y.dtype, "oneDNN 2.6's bf16 softmax backward rounds more than once");
+    return EigenBackend::softmax_backward(y, gy, gx, axis, log);
+  }
+  if (y.shape[axis] > longest_accurate_sum(y.dtype)) {
+    note_fallback(name, y.dtype, kLongLineReason);
     return EigenBackend::softmax_backward(y, gy, gx, axis, log);
   }
   const auto p = lookup(softmax_key(7, y, axis, log), threads_for(y.numel()), [&] {

@@ -1487,6 +1487,38 @@ TEST_CASE("f32 sums and logsumexp stay accurate over millions of values, as PyTo
   set_default_backend(before);
 }
 
+TEST_CASE("f32 layer_norm and softmax of long rows keep a pairwise sum's accuracy") {
+  // Their row statistics were 16 running f32 sums of n/16 values each: over a row of 1e6 values
+  // 1000 + randn, layer_norm's outputs were 3.9e-4 off the f64 result (a pairwise sum: 6.7e-6),
+  // and a softmax row's total, which scales every probability, 6e-7 off where one rounding is 6e-8.
+  const std::int64_t n = 1'000'000;
+  const Tensor x64 = randn({1, n}, 41, 0, DType::f64) + 1000.0;
+  const Tensor x = x64.to(DType::f32);
+  const Tensor exact = layer_norm(x.to(DType::f64), Tensor(), Tensor());
+  const double ln_error = max(abs(layer_norm(x, Tensor(), Tensor()).to(DType::f64) - exact)).item();
+  CHECK(ln_error < 3e-5);
+  // Backward: dx reads the row sums of dy and dy * xhat; against f64 on the same values.
+  const Tensor gy64 = randn({1, n}, 42, 0, DType::f64) + 1.0;
+  auto dx_of = [&](const Tensor& input, const Tensor& gy) {
+    const Tensor leaf = input.detach().set_requires_grad();
+    layer_norm(leaf, Tensor(), Tensor()).backward(gy);
+    return leaf.grad();
+  };
+  const Tensor dx_exact = dx_of(x.to(DType::f64), gy64.to(DType::f32).to(DType::f64));
+  const Tensor dx = dx_of(x, gy64.to(DType::f32)).to(DType::f64);
+  CHECK(max(abs(dx - dx_exact)).item() < 3e-5 * max(abs(dx_exact)).item());
+  // softmax: the probabilities of a row add up to 1 within a few roundings (in f64, of the f32
+  // values), whatever the row's length.
+  const Tensor logits = randn({1, n}, 43);
+  CHECK(std::abs(sum(softmax(logits, 1).to(DType::f64)).item() - 1) < 2e-7);
+  // Its backward subtracts the row's sum of dy * y from each dy: against f64.
+  const Tensor leaf = logits.detach().set_requires_grad();
+  softmax(leaf, 1).backward(gy64.to(DType::f32));
+  const Tensor leaf64 = logits.to(DType::f64).set_requires_grad();
+  softmax(leaf64, 1).backward(gy64.to(DType::f32).to(DType::f64));
+  CHECK(max(abs(leaf.grad().to(DType::f64) - leaf64.grad())).item() < 1e-6 * max(abs(leaf64.grad())).item());
+}
+
 TEST_CASE("max and min of long contiguous lines: NaN wherever it sits, infinities, every float dtype") {
   // The vectorized paths (Eigen's NaN-propagating extremes; runs widened to f32 for 16-bit
   // dtypes) against the definition, at lengths around their runs' and packets' sizes.
