@@ -279,6 +279,13 @@ std::size_t pending_always_run() noexcept {
   return t_always_run.size();
 }
 
+std::size_t drop_pending_always_run() noexcept {
+  drop_released(t_always_run);
+  const std::size_t dropped = t_always_run.size();
+  t_always_run.clear();
+  return dropped;
+}
+
 bool exclusively_owned(const Tensor& t) {
   return impl_ptr_of(t).use_count() == 1 && impl_of(t)->storage.use_count() == 1 && !impl_of(t)->grad_fn;
 }
@@ -453,7 +460,22 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     fail<AutogradError>("backward", "output gradient ", dtype_name(grad.dtype()), " ", grad.shape(),
                         " does not match output ", dtype_name(root.dtype()), " ", root.shape());
   }
-  std::vector<std::shared_ptr<Node>> always_run;
+  // This thread's always-run nodes, taken for this backward. A retained graph may be
+  // differentiated again, also after a backward that threw (a user retrying it): its always-run
+  // nodes go back to the list, or the retry skipped those the loss does not reach on this rank
+  // while other ranks ran them, and the ranks' collectives fell out of step.
+  struct TakenAlwaysRun {
+    std::vector<std::shared_ptr<Node>> nodes;
+    bool retain;
+    // (Otherwise they are freed with `nodes`, after ClearPending below has reset them.)
+    void put_back() {
+      if (!retain) return;
+      for (auto& n : nodes) t_always_run.push_back(std::move(n));
+      nodes.clear();
+    }
+    ~TakenAlwaysRun() { put_back(); }
+  } taken{{}, retain_graph};
+  std::vector<std::shared_ptr<Node>>& always_run = taken.nodes;
   always_run.swap(t_always_run);
   drop_released(always_run);  // run and freed by a backward on another thread
   if (!root.requires_grad() && always_run.empty()) {
@@ -608,10 +630,7 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
     }
     release_unless_retained(node);
   }
-  // A retained graph may be differentiated again; its always-run nodes must run again too.
-  if (retain_graph) {
-    for (auto& n : always_run) t_always_run.push_back(std::move(n));
-  }
+  taken.put_back();  // (a retained graph's, before the backward-end callbacks run)
   if (t_backward_depth == 1) {
     // Run with the depth still counted, so that a callback queueing another is still "in backward";
     // one that throws drops the rest (see Depth).

@@ -767,3 +767,109 @@ TEST_CASE("a graph recorded before fully_shard or Param::set_data fails in backw
   lin.weight.set_data(zeros({4, 3}));
   CHECK(lin.weight.data().is_leaf());
 }
+
+namespace {
+// train_tiny_grouped's model and optimizer, with a step that may be abandoned: its forward runs
+// (every always-run gather recorded), then the user's code throws before any backward.
+struct GroupedTiny {
+  bool seeded = (nn::manual_seed(7), true);  // before the model's initialization
+  test::TinyLM model;
+  std::unique_ptr<nn::AdamW> opt;
+  double count;
+  Communicator& comm;
+  explicit GroupedTiny(Communicator& c) : comm(c) {
+    for (nn::Module* m : std::vector<nn::Module*>{model.block.get(), model.down.get(), model.up.get(), model.aux.get()})
+      nn::fully_shard(*m, comm);
+    nn::fully_shard(model, comm);
+    opt = std::make_unique<nn::AdamW>(model.parameters(), test::adam_options());
+    count = nn::global_count(comm, static_cast<double>(test::kBatch / comm.world_size() * test::kTime));
+  }
+  Tensor loss(int step) {
+    return model.loss_sum(test::part(test::batch_tokens(step), comm.rank(), comm.world_size()),
+                          test::part(test::batch_targets(step), comm.rank(), comm.world_size()),
+                          test::uses_aux(comm.rank())) /
+           count;
+  }
+  double step(int s) {
+    const Tensor l = loss(s);
+    const double global = comm.all_reduce(l.detach()).item();
+    opt->zero_grad();
+    l.backward();
+    opt->step();
+    return global;
+  }
+};
+}  // namespace
+
+TEST_CASE("a step abandoned after its forward threw: drop_pending_always_run frees its graph, training goes on") {
+  // A sharded model's gathers are always-run nodes, kept on the thread's list until a backward
+  // runs them: after a forward (or the loss code) threw, each retry added the failed one's graph
+  // to what stayed allocated (10 failures: 6.6 kB to 1.09 MB), and the next backward ran them
+  // all, reduce-scattering zeros. drop_pending_always_run abandons them.
+  constexpr int kWorld = 2;
+  const TrainResult reference = on_ranks(kWorld, [](Communicator& comm) { return test::train_tiny_grouped(comm, 2); });
+  const TrainResult got = on_ranks(kWorld, [](Communicator& comm) {
+    GroupedTiny tiny(comm);
+    test::TrainResult r;
+    comm.reset_traffic();
+    r.losses.push_back(tiny.step(0));
+    const std::uint64_t first_step_collectives = comm.traffic().collectives;
+    nn::reshard(tiny.model);
+    const std::int64_t live = memory::stats().live_bytes;
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      try {
+        const Tensor l = tiny.loss(1);
+        (void)nn::cross_entropy(reshape(l, {1, 1}), test::batch_targets(1));  // the user's mistake
+        FAIL("the cross_entropy above should throw");
+      } catch (const ShapeError&) {
+      }
+      CHECK(autograd::pending_always_run() > 0);
+      CHECK(autograd::drop_pending_always_run() > 0);
+      CHECK(autograd::pending_always_run() == 0);
+      nn::reshard(tiny.model);
+      CHECK(memory::stats().live_bytes == live);
+    }
+    // The good step runs the collectives of a step, no more: none of the failed forwards' nodes.
+    comm.reset_traffic();
+    r.losses.push_back(tiny.step(1));
+    CHECK(comm.traffic().collectives == first_step_collectives);
+    r.params = test::snapshot(tiny.model);
+    return r;
+  });
+  CHECK(got.losses == reference.losses);
+  CHECK(got.params == reference.params);
+}
+
+TEST_CASE("a retained graph's backward that threw can be run again: its always-run nodes run on every rank") {
+  // The backward took the thread's always-run list and put it back for a retained graph only once
+  // it finished: after a throw the retry skipped the gathers the loss does not reach on rank 1
+  // (aux), which rank 0 ran, and failed with a CollectiveMismatchError.
+  constexpr int kWorld = 2;
+  std::vector<std::map<std::string, std::vector<double>>> clean(kWorld), retried(kWorld);
+  for (const bool fail_once : {false, true}) {
+    run_ranks(kWorld, [&](Communicator& comm) {
+      GroupedTiny tiny(comm);
+      bool thrown = false;
+      const Tensor loss = tiny.loss(0);
+      // A user-recorded op whose backward throws once.
+      Tensor l = loss.detach().clone();
+      autograd::record("flaky", l, {loss}, {}, [&](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+        if (fail_once && !thrown) {
+          thrown = true;
+          throw std::runtime_error("flaky backward");
+        }
+        return std::vector<Tensor>{g};
+      });
+      if (fail_once) {
+        CHECK_THROWS_WITH_AS(l.backward(true), doctest::Contains("flaky backward"), std::runtime_error);
+        CHECK(autograd::pending_always_run() > 0);
+        tiny.opt->zero_grad();
+      }
+      l.backward(true);
+      std::map<std::string, std::vector<double>> grads;
+      for (const auto& [name, p] : tiny.model.named_parameters()) grads[name] = p.data().grad().to_vector<double>();
+      (fail_once ? retried : clean)[static_cast<std::size_t>(comm.rank())] = grads;
+    });
+  }
+  CHECK(retried == clean);
+}

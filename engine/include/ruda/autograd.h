@@ -198,4 +198,15 @@ bool exclusively_owned(const Tensor& t);
 /// Always-run nodes recorded on this thread and not yet run by a backward.
 std::size_t pending_always_run() noexcept;
 
+/// Drops them, and with them the graph they keep: for a step abandoned without its backward (a
+/// forward or a loss that threw, an out-of-memory error caught to retry with a smaller batch, a
+/// batch skipped for its loss). Otherwise they stay pending until the next backward, which runs
+/// them (a sharded model's gathers then reduce-scatter zeros), and keep their activations until
+/// then: a sharded model's retry after an out-of-memory error ran out again, holding the failed
+/// forward's. Every rank of a sharded model must drop alike (their collectives must match), and
+/// it drops all of this thread's (a forward whose backward is still to come included). Returns
+/// how many it dropped. A backward that throws keeps a retained graph's (it may be run again)
+/// and drops the others'.
+std::size_t drop_pending_always_run() noexcept;
+
 }  // namespace ruda::autograd
