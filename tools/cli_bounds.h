@@ -104,6 +104,32 @@ CLI::Validator whole_number() {
       "");
 }
 
+/// For arguments left over after a subcommand's options: the first option among them named as
+/// another subcommand's ("--sample is an option of 'lm', not of 'mlp'"), or as none's; "" for
+/// other errors. CLI11 listed the leftovers in reverse ("not expected: 3 --sample").
+inline std::string misplaced_option(CLI::App& app, const CLI::ParseError& e, const std::string& program) {
+  if (!dynamic_cast<const CLI::ExtrasError*>(&e)) return {};
+  const auto chosen = app.get_subcommands();
+  if (chosen.empty()) return {};
+  const CLI::App* sub = chosen.back();
+  // (With fallthrough, what the subcommand does not take is left on the app.)
+  std::vector<std::string> left = sub->remaining();
+  for (const std::string& arg : app.remaining()) left.push_back(arg);
+  for (const std::string& arg : left) {
+    if (arg.rfind("--", 0) != 0 || arg.size() < 3) continue;
+    const std::string name = arg.substr(0, arg.find('='));
+    std::string owners;
+    for (const CLI::App* other : app.get_subcommands([](const CLI::App*) { return true; })) {
+      if (other != sub && other->get_option_no_throw(name))
+        owners += (owners.empty() ? "'" : ", '") + other->get_name() + "'";
+    }
+    const std::string usage = " (see " + program + " " + sub->get_name() + " --help)";
+    if (!owners.empty()) return name + " is an option of " + owners + ", not of '" + sub->get_name() + "'" + usage;
+    return "'" + sub->get_name() + "' has no option " + name + usage;
+  }
+  return {};
+}
+
 /// Parses the command line as ruda's programs do: --help prints the help, a parse error prints one
 /// line "PROGRAM: error: ... (see --help)" on stderr (each only where `print`: rank 0 of an MPI
 /// job). Returns the exit code to leave with, 0 after the help and 2 after an error, or nothing
@@ -127,6 +153,8 @@ inline std::optional<int> parse(CLI::App& app, int argc, char** argv, const std:
         for (const CLI::App* sub : subcommands) names += (names.empty() ? "" : ", ") + sub->get_name();
         std::cerr << program << ": error: unknown subcommand '" << left.front() << "' (one of: " << names << ")"
                   << std::endl;
+      } else if (const std::string misplaced = misplaced_option(app, e, program); !misplaced.empty()) {
+        std::cerr << program << ": error: " << misplaced << std::endl;
       } else {
         std::cerr << program << ": error: " << e.what() << " (see --help)" << std::endl;
       }

@@ -97,7 +97,11 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   TempDir tmp;
   one_error_line(run(train("mlp --data /nonexistent")), {"/nonexistent/train-images-idx3-ubyte.gz", "no such file"});
   one_error_line(run(train("lm --text /nonexistent.txt")), {"/nonexistent.txt", "no such file"});
-  one_error_line(run(train("mlp --bogus 3")), {"--bogus"});
+  one_error_line(run(train("mlp --bogus 3")), {"'mlp' has no option --bogus", "ruda-train mlp --help"});
+  // Another subcommand's option is named as its (CLI11 said "not expected: 3 --sample").
+  one_error_line(run(train("mlp --sample 3")), {"--sample is an option of 'lm', not of 'mlp'"});
+  one_error_line(run(train("lm --hidden=64")), {"--hidden is an option of 'mlp', not of 'lm'"});
+  one_error_line(run(ckpt("list " + tmp / "c" + " --keep 2")), {"'list' has no option --keep"});
   one_error_line(run(train("mlp --dtype f8")), {"--dtype", "f8"});
   // A word that is no subcommand is named with the valid ones (it said "A subcommand is required").
   one_error_line(run(train("--emulate 2 mpl")), {"unknown subcommand 'mpl'", "mlp, lm"});
