@@ -742,6 +742,34 @@ TEST_CASE("a save or split whose index the disk refuses removes the rank files i
   });
 }
 
+TEST_CASE("the same state saved twice writes the same bytes, whatever the process made before") {
+  // The index recorded each parameter's process-wide id: under --emulate the ranks build their
+  // models at once, and the same run wrote a different index.json every time (rank files equal).
+  TempDir a, b;
+  auto save = [](const TempDir& dir) {
+    run_ranks(2, [&](Communicator& comm) {
+      nn::Sequential model = many_scalars();
+      nn::fully_shard(model, comm);
+      nn::save_checkpoint(dir.str(), 1, model, nullptr, comm);
+    });
+  };
+  save(a);
+  for (int i = 0; i < 5; ++i) nn::Linear unrelated(2, 2);  // later parameters get other process-wide ids
+  save(b);
+  auto bytes = [](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const fs::path step = "step-00000001";
+  CHECK(bytes(a.path / step / "index.json") == bytes(b.path / step / "index.json"));
+  const auto summary = nn::describe_checkpoint(a.str());
+  std::set<std::uint64_t> numbers;  // the parameters' numbers in the module: 1 to 80
+  for (const auto& p : summary.params) numbers.insert(p.id);
+  CHECK(numbers.size() == 80);
+  CHECK(*numbers.begin() == 1);
+  CHECK(*numbers.rbegin() == 80);
+}
+
 TEST_CASE("steps are ordered by number, not as text: step 100000000 is newer than 99999999") {
   // step-%08lld has nine digits from 100000000 on, and "step-100000000" sorts before "step-99999999".
   TempDir dir;

@@ -1013,7 +1013,11 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
     for (const auto& [name, p] : params) {
-      headers.push_back({name, p.id(), p.shape(), p.data().dtype(), p.is_sharded(), {}, {}});
+      // The parameter's number in the module, not its process-wide id: that depends on what the
+      // process made before (emulated ranks build their models at once: the same run wrote a
+      // different index each time), and two runs of one program must write the same bytes.
+      const auto number = static_cast<std::uint64_t>(headers.size() + 1);
+      headers.push_back({name, number, p.shape(), p.data().dtype(), p.is_sharded(), {}, {}});
       // A module's parameter the optimizer does not update (frozen) has no state and no count.
       if (optimizer && !optimizer->updates(p)) headers.back().optimized = false;
       if (optimizer && optimizer->updates(p)) {

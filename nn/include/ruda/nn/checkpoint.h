@@ -116,7 +116,7 @@ struct CheckpointEntry {
   std::string name;
   Shape shape;
   DType dtype = DType::f32;
-  std::uint64_t id = 0;
+  std::uint64_t id = 0;  // its number in the saved module (1, 2, ... in named_parameters order; 0: a split's)
   bool sharded = false;
   std::vector<std::string> optimizer_state;  // names of the per-parameter optimizer tensors
 };
