@@ -22,6 +22,7 @@
 
 #include <ruda/autograd.h>
 #include <ruda/nn/checkpoint.h>
+#include <ruda/nn/layers.h>
 #include <ruda/nn/safetensors.h>
 #include <ruda/nn/sharded.h>
 #include <nlohmann/json.hpp>
@@ -564,9 +565,32 @@ std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
 
 // The index of a checkpoint from each rank's report of the pieces it wrote
 // ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
+// The module's dropout streams by module path: {"seed", "offset"} each ({} without dropout).
+json dropout_streams(const Module& module) {
+  json streams = json::object();
+  for (const auto& [path, m] : module.named_modules()) {
+    if (const auto* dropout = dynamic_cast<const Dropout*>(m)) {
+      streams[path] = {{"seed", dropout->generator().seed()}, {"offset", dropout->generator().offset()}};
+    }
+  }
+  return streams;
+}
+
+// Puts the streams the index recorded back into the module's Dropouts of the same paths (a
+// checkpoint without them, older or of a model without dropout, leaves them as they are).
+void restore_dropout_streams(const Index& index, Module& module) {
+  for (const auto& [path, m] : module.named_modules()) {
+    auto* dropout = dynamic_cast<Dropout*>(m);
+    const auto found = index.streams.find(path);
+    if (dropout && found != index.streams.end()) {
+      dropout->generator() = Generator(found->second.first, found->second.second);
+    }
+  }
+}
+
 json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& params, const Optimizer* optimizer,
                  const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::map<std::string, std::string>& extra,
-                 const std::vector<json>& reports) {
+                 const std::vector<json>& reports, const json& streams = json::object()) {
   json index = {{"format", kFormat}, {"version", kVersion}, {"step", step}, {"world_size", world}};
   json files = json::array();  // each rank's file by the name it wrote (see new_rank_file)
   for (int r = 0; r < world; ++r) files.push_back(reports[static_cast<std::size_t>(r)].at("file"));
@@ -613,6 +637,7 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                           {"state", state_names},
                           {"groups", groups}};
   }
+  if (!streams.empty()) index["streams"] = streams;
   index["extra"] = extra;
   return index;
 }
@@ -1027,7 +1052,9 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
       }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
-    skipped = publish(dir, step_dir, step, build_index(step, world, headers, optimizer, groups, extra, reports), keep);
+    skipped =
+        publish(dir, step_dir, step,
+                build_index(step, world, headers, optimizer, groups, extra, reports, dropout_streams(module)), keep);
   });
   if (!failures.empty()) {
     // Every rank is past the phase (it failed on some, agreed on all). Where it failed before the
@@ -1242,6 +1269,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       fail(index.path, std::string("holds optimizer state the optimizer refuses: ") + e.what());
     }
   }
+  restore_dropout_streams(index, module);
   info.bytes_read = files.bytes_read();
   return info;
 }

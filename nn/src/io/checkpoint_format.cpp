@@ -219,6 +219,21 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     }
     if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
   }
+  if (j.contains("streams")) {
+    const json& s = j["streams"];
+    if (!s.is_object()) fail("index.json's 'streams' must be an object");
+    for (auto it = s.begin(); it != s.end(); ++it) {
+      const std::string where = "index.json's stream '" + it.key() + "'";
+      // Full 64-bit words (a seed is a hash).
+      auto word = [&](const char* key) {
+        const json& v = member(it.value(), key, where);
+        if (!v.is_number_unsigned() && !(v.is_number_integer() && v.get<std::int64_t>() >= 0))
+          fail(where + "'s '" + key + "' must be a non-negative integer, not " + v.dump());
+        return v.get<std::uint64_t>();
+      };
+      index.streams[it.key()] = {word("seed"), word("offset")};
+    }
+  }
   if (j.contains("extra")) {
     const json& e = j["extra"];
     if (!e.is_object()) fail("index.json's 'extra' must be an object of strings");

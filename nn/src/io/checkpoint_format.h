@@ -124,6 +124,9 @@ struct Index {
   // The optimizer's parameter groups (absent in checkpoints written before groups existed).
   std::optional<std::vector<IndexGroup>> optimizer_groups;
   std::map<std::string, std::string> extra;
+  // The dropout streams of the saved module, by module path: seed and position (absent in older
+  // checkpoints, and for a module without dropout).
+  std::map<std::string, std::pair<std::uint64_t, std::uint64_t>> streams;
 
   bool has_checksums() const { return version >= 2; }
   // The tensors a piece of `p` has in its rank file: the parameter's values, then its optimizer state.

@@ -240,6 +240,15 @@ std::vector<Param> Module::parameters() const {
   return out;
 }
 
+std::vector<std::pair<std::string, const Module*>> Module::named_modules() const {
+  std::vector<std::pair<std::string, const Module*>> out = {{"", this}};
+  for (const auto& [name, child] : children_) {
+    for (auto& [sub, m] : std::as_const(*child).named_modules())
+      out.emplace_back(sub.empty() ? name : name + "." + sub, m);
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, Module*>> Module::named_modules() {
   std::vector<std::pair<std::string, Module*>> out = {{"", this}};
   for (const auto& [name, child] : children_) {

@@ -6,11 +6,12 @@
 //       in its metadata the rank, world size and step it was written for (a step saved again
 //       writes rank-00000-of-00004.b.safetensors beside the old files, and back the next time;
 //       the index names each rank's file, and replacing the index swaps the new files in);
-//   index.json    names, parameter ids, logical shapes, dtypes, the world size, which file holds
+//   index.json    names, parameter numbers, logical shapes, dtypes, the world size, which file holds
 //       which element range of each parameter with an XXH3-64 hash of every 64 KiB block of it,
 //       the optimizer's kind, scalar state (steps, lr), each parameter's own step count where it
 //       differs (it had no gradient in some steps) and state tensors' dtypes, and the caller's
-//       extra state (step, RNG, data position, model description).
+//       extra state (step, RNG, data position, model description), and the seed and position of
+//       each Dropout's stream by module path (restored by load_checkpoint).
 // Writes are atomic and ordered: every rank writes its file (temporary file, flush, rename) and
 // reports its checksums, all ranks agree that every file is complete, rank 0 writes index.json the
 // same way, and then points dir/latest at the new directory. Killed at any moment, the previous

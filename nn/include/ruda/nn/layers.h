@@ -78,12 +78,15 @@ class RMSNorm : public UnaryModule {
 };
 
 /// Zeroes elements with probability p in training mode (scaling the rest by 1/(1-p)); identity in
-/// eval mode. Its draws come from its own counter-based stream, which checkpoints can save.
+/// eval mode. Its draws come from its own counter-based stream (seed and position), which
+/// save_checkpoint records and load_checkpoint restores, so a resumed run draws the masks the
+/// uninterrupted one would.
 class Dropout : public UnaryModule {
  public:
   explicit Dropout(double p, std::uint64_t seed = next_seed());
   Tensor forward(const Tensor& x) override;
   Generator& generator() noexcept { return generator_; }
+  const Generator& generator() const noexcept { return generator_; }
   double p() const noexcept { return p_; }
 
  private:

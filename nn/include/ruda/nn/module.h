@@ -114,6 +114,7 @@ class Module {
   std::vector<Param> parameters() const;
   /// Submodules by dotted name (this module first, as "").
   std::vector<std::pair<std::string, Module*>> named_modules();
+  std::vector<std::pair<std::string, const Module*>> named_modules() const;
   /// Training mode (dropout active) for this module and its children.
   void train(bool on = true);
   void eval() { train(false); }
