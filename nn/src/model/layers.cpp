@@ -119,11 +119,23 @@ Dropout::Dropout(double p, std::uint64_t seed) : p_(p), generator_(seed) {
   if (!(p >= 0.0 && p <= 1.0)) fail<ArgumentError>("Dropout", "probability must be in [0, 1], got ", p);
 }
 
+void Dropout::set_data_parallel(int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    fail<ArgumentError>("Dropout::set_data_parallel", "rank ", rank, " of ", world, ": needs 0 <= rank < world");
+  }
+  rank_ = rank;
+  world_ = world;
+}
+
+std::uint64_t Dropout::take(std::uint64_t count) noexcept {
+  const auto rank = static_cast<std::uint64_t>(rank_), world = static_cast<std::uint64_t>(world_);
+  return generator_.take(world * count) + rank * count;
+}
+
 Tensor Dropout::forward(const Tensor& x) {
   require_input("Dropout", x);
   if (!is_training() || p_ == 0.0) return x;
-  const std::uint64_t offset = generator_.take(static_cast<std::uint64_t>(x.numel()));
-  return dropout(x, p_, generator_.seed(), offset);
+  return dropout(x, p_, generator_.seed(), take(static_cast<std::uint64_t>(x.numel())));
 }
 
 Tensor ReLU::forward(const Tensor& x) { return relu(x); }
@@ -169,7 +181,7 @@ Tensor CausalSelfAttention::forward(const Tensor& x) {
       // The draws the composed path's Dropout takes for the [B, H, T, T] weights: the same mask.
       options.dropout = attn_dropout_->p();
       options.seed = attn_dropout_->generator().seed();
-      options.offset = attn_dropout_->generator().take(static_cast<std::uint64_t>(batch * heads_ * time * time));
+      options.offset = attn_dropout_->take(static_cast<std::uint64_t>(batch * heads_ * time * time));
     }
     // The packed form: its backward hands the projection one [B, T, 3C] gradient, where three
     // [B, H, T, head_dim] ones would be copied into it (~1% of the default GPT's step).

@@ -309,12 +309,21 @@ std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) 
 
 static std::size_t shard_module(Module& module, Communicator& comm, const FullyShardOptions& options);
 
+// The module's Dropouts draw rank `rank`'s part of their streams (Dropout::set_data_parallel).
+static void split_dropout_streams(Module& module, int rank, int world) {
+  for (const auto& [path, m] : module.named_modules()) {
+    if (auto* dropout = dynamic_cast<Dropout*>(m)) dropout->set_data_parallel(rank, world);
+  }
+}
+
 std::size_t fully_shard(Module& module, const ShardMesh& mesh, FullyShardOptions options) {
   if (options.replicate && options.replicate != &mesh.replicate()) {
     fail<ShardingError>("fully_shard", "the options name a replicate communicator other than the mesh's own");
   }
   options.replicate = &mesh.replicate();
-  return shard_module(module, mesh.shard(), options);
+  const std::size_t sharded = shard_module(module, mesh.shard(), options);
+  split_dropout_streams(module, mesh.world().rank(), mesh.world().world_size());  // every rank has its own samples
+  return sharded;
 }
 
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options) {
@@ -326,7 +335,9 @@ std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOpti
                         "options), whose ShardMesh checks that it and the shard communicator tile the world ", "(rank ",
                         comm.rank(), " of ", comm.world_size(), " here)");
   }
-  return shard_module(module, comm, options);
+  const std::size_t sharded = shard_module(module, comm, options);
+  split_dropout_streams(module, comm.rank(), comm.world_size());
+  return sharded;
 }
 
 static std::size_t shard_module(Module& module, Communicator& comm, const FullyShardOptions& options) {

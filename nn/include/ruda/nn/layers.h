@@ -81,6 +81,13 @@ class RMSNorm : public UnaryModule {
 /// eval mode. Its draws come from its own counter-based stream (seed and position), which
 /// save_checkpoint records and load_checkpoint restores, so a resumed run draws the masks the
 /// uninterrupted one would.
+///
+/// Data-parallel ranks draw their own parts of one stream: fully_shard gives the module's
+/// Dropouts their rank r and world size N, and then each call of n values takes N n draws and
+/// uses those from r n on, the mask the model on one process would draw for the r-th of N equal
+/// parts of the global batch (its rows in order). So sharded training with dropout equals dense
+/// training as it does without, and the ranks' masks differ (each drew the same mask for its own
+/// samples before: correlated noise, and a run that changed with the world size).
 class Dropout : public UnaryModule {
  public:
   explicit Dropout(double p, std::uint64_t seed = next_seed());
@@ -88,10 +95,16 @@ class Dropout : public UnaryModule {
   Generator& generator() noexcept { return generator_; }
   const Generator& generator() const noexcept { return generator_; }
   double p() const noexcept { return p_; }
+  /// This rank's part of the stream (fully_shard sets it): rank in [0, world). ArgumentError otherwise.
+  void set_data_parallel(int rank, int world);
+  /// Reserves the draws of one call of `count` values on every rank and returns the position of
+  /// this rank's first (CausalSelfAttention's fused attention draws through it too).
+  std::uint64_t take(std::uint64_t count) noexcept;
 
  private:
   double p_;
   Generator generator_;
+  int rank_ = 0, world_ = 1;
 };
 
 class ReLU : public UnaryModule {
