@@ -558,3 +558,23 @@ TEST_CASE("accumulation: a group that the last micro-batch does not reach still 
     }
   }
 }
+
+TEST_CASE("hybrid: each rank of the world draws its own part of a Dropout's stream") {
+  // fully_shard over a mesh gives a Dropout the world's rank and size (every rank of every node
+  // has its own samples), not the node's: ranks 0 and 2, the first of their nodes, drew alike.
+  std::vector<std::uint64_t> first(4), after(4);
+  run_ranks(
+      4,
+      [&](Communicator& comm) {
+        const ShardMesh mesh = ShardMesh::by_node(comm);
+        nn::manual_seed(3);
+        auto dropout = std::make_shared<nn::Dropout>(0.5);
+        nn::Sequential model({std::make_shared<nn::Linear>(4, 4), dropout});
+        nn::fully_shard(model, mesh);
+        first[static_cast<std::size_t>(comm.rank())] = dropout->take(10);
+        after[static_cast<std::size_t>(comm.rank())] = dropout->generator().offset();
+      },
+      on_nodes(2));
+  CHECK(first == std::vector<std::uint64_t>{0, 10, 20, 30});
+  CHECK(after == std::vector<std::uint64_t>{40, 40, 40, 40});
+}
