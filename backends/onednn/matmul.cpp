@@ -23,6 +23,17 @@ namespace {
 // scales multiply the fused bias too (dst = alpha * (A B + bias)), while GemmDesc adds it unscaled.
 bool bias_as_post_op(const GemmDesc& d) { return d.bias != nullptr && d.alpha != 1.0f; }
 
+// Whether C's matrices do not follow one another densely (rows of ldc): a batch stride other
+// than the matrix's m ldc elements (or, over two batch axes, than the inner axis' extent times that).
+bool c_has_gaps(const GemmDesc& d) {
+  if (d.batch <= 1) return false;
+  const std::int64_t matrix = d.m * d.ld_c();
+  if (d.batch_inner > 1) {
+    return d.inner_stride_c != matrix || (d.batch > d.batch_inner && d.batch_stride_c != d.batch_inner * matrix);
+  }
+  return d.batch_stride_c != matrix;
+}
+
 int bias_arg(const GemmDesc& d) {
   if (!bias_as_post_op(d)) return DNNL_ARG_BIAS;
   return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
@@ -229,6 +240,13 @@ void OneDnnBackend::gemm(const GemmDesc& d) {
     // Every batch the same product, or output batches that overlap: no matmul descriptor says that.
     note_fallback("gemm", d.a_dtype,
                   "batch strides with no oneDNN layout (both operands shared, or overlapping outputs)");
+    return EigenBackend::gemm(d);
+  }
+  if (bias_as_post_op(d) && c_has_gaps(d)) {
+    // oneDNN 2.6 places a broadcast binary post-op's operand by the output's physical offset:
+    // with gaps between the output matrices, every matrix after the first read the bias shifted,
+    // past its end (alpha 0.5, n 8, a gap of 3: the second matrix's rows read 4 5 6 7 8 0 0 4e-43).
+    note_fallback("gemm", d.a_dtype, "a bias with alpha != 1 on output matrices with gaps between them");
     return EigenBackend::gemm(d);
   }
   if (d.a_dtype == DType::bf16 && !bf16_native()) {
