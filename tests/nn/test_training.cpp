@@ -125,7 +125,10 @@ TEST_CASE("TextWindows: the ranks' parts of a step are the one-process batch, ea
   CHECK(nn::TextWindows(corpus, 0, 9, kContext).batch(3, 0, 1, 0, 1).first.shape() == Shape{1, kContext});
   test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, 8, kContext); },
                                     {"TextWindows", "[0, 8)", "context 8"});
-  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 300, 401, kContext); }, {"[300, 401)", "400"});
+  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 300, 401, kContext); },
+                                    {"[300, 401)", "no range", "400 bytes"});
+  // Context 0 is named as the problem (it read "too few bytes for windows of context 0").
+  test::check_throws<ArgumentError>([&] { nn::TextWindows(corpus, 0, 100, 0); }, {"context 0 is not positive"});
 }
 
 TEST_CASE("sample_bytes: the same bytes on every rank of a sharded model as from the dense model") {

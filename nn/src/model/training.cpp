@@ -62,10 +62,17 @@ TextWindows::TextWindows(TextCorpus corpus, std::int64_t begin, std::int64_t end
   // One window needs context + 1 bytes (its inputs and, shifted by one, its targets); it asked
   // for context + 2, one byte more than any window reads. end - begin - 1 < context, not
   // end - begin < context + 1: a context near INT64_MAX would wrap.
-  if (context <= 0 || begin < 0 || end > corpus_.size() || end < begin || end - begin - 1 < context) {
-    throw ArgumentError("TextWindows: bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " +
-                        std::to_string(corpus_.size()) + " are too few for windows of context " +
-                        std::to_string(context) + " (it needs context + 1)");
+  // Each refusal says its own reason ("too few bytes for windows of context 0" named the bytes
+  // for a context that was the problem).
+  const std::string range = "bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ")";
+  if (context <= 0) throw ArgumentError("TextWindows: context " + std::to_string(context) + " is not positive");
+  if (begin < 0 || end > corpus_.size() || end < begin) {
+    throw ArgumentError("TextWindows: " + range + " is no range of the corpus's " + std::to_string(corpus_.size()) +
+                        " bytes");
+  }
+  if (end - begin - 1 < context) {
+    throw ArgumentError("TextWindows: " + range + " of " + std::to_string(corpus_.size()) +
+                        " are too few for windows of context " + std::to_string(context) + " (it needs context + 1)");
   }
 }
 
