@@ -598,19 +598,38 @@ long resident_bytes() {
 }
 }  // namespace
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define RUDA_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define RUDA_TEST_SANITIZED 1
+#endif
+#endif
+
 TEST_CASE("emulated: a split whose communicators are gone is freed, not kept until run_ranks returns") {
   // Every split's world was kept for the run: one that split every step grew ~0.9 kB a split
-  // (31 MB over 40000), while MPI's stayed flat.
+  // (18 MB resident over 20000), while MPI's stayed flat.
+#ifdef RUDA_TEST_SANITIZED
+  // A sanitizer's allocator holds freed memory back (ASan's quarantine), so resident size grows
+  // by what was freed: the splits run (their races are checked), the growth is not.
+  constexpr int kSplits = 2000;
+#else
+  constexpr int kSplits = 20000;
+#endif
   long growth = 0;
   run_ranks(2, [&](Communicator& comm) {
     for (int i = 0; i < 200; ++i) comm.split(0, comm.rank())->barrier();  // warm: allocator, first worlds
     comm.barrier();
     const long before = comm.rank() == 0 ? resident_bytes() : 0;
-    for (int i = 0; i < 20000; ++i) comm.split(0, comm.rank())->barrier();
+    for (int i = 0; i < kSplits; ++i) comm.split(0, comm.rank())->barrier();
     comm.barrier();
     if (comm.rank() == 0) growth = resident_bytes() - before;
   });
+#ifdef RUDA_TEST_SANITIZED
+  MESSAGE("resident growth not checked under a sanitizer (" << growth << " bytes after " << kSplits << " splits)");
+#else
   CHECK_MESSAGE(growth < (6l << 20), growth, " bytes more resident after 20000 splits");
+#endif
 }
 
 TEST_CASE("emulated: a split communicator's errors name the rank it was split from as well as its own") {
