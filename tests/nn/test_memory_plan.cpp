@@ -447,3 +447,27 @@ TEST_CASE("with the overlap trial undecided, the plan covers the overlapping and
     }
   }
 }
+
+TEST_CASE("probe_step leaves the Dropouts' streams where they were, also when its step throws") {
+  // The probe's steps drew masks and left the streams advanced: a run that planned (ruda-train
+  // with --memory-limit) trained on other masks than the same run without a plan.
+  LocalCommunicator comm;
+  nn::manual_seed(2);
+  auto dropout = std::make_shared<nn::Dropout>(0.3);
+  nn::Sequential model({std::make_shared<nn::Linear>(6, 6), dropout, std::make_shared<nn::Linear>(6, 2)});
+  nn::fully_shard(model, comm);
+  auto step = [&](std::int64_t b) { return sum(square(model.forward(randn({b, 6}, 4)))); };
+  const std::uint64_t before = dropout->generator().offset();
+  (void)nn::probe_step(model, comm, step, 3);
+  CHECK(dropout->generator().offset() == before);
+  int calls = 0;
+  CHECK_THROWS_WITH(nn::probe_step(model, comm,
+                                   [&](std::int64_t b) {
+                                     if (++calls == 2) throw std::runtime_error("boom");
+                                     return step(b);
+                                   }),
+                    "boom");
+  CHECK(dropout->generator().offset() == before);
+  (void)step(2);  // a training step after it draws from where the stream was
+  CHECK(dropout->generator().offset() == before + 12);
+}

@@ -4,6 +4,7 @@
 
 #include <ruda/autograd.h>
 #include <ruda/memory.h>
+#include <ruda/nn/layers.h>
 #include <ruda/nn/memory_plan.h>
 
 #include "sharding/shard_group.h"
@@ -91,6 +92,30 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
   return plan;
 }
 
+namespace {
+// The module's Dropout streams' positions, put back on destruction: the probe's steps draw masks
+// as training steps do, and left the streams advanced, so a run that planned (ruda-train with
+// --memory-limit) trained on other masks than one that did not. (The step function runs the
+// module's forward, which moves them through these same objects.)
+class StreamsKept {
+ public:
+  explicit StreamsKept(const Module& module) {
+    for (const auto& [path, m] : module.named_modules()) {
+      if (const auto* d = dynamic_cast<const Dropout*>(m))
+        kept_.emplace_back(const_cast<Dropout*>(d), d->generator().offset());
+    }
+  }
+  ~StreamsKept() {
+    for (const auto& [dropout, offset] : kept_) dropout->generator().set_offset(offset);
+  }
+  StreamsKept(const StreamsKept&) = delete;
+  StreamsKept& operator=(const StreamsKept&) = delete;
+
+ private:
+  std::vector<std::pair<Dropout*, std::uint64_t>> kept_;
+};
+}  // namespace
+
 StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
                      std::int64_t samples, int micro_batches) {
   if (!step) fail<ArgumentError>("probe_step", "the step function is empty");
@@ -100,6 +125,7 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
   memory::LimitSuspended measuring;
   // Nor may it count as a step of the automatic overlap trial, or measure the smaller schedule.
   const ShardSchedule::Probing probing;
+  const StreamsKept streams(module);
   // The transient above what is live before the forward, with the previous micro-batch's
   // gradients alive during it as in a training loop (loss, zero_grad, backward).
   // Accumulating (micro_batches > 1): as the training loop runs it, gradients cleared before the

@@ -87,9 +87,9 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 /// return it; probe_step runs its backward like a training step (gradients of the previous
 /// micro-batch alive during the forward, freed before backward) at b = 1 and b = `samples`, takes
 /// the largest figures over the ranks (a collective: every rank must call it), and leaves every
-/// gradient cleared and the peak counter reset. Parameters are not changed (Dropout streams do
-/// advance, as a training step's would: probe before loading a checkpoint). The memory limit is
-/// suspended while it measures: the plan decides.
+/// gradient cleared and the peak counter reset. Parameters are not changed, nor the Dropouts'
+/// streams (their positions are put back: training after a plan draws the masks it draws
+/// without one). The memory limit is suspended while it measures: the plan decides.
 ///
 /// A step's peak is convex in the batch (the most, over the step's moments, of a constant plus a
 /// multiple of the batch), so the line through the two measurements is exact at both and
