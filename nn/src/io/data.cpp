@@ -298,42 +298,21 @@ bool is_gzip(const std::string& path) {
   return magic[0] == 0x1f && magic[1] == 0x8b;
 }
 
-// The cache copy's name: the source's name without .gz, a hash of its absolute path (the prefix,
-// shared by every copy of that source) and a hash of this version of it (size and modification
-// time), so an edited source gets a new copy and its earlier versions' copies can be found.
-struct CacheName {
-  std::string prefix, name;
-};
-CacheName cache_name(const std::string& path) {
+// The cache copy's name: the source's name without .gz, and a hash of what identifies this version
+// of it (its absolute path, size and modification time), so an edited source gets a new copy.
+std::string cache_name(const std::string& path) {
   std::error_code ec;
   fs::path source = fs::absolute(path, ec);
   if (!ec) source = fs::weakly_canonical(source, ec);
   const std::uintmax_t size = ec ? 0 : fs::file_size(source, ec);
   const fs::file_time_type time = ec ? fs::file_time_type{} : fs::last_write_time(source, ec);
   if (ec) data_fail(path, "cannot be identified for its decompressed copy: " + ec.message());
-  auto hex = [](const std::string& key) {
-    char hash[17];
-    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
-    return std::string(hash);
-  };
+  const std::string key =
+      source.string() + "|" + std::to_string(size) + "|" + std::to_string(time.time_since_epoch().count());
+  char hash[17];
+  std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
   const fs::path name = source.filename();
-  const std::string prefix =
-      (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hex(source.string()) + "-";
-  return {prefix, prefix + hex(std::to_string(size) + "|" + std::to_string(time.time_since_epoch().count()))};
-}
-
-// Removes the copies of the source's earlier versions (regular files named `prefix` and a version
-// hash, other than `current`): each edit of a gzip source left a whole copy in the cache, 500
-// versions of a growing corpus 50 MB. A process still reading one keeps it open; temporaries of
-// writers (their names longer) are left alone. Best effort: the copy just made is what matters.
-void remove_earlier_copies(const fs::path& dir, const std::string& prefix, const std::string& current) {
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name == current || name.size() != current.size() || name.rfind(prefix, 0) != 0) continue;
-    std::error_code probing, removing;
-    if (it->symlink_status(probing).type() == fs::file_type::regular && !probing) fs::remove(it->path(), removing);
-  }
+  return (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hash;
 }
 
 // Decompresses `source` into `target` atomically: a temporary file of its own beside it, flushed
@@ -456,8 +435,7 @@ std::string default_cache_dir() {
 std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
   if (!is_gzip(path)) return path;
   const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
-  const CacheName names = cache_name(path);
-  const fs::path target = dir / names.name;
+  const fs::path target = dir / cache_name(path);
   // Only a rename puts a file at `target`, so one found there is complete (and whatever else is
   // there, a FIFO say, is refused by name when it is opened).
   std::error_code error;
@@ -472,7 +450,6 @@ std::string uncompressed_file(const std::string& path, const std::string& cache_
   // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
   // open the final name only once it is complete.
   decompress_to(path, target.string());
-  remove_earlier_copies(dir, names.prefix, names.name);
   return target.string();
 }
 
