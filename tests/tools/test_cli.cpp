@@ -1004,6 +1004,25 @@ TEST_CASE("mpiexec: a run under --collective-timeout trains as usual") {
 }
 #endif
 
+TEST_CASE("the memory plan is checked after step 2, or under --overlap auto once the trial has decided") {
+  // --per-parameter has no shard groups and so no trial: its check waited for a decision that
+  // never comes, to the last step. Grouped under --overlap auto the trial runs 7 steps here.
+  const std::string lm =
+      "lm --d-model 16 --layers 1 --heads 2 --context 8 --batch 4 --steps 12 --eval-every 0 "
+      "--log-every 1 ";
+  const Run per_parameter = run(train("--per-parameter " + lm));
+  REQUIRE_MESSAGE(per_parameter.exit_code == 0, per_parameter.output);
+  const auto at = per_parameter.output.find("memory: predicted");
+  REQUIRE(at != std::string::npos);
+  CHECK(at < per_parameter.output.find("step 3/12"));
+  const Run grouped = run(train(lm));
+  REQUIRE_MESSAGE(grouped.exit_code == 0, grouped.output);
+  const auto line = grouped.output.find("memory: predicted");
+  REQUIRE(line != std::string::npos);
+  CHECK(line > grouped.output.find("step 3/12"));
+  CHECK(line < grouped.output.find("step 12/12"));
+}
+
 TEST_CASE("the memory plan printed before step 1 is within 10% of the measured peak, mlp and lm, 1 to 4 ranks") {
   TempDir tmp;
   const std::vector<std::string> models = {

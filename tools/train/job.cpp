@@ -651,7 +651,9 @@ int run(const Config& cfg, Communicator& comm) {
     // synchronous steps: the plan covers the larger of the two, and at step 2 the check read
     // it against the overlapping step's peak alone ("0.85 of predicted" where the synchronous
     // step, two steps later, needed all of it). The peak is the run's so far, both kinds by then.
-    const bool trial_running = cfg.overlap == "auto" && !nn::overlap_report(task->module()).decided;
+    // (--per-parameter has no shard groups, so no trial: its report never decides.)
+    const bool trial_running =
+        cfg.overlap == "auto" && !cfg.per_parameter && !nn::overlap_report(task->module()).decided;
     if (!plan_checked && step + 1 >= plan_check_step && (!trial_running || step + 1 == total)) {
       plan_checked = true;
       const auto peak = peaks();
