@@ -793,7 +793,7 @@ void check_save_arguments(const std::string& dir, std::int64_t step, int world,
 // it, so a layout no reader accepts is never published), then the latest pointer, then the
 // cleaning of what earlier kills left and of old steps.
 std::vector<std::string> publish(const fs::path& dir, const std::string& step_dir, std::int64_t step,
-                                 const json& unchecked_index, int keep) {
+                                 const json& unchecked_index, int keep, bool* index_written = nullptr) {
   const std::string index_path = (fs::path(step_dir) / "index.json").string();
   const json index = with_index_checksum(unchecked_index);
   const Index parsed = parse_index(index, index_path, step_dir);
@@ -809,6 +809,7 @@ std::vector<std::string> publish(const fs::path& dir, const std::string& step_di
     }
   }
   safetensors::write_text_atomically(index_path, index.dump(1));  // the swap: the new files are the step's
+  if (index_written) *index_written = true;
   safetensors::write_text_atomically((dir / "latest").string(), step_name(step) + "\n");
   Upkeep upkeep;
   remove_unlisted_rank_files(step_dir, parsed.files, &upkeep);  // the files the new ones replaced
@@ -1034,6 +1035,7 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
 
   // 4. Rank 0 publishes.
   std::vector<std::string> skipped;
+  bool index_written = false;  // rank 0's
   const auto failures = run_agreed(comm, "checkpoint publishing the index", [&] {
     if (rank != 0) return;
     std::vector<ParamHeader> headers;
@@ -1052,17 +1054,20 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
       }
     }
     const auto groups = optimizer ? groups_of(*optimizer, params) : std::vector<ckpt::IndexGroup>{};
-    skipped =
-        publish(dir, step_dir, step,
-                build_index(step, world, headers, optimizer, groups, extra, reports, dropout_streams(module)), keep);
+    skipped = publish(dir, step_dir, step,
+                      build_index(step, world, headers, optimizer, groups, extra, reports, dropout_streams(module)),
+                      keep, &index_written);
   });
   if (!failures.empty()) {
     // Every rank is past the phase (it failed on some, agreed on all). Where it failed before the
     // index named the new files (a full disk refusing index.json), no reader will ever take them:
     // each rank removes its own, which upkeep would otherwise remove only at the next save,
     // keeping a checkpoint's worth of space on the disk that just ran out of it. Where the index
-    // was written (the latest pointer failed after it), the files are the step's and stay.
-    if (!index_names(step_dir, fs::path(file).filename().string())) {
+    // was written (the latest pointer failed after it), the files are the step's and stay. Rank
+    // 0 says which (another rank's view of the directory may lag: a network file system).
+    const Tensor written = comm.broadcast(from_values({index_written ? 1.0 : 0.0}, {1}, DType::f64), 0,
+                                          {.tag = "checkpoint: whether the index was written"});
+    if (written.item() == 0) {
       std::error_code ec;
       fs::remove(file, ec);
     }
