@@ -337,16 +337,27 @@ class Fabric {
   /// communicators are all destroyed goes (each kept forever, a run that split every step grew by
   /// ~0.9 kB a split, 31 MB over 40000).
   std::shared_ptr<World> split(const World& parent, std::uint64_t split, int color, std::vector<int> members) {
-    std::lock_guard lock(mutex_);
-    forget_destroyed();
-    std::weak_ptr<World>& slot = splits_[{parent.id(), split, color}];
-    std::shared_ptr<World> world = slot.lock();
-    if (!world) {
-      world = std::make_shared<World>(std::move(members), timeout_);
-      if (!failure_.empty()) world->abandon(failure_);
-      slot = world;
-      worlds_.push_back(world);
+    std::shared_ptr<World> world;
+    std::vector<int> returned;  // its members whose function has returned (its local ranks)
+    {
+      std::lock_guard lock(mutex_);
+      forget_destroyed();
+      std::weak_ptr<World>& slot = splits_[{parent.id(), split, color}];
+      world = slot.lock();
+      if (!world) {
+        world = std::make_shared<World>(std::move(members), timeout_);
+        if (!failure_.empty()) world->abandon(failure_);
+        for (const int run_rank : finished_) {
+          if (const int local = world->local_rank(run_rank); local >= 0) returned.push_back(local);
+        }
+        slot = world;
+        worlds_.push_back(world);
+      }
     }
+    // A member whose function has returned never joins it (an earlier world of this split may
+    // have gone with its communicators, and finish() reached that one): said now, outside the
+    // fabric's lock as finish() does, or a rank waiting in it would wait out the timeout.
+    for (const int local : returned) world->finish(local);
     return world;
   }
 
@@ -370,6 +381,10 @@ class Fabric {
 
   void finish(int run_rank) {
     root_->finish(run_rank);
+    {
+      std::lock_guard lock(mutex_);
+      finished_.insert(run_rank);
+    }
     for (const auto& w : splits({})) {
       if (const int local = w->local_rank(run_rank); local >= 0) w->finish(local);
     }
@@ -421,7 +436,8 @@ class Fabric {
   std::map<std::tuple<std::uint64_t, std::uint64_t, int>, std::weak_ptr<World>> splits_;  // by parent id
   std::vector<std::weak_ptr<World>> worlds_;
   std::string failure_;
-  std::vector<Clock::time_point> nic_free_;                                                            // per node
+  std::set<int> finished_;                   // run ranks whose function returned
+  std::vector<Clock::time_point> nic_free_;  // per node
   std::map<std::pair<std::uint64_t, int>, std::pair<std::uint64_t, Clock::time_point>> reservations_;  // by world id
 };
 

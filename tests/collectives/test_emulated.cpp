@@ -632,6 +632,33 @@ TEST_CASE("emulated: a split whose communicators are gone is freed, not kept unt
 #endif
 }
 
+TEST_CASE("emulated: a rank waiting in a split whose other member has returned raises at once") {
+  // Rank 0 splits and returns, its communicator gone with it, before rank 1 splits: rank 1's
+  // world is made anew, and finish() had reached only rank 0's, so rank 1's barrier waited out
+  // the timeout instead of raising.
+  EmulatedOptions options;
+  options.timeout = 30s;
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          if (comm.rank() == 0) {
+            (void)comm.split(0, 0);
+            return;
+          }
+          std::this_thread::sleep_for(200ms);
+          comm.split(0, 1)->barrier();
+        },
+        options);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  CHECK(std::chrono::steady_clock::now() - start < 10s);
+  CHECK_MESSAGE(!error.empty(), "rank 1's barrier should have failed");
+}
+
 TEST_CASE("emulated: a split communicator's errors name the rank it was split from as well as its own") {
   // "rank 0: ..." from a node's communicator did not say which process of the run it was.
   EmulatedOptions options;
