@@ -473,7 +473,12 @@ void backward(const Tensor& root, const Tensor& grad, bool retain_graph) {
       for (auto& n : nodes) t_always_run.push_back(std::move(n));
       nodes.clear();
     }
-    ~TakenAlwaysRun() { put_back(); }
+    ~TakenAlwaysRun() {
+      try {
+        put_back();
+      } catch (...) {  // (out of memory while unwinding: the list stays short rather than terminate)
+      }
+    }
   } taken{{}, retain_graph};
   std::vector<std::shared_ptr<Node>>& always_run = taken.nodes;
   always_run.swap(t_always_run);
