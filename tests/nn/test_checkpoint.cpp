@@ -803,6 +803,27 @@ TEST_CASE("a resume draws the dropout masks the uninterrupted run draws: the str
   nn::AdamW resumed_opt(resumed->parameters(), {});
   nn::load_checkpoint(dir.str(), *resumed, &resumed_opt, comm);
   for (int s = 2; s < 4; ++s) CHECK(step(*resumed, resumed_opt, s) == expected[static_cast<std::size_t>(s)]);
+  // At another world size: the positions are the global stream's, so two ranks resuming the
+  // dense run's checkpoint draw, between them, the masks the dense run draws.
+  std::vector<double> at_two(4);
+  run_ranks(2, [&](Communicator& c) {
+    auto model = make(9);
+    nn::fully_shard(*model, c);
+    nn::AdamW opt(model->parameters(), {});
+    nn::load_checkpoint(dir.str(), *model, &opt, c);
+    for (int s = 2; s < 4; ++s) {
+      const Tensor tokens = test::part(randint({4, 9}, 0, 64, 1000 + s), c.rank(), 2);
+      const Tensor loss =
+          nn::cross_entropy(model->forward(tokens.slice(1, 0, 8).contiguous()), tokens.slice(1, 1, 9).contiguous()) /
+          2.0;
+      const double global = c.all_reduce(loss.detach()).item();
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+      if (c.rank() == 0) at_two[static_cast<std::size_t>(s)] = global;
+    }
+  });
+  for (std::size_t s = 2; s < 4; ++s) CHECK(at_two[s] == doctest::Approx(expected[s]).epsilon(1e-5));
   // The index names each stream by its module's path.
   const auto streams = nlohmann::json::parse(std::ifstream(dir.path / "step-00000002" / "index.json"))["streams"];
   CHECK(streams.contains("blocks.0.attn.attn_dropout"));
