@@ -11,6 +11,7 @@
 
 #include <ruda/collectives.h>
 
+#include "sanitized.h"
 #include "suite.h"
 
 namespace {
@@ -597,14 +598,6 @@ long resident_bytes() {
   return resident * ::sysconf(_SC_PAGESIZE);
 }
 }  // namespace
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define RUDA_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define RUDA_TEST_SANITIZED 1
-#endif
-#endif
 
 TEST_CASE("emulated: a split whose communicators are gone is freed, not kept until run_ranks returns") {
   // Every split's world was kept for the run: one that split every step grew ~0.9 kB a split

@@ -12,6 +12,7 @@
 
 #include "eigen/kernel_util.h"
 #include "helpers.h"
+#include "sanitized.h"
 
 using namespace ruda;
 
@@ -70,14 +71,6 @@ TEST_CASE("kernel scratch the system refuses is an OutOfMemoryError") {
   kernels::Scratch<std::uint8_t> bytes(1);
   CHECK(reinterpret_cast<std::uintptr_t>(bytes.data()) % 64 == 0);
 }
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-#define RUDA_TEST_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define RUDA_TEST_SANITIZED 1
-#endif
-#endif
 
 TEST_CASE("a matrix product whose library buffers the system refuses is an OutOfMemoryError on every backend") {
 #ifdef RUDA_TEST_SANITIZED
