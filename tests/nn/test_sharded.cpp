@@ -941,3 +941,26 @@ TEST_CASE("dropout under data parallelism: each rank draws the dense model's mas
   }
   CHECK_THROWS_AS(nn::Dropout(0.1).set_data_parallel(2, 2), ArgumentError);
 }
+
+TEST_CASE("a communicator destroyed between forward and backward is a ShardingError on every path") {
+  // The per-parameter path's backward held the communicator by a plain pointer: its
+  // reduce-scatter (retain) or its recomputing gather (recompute) called into freed memory, a
+  // segfault, where the grouped path raised.
+  for (const bool group : {true, false}) {
+    for (const auto strategy : {nn::CheckpointStrategy::recompute, nn::CheckpointStrategy::retain}) {
+      CAPTURE(group);
+      CAPTURE(static_cast<int>(strategy));
+      run_ranks(2, [&](Communicator& comm) {
+        std::unique_ptr<Communicator> mine = comm.split(0, comm.rank());
+        nn::manual_seed(1);
+        nn::Sequential model(
+            {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
+        nn::fully_shard(model, *mine, nn::FullyShardOptions{.policy = {.strategy = strategy}, .group = group});
+        const Tensor loss = sum(model.forward(randn({4, 6}, 2)));
+        mine.reset();
+        test::check_throws<nn::ShardingError>([&] { loss.backward(); }, {"backward", "destroyed"});
+        test::check_throws<nn::ShardingError>([&] { (void)model.forward(randn({4, 6}, 2)); }, {"destroyed"});
+      });
+    }
+  }
+}

@@ -218,15 +218,18 @@ Tensor gather_node(const Tensor& local, Communicator& comm, const CollectiveOpti
                    std::weak_ptr<const void> owner, std::weak_ptr<Param::State> param) {
   Tensor full = comm.all_gather(local, options);
   if (autograd::needs_grad(local)) {
-    Communicator* c = &comm;
+    // Held with its liveness: a communicator destroyed between forward and backward is a
+    // ShardingError, not a call into freed memory (a segfault on the per-parameter path).
+    const CommRef c(&comm);
     // Always-run: every rank reduce-scatters this gradient in every backward, with zeros where
     // its loss did not reach the gathered value, so no rank waits for a collective another skips.
     // A collective: its slice holds the other ranks' gradients, so it passes on even where this
     // rank's loss did not reach the node.
     autograd::record("all_gather", full, {local}, {},
                      [c, options, param](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
-                       if (!param.expired()) register_reached(*c, param);
-                       return std::vector<Tensor>{c->reduce_scatter(g, options)};
+                       Communicator& live = c.get("backward", "the gather of '" + options.tag + "'");
+                       if (!param.expired()) register_reached(live, param);
+                       return std::vector<Tensor>{live.reduce_scatter(g, options)};
                      },
                      {.always_run = true, .collective = true, .owner = std::move(owner)});
   }
@@ -275,14 +278,14 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
     // gathered as it is now: refused, as the dense backward refuses its saved weight's change.
     autograd::set_recompute(
         value,
-        [shard = local.detach(), version = local.version(), name = info.describe(), c = &comm, options, dtype,
+        [shard = local.detach(), version = local.version(), name = info.describe(), c = CommRef(&comm), options, dtype,
          numel = info.numel, shape = info.logical_shape] {
           if (shard.version() != version) {
             fail<AutogradError>("backward", name, " was modified in place after the forward that used it (version ",
                                 version, ", now ", shard.version(), "); its recomputed value would not be the ",
                                 "forward's (backward first, or CheckpointStrategy::retain)");
           }
-          return reshape(slice(c->all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
+          return reshape(slice(c.get("backward", name).all_gather(cast(shard, dtype), options), 0, 0, numel), shape);
         },
         owner);
   }
