@@ -37,5 +37,10 @@ int main() {
   });
   std::printf("consumer: loss %.4f -> %.4f on backend %s\n", first, last,
               std::string(default_backend().name()).c_str());
+  // README's attention call as written, an option struct by designated initializers: built with
+  // -Wextra -Werror (AttentionOptions::scale had no initializer, so this warned).
+  const Tensor q = randn({1, 2, 8, 4}, 7);
+  const Tensor attended = scaled_dot_product_attention(q, q, q, {.causal = true});
+  if (attended.shape() != q.shape()) return 1;
   return last < first * 0.5 ? 0 : 1;
 }

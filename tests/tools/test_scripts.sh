@@ -278,6 +278,17 @@ else echo "ruda-bench $*" >>"$STUB_CALLS"; fi'
     "$root/tools/demo-large" -h >"$log" 2>&1 || fail "tools/demo-large -h exited $?"
     expect "tools/demo-large [--refuse-only] [ruda-train options...]"
     [ ! -s "$calls" ] || fail "tools/bench, demo or demo-large --help, or --bogus, ran: $(cat "$calls")"
+    # check, setup, fuzz-safetensors and plot too (check ran setup and the build, then gave
+    # ctest's own help; fuzz-safetensors took --help for its SECONDS; plot for its metrics file).
+    "$root/tools/check" --help >"$log" 2>&1 || fail "tools/check --help exited $?"
+    expect "tools/check [PRESET] [ctest args...]"
+    "$root/tools/setup" --help >"$log" 2>&1 || fail "tools/setup --help exited $?"
+    expect "tools/setup --bench"
+    "$root/tools/fuzz-safetensors" -h >"$log" 2>&1 || fail "tools/fuzz-safetensors -h exited $?"
+    expect "tools/fuzz-safetensors [SECONDS]"
+    "$root/tools/plot" --help >"$log" 2>&1 || fail "tools/plot --help exited $?"
+    expect "tools/plot METRICS.jsonl [OUT.png]"
+    [ ! -s "$calls" ] || fail "tools/check, setup, fuzz-safetensors or plot --help ran: $(cat "$calls")"
 
     # The rest: each refuses what it cannot do, with its own message.
     refused "$root/tools/setup" --bnech

@@ -12,7 +12,7 @@ struct AttentionOptions {
   /// Masks key j for query i when j > i (top-left aligned when Tq != Tk, as PyTorch's is_causal).
   bool causal = false;
   /// Multiplies q k^T before the softmax; 1 / sqrt(D) when not given. Must be finite and positive.
-  std::optional<double> scale;
+  std::optional<double> scale = std::nullopt;  // (initialized: {.causal = true} is warning-free under -Wextra)
   /// Probability of zeroing each attention weight (the rest scaled by 1 / (1 - dropout)), in [0, 1).
   double dropout = 0.0;
   /// The dropout mask: weight (b, h, i, j) of the [B, H, Tq, Tk] weights is dropped as
