@@ -964,3 +964,19 @@ TEST_CASE("a communicator destroyed between forward and backward is a ShardingEr
     }
   }
 }
+
+TEST_CASE("an optimizer stepped before fully_shard is refused naming fully_shard as well as set_data") {
+  // Its moments are the whole parameter's, and each rank now holds a slice: the message named
+  // only Param::set_data, which the user never called.
+  run_ranks(2, [](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::Linear layer(4, 6);
+    nn::AdamW opt(layer.parameters(), {});
+    sum(layer.forward(ones({2, 4}))).backward();
+    opt.step();
+    nn::fully_shard(layer, comm);
+    opt.zero_grad();
+    sum(layer.forward(ones({2, 4}))).backward();
+    test::check_throws<DTypeError>([&] { opt.step(); }, {"moments", "fully_shard", "make a new optimizer"});
+  });
+}

@@ -37,8 +37,8 @@ void require_state_fits(const char* op, const char* state, const Tensor& kept, c
   if (kept.dtype() != data.dtype() || kept.numel() != data.numel()) {
     fail<DTypeError>(op, "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(), " but its ", state, " ",
                      dtype_name(kept.dtype()), " ", kept.shape(),
-                     ": its data changed dtype or size after the optimizer's first step (Param::set_data); make a "
-                     "new optimizer for it");
+                     ": its data changed dtype or size after the optimizer's first step (Param::set_data, or "
+                     "fully_shard, which leaves each rank its slice); make a new optimizer for it");
   }
 }
 }  // namespace
