@@ -4,6 +4,21 @@
 RUDA_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 export RUDA_ROOT
 
+# ruda_usage: the calling script's leading comment (its lines after #! up to `set -euo pipefail`)
+# without the '#'s, which is what its --help prints.
+ruda_usage() {
+  sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "$0"
+}
+
+# ruda_help_if_asked "$@": with --help (or -h) as the only argument, prints ruda_usage and exits 0,
+# before anything is installed or built.
+ruda_help_if_asked() {
+  if [ $# -eq 1 ] && { [ "$1" = --help ] || [ "$1" = -h ]; }; then
+    ruda_usage
+    exit 0
+  fi
+}
+
 # MPI on one machine, as root or not: traffic on loopback only, shared memory between ranks,
 # more ranks than cores allowed, no core binding (or every rank's threads share one core).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

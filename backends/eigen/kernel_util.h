@@ -10,6 +10,7 @@
 #include <memory>
 #include <new>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <ruda/backend.h>
@@ -189,21 +190,25 @@ S lane_sum(std::int64_t n, Value&& value) {
   return lanes[0] + tail;
 }
 
-/// The sum of value(0 .. n) for lines of any length: runs of kSumRun values by lane_sum in S
-/// (vectorized), the runs' sums added in double and rounded to S once. lane_sum alone adds n/16
-/// values into each of its partial sums, an error that grows with the line: a LayerNorm row of
-/// 1e6 f32 values 1000 + randn lost 58x the digits of a pairwise sum, a softmax row's total 6x.
-/// As fast, and the order still depends on n alone.
+/// The sum of value(0 .. n) for lines of any length, in double: runs of kSumRun values by
+/// lane_sum in S (vectorized), the runs' sums added in double. lane_sum alone adds n/16 values
+/// into each of its partial sums, an error that grows with the line: a LayerNorm row of 1e6 f32
+/// values 1000 + randn lost 58x the digits of a pairwise sum, a softmax row's total 6x. As fast,
+/// and the order still depends on n alone (a row gives the same bits wherever it lives).
 inline constexpr std::int64_t kSumRun = 256;
 template <class S, class Value>
-S long_sum(std::int64_t n, Value&& value) {
-  if (n <= kSumRun) return lane_sum<S>(n, value);
+double sum_in_runs(std::int64_t n, Value&& value) {
   double total = 0;
   for (std::int64_t r = 0; r < n; r += kSumRun) {
     total +=
         static_cast<double>(lane_sum<S>(std::min(kSumRun, n - r), [&](std::int64_t i) -> S { return value(r + i); }));
   }
-  return static_cast<S>(total);
+  return total;
+}
+/// sum_in_runs rounded to S once.
+template <class S, class Value>
+S long_sum(std::int64_t n, Value&& value) {
+  return static_cast<S>(sum_in_runs<S>(n, std::forward<Value>(value)));
 }
 
 /// Elements per thread below which elementwise kernels stay on one thread.

@@ -71,24 +71,20 @@ bool nan_of(T v) {
   }
 }
 
-// The values of a contiguous line are taken kLineRun at a time: their sums, extremes and exps.
-constexpr std::int64_t kLineRun = 256;
+// The values of a contiguous line are taken kLineRun at a time, as sum_in_runs takes them: their
+// extremes and exps.
+constexpr std::int64_t kLineRun = kSumRun;
 
-// The sum of n elements at p, p + stride, ... in SumAcc<T>. A contiguous line of floats is added
-// in runs of kLineRun values, each by lane_sum in the values' compute type (vectorized), and the runs'
-// sums in double: the speed of a float sum, an error that does not grow with the line, and the
-// same bits whatever the line's address.
+// The sum of n elements at p, p + stride, ... in SumAcc<T>. A contiguous line of floats goes to
+// sum_in_runs (runs summed in the values' compute type, vectorized, and added in double): the
+// speed of a float sum, an error that does not grow with the line, and the same bits whatever the
+// line's address.
 template <class T>
 SumAcc<T> line_sum(const T* p, std::int64_t n, std::int64_t stride) {
   using C = compute_t<T>;
   SumAcc<T> total = 0;
   if constexpr (std::is_floating_point_v<C>) {
-    if (stride == 1) {
-      for (std::int64_t r = 0; r < n; r += kLineRun) {
-        total += lane_sum<C>(std::min(kLineRun, n - r), [&](std::int64_t i) { return C(Num<T>::load(p[r + i])); });
-      }
-      return total;
-    }
+    if (stride == 1) return sum_in_runs<C>(n, [&](std::int64_t i) { return C(Num<T>::load(p[i])); });
   }
   for (std::int64_t i = 0; i < n; ++i) accumulate<SumAcc<T>>(total, Num<T>::load(p[i * stride]));
   return total;

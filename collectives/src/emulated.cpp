@@ -351,7 +351,6 @@ class Fabric {
           if (const int local = world->local_rank(run_rank); local >= 0) returned.push_back(local);
         }
         slot = world;
-        worlds_.push_back(world);
       }
     }
     // A member whose function has returned never joins it (an earlier world of this split may
@@ -411,7 +410,7 @@ class Fabric {
     std::lock_guard lock(mutex_);
     if (!failure.empty() && failure_.empty()) failure_ = failure;
     std::vector<std::shared_ptr<World>> live;
-    for (const auto& w : worlds_) {
+    for (const auto& [key, w] : splits_) {
       if (auto world = w.lock()) live.push_back(std::move(world));
     }
     return live;
@@ -419,10 +418,9 @@ class Fabric {
 
   // Under mutex_: drops the splits whose communicators are all gone, and their link reservations.
   void forget_destroyed() {
-    std::erase_if(worlds_, [](const std::weak_ptr<World>& w) { return w.expired(); });
     std::erase_if(splits_, [](const auto& entry) { return entry.second.expired(); });
     std::set<std::uint64_t> live = {root_->id()};
-    for (const auto& w : worlds_) {
+    for (const auto& [key, w] : splits_) {
       if (const auto world = w.lock()) live.insert(world->id());
     }
     std::erase_if(reservations_, [&](const auto& entry) { return !live.count(entry.first.first); });
@@ -433,8 +431,8 @@ class Fabric {
   const int ranks_per_node_;
   std::shared_ptr<World> root_;
   // Guarded by mutex_:
-  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, std::weak_ptr<World>> splits_;  // by parent id
-  std::vector<std::weak_ptr<World>> worlds_;
+  // Each split's world, by (parent's id, split number, color): held by its communicators alone.
+  std::map<std::tuple<std::uint64_t, std::uint64_t, int>, std::weak_ptr<World>> splits_;
   std::string failure_;
   std::set<int> finished_;                   // run ranks whose function returned
   std::vector<Clock::time_point> nic_free_;  // per node

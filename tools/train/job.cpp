@@ -652,9 +652,11 @@ int run(const Config& cfg, Communicator& comm) {
     // it against the overlapping step's peak alone ("0.85 of predicted" where the synchronous
     // step, two steps later, needed all of it). The peak is the run's so far, both kinds by then.
     // (--per-parameter has no shard groups, so no trial: its report never decides.)
-    const bool trial_running =
-        cfg.overlap == "auto" && !cfg.per_parameter && !nn::overlap_report(task->module()).decided;
-    if (!plan_checked && step + 1 >= plan_check_step && (!trial_running || step + 1 == total)) {
+    // (The report walks the model's parameters: asked only while the check is due.)
+    auto trial_running = [&] {
+      return cfg.overlap == "auto" && !cfg.per_parameter && !nn::overlap_report(task->module()).decided;
+    };
+    if (!plan_checked && step + 1 >= plan_check_step && (step + 1 == total || !trial_running())) {
       plan_checked = true;
       const auto peak = peaks();
       if (main_rank) {

@@ -563,8 +563,6 @@ std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
   return out;
 }
 
-// The index of a checkpoint from each rank's report of the pieces it wrote
-// ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
 // The module's dropout streams by module path: {"seed", "offset"} each ({} without dropout).
 json dropout_streams(const Module& module) {
   json streams = json::object();
@@ -588,6 +586,8 @@ void restore_dropout_streams(const Index& index, Module& module) {
   }
 }
 
+// The index of a checkpoint from each rank's report of the pieces it wrote
+// ({"pieces": {name: {"offset", "count", "xxh3": {tensor: hashes}}}}): no piece is derived twice.
 json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& params, const Optimizer* optimizer,
                  const std::vector<ckpt::IndexGroup>& optimizer_groups, const std::map<std::string, std::string>& extra,
                  const std::vector<json>& reports, const json& streams = json::object()) {

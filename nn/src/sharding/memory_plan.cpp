@@ -4,9 +4,9 @@
 
 #include <ruda/autograd.h>
 #include <ruda/memory.h>
-#include <ruda/nn/layers.h>
 #include <ruda/nn/memory_plan.h>
 
+#include "model/dropout_positions.h"
 #include "sharding/shard_group.h"
 
 namespace ruda::nn {
@@ -95,24 +95,17 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 namespace {
 // The module's Dropout streams' positions, put back on destruction: the probe's steps draw masks
 // as training steps do, and left the streams advanced, so a run that planned (ruda-train with
-// --memory-limit) trained on other masks than one that did not. (The step function runs the
-// module's forward, which moves them through these same objects.)
+// --memory-limit) trained on other masks than one that did not.
 class StreamsKept {
  public:
-  explicit StreamsKept(const Module& module) {
-    for (const auto& [path, m] : module.named_modules()) {
-      if (const auto* d = dynamic_cast<const Dropout*>(m))
-        kept_.emplace_back(const_cast<Dropout*>(d), d->generator().offset());
-    }
-  }
-  ~StreamsKept() {
-    for (const auto& [dropout, offset] : kept_) dropout->generator().set_offset(offset);
-  }
+  explicit StreamsKept(const Module& module) : module_(module), kept_(dropout_positions(module)) {}
+  ~StreamsKept() { set_dropout_positions(module_, kept_); }
   StreamsKept(const StreamsKept&) = delete;
   StreamsKept& operator=(const StreamsKept&) = delete;
 
  private:
-  std::vector<std::pair<Dropout*, std::uint64_t>> kept_;
+  const Module& module_;
+  std::vector<std::uint64_t> kept_;
 };
 }  // namespace
 

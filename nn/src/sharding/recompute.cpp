@@ -2,27 +2,12 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/recompute.h>
 
+#include "model/dropout_positions.h"
 #include "sharding/gather_scope.h"
 
 namespace ruda::nn {
 
 namespace {
-
-// The draw positions of every Dropout in a block: the recomputation must draw the same masks.
-std::vector<std::uint64_t> dropout_offsets(UnaryModule& block) {
-  std::vector<std::uint64_t> offsets;
-  for (auto& [name, m] : block.named_modules()) {
-    if (auto* d = dynamic_cast<Dropout*>(m)) offsets.push_back(d->generator().offset());
-  }
-  return offsets;
-}
-
-void set_dropout_offsets(UnaryModule& block, const std::vector<std::uint64_t>& offsets) {
-  std::size_t i = 0;
-  for (auto& [name, m] : block.named_modules()) {
-    if (auto* d = dynamic_cast<Dropout*>(m)) d->generator().set_offset(offsets.at(i++));
-  }
-}
 
 // Each module's training flag, in named_modules' order (a module before its children).
 std::vector<bool> training_flags(UnaryModule& block) {
@@ -47,13 +32,13 @@ void set_training_flags(UnaryModule& block, const std::vector<bool>& flags) {
 class AsInForward {
  public:
   AsInForward(UnaryModule& block, const std::vector<bool>& flags, const std::vector<std::uint64_t>& draws)
-      : block_(block), flags_now_(training_flags(block)), draws_now_(dropout_offsets(block)) {
+      : block_(block), flags_now_(training_flags(block)), draws_now_(dropout_positions(block)) {
     set_training_flags(block_, flags);
-    set_dropout_offsets(block_, draws);
+    set_dropout_positions(block_, draws);
   }
   ~AsInForward() {
     set_training_flags(block_, flags_now_);
-    set_dropout_offsets(block_, draws_now_);
+    set_dropout_positions(block_, draws_now_);
   }
   AsInForward(const AsInForward&) = delete;
   AsInForward& operator=(const AsInForward&) = delete;
@@ -86,7 +71,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
       break;
     }
   }
-  const std::vector<std::uint64_t> draws_before = dropout_offsets(block);
+  const std::vector<std::uint64_t> draws_before = dropout_positions(block);
   const std::vector<bool> training = training_flags(block);
   const Tensor result = autograd::no_grad([&] { return block.forward(x); });
   if (!result.defined()) fail<ArgumentError>("checkpoint", "the block returned an undefined tensor");
