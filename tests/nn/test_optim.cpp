@@ -323,6 +323,38 @@ TEST_CASE("Param: the caller's tensor is left alone; set_data keeps the shape; w
   test::check_throws<ShapeError>([&] { leaf.set_grad(zeros({5})); }, {"set_grad", "[5]", "[4]"});
 }
 
+TEST_CASE("set_data keeps a frozen parameter frozen, dense and sharded: no gradient, no update") {
+  // PyTorch's `p.data = t` keeps requires_grad; set_data turned it back on, so that replacing a
+  // frozen backbone's values (loaded weights, a cast) trained it again.
+  nn::Linear layer(2, 2);
+  layer.weight.data().set_requires_grad(false);
+  layer.weight.set_data(ones({2, 2}));
+  CHECK_FALSE(layer.weight.data().requires_grad());
+  layer.weight.set_data(ones({2, 2}, DType::f64).to(DType::f32));  // from a tensor of another dtype too
+  CHECK_FALSE(layer.weight.data().requires_grad());
+  CHECK(layer.bias.data().requires_grad());
+  layer.bias.set_data(zeros({2}));  // a trainable one stays trainable
+  CHECK(layer.bias.data().requires_grad());
+  sum(layer.forward(ones({1, 2}))).backward();
+  CHECK_FALSE(layer.weight.grad().defined());
+  CHECK(layer.bias.grad().defined());
+
+  run_ranks(2, [](Communicator& comm) {
+    nn::Linear sharded(2, 2);
+    sharded.weight.data().set_requires_grad(false);
+    nn::fully_shard(sharded, comm);
+    REQUIRE_FALSE(sharded.weight.data().requires_grad());
+    sharded.weight.set_data(sharded.weight.data().detach().clone());
+    CHECK_FALSE(sharded.weight.data().requires_grad());
+    const std::vector<double> before = sharded.weight.data().to_vector<double>();
+    nn::SGD opt(sharded.parameters(), {.lr = 1.0});
+    sum(sharded.forward(ones({1, 2}))).backward();
+    opt.step();
+    CHECK_FALSE(sharded.weight.grad().defined());
+    CHECK(sharded.weight.data().to_vector<double>() == before);
+  });
+}
+
 TEST_CASE("a parameter sharded with from_full is named in messages, or said to be unnamed") {
   run_ranks(2, [](Communicator& comm) {
     const nn::Param full = param({1, 2, 3});

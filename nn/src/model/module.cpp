@@ -123,7 +123,10 @@ void Param::replace_data(const Tensor& value, std::string_view why_old_retired) 
   // tensor keeps its own requires_grad. Its values are contiguous (a view is copied): the
   // optimizers' fused kernels, the collectives and checkpoints read a parameter's bytes.
   Tensor leaf = value.is_contiguous() ? value.detach() : value.detach().contiguous();
-  leaf.set_requires_grad(true);
+  // A frozen parameter stays frozen, as PyTorch's `p.data = ...` keeps requires_grad: new values
+  // (loaded, cast to another dtype, sharded) do not unfreeze a backbone. A new parameter, or one
+  // materialized from its deferred shape, takes gradients.
+  leaf.set_requires_grad(!s.data.defined() || s.data.requires_grad());
   // Only a leaf takes gradients (a caller may have stored a non-leaf through data()).
   if (s.data.defined() && s.data.is_leaf() && !why_old_retired.empty())
     autograd::retire_leaf(s.data, std::string(why_old_retired));

@@ -75,7 +75,8 @@ class Param {
   /// sharded parameter, the declared one for a deferred one): ShapeError otherwise, since the
   /// module that owns the parameter was built for that shape. A graph recorded on the old values
   /// and differentiated afterwards raises AutogradError in backward (its gradient would go to the
-  /// old tensor, which the parameter no longer holds): run the forward again after set_data.
+  /// old tensor, which the parameter no longer holds): run the forward again after set_data. A
+  /// frozen parameter (its data's requires_grad off) stays frozen.
   void set_data(const Tensor& value) const;
   /// Whether two handles are the same parameter.
   bool same(const Param& other) const noexcept { return state_ == other.state_; }
