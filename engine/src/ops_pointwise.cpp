@@ -187,7 +187,9 @@ Tensor pow(const Tensor& a, const Tensor& b) {
                        // As PyTorch's pow_backward: d(a^b)/da = b * a^(b-1), exactly 0 where b == 0
                        // (0 * 0^-1 would be NaN at a == 0); d(a^b)/db = a^b * log(a), 0 where a == 0
                        // and b >= 0 (the limit), so 0^-1's is -inf.
-                       if (need[0]) ga = sum_to(where(eq(bv, 0.0), zero, g * bv * pow(av, bv - 1.0)), sa);
+                       // The derivative first, then g (PyTorch's order): in bf16, g * b rounded to 0
+                       // where b * a^(b-1) had overflowed gave 0 * inf = NaN instead of inf.
+                       if (need[0]) ga = sum_to(where(eq(bv, 0.0), zero, g * (bv * pow(av, bv - 1.0))), sa);
                        if (need[1]) {
                          const Tensor term = s[2].get() * log(av);
                          gb = sum_to(g * where(eq(av, 0.0), where(ge(bv, 0.0), zero, term), term), sb);
@@ -230,7 +232,8 @@ Tensor pow(const Tensor& a, double exponent) {
     autograd::record("pow", out, {a}, {a}, [exponent](const Tensor& g, const Saved& s, GradMask) {
       if (exponent == 0.0) return std::vector<Tensor>{zeros_like(g)};
       const Tensor& av = s[0].get();
-      return std::vector<Tensor>{g * arithmetic_scalar("pow", exponent, av) * pow_number_value(av, exponent - 1.0)};
+      // The derivative first, then g, as in pow(Tensor, Tensor).
+      return std::vector<Tensor>{g * (arithmetic_scalar("pow", exponent, av) * pow_number_value(av, exponent - 1.0))};
     });
   }
   return out;
