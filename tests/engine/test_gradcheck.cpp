@@ -129,6 +129,10 @@ TEST_CASE("fused layer_norm") {
   check("layer_norm affine", [](auto& v) { return layer_norm(v[0], v[1], v[2]); },
         {input({3, 2, 6}, 63), input({6}, 64), input({6}, 65)});
   check("layer_norm plain", [](auto& v) { return layer_norm(v[0], Tensor(), Tensor(), 1e-3); }, {input({4, 5}, 66)});
+  check("layer_norm weight only", [](auto& v) { return layer_norm(v[0], v[1], Tensor()); },
+        {input({3, 6}, 67), input({6}, 68)});
+  check("layer_norm bias only", [](auto& v) { return layer_norm(v[0], Tensor(), v[1]); },
+        {input({3, 6}, 69), input({6}, 70)});
 }
 
 TEST_CASE("a composite: layer normalization") {

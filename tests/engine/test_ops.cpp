@@ -1265,6 +1265,21 @@ TEST_CASE("an integer operand added into a 16-bit tensor in place takes the tens
   CHECK(w.item() == 0.61328125);
 }
 
+TEST_CASE("pow's gradient multiplies g by the whole derivative, as PyTorch: an overflowed one stays infinite in bf16") {
+  // a = b = 1e-40 (bf16 subnormals), g = -0.125: b * a^(b-1) overflows to inf, so the gradient is
+  // -inf (PyTorch's bf16 and ruda's f32 say so); computed (g * b) * a^(b-1), g * b rounded to 0 in
+  // bf16 and 0 * inf gave NaN.
+  const Tensor a = values({1e-40}, {1}, DType::bf16).set_requires_grad();
+  const Tensor b = values({1e-40}, {1}, DType::bf16).set_requires_grad();
+  const Tensor g = values({-0.125}, {1}, DType::bf16);
+  pow(a, b).backward(g);
+  CHECK(a.grad().to_vector<double>()[0] == -std::numeric_limits<double>::infinity());
+  // The same with a number exponent.
+  const Tensor x = values({1e-40}, {1}, DType::bf16).set_requires_grad();
+  pow(x, 1e-40).backward(g);
+  CHECK(x.grad().to_vector<double>()[0] == -std::numeric_limits<double>::infinity());
+}
+
 TEST_CASE("pow with a number: PyTorch's values and gradients at -0 and -inf (0.5 and -0.5 are sqrt and rsqrt)") {
   // PyTorch 2.15's values; std::pow gave pow(-0, 0.5) = 0 and pow(-inf, 0.5) = inf, and the
   // gradient of x^1.5 at -inf inf (PyTorch: 1.5 * sqrt(-inf), NaN).
@@ -1330,6 +1345,15 @@ TEST_CASE("layer_norm equals its composite definition, every float dtype") {
     const Tensor ref = c * rsqrt(mean(square(c), {-1}, true) + 1e-5) * w.to(DType::f64) + b.to(DType::f64);
     const double t = tol(d) * 30;
     CHECK_CLOSE(layer_norm(x, w, b).to(DType::f64), ref, t, t);
+    // Either parameter alone, as PyTorch's layer_norm takes them (it was refused): the other one's
+    // identity, and the mixed form (f32 parameter beside 16-bit x) too.
+    const Tensor scaled = c * rsqrt(mean(square(c), {-1}, true) + 1e-5) * w.to(DType::f64);
+    CHECK_CLOSE(layer_norm(x, w, Tensor()).to(DType::f64), scaled, t, t);
+    CHECK_CLOSE(layer_norm(x, Tensor(), b).to(DType::f64), ref - scaled + c * rsqrt(mean(square(c), {-1}, true) + 1e-5),
+                t, t);
+    if (is_16bit_float(d)) {
+      CHECK_CLOSE(layer_norm(x, w.to(DType::f32), Tensor()).to(DType::f64), scaled, t, t);
+    }
   }
   CHECK_CLOSE(layer_norm(values({1, 2, 3}, {3}), Tensor(), Tensor(), 0), {-std::sqrt(1.5), 0, std::sqrt(1.5)}, {3},
               1e-6, 1e-6);

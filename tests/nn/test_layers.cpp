@@ -90,6 +90,18 @@ TEST_CASE("Embedding, LayerNorm, RMSNorm values and gradients") {
   check_module_gradients(ln, randn({4, 3}, 5, 0, DType::f64).set_requires_grad());
   to_f64(rms);
   check_module_gradients(rms, randn({4, 3}, 6, 0, DType::f64).set_requires_grad());
+
+  // A weight without a bias, as PyTorch's LayerNorm(3, bias=False): one parameter, y = xhat * w.
+  nn::LayerNorm no_bias(3, 1e-5, true, false);
+  CHECK(no_bias.named_parameters().size() == 1);
+  CHECK_FALSE(no_bias.bias.defined());
+  to_f64(no_bias);
+  {
+    autograd::NoGradGuard guard;
+    no_bias.weight.data().copy_(values({0.5, -1.5, 2}, {3}, DType::f64));
+  }
+  CHECK_CLOSE(no_bias.forward(values({1, 2, 3}, {1, 3}, DType::f64)), {-0.5 / s, 0, 2 / s}, {1, 3}, 1e-6, 1e-6);
+  check_module_gradients(no_bias, randn({4, 3}, 7, 0, DType::f64).set_requires_grad());
 }
 
 TEST_CASE("activations and Dropout modes") {

@@ -370,7 +370,8 @@ Tensor embedding(const Tensor& table, const Tensor& indices);
 Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis);
 Tensor softmax(const Tensor& x, std::int64_t axis = -1);
 /// Normalization over the last axis: (x - mean) / sqrt(var + eps) * weight + bias, one fused
-/// kernel forward and backward. weight and bias ([features]) may be undefined; they are in x's
+/// kernel forward and backward. weight and bias ([features]) may be undefined, either one or
+/// both (y = xhat * weight without a bias, as PyTorch's LayerNorm(bias=False)); they are in x's
 /// dtype, or in f32 beside f16/bf16 x (mixed precision: f32 statistics and affine, a result in
 /// x's dtype, f32 gradients for the parameters; the same bits as casting x to f32 and back).
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps = 1e-5);

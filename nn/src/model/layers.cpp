@@ -74,12 +74,14 @@ void check_norm_input(const char* layer, std::int64_t features, const Tensor& x)
 }
 }  // namespace
 
-LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine) : features_(features), eps_(eps) {
+LayerNorm::LayerNorm(std::int64_t features, double eps, bool affine, bool with_bias) : features_(features), eps_(eps) {
   check_norm_arguments("LayerNorm", features, eps);
   if (affine) {
     weight = Param({features}, init::ones());
-    bias = Param({features}, init::zeros());
     register_parameter("weight", &weight);
+  }
+  if (affine && with_bias) {
+    bias = Param({features}, init::zeros());
     register_parameter("bias", &bias);
   }
 }
@@ -95,8 +97,8 @@ Tensor LayerNorm::forward(const Tensor& input) {
   const DType io = input.dtype();
   const DType work = io == DType::f64 ? DType::f64 : DType::f32;
   const Tensor x = io == DType::bf16 ? input : as_dtype(input, work);
-  const Tensor y = weight.defined() ? layer_norm(x, as_dtype(weight.value(), work), as_dtype(bias.value(), work), eps_)
-                                    : layer_norm(x, Tensor(), Tensor(), eps_);
+  auto affine = [&](const Param& p) { return p.defined() ? as_dtype(p.value(), work) : Tensor(); };
+  const Tensor y = layer_norm(x, affine(weight), affine(bias), eps_);
   return as_dtype(y, io);
 }
 

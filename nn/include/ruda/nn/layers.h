@@ -53,10 +53,11 @@ class Embedding : public UnaryModule {
 
 /// Normalizes over the last axis: (x - mean) / sqrt(var + eps) * weight + bias. ArgumentError
 /// for features <= 0 or an eps that is not finite and >= 0; forward: ShapeError when x's last
-/// axis is not `features`.
+/// axis is not `features`. As PyTorch's LayerNorm(features, eps, elementwise_affine, bias):
+/// `affine` false has neither parameter, `bias` false a weight alone.
 class LayerNorm : public UnaryModule {
  public:
-  explicit LayerNorm(std::int64_t features, double eps = 1e-5, bool affine = true);
+  explicit LayerNorm(std::int64_t features, double eps = 1e-5, bool affine = true, bool bias = true);
   Tensor forward(const Tensor& x) override;
   Param weight, bias;
 
