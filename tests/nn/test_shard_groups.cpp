@@ -461,6 +461,40 @@ TEST_CASE("a sharded parameter's gradient is a slice of its bucket's sum, never 
   }
 }
 
+TEST_CASE("at world size 1 a sharded parameter's fresh gradient becomes its gradient without a copy") {
+  // loss = sum(x w): matmul's backward makes w's gradient x^T g, a tensor autograd alone holds,
+  // which the reduce-scatter of one rank hands back as it is. With synchronous collectives the
+  // sink finished inside that gradient's deposit, while autograd still held it, and cloned it:
+  // the backward held two [512, 128] gradients at once, a copy of a gradient at every step (~2%
+  // of the MLP's f32 step at world size 1). Now its peak holds one (g itself is [1, 128]).
+  struct One : nn::Module {
+    nn::Param w{randn({512, 128}, 1)};
+    Tensor x = randn({1, 512}, 2);
+    One() { register_parameter("w", &w); }
+    Tensor loss() { return sum(matmul(x, w.value())); }
+  };
+  LocalCommunicator local;
+  One model;
+  // Synchronous collectives: each reduce-scatter finishes inside the deposit that completes it;
+  // the weight retained from the forward: the backward gathers nothing, so that its peak is the
+  // gradient's.
+  nn::fully_shard(model, local, {.policy = {.strategy = nn::CheckpointStrategy::retain}, .overlap = nn::Overlap::off});
+  const std::int64_t gradient_bytes = 512 * 128 * 4;
+  const Tensor expected = matmul(transpose(model.x, 0, 1), ones({1, 128}));
+  for (int step = 0; step < 2; ++step) {
+    model.zero_grad();
+    const Tensor loss = model.loss();
+    const std::int64_t before = memory::stats().live_bytes;
+    memory::reset_peak();
+    loss.backward();
+    CHECK(memory::stats().peak_bytes - before < gradient_bytes * 3 / 2);
+    CHECK(model.w.grad().to_vector<float>() == expected.reshape({-1}).to_vector<float>());
+  }
+  // A second backward adds into that gradient in place; nothing else shares its storage.
+  model.loss().backward();
+  CHECK(model.w.grad().to_vector<float>() == (expected * 2.0).reshape({-1}).to_vector<float>());
+}
+
 namespace {
 
 // A trunk and two heads; the spare head runs on every rank (plainly or checkpointed), and the

@@ -133,9 +133,15 @@ struct GradientSink : std::enable_shared_from_this<GradientSink> {
   std::vector<int> nodes;              // per bucket: the nodes recorded
   std::vector<int> remaining;          // per bucket: nodes still to run in this backward
   std::vector<Tensor> grads;           // per member: the sum deposited in this backward
-  std::vector<Work> works;             // per bucket: the reduce-scatter in flight
-  std::vector<Work> all_reduces;       // per bucket (hybrid): the all-reduce across nodes in flight
-  std::vector<Tensor> reduced;         // per bucket (hybrid): the node's sum, kept without an all-reduce
+  /// Per member: its deposited gradient was autograd's alone (a fresh product's, or a sum of
+  /// uses): once the node that deposited it returns, the sink's handles are the only ones.
+  std::vector<char> fresh;
+  /// Per bucket: what its reduce-scatter returned is fresh deposits' storage (world size 1 hands
+  /// the bucket's one gradient back as it is), so that no other tensor can see it change.
+  std::vector<char> handed_fresh;
+  std::vector<Work> works;        // per bucket: the reduce-scatter in flight
+  std::vector<Work> all_reduces;  // per bucket (hybrid): the all-reduce across nodes in flight
+  std::vector<Tensor> reduced;    // per bucket (hybrid): the node's sum, kept without an all-reduce
   /// Per member (hybrid): its gradient's earlier partial sums went into the all-reduce, whose
   /// result replaces the gradient instead of adding to it.
   std::vector<char> replaces;
