@@ -1056,6 +1056,41 @@ TEST_CASE("the memory plan printed before step 1 is within 10% of the measured p
   }
 }
 
+TEST_CASE("clipping and checkpoint saves stay within the memory plan and under a limit it accepted") {
+  // clip_grad_norm summed an f64 copy of each whole gradient, and each save's finite-weights check
+  // an f64 copy of each whole parameter: 16 bytes an element the plan does not count (the MLP's
+  // peak at 1.41x its plan; under a --memory-limit the plan accepted, the run ran out in the cast
+  // at its last save and wrote no checkpoint). Both now go a block at a time.
+  TempDir tmp;
+  const std::string model = " mlp --limit 480 --test-limit 64 --batch 120 --epochs 1";
+  for (int ranks : {1, 2}) {
+    CAPTURE(ranks);
+    const std::string metrics = tmp / "plan.jsonl", dir = tmp / ("c" + std::to_string(ranks));
+    const std::string args = "--emulate " + std::to_string(ranks) + " --clip 1.0 --checkpoint-dir " + dir +
+                             " --checkpoint-every 1 --log-every 1 --metrics " + metrics + model;
+    const Run r = run(train(args));
+    REQUIRE_MESSAGE(r.exit_code == 0, r.output);
+    std::ifstream in(metrics);
+    std::string line;
+    double predicted = 0, measured = 0;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("predicted_peak_bytes")) continue;
+      const auto peaks = j["peak_memory_bytes"].get<std::vector<double>>();
+      predicted = j["predicted_peak_bytes"].get<double>();
+      measured = std::max(measured, *std::max_element(peaks.begin(), peaks.end()));
+    }
+    REQUIRE(predicted > 0);
+    CHECK(measured <= predicted);
+    // Under a limit 2% above the plan, the same run trains and saves every step.
+    const std::string limit = std::to_string(static_cast<long long>(predicted * 1.02)) + "B";
+    fs::remove_all(dir);
+    const Run limited = run(train("--memory-limit " + limit + " " + args));
+    CHECK_MESSAGE(limited.exit_code == 0, limited.output);
+    CHECK(fs::exists(fs::path(dir) / "latest"));
+  }
+}
+
 TEST_CASE("--memory-limit: a configuration over it is refused before step 1, saying what fits") {
   const std::string lm = " lm --d-model 64 --layers 4 --heads 2 --context 64 --batch 16 --steps 1 --eval-every 0";
   // The sharded state alone is over: refused before any parameter is allocated.

@@ -207,7 +207,7 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
                     (world == 1 ? " rank" : " ranks") +
                     (plan.measured()     ? ""
                      : plan.gathered > 0 ? " before activations (parameters, gradients, optimizer state and the "
-                                           "largest layer's gathered weight and gradient)"
+                                           "largest layer's gathered weight)"
                                          : " before activations (parameters, gradients and optimizer state)") +
                     "; limit " + memory::format_bytes(limit);
   const int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
@@ -557,10 +557,18 @@ int run(const Config& cfg, Communicator& comm) {
     // A loss is checked before the update that follows it: an update that made the weights NaN
     // or infinite (a learning rate of 1e308) would be saved, named latest, and the older good
     // steps pruned. Every rank checks its shards; they agree before anything is written.
+    // A block of each parameter at a time: an f64 copy of a whole one and its abs were 16 bytes
+    // an element that the memory plan does not count (a run within its --memory-limit ran out
+    // here, at its last step's save, and left no checkpoint).
     double non_finite = 0;
+    constexpr std::int64_t kBlock = std::int64_t{1} << 16;
     autograd::no_grad([&] {
       for (const nn::Param& p : params) {
-        if (!std::isfinite(sum(abs(cast(p.data(), DType::f64))).item())) non_finite = 1;
+        const Tensor flat = p.data().reshape({-1});
+        for (std::int64_t at = 0; at < flat.numel() && non_finite == 0; at += kBlock) {
+          const Tensor block = flat.slice(0, at, std::min(flat.numel(), at + kBlock));
+          if (!std::isfinite(sum(abs(cast(block, DType::f64))).item())) non_finite = 1;
+        }
       }
     });
     if (comm.all_reduce(from_values({non_finite}, {1}, DType::f64), Reduction::max, {.tag = "finite weights"}).item() !=

@@ -390,6 +390,22 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, 
 }  // namespace schedules
 
 namespace {
+// The sum of squares of `values` in f64, a block of kNormBlock values at a time: the f64 copy of
+// a whole gradient and its square were 16 bytes an element beside the step, which the memory
+// plan does not count (`ruda-train --clip` peaked at 1.41x its plan on the MLP, and a
+// --memory-limit the plan had accepted ran out in the cast). A block holds at most 1 MiB, within
+// what the step's measured transient (gathered weights, activations) leaves free once it is over.
+constexpr std::int64_t kNormBlock = std::int64_t{1} << 16;
+double sum_of_squares(const Tensor& values) {
+  const Tensor flat = values.reshape({-1});
+  const std::int64_t n = flat.numel();
+  double total = 0;
+  for (std::int64_t at = 0; at < n; at += kNormBlock) {
+    total += sum(square(cast(flat.slice(0, at, std::min(n, at + kNormBlock)), DType::f64))).item();
+  }
+  return total;
+}
+
 // Sum of squares of the gradients: sharded ones over their real elements, all-reduced over the
 // communicator each is sharded over, dense ones once. The parameters' own communicators win over
 // the caller's: under hybrid sharding the world holds one copy of each shard per node, and summing
@@ -432,7 +448,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
       if (real == 0) continue;
       values = g.slice(0, 0, real);  // padding excluded
     }
-    *into += sum(square(cast(values, DType::f64))).item();
+    *into += sum_of_squares(values);
   }
   double total = dense;
   for (const auto& [over, squares] : sharded) {
