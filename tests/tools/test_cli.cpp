@@ -1091,6 +1091,30 @@ TEST_CASE("clipping and checkpoint saves stay within the memory plan and under a
   }
 }
 
+TEST_CASE("a limit just above a run's measured peak is not refused as below the least a step needs") {
+  // The state check's lower bound added the largest layer's gathered weight and its full gradient,
+  // 15.8 MB at 4 ranks where this run peaks at 15.4: a limit between them was refused before
+  // step 1 ("needs at least"). The bound now adds one gathered copy, which every step makes.
+  TempDir tmp;
+  const std::string metrics = tmp / "peak.jsonl";
+  const std::string model = " mlp --limit 480 --test-limit 64 --batch 120 --epochs 1 --log-every 1";
+  const Run free = run(train("--emulate 4 --metrics " + metrics + model));
+  REQUIRE_MESSAGE(free.exit_code == 0, free.output);
+  std::ifstream in(metrics);
+  std::string line;
+  double measured = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (!j.contains("peak_memory_bytes")) continue;
+    const auto peaks = j["peak_memory_bytes"].get<std::vector<double>>();
+    measured = std::max(measured, *std::max_element(peaks.begin(), peaks.end()));
+  }
+  REQUIRE(measured > 0);
+  const std::string limit = std::to_string(static_cast<long long>(measured * 1.01)) + "B";
+  const Run limited = run(train("--emulate 4 --memory-limit " + limit + model));
+  CHECK_MESSAGE(limited.exit_code == 0, limited.output);
+}
+
 TEST_CASE("--memory-limit: a configuration over it is refused before step 1, saying what fits") {
   const std::string lm = " lm --d-model 64 --layers 4 --heads 2 --context 64 --batch 16 --steps 1 --eval-every 0";
   // The sharded state alone is over: refused before any parameter is allocated.

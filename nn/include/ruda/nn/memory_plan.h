@@ -61,7 +61,7 @@ struct MemoryPlan {
   std::int64_t parameters = 0;  // this rank's slices of every parameter
   std::int64_t gradients = 0;   // their gradients (alive from the first backward on)
   std::int64_t optimizer = 0;   // the optimizer's state
-  std::int64_t gathered = 0;    // the largest gathered weight with its full gradient: the least a step adds
+  std::int64_t gathered = 0;    // the largest gathered weight, whole: the least a step adds
   std::int64_t step = -1;       // measured transient of a step (gathered weights + activations + batch); -1: unknown
   StepProbe probe;              // what `step` was read from, when measured
   std::string schedule;         // the schedule `step` was measured with (MemorySchedule::describe), if given
@@ -80,7 +80,8 @@ struct MemoryPlan {
 };
 
 /// The state part of the plan for `world_size` ranks from shapes alone (works on deferred
-/// parameters; allocates nothing). `step` stays unknown.
+/// parameters; allocates nothing). A frozen parameter (requires_grad off) counts no gradient and
+/// no optimizer state. `step` stays unknown.
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options = {});
 
 /// Measures a step's transient bytes: `step(b)` must compute this rank's loss on b samples and
