@@ -1115,6 +1115,35 @@ TEST_CASE("a limit just above a run's measured peak is not refused as below the 
   CHECK_MESSAGE(limited.exit_code == 0, limited.output);
 }
 
+TEST_CASE("--no-auto-fit: every configuration a refusal names fits when run") {
+  // The hints came from the step measured at 2 samples, a line that falls short at larger local
+  // batches: at 2 ranks under 6 MB the refusal named --recompute-gelu at 2 ranks, which was then
+  // refused ("needs ~7.96 MB"). Each candidate is now measured at its own local batch first.
+  const std::string lm =
+      " --no-auto-fit --batch 16 lm --steps 1 --d-model 96 --layers 2 --heads 2 --context 48 "
+      "--eval-every 0 --eval-batches 1";
+  const Run refused = run(train("--emulate 2 --memory-limit 6MB" + lm));
+  one_error_line(refused, {"memory plan: needs ~", "at 2 ranks", "limit 6.00 MB", "fits at "});
+  std::vector<std::string> hints;  // the --emulate value and flags of each configuration named
+  const std::string& text = refused.output;
+  const auto world_at = text.find("; fits at ");
+  REQUIRE(world_at != std::string::npos);
+  hints.push_back(std::to_string(std::stoi(text.substr(world_at + 10))));
+  for (auto at = text.find(", or at "); at != std::string::npos; at = text.find(", or at ", at + 1)) {
+    const std::string rest = text.substr(at + 8);
+    const auto with = rest.find(" with ");
+    const auto end = rest.find_first_of(", (", with + 6);
+    hints.push_back(rest.substr(0, with) + " " + rest.substr(with + 6, end - with - 6));
+  }
+  for (const std::string& hint : hints) {
+    CAPTURE(hint);
+    const auto space = hint.find(' ');
+    const std::string world = hint.substr(0, space), flag = space == std::string::npos ? "" : hint.substr(space);
+    const Run followed = run(train("--emulate " + world + " --memory-limit 6MB" + lm + flag));
+    CHECK_MESSAGE(followed.exit_code == 0, followed.output);
+  }
+}
+
 TEST_CASE("--memory-limit: a configuration over it is refused before step 1, saying what fits") {
   const std::string lm = " lm --d-model 64 --layers 4 --heads 2 --context 64 --batch 16 --steps 1 --eval-every 0";
   // The sharded state alone is over: refused before any parameter is allocated.

@@ -190,17 +190,48 @@ void check_metrics_path(const Config& cfg) {
 
 // --- the memory plan ---
 
-// A flag that would change the step's memory, with the step measured that way.
+// A flag that would change the step's memory (set(true) turns it on, set(false) off again), with
+// the step measured that way.
 struct Alternative {
   std::string flag;
+  std::function<void(bool)> set;
   nn::StepProbe probe;
 };
+
+// Measures the step at `samples` samples a micro-batch (collective), as probe_step does; none
+// where the module does not exist yet (the state check).
+using Remeasure = std::function<nn::StepProbe(std::int64_t samples)>;
+
+// The smallest world size at which `batch` fits the step `probe` describes, each candidate measured
+// again at its own local batch before it is named: the probe's line through 1 and 2 samples falls
+// short beyond them (a step's peak is convex in the batch), and a refusal at 2 ranks named 4 ranks,
+// or --recompute-gelu, or --activation-checkpointing, each refused in its turn. A candidate
+// measured over the limit gives way to the next the new measurement names. `limit` must be the
+// same on every rank (the probes are collective).
+int fitting_world(Task& task, std::int64_t batch, std::optional<nn::StepProbe> probe, std::int64_t limit,
+                  const nn::PlanOptions& options, const Remeasure& remeasure) {
+  nn::PlanOptions full = options;  // the answer is a fully sharded world
+  full.shard_ranks = 0;
+  int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
+  while (fits > 0 && probe && remeasure) {
+    const std::int64_t local = batch / fits;
+    if (local <= 2) break;  // the line is exact at 1 and 2 samples
+    const nn::StepProbe measured = remeasure(local);
+    if (nn::plan_memory(task.module(), fits, batch, measured, full).peak() <= limit) break;
+    probe = measured;
+    const int next = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
+    fits = next > fits ? next : 0;  // (exact at `fits` now, and over: a smaller world holds more)
+  }
+  return fits;
+}
 
 // "needs ~1.9 GB per rank at 1 rank; limit 256 MB; fits at 8 ranks, or at 4 with --activation-checkpointing"
 
 std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, std::int64_t batch,
                     const std::optional<nn::StepProbe>& probe, const std::vector<Alternative>& alternatives,
-                    const nn::PlanOptions& options) {
+                    const nn::PlanOptions& options, const Remeasure& remeasure = {}, std::int64_t hint_limit = 0) {
+  // The hints fit `hint_limit` where given (with remeasure: every rank's smallest), else `limit`.
+  const std::int64_t fit_limit = hint_limit > 0 ? hint_limit : limit;
   const int world = plan.world_size;
   std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
                     memory::format_bytes(plan.peak()) + " per rank at " + std::to_string(world) +
@@ -210,12 +241,14 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
                                            "largest layer's gathered weight)"
                                          : " before activations (parameters, gradients and optimizer state)") +
                     "; limit " + memory::format_bytes(limit);
-  const int fits = nn::smallest_fitting_world(task.module(), batch, probe, limit, options);
+  const int fits = fitting_world(task, batch, probe, fit_limit, options, remeasure);
   out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +
                         " ranks"
                   : "; fits at no world size with --batch " + std::to_string(batch);
   for (const Alternative& a : alternatives) {
-    const int with = nn::smallest_fitting_world(task.module(), batch, a.probe, limit, options);
+    a.set(true);
+    const int with = fitting_world(task, batch, a.probe, fit_limit, options, remeasure);
+    a.set(false);
     if (with > 0 && (fits == 0 || with < fits)) out += ", or at " + std::to_string(with) + " with " + a.flag;
   }
   return out;
@@ -256,19 +289,29 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
     if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, configured, ""};
     std::vector<Alternative> alternatives;
     if (task.can_recompute_gelu() && !configured.recompute_gelu) {
-      task.set_recompute_gelu(true);
-      alternatives.push_back({"--recompute-gelu", nn::probe_step(task.module(), comm, step)});
-      task.set_recompute_gelu(false);
+      alternatives.push_back({"--recompute-gelu", [&task](bool on) { task.set_recompute_gelu(on); }, {}});
     }
     if (task.can_checkpoint_activations() && !configured.activation_checkpointing) {
-      task.set_activation_checkpointing(true);
-      alternatives.push_back({"--activation-checkpointing", nn::probe_step(task.module(), comm, step)});
-      task.set_activation_checkpointing(false);
+      alternatives.push_back(
+          {"--activation-checkpointing", [&task](bool on) { task.set_activation_checkpointing(on); }, {}});
     }
-    return {plan, configured,
-            over ? refusal(task, plan, limit, cfg.batch, plan.probe, alternatives, options) +
-                       " (--no-auto-fit: no other schedule tried)"
-                 : ""};
+    for (Alternative& a : alternatives) {
+      a.set(true);
+      a.probe = nn::probe_step(task.module(), comm, step);
+      a.set(false);
+    }
+    // Every rank measures the hints' candidates alike: against the smallest limit of any rank.
+    const double smallest =
+        -comm.all_reduce(from_values({-static_cast<double>(limit > 0 ? limit : INT64_MAX)}, {1}, DType::f64),
+                         Reduction::max, {.tag = "memory plan"})
+             .item();
+    const auto agreed = static_cast<std::int64_t>(std::min(smallest, 9.0e18));
+    const Remeasure remeasure = [&](std::int64_t samples) {
+      return nn::probe_step(task.module(), comm, step, samples);
+    };
+    const std::string refused =
+        refusal(task, plan, limit, cfg.batch, plan.probe, alternatives, options, remeasure, agreed);
+    return {plan, configured, over ? refused + " (--no-auto-fit: no other schedule tried)" : ""};
   }
   nn::FitOptions fit_options;
   fit_options.plan = options;
