@@ -39,6 +39,20 @@ int bias_arg(const GemmDesc& d) {
   return DNNL_ARG_ATTR_MULTIPLE_POST_OP(d.beta != 0.0f ? 1 : 0) | DNNL_ARG_SRC_1;
 }
 
+// A matrix-vector product (one row or one column of output: a decode step's projections, a
+// batch of one) takes the gemm path in f32 and native bf16 alike: it has a GEMV kernel, brgemm
+// computes a whole block of rows. Zen 4, 2 threads, the two paths alternated in a scratch survey
+// (2026-12-06; median of 40 calls each): bf16 [1, 4096] x [4096, 4096] 0.60 ms against brgemm's
+// 2.6-3.0 (2.1x PyTorch's time through ruda), [1, 768] x [768, 3072] 0.038-0.050 against
+// 0.113-0.128, [4096, 4096] x [4096, 1] 0.37 against 3.05; f32 with B transposed, which kept
+// brgemm below, 1.49 against 3.24. From 2 rows on the two paths are within 0.8-1.5x either way.
+bool is_matrix_vector(const GemmDesc& d) {
+  const bool f32 = d.a_dtype == DType::f32 && d.b_dtype == DType::f32 && d.c_dtype == DType::f32;
+  const bool bf16 =
+      d.a_dtype == DType::bf16 && d.b_dtype == DType::bf16 && (d.c_dtype == DType::bf16 || d.c_dtype == DType::f32);
+  return d.batch == 1 && (d.m == 1 || d.n == 1) && (f32 || bf16);
+}
+
 // f32 2-D products run on oneDNN's gemm path (gemm:jit) rather than the brgemm path it ranks
 // first, where a survey found the gemm path faster: with A and B as stored always; with A
 // transposed (weight gradients) when the output has 2048 rows or columns; with B transposed (input
@@ -61,10 +75,11 @@ int bias_arg(const GemmDesc& d) {
 //     0.90-0.98x; as wide as the inner dimension or narrower 0.79-1.03x (0.89-0.90 on the fc1
 //     input gradients, dy [T, 4d], w [d, 4d]), so those keep brgemm
 // Batched products (not measured) and native 16-bit ones (AMX and avx512_core_bf16 brgemm) keep
-// oneDNN's first choice too; bf16 products on CPUs without bf16 instructions are computed as f32
-// products (gemm_bf16_in_f32 below), which this rule covers. `ruda-bench --suite gemm-onednn` times
-// the two paths on such shapes, to re-check the rule on another CPU.
+// oneDNN's first choice too, matrix-vector products aside (is_matrix_vector); bf16 products on CPUs without bf16
+// instructions are computed as f32 products (gemm_bf16_in_f32 below), which this rule covers. `ruda-bench --suite
+// gemm-onednn` times the two paths on such shapes, to re-check the rule on another CPU.
 bool prefers_gemm_path(const GemmDesc& d) {
+  if (is_matrix_vector(d)) return true;
   if (d.a_dtype != DType::f32 || d.b_dtype != DType::f32 || d.c_dtype != DType::f32 || d.batch != 1) return false;
   if (d.trans_a && d.trans_b) return false;
   if (d.trans_a) return std::max(d.m, d.n) >= 2048;

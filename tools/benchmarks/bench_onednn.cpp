@@ -130,43 +130,57 @@ void gemm_suite(Context& ctx) {
 // rows take the gemm path) and input gradients (B transposed: fc1's, narrower than its inner
 // dimension, keeps brgemm; fc2's takes the gemm path), the default GPT's fc1 forward, fc2 weight
 // gradient (A transposed, 256 columns: brgemm kept) and fc2 input gradient (B transposed, 1024
-// columns from 256: gemm), and on one thread the fused attention's dV / dK block products (A
-// transposed, N = 64: the rule in backends/onednn/attention.cpp).
+// columns from 256: gemm), on one thread the fused attention's dV / dK block products (A
+// transposed, N = 64: the rule in backends/onednn/attention.cpp), and matrix-vector products (one
+// row or column of output, f32 and bf16: the gemm path's GEMV, is_matrix_vector in matmul.cpp).
 void gemm_path_rows(Context& ctx) {
   struct Case {
     Gemm g;
     bool trans_a, trans_b;
     bool one_thread = false;
+    DType dtype = DType::f32;
   };
-  std::vector<Case> cases = {
-      {{1024, 768, 3072}, false, false},  {{768, 1024, 3072}, true, false},   {{1024, 768, 2304}, false, false},
-      {{2048, 256, 1024}, false, false},  {{1024, 2048, 256}, true, false},   {{1024, 3072, 768}, false, true},
-      {{1024, 768, 3072}, false, true},   {{3072, 1024, 768}, true, false},   {{2048, 256, 1024}, false, true},
-      {{256, 64, 64}, true, false, true}, {{256, 256, 64}, true, false, true}};
+  std::vector<Case> cases = {{{1024, 768, 3072}, false, false},
+                             {{768, 1024, 3072}, true, false},
+                             {{1024, 768, 2304}, false, false},
+                             {{2048, 256, 1024}, false, false},
+                             {{1024, 2048, 256}, true, false},
+                             {{1024, 3072, 768}, false, true},
+                             {{1024, 768, 3072}, false, true},
+                             {{3072, 1024, 768}, true, false},
+                             {{2048, 256, 1024}, false, true},
+                             {{256, 64, 64}, true, false, true},
+                             {{256, 256, 64}, true, false, true},
+                             {{1, 4096, 4096}, false, true},
+                             {{1, 4096, 4096}, false, false, false, DType::bf16},
+                             {{1, 768, 3072}, false, false, false, DType::bf16},
+                             {{4096, 4096, 1}, false, false, false, DType::bf16}};
   if (ctx.quick) cases.resize(2);
   const int threads = num_threads();
   for (const Case& c : cases) {
     set_num_threads(c.one_thread ? 1 : threads);  // a primitive keeps the team it was built with
-    const Tensor a = c.trans_a ? randn({c.g.k, c.g.m}, 1) : randn({c.g.m, c.g.k}, 1);
-    const Tensor b = c.trans_b ? randn({c.g.n, c.g.k}, 2) : randn({c.g.k, c.g.n}, 2);
-    const Tensor out = empty({c.g.m, c.g.n}, DType::f32);
+    const Tensor a = (c.trans_a ? randn({c.g.k, c.g.m}, 1) : randn({c.g.m, c.g.k}, 1)).to(c.dtype);
+    const Tensor b = (c.trans_b ? randn({c.g.n, c.g.k}, 2) : randn({c.g.k, c.g.n}, 2)).to(c.dtype);
+    const Tensor out = empty({c.g.m, c.g.n}, c.dtype);
     Result r;
     r.suite = "gemm-onednn";
-    r.name = c.g.name(DType::f32) + (c.trans_a ? ", A transposed" : "") + (c.trans_b ? ", B transposed" : "") +
-             (c.one_thread ? ", one thread (an attention block)" : "") + ": oneDNN gemm:jit";
+    r.name = c.g.name(c.dtype) + (c.trans_a ? ", A transposed" : "") + (c.trans_b ? ", B transposed" : "") +
+             (c.one_thread ? ", one thread (an attention block)" : "") +
+             (c.g.m == 1 || c.g.n == 1 ? " (a matrix-vector product)" : "") + ": oneDNN gemm:jit";
     r.backend = ctx.backend;
     r.unit = "GFLOP/s";
     std::optional<DirectMatmul> gemm_path;
     try {
-      gemm_path.emplace(c.g, DType::f32, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "gemm:");
-    } catch (const std::runtime_error& e) {
-      std::fprintf(stderr, "ruda-bench: %s: %s (a oneDNN built without it): row left out\n", r.name.c_str(), e.what());
+      gemm_path.emplace(c.g, c.dtype, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "gemm:");
+    } catch (const std::exception& e) {  // (dnnl::error: no bf16 matmul on this ISA)
+      std::fprintf(stderr, "ruda-bench: %s: %s (a oneDNN or a CPU without it): row left out\n", r.name.c_str(),
+                   e.what());
       continue;
     }
     std::optional<DirectMatmul> brgemm;
     try {
-      brgemm.emplace(c.g, DType::f32, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "brg:");
-    } catch (const std::runtime_error& e) {
+      brgemm.emplace(c.g, c.dtype, a.data_ptr(), b.data_ptr(), out.data_ptr(), c.trans_a, c.trans_b, "brg:");
+    } catch (const std::exception& e) {
       r.peer_name = std::string("none: ") + e.what();  // no f32 brgemm below AVX-512: nothing to choose
     }
     if (brgemm) {
