@@ -467,6 +467,120 @@ void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::
   for (std::int64_t i = 0; i < n; ++i) gx[i * s] = Num<T>::store(out[i]);
 }
 
+// Softmax over an axis that is not the last, [outer, n, inner] with inner > 1: a line's values
+// are `inner` apart. Gathered a line at a time, each value was a cache line (and, for inner 1024,
+// a page) of its own: over axis 0 of [4096, 1024], forward and backward took 6.9-7.1x PyTorch's
+// time. Here a block of kColumns lines side by side is swept row by row instead (each row a run of
+// contiguous values, vectorized across the lines): the maximum, then the exponentials and their
+// sum, then the normalization. The sums are taken as long_sum takes a line's (runs of kSumRun
+// rows in the compute type, added in double), though in row order rather than long_sum's lanes:
+// the same accuracy, not the same bits as the last axis of a transposed copy.
+constexpr std::int64_t kColumns = 256;
+
+template <class T>
+using ColumnArray = Eigen::Array<compute_t<T>, Eigen::Dynamic, 1>;
+
+// Row i of lines [j0, j0 + w) of the block starting at `base`, widened into `row` (the values
+// themselves where T is the compute type).
+template <class T>
+Eigen::Map<const ColumnArray<T>> load_row(const T* base, const Block& b, std::int64_t i, std::int64_t j0,
+                                          std::int64_t w, ColumnArray<T>& row) {
+  const T* src = base + i * b.inner + j0;
+  if constexpr (std::is_same_v<T, compute_t<T>>) {
+    return Eigen::Map<const ColumnArray<T>>(src, w);
+  } else {
+    for (std::int64_t c = 0; c < w; ++c) row[c] = Num<T>::load(src[c]);
+    return Eigen::Map<const ColumnArray<T>>(row.data(), w);
+  }
+}
+
+template <class T>
+void store_row(T* base, const Block& b, std::int64_t i, std::int64_t j0, const ColumnArray<T>& row, std::int64_t w) {
+  T* dst = base + i * b.inner + j0;
+  for (std::int64_t c = 0; c < w; ++c) dst[c] = Num<T>::store(row[c]);
+}
+
+// Column sums over the block's n rows of value(i) ([w] arrays), as long_sum sums a line: runs of
+// kSumRun rows in the compute type, the runs added in double.
+template <class T, class Value>
+ColumnArray<T> column_sums(std::int64_t n, std::int64_t w, Value&& value) {
+  using C = compute_t<T>;
+  Eigen::ArrayXd total = Eigen::ArrayXd::Zero(w);
+  ColumnArray<T> run(w);
+  for (std::int64_t r = 0; r < n; r += kSumRun) {
+    run.setZero();
+    for (std::int64_t i = r; i < std::min(n, r + kSumRun); ++i) run += value(i);
+    total += run.template cast<double>();
+  }
+  return total.cast<C>();
+}
+
+template <class Body>
+void for_each_column_block(const Block& b, Body&& body) {
+  const std::int64_t blocks = (b.inner + kColumns - 1) / kColumns;
+  parallel_for(b.outer * blocks, std::max<std::int64_t>(1, kElementGrain / (b.reduce * kColumns)),
+               [&](std::int64_t begin, std::int64_t end) {
+                 for (std::int64_t flat = begin; flat < end; ++flat) {
+                   const std::int64_t o = flat / blocks, j0 = flat % blocks * kColumns;
+                   body(o * b.reduce * b.inner, j0, std::min(kColumns, b.inner - j0));
+                 }
+               });
+}
+
+template <class T>
+void softmax_columns(const T* x, T* y, const Block& b, bool log) {
+  using C = compute_t<T>;
+  const std::int64_t n = b.reduce;
+  for_each_column_block(b, [&](std::int64_t offset, std::int64_t j0, std::int64_t w) {
+    const T* xb = x + offset;
+    T* yb = y + offset;
+    ColumnArray<T> row(w), out(w);
+    ColumnArray<T> m = ColumnArray<T>::Constant(w, -std::numeric_limits<C>::infinity());
+    for (std::int64_t i = 0; i < n; ++i) m = m.max(load_row(xb, b, i, j0, w, row));
+    const ColumnArray<T> total = column_sums<T>(
+        n, w, [&](std::int64_t i) { return ops::vector_exp(load_row(xb, b, i, j0, w, row) - m).eval(); });
+    if (log) {
+      const ColumnArray<T> shift = total.log();
+      for (std::int64_t i = 0; i < n; ++i) {
+        out = (load_row(xb, b, i, j0, w, row) - m) - shift;
+        store_row(yb, b, i, j0, out, w);
+      }
+    } else {
+      const ColumnArray<T> inv = total.inverse();
+      for (std::int64_t i = 0; i < n; ++i) {
+        out = ops::vector_exp(load_row(xb, b, i, j0, w, row) - m) * inv;
+        store_row(yb, b, i, j0, out, w);
+      }
+    }
+  });
+}
+
+template <class T>
+void softmax_backward_columns(const T* y, const T* gy, T* gx, const Block& b, bool log) {
+  const std::int64_t n = b.reduce;
+  for_each_column_block(b, [&](std::int64_t offset, std::int64_t j0, std::int64_t w) {
+    const T *yb = y + offset, *gb = gy + offset;
+    T* out_b = gx + offset;
+    ColumnArray<T> yr(w), gr(w), out(w);
+    if (log) {
+      // gx = g - exp(y) * sum(g)
+      const ColumnArray<T> sum_g = column_sums<T>(n, w, [&](std::int64_t i) { return load_row(gb, b, i, j0, w, gr); });
+      for (std::int64_t i = 0; i < n; ++i) {
+        out = load_row(gb, b, i, j0, w, gr) - ops::vector_exp(load_row(yb, b, i, j0, w, yr)) * sum_g;
+        store_row(out_b, b, i, j0, out, w);
+      }
+    } else {
+      // gx = y * (g - sum(g * y))
+      const ColumnArray<T> dot = column_sums<T>(
+          n, w, [&](std::int64_t i) { return (load_row(gb, b, i, j0, w, gr) * load_row(yb, b, i, j0, w, yr)).eval(); });
+      for (std::int64_t i = 0; i < n; ++i) {
+        out = load_row(yb, b, i, j0, w, yr) * (load_row(gb, b, i, j0, w, gr) - dot);
+        store_row(out_b, b, i, j0, out, w);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void EigenBackend::softmax(const View& x, const View& y, int axis, bool log) {
@@ -475,13 +589,11 @@ void EigenBackend::softmax(const View& x, const View& y, int axis, bool log) {
     using T = decltype(tag);
     const T* xp = x.ptr<const T>();
     T* yp = y.ptr<T>();
-    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+    if (b.inner > 1) return softmax_columns<T>(xp, yp, b, log);
+    parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce),
                  [&](std::int64_t begin, std::int64_t end) {
-                   for (std::int64_t flat = begin; flat < end; ++flat) {
-                     const std::int64_t o = flat / b.inner, j = flat % b.inner;
-                     const std::int64_t start = o * b.reduce * b.inner + j;
-                     softmax_line<T>(xp + start, yp + start, b.reduce, b.inner, log);
-                   }
+                   for (std::int64_t o = begin; o < end; ++o)
+                     softmax_line<T>(xp + o * b.reduce, yp + o * b.reduce, b.reduce, 1, log);
                  });
   });
 }
@@ -490,13 +602,15 @@ void EigenBackend::softmax_backward(const View& y, const View& gy, const View& g
   const Block b = softmax_block(y, axis);
   dispatch_float(y.dtype, log ? "log_softmax backward" : "softmax backward", [&](auto tag) {
     using T = decltype(tag);
-    parallel_for(b.outer * b.inner, std::max<std::int64_t>(1, kElementGrain / b.reduce),
+    const T* yp = y.ptr<const T>();
+    const T* gp = gy.ptr<const T>();
+    T* out = gx.ptr<T>();
+    if (b.inner > 1) return softmax_backward_columns<T>(yp, gp, out, b, log);
+    parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce),
                  [&](std::int64_t begin, std::int64_t end) {
-                   for (std::int64_t flat = begin; flat < end; ++flat) {
-                     const std::int64_t o = flat / b.inner, j = flat % b.inner;
-                     const std::int64_t start = o * b.reduce * b.inner + j;
-                     softmax_backward_line<T>(y.ptr<const T>() + start, gy.ptr<const T>() + start, gx.ptr<T>() + start,
-                                              b.reduce, b.inner, log);
+                   for (std::int64_t o = begin; o < end; ++o) {
+                     const std::int64_t at = o * b.reduce;
+                     softmax_backward_line<T>(yp + at, gp + at, out + at, b.reduce, 1, log);
                    }
                  });
   });

@@ -121,8 +121,9 @@ void layer_norm_suite(Context& ctx) {
 // reduction the sum, which reads them once): "ratio" near 1 means the kernel runs at the
 // memory's speed. Rows for kernels that once ran far below it: where (a data-dependent branch),
 // max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache miss a
-// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass); and
-// exp, against Eigen's own exp of the same values.
+// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass), a
+// softmax over the first axis (a line gathered at a time, against the last axis); and exp,
+// against Eigen's own exp of the same values.
 void kernels_suite(Context& ctx) {
   const std::int64_t rows = ctx.quick ? 512 : 2048, cols = 1024;
   for (DType dtype : {DType::f32, DType::bf16}) {
@@ -152,6 +153,16 @@ void kernels_suite(Context& ctx) {
     row(
         "add_ with an alpha", [&] { filled.add_(b, -0.01); }, [&] { filled.add_(b * -0.01); },
         "b * alpha into a temporary, then add_");
+    // Softmax over the first axis (lines `cols` apart), forward and backward, against the same
+    // over the last: it gathered a line at a time, a cache line a value (3.9-7.1x PyTorch's time).
+    Tensor leaf = a.detach().set_requires_grad();
+    auto softmax_step = [&](std::int64_t axis) {
+      return [&, axis] {
+        softmax(leaf, axis).backward(b);
+        leaf.zero_grad();
+      };
+    };
+    row("softmax fwd+bwd over axis 0", softmax_step(0), softmax_step(1), "the same over axis 1");
   }
   // exp over f32 values (a GELU derivative's, a softmax's) against Eigen's own exp of the same
   // values into a fresh array, on as many threads, alternated: ruda's takes pexp's steps but
