@@ -432,7 +432,8 @@ C* line_buffers(std::int64_t n, Scratch<C>& own) {
   return kept.data();
 }
 
-// One softmax line of n values with stride s. A strided or 16-bit line is gathered (widened) into
+// One softmax line of n values with stride s (1 where the kernels below call it: lines that are
+// not the last axis take softmax_columns). A strided or 16-bit line is gathered (widened) into
 // the compute type, runs the same vectorized kernel and is rounded back once: it ran one scalar
 // std::exp a value before (bf16 at a tenth of f32's rate).
 template <class T>
@@ -472,10 +473,12 @@ void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::
 // a page) of its own: over axis 0 of [4096, 1024], forward and backward took 6.9-7.1x PyTorch's
 // time. Here a block of kColumns lines side by side is swept row by row instead (each row a run of
 // contiguous values, vectorized across the lines): the maximum, then the exponentials and their
-// sum, then the normalization. The sums are taken as long_sum takes a line's (runs of kSumRun
-// rows in the compute type, added in double), though in row order rather than long_sum's lanes:
-// the same accuracy, not the same bits as the last axis of a transposed copy.
+// sum, then the normalization. Each line's sum adds runs of kColumnRun rows in the compute type
+// into a double: as accurate as long_sum's runs of 16 lanes (a run of 256 rows added in the
+// compute type would be ~13x looser), though not the same bits as the last axis of a transposed
+// copy. Blocks narrow (to 16 lines) where there are fewer than the threads.
 constexpr std::int64_t kColumns = 256;
+constexpr std::int64_t kColumnRun = 16;
 
 template <class T>
 using ColumnArray = Eigen::Array<compute_t<T>, Eigen::Dynamic, 1>;
@@ -500,16 +503,16 @@ void store_row(T* base, const Block& b, std::int64_t i, std::int64_t j0, const C
   for (std::int64_t c = 0; c < w; ++c) dst[c] = Num<T>::store(row[c]);
 }
 
-// Column sums over the block's n rows of value(i) ([w] arrays), as long_sum sums a line: runs of
-// kSumRun rows in the compute type, the runs added in double.
-template <class T, class Value>
-ColumnArray<T> column_sums(std::int64_t n, std::int64_t w, Value&& value) {
+// Column sums over the block's n rows ([w] arrays): add(i, run) adds row i's values into `run`;
+// runs of kColumnRun rows in the compute type, the runs added in double.
+template <class T, class Add>
+ColumnArray<T> column_sums(std::int64_t n, std::int64_t w, Add&& add) {
   using C = compute_t<T>;
   Eigen::ArrayXd total = Eigen::ArrayXd::Zero(w);
   ColumnArray<T> run(w);
-  for (std::int64_t r = 0; r < n; r += kSumRun) {
+  for (std::int64_t r = 0; r < n; r += kColumnRun) {
     run.setZero();
-    for (std::int64_t i = r; i < std::min(n, r + kSumRun); ++i) run += value(i);
+    for (std::int64_t i = r; i < std::min(n, r + kColumnRun); ++i) add(i, run);
     total += run.template cast<double>();
   }
   return total.cast<C>();
@@ -517,12 +520,19 @@ ColumnArray<T> column_sums(std::int64_t n, std::int64_t w, Value&& value) {
 
 template <class Body>
 void for_each_column_block(const Block& b, Body&& body) {
-  const std::int64_t blocks = (b.inner + kColumns - 1) / kColumns;
-  parallel_for(b.outer * blocks, std::max<std::int64_t>(1, kElementGrain / (b.reduce * kColumns)),
+  // Blocks of kColumns lines, or narrower (multiples of 16) where that would leave threads idle.
+  const std::int64_t threads = num_threads();
+  std::int64_t width = kColumns;
+  if (b.outer * ((b.inner + width - 1) / width) < threads) {
+    const std::int64_t per_thread = (b.inner + threads - 1) / threads;
+    width = std::clamp<std::int64_t>((per_thread + 15) / 16 * 16, 16, kColumns);
+  }
+  const std::int64_t blocks = (b.inner + width - 1) / width;
+  parallel_for(b.outer * blocks, std::max<std::int64_t>(1, kElementGrain / (b.reduce * width)),
                [&](std::int64_t begin, std::int64_t end) {
                  for (std::int64_t flat = begin; flat < end; ++flat) {
-                   const std::int64_t o = flat / blocks, j0 = flat % blocks * kColumns;
-                   body(o * b.reduce * b.inner, j0, std::min(kColumns, b.inner - j0));
+                   const std::int64_t o = flat / blocks, j0 = flat % blocks * width;
+                   body(o * b.reduce * b.inner, j0, std::min(width, b.inner - j0));
                  }
                });
 }
@@ -538,7 +548,7 @@ void softmax_columns(const T* x, T* y, const Block& b, bool log) {
     ColumnArray<T> m = ColumnArray<T>::Constant(w, -std::numeric_limits<C>::infinity());
     for (std::int64_t i = 0; i < n; ++i) m = m.max(load_row(xb, b, i, j0, w, row));
     const ColumnArray<T> total = column_sums<T>(
-        n, w, [&](std::int64_t i) { return ops::vector_exp(load_row(xb, b, i, j0, w, row) - m).eval(); });
+        n, w, [&](std::int64_t i, ColumnArray<T>& run) { run += ops::vector_exp(load_row(xb, b, i, j0, w, row) - m); });
     if (log) {
       const ColumnArray<T> shift = total.log();
       for (std::int64_t i = 0; i < n; ++i) {
@@ -564,15 +574,17 @@ void softmax_backward_columns(const T* y, const T* gy, T* gx, const Block& b, bo
     ColumnArray<T> yr(w), gr(w), out(w);
     if (log) {
       // gx = g - exp(y) * sum(g)
-      const ColumnArray<T> sum_g = column_sums<T>(n, w, [&](std::int64_t i) { return load_row(gb, b, i, j0, w, gr); });
+      const ColumnArray<T> sum_g =
+          column_sums<T>(n, w, [&](std::int64_t i, ColumnArray<T>& run) { run += load_row(gb, b, i, j0, w, gr); });
       for (std::int64_t i = 0; i < n; ++i) {
         out = load_row(gb, b, i, j0, w, gr) - ops::vector_exp(load_row(yb, b, i, j0, w, yr)) * sum_g;
         store_row(out_b, b, i, j0, out, w);
       }
     } else {
       // gx = y * (g - sum(g * y))
-      const ColumnArray<T> dot = column_sums<T>(
-          n, w, [&](std::int64_t i) { return (load_row(gb, b, i, j0, w, gr) * load_row(yb, b, i, j0, w, yr)).eval(); });
+      const ColumnArray<T> dot = column_sums<T>(n, w, [&](std::int64_t i, ColumnArray<T>& run) {
+        run += load_row(gb, b, i, j0, w, gr) * load_row(yb, b, i, j0, w, yr);
+      });
       for (std::int64_t i = 0; i < n; ++i) {
         out = load_row(yb, b, i, j0, w, yr) * (load_row(gb, b, i, j0, w, gr) - dot);
         store_row(out_b, b, i, j0, out, w);

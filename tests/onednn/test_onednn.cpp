@@ -274,8 +274,10 @@ TEST_CASE("matrix-vector products run on oneDNN's gemm path, f32 and bf16, with 
                                       : matmul(row.to(DType::f64), w.to(DType::f64));
       test::check_close(got.to(DType::f64), expected, tol, tol);
       CHECK(built_with("gemm:") == before + 1);
-      // One output column: a matrix times a vector.
-      const Tensor col = gaussian({k, 1}, seed++).to(dtype), a = gaussian({96, k}, seed++).to(dtype);
+      // One output column: a matrix times a vector (B transposed: a [1, k] row read as [k, 1]).
+      const Tensor col =
+          trans_b ? gaussian({1, k}, seed++).to(dtype).transpose(0, 1) : gaussian({k, 1}, seed++).to(dtype);
+      const Tensor a = gaussian({96, k}, seed++).to(dtype);
       const std::int64_t before_column = built_with("gemm:");
       test::check_close(matmul(a.to(dnnl()), col.to(dnnl())).to(DType::f64),
                         matmul(a.to(DType::f64), col.to(DType::f64)), tol, tol);

@@ -232,6 +232,8 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
                     const nn::PlanOptions& options, const Remeasure& remeasure = {}, std::int64_t hint_limit = 0) {
   // The hints fit `hint_limit` where given (with remeasure: every rank's smallest), else `limit`.
   const std::int64_t fit_limit = hint_limit > 0 ? hint_limit : limit;
+  const std::string other_ranks =
+      fit_limit < limit ? " (another rank's limit, " + memory::format_bytes(fit_limit) + ", sets what fits)" : "";
   const int world = plan.world_size;
   std::string out = "memory plan: needs " + std::string(plan.measured() ? "~" : "at least ") +
                     memory::format_bytes(plan.peak()) + " per rank at " + std::to_string(world) +
@@ -240,7 +242,7 @@ std::string refusal(Task& task, const nn::MemoryPlan& plan, std::int64_t limit, 
                      : plan.gathered > 0 ? " before activations (parameters, gradients, optimizer state and the "
                                            "largest layer's gathered weight)"
                                          : " before activations (parameters, gradients and optimizer state)") +
-                    "; limit " + memory::format_bytes(limit);
+                    "; limit " + memory::format_bytes(limit) + other_ranks;
   const int fits = fitting_world(task, batch, probe, fit_limit, options, remeasure);
   out += fits > 0 ? "; " + std::string(plan.measured() ? "fits" : "that much fits") + " at " + std::to_string(fits) +
                         " ranks"
