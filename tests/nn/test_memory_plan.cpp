@@ -27,6 +27,20 @@ Tensor loss_of(nn::Module& model, std::int64_t rows, std::uint64_t seed) {
                            {.reduction = nn::LossReduction::sum}) /
          static_cast<double>(kBatch);
 }
+// The peak of three AdamW steps on local batches of `model` (sharded over `world` ranks), above
+// what was live before them beside the parameters' shards: what a plan's peak predicts.
+std::int64_t measured_peak(nn::Module& model, int world, std::uint64_t seed) {
+  nn::AdamW opt(model.parameters(), {.lr = 1e-3});
+  memory::reset_peak();
+  const std::int64_t other = memory::stats().live_bytes - nn::plan_state(model, world, kBatch).parameters;
+  for (int step = 0; step < 3; ++step) {
+    const Tensor loss = loss_of(model, kBatch / world, seed);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  return memory::stats().peak_bytes - other;
+}
 }  // namespace
 
 TEST_CASE("the state part comes from shapes alone: 16 bytes per parameter over N, nothing allocated") {
@@ -83,16 +97,7 @@ TEST_CASE("the plan predicts a sharded step's peak within 10%, world sizes 1-4")
       CHECK(plan.probe.per_sample > 0);
       for (const auto& p : model->parameters()) CHECK_FALSE(p.grad().defined());  // left cleared
       predicted[comm.rank()] = plan.peak();
-      nn::AdamW opt(model->parameters(), {.lr = 1e-3});
-      memory::reset_peak();
-      const std::int64_t other = memory::stats().live_bytes - nn::plan_state(*model, world, kBatch).parameters;
-      for (int step = 0; step < 3; ++step) {
-        const Tensor loss = loss_of(*model, kBatch / world, seed + 2);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-      }
-      measured[comm.rank()] = memory::stats().peak_bytes - other;
+      measured[comm.rank()] = measured_peak(*model, world, seed + 2);
     });
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
@@ -123,16 +128,7 @@ TEST_CASE("a frozen parameter is planned without gradient or optimizer state, an
       const auto seed = static_cast<std::uint64_t>(10 * comm.rank());
       auto step = [&](std::int64_t b) { return loss_of(*model, b, seed); };
       predicted[comm.rank()] = nn::plan_memory(*model, comm, kBatch, step, 0).peak();
-      nn::AdamW opt(model->parameters(), {.lr = 1e-3});
-      memory::reset_peak();
-      const std::int64_t other = memory::stats().live_bytes - nn::plan_state(*model, world, kBatch).parameters;
-      for (int i = 0; i < 3; ++i) {
-        const Tensor loss = loss_of(*model, kBatch / world, seed + 2);
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-      }
-      measured[comm.rank()] = memory::stats().peak_bytes - other;
+      measured[comm.rank()] = measured_peak(*model, world, seed + 2);
     });
     for (int r = 0; r < world; ++r) {
       CAPTURE(r);
