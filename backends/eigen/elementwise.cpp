@@ -438,6 +438,31 @@ void binary_typed(const View& a, const View& b, const View& out) {
     }
   };
   const std::int64_t sa = layout.inner_stride(0), sb = layout.inner_stride(1), so = layout.inner_stride(2);
+  // Both operands strided along the output's rows, one of them contiguous down its columns (two
+  // transposed matrices, x.T + y.T): walked row by row, each value read was a cache line of its
+  // own (4096^2 f32: 6.3-6.5x PyTorch's time). Tiles of kTile x kTile are walked down their columns
+  // instead, reading runs of the operands and writing the output's rows within a tile that stays
+  // in cache. The same value for every element.
+  if (layout.ndim == 2 && so == 1 && sa != 1 && sb != 1 && (layout.strides[0][0] == 1 || layout.strides[1][0] == 1)) {
+    constexpr std::int64_t kTile = 32;
+    const std::int64_t rows = layout.shape[0], cols = layout.shape[1];
+    const std::int64_t sa0 = layout.strides[0][0], sb0 = layout.strides[1][0], so0 = layout.strides[2][0];
+    const std::int64_t tile_cols = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * tile_cols;
+    parallel_for(
+        tiles, std::max<std::int64_t>(1, kElementGrain / (kTile * kTile)), [&](std::int64_t begin, std::int64_t end) {
+          for (std::int64_t t = begin; t < end; ++t) {
+            const std::int64_t i0 = t / tile_cols * kTile, j0 = t % tile_cols * kTile;
+            const std::int64_t i1 = std::min(rows, i0 + kTile), j1 = std::min(cols, j0 + kTile);
+            for (std::int64_t j = j0; j < j1; ++j) {
+              for (std::int64_t i = i0; i < i1; ++i) {
+                po[i * so0 + j] =
+                    store(apply<Op, C>(Num<T>::load(pa[i * sa0 + j * sa]), Num<T>::load(pb[i * sb0 + j * sb])));
+              }
+            }
+          }
+        });
+    return;
+  }
   parallel_for(out.numel(), kElementGrain, [&](std::int64_t begin, std::int64_t end) {
     for_each_run(layout, begin, end, [&](const std::int64_t* off, std::int64_t n) {
       const T* x = pa + off[0];

@@ -578,6 +578,23 @@ TEST_CASE("attention's output merges its heads without a copy, and its backward 
   test::check_close(g_views, qkv2.grad(), 1e-5, 1e-5);  // strided block products may round differently
 }
 
+TEST_CASE("binary ops on two transposed operands, walked in tiles: bitwise the op on contiguous copies") {
+  // Both operands strided along the output's rows take a kernel of their own (tiles of 32 x 32,
+  // walked down their columns): shapes of several tiles with partial ones at both edges, an
+  // operand broadcast down its rows beside a transposed one, every float dtype, on this backend.
+  for (const DType dtype : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    const Tensor a = randn({45, 70}, 61).to(dtype), b = randn({45, 70}, 62).to(dtype);
+    const Tensor at = a.transpose(0, 1), bt = b.transpose(0, 1);  // [70, 45], strides [1, 70]
+    const Tensor ac = at.contiguous(), bc = bt.contiguous();
+    CHECK((at * bt + bt).to_vector<double>() == (ac * bc + bc).to_vector<double>());
+    CHECK(maximum(at, bt).to_vector<double>() == maximum(ac, bc).to_vector<double>());
+    CHECK(lt(at, bt).to_vector<double>() == lt(ac, bc).to_vector<double>());
+    const Tensor column = randn({70, 1}, 63).to(dtype);  // strides [1, 0] once expanded
+    CHECK((at - column).to_vector<double>() == (ac - column).to_vector<double>());
+  }
+}
+
 TEST_CASE("contiguous() of transposes and permutes, copied in tiles: every element in place, every element size") {
   // Shapes around the tile sizes (16 to 128 elements by element size), batched, and a copy into a view.
   struct Case {

@@ -122,7 +122,8 @@ void layer_norm_suite(Context& ctx) {
 // memory's speed. Rows for kernels that once ran far below it: where (a data-dependent branch),
 // max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache miss a
 // value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass), a
-// softmax over the first axis (a line gathered at a time, against the last axis); and exp,
+// softmax over the first axis (a line gathered at a time, against the last axis), an add of two
+// transposed operands (a value a cache line, against contiguous ones); and exp,
 // against Eigen's own exp of the same values.
 void kernels_suite(Context& ctx) {
   const std::int64_t rows = ctx.quick ? 512 : 2048, cols = 1024;
@@ -163,6 +164,11 @@ void kernels_suite(Context& ctx) {
       };
     };
     row("softmax fwd+bwd over axis 0", softmax_step(0), softmax_step(1), "the same over axis 1");
+    // Two transposed operands (x.T + y.T): read a value a cache line before it went in tiles.
+    const Tensor at = a.transpose(0, 1), bt = b.transpose(0, 1);
+    row(
+        "add of two transposed operands", [&] { (void)(at + bt); }, [&] { (void)(a + b); },
+        "the same add of contiguous ones");
   }
   // exp over f32 values (a GELU derivative's, a softmax's) against Eigen's own exp of the same
   // values into a fresh array, on as many threads, alternated: ruda's takes pexp's steps but
