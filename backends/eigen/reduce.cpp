@@ -547,8 +547,23 @@ void softmax_columns(const T* x, T* y, const Block& b, bool log) {
     ColumnArray<T> row(w), out(w);
     ColumnArray<T> m = ColumnArray<T>::Constant(w, -std::numeric_limits<C>::infinity());
     for (std::int64_t i = 0; i < n; ++i) m = m.max(load_row(xb, b, i, j0, w, row));
-    const ColumnArray<T> total = column_sums<T>(
-        n, w, [&](std::int64_t i, ColumnArray<T>& run) { run += ops::vector_exp(load_row(xb, b, i, j0, w, row) - m); });
+    // In f32 and f64 the softmax keeps each row's exponentials in y, to be scaled there (16-bit y
+    // would round them: they are computed again for the last pass instead).
+    constexpr bool wide = std::is_same_v<T, C>;
+    auto y_row = [&](std::int64_t i) {  // (f32 and f64 only: a discarded branch elsewhere)
+      if constexpr (wide) return Eigen::Map<ColumnArray<T>>(yb + i * b.inner + j0, w);
+    };
+    const ColumnArray<T> total = column_sums<T>(n, w, [&](std::int64_t i, ColumnArray<T>& run) {
+      if constexpr (wide) {
+        if (!log) {
+          auto e = y_row(i);
+          e = ops::vector_exp(load_row(xb, b, i, j0, w, row) - m);
+          run += e;
+          return;
+        }
+      }
+      run += ops::vector_exp(load_row(xb, b, i, j0, w, row) - m);
+    });
     if (log) {
       const ColumnArray<T> shift = total.log();
       for (std::int64_t i = 0; i < n; ++i) {
@@ -558,8 +573,12 @@ void softmax_columns(const T* x, T* y, const Block& b, bool log) {
     } else {
       const ColumnArray<T> inv = total.inverse();
       for (std::int64_t i = 0; i < n; ++i) {
-        out = ops::vector_exp(load_row(xb, b, i, j0, w, row) - m) * inv;
-        store_row(yb, b, i, j0, out, w);
+        if constexpr (wide) {
+          y_row(i) *= inv;
+        } else {
+          out = ops::vector_exp(load_row(xb, b, i, j0, w, row) - m) * inv;
+          store_row(yb, b, i, j0, out, w);
+        }
       }
     }
   });
