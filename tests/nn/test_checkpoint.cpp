@@ -181,7 +181,10 @@ TEST_CASE("a checkpoint the index shows does not fit is refused before anything 
   nn::Sequential saved({std::make_shared<nn::Linear>(2, 4), std::make_shared<nn::Linear>(4, 2)});
   nn::AdamW saved_opt(saved.parameters());
   LocalCommunicator comm;
-  nn::save_checkpoint(dir.str(), 1, saved, &saved_opt, comm);  // its moments are zeros, its step count 0
+  saved_opt.zero_grad();
+  sum(square(saved.forward(ones({2, 2})))).backward();
+  saved_opt.step();  // (a parameter that has taken no step has no state to save)
+  nn::save_checkpoint(dir.str(), 1, saved, &saved_opt, comm);
   // The same first layer, another second one: the first layer's values and moments were loaded
   // before the second's mismatch was found, the step count was not.
   nn::manual_seed(2);
@@ -438,6 +441,118 @@ TEST_CASE("a parameter the optimizer does not update has no state: none kept or 
   test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 3, model, &stray, comm); },
                               {"the optimizer updates a parameter [3]", "the module does not hold"});
   CHECK_FALSE(fs::exists(dir.path / "step-00000003"));
+}
+
+TEST_CASE("an optimizer of every parameter, the backbone frozen: no state made or saved for it, none before a step") {
+  // PyTorch's usual fine-tuning, AdamW(model.parameters()) with the backbone's requires_grad off:
+  // saving asked the optimizer for every parameter's state, which made zero moments for the
+  // backbone, kept them for the optimizer's lifetime and wrote them to every checkpoint (and a
+  // save before the first step made them for every parameter). PyTorch's state_dict has none.
+  TempDir dir;
+  LocalCommunicator comm;
+  auto make = [] {
+    nn::manual_seed(4);
+    return nn::Sequential({std::make_shared<nn::Linear>(64, 64), std::make_shared<nn::Linear>(64, 2)});
+  };
+  auto freeze = [](nn::Sequential& m, bool frozen) {
+    for (const nn::Param& p : m[0]->parameters()) p.data().set_requires_grad(!frozen);
+  };
+  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) {
+    for (int i = from; i < to; ++i) {
+      const Tensor loss = sum(square(m.forward(randn({4, 64}, 20 + static_cast<std::uint64_t>(i)))));
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+    }
+  };
+  auto step_dir = [&](int step) { return (dir.path / ("step-0000000" + std::to_string(step))).string(); };
+  nn::Sequential model = make();
+  freeze(model, true);
+  nn::AdamW opt(model.parameters());
+  const nn::Param backbone = model[0]->parameters()[0], head = model[1]->parameters()[0];
+  std::int64_t live = memory::stats().live_bytes;
+  nn::save_checkpoint(dir.str(), 0, model, &opt, comm);  // before any step: no state at all
+  CHECK(memory::stats().live_bytes == live);
+  CHECK_FALSE(opt.has_state(head));
+  train(model, opt, 0, 2);
+  CHECK(opt.has_state(head));
+  live = memory::stats().live_bytes;
+  nn::save_checkpoint(dir.str(), 2, model, &opt, comm);
+  CHECK(memory::stats().live_bytes == live);  // none made for the backbone
+  CHECK_FALSE(opt.has_state(backbone));
+  const nlohmann::json index = nlohmann::json::parse(std::ifstream(step_dir(2) + "/index.json"));
+  CHECK(index["version"] == 5);
+  CHECK_FALSE(index["params"]["0.weight"].contains("optimized"));  // the optimizer updates it
+  CHECK_FALSE(index["params"]["0.weight"].contains("state_dtypes"));
+  CHECK(index["params"]["0.weight"]["steps"] == 0);
+  CHECK(index["params"]["1.weight"].contains("state_dtypes"));
+  std::set<std::string> stored;
+  const safetensors::Reader file(step_dir(2) + "/rank-00000-of-00001.safetensors");
+  for (const auto& t : file.tensors()) stored.insert(t.name);
+  CHECK(stored == std::set<std::string>{"model/0.weight", "model/0.bias", "model/1.weight", "model/1.bias",
+                                        "optim/1.weight/exp_avg", "optim/1.weight/exp_avg_sq", "optim/1.bias/exp_avg",
+                                        "optim/1.bias/exp_avg_sq"});
+  CHECK(nn::verify_checkpoint(step_dir(2)) > 0);
+  const nn::CheckpointSummary summary = nn::describe_checkpoint(step_dir(2));
+  CHECK(summary.params[0].optimizer_state.empty());
+  CHECK(summary.params[2].optimizer_state == std::vector<std::string>{"exp_avg", "exp_avg_sq"});
+  // Resumed from either save, the run continues bit for bit, and no state is made on loading.
+  nn::Sequential straight = make();
+  freeze(straight, true);
+  nn::AdamW straight_opt(straight.parameters());
+  train(straight, straight_opt, 0, 4);
+  for (int at : {0, 2}) {
+    CAPTURE(at);
+    nn::Sequential resumed = make();
+    freeze(resumed, true);
+    nn::AdamW resumed_opt(resumed.parameters());
+    nn::load_checkpoint(step_dir(at), resumed, &resumed_opt, comm);
+    CHECK_FALSE(resumed_opt.has_state(resumed[0]->parameters()[0]));
+    train(resumed, resumed_opt, at, 4);
+    CHECK(test::snapshot(resumed) == test::snapshot(straight));
+  }
+  // Unfrozen after the resume, the backbone takes its first step afresh (count 0, bias
+  // corrections of a first step), as when it is unfrozen in a run that goes straight through.
+  nn::Sequential thawed = make();
+  freeze(thawed, true);
+  nn::AdamW thawed_opt(thawed.parameters());
+  train(thawed, thawed_opt, 0, 2);
+  freeze(thawed, false);
+  train(thawed, thawed_opt, 2, 4);
+  nn::Sequential thawed_resumed = make();
+  freeze(thawed_resumed, true);
+  nn::AdamW thawed_resumed_opt(thawed_resumed.parameters());
+  train(thawed_resumed, thawed_resumed_opt, 0, 1);  // state of its own, which the load must reset
+  nn::load_checkpoint(step_dir(2), thawed_resumed, &thawed_resumed_opt, comm);
+  freeze(thawed_resumed, false);
+  train(thawed_resumed, thawed_resumed_opt, 2, 4);
+  CHECK(test::snapshot(thawed_resumed) == test::snapshot(thawed));
+  // An index that gives such a parameter a step count is damaged: its moments are not in the files.
+  nlohmann::json bad = index;
+  bad["params"]["0.weight"]["steps"] = 1;
+  std::ofstream(step_dir(2) + "/index.json") << test::restamped(bad).dump(1);
+  nn::Sequential again = make();
+  freeze(again, true);
+  nn::AdamW again_opt(again.parameters());
+  test::check_throws<IOError>([&] { nn::load_checkpoint(step_dir(2), again, &again_opt, comm); },
+                              {"parameter '0.weight'", "no optimizer state", "taken 1 steps"});
+}
+
+TEST_CASE("ranks whose optimizers disagree on a parameter's state are refused, not written as one checkpoint") {
+  TempDir dir;
+  std::atomic<int> refused{0};
+  run_ranks(2, [&](Communicator& comm) {
+    nn::manual_seed(6);
+    nn::Sequential model({std::make_shared<nn::Linear>(8, 8), std::make_shared<nn::Linear>(8, 2)});
+    nn::fully_shard(model, comm);
+    nn::AdamW opt(model.parameters());
+    if (comm.rank() == 1) (void)opt.state(model[1]->parameters()[0]);  // made on rank 1 alone
+    test::check_throws<IOError>([&] { nn::save_checkpoint(dir.str(), 1, model, &opt, comm); },
+                                {"rank-00001", "parameter '1.weight'", "disagree on whether it has state"});
+    ++refused;
+  });
+  CHECK(refused == 2);
+  CHECK_FALSE(std::filesystem::exists(dir.path / "step-00000001" / "index.json"));
 }
 
 TEST_CASE("reshard: saved by 3 ranks, resumed by 2 and by 4") {

@@ -398,7 +398,7 @@ TEST_CASE("rank files record where their pieces start; files written before that
   // would otherwise pass for an older file, with the check of its pieces' places off.
   for (int r = 0; r < 2; ++r) rewrite_metadata(step / rank_file(r, 2), [](auto& m) { m.erase("offsets"); });
   test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); },
-                              {rank_file(0, 2), "lacks its recorded piece offsets", "version 4"});
+                              {rank_file(0, 2), "lacks its recorded piece offsets", "version 5"});
   for (const auto& e : load_layer(dir, 2)) check_contains(e, {"lacks its recorded piece offsets"});
   // Files without the record written before it existed (format version 2) load as before, at
   // any world size.
@@ -471,7 +471,7 @@ TEST_CASE("index.json's own checksum: an edit that keeps the JSON valid is refus
   const fs::path index_path = dir.path / "step-00000001" / "index.json";
   const json good = read_json(index_path);
   REQUIRE(good.contains("index_xxh3"));
-  CHECK(good["version"] == 4);
+  CHECK(good["version"] == 5);
   auto refused_everywhere = [&](const std::vector<std::string>& fragments) {
     test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, fragments);
     test::check_throws<IOError>([&] { nn::describe_checkpoint(dir.str()); }, fragments);
@@ -497,7 +497,7 @@ TEST_CASE("index.json's own checksum: an edit that keeps the JSON valid is refus
   renamed["index_xxh2"] = renamed["index_xxh3"];
   renamed.erase("index_xxh3");
   std::ofstream(index_path) << renamed.dump(1);
-  refused_everywhere({"index.json", "lacks its checksum 'index_xxh3'", "version 4"});
+  refused_everywhere({"index.json", "lacks its checksum 'index_xxh3'", "version 5"});
   // Reindented, the same content: the checksum is over the content, not the text.
   std::ofstream(index_path) << good.dump(4);
   CHECK(nn::verify_checkpoint(dir.str()) > 0);

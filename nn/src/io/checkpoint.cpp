@@ -508,7 +508,16 @@ struct ParamHeader {
   std::vector<std::pair<std::string, DType>> state;  // the optimizer's state tensors: names and dtypes
   std::optional<std::int64_t> steps;  // the parameter's own step count, where it differs from the optimizer's
   bool optimized = true;              // whether the optimizer updates it (only then has it state)
+  bool stateful = true;               // whether its optimizer state is saved (saves_state)
 };
+
+// Whether a checkpoint holds `p`'s optimizer state: where the optimizer updates it and has made
+// its state, or it has taken steps (an optimizer that says it has none yet though). A parameter
+// that has taken no step (a frozen backbone given to the optimizer with its head) gets none made
+// and none written: a resume starts it afresh, with zero state and a count of 0, as it would be.
+bool saves_state(const Optimizer* optimizer, const Param& p) {
+  return optimizer && optimizer->updates(p) && (optimizer->has_state(p) || optimizer->steps_of(p) > 0);
+}
 
 // What the index records as the optimizer's kind: the optimizers of nn by name (an Adam with
 // decoupled weight decay is AdamW), any other by its C++ type. A load into another kind is refused.
@@ -602,6 +611,16 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
       const json& mine = reports[static_cast<std::size_t>(r)].at("pieces");
       if (!mine.contains(p.name)) continue;
       json piece = mine.at(p.name);
+      // Each rank decides from its own optimizer what it writes; the index says what rank 0
+      // decided, so a rank that wrote other tensors (its state made where rank 0's was not) would
+      // leave an index that names tensors its file lacks, or the reverse.
+      const std::size_t tensors = 1 + (p.optimized && p.stateful ? p.state.size() : 0);
+      if (piece.at("xxh3").size() != tensors) {
+        fail(reports[static_cast<std::size_t>(r)].at("file").get<std::string>(),
+             "holds " + std::to_string(piece.at("xxh3").size()) + " tensors of parameter '" + p.name +
+                 "' where rank 0's index records " + std::to_string(tensors) +
+                 ": the ranks' optimizers disagree on whether it has state");
+      }
       piece["rank"] = r;
       pieces.push_back(std::move(piece));
     }
@@ -611,9 +630,12 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
     if (optimizer && !p.optimized) {
       jparams[p.name]["optimized"] = false;
     } else if (optimizer) {
-      json dtypes = json::object();
-      for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
-      jparams[p.name]["state_dtypes"] = dtypes;
+      // (Version 5 on, a parameter without "state_dtypes" has no state in the files.)
+      if (p.stateful) {
+        json dtypes = json::object();
+        for (const auto& [state, dtype] : p.state) dtypes[state] = dtype_name(dtype);
+        jparams[p.name]["state_dtypes"] = dtypes;
+      }
       if (p.steps) jparams[p.name]["steps"] = *p.steps;
     }
   }
@@ -627,7 +649,8 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                         {"params", g.params}});
     }
     std::vector<std::string> state_names;
-    const auto first = std::find_if(params.begin(), params.end(), [](const ParamHeader& p) { return p.optimized; });
+    const auto first =
+        std::find_if(params.begin(), params.end(), [](const ParamHeader& p) { return p.optimized && p.stateful; });
     if (first != params.end()) {
       for (const auto& [state, dtype] : first->state) state_names.push_back(state);
     }
@@ -652,7 +675,7 @@ json write_rank_file(const std::string& path, std::int64_t step, int rank, int w
   for (const auto& [name, p] : params) {
     const Piece piece = piece_of(p, rank);
     std::vector<std::pair<std::string, Tensor>> mine = {{model_tensor(name), p.data()}};
-    if (optimizer && optimizer->updates(p)) {
+    if (saves_state(optimizer, p)) {
       for (const auto& [state, t] : optimizer->state(p)) mine.emplace_back(optim_tensor(name, state), t);
     }
     json hashes = json::object();
@@ -1048,7 +1071,10 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
       // A module's parameter the optimizer does not update (frozen) has no state and no count.
       if (optimizer && !optimizer->updates(p)) headers.back().optimized = false;
       if (optimizer && optimizer->updates(p)) {
-        for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
+        headers.back().stateful = saves_state(optimizer, p);
+        if (headers.back().stateful) {
+          for (const auto& [state, t] : optimizer->state(p)) headers.back().state.emplace_back(state, t.dtype());
+        }
         // (The optimizer counts each parameter's steps: one that had no gradient in some is resumed so.)
         if (const std::int64_t own = optimizer->steps_of(p); own != optimizer->steps()) headers.back().steps = own;
       }
@@ -1140,12 +1166,13 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
   }
   if (optimizer) check_optimizer_in_module(index.dir, *optimizer, params);
   // The state a parameter takes from the checkpoint: where this optimizer updates it and the
-  // saving one did. One this optimizer updates that the saving one did not (frozen then) starts
-  // afresh, with zero state and a step count of 0; one it does not update takes none.
+  // saving one had state for it. One this optimizer updates that has none in the checkpoint (not
+  // updated then, or no step taken) starts afresh, with no state (zeros, where this optimizer has
+  // some) and a step count of 0; one it does not update takes none.
   auto loads_state = [&](const std::string& name, const Param& p) {
     const auto found = by_name.find(name);
     return optimizer && index.has_optimizer && optimizer->updates(p) && found != by_name.end() &&
-           found->second->optimized;
+           found->second->has_state();
   };
   if (optimizer && index.has_optimizer) {
     // The state must be this optimizer's: of its kind (where the index records it), and with the
@@ -1247,8 +1274,11 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     Tensor staged = zeros({data.numel()}, Options(entry.dtype, &data.backend()));
     gather_range(entry, model_tensor(name), entry.dtype, dtype_size(entry.dtype), want, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
-    if (optimizer && index.has_optimizer && optimizer->updates(p) && !entry.optimized) {
-      for (auto& [state, t] : optimizer->state(p)) t.fill_(0.0);
+    if (optimizer && index.has_optimizer && optimizer->updates(p) && !entry.has_state()) {
+      // Afresh: state this optimizer made already is zeroed, none is made.
+      if (optimizer->has_state(p)) {
+        for (auto& [state, t] : optimizer->state(p)) t.fill_(0.0);
+      }
     } else if (loads_state(name, p)) {
       for (auto& [state, t] : optimizer->state(p)) {  // (names and dtypes the index's: checked above)
         Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
@@ -1262,7 +1292,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     for (const auto& [name, p] : params) {
       const auto found = by_name.find(name);
       if (found == by_name.end() || !optimizer->updates(p)) continue;
-      if (!found->second->optimized) {
+      if (!found->second->has_state()) {
         optimizer->set_steps_of(p, 0);
       } else if (found->second->steps) {
         optimizer->set_steps_of(p, *found->second->steps);
@@ -1341,8 +1371,8 @@ CheckpointSummary describe_checkpoint(const std::string& path) {
   out.files = index.files;
   if (index.has_optimizer) out.optimizer_steps = index.optimizer_steps;
   for (const IndexParam& p : index.params)
-    out.params.push_back(
-        {p.name, p.shape, p.dtype, p.id, p.sharded, p.optimized ? index.optimizer_state : std::vector<std::string>{}});
+    out.params.push_back({p.name, p.shape, p.dtype, p.id, p.sharded,
+                          p.has_state() ? index.optimizer_state : std::vector<std::string>{}});
   return out;
 }
 

@@ -353,6 +353,13 @@ IndexParam IndexParser::parse_param(const std::string& name, const json& jp, con
     if (!index.has_optimizer) fail(where + " has a 'steps' count but the index holds no optimizer state");
     p.steps = integer(jp, "steps", where, 0, index.optimizer_steps);
   }
+  if (index.has_optimizer && p.optimized && index.version >= 5 && !jp.contains("state_dtypes")) {
+    // Version 5 on, an optimized parameter without state dtypes has no state: one that took no
+    // step. With a count above 0 a resume would take its moments as zeros after that many steps.
+    p.stateless = true;
+    if (const std::int64_t own = p.steps.value_or(index.optimizer_steps); own != 0)
+      fail(where + " has no optimizer state ('state_dtypes') but has taken " + std::to_string(own) + " steps");
+  }
   const json& pieces = member(jp, "pieces", where);
   if (!pieces.is_array()) fail(where + "'s 'pieces' must be an array");
   for (const json& jpiece : pieces) {

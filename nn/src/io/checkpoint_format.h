@@ -24,8 +24,10 @@ inline constexpr const char* kFormat = "ruda-sharded-checkpoint";
 // 1: no checksums; 2: a checksum per block of every piece; 3: and one over the index itself
 // (kIndexChecksumKey), so that an edited or damaged index.json is an error, not a different model;
 // 4: a parameter the optimizer does not update is marked "optimized": false and has no optimizer
-// state (a frozen backbone's zero moments were kept in memory and written to every checkpoint).
-inline constexpr int kVersion = 4;
+// state (a frozen backbone's zero moments were kept in memory and written to every checkpoint);
+// 5: nor has one it updates but that has taken no step (a frozen backbone given to the optimizer
+// with its head): it records no "state_dtypes", and its own step count is 0.
+inline constexpr int kVersion = 5;
 inline constexpr const char* kIndexChecksumKey = "index_xxh3";
 inline constexpr std::size_t kMaxLatestBytes = 4096;
 inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
@@ -86,6 +88,10 @@ struct IndexParam {
   // Whether the optimizer that saved the checkpoint updated it: only then do its pieces hold
   // optimizer state (every parameter's do in checkpoints before version 4).
   bool optimized = true;
+  // Whether its pieces hold optimizer state (has_state()): version 5 on, an optimized parameter
+  // that had taken no step has none (it records no state dtypes).
+  bool stateless = false;
+  bool has_state() const { return optimized && !stateless; }
   // The dtype of each of its optimizer state tensors (by state name; recorded since the index
   // has them: empty in older checkpoints, whose state is checked against the optimizer only).
   std::map<std::string, DType> state_dtypes;
@@ -132,7 +138,7 @@ struct Index {
   // The tensors a piece of `p` has in its rank file: the parameter's values, then its optimizer state.
   std::vector<std::string> tensors(const IndexParam& p) const {
     std::vector<std::string> out = {model_tensor(p.name)};
-    if (!p.optimized) return out;
+    if (!p.has_state()) return out;
     for (const auto& s : optimizer_state) out.push_back(optim_tensor(p.name, s));
     return out;
   }

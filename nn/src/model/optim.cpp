@@ -110,6 +110,8 @@ void Optimizer::require_step_room(const char* op) const {
   }
 }
 
+bool Optimizer::has_state(const Param& param) const { return updates(param); }
+
 std::int64_t Optimizer::steps_of(const Param& param) const {
   require_own("Optimizer::steps_of", param);
   return own_steps(param);
@@ -249,6 +251,13 @@ std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
   return {{"momentum_buffer", momentum_of(param, "SGD::state")}};
 }
 
+bool SGD::has_state(const Param& param) const {
+  if (!updates(param)) return false;
+  if (options_.momentum == 0) return true;  // none to make
+  const auto found = momentum_.find(param.id());
+  return found != momentum_.end() && found->second.defined();
+}
+
 Adam::Adam(std::vector<Param> params, AdamOptions options)
     : Adam(std::vector<ParamGroup>{ParamGroup{.name = "default", .params = std::move(params)}}, options) {}
 
@@ -330,6 +339,12 @@ std::vector<std::pair<std::string, Tensor>> Adam::state(const Param& param) {
   require_own("Adam::state", param);
   Moments& m = moments(param);
   return {{"exp_avg", m.exp_avg}, {"exp_avg_sq", m.exp_avg_sq}};
+}
+
+bool Adam::has_state(const Param& param) const {
+  if (!updates(param)) return false;
+  const auto found = moments_.find(param.id());
+  return found != moments_.end() && found->second.exp_avg.defined();
 }
 
 AdamW::AdamW(std::vector<Param> params, AdamWOptions o)

@@ -81,9 +81,8 @@ struct MemoryPlan {
 
 /// The state part of the plan for `world_size` ranks from shapes alone (works on deferred
 /// parameters; allocates nothing). A frozen parameter (requires_grad off) counts no gradient and
-/// no optimizer state. (An optimizer given a frozen parameter makes zero state for it at the first
-/// checkpoint save, which this does not count: give optimizers the trainable parameters.) `step`
-/// stays unknown.
+/// no optimizer state (an optimizer given it makes none, and checkpoints save none: see
+/// Optimizer::has_state). `step` stays unknown.
 MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options = {});
 
 /// Measures a step's transient bytes: `step(b)` must compute this rank's loss on b samples and

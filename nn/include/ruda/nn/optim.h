@@ -72,6 +72,14 @@ class Optimizer {
   /// Tensors are created on first use, so a loaded state can be written into them. ArgumentError
   /// for a parameter this optimizer does not update (it would get state it never uses).
   virtual std::vector<std::pair<std::string, Tensor>> state(const Param& param) = 0;
+  /// Whether `param`'s state tensors exist already, so that state(param) makes none (true where
+  /// there are none to make). False for a parameter that has taken no step yet: a frozen one given
+  /// to the optimizer with the rest of its module (PyTorch's usual AdamW(model.parameters()) on a
+  /// frozen backbone), or one that has had no gradient so far. Checkpoints save no state for such
+  /// a parameter, and make none (as PyTorch's state_dict has none for it): it resumes afresh. The
+  /// default, true for every parameter it updates, is for an optimizer that does not say: each
+  /// one's state is made and saved, as before this existed.
+  virtual bool has_state(const Param& param) const;
 
  protected:
   /// The rate and weight decay params()[i] is updated with (`decay`: the optimizer's own).
@@ -123,6 +131,7 @@ class SGD : public Optimizer {
   SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
+  bool has_state(const Param& param) const override;
   const SGDOptions& options() const noexcept { return options_; }
 
  private:
@@ -152,6 +161,7 @@ class Adam : public Optimizer {
   Adam(std::vector<ParamGroup> groups, AdamOptions options = {});
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
+  bool has_state(const Param& param) const override;
   const AdamOptions& options() const noexcept { return options_; }
 
  private:
