@@ -596,7 +596,8 @@ TEST_CASE("binary ops on two transposed operands, walked in tiles: bitwise the o
 }
 
 TEST_CASE("contiguous() of transposes and permutes, copied in tiles: every element in place, every element size") {
-  // Shapes around the tile sizes (16 to 128 elements by element size), batched, and a copy into a view.
+  // Shapes around the tile sizes (16 to 128 elements by element size; 64 in blocks of 8 x 8 or
+  // 4 x 4 where the CPU transposes in registers), batched, and a copy into a view.
   struct Case {
     Shape shape;
     std::vector<std::int64_t> perm;
@@ -608,8 +609,12 @@ TEST_CASE("contiguous() of transposes and permutes, copied in tiles: every eleme
                                    {{5, 48, 2, 33}, {2, 3, 0, 1}},
                                    {{64, 64}, {1, 0}},
                                    {{17, 16}, {1, 0}},
-                                   {{130, 140}, {1, 0}}};
-  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::i64, DType::boolean}) {
+                                   {{130, 140}, {1, 0}},
+                                   // Several 64-element tiles of 8 x 8 (4 x 4) register blocks, with partial
+                                   // blocks and tiles at both edges.
+                                   {{203, 266}, {1, 0}},
+                                   {{2, 24, 21}, {0, 2, 1}}};
+  for (DType d : {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i64, DType::boolean}) {
     for (const Case& c : cases) {
       CAPTURE(dtype_name(d));
       CAPTURE(to_string(c.shape));
