@@ -2,6 +2,7 @@
 // views' strides. oneDNN broadcasts only its second source, so a broadcast left operand swaps
 // sides (with the mirrored comparison, or a negating post-op for sub). Comparisons write u8 0/1,
 // ruda's bool; gt and ge always run as lt and le with swapped sides (see below).
+#include <algorithm>
 #include <optional>
 
 #include "context.h"
@@ -195,6 +196,17 @@ void OneDnnBackend::binary(BinaryOp op, const View& a, const View& b, const View
     return EigenBackend::binary(op, a, b, out);
   }
   const int src0 = swap ? 1 : 0, src1 = swap ? 0 : 1;
+  if (out.dtype == DType::boolean && !std::equal(c.strides[src0], c.strides[src0] + c.ndim, c.strides[2])) {
+    // oneDNN 2.6's jit binary writes a comparison (u8 output) of two operands laid out alike in
+    // their layout rather than the output's: lt of two transposed [131, 203] f32 matrices had
+    // half its values wrong, as had every comparison of two alike-permuted [6, 50, 40] operands.
+    // Arithmetic (output of the operands' type) measured right in every layout, and comparisons
+    // whose first source is laid out as the output did; the rest go to the Eigen kernel.
+    note_fallback(op_name(op), a.dtype,
+                  "a comparison whose first operand is not laid out as its output (oneDNN 2.6 writes some such "
+                  "in the operands' layout)");
+    return EigenBackend::binary(op, a, b, out);
+  }
 
   Key key;
   key << std::int64_t{4} << static_cast<std::int64_t>(*alg) << std::int64_t{negate}

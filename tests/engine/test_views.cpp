@@ -579,19 +579,65 @@ TEST_CASE("attention's output merges its heads without a copy, and its backward 
 }
 
 TEST_CASE("binary ops on two transposed operands, walked in tiles: bitwise the op on contiguous copies") {
-  // Both operands strided along the output's rows take a kernel of their own (tiles of 32 x 32,
-  // walked down their columns): shapes of several tiles with partial ones at both edges, an
-  // operand broadcast down its rows beside a transposed one, every float dtype, on this backend.
-  for (const DType dtype : {DType::f32, DType::f64, DType::bf16}) {
-    CAPTURE(dtype_name(dtype));
-    const Tensor a = randn({45, 70}, 61).to(dtype), b = randn({45, 70}, 62).to(dtype);
-    const Tensor at = a.transpose(0, 1), bt = b.transpose(0, 1);  // [70, 45], strides [1, 70]
-    const Tensor ac = at.contiguous(), bc = bt.contiguous();
-    CHECK((at * bt + bt).to_vector<double>() == (ac * bc + bc).to_vector<double>());
-    CHECK(maximum(at, bt).to_vector<double>() == maximum(ac, bc).to_vector<double>());
-    CHECK(lt(at, bt).to_vector<double>() == lt(ac, bc).to_vector<double>());
-    const Tensor column = randn({70, 1}, 63).to(dtype);  // strides [1, 0] once expanded
-    CHECK((at - column).to_vector<double>() == (ac - column).to_vector<double>());
+  // Both operands strided along the output's rows take a kernel of their own (tiles of 64 x 64,
+  // computed down their columns, then transposed into the output's rows in registers): shapes of
+  // one partial tile and of several tiles with partial ones at both edges, an operand broadcast
+  // down its rows beside a transposed one, every float dtype and i64, on this backend.
+  for (const DType dtype : {DType::f32, DType::f64, DType::bf16, DType::i64}) {
+    for (const Shape& shape : {Shape{45, 70}, Shape{203, 131}}) {
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(to_string(shape));
+      auto make = [&](std::uint64_t seed) {
+        const Tensor x = randn(shape, seed) * 100.0;
+        return dtype == DType::i64 ? x.to(DType::i64) : x.to(dtype);
+      };
+      const Tensor a = make(61), b = make(62);
+      const Tensor at = a.transpose(0, 1), bt = b.transpose(0, 1);  // strides [1, rows]
+      const Tensor ac = at.contiguous(), bc = bt.contiguous();
+      CHECK((at * bt + bt).to_vector<double>() == (ac * bc + bc).to_vector<double>());
+      CHECK(maximum(at, bt).to_vector<double>() == maximum(ac, bc).to_vector<double>());
+      CHECK(lt(at, bt).to_vector<double>() == lt(ac, bc).to_vector<double>());
+      const Tensor column = make(63).slice(0, 0, 1).transpose(0, 1);  // [cols, 1], strides [1, 0] once expanded
+      CHECK((at - column).to_vector<double>() == (ac - column).to_vector<double>());
+    }
+  }
+}
+
+TEST_CASE("binary ops of permuted operands: every pair of layouts, bitwise the op on contiguous copies") {
+  // oneDNN 2.6's binary primitive wrote comparisons of two operands permuted alike in their own
+  // layout, not the output's (half the values of lt wrong); [6, 50, 40] is above the size from
+  // which the oneDNN backend calls it. Every pair of the six layouts, arithmetic and comparisons,
+  // and an in-place add into a permuted destination.
+  const Shape shape{6, 50, 40};
+  const std::vector<std::vector<std::int64_t>> perms = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2},
+                                                        {1, 2, 0}, {2, 0, 1}, {2, 1, 0}};
+  // A tensor whose permute(perm) has `shape`, with small integers from `low` (equal values are
+  // common; b's are positive, so that a / b is finite).
+  auto permuted = [&](const std::vector<std::int64_t>& perm, std::uint64_t seed, DType dtype, std::int64_t low) {
+    Shape base(3);
+    for (std::size_t i = 0; i < 3; ++i) base[static_cast<std::size_t>(perm[i])] = shape[i];
+    return randint(base, low, 6, seed).to(dtype).permute(perm);
+  };
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const auto& pa : perms) {
+      for (const auto& pb : perms) {
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(pa);
+        CAPTURE(pb);
+        const Tensor a = permuted(pa, 71, dtype, -4), b = permuted(pb, 72, dtype, 1);
+        const Tensor ac = a.contiguous(), bc = b.contiguous();
+        CHECK((a - b).to_vector<double>() == (ac - bc).to_vector<double>());
+        CHECK((a / b).to_vector<double>() == (ac / bc).to_vector<double>());
+        CHECK(eq(a, b).to_vector<double>() == eq(ac, bc).to_vector<double>());
+        CHECK(lt(a, b).to_vector<double>() == lt(ac, bc).to_vector<double>());
+        CHECK(ge(a, b).to_vector<double>() == ge(ac, bc).to_vector<double>());
+        Tensor into = permuted(pa, 73, dtype, -4);
+        Tensor reference = into.contiguous();
+        into.add_(b);
+        reference.add_(bc);
+        CHECK(into.to_vector<double>() == reference.to_vector<double>());
+      }
+    }
   }
 }
 
