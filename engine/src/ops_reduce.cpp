@@ -1,6 +1,9 @@
 // Reductions over axes, and sum_to (the gradient of broadcasting).
 #include <algorithm>
 #include <limits>
+#include <numeric>
+#include <optional>
+#include <vector>
 
 #include "internal.h"
 
@@ -50,6 +53,25 @@ Reduction plan(const char* op, const Tensor& x, const Axes& axes, bool keepdim) 
   return r;
 }
 
+// The order of x's axes in memory (largest stride first) where x is a permutation of a dense
+// block (a transpose or a permute of a contiguous tensor); none where it is contiguous already, or
+// is not dense (a slice, an expanded axis). x.permute(order) is then contiguous.
+std::optional<std::vector<std::int64_t>> memory_order(const Tensor& x) {
+  if (x.is_contiguous() || x.ndim() < 2) return std::nullopt;
+  std::vector<std::int64_t> order(static_cast<std::size_t>(x.ndim()));
+  std::iota(order.begin(), order.end(), 0);
+  const Shape& strides = x.strides();
+  // Axes of extent 1 last (their strides say nothing); the rest by decreasing stride, ties kept.
+  std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+    const bool a_unit = x.shape()[a] == 1, b_unit = x.shape()[b] == 1;
+    if (a_unit != b_unit) return b_unit;
+    return strides[a] > strides[b];
+  });
+  const Tensor in_memory = x.permute(order);
+  if (!in_memory.is_contiguous()) return std::nullopt;
+  return order;
+}
+
 Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Reduction& r, DType out_dtype) {
   Tensor out = make_tensor(r.kept, out_dtype, x.backend(), name);
   if (out.numel()) {
@@ -60,6 +82,21 @@ Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Redu
         fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
       }
       x.backend().fill(view_of(out), op == ReduceOp::sum ? 0.0 : -std::numeric_limits<double>::infinity());
+    } else if (const auto order = memory_order(x)) {
+      // A permuted dense tensor is reduced as it lies in memory, over the same axes, and the
+      // (smaller) result is permuted back: copied contiguous first, a transposed [4096, 4096] f32
+      // sum took the copy's 6.8 ms and a 64 MB buffer beside the reduction's 2.5 ms. The sums run
+      // in another order than over a contiguous copy (the reduced axis may be the outer one
+      // now), so their last bits may differ from it, as PyTorch's do; max, min and the arg ops
+      // are exact either way.
+      Shape kept_in_memory;
+      for (std::int64_t a : *order) kept_in_memory.push_back(r.kept[static_cast<std::size_t>(a)]);
+      Tensor partial = make_tensor(kept_in_memory, out_dtype, x.backend(), name);
+      x.backend().reduce(op, view_of(x.permute(*order)), view_of(partial));
+      std::vector<std::int64_t> inverse(order->size());
+      for (std::size_t i = 0; i < order->size(); ++i)
+        inverse[static_cast<std::size_t>((*order)[i])] = static_cast<std::int64_t>(i);
+      x.backend().copy(view_of(partial.permute(inverse)), view_of(out));
     } else {
       x.backend().reduce(op, view_of(detail::dense(x)), view_of(out));
     }

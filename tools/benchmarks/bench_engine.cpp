@@ -169,6 +169,11 @@ void kernels_suite(Context& ctx) {
     row(
         "add of two transposed operands", [&] { (void)(at + bt); }, [&] { (void)(a + b); },
         "the same add of contiguous ones");
+    // A sum over the rows of a transposed matrix: copied contiguous first, it took the copy's time
+    // and a buffer of the matrix's size beside the reduction; now it reduces the columns in place.
+    row(
+        "sum over rows of a transposed matrix", [&] { (void)sum(at, {1}); }, [&] { (void)sum(a, {0}); },
+        "the same sum over columns of the matrix itself");
   }
   // exp over f32 values (a GELU derivative's, a softmax's) against Eigen's own exp of the same
   // values into a fresh array, on as many threads, alternated: ruda's takes pexp's steps but
