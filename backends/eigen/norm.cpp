@@ -45,8 +45,19 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
         for (std::int64_t r = r0; r < r1; ++r) {
           const T* row = xp + r * n;
           // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
-          const S mu =
+          S mu =
               long_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
+          if (!std::isfinite(mu)) {
+            // The sum overflowed the statistics' dtype where no value is infinite (a row of f32
+            // values near 3e38: its mean was inf and every output NaN): the mean of x / m, times
+            // m, with m the largest |x| (a row holding inf or NaN keeps its inf or NaN mean).
+            S m = 0;
+            for (std::int64_t j = 0; j < n; ++j) m = std::max(m, std::abs(static_cast<S>(Num<T>::load(row[j]))));
+            if (std::isfinite(m) && m > 0) {
+              mu = long_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])) / m; }) /
+                   static_cast<S>(n) * m;
+            }
+          }
           const S sq = long_sum<S>(n, [&](std::int64_t j) {
             const S d = static_cast<S>(Num<T>::load(row[j])) - mu;
             return d * d;

@@ -1,6 +1,6 @@
 // Binary arithmetic and comparisons on oneDNN's binary primitive, broadcasting through the
 // views' strides. oneDNN broadcasts only its second source, so a broadcast left operand swaps
-// sides (with the mirrored comparison, or a negating post-op for sub). Comparisons write u8 0/1,
+// sides (with the mirrored comparison; sub and div have none). Comparisons write u8 0/1,
 // ruda's bool; gt and ge always run as lt and le with swapped sides (see below).
 #include <algorithm>
 #include <optional>
@@ -106,8 +106,7 @@ std::optional<algorithm> algorithm_of(BinaryOp op) {
 }
 
 // b (op) a for a (op) b, when the operands swap sides; none where no algorithm says it.
-std::optional<algorithm> mirrored(BinaryOp op, bool& negate) {
-  negate = false;
+std::optional<algorithm> mirrored(BinaryOp op) {
   switch (op) {
     case BinaryOp::add:
       return algorithm::binary_add;
@@ -125,9 +124,9 @@ std::optional<algorithm> mirrored(BinaryOp op, bool& negate) {
       return algorithm::binary_lt;
     case BinaryOp::ge:
       return algorithm::binary_le;
+    // a - b as -(b - a) is exact but for the sign of a zero: +0 - +0 is +0, -(+0 - +0) is -0, and
+    // a negating post-op (-1 x + 0) made -0 - 0 +0 instead (a broadcast -0 row minus zeros).
     case BinaryOp::sub:
-      negate = true;
-      return algorithm::binary_sub;  // a - b = -(b - a), exactly
     case BinaryOp::div:
     case BinaryOp::pow:
     case BinaryOp::maximum:
@@ -182,8 +181,7 @@ void OneDnnBackend::binary(BinaryOp op, const View& a, const View& b, const View
   // oneDNN broadcasts only its second source, so a broadcast a swaps sides; so do gt and ge on
   // equal shapes, to run as lt and le: oneDNN's gt/ge are true when an operand is NaN.
   const bool swap = a_broadcasts || (!b_broadcasts && (op == BinaryOp::gt || op == BinaryOp::ge));
-  bool negate = false;
-  const auto alg = swap ? mirrored(op, negate) : algorithm_of(op);
+  const auto alg = swap ? mirrored(op) : algorithm_of(op);
   if (!alg) {
     note_fallback(op_name(op), a.dtype, "its left operand broadcasts and the op has no mirrored oneDNN form");
     return EigenBackend::binary(op, a, b, out);
@@ -209,17 +207,12 @@ void OneDnnBackend::binary(BinaryOp op, const View& a, const View& b, const View
   }
 
   Key key;
-  key << std::int64_t{4} << static_cast<std::int64_t>(*alg) << std::int64_t{negate}
-      << static_cast<std::int64_t>(a.dtype) << static_cast<std::int64_t>(out.dtype) << std::int64_t{c.ndim};
+  key << std::int64_t{4} << static_cast<std::int64_t>(*alg) << static_cast<std::int64_t>(a.dtype)
+      << static_cast<std::int64_t>(out.dtype) << std::int64_t{c.ndim};
   for (int d = 0; d < c.ndim; ++d) key << c.shape[d] << c.strides[src0][d] << c.strides[src1][d] << c.strides[2][d];
   const auto p = lookup(key, threads_for(out.numel()), [&] {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-    if (negate) {
-      dnnl::post_ops ops;
-      ops.append_eltwise(1.0f, algorithm::eltwise_linear, -1.0f, 0.0f);
-      attr.set_post_ops(ops);
-    }
     const dnnl::binary::desc desc(*alg, operand_desc(c, src0, *in_type), operand_desc(c, src1, *in_type),
                                   operand_desc(c, 2, *out_type));
     return make_primitive(dnnl::binary::primitive_desc(desc, attr, cpu_engine()),

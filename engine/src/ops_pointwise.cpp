@@ -167,10 +167,11 @@ Tensor div(const Tensor& a, const Tensor& b) {
     autograd::record("div", out, {a, b}, {b, gb ? out : Tensor()},
                      [sa = a.shape(), sb = b.shape()](const Tensor& g, const Saved& s, GradMask need) {
                        const Tensor bv = s[0].get();
-                       const Tensor ga = g / bv;
-                       // d(a/b)/db = -(a/b)/b
-                       return two(need[0] ? sum_to(ga, sa) : Tensor(),
-                                  need[1] ? sum_to(neg(ga * s[1].get()), sb) : Tensor());
+                       // d(a/b)/db = -g ((a/b) / b), PyTorch's order: as (g / b) (a/b), g / b
+                       // overflowed where b is tiny (1 / 1e-40 in f32) and a 0 quotient then gave
+                       // NaN (inf * 0), or a finite gradient inf.
+                       return two(need[0] ? sum_to(g / bv, sa) : Tensor(),
+                                  need[1] ? sum_to(neg(g * (s[1].get() / bv)), sb) : Tensor());
                      });
   }
   return out;

@@ -1328,6 +1328,41 @@ TEST_CASE("pow's gradient multiplies g by the whole derivative, as PyTorch: an o
   CHECK(x.grad().to_vector<double>()[0] == -std::numeric_limits<double>::infinity());
 }
 
+TEST_CASE("overflow-prone gradients and statistics, below and above the oneDNN backend's size floor") {
+  // Each case at 5 and at 5000 elements: the oneDNN backend hands fewer than 4096 to the Eigen
+  // kernels, and the two gave different answers (square's backward), or both the wrong one.
+  for (const std::int64_t n : {5, 5000}) {
+    CAPTURE(n);
+    // d(a / b)/db = -g (a/b) / b: as -(g / b)(a/b), g / b overflowed for a tiny b, and gave NaN
+    // (inf * 0) where a is 0, inf where the gradient is 1.4e35 (PyTorch's answers below).
+    const Tensor a = full({n}, 0.0), a2 = full({n}, 1.4e-45);
+    const Tensor b = full({n}, -1e-40).set_requires_grad(), b2 = full({n}, 1e-40).set_requires_grad();
+    (a / b).backward(full({n}, 1.0));
+    (a2 / b2).backward(full({n}, 1.0));
+    const double gb = b.grad().to_vector<double>()[0], gb2 = b2.grad().to_vector<double>()[0];
+    CHECK(gb == 0.0);
+    CHECK(std::signbit(gb));
+    CHECK(std::isfinite(gb2));
+    CHECK(gb2 == doctest::Approx(-1.401298e-45 / 1e-40 / 1e-40).epsilon(1e-3));
+    // square's gradient is g (2x): 2x overflows at 3e38 (PyTorch's inf), on either kernel.
+    const Tensor x = full({n}, 3e38).set_requires_grad();
+    square(x).backward(full({n}, 0.5));
+    CHECK(x.grad().to_vector<double>()[0] == std::numeric_limits<double>::infinity());
+    // A row of values near f32's largest: its sum overflows, its mean does not (it was inf, and
+    // every output NaN); the row normalizes to 0.
+    for (const DType d : {DType::f32, DType::bf16}) {
+      const Tensor big = full({n, 103}, 3e38).to(d);
+      const std::vector<double> y = layer_norm(big, Tensor(), Tensor()).to_vector<double>();
+      CHECK(std::all_of(y.begin(), y.end(), [](double v) { return v == 0.0; }));
+    }
+    // A broadcast left operand of sub keeps the sign of a zero result: -0 - 0 is -0 (as
+    // -(0 - -0) on oneDNN's swapped operands it was +0).
+    const Tensor row = full({1, 103}, -0.0);
+    const std::vector<double> diff = (row - zeros({n, 103})).to_vector<double>();
+    CHECK(std::all_of(diff.begin(), diff.end(), [](double v) { return v == 0.0 && std::signbit(v); }));
+  }
+}
+
 TEST_CASE("pow with a number: PyTorch's values and gradients at -0 and -inf (0.5 and -0.5 are sqrt and rsqrt)") {
   // PyTorch 2.15's values; std::pow gave pow(-0, 0.5) = 0 and pow(-inf, 0.5) = inf, and the
   // gradient of x^1.5 at -inf inf (PyTorch: 1.5 * sqrt(-inf), NaN).
