@@ -50,7 +50,10 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
           if (!std::isfinite(mu)) {
             // The sum overflowed the statistics' dtype where no value is infinite (a row of f32
             // values near 3e38: its mean was inf and every output NaN): the mean of x / m, times
-            // m, with m the largest |x| (a row holding inf or NaN keeps its inf or NaN mean).
+            // m, with m the largest |x| (a row holding inf or NaN keeps its inf or NaN mean). Not
+            // a power-of-two scale: x / m sums a constant row's exact ones, so its mean is its
+            // value and it normalizes to 0 (scaled by 2^-128, a row of 3e38 summed 0.88s, its mean
+            // was an ulp off, and ulp-sized deviations normalized to +-1: eps is nothing there).
             S m = 0;
             for (std::int64_t j = 0; j < n; ++j) m = std::max(m, std::abs(static_cast<S>(Num<T>::load(row[j]))));
             if (std::isfinite(m) && m > 0) {

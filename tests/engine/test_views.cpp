@@ -8,7 +8,7 @@
 // within 1e-6 relative to max |value| in f32 (1e-12 in f64, 1e-2 in bf16); so do gradients that
 // sum over an expanded axis (the sum order is the reduction's own), and sums over a transposed
 // input, which run over its memory order instead of copying it first (OpCase::sums; max, min and
-// the arg ops stay exact).
+// the arg ops stay exact, but for the sign of a tie of zeros, which the cases' values do not hold).
 #include <cmath>
 #include <functional>
 #include <string>

@@ -522,11 +522,29 @@ TEST_CASE("an optimizer of every parameter, the backbone frozen: no state made o
   nn::Sequential thawed_resumed = make();
   freeze(thawed_resumed, true);
   nn::AdamW thawed_resumed_opt(thawed_resumed.parameters());
-  train(thawed_resumed, thawed_resumed_opt, 0, 1);  // state of its own, which the load must reset
+  freeze(thawed_resumed, false);
+  train(thawed_resumed, thawed_resumed_opt, 0, 1);  // backbone state of its own, which the load must reset
+  CHECK(thawed_resumed_opt.has_state(thawed_resumed[0]->parameters()[0]));
+  freeze(thawed_resumed, true);
   nn::load_checkpoint(step_dir(2), thawed_resumed, &thawed_resumed_opt, comm);
   freeze(thawed_resumed, false);
   train(thawed_resumed, thawed_resumed_opt, 2, 4);
   CHECK(test::snapshot(thawed_resumed) == test::snapshot(thawed));
+  // Unfrozen into a group of its own with a lower rate: a group of parameters without state in the
+  // checkpoint has no history to match, so it may differ from the saved one (it was refused).
+  nn::Sequential regrouped = make();
+  freeze(regrouped, true);
+  nn::AdamW regrouped_opt(
+      std::vector<nn::ParamGroup>{{.name = "default", .params = regrouped[1]->parameters()},
+                                  {.name = "backbone", .params = regrouped[0]->parameters(), .lr_scale = 0.1}});
+  CHECK_NOTHROW(nn::load_checkpoint(step_dir(2), regrouped, &regrouped_opt, comm));
+  // The head's group must still be the saved one.
+  nn::Sequential head_elsewhere = make();
+  nn::AdamW head_elsewhere_opt(
+      std::vector<nn::ParamGroup>{{.name = "head", .params = head_elsewhere[1]->parameters()},
+                                  {.name = "default", .params = head_elsewhere[0]->parameters()}});
+  test::check_throws<IOError>([&] { nn::load_checkpoint(step_dir(2), head_elsewhere, &head_elsewhere_opt, comm); },
+                              {"was saved with the optimizer groups default (", "this optimizer's are head ("});
   // An index that gives such a parameter a step count is damaged: its moments are not in the files.
   nlohmann::json bad = index;
   bad["params"]["0.weight"]["steps"] = 1;

@@ -1199,15 +1199,20 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       }
     }
     // The groups decide each parameter's rate and decay: a resume must continue with the same.
-    // A checkpoint from before groups existed had one group of every parameter. Parameters the
-    // saving optimizer did not update (frozen then) may join any group now.
-    auto mine = groups_of(*optimizer, params);
-    for (auto& g : mine) {
-      std::erase_if(g.params, [&](const std::string& name) {
-        const auto found = by_name.find(name);
-        return found != by_name.end() && !found->second->optimized;
-      });
-    }
+    // A checkpoint from before groups existed had one group of every parameter. Parameters with
+    // no state in the checkpoint (not updated then, or no step taken: a frozen backbone) have no
+    // history to continue and may join any group now (unfrozen with a rate of their own).
+    auto stateless = [&](const std::string& name) {
+      const auto found = by_name.find(name);
+      return found != by_name.end() && !found->second->has_state();
+    };
+    // A group left with none of those (a new one for an unfrozen backbone) is no history either.
+    auto with_state = [&](std::vector<ckpt::IndexGroup> groups) {
+      for (auto& g : groups) std::erase_if(g.params, stateless);
+      std::erase_if(groups, [](const ckpt::IndexGroup& g) { return g.params.empty(); });
+      return groups;
+    };
+    const auto mine = with_state(groups_of(*optimizer, params));
     std::vector<ckpt::IndexGroup> saved;
     if (index.optimizer_groups) {
       saved = *index.optimizer_groups;
@@ -1215,6 +1220,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       saved.push_back({"default", 1.0, std::nullopt, {}});
       for (const auto& [name, p] : params) saved.back().params.push_back(name);
     }
+    saved = with_state(saved);
     if (saved != mine) {
       fail(index.dir, "was saved with the optimizer groups " + describe(saved) + "; this optimizer's are " +
                           describe(mine) + " (their names, parameters, lr scales and weight decays must match)");
@@ -1275,7 +1281,9 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     gather_range(entry, model_tensor(name), entry.dtype, dtype_size(entry.dtype), want, staged.data_ptr());
     data.detach().reshape({-1}).copy_(staged);
     if (optimizer && index.has_optimizer && optimizer->updates(p) && !entry.has_state()) {
-      // Afresh: state this optimizer made already is zeroed, none is made.
+      // Afresh: state this optimizer made already is zeroed, none is made. (Zeroed state stays
+      // made, so the next save writes it, as zeros with a count of 0: the optimizers have no way
+      // to drop a parameter's state. Training continues the same either way.)
       if (optimizer->has_state(p)) {
         for (auto& [state, t] : optimizer->state(p)) t.fill_(0.0);
       }
