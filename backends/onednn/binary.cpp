@@ -1,6 +1,6 @@
 // Binary arithmetic and comparisons on oneDNN's binary primitive, broadcasting through the
 // views' strides. oneDNN broadcasts only its second source, so a broadcast left operand swaps
-// sides (with the mirrored comparison; sub and div have none). Comparisons write u8 0/1,
+// sides (with the mirrored comparison, or sub as an add of the negated other operand). Comparisons write u8 0/1,
 // ruda's bool; gt and ge always run as lt and le with swapped sides (see below).
 #include <algorithm>
 #include <optional>
@@ -106,7 +106,8 @@ std::optional<algorithm> algorithm_of(BinaryOp op) {
 }
 
 // b (op) a for a (op) b, when the operands swap sides; none where no algorithm says it.
-std::optional<algorithm> mirrored(BinaryOp op) {
+std::optional<algorithm> mirrored(BinaryOp op, bool& negate_src0) {
+  negate_src0 = false;
   switch (op) {
     case BinaryOp::add:
       return algorithm::binary_add;
@@ -124,9 +125,13 @@ std::optional<algorithm> mirrored(BinaryOp op) {
       return algorithm::binary_lt;
     case BinaryOp::ge:
       return algorithm::binary_le;
-    // a - b as -(b - a) is exact but for the sign of a zero: +0 - +0 is +0, -(+0 - +0) is -0, and
-    // a negating post-op (-1 x + 0) made -0 - 0 +0 instead (a broadcast -0 row minus zeros).
+    // a - b as (-b) + a, with -b oneDNN's scale of -1 on its first source: IEEE's a - b is a + (-b),
+    // so every bit agrees, zeros' signs included (as -(b - a), with a negating post-op, +0 - +0
+    // came out -0, or -0 - 0 +0 with a post-op of -x + 0; on the Eigen kernel instead, a bf16
+    // 1 - x took 3x the time).
     case BinaryOp::sub:
+      negate_src0 = true;
+      return algorithm::binary_add;
     case BinaryOp::div:
     case BinaryOp::pow:
     case BinaryOp::maximum:
@@ -181,7 +186,8 @@ void OneDnnBackend::binary(BinaryOp op, const View& a, const View& b, const View
   // oneDNN broadcasts only its second source, so a broadcast a swaps sides; so do gt and ge on
   // equal shapes, to run as lt and le: oneDNN's gt/ge are true when an operand is NaN.
   const bool swap = a_broadcasts || (!b_broadcasts && (op == BinaryOp::gt || op == BinaryOp::ge));
-  const auto alg = swap ? mirrored(op) : algorithm_of(op);
+  bool negate_src0 = false;
+  const auto alg = swap ? mirrored(op, negate_src0) : algorithm_of(op);
   if (!alg) {
     note_fallback(op_name(op), a.dtype, "its left operand broadcasts and the op has no mirrored oneDNN form");
     return EigenBackend::binary(op, a, b, out);
@@ -207,12 +213,13 @@ void OneDnnBackend::binary(BinaryOp op, const View& a, const View& b, const View
   }
 
   Key key;
-  key << std::int64_t{4} << static_cast<std::int64_t>(*alg) << static_cast<std::int64_t>(a.dtype)
-      << static_cast<std::int64_t>(out.dtype) << std::int64_t{c.ndim};
+  key << std::int64_t{4} << static_cast<std::int64_t>(*alg) << std::int64_t{negate_src0}
+      << static_cast<std::int64_t>(a.dtype) << static_cast<std::int64_t>(out.dtype) << std::int64_t{c.ndim};
   for (int d = 0; d < c.ndim; ++d) key << c.shape[d] << c.strides[src0][d] << c.strides[src1][d] << c.strides[2][d];
   const auto p = lookup(key, threads_for(out.numel()), [&] {
     dnnl::primitive_attr attr;
     attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+    if (negate_src0) attr.set_scales(DNNL_ARG_SRC_0, 0, {-1.0f});
     const dnnl::binary::desc desc(*alg, operand_desc(c, src0, *in_type), operand_desc(c, src1, *in_type),
                                   operand_desc(c, 2, *out_type));
     return make_primitive(dnnl::binary::primitive_desc(desc, attr, cpu_engine()),
