@@ -1192,10 +1192,14 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       std::vector<std::string> sorted = mine;
       std::sort(sorted.begin(), sorted.end());
       if (sorted != saved_state) {
-        fail(index.dir, "holds the optimizer state " + quoted_list(index.optimizer_state) + " of every parameter" +
-                            (index.optimizer_kind ? " (" + *index.optimizer_kind + ")" : std::string()) + ", but the " +
-                            kind + " optimizer loading it keeps " + quoted_list(mine) + " for parameter '" + name +
-                            "': a checkpoint of another optimizer, or of other settings");
+        fail(index.dir,
+             "holds " +
+                 (index.optimizer_state.empty() ? std::string("no optimizer state tensors")
+                                                : "the optimizer state " + quoted_list(index.optimizer_state)) +
+                 " for each parameter with state" +
+                 (index.optimizer_kind ? " (" + *index.optimizer_kind + ")" : std::string()) + ", but the " + kind +
+                 " optimizer loading it keeps " + quoted_list(mine) + " for parameter '" + name +
+                 "': a checkpoint of another optimizer, or of other settings");
       }
     }
     // The groups decide each parameter's rate and decay: a resume must continue with the same.
