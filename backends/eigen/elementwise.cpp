@@ -557,26 +557,43 @@ void binary_typed(const View& a, const View& b, const View& out) {
   // transposed into the output's rows in registers (transpose_tile; written element by element,
   // a tile's rows fell in one cache set where the output's rows are a multiple of 4 KiB apart).
   // The same value for every element.
-  if (layout.ndim == 2 && so == 1 && sa != 1 && sb != 1 && (layout.strides[0][0] == 1 || layout.strides[1][0] == 1)) {
+  // The last two axes form the tiles; any axes before them (a batch of transposed matrices,
+  // x.transpose(1, 2) + y.transpose(1, 2)) index whole matrices (they ran the strided loop, 3.5x
+  // the time of the same values as one matrix).
+  const int nd = layout.ndim;
+  if (nd >= 2 && so == 1 && sa != 1 && sb != 1 && (layout.strides[0][nd - 2] == 1 || layout.strides[1][nd - 2] == 1)) {
     constexpr std::int64_t kTile = 64;
-    const std::int64_t rows = layout.shape[0], cols = layout.shape[1];
-    const std::int64_t sa0 = layout.strides[0][0], sb0 = layout.strides[1][0], so0 = layout.strides[2][0];
-    const std::int64_t tile_cols = (cols + kTile - 1) / kTile, tiles = (rows + kTile - 1) / kTile * tile_cols;
-    parallel_for(tiles, std::max<std::int64_t>(1, kElementGrain / (kTile * kTile)),
+    const std::int64_t rows = layout.shape[nd - 2], cols = layout.shape[nd - 1];
+    const std::int64_t sa0 = layout.strides[0][nd - 2], sb0 = layout.strides[1][nd - 2],
+                       so0 = layout.strides[2][nd - 2];
+    const std::int64_t tile_cols = (cols + kTile - 1) / kTile, per_matrix = (rows + kTile - 1) / kTile * tile_cols;
+    std::int64_t batch = 1;
+    for (int d = 0; d < nd - 2; ++d) batch *= layout.shape[d];
+    parallel_for(batch * per_matrix, std::max<std::int64_t>(1, kElementGrain / (kTile * kTile)),
                  [&](std::int64_t begin, std::int64_t end) {
                    Scratch<O> buffer(static_cast<std::size_t>(kTile * kTile));  // [tile column][tile row]
                    for (std::int64_t t = begin; t < end; ++t) {
-                     const std::int64_t i0 = t / tile_cols * kTile, j0 = t % tile_cols * kTile;
+                     // The matrix's offsets in each operand, from its index over the batch axes.
+                     std::int64_t rest = t / per_matrix, oa = 0, ob = 0, oo = 0;
+                     for (int d = nd - 3; d >= 0; --d) {
+                       const std::int64_t i = rest % layout.shape[d];
+                       rest /= layout.shape[d];
+                       oa += i * layout.strides[0][d];
+                       ob += i * layout.strides[1][d];
+                       oo += i * layout.strides[2][d];
+                     }
+                     const std::int64_t tile = t % per_matrix;
+                     const std::int64_t i0 = tile / tile_cols * kTile, j0 = tile % tile_cols * kTile;
                      const std::int64_t n_rows = std::min(rows - i0, kTile), n_cols = std::min(cols - j0, kTile);
                      for (std::int64_t j = 0; j < n_cols; ++j) {
-                       const T* x = pa + i0 * sa0 + (j0 + j) * sa;
-                       const T* y = pb + i0 * sb0 + (j0 + j) * sb;
+                       const T* x = pa + oa + i0 * sa0 + (j0 + j) * sa;
+                       const T* y = pb + ob + i0 * sb0 + (j0 + j) * sb;
                        O* column = buffer.data() + j * kTile;
                        for (std::int64_t i = 0; i < n_rows; ++i) {
                          column[i] = store(apply<Op, C>(Num<T>::load(x[i * sa0]), Num<T>::load(y[i * sb0])));
                        }
                      }
-                     transpose_tile(buffer.data(), kTile, po + i0 * so0 + j0, so0, n_rows, n_cols);
+                     transpose_tile(buffer.data(), kTile, po + oo + i0 * so0 + j0, so0, n_rows, n_cols);
                    }
                  });
     return;
