@@ -100,7 +100,7 @@ void EigenBackend::fill(const View& out, double value) {
 namespace {
 // dst[r * ldd + c] = src[c * lds + r] for a square block of B x B values in registers, B rows
 // read and B written, each whole: 4-byte values in blocks of 8 (AVX2), 2-byte ones in blocks of 8
-// (SSE2), 8-byte ones in blocks of 4 (AVX). kRegisterBlock<T> is 0 where the CPU has none.
+// (SSE2), 8-byte ones in blocks of 4 (AVX). register_block<T>() is 0 where the build has none.
 #if defined(__AVX2__)
 inline void transpose_block(const std::uint32_t* src, std::int64_t lds, std::uint32_t* dst, std::int64_t ldd) {
   const auto* s = reinterpret_cast<const float*>(src);
