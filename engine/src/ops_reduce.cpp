@@ -82,13 +82,15 @@ Tensor reduce_forward(ReduceOp op, const char* name, const Tensor& x, const Redu
         fail<ShapeError>(name, "cannot reduce an empty tensor ", x.shape());
       }
       x.backend().fill(view_of(out), op == ReduceOp::sum ? 0.0 : -std::numeric_limits<double>::infinity());
-    } else if (const auto order = memory_order(x)) {
+    } else if (const auto order = x.dtype() == DType::f64 ? std::nullopt : memory_order(x)) {
       // A permuted dense tensor is reduced as it lies in memory, over the same axes, and the
       // (smaller) result is permuted back: copied contiguous first, a transposed [4096, 4096] f32
       // sum took the copy's 6.8 ms and a 64 MB buffer beside the reduction's 2.5 ms. The sums run
       // in another order than over a contiguous copy (the reduced axis may be the outer one
       // now), so their last bits may differ from it, as PyTorch's do; max, min and the arg ops
-      // are exact either way, but for which zero a tie of -0 and +0 gives.
+      // are exact either way, but for which zero a tie of -0 and +0 gives. f64 keeps the copy:
+      // its sums of a view equal those of a contiguous copy bit for bit (the dtype of gradchecks
+      // and references, where that matters more than the time).
       Shape kept_in_memory;
       for (std::int64_t a : *order) kept_in_memory.push_back(r.kept[static_cast<std::size_t>(a)]);
       Tensor partial = make_tensor(kept_in_memory, out_dtype, x.backend(), name);
