@@ -239,14 +239,25 @@ void reduce_rows_into(ReduceOp op, const T* x, const Block& b, T* out, std::int6
     return;
   }
   for (std::int64_t j = j0; j < j1; ++j) acc[j - j0] = Num<T>::load(base[j]);
-  const bool is_max = op == ReduceOp::max;
-  for (std::int64_t i = 1; i < b.reduce; ++i) {
-    const T* row = base + i * b.inner;
-    for (std::int64_t j = j0; j < j1; ++j) {
-      const A v = Num<T>::load(row[j]);
-      A& a = acc[j - j0];
-      if (!nan_of(a) && (nan_of(v) || (is_max ? v > a : v < a))) a = v;
+  // A NaN stays; else a NaN or a larger (smaller) value replaces the running one, the first of
+  // equal ones kept. One loop per direction, as selects, so that the compiler vectorizes them
+  // (with the direction and the branches inside, a column max of [2048, 1024] f32 took 1.9x
+  // PyTorch's time).
+  auto fold = [&](auto better) {
+    for (std::int64_t i = 1; i < b.reduce; ++i) {
+      const T* row = base + i * b.inner;
+      A* a = acc.data();
+      for (std::int64_t j = j0; j < j1; ++j) {
+        const A v = Num<T>::load(row[j]);
+        const A current = a[j - j0];
+        a[j - j0] = (nan_of(current) || !(nan_of(v) || better(v, current))) ? current : v;
+      }
     }
+  };
+  if (op == ReduceOp::max) {
+    fold([](A v, A current) { return v > current; });
+  } else {
+    fold([](A v, A current) { return v < current; });
   }
   for (std::int64_t j = j0; j < j1; ++j) dst[j] = Num<T>::store(static_cast<compute_t<T>>(acc[j - j0]));
 }
