@@ -81,13 +81,31 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
 void EigenBackend::take_along_rows(const View& x, const View& index, const View& out) {
   const std::int64_t rows = x.shape[0], cols = x.shape[1], picks = index.shape[1];
   const auto* idx = index.ptr<const std::int64_t>();
-  const std::size_t elem = dtype_size(x.dtype);
-  const auto* src = static_cast<const char*>(x.data);
-  auto* dst = static_cast<char*>(out.data);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t j = 0; j < picks; ++j) {
-      std::memcpy(dst + (r * picks + j) * elem, src + (r * cols + idx[r * picks + j]) * elem, elem);
-    }
+  // Values moved as raw bits of their size, rows split across threads (a memcpy of the element
+  // size a value, on one thread, took 2x PyTorch's time to pick 64 of 1024 columns of 2048 rows).
+  auto take = [&](auto bits) {
+    using U = decltype(bits);
+    const U* src = static_cast<const U*>(x.data);
+    U* dst = static_cast<U*>(out.data);
+    parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, picks)),
+                 [&](std::int64_t r0, std::int64_t r1) {
+                   for (std::int64_t r = r0; r < r1; ++r) {
+                     const std::int64_t* row_idx = idx + r * picks;
+                     const U* row = src + r * cols;
+                     U* o = dst + r * picks;
+                     for (std::int64_t j = 0; j < picks; ++j) o[j] = row[row_idx[j]];
+                   }
+                 });
+  };
+  switch (dtype_size(x.dtype)) {
+    case 1:
+      return take(std::uint8_t{});
+    case 2:
+      return take(std::uint16_t{});
+    case 4:
+      return take(std::uint32_t{});
+    default:
+      return take(std::uint64_t{});
   }
 }
 
