@@ -333,7 +333,11 @@ Tensor clamp(const Tensor& x, double low, double high) {
   Tensor out;
   {
     autograd::NoGradGuard no_grad;
-    out = minimum(maximum(x, lo), hi);
+    out = maximum(x, lo);
+    // The upper bound into the same tensor (the binary kernels allow an output that is exactly an
+    // operand): no second tensor of x's size, and its pages are warm.
+    if (out.numel())
+      out.backend().binary(BinaryOp::minimum, view_of(out), broadcast_view(hi, out.shape()), view_of(out));
   }
   if (autograd::needs_grad(x)) {
     // The gradient passes where low <= x <= high, bounds included (PyTorch's clamp_backward; as
