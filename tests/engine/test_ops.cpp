@@ -2,6 +2,7 @@
 // backend (RUDA_BACKEND): this is the conformance suite.
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -116,6 +117,29 @@ TEST_CASE("random tensors are counter-based") {
   const auto ints = randint({1000}, 3, 7, 5).to_vector<std::int64_t>();
   for (auto x : ints) CHECK((x >= 3 && x < 7));
   CHECK(normal({4}, 10, 0, 1).to_vector<float>() == std::vector<float>{10, 10, 10, 10});
+}
+
+TEST_CASE("f32 uniform draws are uniform_float's values, eight at a time or one, at any offset") {
+  // rand takes Philox's first words for eight counters at once (AVX2 lanes where built): each
+  // value must still be random::uniform_float(seed, offset + i), across a 2^32 carry of the
+  // counter, near its wrap, and for lengths that leave a partial block at either end.
+  for (const std::uint64_t seed : {std::uint64_t{0}, std::uint64_t{12345678901234}, ~std::uint64_t{0}}) {
+    for (const std::uint64_t offset :
+         {std::uint64_t{0}, std::uint64_t{5}, (std::uint64_t{1} << 32) - 11, ~std::uint64_t{0} - 40}) {
+      for (const std::int64_t n : {std::int64_t{1}, std::int64_t{8}, std::int64_t{29}, std::int64_t{70001}}) {
+        CAPTURE(seed);
+        CAPTURE(offset);
+        CAPTURE(n);
+        const std::vector<float> got = rand({n}, seed, offset).to_vector<float>();
+        int wrong = 0;
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float want = random::uniform_float(seed, offset + static_cast<std::uint64_t>(i));
+          wrong += std::bit_cast<std::uint32_t>(got[static_cast<std::size_t>(i)]) != std::bit_cast<std::uint32_t>(want);
+        }
+        CHECK(wrong == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("broadcasting arithmetic in every float dtype") {
