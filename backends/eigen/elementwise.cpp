@@ -281,16 +281,7 @@ void copy_typed(const View& src, const View& dst) {
 }  // namespace
 
 void EigenBackend::copy(const View& src, const View& dst) {
-  switch (dtype_size(dst.dtype)) {
-    case 1:
-      return copy_typed<std::uint8_t>(src, dst);
-    case 2:
-      return copy_typed<std::uint16_t>(src, dst);
-    case 4:
-      return copy_typed<std::uint32_t>(src, dst);
-    case 8:
-      return copy_typed<std::uint64_t>(src, dst);
-  }
+  dispatch_bits(dtype_size(dst.dtype), [&](auto bits) { copy_typed<decltype(bits)>(src, dst); });
 }
 
 void EigenBackend::cast(const View& src, const View& dst) {
@@ -737,16 +728,7 @@ void EigenBackend::where(const View& cond, const View& a, const View& b, const V
       });
     });
   };
-  switch (dtype_size(out.dtype)) {
-    case 1:
-      return run(std::uint8_t{});
-    case 2:
-      return run(std::uint16_t{});
-    case 4:
-      return run(std::uint32_t{});
-    case 8:
-      return run(std::uint64_t{});
-  }
+  dispatch_bits(dtype_size(out.dtype), run);
 }
 
 }  // namespace ruda

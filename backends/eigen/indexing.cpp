@@ -97,16 +97,7 @@ void EigenBackend::take_along_rows(const View& x, const View& index, const View&
                    }
                  });
   };
-  switch (dtype_size(x.dtype)) {
-    case 1:
-      return take(std::uint8_t{});
-    case 2:
-      return take(std::uint16_t{});
-    case 4:
-      return take(std::uint32_t{});
-    default:
-      return take(std::uint64_t{});
-  }
+  dispatch_bits(dtype_size(x.dtype), take);
 }
 
 void EigenBackend::put_add_along_rows(const View& src, const View& index, const View& x) {

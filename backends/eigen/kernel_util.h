@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -213,6 +214,23 @@ S long_sum(std::int64_t n, Value&& value) {
 
 /// Elements per thread below which elementwise kernels stay on one thread.
 inline constexpr std::int64_t kElementGrain = 32768;
+
+/// Calls f with an unsigned integer of `size` bytes (1, 2, 4 or 8; 8 for any other): kernels
+/// that move values without reading them as numbers (copies, gathers, selects) run once per
+/// element size, whatever the dtype.
+template <class F>
+void dispatch_bits(std::size_t size, F&& f) {
+  switch (size) {
+    case 1:
+      return f(std::uint8_t{});
+    case 2:
+      return f(std::uint16_t{});
+    case 4:
+      return f(std::uint32_t{});
+    default:
+      return f(std::uint64_t{});
+  }
+}
 
 // --- strided iteration ---
 
