@@ -443,40 +443,42 @@ C* line_buffers(std::int64_t n, Scratch<C>& own) {
   return kept.data();
 }
 
-// One softmax line of n values with stride s (1 where the kernels below call it: lines that are
-// not the last axis take softmax_columns). A strided or 16-bit line is gathered (widened) into
-// the compute type, runs the same vectorized kernel and is rounded back once: it ran one scalar
-// std::exp a value before (bf16 at a tenth of f32's rate).
+// One softmax line of n contiguous values (lines over another axis than the last take
+// softmax_columns). A 16-bit line is widened into the compute type, runs the same vectorized
+// kernel and is rounded back once: it ran one scalar std::exp a value before (bf16 at a tenth of
+// f32's rate).
 template <class T>
-void softmax_line(const T* x, T* y, std::int64_t n, std::int64_t s, bool log) {
+void softmax_line(const T* x, T* y, std::int64_t n, bool log) {
   using C = compute_t<T>;
   if constexpr (std::is_same_v<T, C>) {
-    if (s == 1) return dense_softmax(x, y, n, log);
+    dense_softmax(x, y, n, log);
+  } else {
+    Scratch<C> own;
+    C* const in = line_buffers<C>(n, own);
+    C* const out = in + n;
+    for (std::int64_t i = 0; i < n; ++i) in[i] = Num<T>::load(x[i]);
+    dense_softmax(in, out, n, log);
+    for (std::int64_t i = 0; i < n; ++i) y[i] = Num<T>::store(out[i]);
   }
-  Scratch<C> own;
-  C* const in = line_buffers<C>(n, own);
-  C* const out = in + n;
-  for (std::int64_t i = 0; i < n; ++i) in[i] = Num<T>::load(x[i * s]);
-  dense_softmax(in, out, n, log);
-  for (std::int64_t i = 0; i < n; ++i) y[i * s] = Num<T>::store(out[i]);
 }
 
 template <class T>
-void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, std::int64_t s, bool log) {
+void softmax_backward_line(const T* y, const T* gy, T* gx, std::int64_t n, bool log) {
   using C = compute_t<T>;
   if constexpr (std::is_same_v<T, C>) {
-    if (s == 1) return dense_softmax_backward(y, gy, gx, n, log);
+    dense_softmax_backward(y, gy, gx, n, log);
+  } else {
+    Scratch<C> own;
+    C* const yc = line_buffers<C>(n, own);
+    C* const gc = yc + n;
+    C* const out = gc + n;
+    for (std::int64_t i = 0; i < n; ++i) {
+      yc[i] = Num<T>::load(y[i]);
+      gc[i] = Num<T>::load(gy[i]);
+    }
+    dense_softmax_backward(yc, gc, out, n, log);
+    for (std::int64_t i = 0; i < n; ++i) gx[i] = Num<T>::store(out[i]);
   }
-  Scratch<C> own;
-  C* const yc = line_buffers<C>(n, own);
-  C* const gc = yc + n;
-  C* const out = gc + n;
-  for (std::int64_t i = 0; i < n; ++i) {
-    yc[i] = Num<T>::load(y[i * s]);
-    gc[i] = Num<T>::load(gy[i * s]);
-  }
-  dense_softmax_backward(yc, gc, out, n, log);
-  for (std::int64_t i = 0; i < n; ++i) gx[i * s] = Num<T>::store(out[i]);
 }
 
 // Softmax over an axis that is not the last, [outer, n, inner] with inner > 1: a line's values
@@ -635,7 +637,7 @@ void EigenBackend::softmax(const View& x, const View& y, int axis, bool log) {
     parallel_for(b.outer, std::max<std::int64_t>(1, kElementGrain / b.reduce),
                  [&](std::int64_t begin, std::int64_t end) {
                    for (std::int64_t o = begin; o < end; ++o)
-                     softmax_line<T>(xp + o * b.reduce, yp + o * b.reduce, b.reduce, 1, log);
+                     softmax_line<T>(xp + o * b.reduce, yp + o * b.reduce, b.reduce, log);
                  });
   });
 }
@@ -652,7 +654,7 @@ void EigenBackend::softmax_backward(const View& y, const View& gy, const View& g
                  [&](std::int64_t begin, std::int64_t end) {
                    for (std::int64_t o = begin; o < end; ++o) {
                      const std::int64_t at = o * b.reduce;
-                     softmax_backward_line<T>(yp + at, gp + at, out + at, b.reduce, 1, log);
+                     softmax_backward_line<T>(yp + at, gp + at, out + at, b.reduce, log);
                    }
                  });
   });

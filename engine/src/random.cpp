@@ -36,12 +36,14 @@ void philox4x32(std::uint64_t counter, std::uint64_t seed, std::uint32_t out[4])
   out[3] = c3;
 }
 
-// The first word of philox4x32(first + l, seed) for l in [0, 8): the same rounds on eight counters
-// at once, 32-bit lanes of AVX2 vectors (each 32 x 32 -> 64-bit product as two even/odd-lane
-// multiplies), so the bits are philox4x32's. The f32 draws (rand, dropout's masks) called the
-// scalar function once a value, ~5 ns a value a thread, most of a dropout's time.
-static void philox_first_words(std::uint64_t first, std::uint64_t seed, std::uint32_t out[8]) noexcept {
+// uniform_float's value of a draw's first word: its top 24 bits as a fraction in [0, 1).
+static float word_to_uniform(std::uint32_t word) noexcept { return static_cast<float>(word >> 8) * 0x1p-24f; }
+
 #if defined(__AVX2__)
+// philox4x32(first + l, seed)'s first word for l in [0, 8): the same rounds on eight counters in
+// the 32-bit lanes of AVX2 vectors (each 32 x 32 -> 64-bit product as two even/odd-lane
+// multiplies), so the bits are philox4x32's.
+static void philox_eight_first_words(std::uint64_t first, std::uint64_t seed, std::uint32_t out[8]) noexcept {
   alignas(32) std::uint32_t lo[8], hi[8];
   for (int l = 0; l < 8; ++l) {
     const std::uint64_t counter = first + static_cast<std::uint64_t>(l);
@@ -75,19 +77,28 @@ static void philox_first_words(std::uint64_t first, std::uint64_t seed, std::uin
     k1 += 0xBB67AE85u;
   }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), c0);
-#else
-  for (int l = 0; l < 8; ++l) {
+}
+#endif
+
+// The first word of philox4x32(first + l, seed) for l in [0, count), count <= 8: a whole block at
+// once where the build has AVX2, one at a time otherwise. The f32 draws (rand, dropout's masks)
+// called the scalar function once a value, ~5 ns a value a thread, most of a dropout's time.
+static void philox_first_words(std::uint64_t first, std::uint64_t seed, std::uint32_t out[8],
+                               std::int64_t count) noexcept {
+#if defined(__AVX2__)
+  if (count == 8) return philox_eight_first_words(first, seed, out);
+#endif
+  for (std::int64_t l = 0; l < count; ++l) {
     std::uint32_t w[4];
     philox4x32(first + static_cast<std::uint64_t>(l), seed, w);
     out[l] = w[0];
   }
-#endif
 }
 
 float uniform_float(std::uint64_t seed, std::uint64_t index) noexcept {
   std::uint32_t w[4];
   philox4x32(index, seed, w);
-  return static_cast<float>(w[0] >> 8) * 0x1p-24f;
+  return word_to_uniform(w[0]);
 }
 
 double uniform_double(std::uint64_t seed, std::uint64_t index) noexcept {
@@ -185,18 +196,9 @@ Tensor draw(const char* op, const Shape& shape, Draw kind, double a, double b, s
         const std::int64_t i = k * 8, count = std::min<std::int64_t>(8, n - i);
         const std::uint64_t idx = offset + static_cast<std::uint64_t>(i);
         std::uint32_t words[8];
-        if (count == 8) {
-          random::philox_first_words(idx, seed, words);
-        } else {
-          for (std::int64_t l = 0; l < count; ++l) {
-            std::uint32_t w[4];
-            random::philox4x32(idx + static_cast<std::uint64_t>(l), seed, w);
-            words[l] = w[0];
-          }
-        }
+        random::philox_first_words(idx, seed, words, count);
         for (std::int64_t l = 0; l < count; ++l) {
-          const float drawn = static_cast<float>(words[l] >> 8) * 0x1p-24f;  // uniform_float's
-          const float u = std::floor(drawn / unit / grid) * grid * unit;
+          const float u = std::floor(random::word_to_uniform(words[l]) / unit / grid) * grid * unit;
           const float v = static_cast<float>(a + (b - a) * u);
           out[i + l] = clamp ? std::clamp(v, from_a, below_b) : v;
         }

@@ -95,6 +95,21 @@ void train_two_layers(nn::Sequential& model, nn::Optimizer& opt, int from, int t
   }
 }
 
+// A backbone (layer 0) and a head (layer 1) for the fine-tuning tests, and steps [from, to) of
+// training them on draws data_seed + step (whichever parameters require grad).
+nn::Sequential backbone_and_head(std::uint64_t seed) {
+  nn::manual_seed(seed);
+  return nn::Sequential({std::make_shared<nn::Linear>(64, 64), std::make_shared<nn::Linear>(64, 2)});
+}
+void train_on_squares(nn::Sequential& m, nn::Optimizer& opt, int from, int to, std::uint64_t data_seed) {
+  for (int i = from; i < to; ++i) {
+    const Tensor loss = sum(square(m.forward(randn({4, 64}, data_seed + static_cast<std::uint64_t>(i)))));
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+}
+
 test::TrainResult concat(const test::TrainResult& a, const test::TrainResult& b) {
   test::TrainResult out = b;
   out.losses.insert(out.losses.begin(), a.losses.begin(), a.losses.end());
@@ -380,18 +395,8 @@ TEST_CASE("a parameter the optimizer does not update has no state: none kept or 
   // for the optimizer's lifetime and wrote them into every checkpoint (3x the backbone's bytes).
   TempDir dir;
   LocalCommunicator comm;
-  auto make = [] {
-    nn::manual_seed(3);
-    return nn::Sequential({std::make_shared<nn::Linear>(64, 64), std::make_shared<nn::Linear>(64, 2)});
-  };
-  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) {
-    for (int i = from; i < to; ++i) {
-      const Tensor loss = sum(square(m.forward(randn({4, 64}, 10 + static_cast<std::uint64_t>(i)))));
-      opt.zero_grad();
-      loss.backward();
-      opt.step();
-    }
-  };
+  auto make = [] { return backbone_and_head(3); };
+  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) { train_on_squares(m, opt, from, to, 10); };
   nn::Sequential model = make();
   nn::AdamW head(model[1]->parameters());
   train(model, head, 0, 2);
@@ -450,21 +455,11 @@ TEST_CASE("an optimizer of every parameter, the backbone frozen: no state made o
   // save before the first step made them for every parameter). PyTorch's state_dict has none.
   TempDir dir;
   LocalCommunicator comm;
-  auto make = [] {
-    nn::manual_seed(4);
-    return nn::Sequential({std::make_shared<nn::Linear>(64, 64), std::make_shared<nn::Linear>(64, 2)});
-  };
+  auto make = [] { return backbone_and_head(4); };
   auto freeze = [](nn::Sequential& m, bool frozen) {
     for (const nn::Param& p : m[0]->parameters()) p.data().set_requires_grad(!frozen);
   };
-  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) {
-    for (int i = from; i < to; ++i) {
-      const Tensor loss = sum(square(m.forward(randn({4, 64}, 20 + static_cast<std::uint64_t>(i)))));
-      opt.zero_grad();
-      loss.backward();
-      opt.step();
-    }
-  };
+  auto train = [](nn::Sequential& m, nn::Optimizer& opt, int from, int to) { train_on_squares(m, opt, from, to, 20); };
   auto step_dir = [&](int step) { return (dir.path / ("step-0000000" + std::to_string(step))).string(); };
   nn::Sequential model = make();
   freeze(model, true);
