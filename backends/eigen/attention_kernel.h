@@ -258,15 +258,22 @@ Acc exp_shifted(Acc* row, std::int64_t n, Acc shift) {
 }
 
 /// The dropout fate of the weights (b, h, i, j0 .. j0 + n): keep[c] is 0 or 1 / (1 - p), as
-/// ruda::dropout decides for element offset + ((b * H + h) * Tq + i) * Tk + j of the weights.
+/// ruda::dropout decides for element offset + ((b * H + h) * Tq + i) * Tk + j of the weights. The
+/// draws come a row segment at a time (random::uniform_floats, eight counters a vector): one
+/// scalar Philox a weight made attention with dropout 0.1 take 4x the time of attention without
+/// (B 1, H 12, T 1024, f32 forward and backward, 150 against 35.5 ms).
 template <class Acc>
 void dropout_row(const AttentionDesc& d, std::int64_t bh, std::int64_t i, std::int64_t j0, std::int64_t n, Acc* keep) {
   const std::int64_t tq = d.q.shape[2], tk = d.k.shape[2];
   const float p = static_cast<float>(d.dropout);
   const Acc scale = static_cast<Acc>(1.0 / (1.0 - d.dropout));
   const std::uint64_t first = d.offset + static_cast<std::uint64_t>((bh * tq + i) * tk + j0);
-  for (std::int64_t c = 0; c < n; ++c) {
-    keep[c] = random::uniform_float(d.seed, first + static_cast<std::uint64_t>(c)) >= p ? scale : Acc(0);
+  constexpr std::int64_t kPiece = 256;
+  float draws[kPiece];
+  for (std::int64_t c0 = 0; c0 < n; c0 += kPiece) {
+    const std::int64_t m = std::min(kPiece, n - c0);
+    random::uniform_floats(d.seed, first + static_cast<std::uint64_t>(c0), m, draws);
+    for (std::int64_t c = 0; c < m; ++c) keep[c0 + c] = draws[c] >= p ? scale : Acc(0);
   }
 }
 

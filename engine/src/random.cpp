@@ -101,6 +101,15 @@ float uniform_float(std::uint64_t seed, std::uint64_t index) noexcept {
   return word_to_uniform(w[0]);
 }
 
+void uniform_floats(std::uint64_t seed, std::uint64_t first, std::int64_t count, float* out) noexcept {
+  for (std::int64_t i = 0; i < count; i += 8) {
+    const std::int64_t block = std::min<std::int64_t>(8, count - i);
+    std::uint32_t words[8];
+    philox_first_words(first + static_cast<std::uint64_t>(i), seed, words, block);
+    for (std::int64_t l = 0; l < block; ++l) out[i + l] = word_to_uniform(words[l]);
+  }
+}
+
 double uniform_double(std::uint64_t seed, std::uint64_t index) noexcept {
   std::uint32_t w[4];
   philox4x32(index, seed, w);

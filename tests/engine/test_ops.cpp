@@ -119,7 +119,8 @@ TEST_CASE("random tensors are counter-based") {
   CHECK(normal({4}, 10, 0, 1).to_vector<float>() == std::vector<float>{10, 10, 10, 10});
 }
 
-TEST_CASE("f32 uniform draws are uniform_float's values, eight at a time or one, at any offset") {
+TEST_CASE(
+    "f32 uniform draws (rand, uniform_floats) are uniform_float's values, eight at a time or one, at any offset") {
   // rand takes Philox's first words for eight counters at once (AVX2 lanes where built): each
   // value must still be random::uniform_float(seed, offset + i), across a 2^32 carry of the
   // counter, near its wrap, and for lengths that leave a partial block at either end.
@@ -131,12 +132,22 @@ TEST_CASE("f32 uniform draws are uniform_float's values, eight at a time or one,
         CAPTURE(offset);
         CAPTURE(n);
         const std::vector<float> got = rand({n}, seed, offset).to_vector<float>();
-        int wrong = 0;
+        // The bulk draw (the attention's dropout masks) too, from an odd start within the range.
+        std::vector<float> bulk(static_cast<std::size_t>(n), -1.0f);
+        const std::int64_t skip = n > 3 ? 3 : 0;
+        random::uniform_floats(seed, offset + skip, n - skip, bulk.data() + skip);
+        int wrong = 0, wrong_bulk = 0;
         for (std::int64_t i = 0; i < n; ++i) {
           const float want = random::uniform_float(seed, offset + static_cast<std::uint64_t>(i));
           wrong += std::bit_cast<std::uint32_t>(got[static_cast<std::size_t>(i)]) != std::bit_cast<std::uint32_t>(want);
+          if (i >= skip) {
+            wrong_bulk +=
+                std::bit_cast<std::uint32_t>(bulk[static_cast<std::size_t>(i)]) != std::bit_cast<std::uint32_t>(want);
+          }
         }
         CHECK(wrong == 0);
+        CHECK(wrong_bulk == 0);
+        CHECK(bulk[0] == (skip ? -1.0f : random::uniform_float(seed, offset)));  // nothing written before the range
       }
     }
   }

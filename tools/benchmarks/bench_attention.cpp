@@ -132,6 +132,32 @@ void attention_suite(Context& ctx) {
                   packed, parts, "the three-part op on its heads' views", "ms", 1e3);
     }
   }
+  // The fused op with dropout 0.1 on its weights against the same op without, alternated: the
+  // cost of the masks, drawn (Philox) in the forward and drawn again in the backward.
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const std::int64_t t = ctx.quick ? 512 : 1024;
+    const Shape shape{kBatch, kHeads, t, kDim};
+    Tensor q = randn(shape, 1, 0, Options(dtype)).set_requires_grad();
+    Tensor k = randn(shape, 2, 0, Options(dtype)).set_requires_grad();
+    Tensor v = randn(shape, 3, 0, Options(dtype)).set_requires_grad();
+    const Tensor dout = randn(shape, 4, 0, Options(dtype));
+    auto step = [&](double dropout) {
+      q.zero_grad();
+      k.zero_grad();
+      v.zero_grad();
+      AttentionOptions o;
+      o.causal = true;
+      o.dropout = dropout;
+      o.seed = 9;
+      scaled_dot_product_attention(q, k, v, o).backward(dout);
+    };
+    const auto [with_dropout, without] = measure_pair(
+        ctx, [&] { step(0.1); }, [&] { step(0.0); });
+    report_time(
+        ctx, "attention",
+        std::string(dtype_name(dtype)) + " causal fwd+bwd with dropout 0.1 B=1 H=12 D=64 T=" + std::to_string(t),
+        with_dropout, without, "without dropout", "ms", 1e3);
+  }
   // The composed path's scores on heads that are strided views of a [B, T, 3, H, D] projection:
   // the product reads them in place (oneDNN's gemm path for that layout) against copying both
   // operands contiguous first and multiplying those (its brgemm path).
