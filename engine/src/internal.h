@@ -100,6 +100,10 @@ inline const std::shared_ptr<TensorImpl>& impl_ptr_of(const Tensor& t) noexcept 
 
 /// A new tensor with uninitialized contents; `op` names the allocation in errors.
 Tensor make_tensor(const Shape& shape, DType dtype, Backend& backend, const char* op = "tensor");
+/// ruda::dropout's keep mask: 1 where draw offset + i of stream `seed` (random::uniform_float) is
+/// at least p (as f32), else 0, in the float dtype `dtype` (random.cpp).
+Tensor dropout_mask(const Shape& shape, double p, std::uint64_t seed, std::uint64_t offset, DType dtype,
+                    Backend& backend);
 /// A tensor sharing a contiguous `source`'s storage with another shape and element offset
 /// (contiguous too: reshape of a contiguous tensor, a leading block).
 Tensor alias(const Tensor& source, const Shape& shape, std::int64_t extra_offset = 0);

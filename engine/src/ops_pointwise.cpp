@@ -454,9 +454,9 @@ Tensor dropout(const Tensor& x, double p, std::uint64_t seed, std::uint64_t offs
   if (!(p >= 0.0 && p <= 1.0)) fail<ArgumentError>("dropout", "probability must be in [0, 1], got ", p);
   if (p == 0.0) return x;
   if (p == 1.0) return x * 0.0;  // everything dropped, as PyTorch's (a NaN stays NaN; the gradient is 0)
-  // Draws in f32 whatever x's dtype: a bf16 draw has too few bits to hit p accurately.
-  const Tensor draws = rand(x.shape(), seed, offset, Options(DType::f32, &x.backend()));
-  const Tensor keep = cast(ge(draws, scalar_like(p, draws)), x.dtype());
+  // Draws in f32 whatever x's dtype (a bf16 draw has too few bits to hit p accurately): the mask
+  // is 1 where rand(x.shape(), seed, offset) >= p.
+  const Tensor keep = detail::dropout_mask(x.shape(), p, seed, offset, x.dtype(), x.backend());
   // PyTorch's order, input.mul(mask).mul_(scale): the scale is a number, so a 16-bit x is scaled
   // in f32 and rounded once (a mask pre-scaled in bf16 scaled by 1.109375 for p = 0.1). The mask
   // is the only tensor the backward keeps.

@@ -1587,6 +1587,26 @@ TEST_CASE("dropout keeps the expected fraction, scaled, reproducibly") {
   CHECK(dropout(x, 0.0, 1).shares_storage(x));
 }
 
+TEST_CASE("dropout drops exactly the elements whose draw (rand at the same seed and offset) is below p") {
+  // The mask is made in one pass from Philox's words (random.cpp's dropout_mask), in x's dtype:
+  // it must be the comparison of rand's f32 draws with p as f32, element for element, past the
+  // parallel threshold and across a 2^32 carry of the counter.
+  const std::int64_t n = 70001;
+  const std::uint64_t offset = (std::uint64_t{1} << 32) - 9;
+  const std::vector<float> draws = rand({n}, 5, offset).to_vector<float>();
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    const std::vector<double> y = dropout(ones({n}, Options(d)), 0.3, 5, offset).to_vector<double>();
+    int wrong = 0, dropped = 0;
+    for (std::size_t i = 0; i < draws.size(); ++i) {
+      wrong += (y[i] == 0) != (draws[i] < 0.3f);
+      dropped += y[i] == 0;
+    }
+    CHECK(wrong == 0);
+    CHECK(dropped == doctest::Approx(0.3 * n).epsilon(0.02));
+  }
+}
+
 TEST_CASE("in-place updates") {
   Tensor x = zeros({3});
   x.fill_(2);
