@@ -670,6 +670,18 @@ Tensor from_values(const std::vector<double>& values, const Shape& shape, Option
   if (static_cast<std::int64_t>(values.size()) != n) {  // (from_vector's error named from_vector)
     fail<ShapeError>("from_values", values.size(), " values do not fill shape ", shape, " (", n, " elements)");
   }
+  if (options.dtype == DType::i64) {
+    // A cast saturates (NaN to 0), as a cast should; a constructor given a value that no i64
+    // holds is given bad input, refused as full() and fill_() refuse it (and PyTorch's
+    // torch.tensor does). Fractions truncate toward zero, as there.
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      const double v = values[i];
+      if (!(v >= -detail::kTwo63 && v < detail::kTwo63)) {
+        fail<DTypeError>("from_values", "value ", i, " (", v, ") is not an i64 value, for an i64 tensor of shape ",
+                         shape, " (cast an f64 tensor to saturate)");
+      }
+    }
+  }
   Tensor t = from_vector(values, shape, Options(DType::f64, options.backend));
   if (options.dtype != DType::f64) t = t.to(options.dtype);
   return finish(std::move(t), options);

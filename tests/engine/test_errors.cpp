@@ -28,6 +28,18 @@ TEST_CASE("ShapeError") {
   check_throws<ShapeError>([] { zeros({2}).item(); }, {"item", "[2]"});
   check_throws<ShapeError>([] { zeros({1, 2, 1, 1, 1, 1, 1, 1, 1}); }, {"more than 8"});
   check_throws<ShapeError>([] { from_values({1, 2, 3}, {2, 2}); }, {"from_values", "[2, 2]"});
+  // An i64 tensor of values no i64 holds is refused, not saturated or zeroed as a cast would.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (const double bad : {std::nan(""), inf, -inf, 9223372036854775808.0, -1e19}) {
+    CAPTURE(bad);
+    check_throws<DTypeError>(
+        [&] {
+          from_values({1, bad}, {2}, Options(DType::i64));
+        },
+        {"from_values", "value 1", "not an i64 value", "[2]"});
+  }
+  CHECK(from_values({-9223372036854775808.0, 2.9, -2.9}, {3}, Options(DType::i64)).to_vector<std::int64_t>() ==
+        std::vector<std::int64_t>{INT64_MIN, 2, -2});
 }
 
 TEST_CASE("DTypeError") {
