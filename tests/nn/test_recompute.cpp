@@ -1,6 +1,9 @@
 // Activation checkpointing: checkpoint(block, x) keeps only x, recomputes the block in backward,
 // and gives bitwise the gradients of running the block directly, dense and sharded.
+#include <cmath>
 #include <cstring>
+#include <functional>
+#include <thread>
 
 #include "helpers.h"
 #include "sharded_fixture.h"
@@ -399,4 +402,89 @@ TEST_CASE("a recompute that throws leaves the dropout streams and flags where it
   test::check_throws<ArgumentError>([&] { sum(square(y)).backward(); }, {"injected failure"});
   CHECK(block.dropout->generator().offset() == before);  // it read the first forward's position after
   CHECK(block.is_training());
+}
+
+namespace {
+// A dropout block that runs `during_recompute` from inside its recompute (a forward in backward).
+struct CallsBackInRecompute : nn::UnaryModule {
+  std::shared_ptr<nn::Dropout> dropout = std::make_shared<nn::Dropout>(0.5, 123);
+  std::function<void()> during_recompute;
+  CallsBackInRecompute() { register_module("dropout", dropout); }
+  Tensor forward(const Tensor& x) override {
+    const Tensor y = dropout->forward(x);
+    if (autograd::in_backward() && during_recompute) during_recompute();
+    return y;
+  }
+};
+}  // namespace
+
+TEST_CASE("a recompute on one thread neither rewinds nor repeats the draws another thread makes meanwhile") {
+  // The recompute set the shared Dropout's stream back to the forward's position and restored
+  // it after: a thread drawing meanwhile got the forward's mask again, and its draws were
+  // rewound, so the next forward repeated them. The replayed position is now this thread's alone.
+  const std::int64_t n = 1000;
+  CallsBackInRecompute block;
+  Tensor x = ones({n});
+  x.set_requires_grad(true);
+  const Tensor y = nn::checkpoint(block, x);  // draws [0, n)
+  Tensor other;
+  block.during_recompute = [&] {
+    std::thread([&] { other = block.dropout->forward(ones({n})); }).join();
+    CHECK(block.dropout->next_draw() == static_cast<std::uint64_t>(n));  // the replayed position, here
+  };
+  sum(y).backward();  // the recompute replays [0, n) while the other thread draws [n, 2n)
+  CHECK(block.dropout->generator().offset() == static_cast<std::uint64_t>(2 * n));
+  CHECK(other.to_vector<float>() == dropout(ones({n}), 0.5, 123, n).to_vector<float>());
+  CHECK(x.grad().to_vector<float>() == dropout(ones({n}), 0.5, 123, 0).to_vector<float>());  // the forward's mask
+  block.during_recompute = nullptr;
+  CHECK(block.forward(ones({n})).to_vector<float>() == dropout(ones({n}), 0.5, 123, 2 * n).to_vector<float>());
+}
+
+TEST_CASE("threads training one shared checkpointed GPT at once: each draw taken once, flags untouched") {
+  // README: graphs on different threads may run backward at once, through shared parameters.
+  // The recompute set the shared modules' training flags and streams (a data race under TSan,
+  // with or without dropout); it now reads the forward's on its own thread.
+  nn::manual_seed(3);
+  nn::GPT gpt(small_gpt(0.1));
+  gpt.set_activation_checkpointing(true);
+  std::vector<std::uint64_t> before;
+  for (const auto& [path, m] : gpt.named_modules()) {
+    if (const auto* d = dynamic_cast<const nn::Dropout*>(m)) before.push_back(d->generator().offset());
+  }
+  // The draws of one forward alone, per Dropout.
+  const Tensor probe = randint({kBatch, kTime}, 0, kVocab, 40);
+  autograd::no_grad([&] { return gpt.forward(probe); });
+  std::vector<std::uint64_t> per_forward;
+  std::size_t i = 0;
+  for (const auto& [path, m] : gpt.named_modules()) {
+    if (const auto* d = dynamic_cast<const nn::Dropout*>(m))
+      per_forward.push_back(d->generator().offset() - before[i++]);
+  }
+  constexpr int kThreads = 3, kSteps = 2;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int s = 0; s < kSteps; ++s) {
+        const Tensor tokens = randint({kBatch, kTime}, 0, kVocab, 50 + t),
+                     targets = randint({kBatch, kTime}, 0, kVocab, 60 + t);
+        nn::cross_entropy(gpt.forward(tokens), targets).backward();
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  // Every forward took its draws once; no recompute took or rewound any.
+  i = 0;
+  for (const auto& [path, m] : gpt.named_modules()) {
+    if (const auto* d = dynamic_cast<const nn::Dropout*>(m)) {
+      CAPTURE(path);
+      CHECK(d->generator().offset() == before[i] + per_forward[i] * (1 + kThreads * kSteps));
+      ++i;
+    }
+    CHECK(m->is_training());
+  }
+  for (const auto& [name, p] : gpt.named_parameters()) {
+    CAPTURE(name);
+    REQUIRE(p.grad().defined());
+    for (const double g : p.grad().to_vector<double>()) REQUIRE(std::isfinite(g));
+  }
 }

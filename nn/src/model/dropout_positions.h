@@ -11,11 +11,12 @@
 
 namespace ruda::nn {
 
-/// Each Dropout's stream position, in named_modules' order.
+/// Each Dropout's stream position, in named_modules' order (its next draw: inside a checkpoint's
+/// recompute, the replayed one, so that a checkpoint nested in the block records its forward's).
 inline std::vector<std::uint64_t> dropout_positions(const Module& module) {
   std::vector<std::uint64_t> positions;
   for (const auto& [path, m] : module.named_modules()) {
-    if (const auto* d = dynamic_cast<const Dropout*>(m)) positions.push_back(d->generator().offset());
+    if (const auto* d = dynamic_cast<const Dropout*>(m)) positions.push_back(d->next_draw());
   }
   return positions;
 }

@@ -9,6 +9,7 @@
 
 #include "io/files.h"
 #include "model/layer_inputs.h"
+#include "model/replay.h"
 
 namespace ruda::nn {
 
@@ -131,7 +132,17 @@ void Dropout::set_data_parallel(int rank, int world) {
 
 std::uint64_t Dropout::take(std::uint64_t count) noexcept {
   const auto rank = static_cast<std::uint64_t>(rank_), world = static_cast<std::uint64_t>(world_);
+  if (std::uint64_t* replayed = CheckpointReplay::next_draw_of(*this)) {  // a checkpoint's recompute
+    const std::uint64_t first = *replayed;
+    *replayed += world * count;
+    return first + rank * count;
+  }
   return generator_.take(world * count) + rank * count;
+}
+
+std::uint64_t Dropout::next_draw() const noexcept {
+  if (const std::uint64_t* replayed = CheckpointReplay::next_draw_of(*this)) return *replayed;
+  return generator_.offset();
 }
 
 Tensor Dropout::forward(const Tensor& x) {

@@ -6,6 +6,7 @@
 #include <ruda/nn/module.h>
 
 #include "model/param_state.h"
+#include "model/replay.h"
 #include "sharding/param_value.h"
 
 namespace ruda::nn {
@@ -258,6 +259,11 @@ std::vector<std::pair<std::string, Module*>> Module::named_modules() {
     for (auto& [sub, m] : child->named_modules()) out.emplace_back(sub.empty() ? name : name + "." + sub, m);
   }
   return out;
+}
+
+bool Module::is_training() const noexcept {
+  if (const bool* replayed = CheckpointReplay::training_of(*this)) return *replayed;
+  return training_;
 }
 
 void Module::train(bool on) {

@@ -3,6 +3,7 @@
 #include <ruda/nn/recompute.h>
 
 #include "model/dropout_positions.h"
+#include "model/replay.h"
 #include "sharding/gather_scope.h"
 
 namespace ruda::nn {
@@ -15,39 +16,6 @@ std::vector<bool> training_flags(UnaryModule& block) {
   for (auto& [name, m] : block.named_modules()) flags.push_back(m->is_training());
   return flags;
 }
-
-// Sets each module's flag as recorded: train(on) also sets the children, which come after their
-// parent in this order and so get their own recorded flags.
-void set_training_flags(UnaryModule& block, const std::vector<bool>& flags) {
-  std::size_t i = 0;
-  for (auto& [name, m] : block.named_modules()) {
-    if (i < flags.size()) m->train(flags[i++]);
-  }
-}
-
-// The block as the forward ran it, for the recompute: its modules' training flags and its
-// dropouts' draw positions, set on construction and put back as they were on destruction, also
-// when the recompute throws (a failed recompute left the dropout streams rewound: the next
-// forward repeated an old mask).
-class AsInForward {
- public:
-  AsInForward(UnaryModule& block, const std::vector<bool>& flags, const std::vector<std::uint64_t>& draws)
-      : block_(block), flags_now_(training_flags(block)), draws_now_(dropout_positions(block)) {
-    set_training_flags(block_, flags);
-    set_dropout_positions(block_, draws);
-  }
-  ~AsInForward() {
-    set_training_flags(block_, flags_now_);
-    set_dropout_positions(block_, draws_now_);
-  }
-  AsInForward(const AsInForward&) = delete;
-  AsInForward& operator=(const AsInForward&) = delete;
-
- private:
-  UnaryModule& block_;
-  std::vector<bool> flags_now_;
-  std::vector<std::uint64_t> draws_now_;
-};
 
 // Grad mode on for a scope (backward runs with it off).
 struct GradEnabled {
@@ -109,10 +77,11 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
                        RetainGathered retain;
                        // The recompute runs the block as the forward did: the forward's training flags (a
                        // model put in eval mode between forward and backward recomputed without its
-                       // dropout masks: wrong gradients) and its masks. Then it leaves flags and streams
-                       // where it found them: restoring the positions the forward ended at rewound every
-                       // draw made since (a later forward's: two micro-batches, or a validation pass).
-                       const AsInForward as_in_forward(*target, training, draws_before);
+                       // dropout masks: wrong gradients) and its masks, read on this thread alone: the
+                       // model's own flags and streams stay as they are (restoring the positions the
+                       // forward ended at rewound every draw made since: a later forward's, two
+                       // micro-batches or a validation pass; or another thread's, made meanwhile).
+                       const CheckpointReplay as_in_forward(*target, training, draws_before);
                        recomputed = target->forward(input);
                      }
                      // A result that depends on nothing needing a gradient (a stored buffer, a forward under

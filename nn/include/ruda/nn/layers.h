@@ -101,6 +101,9 @@ class Dropout : public UnaryModule {
   /// Reserves the draws of one call of `count` values on every rank and returns the position of
   /// this rank's first (CausalSelfAttention's fused attention draws through it too).
   std::uint64_t take(std::uint64_t count) noexcept;
+  /// The stream position of the next take: generator().offset(), or inside nn::checkpoint's
+  /// recompute, on that thread, the position the checkpointed forward drew from.
+  std::uint64_t next_draw() const noexcept;
 
  private:
   double p_;

@@ -119,7 +119,8 @@ class Module {
   /// Training mode (dropout active) for this module and its children.
   void train(bool on = true);
   void eval() { train(false); }
-  bool is_training() const noexcept { return training_; }
+  /// (Inside nn::checkpoint's recompute, on that thread: the flag the checkpointed forward saw.)
+  bool is_training() const noexcept;
   void zero_grad() const;
   /// Total elements of the logical parameters (each tied parameter once).
   std::int64_t parameter_count() const;
