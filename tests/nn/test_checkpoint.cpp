@@ -1445,6 +1445,25 @@ TEST_CASE("safetensors: round trip, partial reads, and rejected headers") {
       "{\"x\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [0, 4]},"
       " \"y\": {\"dtype\": \"F32\", \"shape\": [1], \"data_offsets\": [2, 6]}}",
       8, "overlap");
+  // A valid file (Python's safetensors reads it) whose tensor no ruda tensor can hold: said so.
+  rejects("{\"x\": {\"dtype\": \"F32\", \"shape\": [1, 1, 1, 1, 1, 1, 1, 1, 1], \"data_offsets\": [0, 4]}}", 8,
+          "has 9 dimensions [1,1,1,1,1,1,1,1,1], more than a ruda tensor holds (8)");
+  // A parse error quotes the bytes it read: bytes that are no text are written \xNN, so that the
+  // message stays UTF-8 text.
+  {
+    std::vector<safetensors::TensorInfo> tensors;
+    std::map<std::string, std::string> metadata;
+    const std::string bad = "{\"a\xff";
+    try {
+      safetensors::parse_header(bad, 8 + bad.size(), tensors, metadata);
+      FAIL("a header that is not JSON was accepted");
+    } catch (const IOError& e) {
+      const std::string message = e.what();
+      CHECK(message.find("not valid JSON") != std::string::npos);
+      CHECK(message.find("\\xff") != std::string::npos);
+      CHECK(std::none_of(message.begin(), message.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; }));
+    }
+  }
   std::string deep;
   for (int i = 0; i < 40; ++i) deep += "{\"a\": ";
   rejects(deep + "1" + std::string(40, '}'), 0, "nested too deeply");

@@ -71,7 +71,7 @@ auto with_index_errors(const std::string& dir, F&& fn) -> decltype(fn()) {
   try {
     return fn();
   } catch (const json::exception& e) {
-    fail(dir, std::string("index.json is malformed: ") + e.what());
+    fail(dir, "index.json is malformed: " + safetensors::printable_error(e));
   }
 }
 

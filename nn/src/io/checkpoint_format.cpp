@@ -423,7 +423,7 @@ Index read_index(const std::string& dir) {
   try {
     j = safetensors::parse_distinct_keys(text, duplicate);
   } catch (const json::exception& e) {
-    fail(path, std::string("is not valid JSON: ") + e.what());
+    fail(path, "is not valid JSON: " + safetensors::printable_error(e));
   }
   if (!duplicate.empty()) fail(path, "names '" + duplicate + "' twice in one object");
   Index index = parse_index(j, path, dir);

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 
@@ -44,6 +45,11 @@ const char* file_kind(mode_t mode);
 /// `base`.tmp as versions before it named them; nullopt otherwise. For the upkeep that removes
 /// what killed writers left.
 std::optional<std::string> temporary_base(const std::string& name);
+
+/// A JSON library error's text with every byte outside printable ASCII written as \xNN: its parse
+/// errors quote the last bytes read, which in a damaged file may be any bytes (a message with a
+/// raw 0xFF in it was no longer UTF-8 text).
+std::string printable_error(const std::exception& e);
 
 /// Parses JSON text (throwing the library's parse errors) with every object's keys checked to be
 /// distinct: `duplicate` gets the first key an object repeats, "" if none.

@@ -160,7 +160,7 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
   try {
     j = parse_distinct_keys(header, duplicate);
   } catch (const nlohmann::json::exception& e) {
-    io_fail(where, std::string("not valid JSON: ") + e.what());
+    io_fail(where, "not valid JSON: " + printable_error(e));
   }
   if (!duplicate.empty()) io_fail(where, "names '" + duplicate + "' twice in one object");
   const std::uint64_t data_start = 8 + header.size();
@@ -191,8 +191,10 @@ void parse_header(const std::string& header, std::uint64_t file_size, std::vecto
       io_fail(where, what + " has an unsupported dtype " + dt.dump());
     }
     const auto& shape = v["shape"];
-    if (!shape.is_array() || shape.size() > static_cast<std::size_t>(kMaxDims)) {
-      io_fail(where, what + " has an invalid shape " + shape.dump());
+    if (!shape.is_array()) io_fail(where, what + " has an invalid shape " + shape.dump());
+    if (shape.size() > static_cast<std::size_t>(kMaxDims)) {  // valid safetensors, but no ruda tensor
+      io_fail(where, what + " has " + std::to_string(shape.size()) + " dimensions " + shape.dump() +
+                         ", more than a ruda tensor holds (" + std::to_string(kMaxDims) + ")");
     }
     // A zero extent anywhere makes the tensor empty, whatever the others are; the product of the
     // nonzero extents is refused as soon as it passes the data bytes (a tensor with elements) or
@@ -416,6 +418,20 @@ class DuplicateKeys : public nlohmann::json_sax<nlohmann::json> {
   std::vector<std::set<std::string>> keys_;
 };
 }  // namespace
+
+std::string printable_error(const std::exception& e) {
+  std::string out;
+  for (const char c : std::string_view(e.what())) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte >= 0x20 && byte < 0x7F) {
+      out += c;
+    } else {
+      constexpr char kHex[] = "0123456789abcdef";
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 15]};
+    }
+  }
+  return out;
+}
 
 // The library keeps the last of a repeated key; a reader that keeps the first would see another
 // file, so a repeated key is reported instead of resolved. Two passes, each linear in the text:

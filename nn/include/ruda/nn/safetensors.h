@@ -38,8 +38,9 @@ struct TensorInfo {
 class Reader {
  public:
   /// Opens and validates a file; throws IOError naming the file and the problem (missing,
-  /// truncated, header too large or not JSON, a key repeated in one object, unknown dtype, offsets
-  /// outside the file or not matching the shape, overlapping tensors). Every read below refuses
+  /// truncated, header too large or not JSON, a key repeated in one object, unknown dtype, more
+  /// dimensions than a tensor holds (kMaxDims, 8), offsets outside the file or not matching the
+  /// shape, overlapping tensors). Every read below refuses
   /// elements outside the tensor (IOError naming the call, the tensor and its size) before it
   /// allocates anything, and BOOL bytes other than 0 and 1 (IOError naming the element).
   explicit Reader(const std::string& path);
@@ -106,7 +107,8 @@ class AtomicFile;
 /// Writes a safetensors file without holding its tensors: the header (every name, dtype, shape
 /// and offset) at construction, then the tensors' bytes in the order the tensors were given, in
 /// pieces of any size. The file places them by element size, largest first (the given order among
-/// equal sizes, as the reference writer does), so that each starts aligned to its element size.
+/// equal sizes; the reference writer orders those by dtype, then name: readers go by the offsets),
+/// so that each starts aligned to its element size.
 /// Atomic as write(): nothing appears at `path` before commit(), and a Writer destroyed without
 /// commit() (an exception while streaming) or whose commit failed leaves no temporary file behind.
 /// The constructor refuses what no reader would accept, naming the tensor: a dtype that is no
