@@ -8,6 +8,8 @@
 #include <cstring>
 #include <limits>
 #include <set>
+#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
