@@ -225,6 +225,10 @@ void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs,
   bool any = false;
   for (const Tensor& in : inputs) any = any || (in.defined() && in.requires_grad());
   if (!any) return;
+  // An integer or bool output would otherwise require grad, which set_requires_grad refuses such
+  // a tensor, and carry a graph into integer arithmetic (o * o of a user op's i64 output passed
+  // gradients on). Always-run nodes are kept: they must run on every rank whatever they produce.
+  if (!is_floating(output.dtype()) && !options.always_run) return;
 
   auto node = std::make_shared<Node>();
   node->name = name;

@@ -75,6 +75,10 @@ struct TensorImpl {
   Backend* backend = nullptr;
 
   bool requires_grad = false;
+  // A view taken with grad mode off of a tensor that requires grad (or of such a view): it has no
+  // graph, so an in-place write with grad mode on would change that tensor behind its gradient's
+  // back; begin_inplace refuses it (PyTorch's no-grad-mode views likewise).
+  bool no_grad_view_of_grad = false;
   std::shared_ptr<autograd::Node> grad_fn;
   Tensor grad;
   // The backward (autograd::backward_serial) that last added to `grad` from a node the loss

@@ -110,6 +110,8 @@ Tensor make_view(const char* op, const Tensor& x, const Shape& shape, const std:
     fail<ShapeError>(op, dtype_name(x.dtype()), " ", shape, " would hold more than 2^63 bytes");
   }
   Tensor out = detail::strided_alias(x, shape, strides, detail::impl_of(x)->offset + extra_offset);
+  detail::impl_of(out)->no_grad_view_of_grad =
+      detail::impl_of(x)->no_grad_view_of_grad || (x.requires_grad() && !autograd::is_grad_enabled());
   if (autograd::needs_grad(x)) {
     // A view's backward is a view op (or a copy/reduction that reads strides): it takes the
     // gradient as it comes, so a chain of views passes a permuted gradient on without copying.

@@ -414,9 +414,16 @@ bool same_elements(const Tensor& a, const Tensor& b) {
 // is marked for saved-tensor checks (bump_version) only after every other check has passed, right
 // before the write: a refused call changes nothing, its version included.
 void begin_inplace(const Tensor& self, const char* op) {
-  if (self.requires_grad() && autograd::is_grad_enabled()) {
+  if (!autograd::is_grad_enabled()) return;
+  if (self.requires_grad()) {
     fail<AutogradError>(op, "in-place update of a ", self.shape(),
                         " tensor that requires grad; run it under autograd::NoGradGuard");
+  }
+  if (impl_of(self)->no_grad_view_of_grad) {
+    fail<AutogradError>(op, "in-place update of a ", self.shape(),
+                        " view taken under no-grad of a tensor that requires grad: with grad mode on it would change "
+                        "that tensor outside its graph; run the update under autograd::NoGradGuard too (or take the "
+                        "view with grad mode on, where the update is refused as the tensor's own)");
   }
 }
 // In-place updates are not recorded: under grad mode, an operand that requires grad would lose

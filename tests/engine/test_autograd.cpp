@@ -594,6 +594,46 @@ TEST_CASE("record refuses an output that already has a node, or is a leaf that r
   CHECK(b.grad().to_vector<float>() == std::vector<float>{1, 1});
 }
 
+TEST_CASE("an integer output of a recorded op carries no gradient, as set_requires_grad refuses it one") {
+  // The node was recorded: the i64 output required grad (set_requires_grad refuses that with a
+  // DTypeError), and o * o of it passed gradients into x.
+  Tensor x = values({1, 2, 3}, {3}, DType::f64).set_requires_grad();
+  Tensor o = values({1, 2, 3}, {3}, DType::i64);
+  autograd::record("to_index", o, {x}, {}, [](const Tensor& g, const autograd::Saved&, autograd::GradMask) {
+    return std::vector<Tensor>{g.to(DType::f64)};
+  });
+  CHECK_FALSE(o.requires_grad());
+  CHECK_FALSE(o.grad_fn());
+  test::check_throws<DTypeError>([] { zeros({2}, DType::i64).set_requires_grad(); }, {"i64"});
+}
+
+TEST_CASE("a view taken under no-grad of a tensor that requires grad is not written in place with grad on") {
+  // It has no graph, so begin_inplace saw a tensor that requires no grad: x.slice under no-grad,
+  // then fill_ with grad mode on, changed the leaf x without a word (PyTorch refuses it too).
+  for (const bool through_reshape : {false, true}) {
+    CAPTURE(through_reshape);
+    Tensor x = values({1, 2}, {2}, DType::f64).set_requires_grad();
+    Tensor v = autograd::no_grad([&] { return through_reshape ? x.reshape({2, 1}) : x.slice(0, 0, 1); });
+    Tensor vv = v.transpose(0, v.ndim() - 1);  // a view of such a view, taken with grad on
+    test::check_throws<AutogradError>([&] { v.fill_(0); }, {"fill_", "view taken under no-grad", "NoGradGuard"});
+    test::check_throws<AutogradError>([&] { vv.mul_(2.0); }, {"mul_", "view taken under no-grad"});
+    test::check_throws<AutogradError>([&] { v.copy_(zeros_like(v)); }, {"copy_", "view taken under no-grad"});
+    CHECK(x.to_vector<double>() == std::vector<double>{1, 2});
+    // Under no-grad the update goes through, as updates of x itself do; a detached copy of the view
+    // is the user's to write.
+    autograd::no_grad([&] { v.fill_(5); });
+    CHECK(x.to_vector<double>()[0] == 5);
+    Tensor d = v.detach();
+    d.fill_(7);
+    CHECK(x.to_vector<double>()[0] == 7);
+  }
+  // A view of a tensor that requires no grad, taken under no-grad, is written as before.
+  Tensor plain = values({1, 2}, {2}, DType::f64);
+  Tensor pv = autograd::no_grad([&] { return plain.slice(0, 1, 2); });
+  pv.fill_(9);
+  CHECK(plain.to_vector<double>() == std::vector<double>{1, 9});
+}
+
 TEST_CASE("the graph frees saved tensors after backward") {
   const std::int64_t before = memory::stats().live_bytes;
   {

@@ -136,8 +136,11 @@ bool needs_grad(const Tensors&... inputs) {
 }
 
 /// Records a node named `name` producing `output` from `inputs`, keeping `saved` for backward.
-/// Does nothing when grad mode is off or no input requires a gradient. A null name, an empty
-/// backward function or an undefined output is an ArgumentError either way.
+/// Does nothing when grad mode is off or no input requires a gradient, nor for an output that is
+/// not a float tensor (an i64 or bool result carries no gradient: it stays a tensor that does
+/// not require grad, as PyTorch marks a custom function's integer outputs non-differentiable),
+/// always-run nodes aside. A null name, an empty backward function or an undefined output is an
+/// ArgumentError either way.
 void record(const char* name, Tensor& output, const std::vector<Tensor>& inputs, const std::vector<Tensor>& saved,
             BackwardFn backward, RecordOptions options = {});
 

@@ -95,7 +95,8 @@ class Tensor {
 
   // --- autodiff ---
   bool requires_grad() const;
-  /// Marks a leaf as needing a gradient; throws AutogradError on a non-leaf or a non-float tensor.
+  /// Marks a leaf as needing a gradient; throws AutogradError on a non-leaf, DTypeError on a
+  /// non-float tensor.
   Tensor& set_requires_grad(bool value = true);
   /// True for tensors that no recorded op produced (user tensors, parameters, detached tensors).
   bool is_leaf() const;
