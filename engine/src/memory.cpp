@@ -411,3 +411,7 @@ namespace ruda::memory {
 std::int64_t cached_bytes() { return static_cast<std::int64_t>(detail::block_cache().idle()); }
 void release_cached() { detail::block_cache().release_all(); }
 }  // namespace ruda::memory
+
+namespace ruda {
+RUDA_DEFINE_THREAD_FLAG(memory::LimitSuspended)
+}  // namespace ruda

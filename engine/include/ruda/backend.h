@@ -34,14 +34,16 @@ struct View {
   std::array<std::int64_t, kMaxDims> shape{};
   std::array<std::int64_t, kMaxDims> strides{};
 
+  // (Indexed with std::size_t: the public headers stay free of warnings under a user's
+  // -Wsign-conversion.)
   std::int64_t numel() const {
     std::int64_t n = 1;
-    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    for (std::size_t i = 0; i < static_cast<std::size_t>(ndim); ++i) n *= shape[i];
     return n;
   }
   bool is_contiguous() const {
     std::int64_t expected = 1;
-    for (int i = ndim - 1; i >= 0; --i) {
+    for (std::size_t i = static_cast<std::size_t>(ndim); i-- > 0;) {
       if (shape[i] != 1 && strides[i] != expected) return false;
       expected *= shape[i];
     }

@@ -76,3 +76,7 @@ class Scope {
 };
 
 }  // namespace ruda::memory
+
+namespace ruda {
+RUDA_DECLARE_THREAD_FLAG(memory::LimitSuspended)
+}  // namespace ruda

@@ -312,3 +312,7 @@ Tensor Sequential::forward(const Tensor& input) {
 }
 
 }  // namespace ruda::nn
+
+namespace ruda {
+RUDA_DEFINE_THREAD_FLAG(nn::DeferredInit)
+}  // namespace ruda

@@ -11,3 +11,7 @@ namespace ruda::nn {
 class RetainGathered : public ThreadFlagScope<RetainGathered> {};
 
 }  // namespace ruda::nn
+
+namespace ruda {
+RUDA_DECLARE_THREAD_FLAG(nn::RetainGathered)
+}  // namespace ruda

@@ -95,3 +95,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
 }
 
 }  // namespace ruda::nn
+
+namespace ruda {
+RUDA_DEFINE_THREAD_FLAG(nn::RetainGathered)
+}  // namespace ruda

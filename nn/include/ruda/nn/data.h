@@ -32,7 +32,7 @@ struct ImageDataset {
 ImageDataset load_idx(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0);
 
 /// Where Debian's dataset-fashion-mnist package installs the data.
-inline const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
+inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 /// The training (60000) or test (10000) part of Fashion-MNIST in `directory` (the first `limit` samples if > 0).
 ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::int64_t limit = 0);
 

@@ -36,8 +36,8 @@ struct Initializer {
   std::function<Tensor(const Shape&, DType)> whole;
 
   /// Whether `kind` is one of the enumerators (check_enum).
-  friend constexpr bool is_valid(Kind kind) noexcept {
-    switch (kind) {
+  friend constexpr bool is_valid(Kind value) noexcept {
+    switch (value) {
       case Kind::constant:
       case Kind::uniform:
       case Kind::normal:

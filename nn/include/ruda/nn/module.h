@@ -171,3 +171,7 @@ class Sequential : public UnaryModule {
 };
 
 }  // namespace ruda::nn
+
+namespace ruda {
+RUDA_DECLARE_THREAD_FLAG(nn::DeferredInit)
+}  // namespace ruda
