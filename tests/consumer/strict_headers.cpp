@@ -3,15 +3,11 @@
 #include <ruda/attention.h>
 #include <ruda/autograd.h>
 #include <ruda/backend.h>
+#include <ruda/collectives.h>
 #include <ruda/dtype.h>
 #include <ruda/error.h>
 #include <ruda/gradcheck.h>
 #include <ruda/memory.h>
-#include <ruda/random.h>
-#include <ruda/ruda.h>
-#include <ruda/shape.h>
-#include <ruda/tensor.h>
-#include <ruda/thread_flag.h>
 #include <ruda/nn.h>
 #include <ruda/nn/checkpoint.h>
 #include <ruda/nn/data.h>
@@ -25,4 +21,8 @@
 #include <ruda/nn/safetensors.h>
 #include <ruda/nn/sharded.h>
 #include <ruda/nn/training.h>
-#include <ruda/collectives.h>
+#include <ruda/random.h>
+#include <ruda/ruda.h>
+#include <ruda/shape.h>
+#include <ruda/tensor.h>
+#include <ruda/thread_flag.h>
