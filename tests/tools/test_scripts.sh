@@ -136,6 +136,7 @@ case "$case_name" in
     for suite in "${suites[@]}"; do grep -q "^$suite " "$log" || fail "no rows of suite $suite"; done
     expect "exp ["
     expect "qkvpacked on a [B, T, 3, H, D] projection"
+    expect "causal fwd+bwd with dropout 0.1"
     expect "f32 softmax exp pass, 4096 rows of 256"
     ;;
   bench-mpi-quick)

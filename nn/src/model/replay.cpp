@@ -1,36 +1,36 @@
 #include "model/replay.h"
 
+#include <utility>
+
 namespace ruda::nn {
 
 namespace {
 thread_local CheckpointReplay* innermost = nullptr;
 }  // namespace
 
-CheckpointReplay::CheckpointReplay(const Module& block, const std::vector<bool>& flags,
-                                   const std::vector<std::uint64_t>& draws)
-    : outer_(innermost) {
-  std::size_t f = 0, d = 0;
+CheckpointReplay::State CheckpointReplay::snapshot(const Module& block) {
+  State state;
   for (const auto& [path, m] : block.named_modules()) {
-    if (f < flags.size()) training_.emplace(m, flags[f++]);
-    if (const auto* dropout = dynamic_cast<const Dropout*>(m); dropout && d < draws.size()) {
-      next_draw_.emplace(dropout, draws[d++]);
-    }
+    state.training.emplace(m, m->is_training());
+    if (const auto* dropout = dynamic_cast<const Dropout*>(m)) state.next_draw.emplace(dropout, dropout->next_draw());
   }
-  innermost = this;
+  return state;
 }
+
+CheckpointReplay::CheckpointReplay(State state) : state_(std::move(state)), outer_(innermost) { innermost = this; }
 
 CheckpointReplay::~CheckpointReplay() { innermost = outer_; }
 
 const bool* CheckpointReplay::training_of(const Module& m) noexcept {
   for (const CheckpointReplay* r = innermost; r; r = r->outer_) {
-    if (const auto it = r->training_.find(&m); it != r->training_.end()) return &it->second;
+    if (const auto it = r->state_.training.find(&m); it != r->state_.training.end()) return &it->second;
   }
   return nullptr;
 }
 
 std::uint64_t* CheckpointReplay::next_draw_of(const Dropout& d) noexcept {
   for (CheckpointReplay* r = innermost; r; r = r->outer_) {
-    if (const auto it = r->next_draw_.find(&d); it != r->next_draw_.end()) return &it->second;
+    if (const auto it = r->state_.next_draw.find(&d); it != r->state_.next_draw.end()) return &it->second;
   }
   return nullptr;
 }

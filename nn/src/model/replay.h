@@ -10,7 +10,6 @@
 
 #include <cstdint>
 #include <unordered_map>
-#include <vector>
 
 #include <ruda/nn/layers.h>
 #include <ruda/nn/module.h>
@@ -19,8 +18,16 @@ namespace ruda::nn {
 
 class CheckpointReplay {
  public:
-  /// `flags` and `draws` as training_flags(block) and dropout_positions(block) gave them.
-  CheckpointReplay(const Module& block, const std::vector<bool>& flags, const std::vector<std::uint64_t>& draws);
+  /// What a forward of a block runs with, taken before it: each module's training flag and each
+  /// Dropout's next draw (inside a recompute, the replayed ones: checkpoints nested in a block).
+  struct State {
+    std::unordered_map<const Module*, bool> training;
+    std::unordered_map<const Dropout*, std::uint64_t> next_draw;
+  };
+  static State snapshot(const Module& block);
+
+  /// Replays `state` on this thread until destroyed.
+  explicit CheckpointReplay(State state);
   ~CheckpointReplay();
   CheckpointReplay(const CheckpointReplay&) = delete;
   CheckpointReplay& operator=(const CheckpointReplay&) = delete;
@@ -31,8 +38,7 @@ class CheckpointReplay {
   static std::uint64_t* next_draw_of(const Dropout& d) noexcept;
 
  private:
-  std::unordered_map<const Module*, bool> training_;
-  std::unordered_map<const Dropout*, std::uint64_t> next_draw_;
+  State state_;
   CheckpointReplay* outer_;  // a recompute inside a recompute (nested checkpoints) replays its own block first
 };
 

@@ -2,20 +2,12 @@
 #include <ruda/nn/layers.h>
 #include <ruda/nn/recompute.h>
 
-#include "model/dropout_positions.h"
 #include "model/replay.h"
 #include "sharding/gather_scope.h"
 
 namespace ruda::nn {
 
 namespace {
-
-// Each module's training flag, in named_modules' order (a module before its children).
-std::vector<bool> training_flags(UnaryModule& block) {
-  std::vector<bool> flags;
-  for (auto& [name, m] : block.named_modules()) flags.push_back(m->is_training());
-  return flags;
-}
 
 // Grad mode on for a scope (backward runs with it off).
 struct GradEnabled {
@@ -39,8 +31,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
       break;
     }
   }
-  const std::vector<std::uint64_t> draws_before = dropout_positions(block);
-  const std::vector<bool> training = training_flags(block);
+  CheckpointReplay::State as_in_forward = CheckpointReplay::snapshot(block);
   const Tensor result = autograd::no_grad([&] { return block.forward(x); });
   if (!result.defined()) fail<ArgumentError>("checkpoint", "the block returned an undefined tensor");
   // An integer result carries no gradient (argmax): nothing to recompute for.
@@ -60,7 +51,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   for (const auto& [name, p] : block.named_parameters()) sharded = sharded || p.is_sharded();
   UnaryModule* target = &block;
   autograd::record("checkpoint", output, {x, anchor}, {x},
-                   [target, alive = block.lifetime(), draws_before, training](
+                   [target, alive = block.lifetime(), as_in_forward = std::move(as_in_forward)](
                        const Tensor& grad, const autograd::Saved& saved, autograd::GradMask needs) {
                      if (alive.expired()) {
                        // A sharded block destroyed before a backward ran its pending node: nothing left to
@@ -81,7 +72,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
                        // model's own flags and streams stay as they are (restoring the positions the
                        // forward ended at rewound every draw made since: a later forward's, two
                        // micro-batches or a validation pass; or another thread's, made meanwhile).
-                       const CheckpointReplay as_in_forward(*target, training, draws_before);
+                       const CheckpointReplay replay(as_in_forward);
                        recomputed = target->forward(input);
                      }
                      // A result that depends on nothing needing a gradient (a stored buffer, a forward under
