@@ -149,6 +149,21 @@ void kernels_suite(Context& ctx) {
         "transpose to contiguous", [&] { (void)transpose(a, 0, 1).contiguous(); }, copy, "a copy");
     row(
         "fill", [&] { filled.fill_(0.0); }, [&] { filled.copy_(a); }, "a copy into the same tensor");
+    // dropout's forward, its mask made in one pass from the draws' words, against the ops it
+    // was composed of before (rand's f32 draws, a comparison, a cast, and the same two products).
+    std::uint64_t draw = 0;
+    row(
+        "dropout 0.1",
+        [&] {
+          (void)dropout(a, 0.1, 7, draw);
+          draw += static_cast<std::uint64_t>(a.numel());
+        },
+        [&] {
+          const Tensor draws = rand(a.shape(), 7, draw);
+          draw += static_cast<std::uint64_t>(a.numel());
+          (void)((a * cast(ge(draws, 0.1), dtype)) * (1.0 / 0.9));
+        },
+        "rand, ge, cast and the products (the composed mask)");
     // add_ with an alpha (SGD's update, weight decay) in one pass, against what it did before:
     // the operand scaled into a temporary, then added.
     row(
