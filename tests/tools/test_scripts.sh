@@ -137,6 +137,7 @@ case "$case_name" in
     expect "exp ["
     expect "qkvpacked on a [B, T, 3, H, D] projection"
     expect "causal fwd+bwd with dropout 0.1"
+    expect "dropout 0.1 [512, 1024] f32"
     expect "f32 softmax exp pass, 4096 rows of 256"
     ;;
   bench-mpi-quick)
