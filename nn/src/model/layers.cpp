@@ -174,10 +174,10 @@ CausalSelfAttention::CausalSelfAttention(std::int64_t d_model, std::int64_t head
   proj = std::make_shared<Linear>(d_model, d_model);
   attn_dropout_ = std::make_shared<Dropout>(dropout);
   resid_dropout_ = std::make_shared<Dropout>(dropout);
-  register_module("qkv", qkv);
-  register_module("proj", proj);
-  register_module("attn_dropout", attn_dropout_);
-  register_module("resid_dropout", resid_dropout_);
+  register_module("qkv", &qkv);
+  register_module("proj", &proj);
+  register_module("attn_dropout", &attn_dropout_);
+  register_module("resid_dropout", &resid_dropout_);
 }
 
 Tensor CausalSelfAttention::forward(const Tensor& x) {
@@ -223,9 +223,9 @@ MLP::MLP(std::int64_t d_model, std::int64_t hidden, double dropout) {
   fc1 = std::make_shared<Linear>(d_model, hidden);
   fc2 = std::make_shared<Linear>(hidden, d_model);
   dropout_ = std::make_shared<Dropout>(dropout);
-  register_module("fc1", fc1);
-  register_module("fc2", fc2);
-  register_module("dropout", dropout_);
+  register_module("fc1", &fc1);
+  register_module("fc2", &fc2);
+  register_module("dropout", &dropout_);
 }
 
 // fc1 and its GELU are one op (linear_gelu); set_gelu_backward picks what it keeps for backward.
@@ -244,15 +244,18 @@ TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std
   attn = std::make_shared<CausalSelfAttention>(d_model, heads, dropout);
   ln2 = std::make_shared<LayerNorm>(d_model);
   mlp = std::make_shared<MLP>(d_model, mlp_hidden, dropout);
-  register_module("ln1", ln1);
-  register_module("attn", attn);
-  register_module("ln2", ln2);
-  register_module("mlp", mlp);
+  register_module("ln1", &ln1);
+  register_module("attn", &attn);
+  register_module("ln2", &ln2);
+  register_module("mlp", &mlp);
 }
 
 Tensor TransformerBlock::forward(const Tensor& x) {
-  require_input("TransformerBlock", x);
-  const Tensor h = x + attn->forward(ln1->forward(x));
+  require_float_input("TransformerBlock", x);
+  const Tensor branch = attn->forward(ln1->forward(x));
+  // The residual stream takes the branch's dtype, the weights' (or the compute dtype's): the
+  // layers cast a floating input of another dtype to theirs (Linear's rule), and the sum must too.
+  const Tensor h = (x.dtype() == branch.dtype() ? x : cast(x, branch.dtype())) + branch;
   return h + mlp->forward(ln2->forward(h));
 }
 
@@ -317,18 +320,18 @@ GPT::GPT(const GPTConfig& config) : config_(config) {
   check_gpt_config(config);
   token_embedding = std::make_shared<Embedding>(config.vocabulary, config.d_model, EmbeddingOptions{.std = 0.02});
   position_embedding = std::make_shared<Embedding>(config.context, config.d_model, EmbeddingOptions{.std = 0.02});
-  register_module("token_embedding", token_embedding);
-  register_module("position_embedding", position_embedding);
+  register_module("token_embedding", &token_embedding);
+  register_module("position_embedding", &position_embedding);
+  register_modules("blocks", &blocks);  // blocks.0, blocks.1, ...
   for (std::int64_t i = 0; i < config.layers; ++i) {
     blocks.push_back(
         std::make_shared<TransformerBlock>(config.d_model, config.heads, 4 * config.d_model, config.dropout));
-    register_module("blocks." + std::to_string(i), blocks.back());
   }
   final_norm = std::make_shared<LayerNorm>(config.d_model);
-  register_module("final_norm", final_norm);
+  register_module("final_norm", &final_norm);
   if (!config.tied_head) {
     head = std::make_shared<Linear>(config.d_model, config.vocabulary, LinearOptions{.bias = false});
-    register_module("head", head);
+    register_module("head", &head);
   }
 }
 

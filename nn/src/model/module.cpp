@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <unordered_map>
 #include <unordered_set>
@@ -189,38 +190,61 @@ void Module::register_parameter(std::string name, Param* param) {
 }
 
 void Module::register_module(std::string name, std::shared_ptr<Module> child) {
-  if (!child) fail<ArgumentError>("register_module", "module '", name, "' is null");
-  require_free_name("register_module", name, params_, children_);
-  // Every walk over the tree (parameters, named_modules, train, a Sequential's forward) recurses
-  // into the children: a module that contains itself, directly or through its children, would
-  // recurse until the stack overflows. The tree stays acyclic, so this walk ends (a submodule
-  // shared by two parents is visited once).
-  std::vector<const Module*> pending = {child.get()};
-  std::unordered_set<const Module*> seen;
-  while (!pending.empty()) {
-    const Module* m = pending.back();
-    pending.pop_back();
-    if (m == this) {
-      fail<ArgumentError>("register_module", "module '", name,
-                          "' is this module or contains it: a module cannot be its own submodule");
-    }
-    if (!seen.insert(m).second) continue;
-    for (const auto& [sub, grandchild] : m->children_) pending.push_back(grandchild.get());
-  }
-  children_.emplace_back(std::move(name), std::move(child));
+  register_slot(std::move(name), child ? ChildList([child](const std::string& as, ChildModules& out) {
+                  out.emplace_back(as, child.get());
+                })
+                                       : ChildList());
 }
 
-void Module::collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out) const {
-  for (const auto& [name, p] : params_) {
-    if (!p->defined()) continue;
-    out.emplace_back(prefix + name, *p);
+void Module::register_slot(std::string name, ChildList list) {
+  if (!list) fail<ArgumentError>("register_module", "module '", name, "' is null");
+  require_free_name("register_module", name, params_, children_);
+  // Every walk over the tree (parameters, named_modules, train) recurses into the children: a
+  // module that contains itself, directly or through its children, is refused here; one that a
+  // member's later assignment makes so is refused by the walk (list_modules).
+  ChildModules now;
+  list(name, now);
+  for (const auto& [as, child] : now) {
+    for (const auto& [sub, m] : std::as_const(*child).named_modules()) {
+      if (m == this) {
+        fail<ArgumentError>("register_module", "module '", as,
+                            "' is this module or contains it: a module cannot be its own submodule");
+      }
+    }
   }
-  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", out);
+  children_.emplace_back(std::move(name), std::move(list));
+}
+
+Module::ChildModules Module::children() const {
+  ChildModules out;
+  for (const auto& [name, list] : children_) list(name, out);
+  return out;
+}
+
+void Module::list_modules(const std::string& path, std::vector<const Module*>& stack,
+                          std::vector<std::pair<std::string, const Module*>>& out) const {
+  out.emplace_back(path, this);
+  stack.push_back(this);
+  for (const auto& [name, child] : children()) {
+    const std::string qualified = path.empty() ? name : path + "." + name;
+    if (std::find(stack.begin(), stack.end(), child) != stack.end()) {
+      fail<ArgumentError>("named_modules", "the submodule '", qualified,
+                          "' is one of its own ancestors (a member assigned after registration?): the module "
+                          "tree must not contain itself");
+    }
+    const bool seen = std::any_of(out.begin(), out.end(), [&](const auto& entry) { return entry.second == child; });
+    if (!seen) child->list_modules(qualified, stack, out);
+  }
+  stack.pop_back();
 }
 
 std::vector<std::pair<std::string, Param>> Module::named_parameters() const {
   std::vector<std::pair<std::string, Param>> all;
-  collect("", all);
+  for (const auto& [path, m] : named_modules()) {
+    for (const auto& [name, p] : m->params_) {
+      if (p->defined()) all.emplace_back(path.empty() ? name : path + "." + name, *p);
+    }
+  }
   // A tied parameter is reachable twice: keep its first name. Two different parameters with one
   // id (a Param built with an explicit id that was already in use) would mix up optimizer state
   // and checkpoints, so they are an error rather than being silently merged.
@@ -245,19 +269,17 @@ std::vector<Param> Module::parameters() const {
 }
 
 std::vector<std::pair<std::string, const Module*>> Module::named_modules() const {
-  std::vector<std::pair<std::string, const Module*>> out = {{"", this}};
-  for (const auto& [name, child] : children_) {
-    for (auto& [sub, m] : std::as_const(*child).named_modules())
-      out.emplace_back(sub.empty() ? name : name + "." + sub, m);
-  }
+  std::vector<std::pair<std::string, const Module*>> out;
+  std::vector<const Module*> stack;
+  list_modules("", stack, out);
   return out;
 }
 
 std::vector<std::pair<std::string, Module*>> Module::named_modules() {
-  std::vector<std::pair<std::string, Module*>> out = {{"", this}};
-  for (const auto& [name, child] : children_) {
-    for (auto& [sub, m] : child->named_modules()) out.emplace_back(sub.empty() ? name : name + "." + sub, m);
-  }
+  std::vector<std::pair<std::string, Module*>> out;
+  // (This module is not const, and neither is any module it holds: they are held by shared_ptrs
+  // to non-const modules.)
+  for (const auto& [path, m] : std::as_const(*this).named_modules()) out.emplace_back(path, const_cast<Module*>(m));
   return out;
 }
 
@@ -267,8 +289,7 @@ bool Module::is_training() const noexcept {
 }
 
 void Module::train(bool on) {
-  training_ = on;
-  for (const auto& [name, child] : children_) child->train(on);
+  for (const auto& [path, m] : named_modules()) m->training_ = on;
 }
 
 void Module::zero_grad() const {

@@ -173,7 +173,13 @@ class MLP : public UnaryModule {
   GeluBackward gelu_backward_ = GeluBackward::keep_pre_activation;
 };
 
-/// Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)).
+/// Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). A floating x of another
+/// dtype is cast to the layers' (Linear's rule), the residual sum included.
+///
+/// The composite layers' submodule members (here, CausalSelfAttention's, MLP's and GPT's, whose
+/// `blocks` too) are registered as members: assigning another layer to one (a fine-tuning head,
+/// a replaced block, blocks.pop_back()) is what parameters(), fully_shard and checkpoints see, as
+/// forward does. An optimizer holds the parameters it was built with: build it after the change.
 class TransformerBlock : public UnaryModule {
  public:
   TransformerBlock(std::int64_t d_model, std::int64_t heads, std::int64_t mlp_hidden, double dropout = 0.0);

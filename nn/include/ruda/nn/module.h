@@ -13,9 +13,11 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -113,7 +115,10 @@ class Module {
   /// Parameters by dotted name, depth first in registration order; each parameter once.
   std::vector<std::pair<std::string, Param>> named_parameters() const;
   std::vector<Param> parameters() const;
-  /// Submodules by dotted name (this module first, as "").
+  /// Submodules by dotted name (this module first, as ""), depth first in registration order; a
+  /// submodule reachable twice (shared by two parents) is listed once, under its first name, as
+  /// PyTorch's named_modules(). ArgumentError when a module contains itself (a member assigned
+  /// one of its ancestors after registration).
   std::vector<std::pair<std::string, Module*>> named_modules();
   std::vector<std::pair<std::string, const Module*>> named_modules() const;
   /// Training mode (dropout active) for this module and its children.
@@ -137,13 +142,46 @@ class Module {
   /// std::list that only grows at its ends; not a std::vector that may reallocate as it grows,
   /// whose earlier elements' pointers then dangle).
   void register_parameter(std::string name, Param* param);
-  /// Registers a child module under `name`.
+  /// Registers a child module under `name`; the module keeps this child as it is (a child it
+  /// does not expose to be replaced).
   void register_module(std::string name, std::shared_ptr<Module> child);
+  /// Registers a shared_ptr member under `name`, read at traversal time as register_parameter's
+  /// members are: assigning another module to it later (replacing a layer, `model.fc1 = ...` in
+  /// PyTorch) is what parameters(), optimizers built afterwards, fully_shard, checkpoints and
+  /// train() see, as forward does; a member that is null is skipped. The member must stay at its
+  /// address for the module's lifetime (a data member).
+  template <class M>
+  void register_module(std::string name, std::shared_ptr<M>* member) {
+    static_assert(std::is_base_of_v<Module, M>, "register_module: the member must point to a Module");
+    register_slot(std::move(name), member ? ChildList([member](const std::string& as, ChildModules& out) {
+                    if (*member) out.emplace_back(as, member->get());
+                  })
+                                          : ChildList());
+  }
+  /// Registers a vector member of modules as `name`.0, `name`.1, ..., read at traversal time:
+  /// elements pushed, popped or replaced later are seen (null elements are skipped).
+  template <class M>
+  void register_modules(std::string name, std::vector<std::shared_ptr<M>>* members) {
+    static_assert(std::is_base_of_v<Module, M>, "register_modules: the elements must point to Modules");
+    register_slot(std::move(name), members ? ChildList([members](const std::string& as, ChildModules& out) {
+                    for (std::size_t i = 0; i < members->size(); ++i) {
+                      if ((*members)[i]) out.emplace_back(as + "." + std::to_string(i), (*members)[i].get());
+                    }
+                  })
+                                           : ChildList());
+  }
 
  private:
-  void collect(const std::string& prefix, std::vector<std::pair<std::string, Param>>& out) const;
+  using ChildModules = std::vector<std::pair<std::string, Module*>>;
+  // Appends what a registered slot holds now, named from the slot's name.
+  using ChildList = std::function<void(const std::string& name, ChildModules& out)>;
+  void register_slot(std::string name, ChildList list);
+  // The children as the slots hold them now.
+  ChildModules children() const;
+  void list_modules(const std::string& path, std::vector<const Module*>& stack,
+                    std::vector<std::pair<std::string, const Module*>>& out) const;
   std::vector<std::pair<std::string, Param*>> params_;
-  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  std::vector<std::pair<std::string, ChildList>> children_;
   bool training_ = true;
   std::shared_ptr<const void> alive_ = std::make_shared<char>();
 };
