@@ -702,6 +702,7 @@ TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint 
   // A checkpoint written before the kind was recorded: the state names decide.
   json old = index;
   old["optimizer"].erase("kind");
+  old["optimizer"].erase("settings");  // (recorded later than the kind)
   for (auto& [name, p] : old["params"].items()) p.erase("state_dtypes");
   std::ofstream(dir.path / "step-00000005" / "index.json") << test::before_index_checksum(old).dump(1);
   CHECK(load_with(dir, adamw).empty());
@@ -720,6 +721,60 @@ TEST_CASE("the optimizer's kind and state names are checked: an Adam checkpoint 
   bad["optimizer"]["kind"] = 7;
   std::ofstream(with_momentum.path / "step-00000005" / "index.json") << test::restamped(bad).dump(1);
   test::check_throws<IOError>([&] { nn::verify_checkpoint(with_momentum.str()); }, {"'kind'"});
+}
+
+TEST_CASE("the optimizer's settings are checked: a resume continues with the saved betas, eps, decay, momentum") {
+  TempDir dir;
+  auto adamw_with = [](nn::AdamWOptions o) {
+    return [o](std::vector<nn::Param> p) { return std::make_unique<nn::AdamW>(std::move(p), o); };
+  };
+  save_after_one_step(dir, adamw_with({.weight_decay = 0.1}));
+  const json index = read_json(dir.path / "step-00000005" / "index.json");
+  CHECK(index["optimizer"]["settings"]["weight_decay"] == 0.1);
+  CHECK(index["optimizer"]["settings"]["beta2"] == 0.999);
+  CHECK(load_with(dir, adamw_with({.weight_decay = 0.1})).empty());
+  // Each setting that differs is refused by name, before anything is loaded (PyTorch's
+  // load_state_dict would overwrite it silently; loaded without a word, the run went on with
+  // the new one).
+  check_contains(load_with(dir, adamw_with({.weight_decay = 0.3})),
+                 {"step-00000005", "saved by AdamW with weight_decay 0.1", "this optimizer's is 0.3"});
+  check_contains(load_with(dir, adamw_with({.beta2 = 0.5, .weight_decay = 0.1})), {"beta2 0.999", "is 0.5"});
+  check_contains(load_with(dir, adamw_with({.eps = 1e-3, .weight_decay = 0.1})), {"eps 1e-08", "is 0.001"});
+  // The decay a "decay" group takes from the optimizer (decay_2d_only) is the optimizer's setting:
+  // checked too, where a group's own decay always was.
+  TempDir grouped;
+  auto grouped_with = [](double decay) {
+    return [decay](std::vector<nn::Param> p) {
+      std::vector<nn::ParamGroup> groups = {{.name = "decay", .params = {p[0]}},
+                                            {.name = "no_decay", .params = {p[1]}, .weight_decay = 0.0}};
+      return std::make_unique<nn::AdamW>(std::move(groups), nn::AdamWOptions{.weight_decay = decay});
+    };
+  };
+  save_after_one_step(grouped, grouped_with(0.1));
+  CHECK(load_with(grouped, grouped_with(0.1)).empty());
+  check_contains(load_with(grouped, grouped_with(0.3)), {"weight_decay 0.1", "is 0.3"});
+  // SGD's momentum, dampening and Nesterov.
+  TempDir sgd_dir;
+  auto sgd_with = [](nn::SGDOptions o) {
+    return [o](std::vector<nn::Param> p) { return std::make_unique<nn::SGD>(std::move(p), o); };
+  };
+  save_after_one_step(sgd_dir, sgd_with({.momentum = 0.9}));
+  CHECK(load_with(sgd_dir, sgd_with({.momentum = 0.9})).empty());
+  check_contains(load_with(sgd_dir, sgd_with({.momentum = 0.5})), {"momentum 0.9", "is 0.5"});
+  check_contains(load_with(sgd_dir, sgd_with({.momentum = 0.9, .nesterov = true})), {"nesterov 0", "is 1"});
+  check_contains(load_with(sgd_dir, sgd_with({.momentum = 0.9, .dampening = 0.5})), {"dampening 0", "is 0.5"});
+  // A checkpoint from before the settings were recorded loads as before; a damaged one is refused.
+  json old = index;
+  old["optimizer"].erase("settings");
+  std::ofstream(dir.path / "step-00000005" / "index.json") << test::restamped(old).dump(1);
+  CHECK(load_with(dir, adamw_with({.weight_decay = 0.3})).empty());
+  json bad = index;
+  bad["optimizer"]["settings"]["eps"] = "small";
+  std::ofstream(dir.path / "step-00000005" / "index.json") << test::restamped(bad).dump(1);
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"optimizer setting 'eps'", "\"small\""});
+  bad["optimizer"]["settings"] = json::array();
+  std::ofstream(dir.path / "step-00000005" / "index.json") << test::restamped(bad).dump(1);
+  test::check_throws<IOError>([&] { nn::verify_checkpoint(dir.str()); }, {"optimizer 'settings' must be an object"});
 }
 
 TEST_CASE("optimizer state is checked against its dtype: an F64 moment relabelled I64 is refused") {

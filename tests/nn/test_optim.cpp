@@ -38,6 +38,26 @@ TEST_CASE("SGD: plain, momentum, Nesterov, weight decay") {
   CHECK(nesterov.state(r).at(0).first == "momentum_buffer");
 }
 
+TEST_CASE("SGD's weight decay rounds once, as PyTorch's grad.add(param, alpha=weight_decay)") {
+  // g + p * decay rounded twice: 1 ulp off in f32 on ~9% of values, which momentum carried on.
+  // PyTorch 2.15, SGD(lr=1, weight_decay=0.1), one step from p = 0.6920091509819031 with
+  // gradient 0.36273640394210815 (both f32): 0.26007184386253357.
+  nn::Param one(values({0.6920091509819031}, {1}, DType::f32));
+  one.data().set_grad(values({0.36273640394210815}, {1}, DType::f32));
+  nn::SGD({one}, {.lr = 1.0, .weight_decay = 0.1}).step();
+  CHECK(one.data().item() == 0.26007184386253357);
+  // Over many values: p - fma(decay, p, g), with the decay as the f32 the kernel multiplies by.
+  const Tensor p0 = randn({4096}, 11), g = randn({4096}, 12);
+  nn::Param p(p0.clone());
+  p.data().set_grad(g);
+  nn::SGD({p}, {.lr = 1.0, .weight_decay = 0.1}).step();
+  const std::vector<float> before = p0.to_vector<float>(), grad = g.to_vector<float>(),
+                           after = p.data().to_vector<float>();
+  int differ = 0;
+  for (std::size_t i = 0; i < before.size(); ++i) differ += after[i] != before[i] - std::fmaf(0.1f, before[i], grad[i]);
+  CHECK(differ == 0);
+}
+
 TEST_CASE("Adam and AdamW follow PyTorch's formulas") {
   const double lr = 0.1, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.1;
   auto reference = [&](bool decoupled) {

@@ -8,7 +8,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <charconv>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -532,6 +534,24 @@ std::string optimizer_kind(const Optimizer& optimizer) {
   return name;
 }
 
+// The optimizer's settings besides its rate (which a load restores): a resume must continue with
+// the same, as with its groups, so they are recorded and compared (a weight decay the "decay"
+// group takes from the optimizer was not, though one a group set itself was).
+std::map<std::string, double> optimizer_settings(const Optimizer& optimizer) {
+  if (const auto* adam = dynamic_cast<const Adam*>(&optimizer)) {
+    const AdamOptions& o = adam->options();
+    return {{"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}};
+  }
+  if (const auto* sgd = dynamic_cast<const SGD*>(&optimizer)) {
+    const SGDOptions& o = sgd->options();
+    return {{"momentum", o.momentum},
+            {"dampening", o.dampening},
+            {"nesterov", o.nesterov ? 1.0 : 0.0},
+            {"weight_decay", o.weight_decay}};
+  }
+  return {};
+}
+
 std::string quoted_list(const std::vector<std::string>& names) {
   std::string out;
   for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
@@ -659,6 +679,8 @@ json build_index(std::int64_t step, int world, const std::vector<ParamHeader>& p
                           {"lr", optimizer->lr()},
                           {"state", state_names},
                           {"groups", groups}};
+    const auto settings = optimizer_settings(*optimizer);
+    if (!settings.empty()) index["optimizer"]["settings"] = settings;
   }
   if (!streams.empty()) index["streams"] = streams;
   index["extra"] = extra;
@@ -1228,6 +1250,19 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     if (saved != mine) {
       fail(index.dir, "was saved with the optimizer groups " + describe(saved) + "; this optimizer's are " +
                           describe(mine) + " (their names, parameters, lr scales and weight decays must match)");
+    }
+    // Its settings too (PyTorch's load_state_dict overwrites them with the saved ones, silently).
+    for (const auto& [setting, value] : optimizer_settings(*optimizer)) {
+      const auto saved_setting = index.optimizer_settings.find(setting);
+      if (saved_setting != index.optimizer_settings.end() && saved_setting->second != value) {
+        auto shortest = [](double v) {  // the shortest text that reads back as v: 0.1, not 0.10000000000000001
+          std::array<char, 32> text;
+          return std::string(text.data(), std::to_chars(text.data(), text.data() + text.size(), v).ptr);
+        };
+        fail(index.dir, "was saved by " + kind + " with " + setting + " " + shortest(saved_setting->second) +
+                            "; this optimizer's is " + shortest(value) +
+                            " (a resume continues with the saved settings: build the optimizer with them)");
+      }
     }
   }
   RankFiles files(index);

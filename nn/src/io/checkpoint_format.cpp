@@ -218,6 +218,15 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
       if (index.optimizer_kind->empty()) fail("index.json's optimizer 'kind' is empty");
     }
     if (o.contains("groups")) index.optimizer_groups = parse_groups(o["groups"]);
+    if (o.contains("settings")) {
+      const json& settings = o["settings"];
+      if (!settings.is_object()) fail("index.json's optimizer 'settings' must be an object, not " + settings.dump());
+      for (auto it = settings.begin(); it != settings.end(); ++it) {
+        if (!it.value().is_number() || !std::isfinite(it.value().get<double>()))
+          fail("index.json's optimizer setting '" + it.key() + "' must be a finite number, not " + it.value().dump());
+        index.optimizer_settings[it.key()] = it.value().get<double>();
+      }
+    }
   }
   if (j.contains("streams")) {
     const json& s = j["streams"];

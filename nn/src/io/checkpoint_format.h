@@ -129,6 +129,9 @@ struct Index {
   std::vector<std::string> optimizer_state;
   // The optimizer's parameter groups (absent in checkpoints written before groups existed).
   std::optional<std::vector<IndexGroup>> optimizer_groups;
+  // The optimizer's settings besides its rate, by name ("beta1", "momentum", ...; a flag as 0 or
+  // 1): absent in older checkpoints and for an optimizer outside nn.
+  std::map<std::string, double> optimizer_settings;
   std::map<std::string, std::string> extra;
   // The dropout streams of the saved module, by module path: seed and position (absent in older
   // checkpoints, and for a module without dropout).
