@@ -169,6 +169,79 @@ TEST_CASE("modules: dotted names, tied parameters once, train/eval everywhere") 
   CHECK(tied.blocks[0]->mlp->is_training());
 }
 
+TEST_CASE("a layer assigned to a composite's member is what parameters, sharding and train() see, as forward") {
+  // register_module kept its own copy of each child while forward read the public members: a
+  // replaced layer trained, sharded and saved the old one, silently.
+  nn::manual_seed(5);
+  nn::MLP mlp(4, 8);
+  const auto old_fc1 = mlp.fc1;
+  mlp.fc1 = std::make_shared<nn::Linear>(4, 8);
+  auto holds = [](const nn::Module& m, const nn::Param& p) {
+    const auto params = m.parameters();
+    return std::any_of(params.begin(), params.end(), [&](const nn::Param& q) { return q.same(p); });
+  };
+  CHECK(holds(mlp, mlp.fc1->weight));
+  CHECK_FALSE(holds(mlp, old_fc1->weight));
+
+  nn::GPT gpt({.vocabulary = 10, .context = 4, .d_model = 4, .layers = 2, .heads = 2, .tied_head = false});
+  const std::int64_t block = gpt.blocks[1]->parameter_count();
+  const std::int64_t all = gpt.parameter_count();
+  gpt.blocks.pop_back();
+  CHECK(gpt.parameter_count() == all - block);
+  for (const auto& [name, p] : gpt.named_parameters()) CHECK(name.rfind("blocks.1.", 0) != 0);
+  // A new head: given to an optimizer built afterwards, it trains.
+  gpt.head = std::make_shared<nn::Linear>(4, 10, nn::LinearOptions{.bias = false});
+  CHECK(holds(gpt, gpt.head->weight));
+  nn::AdamW opt(gpt.parameters(), {.lr = 0.1});
+  const Tensor before = gpt.head->weight.data().clone();
+  sum(gpt.forward(randint({2, 3}, 0, 10, 1))).backward();
+  opt.step();
+  CHECK(max(abs(gpt.head->weight.data() - before)).item() > 0);
+  // ...and it is sharded with the rest.
+  LocalCommunicator comm;
+  nn::fully_shard(gpt, comm);
+  CHECK(gpt.head->weight.is_sharded());
+  // train()/eval() reach the new block; a null member is skipped.
+  gpt.blocks.push_back(std::make_shared<nn::TransformerBlock>(4, 2, 16));
+  gpt.eval();
+  CHECK_FALSE(gpt.blocks[1]->mlp->is_training());
+  gpt.head = nullptr;
+  for (const auto& [name, p] : gpt.named_parameters()) CHECK(name.rfind("head.", 0) != 0);
+
+  // A submodule shared by two parents is listed once, under its first name (PyTorch's too).
+  auto shared = std::make_shared<nn::Linear>(3, 3);
+  nn::Sequential twice({shared, shared});
+  const auto modules = twice.named_modules();
+  REQUIRE(modules.size() == 2);
+  CHECK(modules[1].first == "0");
+  // A member assigned one of its ancestors: an error naming it, not a walk that never ends.
+  struct Holder : nn::Module {
+    std::shared_ptr<nn::Module> inner;
+    Holder() { register_module("inner", &inner); }
+  };
+  auto outer = std::make_shared<Holder>();
+  outer->inner = std::make_shared<Holder>();
+  static_cast<Holder&>(*outer->inner).inner = outer;
+  test::check_throws<ArgumentError>([&] { outer->parameters(); }, {"named_modules", "'inner.inner'", "ancestors"});
+  static_cast<Holder&>(*outer->inner).inner = nullptr;  // (no cycle left to leak)
+}
+
+TEST_CASE("a transformer block casts a floating input of another dtype to its layers', as Linear does") {
+  nn::manual_seed(6);
+  nn::TransformerBlock block(4, 2, 16);
+  const Tensor x = randn({2, 3, 4}, 2);
+  const Tensor want = block.forward(x);
+  for (DType d : {DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    const Tensor y = block.forward(x.to(d));
+    CHECK(y.dtype() == DType::f32);
+    // (A bf16 input's LayerNorm computes in bf16.)
+    CHECK(max(abs(y - block.forward(x.to(d).to(DType::f32)))).item() < (d == DType::bf16 ? 2e-2 : 1e-5));
+  }
+  CHECK(max(abs(block.forward(x.to(DType::f64)) - want)).item() < 1e-6);
+  test::check_throws<DTypeError>([&] { block.forward(randint({2, 3, 4}, 0, 3, 1)); }, {"TransformerBlock", "i64"});
+}
+
 TEST_CASE("causal self-attention: no information flows from the future; gradients") {
   nn::manual_seed(4);
   nn::CausalSelfAttention attn(8, 2);
@@ -316,6 +389,59 @@ TEST_CASE("an ignored row whose logits hold -inf or NaN leaves the loss finite, 
   // The plain mean: the kept row's loss, log(2 + e) - 1 (PyTorch 2.15: 0.5514447139320511).
   const Tensor loss = nn::cross_entropy(values({-inf, 0, 1, 0, 1, 0}, {2, 3}, DType::f64), targets);
   CHECK(loss.item() == doctest::Approx(std::log(2 + std::exp(1.0)) - 1).epsilon(1e-14));
+}
+
+TEST_CASE("an ignored row of logits that are all -inf or all NaN passes no gradient (README's promise)") {
+  // log_softmax's backward of such a row is 0 - NaN * 0 however the loss selects it out.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    for (const double bad : {-inf, nan}) {
+      CAPTURE(bad);
+      for (const nn::CrossEntropyOptions& o :
+           {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
+            nn::CrossEntropyOptions{.ignore_index = 2}, nn::CrossEntropyOptions{.reduction = nn::LossReduction::sum}}) {
+        // (The third row is kept, a logit far below the others in it.)
+        const double third = o.ignore_index == 2 ? 0 : 2;
+        const Tensor targets = values({1, static_cast<double>(o.ignore_index), third}, {3}, DType::i64);
+        const Tensor logits = values({0.1, 0.2, 0.3, bad, bad, bad, 0.5, -30, 0.1}, {3, 3}, d).set_requires_grad();
+        const Tensor loss = nn::cross_entropy(logits, targets, o);
+        CHECK(std::isfinite(loss.item()));
+        loss.backward();
+        const std::vector<double> g = logits.grad().to_vector<double>();
+        for (int c = 3; c < 6; ++c) CHECK(g[c] == 0);
+        for (int c : {0, 1, 2, 6, 8}) CHECK(std::isfinite(g[c]));
+        // The kept rows' loss and gradient are those of the batch without the ignored row.
+        const Tensor kept = values({0.1, 0.2, 0.3, 0.5, -30, 0.1}, {2, 3}, d).set_requires_grad();
+        const Tensor reference = nn::cross_entropy(kept, values({1, third}, {2}, DType::i64), o);
+        CHECK(loss.item() == doctest::Approx(reference.item()).epsilon(1e-6));
+        reference.backward();
+        const std::vector<double> gk = kept.grad().to_vector<double>();
+        for (int c : {0, 1, 2}) CHECK(g[c] == doctest::Approx(gk[c]).epsilon(1e-6));
+      }
+    }
+  }
+}
+
+TEST_CASE(
+    "a mean loss whose kept class weights sum to 0 over a non-zero sum is an infinity of its sign, as PyTorch's") {
+  // Negative weights (1 - 2 + 1 = 0): PyTorch divides by 0 (-inf for cross_entropy, +inf for
+  // nll_loss here); NaN was added to every such mean.
+  const Tensor logits =
+      values({.1, .2, .3, .4, .5, .1, .2, .3, .4, .5, .1, .2, .3, .4, .5, .1, .2, .3, .4, .5}, {4, 5}, DType::f64);
+  const Tensor targets = values({0, 1, -100, 2}, {4}, DType::i64), w = values({1, -2, 1, 1, 1}, {5}, DType::f64);
+  for (const bool through_log_softmax : {true, false}) {
+    CAPTURE(through_log_softmax);
+    auto loss = [&](nn::LossReduction r) {
+      return through_log_softmax ? nn::cross_entropy(logits, targets, {.reduction = r, .weight = w})
+                                 : nn::nll_loss(logits, targets, {.reduction = r, .weight = w});
+    };
+    const double total = loss(nn::LossReduction::sum).item();
+    REQUIRE(total != 0);
+    const double mean = loss(nn::LossReduction::mean).item();
+    CHECK(std::isinf(mean));
+    CHECK(std::signbit(mean) == std::signbit(total));
+  }
 }
 
 TEST_CASE(

@@ -128,7 +128,8 @@ Tensor nll(const char* op, const char* input, const Tensor& log_probs, const Ten
   // PyTorch's (which skips them) is finite. The selection also passes them no gradient.
   const Tensor picked =
       classes > 0 ? squeeze(take_along_axis(log_probs, unsqueeze(safe, -1), -1), -1) : sum(log_probs, {-1});
-  Tensor loss = where(keep, -(picked * target_weight), none);
+  const Tensor nll_rows = where(keep, -(picked * target_weight), none);
+  Tensor loss = nll_rows, smooth;
   if (options.label_smoothing > 0.0) {
     const Tensor class_weight = options.weight.defined() ? cast(options.weight, dtype).detach() : ones({classes}, like);
     // The classes' mean in f32 for 16-bit log-probabilities (an f16 sum over many classes is
@@ -137,7 +138,7 @@ Tensor nll(const char* op, const char* input, const Tensor& log_probs, const Ten
     const Tensor class_mean = is_16bit_float(dtype)
                                   ? cast(sum(cast(weighted, DType::f32), {-1}) / static_cast<double>(classes), dtype)
                                   : sum(weighted, {-1}) / static_cast<double>(classes);
-    const Tensor smooth = where(keep, -class_mean, none);
+    smooth = where(keep, -class_mean, none);
     loss = loss * (1.0 - options.label_smoothing) + smooth * options.label_smoothing;
   }
   switch (options.reduction) {
@@ -159,11 +160,14 @@ Tensor nll(const char* op, const char* input, const Tensor& log_probs, const Ten
         // over every parameter: the sum times 0, plus a NaN that carries no gradient.
         mean_loss = sum(cast(loss, acc)) * 0.0 + std::numeric_limits<double>::quiet_NaN();
       } else {
-        // Kept targets whose class weights sum to 0: 0 / 0 as well, and PyTorch's gradient is
-        // NaN on the kept rows (their weight times 1 / 0) and 0 on the ignored ones: the select that
-        // made `loss` keeps the ignored rows' 1 / 0 from reaching them. The NaN added
-        // makes the value PyTorch's too where label smoothing leaves a non-zero sum over 0 (inf).
-        mean_loss = sum(cast(loss, acc)) / total + std::numeric_limits<double>::quiet_NaN();
+        // Kept targets whose class weights sum to 0 (negative weights): PyTorch divides by 0, so
+        // its loss is NaN where the sum is 0 too and an infinity of the sum's sign otherwise, and
+        // with label smoothing it divides the two terms' sums apart (inf - inf is NaN). Its
+        // gradient is NaN or infinite on the kept rows (their weight times 1 / 0) and 0 on the
+        // ignored ones: the select that made `loss` keeps the ignored rows' 1 / 0 from reaching them.
+        mean_loss = smooth.defined() ? sum(cast(nll_rows, acc)) * (1.0 - options.label_smoothing) / total +
+                                           sum(cast(smooth, acc)) * options.label_smoothing / total
+                                     : sum(cast(loss, acc)) / total;
       }
       return acc == dtype ? mean_loss : cast(mean_loss, dtype);
     }
@@ -182,6 +186,21 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
   if (!is_floating(logits.dtype())) {
     fail<DTypeError>("cross_entropy", "logits must be floating-point, got ", dtype_name(logits.dtype()), " ",
                      logits.shape());
+  }
+  // An ignored row passes no gradient, as README promises for padded batches, even one that is
+  // all -inf or NaN: log_softmax's backward of such a row is 0 - NaN * 0 however the loss selects
+  // it out (PyTorch's is NaN there). Such rows are zeroed before it, a pass over the logits taken
+  // only when some target is ignored (and when the targets are valid: nll checks them first).
+  if (logits.ndim() >= 1 && logits.shape().back() > 0 && targets.defined() && targets.dtype() == DType::i64 &&
+      targets.shape() == Shape(logits.shape().begin(), logits.shape().end() - 1)) {
+    const Tensor ignored = eq(targets, ignore_scalar(options.ignore_index));
+    if (sum(cast(ignored, DType::i64)).item() > 0) {
+      check_targets("cross_entropy", targets, logits.shape().back(), options.ignore_index);
+      return nll(
+          "cross_entropy", "logits",
+          log_softmax(where(unsqueeze(ignored, -1), zeros({}, Options(logits.dtype(), &logits.backend())), logits), -1),
+          targets, options);
+    }
   }
   return nll("cross_entropy", "logits", log_softmax(logits, -1), targets, options);
 }
