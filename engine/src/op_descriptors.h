@@ -260,9 +260,11 @@ struct Unary<UnaryOp::tanh> {
   static void forward(const X& x, Y& y) {
     y = vector_tanh(x);
   }
+  // (1 - y)(1 + y), not 1 - y^2: near |y| = 1 the latter cancels, accurate only where the compiler
+  // contracted it into an FMA (f64 at x = -9.5: 5e-9 relative off at -O1, exact at -O3).
   template <class Y, class G, class GX>
   static void backward(const Y& y, const G& gy, GX& gx) {
-    gx = gy * (scalar_of<Y>(1) - y.square());
+    gx = gy * ((scalar_of<Y>(1) - y) * (scalar_of<Y>(1) + y));
   }
 };
 
