@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -656,4 +657,76 @@ TEST_CASE("IDX: a header whose extents multiply past 64 bits is refused, not rea
   write_gzip(img + ".gz", idx_file({0xffffffffu, 0xffffffffu, 0xffffffffu}, {}));
   test::check_throws<IOError>([&] { nn::load_idx(img + ".gz", lab, 3); }, {img + ".gz"});
   test::check_throws<IOError>([&] { nn::IdxImages(img + ".gz", lab, 0, cache.str()); }, {img + ".gz", "overflow"});
+}
+
+TEST_CASE("a gzip IDX file that inflates past its header's size is refused having read and written no more") {
+  // 8 MiB of zeros after a header for one 4x3 image (a gzip bomb, ~8 KB compressed): load_idx read
+  // the whole content into memory before comparing it with the header (2.1 GB for a 1 GiB bomb),
+  // and IdxImages decompressed it whole into the cache, where the copy stayed.
+  TempDir dir, cache;
+  std::vector<std::uint8_t> bomb = idx_file({1, 4, 3}, std::vector<std::uint8_t>(12, 1));
+  bomb.resize(bomb.size() + (8 << 20));
+  write_gzip(dir.str() + "/img.gz", bomb);
+  write_raw(dir.str() + "/lab", idx_file({1}, {3}));
+  // One byte past the 12 the header names is read, and no more.
+  test::check_throws<IOError>([&] { nn::load_idx(dir.str() + "/img.gz", dir.str() + "/lab"); },
+                              {"img.gz", "holds 13 data bytes, its header says 12"});
+  test::check_throws<IOError>([&] { nn::IdxImages(dir.str() + "/img.gz", dir.str() + "/lab", 0, cache.str()); },
+                              {"img.gz", "13 data bytes", "says 12"});
+  for (const auto& entry : std::filesystem::directory_iterator(cache.path)) CHECK(entry.file_size() <= 16 + 12 + 1);
+  // A header whose items cannot fit in memory is refused before reading them.
+  write_gzip(dir.str() + "/huge.gz", idx_file({60000, 65535, 65535}, {}));
+  test::check_throws<OutOfMemoryError>([&] { nn::load_idx(dir.str() + "/huge.gz", dir.str() + "/lab"); },
+                                       {"huge.gz", "60000 items", "memory"});
+}
+
+TEST_CASE("IdxImages: samples of no bytes, and a request larger than memory, are answered, not undefined") {
+  TempDir dir;
+  // [10, 0, 3] images: memcpy from null (undefined behaviour; the sanitizer build aborted).
+  write_raw(dir.str() + "/empty", idx_file({10, 0, 3}, {}));
+  write_raw(dir.str() + "/lab", idx_file({10}, std::vector<std::uint8_t>(10, 1)));
+  const nn::IdxImages empty(dir.str() + "/empty", dir.str() + "/lab");
+  CHECK(empty.images(0, 10).shape() == Shape{10, 0});
+  // 10^6 samples of a 4096 x 4096 image: 16 TB, a typed error (it was a raw std::bad_alloc).
+  write_raw(dir.str() + "/big", idx_file({1, 4096, 4096}, std::vector<std::uint8_t>(4096 * 4096, 7)));
+  write_raw(dir.str() + "/one", idx_file({1}, {1}));
+  const nn::IdxImages big(dir.str() + "/big", dir.str() + "/one");
+  CHECK(big.images(0, 1).shape() == Shape{1, 4096 * 4096});
+  test::check_throws<OutOfMemoryError>([&] { big.images(zeros({1000000}, DType::i64)); },
+                                       {"IdxImages::images", "1000000 samples", "do not fit in memory"});
+}
+
+TEST_CASE("a gzip source edited with its size and modification time kept gets a new copy; a long name works") {
+  TempDir dir, cache;
+  const std::string gz = dir.str() + "/text.gz";
+  auto write_at = [&](char c) {
+    write_gzip(gz, std::vector<std::uint8_t>(50, static_cast<std::uint8_t>(c)));
+    const struct timespec times[2] = {{1577836800, 0}, {1577836800, 0}};  // 2020-01-01, as touch -d
+    REQUIRE(::utimensat(AT_FDCWD, gz.c_str(), times, 0) == 0);
+  };
+  write_at('a');
+  CHECK(nn::TextCorpus(gz, cache.str()).read(0, 5) == std::vector<std::uint8_t>(5, 'a'));
+  write_at('b');  // (cp -p, rsync -t, tar x and touch -r keep the time as well)
+  CHECK(nn::TextCorpus(gz, cache.str()).read(0, 5) == std::vector<std::uint8_t>(5, 'b'));
+  // A 245-byte name is legal; its copy's name (with "-" and 16 hex digits) was not.
+  const std::string long_name = dir.str() + "/" + std::string(245, 'L') + ".gz";
+  write_gzip(long_name, std::vector<std::uint8_t>(20, 'c'));
+  CHECK(nn::TextCorpus(long_name, cache.str()).read(0, 3) == std::vector<std::uint8_t>(3, 'c'));
+}
+
+TEST_CASE("the default cache directory is absolute: a relative HOME is ignored as a relative XDG_CACHE_HOME is") {
+  struct Env {
+    std::string name;
+    std::optional<std::string> old;
+    Env(std::string n, const char* value) : name(std::move(n)) {
+      if (const char* v = std::getenv(name.c_str())) old = v;
+      value ? ::setenv(name.c_str(), value, 1) : ::unsetenv(name.c_str());
+    }
+    ~Env() { old ? ::setenv(name.c_str(), old->c_str(), 1) : ::unsetenv(name.c_str()); }
+  };
+  const Env xdg("XDG_CACHE_HOME", nullptr), home("HOME", "relative/home");
+  const std::string dir = nn::default_cache_dir();
+  CHECK(std::filesystem::path(dir).is_absolute());
+  CHECK(dir.find("relative") == std::string::npos);
+  CHECK(std::filesystem::path(dir).filename().string() == "ruda-cache-" + std::to_string(::geteuid()));
 }

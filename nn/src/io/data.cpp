@@ -15,6 +15,7 @@
 #include <numeric>
 
 #include <ruda/autograd.h>
+#include <ruda/memory.h>
 #include <ruda/nn/data.h>
 #include <ruda/random.h>
 
@@ -95,10 +96,16 @@ void read_gzip_stream(const std::string& path, std::uint64_t max_bytes,
   gzclose(f);
 }
 
-// The (decompressed) content of a gzip or plain file, up to max_bytes.
+// The (decompressed) content of a gzip or plain file, up to max_bytes; OutOfMemoryError naming
+// the file where it does not fit in memory.
 std::vector<std::uint8_t> read_maybe_gzip(const std::string& path, std::uint64_t max_bytes = ~std::uint64_t{0}) {
   std::vector<std::uint8_t> out;
-  read_gzip_stream(path, max_bytes, [&](const std::uint8_t* p, std::size_t n) { out.insert(out.end(), p, p + n); });
+  try {
+    read_gzip_stream(path, max_bytes, [&](const std::uint8_t* p, std::size_t n) { out.insert(out.end(), p, p + n); });
+  } catch (const std::bad_alloc&) {
+    fail<OutOfMemoryError>("load_idx", path, ": its content (", out.size(),
+                           " bytes read so far) does not fit in memory");
+  }
   return out;
 }
 
@@ -202,13 +209,25 @@ struct IdxFile {
   std::uint64_t header = 0, item = 1;  // bytes before the first item, and bytes per item
 };
 
+bool is_gzip(const std::string& path);
+std::string uncompressed_copy(const std::string& path, const std::string& cache_dir, std::uint64_t max_bytes);
+
 IdxFile open_idx(const std::string& path, int expected_dims, std::int64_t limit, const std::string& cache_dir) {
   IdxFile f;
-  const std::string raw = uncompressed_file(path, cache_dir);
+  f.header = 4 + 4 * static_cast<std::uint64_t>(expected_dims);
+  // A gzip file's copy holds at most what its header says and one byte more (which shows that it
+  // holds more than it says): a gzip bomb inflated to disk whole, and its copy stayed.
+  std::uint64_t most = ~std::uint64_t{0};
+  if (is_gzip(path)) {
+    const auto extents = header_dims(read_maybe_gzip(path, f.header), path, expected_dims);
+    std::uint64_t data = 1;
+    for (const std::uint64_t d : extents) data *= d;  // checked by header_dims: no overflow
+    most = f.header + data + 1;
+  }
+  const std::string raw = uncompressed_copy(path, cache_dir, most);
   f.label = raw == path ? path : path + " (decompressed as " + raw + ")";
   f.file = std::make_shared<ReadFile>(raw);
   const std::uint64_t bytes = f.file->size();
-  f.header = 4 + 4 * static_cast<std::uint64_t>(expected_dims);
   std::vector<std::uint8_t> head(static_cast<std::size_t>(std::min(bytes, f.header)));
   f.file->read(0, head.size(), head.data(), f.label);
   f.dims = idx_dims(head, bytes, f.label, expected_dims, limit);
@@ -233,7 +252,19 @@ std::vector<std::uint8_t> read_items(const IdxFile& f, const std::vector<std::in
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return picks[a] < picks[b]; });
   const auto item = static_cast<std::size_t>(f.item);
-  std::vector<std::uint8_t> out(picks.size() * item), group;
+  std::vector<std::uint8_t> out, group;
+  if (item == 0) return out;  // (empty items: nothing to read, and memcpy may not take null)
+  std::size_t bytes = 0;
+  if (__builtin_mul_overflow(picks.size(), item, &bytes)) {
+    fail<OutOfMemoryError>(op, picks.size(), " samples of ", item, " bytes overflow 64 bits");
+  }
+  try {
+    out.resize(bytes);
+  } catch (const std::bad_alloc&) {
+    fail<OutOfMemoryError>(op, picks.size(), " samples of ", item, " bytes from ", f.label, " (",
+                           memory::format_bytes(static_cast<std::int64_t>(std::min<std::size_t>(bytes, INT64_MAX))),
+                           ") do not fit in memory");
+  }
   for (std::size_t first = 0, last; first < order.size(); first = last) {
     const std::int64_t lo = picks[order[first]];
     for (last = first + 1; last < order.size(); ++last) {
@@ -298,29 +329,39 @@ bool is_gzip(const std::string& path) {
   return magic[0] == 0x1f && magic[1] == 0x8b;
 }
 
-// The cache copy's name: the source's name without .gz, and a hash of what identifies this version
-// of it (its absolute path, size and modification time), so an edited source gets a new copy.
+// The cache copy's name: the source's name without .gz (its first 128 bytes: a legal 250-byte
+// name made one past NAME_MAX), and a hash of what identifies this version of it: its absolute
+// path, device and inode, size, and modification and status-change times. The status-change time
+// is what no one sets: an edit that kept the size and set the modification time back (cp -p,
+// rsync -t, tar x, touch -r) was read from the old copy.
 std::string cache_name(const std::string& path) {
   std::error_code ec;
   fs::path source = fs::absolute(path, ec);
   if (!ec) source = fs::weakly_canonical(source, ec);
-  const std::uintmax_t size = ec ? 0 : fs::file_size(source, ec);
-  const fs::file_time_type time = ec ? fs::file_time_type{} : fs::last_write_time(source, ec);
   if (ec) data_fail(path, "cannot be identified for its decompressed copy: " + ec.message());
-  const std::string key =
-      source.string() + "|" + std::to_string(size) + "|" + std::to_string(time.time_since_epoch().count());
+  struct stat st {};
+  if (::stat(source.c_str(), &st) != 0)
+    data_fail(path, std::string("cannot be identified for its decompressed copy: ") + std::strerror(errno));
+  std::string key = source.string();
+  for (const long long part :
+       {static_cast<long long>(st.st_dev), static_cast<long long>(st.st_ino), static_cast<long long>(st.st_size),
+        static_cast<long long>(st.st_mtim.tv_sec), static_cast<long long>(st.st_mtim.tv_nsec),
+        static_cast<long long>(st.st_ctim.tv_sec), static_cast<long long>(st.st_ctim.tv_nsec)})
+    key.append("|").append(std::to_string(part));
   char hash[17];
   std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(fnv1a(key)));
   const fs::path name = source.filename();
-  return (name.extension() == ".gz" ? name.stem().string() : name.string()) + "-" + hash;
+  const std::string stem = name.extension() == ".gz" ? name.stem().string() : name.string();
+  return stem.substr(0, 128) + "-" + hash;
 }
 
 // Decompresses `source` into `target` atomically: a temporary file of its own beside it, flushed
 // and renamed into place (AtomicFile, as every file nn writes), so processes and threads racing to
 // make the copy each rename a complete one, and a killed one leaves none.
-void decompress_to(const std::string& source, const std::string& target) {
+// At most max_bytes are written (an IDX file's header says how many it may hold).
+void decompress_to(const std::string& source, const std::string& target, std::uint64_t max_bytes) {
   safetensors::detail::AtomicFile file(target, "", /*crash_simulation=*/false);
-  read_gzip_stream(source, ~std::uint64_t{0}, [&](const std::uint8_t* p, std::size_t n) { file.write(p, n); });
+  read_gzip_stream(source, max_bytes, [&](const std::uint8_t* p, std::size_t n) { file.write(p, n); });
   file.commit();
 }
 
@@ -374,15 +415,25 @@ void check_counts(const std::string& images_path, std::uint32_t images, const st
 
 namespace {
 ImageDataset load_idx_files(const std::string& images_path, const std::string& labels_path, std::int64_t limit) {
-  // With a limit, read the header, then only as many bytes as `limit` items need.
+  // The header first, then only as many bytes as the items used need: with a limit, `limit`
+  // items; without, the header's count and one byte more, which shows that the file holds more
+  // than it says. Read whole first, a gzip bomb (1 MB inflating to 1 GiB past its header) took
+  // 2.1 GB before its size was refused.
   auto read = [&](const std::string& path, int dims) {
-    if (limit <= 0) return read_maybe_gzip(path);
-    auto head = read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims));
+    const std::uint64_t header = 4 + 4 * static_cast<std::uint64_t>(dims);
+    auto head = read_maybe_gzip(path, header);
     const auto extents = header_dims(head, path, dims);  // checked: the products below do not overflow
     std::uint64_t item = 1;
     for (int i = 1; i < dims; ++i) item *= extents[static_cast<std::size_t>(i)];
-    const std::uint64_t items = std::min<std::uint64_t>(extents[0], static_cast<std::uint64_t>(limit));
-    return read_maybe_gzip(path, 4 + 4 * static_cast<std::uint64_t>(dims) + items * item);
+    const std::uint64_t items =
+        limit > 0 ? std::min<std::uint64_t>(extents[0], static_cast<std::uint64_t>(limit)) : extents[0];
+    const std::uint64_t want = header + items * item;
+    if (want > safetensors::detail::memory_ceiling_bytes()) {
+      fail<OutOfMemoryError>("load_idx", path, ": its header's ", items, " items of ", item, " bytes need ",
+                             memory::format_bytes(static_cast<std::int64_t>(want)),
+                             ", more than this machine's memory and swap");
+    }
+    return read_maybe_gzip(path, limit > 0 ? want : want + 1);
   };
   const auto images = read(images_path, 3);
   const auto labels = read(labels_path, 1);
@@ -423,17 +474,24 @@ ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::i
 }
 
 std::string default_cache_dir() {
+  // Absolute paths only: the XDG spec ignores a relative XDG_CACHE_HOME, and a relative HOME
+  // made the cache relative to the working directory.
   const char* xdg = std::getenv("XDG_CACHE_HOME");
-  if (xdg && *xdg == '/') return (fs::path(xdg) / "ruda").string();  // (the spec ignores relative ones)
+  if (xdg && *xdg == '/') return (fs::path(xdg) / "ruda").string();
   const char* home = std::getenv("HOME");
-  if (home && *home) return (fs::path(home) / ".cache" / "ruda").string();
+  if (home && *home == '/') return (fs::path(home) / ".cache" / "ruda").string();
+  // In the shared temporary directory, one of this user's own (checked when made: another user
+  // could otherwise make it first and plant copies in it).
   std::error_code ec;
   const fs::path temp = fs::temp_directory_path(ec);
-  return ((ec ? fs::path("/tmp") : temp) / "ruda-cache").string();
+  return ((ec ? fs::path("/tmp") : temp) / ("ruda-cache-" + std::to_string(::geteuid()))).string();
 }
 
-std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
+namespace {
+// uncompressed_file, writing at most max_bytes (an IDX file's header bounds its content).
+std::string uncompressed_copy(const std::string& path, const std::string& cache_dir, std::uint64_t max_bytes) {
   if (!is_gzip(path)) return path;
+  if (cache_dir.find('\0') != std::string::npos) data_fail(path, "the cache directory's name holds a NUL byte");
   const fs::path dir = cache_dir.empty() ? default_cache_dir() : cache_dir;
   const fs::path target = dir / cache_name(path);
   // Only a rename puts a file at `target`, so one found there is complete (and whatever else is
@@ -447,10 +505,31 @@ std::string uncompressed_file(const std::string& path, const std::string& cache_
   std::error_code probing;
   if (!fs::is_directory(dir, probing))
     data_fail(dir.string(), "cannot create the cache directory: " + (error ? error : probing).message());
+  if (cache_dir.empty() && std::getenv("XDG_CACHE_HOME") == nullptr) {
+    struct stat st {};
+    const bool temp_fallback = dir.filename().string().rfind("ruda-cache-", 0) == 0;
+    if (temp_fallback && (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())) {
+      data_fail(dir.string(),
+                "the cache directory in the temporary directory is not this user's own directory "
+                "(pass a cache directory, or set XDG_CACHE_HOME)");
+    }
+  }
+  // A copy the file system cannot hold is refused before it is written.
+  const fs::space_info space = fs::space(dir, probing);
+  if (max_bytes != ~std::uint64_t{0} && !probing && max_bytes > space.available) {
+    data_fail(path, "its decompressed copy needs up to " + memory::format_bytes(static_cast<std::int64_t>(max_bytes)) +
+                        ", more than the " + memory::format_bytes(static_cast<std::int64_t>(space.available)) +
+                        " free in " + dir.string());
+  }
   // An identical copy renamed over by a racing writer replaces nothing anyone reads, since readers
   // open the final name only once it is complete.
-  decompress_to(path, target.string());
+  decompress_to(path, target.string(), max_bytes);
   return target.string();
+}
+}  // namespace
+
+std::string uncompressed_file(const std::string& path, const std::string& cache_dir) {
+  return uncompressed_copy(path, cache_dir, ~std::uint64_t{0});
 }
 
 struct IdxImages::State {

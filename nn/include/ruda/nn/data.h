@@ -37,15 +37,17 @@ inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mni
 ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::int64_t limit = 0);
 
 /// Where uncompressed copies of gzip files go when no directory is given: $XDG_CACHE_HOME/ruda,
-/// else $HOME/.cache/ruda, else ruda-cache in the system's temporary directory.
+/// else $HOME/.cache/ruda (each only when absolute), else ruda-cache-<uid> in the system's
+/// temporary directory (refused when it is not this user's own directory).
 std::string default_cache_dir();
 
 /// A file that can be read at any offset holding `path`'s content: `path` itself unless it is
 /// gzip-compressed (gzip streams cannot be read from the middle); otherwise its decompressed copy
-/// in `cache_dir` (default_cache_dir() if empty), named by the source's path, size and modification
-/// time, and made on first use. The copy is written to a temporary file and renamed into place, so
-/// processes racing to make it each find a complete copy or none, and a killed one leaves none.
-/// IOError naming the file when it is missing or its gzip stream is corrupt or truncated.
+/// in `cache_dir` (default_cache_dir() if empty), named by the source's path, inode, size,
+/// modification and status-change times (an edit that keeps the size and sets the modification
+/// time back still gets a new copy), and made on first use. The copy is written to a temporary file and renamed into
+/// place, so processes racing to make it each find a complete copy or none, and a killed one leaves none. IOError
+/// naming the file when it is missing or its gzip stream is corrupt or truncated.
 std::string uncompressed_file(const std::string& path, const std::string& cache_dir = "");
 
 /// An IDX image file and its label file, read at each request rather than held: a process holds
@@ -55,7 +57,8 @@ class IdxImages {
  public:
   /// Opens both files and checks them as load_idx does (IOError naming the file when missing,
   /// truncated or malformed, or when the counts differ); the first `limit` (> 0) samples only.
-  /// A gzip file is read through its uncompressed_file() copy in `cache_dir`.
+  /// A gzip file is read through its uncompressed_file() copy in `cache_dir`, which holds at most
+  /// what the file's header says and one byte more (a file inflating past it is refused).
   IdxImages(const std::string& images_path, const std::string& labels_path, std::int64_t limit = 0,
             const std::string& cache_dir = "");
 
