@@ -255,8 +255,11 @@ std::vector<std::uint8_t> read_items(const IdxFile& f, const std::vector<std::in
   std::vector<std::uint8_t> out, group;
   if (item == 0) return out;  // (empty items: nothing to read, and memcpy may not take null)
   std::size_t bytes = 0;
-  if (__builtin_mul_overflow(picks.size(), item, &bytes)) {
-    fail<OutOfMemoryError>(op, picks.size(), " samples of ", item, " bytes overflow 64 bits");
+  // Beyond memory and swap it is refused before allocating (AddressSanitizer's operator new
+  // aborts where the system's throws std::bad_alloc, caught below for what still fails).
+  if (__builtin_mul_overflow(picks.size(), item, &bytes) || bytes > safetensors::detail::memory_ceiling_bytes()) {
+    fail<OutOfMemoryError>(op, picks.size(), " samples of ", item, " bytes from ", f.label,
+                           " do not fit in memory (more than its memory and swap)");
   }
   try {
     out.resize(bytes);
