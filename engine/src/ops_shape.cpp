@@ -33,8 +33,12 @@ Bounds slice_bounds(const char* op, const Tensor& x, std::int64_t axis, std::int
   const std::int64_t n = x.shape()[a];
   const std::int64_t s = start < 0 ? start + n : start;
   const std::int64_t e = end < 0 ? end + n : end;
-  if (s < 0 || e > n || s > e) {
+  if (s < 0 || e > n) {
     fail<IndexError>(op, "range [", start, ", ", end, ") is out of bounds for axis ", axis, " of ", x.shape());
+  }
+  if (s > e) {  // (inside the axis: "out of bounds" misled)
+    fail<IndexError>(op, "range [", start, ", ", end, ") of axis ", axis, " of ", x.shape(),
+                     " ends before it starts (PyTorch's x[", start, ":", end, "] is empty; ruda refuses it)");
   }
   return {a, s, e};
 }

@@ -55,6 +55,12 @@ TEST_CASE("DTypeError") {
 TEST_CASE("IndexError") {
   check_throws<IndexError>([] { sum(zeros({2, 3}), {2}); }, {"sum", "axis 2", "2 dimensions"});
   check_throws<IndexError>([] { slice(zeros({4, 3}), 0, 2, 6); }, {"slice", "[2, 6)", "[4, 3]"});
+  // Inside the axis but backwards: said so, not "out of bounds".
+  check_throws<IndexError>(
+      [] {
+        slice(zeros({4, 6}), 0, 3, 1);
+      },
+      {"slice", "[3, 1)", "[4, 6]", "ends before it starts"});
   check_throws<IndexError>(
       [] {
         embedding(zeros({4, 2}), from_vector<std::int64_t>({1, 4}, {2}));
