@@ -252,10 +252,12 @@ TransformerBlock::TransformerBlock(std::int64_t d_model, std::int64_t heads, std
 
 Tensor TransformerBlock::forward(const Tensor& x) {
   require_float_input("TransformerBlock", x);
-  const Tensor branch = attn->forward(ln1->forward(x));
   // The residual stream takes the branch's dtype, the weights' (or the compute dtype's): the
   // layers cast a floating input of another dtype to theirs (Linear's rule), and the sum must too.
-  const Tensor h = (x.dtype() == branch.dtype() ? x : cast(x, branch.dtype())) + branch;
+  // (h holds the branch only until the sum replaces it: kept apart, the branch lived through the
+  // MLP, 1 MB more in GPT-2-small's planned step.)
+  Tensor h = attn->forward(ln1->forward(x));
+  h = (x.dtype() == h.dtype() ? x : cast(x, h.dtype())) + h;
   return h + mlp->forward(ln2->forward(h));
 }
 
