@@ -45,8 +45,14 @@ void EigenBackend::layer_norm(const View& x, const View& weight, const View& bia
         for (std::int64_t r = r0; r < r1; ++r) {
           const T* row = xp + r * n;
           // Two passes (mean, then centered squares): stable where E[x^2] - E[x]^2 would cancel.
-          S mu =
-              long_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])); }) / static_cast<S>(n);
+          // The mean is taken about the row's first value, x0 + mean(x - x0): exact for a
+          // constant row, whose mean summed plainly was an ulp off in f32, which 1 / sqrt(eps)
+          // made a 4e-5 deviation from the bias (PyTorch's is the bias exactly). A first value
+          // that is not finite is no shift (the row's inf or NaN mean stays).
+          const S first = static_cast<S>(Num<T>::load(row[0]));
+          const S shift = std::isfinite(first) ? first : S(0);
+          S mu = shift + long_sum<S>(n, [&](std::int64_t j) { return static_cast<S>(Num<T>::load(row[j])) - shift; }) /
+                             static_cast<S>(n);
           if (!std::isfinite(mu)) {
             // The sum overflowed the statistics' dtype where no value is infinite (a row of f32
             // values near 3e38: its mean was inf and every output NaN): the mean of x / m, times

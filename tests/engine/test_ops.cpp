@@ -1522,6 +1522,23 @@ TEST_CASE("layer_norm equals its composite definition, every float dtype") {
               1e-6, 1e-6);
 }
 
+TEST_CASE("layer_norm of a constant row is its bias exactly, as PyTorch's (padding tokens' rows)") {
+  // The mean of equal f32 values summed plainly was an ulp off (3 x 1.8088348 / 3), and
+  // 1 / sqrt(eps) made the output bias + 4e-5 * weight.
+  for (DType d : kFloatTypes) {
+    CAPTURE(dtype_name(d));
+    for (const double v : {1.8088347911834717, -0.1, 3e4}) {
+      for (std::int64_t features : {3, 7, 768}) {
+        CAPTURE(v);
+        CAPTURE(features);
+        const Tensor x = full({2, features}, v, d), w = randn({features}, 2, 0, d), b = randn({features}, 3, 0, d);
+        const std::vector<double> y = layer_norm(x, w, b).to_vector<double>(), bias = b.to_vector<double>();
+        for (std::int64_t j = 0; j < 2 * features; ++j) CHECK(y[j] == bias[j % features]);
+      }
+    }
+  }
+}
+
 TEST_CASE("layer_norm with f32 parameters beside 16-bit x: the bits of casting x to f32 and back") {
   // The mixed form (nn::LayerNorm uses it for bf16; the op takes f16 too): its forward and all
   // three gradients must be exactly what the f32 kernel between two casts gives.
