@@ -184,8 +184,15 @@ Tensor flatten(const Tensor& x, std::int64_t start_axis, std::int64_t end_axis) 
   return reshape(x, shape);
 }
 
+// A scalar's axis 0 or -1 names the scalar itself, as in PyTorch (whose dims wrap as for one
+// dimension there) and as ruda's reductions take it.
+namespace {
+bool scalar_axis(const Tensor& x, std::int64_t axis) { return x.ndim() == 0 && (axis == 0 || axis == -1); }
+}  // namespace
+
 Tensor squeeze(const Tensor& x, std::int64_t axis) {
   detail::require_defined("squeeze", x);
+  if (scalar_axis(x, axis)) return x;
   const int a = normalize_axis(axis, x.ndim(), "squeeze");
   if (x.shape()[a] != 1) fail<ShapeError>("squeeze", "axis ", axis, " of ", x.shape(), " is not of extent 1");
   Shape shape = x.shape();
@@ -255,6 +262,7 @@ Tensor permute(const Tensor& x, const Axes& order) {
 
 Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1) {
   detail::require_defined("transpose", x);
+  if (scalar_axis(x, axis0) && scalar_axis(x, axis1)) return x;
   const int a = normalize_axis(axis0, x.ndim(), "transpose");
   const int b = normalize_axis(axis1, x.ndim(), "transpose");
   Axes order(static_cast<std::size_t>(x.ndim()));

@@ -730,3 +730,17 @@ TEST_CASE("contiguous() of transposes and permutes, copied in tiles: every eleme
     }
   }
 }
+
+TEST_CASE("squeeze and transpose of a scalar's axis 0 or -1 return it, as PyTorch's and ruda's reductions do") {
+  const Tensor s = full({}, 2.5).set_requires_grad();
+  for (const std::int64_t axis : {0, -1}) {
+    CHECK(s.squeeze(axis).shape() == Shape{});
+    CHECK(s.transpose(axis, 0).shape() == Shape{});
+    CHECK(s.squeeze(axis).item() == 2.5);
+  }
+  (s.squeeze(0) * 3.0 + s.transpose(0, -1)).backward();
+  CHECK(s.grad().item() == 4.0);
+  // Other axes are still out of range.
+  test::check_throws<IndexError>([&] { s.squeeze(1); }, {"squeeze", "axis 1"});
+  test::check_throws<IndexError>([&] { s.transpose(0, 1); }, {"transpose"});
+}
