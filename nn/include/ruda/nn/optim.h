@@ -196,9 +196,10 @@ namespace schedules {
 Schedule constant(double lr);
 /// Linear from lr/warmup_steps up to lr over warmup_steps, then constant.
 Schedule linear_warmup(double lr, std::int64_t warmup_steps);
-/// Linear warmup, then a cosine decay from lr to min_lr at total_steps (constant after). total_steps
-/// positive, warmup_steps >= 0 (one past total_steps reaches min_lr when it ends), 0 <= min_lr <= lr;
-/// the schedule refuses a negative step.
+/// Linear warmup (steps 0 to warmup_steps - 1 reach lr), then a cosine decay from lr at step
+/// warmup_steps to min_lr at total_steps (constant after). total_steps positive, warmup_steps >= 0
+/// (a warmup of total_steps or more: lr at step warmup_steps too, min_lr from the step after),
+/// 0 <= min_lr <= lr; the schedule refuses a negative step.
 Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps = 0, double min_lr = 0.0);
 }  // namespace schedules
 
