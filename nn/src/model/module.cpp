@@ -222,8 +222,10 @@ Module::ChildModules Module::children() const {
 }
 
 void Module::list_modules(const std::string& path, std::vector<const Module*>& stack,
+                          std::unordered_set<const Module*>& listed,
                           std::vector<std::pair<std::string, const Module*>>& out) const {
   out.emplace_back(path, this);
+  listed.insert(this);
   stack.push_back(this);
   for (const auto& [name, child] : children()) {
     const std::string qualified = path.empty() ? name : path + "." + name;
@@ -232,8 +234,7 @@ void Module::list_modules(const std::string& path, std::vector<const Module*>& s
                           "' is one of its own ancestors (a member assigned after registration?): the module "
                           "tree must not contain itself");
     }
-    const bool seen = std::any_of(out.begin(), out.end(), [&](const auto& entry) { return entry.second == child; });
-    if (!seen) child->list_modules(qualified, stack, out);
+    if (!listed.contains(child)) child->list_modules(qualified, stack, listed, out);
   }
   stack.pop_back();
 }
@@ -271,7 +272,8 @@ std::vector<Param> Module::parameters() const {
 std::vector<std::pair<std::string, const Module*>> Module::named_modules() const {
   std::vector<std::pair<std::string, const Module*>> out;
   std::vector<const Module*> stack;
-  list_modules("", stack, out);
+  std::unordered_set<const Module*> listed;
+  list_modules("", stack, listed, out);
   return out;
 }
 

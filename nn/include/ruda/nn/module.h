@@ -18,6 +18,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -178,7 +179,9 @@ class Module {
   void register_slot(std::string name, ChildList list);
   // The children as the slots hold them now.
   ChildModules children() const;
+  // Appends this module and the ones below it not `listed` yet; `stack` holds the path's modules.
   void list_modules(const std::string& path, std::vector<const Module*>& stack,
+                    std::unordered_set<const Module*>& listed,
                     std::vector<std::pair<std::string, const Module*>>& out) const;
   std::vector<std::pair<std::string, Param*>> params_;
   std::vector<std::pair<std::string, ChildList>> children_;
