@@ -678,6 +678,9 @@ TEST_CASE("a gzip IDX file that inflates past its header's size is refused havin
   write_gzip(dir.str() + "/huge.gz", idx_file({60000, 65535, 65535}, {}));
   test::check_throws<OutOfMemoryError>([&] { nn::load_idx(dir.str() + "/huge.gz", dir.str() + "/lab"); },
                                        {"huge.gz", "60000 items", "memory"});
+  // ... and a copy the cache's file system cannot hold, before it is written.
+  test::check_throws<IOError>([&] { nn::IdxImages(dir.str() + "/huge.gz", dir.str() + "/lab", 0, cache.str()); },
+                              {"huge.gz", "decompressed copy needs up to", "free in"});
 }
 
 TEST_CASE("IdxImages: samples of no bytes, and a request larger than memory, are answered, not undefined") {
@@ -724,9 +727,20 @@ TEST_CASE("the default cache directory is absolute: a relative HOME is ignored a
     }
     ~Env() { old ? ::setenv(name.c_str(), old->c_str(), 1) : ::unsetenv(name.c_str()); }
   };
-  const Env xdg("XDG_CACHE_HOME", nullptr), home("HOME", "relative/home");
+  TempDir temp, elsewhere, source;
+  const Env xdg("XDG_CACHE_HOME", nullptr), home("HOME", "relative/home"), tmpdir("TMPDIR", temp.str().c_str());
   const std::string dir = nn::default_cache_dir();
   CHECK(std::filesystem::path(dir).is_absolute());
   CHECK(dir.find("relative") == std::string::npos);
-  CHECK(std::filesystem::path(dir).filename().string() == "ruda-cache-" + std::to_string(::geteuid()));
+  CHECK(dir == (temp.path / ("ruda-cache-" + std::to_string(::geteuid()))).string());
+  // The temporary directory's cache must be this user's own directory: one planted there first
+  // (here a link to another directory) is refused, not written into.
+  const std::string gz = source.str() + "/text.gz";
+  write_gzip(gz, std::vector<std::uint8_t>(20, 'x'));
+  std::filesystem::create_directory_symlink(elsewhere.path, dir);
+  test::check_throws<IOError>([&] { nn::uncompressed_file(gz); }, {dir, "not this user's own directory"});
+  CHECK(names_in(elsewhere.str()).empty());
+  std::filesystem::remove(dir);
+  CHECK(nn::load_text_bytes(nn::uncompressed_file(gz)) == std::vector<std::uint8_t>(20, 'x'));
+  CHECK(std::filesystem::path(nn::uncompressed_file(gz)).parent_path() == dir);
 }

@@ -476,6 +476,16 @@ ImageDataset load_fashion_mnist(const std::string& directory, bool train, std::i
   return load_idx(images, labels, limit);
 }
 
+namespace {
+// The cache directory in the shared temporary directory: one of this user's own, checked where it
+// is used (another user could otherwise make it first and plant copies in it).
+fs::path temp_cache_dir() {
+  std::error_code ec;
+  const fs::path temp = fs::temp_directory_path(ec);
+  return (ec ? fs::path("/tmp") : temp) / ("ruda-cache-" + std::to_string(::geteuid()));
+}
+}  // namespace
+
 std::string default_cache_dir() {
   // Absolute paths only: the XDG spec ignores a relative XDG_CACHE_HOME, and a relative HOME
   // made the cache relative to the working directory.
@@ -483,11 +493,7 @@ std::string default_cache_dir() {
   if (xdg && *xdg == '/') return (fs::path(xdg) / "ruda").string();
   const char* home = std::getenv("HOME");
   if (home && *home == '/') return (fs::path(home) / ".cache" / "ruda").string();
-  // In the shared temporary directory, one of this user's own (checked when made: another user
-  // could otherwise make it first and plant copies in it).
-  std::error_code ec;
-  const fs::path temp = fs::temp_directory_path(ec);
-  return ((ec ? fs::path("/tmp") : temp) / ("ruda-cache-" + std::to_string(::geteuid()))).string();
+  return temp_cache_dir().string();
 }
 
 namespace {
@@ -508,14 +514,11 @@ std::string uncompressed_copy(const std::string& path, const std::string& cache_
   std::error_code probing;
   if (!fs::is_directory(dir, probing))
     data_fail(dir.string(), "cannot create the cache directory: " + (error ? error : probing).message());
-  if (cache_dir.empty() && std::getenv("XDG_CACHE_HOME") == nullptr) {
-    struct stat st {};
-    const bool temp_fallback = dir.filename().string().rfind("ruda-cache-", 0) == 0;
-    if (temp_fallback && (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())) {
-      data_fail(dir.string(),
-                "the cache directory in the temporary directory is not this user's own directory "
-                "(pass a cache directory, or set XDG_CACHE_HOME)");
-    }
+  struct stat st {};
+  if (dir == temp_cache_dir() && (::lstat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::geteuid())) {
+    data_fail(dir.string(),
+              "the cache directory in the temporary directory is not this user's own directory "
+              "(pass a cache directory, or set XDG_CACHE_HOME)");
   }
   // A copy the file system cannot hold is refused before it is written.
   const fs::space_info space = fs::space(dir, probing);
