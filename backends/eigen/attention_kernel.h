@@ -128,10 +128,14 @@ constexpr bool wants_dense_operands() {
 /// (and it is dense, or `dense` is not asked for), else a copy in `buffer` (row stride cols),
 /// converted where T is not G.
 template <class G, class T>
+constexpr bool stages(std::int64_t rows, std::int64_t cols, std::int64_t ld, bool dense) {
+  return !std::is_same_v<G, T> || (dense && ld != cols && rows != 1);
+}
+template <class G, class T>
 const G* stage(const T* src, std::int64_t rows, std::int64_t cols, std::int64_t ld, Scratch<G>& buffer,
                std::int64_t& out_ld, bool dense = false) {
   if constexpr (std::is_same_v<G, T>) {
-    if (!dense || ld == cols || rows == 1) {
+    if (!stages<G, T>(rows, cols, ld, dense)) {
       out_ld = ld;
       return src;
     }
@@ -329,6 +333,26 @@ inline std::int64_t head_splits(std::int64_t bh_count, std::int64_t key_blocks) 
   return bh_count >= threads ? 1 : std::min<std::int64_t>(key_blocks, (threads + bh_count - 1) / bh_count);
 }
 
+/// The backward's working memory as large as a head's slice, charged to the calling thread's rank
+/// (charge_working_memory): dQ's partial sums of split heads ([bh][split][Tq][D] of Acc), or else
+/// each worker's [Tq, D] dQ accumulator, and each worker's copies of the head's queries and output
+/// gradients where they are staged ([Tq, D] and [Tq, Dv] of G). A long sequence's went past the
+/// rank's limit unseen (q [1, 1, 16384, 128] f32: 8.4 MB a worker).
+template <class Acc, class G>
+ruda::detail::Charge charge_backward_memory(std::int64_t bh_count, std::int64_t splits, std::int64_t tq,
+                                            std::int64_t dim, std::int64_t dv, bool need_dq, bool staged_q,
+                                            bool staged_dout) {
+  const std::int64_t workers = std::min<std::int64_t>(num_threads(), bh_count * splits);
+  std::int64_t acc = 0;
+  if (need_dq) acc = splits > 1 ? bh_count * splits * tq * dim : workers * tq * dim;
+  const auto staged_bytes = static_cast<std::int64_t>(
+      workers * ((staged_q ? tq * dim : 0) + (staged_dout ? tq * dv : 0)) * static_cast<std::int64_t>(sizeof(G)));
+  const auto acc_size = static_cast<std::int64_t>(sizeof(Acc));
+  return charge_working_memory(acc + (staged_bytes + acc_size - 1) / acc_size,
+                               std::is_same_v<Acc, double> ? DType::f64 : DType::f32,
+                               "scaled_dot_product_attention backward (working memory)");
+}
+
 /// The dQ of split heads: each row's partial sums ([bh][split][Tq][D] in `parts`) added in split
 /// order, so that no two threads write one value and the result does not depend on timing.
 template <class T, class Acc>
@@ -461,6 +485,9 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
   const Acc* const lse = d.lse.ptr<const Acc>();
   const Acc scale = static_cast<Acc>(d.scale);
   const std::int64_t splits = head_splits(bh_count, nk);
+  constexpr bool dense = wants_dense_operands<decltype(make_gemm())>();
+  const ruda::detail::Charge charged = charge_backward_memory<Acc, G>(
+      bh_count, splits, tq, dim, dv, need_dq, stages<G, T>(tq, dim, q.st, dense), stages<G, T>(tq, dv, dout.st, dense));
   // Per-item dQ partial sums of split heads ([bh][split][Tq][D]); none when heads are not split.
   Scratch<Acc> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
@@ -472,7 +499,6 @@ void backward(const AttentionDesc& d, MakeGemm&& make_gemm) {
       Scratch<G> pd, ds, qbuf, kbuf, vbuf, obuf;
       explicit Worker(Gemm g) : gemm(std::move(g)) {}
     };
-    constexpr bool dense = wants_dense_operands<Gemm>();
     auto w = std::make_shared<Worker>(make_gemm());
     const std::size_t block = static_cast<std::size_t>(bs.q * bs.kv);
     w->p.resize(block);

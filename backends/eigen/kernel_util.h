@@ -151,6 +151,16 @@ struct ScratchAllocator {
 template <class T>
 using Scratch = std::vector<T, ScratchAllocator<T>>;
 
+/// Charges a kernel's own working memory of `n` values of `dtype` to the calling thread's rank, as a
+/// tensor of that size would be (its tracker and its limit: OutOfMemoryError naming `op`), while the
+/// returned charge lives: for scratch as large as a tensor or a tensor's slice (a reduction's
+/// intermediate, per-thread accumulators of a whole sequence), which would otherwise pass the
+/// limit unseen and be missing from the memory plan's measured step. Take it on the calling
+/// thread, before any parallel region: OpenMP's threads belong to no rank.
+inline detail::Charge charge_working_memory(std::int64_t n, DType dtype, const char* op) {
+  return detail::Charge(static_cast<std::size_t>(n) * dtype_size(dtype), op, Shape{n}, dtype);
+}
+
 /// n f32 values charged to the calling thread's rank as a tensor of that size would be (its
 /// tracker and its limit: OutOfMemoryError naming `op`), not zeroed: for working copies as large
 /// as tensors, such as the f32 copies of a 16-bit product's operands, which scratch memory left

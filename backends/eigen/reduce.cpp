@@ -340,6 +340,7 @@ void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
       }
       return v;
     };
+    const detail::Charge charged = charge_working_memory(x.numel() + out.numel(), DType::f32, op_name(op).data());
     Scratch<float> wide_x, wide_out;
     const View x32 = dense_f32(x, wide_x), out32 = dense_f32(out, wide_out);
     cast(x, x32);
@@ -364,6 +365,8 @@ void EigenBackend::reduce(ReduceOp op, const View& x, const View& out) {
     }
     for (int d = 0; d < x.ndim; ++d) count *= partial.shape[d];
     const std::size_t elem = dtype_size(x.dtype);
+    // As large as the input over the last run's extent: charged as a tensor would be.
+    const detail::Charge charged = charge_working_memory(count, x.dtype, op_name(op).data());
     Scratch<std::uint8_t> buffer(static_cast<std::size_t>(count) * elem);  // on 64-byte boundaries
     partial.data = buffer.data();
     std::int64_t stride = 1;

@@ -290,6 +290,8 @@ void backward_transposed(const AttentionDesc& d) {
   const float* const lse = d.lse.ptr<const float>();
   const auto scale = static_cast<float>(d.scale);
   const std::int64_t splits = head_splits(bh_count, nk);
+  const ruda::detail::Charge charged = charge_backward_memory<float, G>(
+      bh_count, splits, tq, dim, dv, need_dq, stages<G, T>(tq, dim, q.st, true), stages<G, T>(tq, dv, dout.st, true));
   kernels::Scratch<float> dq_parts(need_dq && splits > 1 ? static_cast<std::size_t>(bh_count * splits * tq * dim) : 0);
 
   for_each_item(bh_count * splits, [&] {

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include <ruda/autograd.h>
 #include <ruda/backend.h>
@@ -18,9 +19,11 @@ namespace ruda::memory {
 // Counters of one tracker; storages keep their tracker alive so frees are charged correctly.
 class Tracker {
  public:
-  void add(std::int64_t bytes) noexcept;
-  /// Adds `bytes` unless that would take live bytes past `limit` (> 0); false when refused.
-  bool try_add(std::int64_t bytes, std::int64_t limit) noexcept;
+  /// Adds `bytes` to the live bytes unless that would take them past `limit` (> 0; 0: no limit);
+  /// false when refused. The peak and the allocation count wait for commit().
+  bool try_reserve(std::int64_t bytes, std::int64_t limit) noexcept;
+  /// A reserved allocation was made: counts it and raises the peak to the live bytes now.
+  void commit() noexcept;
   void remove(std::int64_t bytes) noexcept;
   Stats stats() const noexcept;
   void reset_peak() noexcept;
@@ -46,7 +49,37 @@ class BlockCache;
 /// The process's cache of freed large blocks (memory.cpp).
 BlockCache& block_cache();
 
-/// 64-byte aligned host memory, charged to the allocating thread's tracker. OutOfMemoryError
+/// `bytes` charged, while this lives, to the calling thread's tracker (its rank's, and the scopes'
+/// it is nested in, each within the limit) and to the process's, as a tensor of that size would be:
+/// OutOfMemoryError (naming `op`, the shape and dtype it is for, nothing charged) past a limit.
+/// Storage charges its bytes so; a kernel charges its own working memory so where that is as
+/// large as a tensor's slice (per-thread accumulators of a whole sequence), which the tracker,
+/// the limit and the memory plan's measured step would otherwise not see.
+class Charge {
+ public:
+  Charge() = default;
+  Charge(std::size_t bytes, const char* op, const Shape& shape, DType dtype);
+  ~Charge();
+  Charge(Charge&& other) noexcept
+      : bytes_(std::exchange(other.bytes_, 0)),
+        tracker_(std::move(other.tracker_)),
+        charged_(std::exchange(other.charged_, false)) {}
+  Charge& operator=(Charge&& other) noexcept;
+
+ private:
+  friend struct Storage;
+  // Storage's two steps: reserve the bytes (the limits checked), allocate, then commit(): only a
+  // committed charge counts as an allocation and can raise a peak.
+  struct Reserve {};
+  Charge(Reserve, std::size_t bytes, const char* op, const Shape& shape, DType dtype);
+  void commit() noexcept;
+  void release() noexcept;
+  std::int64_t bytes_ = 0;
+  std::shared_ptr<memory::Tracker> tracker_;  // null: the thread is in no scope (the process's alone)
+  bool charged_ = false;
+};
+
+/// 64-byte aligned host memory, charged to the allocating thread's tracker (Charge). OutOfMemoryError
 /// (naming `op`, the shape and dtype it is for) past the rank's limit or when the system refuses.
 struct Storage {
   void* data = nullptr;
@@ -54,7 +87,7 @@ struct Storage {
   // Bumped by every in-place write, so a backward can tell that a tensor it saved has changed.
   // Atomic only so that concurrent readers of a shared storage are not a data race.
   std::atomic<std::uint64_t> version{0};
-  std::shared_ptr<memory::Tracker> tracker;
+  Charge charge;
   Storage(std::size_t bytes, const char* op, const Shape& shape, DType dtype);
   ~Storage();
   Storage(const Storage&) = delete;

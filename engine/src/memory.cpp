@@ -15,27 +15,19 @@
 
 namespace ruda::memory {
 
-void Tracker::add(std::int64_t bytes) noexcept {
-  const std::int64_t live = live_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+bool Tracker::try_reserve(std::int64_t bytes, std::int64_t limit) noexcept {
+  std::int64_t live = live_.load(std::memory_order_relaxed);
+  do {
+    if (limit > 0 && bytes > limit - live) return false;
+  } while (!live_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed));
+  return true;
+}
+void Tracker::commit() noexcept {
   allocations_.fetch_add(1, std::memory_order_relaxed);
+  const std::int64_t live = live_.load(std::memory_order_relaxed);
   std::int64_t peak = peak_.load(std::memory_order_relaxed);
   while (live > peak && !peak_.compare_exchange_weak(peak, live, std::memory_order_relaxed)) {
   }
-}
-bool Tracker::try_add(std::int64_t bytes, std::int64_t limit) noexcept {
-  if (limit <= 0) {
-    add(bytes);
-    return true;
-  }
-  std::int64_t live = live_.load(std::memory_order_relaxed);
-  do {
-    if (bytes > limit - live) return false;
-  } while (!live_.compare_exchange_weak(live, live + bytes, std::memory_order_relaxed));
-  allocations_.fetch_add(1, std::memory_order_relaxed);
-  std::int64_t peak = peak_.load(std::memory_order_relaxed);
-  while (live + bytes > peak && !peak_.compare_exchange_weak(peak, live + bytes, std::memory_order_relaxed)) {
-  }
-  return true;
 }
 void Tracker::remove(std::int64_t bytes) noexcept { live_.fetch_sub(bytes, std::memory_order_relaxed); }
 Stats Tracker::stats() const noexcept {
@@ -373,37 +365,73 @@ namespace {
 void uncharge(memory::Tracker* tracker, std::int64_t bytes, const memory::Tracker* end = nullptr) noexcept {
   for (memory::Tracker* t = tracker; t != end; t = t->parent()) t->remove(bytes);
 }
+
+std::int64_t limit_in_force() { return memory::LimitSuspended::active() ? 0 : memory::limit(); }
 }  // namespace
 
-Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dtype)
-    : bytes(size), tracker(memory::current_tracker()) {
-  // Charge the rank first, so that a refused allocation never touches the system allocator: the
-  // calling thread's tracker and those of the scopes it is nested in, each within the limit.
-  const auto n = static_cast<std::int64_t>(size);
-  const std::int64_t limit = memory::LimitSuspended::active() ? 0 : memory::limit();
-  memory::Tracker& rank = tracker ? *tracker : memory::process_tracker();
+Charge::Charge(Reserve, std::size_t bytes, const char* op, const Shape& shape, DType dtype)
+    : bytes_(static_cast<std::int64_t>(bytes)), tracker_(memory::current_tracker()) {
+  // The calling thread's tracker and those of the scopes it is nested in, each within the limit;
+  // then the process's (a thread in no scope is charged to it alone).
+  const std::int64_t limit = limit_in_force();
+  memory::Tracker& rank = tracker_ ? *tracker_ : memory::process_tracker();
   for (memory::Tracker* t = &rank; t; t = t->parent()) {
-    if (!t->try_add(n, limit)) {
-      uncharge(&rank, n, t);
-      out_of_memory(op, shape, dtype, n, *t, limit, false);
+    if (!t->try_reserve(bytes_, limit)) {
+      uncharge(&rank, bytes_, t);
+      out_of_memory(op, shape, dtype, bytes_, *t, limit, false);
     }
   }
-  if (tracker) memory::process_tracker().add(n);
+  if (tracker_) (void)memory::process_tracker().try_reserve(bytes_, 0);  // no limit: always taken
+  charged_ = true;
+}
+
+Charge::Charge(std::size_t bytes, const char* op, const Shape& shape, DType dtype)
+    : Charge(Reserve{}, bytes, op, shape, dtype) {
+  commit();
+}
+
+void Charge::commit() noexcept {
+  for (memory::Tracker* t = tracker_ ? tracker_.get() : &memory::process_tracker(); t; t = t->parent()) t->commit();
+  if (tracker_) memory::process_tracker().commit();
+}
+
+void Charge::release() noexcept {
+  if (!charged_) return;
+  charged_ = false;
+  memory::process_tracker().remove(bytes_);
+  if (tracker_) uncharge(tracker_.get(), bytes_);
+}
+
+Charge& Charge::operator=(Charge&& other) noexcept {
+  if (this != &other) {
+    release();
+    bytes_ = std::exchange(other.bytes_, 0);
+    tracker_ = std::move(other.tracker_);
+    charged_ = std::exchange(other.charged_, false);
+  }
+  return *this;
+}
+
+Charge::~Charge() { release(); }
+
+Storage::Storage(std::size_t size, const char* op, const Shape& shape, DType dtype)
+    : bytes(size), charge(Charge::Reserve{}, size, op, shape, dtype) {
+  // Charged first, so that a refused allocation never touches the system allocator.
   try {
     // 64-byte alignment suits AVX-512 loads and oneDNN.
     data = block_cache().take(BlockCache::size_class(size));
   } catch (const std::bad_alloc&) {
-    uncharge(&rank, n);
-    if (tracker) memory::process_tracker().remove(n);
-    out_of_memory(op, shape, dtype, n, rank, limit, true);
+    charge.release();
+    memory::Tracker& rank = charge.tracker_ ? *charge.tracker_ : memory::process_tracker();
+    out_of_memory(op, shape, dtype, static_cast<std::int64_t>(size), rank, limit_in_force(), true);
   }
+  // Only now is it an allocation: a refused one (by a scope's limit, or by the system) had been
+  // charged to the peaks and counts of the trackers that let it through, and a caller who caught
+  // the OutOfMemoryError to retry smaller read a peak of bytes that never existed.
+  charge.commit();
 }
 
-Storage::~Storage() {
-  block_cache().give(data, BlockCache::size_class(bytes));
-  memory::process_tracker().remove(static_cast<std::int64_t>(bytes));
-  if (tracker) uncharge(tracker.get(), static_cast<std::int64_t>(bytes));
-}
+Storage::~Storage() { block_cache().give(data, BlockCache::size_class(bytes)); }
 
 }  // namespace ruda::detail
 

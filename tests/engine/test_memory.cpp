@@ -166,9 +166,13 @@ TEST_CASE("a scope opened inside a rank's counts toward the rank: its figures an
     CHECK(section.stats().live_bytes == 100'000);
     CHECK(rank.stats().live_bytes == 900'000);
     test::check_throws<OutOfMemoryError>([] { (void)zeros({100'000}); }, {"zeros", "400000 bytes", "limit of 1.00 MB"});
-    // The refusal charged nothing to either scope.
+    // The refusal charged nothing to either scope: not its bytes, and neither a peak nor an
+    // allocation count (the section had counted the refused request as its peak).
     CHECK(section.stats().live_bytes == 100'000);
+    CHECK(section.stats().peak_bytes == 100'000);
+    CHECK(section.stats().allocations == 1);
     CHECK(rank.stats().live_bytes == 900'000);
+    CHECK(rank.stats().peak_bytes == 900'000);
   }
   CHECK(rank.stats().live_bytes == 800'000);
   CHECK(rank.stats().peak_bytes == 900'000);
@@ -204,6 +208,56 @@ TEST_CASE("a 16-bit product's f32 working copies count toward the rank and its l
   CHECK(rank.stats().live_bytes - before == 128 * 1024);
 }
 
+TEST_CASE("a 16-bit sum over several axes and a reduction's partial result count toward the rank and its limit") {
+  // Both are working memory as large as tensors that the kernels kept in uncounted scratch: a bf16
+  // [64, 1024, 256] summed over {0, 2} went 66 MB past a 40 MB limit the tracker said held.
+  LimitGuard restore;
+  memory::Scope rank;
+  for (const std::string& name : available_backends()) {
+    CAPTURE(name);
+    Backend* backend = &get_backend(name);
+    const Tensor x = ones({8, 64, 32}, Options(DType::bf16, backend));  // 32 KB
+    std::int64_t before = rank.stats().live_bytes;
+    memory::reset_peak();
+    CHECK(sum(x, {0, 2}).at({0}) == 256.0);
+    // x and the result as f32 copies (64 KB + 256 B) while the sum ran.
+    CHECK(rank.stats().peak_bytes - before >= 64 * 1024 + 256);
+    memory::set_limit(rank.stats().live_bytes + 32 * 1024);
+    test::check_throws<OutOfMemoryError>([&] { (void)sum(x, {0, 2}); }, {"sum", "f32", "limit"});
+    test::check_throws<OutOfMemoryError>([&] { (void)logsumexp(x, {0, 2}); }, {"logsumexp", "f32", "limit"});
+    memory::set_limit(0);
+    CHECK(rank.stats().live_bytes == before);
+    // An f32 sum over separate axes keeps the first fold's result, here [8, 1024, 1].
+    const Tensor y = ones({8, 1024, 2}, Options(DType::f32, backend));
+    before = rank.stats().live_bytes;
+    memory::reset_peak();
+    CHECK(sum(y, {0, 2}).at({0}) == 16.0);
+    CHECK(rank.stats().peak_bytes - before >= 8 * 1024 * 4 + 1024 * 4);
+  }
+}
+
+TEST_CASE("the attention backward's working memory counts toward the rank") {
+  // Each worker's dQ accumulator ([T, D] f32), or the split heads' partial sums, were uncounted
+  // scratch: q [1, 1, 16384, 128] went 8.4 MB a thread past the tracker.
+  memory::Scope rank;
+  for (const std::string& name : available_backends()) {
+    CAPTURE(name);
+    Backend* backend = &get_backend(name);
+    const std::int64_t t = 512, d = 32, head = t * d * 4;
+    const Options o(DType::f32, backend);
+    Tensor q = randn({1, 1, t, d}, 1, 0, o), k = randn({1, 1, t, d}, 2, 0, o), v = randn({1, 1, t, d}, 3, 0, o);
+    for (Tensor* x : {&q, &k, &v}) x->set_requires_grad(true);
+    const Tensor out = scaled_dot_product_attention(q, k, v, {.causal = true});
+    const Tensor grad = ones_like(out);
+    const std::int64_t before = rank.stats().live_bytes;
+    memory::reset_peak();
+    out.backward(grad);
+    // dq, dk and dv, and at least one [T, D] f32 accumulator of dQ.
+    CHECK(rank.stats().peak_bytes - before >= 4 * head);
+    CHECK(rank.stats().live_bytes - before <= 3 * head);  // the working memory given back (and the saved lse)
+  }
+}
+
 TEST_CASE("each emulated rank's scope has its own budget under the one limit") {
   LimitGuard restore;
   memory::set_limit(1'000'000);
@@ -227,9 +281,19 @@ TEST_CASE("each emulated rank's scope has its own budget under the one limit") {
 }
 
 TEST_CASE("sizes the system cannot give become OutOfMemoryError; impossible ones ShapeError") {
+  memory::Scope rank;
+  const Tensor kept = zeros({1000});
+  memory::reset_peak();
+  const memory::Stats rank_before = rank.stats(), process_before = memory::process_stats();
   // 2^60 bytes: a valid size no machine has. The system allocator refuses it.
   test::check_throws<OutOfMemoryError>([] { (void)empty({1LL << 58}, DType::f32); },
                                        {"empty", "f32 [288230376151711744]", "the system refused"});
+  // A request that was never allocated is in no figure: the peaks read 1 PB after it before, so a
+  // caller who caught the error to retry smaller measured nonsense afterwards.
+  CHECK(rank.stats().live_bytes == rank_before.live_bytes);
+  CHECK(rank.stats().peak_bytes == rank_before.peak_bytes);
+  CHECK(rank.stats().allocations == rank_before.allocations);
+  CHECK(memory::process_stats().peak_bytes < process_before.peak_bytes + (1LL << 40));
   test::check_throws<ShapeError>([] { (void)empty({1LL << 61}, DType::f64); }, {"empty", "2^63 bytes"});
   test::check_throws<ShapeError>([] { (void)zeros({1LL << 62, 4}); }, {"overflows"});
 }
