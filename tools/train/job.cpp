@@ -329,8 +329,9 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
   if (fit.fits) {
     if (fit.tried.size() > 1 && comm.rank() == 0) {
       std::cout << "memory plan: ~" << memory::format_bytes(first.peak()) << " per rank with " << configured.describe()
-                << " is over the limit of " << memory::format_bytes(limit) << "; chose " << fit.schedule.describe()
-                << " (~" << memory::format_bytes(fit.plan.peak()) << ")" << std::endl;
+                << " is over the limit of " << memory::format_bytes(limit) << "; chose "
+                << fit.schedule.describe(!cfg.per_parameter) << " (~" << memory::format_bytes(fit.plan.peak()) << ")"
+                << std::endl;
     }
     return {fit.plan, fit.schedule, ""};
   }
@@ -341,7 +342,7 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
     const int world = comm.world_size();
     out = "memory plan: needs ~" + memory::format_bytes(first.peak()) + " per rank at " + std::to_string(world) +
           (world == 1 ? " rank" : " ranks") + "; limit " + memory::format_bytes(limit) +
-          "; no schedule fits (the leanest, " + fit.schedule.describe() + ", needs ~" +
+          "; no schedule fits (the leanest, " + fit.schedule.describe(!cfg.per_parameter) + ", needs ~" +
           memory::format_bytes(fit.plan.peak()) + ")";
     // What fits with the leanest schedule's probe in one batch per step (more ranks, a smaller
     // batch): micro-batches could only add to that.
@@ -488,6 +489,7 @@ int run(const Config& cfg, Communicator& comm) {
   const MeasuredPlan measured = measure_plan(cfg, comm, *task, configured, plan_options);
   plan = measured.plan;
   const nn::MemorySchedule& chosen = measured.schedule;
+  plan.schedule = chosen.describe(!cfg.per_parameter);  // (parameters one by one have no groups)
   task->set_micro_batches(chosen.micro_batches);
   setup_phase(comm, [&] {
     if (!measured.refusal.empty()) throw OutOfMemoryError(measured.refusal);
@@ -826,7 +828,8 @@ int run(const Config& cfg, Communicator& comm) {
     summary += ", peak memory per rank:";
     for (double p : peak) {
       summary += ' ';  // (appended in two steps: GCC 12 warns falsely on " " + ..., bug 105329)
-      summary += megabytes(p);
+      // In the plan's units (a small model's peak read "0.0 MB" beside its plan's "22.7 KB").
+      summary += memory::format_bytes(static_cast<std::int64_t>(p));
     }
     progress.line(summary);
     if (comm_total.bytes > 0) {

@@ -30,12 +30,6 @@ inline std::string duration(double seconds) {
   return buf;
 }
 
-inline std::string megabytes(double bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.1f MB", bytes / 1e6);
-  return buf;
-}
-
 /// A rate with three significant figures down to 0.01 ("11600", "76.2", "0.45"): a GPT-2-sized
 /// model at batch 1 trains under one sample a second, which "%.0f" printed as 0.
 inline std::string rate(double per_second) {

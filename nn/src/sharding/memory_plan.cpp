@@ -216,10 +216,11 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
   return plan;
 }
 
-std::string MemorySchedule::describe() const {
-  std::string out = std::to_string(max_unsharded_groups) +
-                    (max_unsharded_groups == 1 ? " unsharded group, " : " unsharded groups, ") +
-                    (strategy == CheckpointStrategy::retain ? "retain" : "recompute");
+std::string MemorySchedule::describe(bool grouped) const {
+  std::string out = grouped ? std::to_string(max_unsharded_groups) +
+                                  (max_unsharded_groups == 1 ? " unsharded group, " : " unsharded groups, ")
+                            : std::string();
+  out += strategy == CheckpointStrategy::retain ? "retain" : "recompute";
   if (recompute_gelu) out += ", GELU recomputed";
   if (activation_checkpointing) out += ", activation checkpointing";
   if (micro_batches > 1) out += ", " + std::to_string(micro_batches) + " micro-batches";

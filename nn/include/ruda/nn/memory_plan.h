@@ -131,8 +131,9 @@ struct MemorySchedule {
   /// them (GeluBackward::recompute; FitOptions::set_recompute_gelu).
   bool recompute_gelu = false;
   /// "2 unsharded groups, recompute", with ", activation checkpointing", ", GELU recomputed" and
-  /// ", 4 micro-batches" when on.
-  std::string describe() const;
+  /// ", 4 micro-batches" when on. `grouped` false (parameters sharded one by one, which have no
+  /// groups to keep unsharded): without the groups' count.
+  std::string describe(bool grouped = true) const;
   bool operator==(const MemorySchedule&) const = default;
 };
 
