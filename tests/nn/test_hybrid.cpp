@@ -559,6 +559,93 @@ TEST_CASE("accumulation: a group that the last micro-batch does not reach still 
   }
 }
 
+TEST_CASE("accumulation on top of a complete gradient: only the node-partial sums cross nodes") {
+  // Backwards without the all-reduce, begun on a gradient that an earlier backward had completed,
+  // all-reduced that gradient again with their partial sums: it came back times the node count
+  // (on, off, on over 2 nodes gave twice the first micro-batch's gradient, silently). Against the
+  // dense sums of the same micro-batches' losses.
+  enum Branch { a_only, b_only, both };
+  struct Micro {
+    bool all_reduce;
+    Branch branch;
+    bool zero_grad_before = false;
+  };
+  const std::vector<std::vector<Micro>> plans = {
+      {{true, a_only}, {false, a_only}, {true, a_only}},
+      // b's partial sums cross in the last backward's reduction, a's at its end (not reached).
+      {{true, both}, {false, a_only}, {true, b_only}},
+      {{true, both}, {false, both}, {false, a_only}, {true, both}},
+      // zero_grad between drops the complete gradient set aside with the partial sums.
+      {{true, a_only}, {false, a_only}, {true, a_only, true}},
+  };
+  const Tensor x = randn({32, 5}, 78);
+  auto loss = [](const Branches& m, const Tensor& rows, Branch branch) {
+    return branch == a_only   ? m.loss(rows, false)
+           : branch == b_only ? m.loss(rows, true)
+                              : m.loss(rows, false) + m.loss(rows, true);
+  };
+  for (std::size_t plan = 0; plan < plans.size(); ++plan) {
+    CAPTURE(plan);
+    const std::vector<Micro>& micros = plans[plan];
+    std::map<std::string, std::vector<double>> dense;
+    {
+      nn::manual_seed(9);
+      Branches m;
+      for (std::size_t k = 0; k < micros.size(); ++k) {
+        Tensor total;
+        for (int r = 0; r < 4; ++r) {
+          const Tensor rows =
+              test::part(x, r, 4).slice(0, 2 * static_cast<std::int64_t>(k), 2 * static_cast<std::int64_t>(k) + 2);
+          const Tensor l = loss(m, rows, micros[k].branch);
+          total = total.defined() ? total + l : l;
+        }
+        if (micros[k].zero_grad_before) m.zero_grad();
+        total.backward();
+      }
+      // (b's parameters have no gradient where no micro-batch reaches b: an empty list.)
+      for (const auto& [name, p] : m.named_parameters())
+        dense[name] = p.grad().defined() ? p.grad().to_vector<double>() : std::vector<double>();
+    }
+    std::vector<std::map<std::string, std::vector<double>>> got(4);
+    run_ranks(
+        4,
+        [&](Communicator& comm) {
+          const ShardMesh mesh = ShardMesh::by_node(comm);
+          nn::manual_seed(9);
+          Branches m;
+          nn::fully_shard(*m.a, mesh);
+          nn::fully_shard(*m.b, mesh);
+          nn::fully_shard(m, mesh);
+          const Tensor mine = test::part(x, comm.rank(), 4);
+          for (std::size_t k = 0; k < micros.size(); ++k) {
+            if (micros[k].zero_grad_before) m.zero_grad();
+            nn::set_requires_all_reduce(m, micros[k].all_reduce);
+            const auto row = 2 * static_cast<std::int64_t>(k);
+            loss(m, mine.slice(0, row, row + 2), micros[k].branch).backward();
+          }
+          for (const auto& [name, p] : m.named_parameters()) {
+            got[static_cast<std::size_t>(comm.rank())][name] =
+                p.grad().defined() ? p.grad().to_vector<double>() : std::vector<double>();
+            CHECK_FALSE(p.shard()->gradient_partial);
+            CHECK_FALSE(p.shard()->complete_gradient.defined());
+          }
+        },
+        on_nodes(2));
+    for (int r = 0; r < 4; ++r) {
+      CAPTURE(r);
+      for (const auto& [name, values] : dense) {
+        CAPTURE(name);
+        const auto& mine = got[static_cast<std::size_t>(r)].at(name);
+        CHECK(mine.empty() == values.empty());
+        const std::size_t n = mine.size(), begin = static_cast<std::size_t>(r % 2) * n;
+        for (std::size_t i = 0; i < n && begin + i < values.size(); ++i) {
+          CHECK(mine[i] == doctest::Approx(values[begin + i]).epsilon(1e-6));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("hybrid: each rank of the world draws its own part of a Dropout's stream") {
   // fully_shard over a mesh gives a Dropout the world's rank and size (every rank of every node
   // has its own samples), not the node's: ranks 0 and 2, the first of their nodes, drew alike.

@@ -5,6 +5,7 @@
 
 #include <ruda/autograd.h>
 #include <ruda/nn/module.h>
+#include <ruda/nn/sharded.h>
 
 #include "model/param_state.h"
 #include "model/replay.h"
@@ -73,7 +74,9 @@ Tensor& Param::data() const {
 }
 Tensor Param::grad() const { return checked(state_, "Param::grad").data.defined() ? state_->data.grad() : Tensor(); }
 void Param::zero_grad() const {
-  if (!is_deferred()) data().zero_grad();
+  if (is_deferred()) return;
+  data().zero_grad();
+  if (const auto& info = shard(); info && info->complete_gradient.defined()) info->complete_gradient = Tensor();
 }
 bool Param::is_deferred() const { return checked(state_, "Param::is_deferred").deferred != nullptr; }
 const Initializer& Param::initializer() const {

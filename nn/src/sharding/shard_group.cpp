@@ -24,6 +24,33 @@ Tensor as_rows(const Tensor& grad, std::int64_t numel, std::int64_t world, std::
   return padded.reshape({world, slice});
 }
 
+// A backward without the all-reduce across nodes is about to add its node-partial sum to `p`'s
+// gradient: a complete gradient held from an earlier backward (one with the all-reduce) is set
+// aside first. Left in, it crossed nodes again with the partial sums at the window's end, and
+// came back multiplied by the node count (on, off, on over 2 nodes gave twice the first batch's).
+void set_complete_gradient_aside(const Param& p) {
+  ShardInfo& info = *p.shard();
+  if (info.gradient_partial || info.complete_gradient.defined()) return;
+  Tensor grad = p.data().grad();
+  if (!grad.defined()) return;
+  info.complete_gradient = grad;
+  p.data().set_grad(Tensor());
+}
+
+// The partial sums of `p` have crossed nodes (or were taken back): the complete gradient set
+// aside is added to them again.
+void restore_complete_gradient(const Param& p) {
+  ShardInfo& info = *p.shard();
+  if (!info.complete_gradient.defined()) return;
+  const Tensor held = std::exchange(info.complete_gradient, Tensor());
+  Tensor grad = p.data().grad();
+  if (grad.defined()) {
+    grad.add_(held);
+  } else {
+    p.data().set_grad(held);
+  }
+}
+
 }  // namespace
 
 // --- gradients: post-backward ---
@@ -143,6 +170,10 @@ void GradientSink::finish() {
     if (reduced[b].defined()) {  // hybrid, accumulating: node-local partial sums
       const Tensor sum = std::move(reduced[b]);
       reduced[b] = Tensor();
+      for (const std::size_t i : buckets[b].members) {
+        if (const Param p = ParamAccess::lock(params[i]); p.defined() && p.data().requires_grad())
+          set_complete_gradient_aside(p);
+      }
       accumulate(b, sum);
       for (const std::size_t i : buckets[b].members) {
         if (const Param p = ParamAccess::lock(params[i]); p.defined()) p.shard()->gradient_partial = true;
@@ -154,6 +185,11 @@ void GradientSink::finish() {
     const Tensor sum = work.wait();
     work = Work();
     accumulate(b, sum);
+    if (replicate) {
+      for (const std::size_t i : buckets[b].members) {
+        if (const Param p = ParamAccess::lock(params[i]); p.defined()) restore_complete_gradient(p);
+      }
+    }
   }
 }
 
@@ -469,8 +505,10 @@ void ShardGroup::all_reduce_partial_gradients(Communicator& replicate) {
     if (!p.defined() || !p.shard()->gradient_partial) continue;
     p.shard()->gradient_partial = false;
     Tensor grad = p.data().grad();
-    if (!grad.defined()) continue;
-    grad.copy_(replicate.all_reduce(grad, Reduction::sum, {.tag = p.shard()->name + " (accumulated) across nodes"}));
+    if (grad.defined()) {
+      grad.copy_(replicate.all_reduce(grad, Reduction::sum, {.tag = p.shard()->name + " (accumulated) across nodes"}));
+    }
+    restore_complete_gradient(p);
   }
 }
 
@@ -696,6 +734,7 @@ void take_back_unreached(const std::vector<ReachCandidate>& candidates, Communic
     if (!p.defined() || autograd::loss_reached(p.data())) continue;
     p.data().set_grad(Tensor());
     p.shard()->gradient_partial = false;
+    restore_complete_gradient(p);  // what an earlier backward left stays the gradient
   }
 }
 

@@ -123,6 +123,12 @@ struct ShardInfo {
   /// Hybrid: the gradient holds sums of this node's ranks only (a backward without the all-reduce
   /// across nodes, set_requires_all_reduce): the next all-reduce includes it.
   bool gradient_partial = false;
+  /// Hybrid accumulation: the complete (already all-reduced) gradient the parameter held when
+  /// backwards without the all-reduce began to add node-partial sums to it, set aside so that
+  /// only those sums cross nodes at the next all-reduce; added back after it (or when that
+  /// backward takes its gradient back). Param::zero_grad (and so Module's and the optimizers')
+  /// drops it with the gradient.
+  Tensor complete_gradient;
   /// The backward (autograd::backward_serial) whose reduction gave the parameter its gradient
   /// where it had none: taken back at that backward's end if no rank's loss reached the parameter.
   std::uint64_t gradient_made_by = 0;
