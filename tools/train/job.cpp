@@ -55,8 +55,47 @@ std::string write_small_file(const fs::path& path, const std::string& text) {
 void setup_phase(Communicator& comm, const std::function<void()>& phase) {
   const auto failures = run_agreed(comm, "setup", phase);
   if (failures.empty()) return;
-  if (comm.rank() == 0) print_error(failures.front().message);
+  // One message where every rank failed alike (a bad option); otherwise each reason with its
+  // ranks: a file missing or unwritable on one node read as if it were so everywhere.
+  const bool alike = failures.size() == static_cast<std::size_t>(comm.world_size()) &&
+                     std::all_of(failures.begin(), failures.end(),
+                                 [&](const RankFailure& f) { return f.message == failures.front().message; });
+  if (comm.rank() == 0) print_error(alike ? failures.front().message : describe(failures));
   throw Reported("setup failed on rank " + std::to_string(failures.front().rank));
+}
+
+// Every rank reads the same data: a data set that differed on one rank (a copy that only partly
+// reached its node) gave the ranks epochs of other lengths, and so collectives that no longer
+// matched (heap corruption where the order check was off); an lm text that differed trained on
+// other samples per rank to the end. Compared before any step, naming the first value that differs.
+void check_same_data(Communicator& comm, const Task& task, const std::string& input) {
+  std::string mine;
+  for (const auto& [name, value] : task.shared_data()) mine += name + '\t' + value + '\n';
+  const std::vector<std::string> all = all_gather_text(comm, mine, "the data every rank reads");
+  auto values = [](const std::string& text) {
+    std::map<std::string, std::string> out;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) {
+      if (const std::size_t tab = line.find('\t'); tab != std::string::npos)
+        out[line.substr(0, tab)] = line.substr(tab + 1);
+    }
+    return out;
+  };
+  setup_phase(comm, [&] {  // every rank compares the same texts, so every rank fails alike
+    for (std::size_t r = 1; r < all.size(); ++r) {
+      if (all[r] == all[0]) continue;
+      auto theirs = values(all[r]);
+      std::string what;
+      for (const auto& [name, value] : values(all[0])) {
+        if (theirs[name] != value) {
+          what = name + ": " + value + " on rank 0, " + theirs[name] + " on rank " + std::to_string(r);
+          break;
+        }
+      }
+      throw IOError(input + ": the ranks read different data (" + what +
+                    "): every rank needs the same files, at the same path on every host");
+    }
+  });
 }
 
 // --- outputs, checked before any step ---
@@ -460,6 +499,7 @@ int run(const Config& cfg, Communicator& comm) {
     task = make_task(cfg, comm);
     check_state_fits(cfg, comm, *task, plan_options);
   });
+  if (comm.world_size() > 1) check_same_data(comm, *task, data_input(cfg));
   if (!cfg.checkpoint_dir.empty() && comm.world_size() > 1) check_shared_checkpoint_dir(cfg, comm);
   // Each rank materializes its slices and the plan measures a step: collectives, so a failure on
   // one rank here (an allocation past the limit) ends the job rather than being agreed on.

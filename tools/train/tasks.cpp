@@ -154,6 +154,11 @@ struct MlpTask : Task {
             {"--limit", std::to_string(cfg.limit)},
             {"--data", data_identity}};
   }
+  std::map<std::string, std::string> shared_data() const override {
+    auto shared = data_stream();
+    shared["the test set"] = std::to_string(test.size()) + " images";  // (evaluation divides it among the ranks)
+    return shared;
+  }
   std::string where(std::int64_t step) const override {
     return "epoch " + std::to_string(step / sampler->batches_per_epoch() + 1) + "/" + std::to_string(cfg.epochs);
   }

@@ -33,6 +33,9 @@ struct Task {
   /// The options that decide which samples step k trains on: a resumed run must keep them, or it
   /// would not continue the same data stream.
   virtual std::map<std::string, std::string> data_stream() const = 0;
+  /// What every rank must read alike, as named values (the data sets' identities): compared
+  /// across ranks before step 1. By default the data stream.
+  virtual std::map<std::string, std::string> shared_data() const { return data_stream(); }
   /// Evaluation after `step`, or an empty object when none is due. It runs in chunks of one
   /// micro-batch (set_micro_batches), within the memory a step was planned with.
   virtual nlohmann::json evaluate(std::int64_t step, bool final) = 0;
