@@ -572,7 +572,7 @@ struct MpiCommunicator::Impl {
 
   // Asks every other rank where it is and waits up to `grace` for the answers. Returns who did not
   // arrive at collective #sequence and where they are, as far as their answers tell.
-  std::string inspect(std::uint64_t sequence, std::chrono::milliseconds grace) {
+  std::string inspect(std::uint64_t sequence, const char* my_op, std::chrono::milliseconds grace) {
     Note ask;
     ask.id = ++queries_sent;
     ask.sequence = sequence;
@@ -615,7 +615,7 @@ struct MpiCommunicator::Impl {
     // answer may be anywhere (it may even have passed this collective and exited since), so it is
     // named as silent, not as missing.
     std::vector<int> missing, silent, arrived;
-    std::string where_they_are;
+    std::string where_they_are, other_collectives;
     for (int r = 0; r < size; ++r) {
       if (r == rank) continue;
       const auto i = static_cast<std::size_t>(r);
@@ -624,11 +624,16 @@ struct MpiCommunicator::Impl {
         silent.push_back(r);
         continue;
       }
+      const std::string op(a.op, strnlen(a.op, sizeof a.op));
       if (a.sequence >= sequence) {
         arrived.push_back(r);
+        // Arrived at another operation of the same number (the order check, which would have
+        // said so at once, is off): the likeliest cause of the hang, so named.
+        if (a.sequence == sequence && a.waiting && op.substr(0, op.find(" (")) != my_op) {
+          other_collectives += "; rank " + std::to_string(r) + " is in " + op + " #" + std::to_string(sequence);
+        }
         continue;
       }
-      const std::string op(a.op, strnlen(a.op, sizeof a.op));
       where_they_are += "; rank " + std::to_string(r);
       if (a.waiting) {
         where_they_are +=
@@ -652,6 +657,10 @@ struct MpiCommunicator::Impl {
              " is not known (a rank that does not answer may have exited or ended this communicator, be stopped or "
              "frozen, or be on an unreachable node)";
     }
+    if (out.empty() && !other_collectives.empty()) {
+      return "the ranks called different collectives as " + number + ": this rank " + my_op + other_collectives +
+             " (RUDA_CHECK_COLLECTIVES=1 refuses such a mismatch at once)";
+    }
     if (out.empty()) return "every rank arrived at " + number + ", but it did not complete";
     if (!arrived.empty()) out += "; " + cd::rank_list(arrived) + " arrived";
     return out;
@@ -668,7 +677,7 @@ struct MpiCommunicator::Impl {
   // A collective of this rank waited longer than the timeout: report and end the job. (A blocking
   // MPI collective cannot be interrupted, so there is nothing to throw into.)
   [[noreturn]] void fire(const Stalled& stalled, std::chrono::milliseconds limit) {
-    const std::string verdict = inspect(stalled.call.sequence, std::min(limit, kGrace));
+    const std::string verdict = inspect(stalled.call.sequence, stalled.call.op, std::min(limit, kGrace));
     static constexpr const char* kSources[] = {"RUDA_COLLECTIVE_TIMEOUT", "the communicator's constructor",
                                                "set_timeout"};
     const std::string message = "rank " + std::to_string(rank) + ": " + stalled.text() +

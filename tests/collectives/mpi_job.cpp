@@ -116,6 +116,9 @@ int run(const std::string& mode) {
       // 64 Ki f32 per rank: far above the 64 KiB below which reduce_scatter is MPI's own.
       ruda::Work gradients = comm.reduce_scatter_async(ruda::ones({65536 * comm.world_size()}), {"grad"});
       gradients.wait();
+    } else if (mode == "mismatch" && step == 2 && last) {
+      // Another collective as #3, the order check off: a hang the timeout ends, naming both.
+      (void)comm.reduce_scatter(ruda::ones({1024 * comm.world_size()}), {"step 2"});
     } else if (mode == "skip-caught") {
       // The mismatch caught and the program ending normally: its communicator's destructor must
       // not wait for the rank that left (it did, until the collective timeout).
@@ -143,7 +146,8 @@ int main(int argc, char** argv) {
       mode != "stall" && mode != "stall-async" && mode != "stall-ring" && mode != "stall-check" &&
       mode != "stall-setring" && mode != "deadlock" && mode != "stall-settimeout" && mode != "env-timeout" &&
       mode != "env-check" && mode != "after-finalize" && mode != "stall-startup" && mode != "stall-create" &&
-      mode != "stall-init" && mode != "stall-finalize" && mode != "self-stop" && mode != "self-stop-late") {
+      mode != "stall-init" && mode != "stall-finalize" && mode != "self-stop" && mode != "self-stop-late" &&
+      mode != "mismatch") {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
   }
