@@ -257,6 +257,22 @@ TEST_CASE("unary math in every float dtype") {
   CHECK(g[1] < 1.0);
   CHECK(g[2] == 1.0);
   CHECK(g[3] == 1.0);
+  // Its gradient is exp(x) / (exp(x) + 1), PyTorch's form, down to subnormal values: the
+  // logistic 1 / (1 + exp(-x)) was 0 below -88.7 in f32 (-709.8 in f64), where exp(-x) overflows.
+  for (const auto& [d, at] : {std::pair{DType::f32, std::vector<double>{-88.8, -100}},
+                              std::pair{DType::f64, std::vector<double>{-710, -740}}}) {
+    CAPTURE(dtype_name(d));
+    const Tensor x = values(at, {2}, d).set_requires_grad();
+    sum(softplus(x)).backward();
+    const double unit =
+        d == DType::f32 ? std::numeric_limits<float>::denorm_min() : std::numeric_limits<double>::denorm_min();
+    const std::vector<double> got = x.grad().to_vector<double>(), held = x.to_vector<double>();  // x as rounded
+    for (std::size_t i = 0; i < at.size(); ++i) {
+      CAPTURE(at[i]);
+      CHECK(got[i] > 0);
+      CHECK(std::abs(got[i] - std::exp(held[i])) <= 2 * unit);
+    }
+  }
 }
 
 TEST_CASE("erf against std::erf, forward and backward, in every float dtype") {
