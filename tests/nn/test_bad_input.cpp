@@ -265,6 +265,8 @@ TEST_CASE("optimizers, schedules and sampling refuse counts, rates and temperatu
   check_throws<ArgumentError>([] { nn::schedules::linear_warmup(1e-3, 5)(INT64_MIN); },
                               {"schedules::linear_warmup", "step must not be negative"});
   check_throws<ArgumentError>([] { nn::schedules::cosine(1e-3, 10)(-1); }, {"schedules::cosine", "step"});
+  check_throws<ArgumentError>([] { nn::schedules::constant(1e-3)(-1); }, {"schedules::constant", "step"});
+  CHECK(nn::schedules::constant(1e-3)(0) == 1e-3);
   check_throws<ArgumentError>([] { nn::schedules::linear_warmup(1e-3, -2); }, {"warmup_steps", "-2"});
   for (const std::int64_t total : {std::int64_t{0}, std::int64_t{-3}}) {
     check_throws<ArgumentError>([&] { nn::schedules::cosine(1e-3, total); }, {"schedules::cosine", "total_steps"});

@@ -375,7 +375,10 @@ void check_rate(const char* schedule, const char* what, double lr) {
 
 Schedule constant(double lr) {
   check_rate("schedules::constant", "lr", lr);
-  return [lr](std::int64_t) { return lr; };
+  return [lr](std::int64_t step) {
+    check_step("schedules::constant", step);  // as the others do: a negative step is a caller's bug
+    return lr;
+  };
 }
 Schedule linear_warmup(double lr, std::int64_t warmup_steps) {
   check_rate("schedules::linear_warmup", "lr", lr);

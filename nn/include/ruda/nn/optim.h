@@ -190,7 +190,7 @@ class AdamW : public Adam {
 };
 
 /// Learning-rate schedules: the rate at a 0-based step. Each refuses (ArgumentError) a rate that is
-/// not finite and >= 0 when it is made.
+/// not finite and >= 0 when it is made, and a negative step when called.
 using Schedule = std::function<double(std::int64_t step)>;
 namespace schedules {
 Schedule constant(double lr);
