@@ -293,5 +293,11 @@ TEST_CASE("int8 gather: refused where it cannot apply") {
     bad.policy.gather_quantization = static_cast<nn::GatherQuantization>(9);
     test::check_throws<ArgumentError>([&] { nn::fully_shard(model, comm, bad); },
                                       {"fully_shard", "GatherQuantization"});
+    // gather_param on a parameter its group gathers in int8 says so (it told the caller to group
+    // parameters, which they were).
+    nn::fully_shard(model, comm, int8_gather());
+    const nn::Param p = model.parameters().front();
+    test::check_throws<nn::ShardingError>([&] { (void)nn::gather_param(p, comm); },
+                                          {"gather", "is gathered in int8 by its shard group", "Param::value()"});
   });
 }

@@ -260,6 +260,12 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
                         " is shard ", info.rank, " of ", info.world_size);
   }
   if (info.policy.gather_quantization != GatherQuantization::none) {
+    // (A grouped one was told to group, which it was: say where its int8 gathers happen.)
+    if (info.group) {
+      fail<ShardingError>(op, info.describe(),
+                          " is gathered in int8 by its shard group (Param::value(), as its module's forward does); "
+                          "gather_param gathers one parameter alone, which int8 gathers do not");
+    }
     fail<ShardingError>(op, info.describe(), ": an int8 gather needs grouped parameters (fully_shard with group)");
   }
   const Tensor& local = param.data();
