@@ -488,3 +488,92 @@ TEST_CASE("threads training one shared checkpointed GPT at once: each draw taken
     for (const double g : p.grad().to_vector<double>()) REQUIRE(std::isfinite(g));
   }
 }
+
+namespace {
+// A dropout block that runs `before_dropout` inside its forward, before it draws.
+struct CallsBackBeforeDraw : nn::UnaryModule {
+  std::shared_ptr<nn::Dropout> dropout = std::make_shared<nn::Dropout>(0.5, 123);
+  std::function<void()> before_dropout;
+  CallsBackBeforeDraw() { register_module("dropout", dropout); }
+  Tensor forward(const Tensor& x) override {
+    if (before_dropout) std::exchange(before_dropout, nullptr)();
+    return dropout->forward(x);
+  }
+};
+}  // namespace
+
+TEST_CASE("another thread's draw between a checkpoint's start and its own draw: the recompute replays the forward's") {
+  // The checkpoint noted the Dropout's position before its forward ran; a thread drawing from the
+  // shared Dropout in between moved the forward's draw on, and the recompute replayed the noted
+  // position: another mask, so wrong gradients (about half of them; races of two threads
+  // training one checkpointed block hit it in a few backwards of 80). The draws the forward took
+  // are recorded now.
+  const std::int64_t n = 1000;
+  CallsBackBeforeDraw block;
+  const Tensor x = ones({n}).set_requires_grad();
+  block.before_dropout = [&] { std::thread([&] { (void)block.forward(ones({n})); }).join(); };  // draws [0, n)
+  const Tensor y = nn::checkpoint(block, x);                                                    // draws [n, 2n)
+  CHECK(y.to_vector<float>() == dropout(ones({n}), 0.5, 123, n).to_vector<float>());
+  sum(y).backward();
+  CHECK(x.grad().to_vector<float>() == y.to_vector<float>());  // the forward's own mask
+  CHECK(block.dropout->generator().offset() == static_cast<std::uint64_t>(2 * n));
+}
+
+TEST_CASE("a parameter changed in place between a checkpointed forward and its backward is an AutogradError") {
+  // The plain block's backward refuses its saved weight's change; the checkpointed one recomputed
+  // with the new weights and mixed them with the old upstream gradient, silently (dense, and
+  // sharded with either strategy). A tensor swapped in by set_data stays allowed (README).
+  auto bump = [](const nn::Module& m) {
+    autograd::NoGradGuard no_grad;
+    for (const nn::Param& p : m.parameters()) p.data().add_(ones_like(p.data()), 0.5);
+  };
+  {
+    nn::manual_seed(4);
+    nn::Sequential block(
+        {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
+    const Tensor y = nn::checkpoint(block, randn({2, 6}, 1).set_requires_grad());
+    bump(block);
+    test::check_throws<AutogradError>([&] { sum(y).backward(); },
+                                      {"checkpoint", "parameter '0.weight'", "modified in place", "version"});
+    // Backward first, then the update: as before.
+    const Tensor again = nn::checkpoint(block, randn({2, 6}, 1).set_requires_grad());
+    sum(again).backward();
+    bump(block);
+  }
+  for (const nn::CheckpointStrategy strategy : {nn::CheckpointStrategy::recompute, nn::CheckpointStrategy::retain}) {
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(4);
+      nn::Sequential block(
+          {std::make_shared<nn::Linear>(6, 5), std::make_shared<nn::Tanh>(), std::make_shared<nn::Linear>(5, 3)});
+      nn::FullyShardOptions options;
+      options.policy.strategy = strategy;
+      nn::fully_shard(block, comm, options);
+      const Tensor y = nn::checkpoint(block, randn({2, 6}, 1 + comm.rank()).set_requires_grad());
+      bump(block);
+      test::check_throws<AutogradError>([&] { sum(y).backward(); }, {"checkpoint", "modified in place"});
+    });
+  }
+}
+
+TEST_CASE("a checkpointed block reading a parameter it did not register passes it its gradient") {
+  // With neither x nor the block's own parameters needing a gradient, the checkpoint recorded no
+  // node, and a parameter the block reads from elsewhere (a table its parent holds) got none.
+  struct ReadsOutside : nn::UnaryModule {
+    Tensor outside;
+    nn::Param own{randn({4, 4}, 2)};
+    ReadsOutside() { register_parameter("own", &own); }
+    Tensor forward(const Tensor& x) override { return matmul(x, outside) + matmul(x, own.value()); }
+  };
+  ReadsOutside block;
+  block.own.data().set_requires_grad(false);  // frozen
+  block.outside = randn({4, 4}, 3).set_requires_grad();
+  const Tensor x = randn({3, 4}, 4);
+  sum(square(block.forward(x))).backward();
+  const std::vector<double> plain = block.outside.grad().to_vector<double>();
+  block.outside.zero_grad();
+  const Tensor y = nn::checkpoint(block, x);
+  REQUIRE(y.requires_grad());
+  sum(square(y)).backward();
+  REQUIRE(block.outside.grad().defined());
+  CHECK(block.outside.grad().to_vector<double>() == plain);
+}

@@ -132,16 +132,20 @@ void Dropout::set_data_parallel(int rank, int world) {
 
 std::uint64_t Dropout::take(std::uint64_t count) noexcept {
   const auto rank = static_cast<std::uint64_t>(rank_), world = static_cast<std::uint64_t>(world_);
-  if (std::uint64_t* replayed = CheckpointReplay::next_draw_of(*this)) {  // a checkpoint's recompute
-    const std::uint64_t first = *replayed;
-    *replayed += world * count;
-    return first + rank * count;
+  const std::uint64_t span = world * count;
+  std::uint64_t first = 0;
+  if (CheckpointReplay::Draws* replayed = CheckpointReplay::draws_of(*this)) {  // a checkpoint's recompute
+    first = replayed->next();
+    ++replayed->used;
+  } else {
+    first = generator_.take(span);
   }
-  return generator_.take(world * count) + rank * count;
+  CheckpointReplay::record(*this, first, span);  // a checkpointed forward's, for its recompute
+  return first + rank * count;
 }
 
 std::uint64_t Dropout::next_draw() const noexcept {
-  if (const std::uint64_t* replayed = CheckpointReplay::next_draw_of(*this)) return *replayed;
+  if (const CheckpointReplay::Draws* replayed = CheckpointReplay::draws_of(*this)) return replayed->next();
   return generator_.offset();
 }
 

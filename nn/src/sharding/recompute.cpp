@@ -31,8 +31,29 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
       break;
     }
   }
+  // Nothing the node could carry a gradient to: the block runs as it is. A parameter it reads
+  // without having registered it (a table its parent holds) then still gets its gradient, which a
+  // node with no input needing one dropped; where nothing needs one, no graph is recorded anyway.
+  if (!anchor.defined() && !x.requires_grad()) return block.forward(x);
+  // The parameters as the forward read them: one changed in place before the recompute (an
+  // optimizer step between forward and backward) would make it mix the old upstream gradient with
+  // the new weights, silently, where the plain block's backward refuses its saved weight's change.
+  // (A tensor swapped in by set_data or fully_shard is read instead, as documented: only the
+  // tensors held here are checked.)
+  struct Used {
+    std::string name;
+    Tensor data;
+    std::uint64_t version;
+  };
+  std::vector<Used> used;
+  for (const auto& [name, p] : block.named_parameters()) {
+    if (!p.is_deferred()) used.push_back({name, p.data(), p.data().version()});
+  }
   CheckpointReplay::State as_in_forward = CheckpointReplay::snapshot(block);
-  const Tensor result = autograd::no_grad([&] { return block.forward(x); });
+  const Tensor result = autograd::no_grad([&] {
+    const CheckpointReplay::Recording recording(as_in_forward);  // the draws its dropouts take
+    return block.forward(x);
+  });
   if (!result.defined()) fail<ArgumentError>("checkpoint", "the block returned an undefined tensor");
   // An integer result carries no gradient (argmax): nothing to recompute for.
   if (!is_floating(result.dtype())) return result;
@@ -51,7 +72,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   for (const auto& [name, p] : block.named_parameters()) sharded = sharded || p.is_sharded();
   UnaryModule* target = &block;
   autograd::record("checkpoint", output, {x, anchor}, {x},
-                   [target, alive = block.lifetime(), as_in_forward = std::move(as_in_forward)](
+                   [target, alive = block.lifetime(), as_in_forward = std::move(as_in_forward), used = std::move(used)](
                        const Tensor& grad, const autograd::Saved& saved, autograd::GradMask needs) {
                      if (alive.expired()) {
                        // A sharded block destroyed before a backward ran its pending node: nothing left to
@@ -59,6 +80,14 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
                        if (!autograd::reached()) return std::vector<Tensor>{Tensor(), Tensor()};
                        fail<AutogradError>("backward", "checkpoint: the checkpointed block was destroyed before the ",
                                            "backward that recomputes it; keep the block alive until then");
+                     }
+                     for (const Used& u : used) {
+                       if (u.data.version() != u.version) {
+                         fail<AutogradError>("backward", "checkpoint: parameter '", u.name, "' ", u.data.shape(),
+                                             " was modified in place after the forward that used it (version ",
+                                             u.version, ", now ", u.data.version(),
+                                             "); its recompute would not be the forward's: run the backward first");
+                       }
                      }
                      Tensor input = saved[0].get().detach();
                      if (needs[0]) input.set_requires_grad(true);
