@@ -419,6 +419,22 @@ TEST_CASE("the reduce dtype policy: f32 accumulation versus accumulation in bf16
   }
 }
 
+TEST_CASE("grad_norm refuses a communicator other than the one a parameter without its own is sharded over") {
+  // A parameter sharded over 2 of 4 ranks (one node) summed over the world's 4 counted each shard
+  // twice: a norm sqrt(2) too large, on every rank, silently. gather_param refuses such a
+  // communicator already.
+  run_ranks(4, [&](Communicator& world) {
+    const std::unique_ptr<Communicator> node = world.split(world.rank() / 2, world.rank());
+    nn::Param p(from_values({3, 4, 0, 0, 12, 0}, {6}));
+    auto sharded = nn::ShardedParameter::from_full(p, node->rank(), node->world_size());
+    sum(square(nn::gather_param(sharded.param(), *node))).backward();
+    // Each of the node's 2 ranks adds its loss's 2 p: 4 p, of norm 4 x 13.
+    CHECK(nn::grad_norm({sharded.param()}, node.get()) == doctest::Approx(52.0));
+    test::check_throws<nn::ShardingError>([&] { (void)nn::grad_norm({sharded.param()}, &world); },
+                                          {"grad_norm", "of 4", "is shard", "of 2"});
+  });
+}
+
 TEST_CASE("global gradient-norm clipping equals the dense norm on every rank") {
   nn::manual_seed(7);
   test::TinyLM dense;

@@ -211,7 +211,8 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps =
 /// PyTorch (summing in the gradients' dtype) returns inf and zeroes them. Correct on shards:
 /// squares of sharded gradients are summed over each local slice without its padding and all-reduced over the
 /// communicator fully_shard sharded them over (under hybrid sharding the node's, where one replica's shards make the
-/// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required), one all-reduce per
+/// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required, and the one they
+/// are sharded over: a ShardingError if its rank or world size differ), one all-reduce per
 /// communicator (modules sharded over different ones may be mixed); dense (replicated) gradients count once. Every
 /// rank gets the same norm.
 double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communicator* comm = nullptr);
