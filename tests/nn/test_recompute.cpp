@@ -405,12 +405,14 @@ TEST_CASE("a recompute that throws leaves the dropout streams and flags where it
 }
 
 namespace {
-// A dropout block that runs `during_recompute` from inside its recompute (a forward in backward).
+// A dropout block that runs `before_dropout` once in a forward, before it draws, and
+// `during_recompute` from inside its recompute (a forward in backward), after it draws.
 struct CallsBackInRecompute : nn::UnaryModule {
   std::shared_ptr<nn::Dropout> dropout = std::make_shared<nn::Dropout>(0.5, 123);
-  std::function<void()> during_recompute;
+  std::function<void()> before_dropout, during_recompute;
   CallsBackInRecompute() { register_module("dropout", dropout); }
   Tensor forward(const Tensor& x) override {
+    if (before_dropout) std::exchange(before_dropout, nullptr)();
     const Tensor y = dropout->forward(x);
     if (autograd::in_backward() && during_recompute) during_recompute();
     return y;
@@ -489,19 +491,6 @@ TEST_CASE("threads training one shared checkpointed GPT at once: each draw taken
   }
 }
 
-namespace {
-// A dropout block that runs `before_dropout` inside its forward, before it draws.
-struct CallsBackBeforeDraw : nn::UnaryModule {
-  std::shared_ptr<nn::Dropout> dropout = std::make_shared<nn::Dropout>(0.5, 123);
-  std::function<void()> before_dropout;
-  CallsBackBeforeDraw() { register_module("dropout", dropout); }
-  Tensor forward(const Tensor& x) override {
-    if (before_dropout) std::exchange(before_dropout, nullptr)();
-    return dropout->forward(x);
-  }
-};
-}  // namespace
-
 TEST_CASE("another thread's draw between a checkpoint's start and its own draw: the recompute replays the forward's") {
   // The checkpoint noted the Dropout's position before its forward ran; a thread drawing from the
   // shared Dropout in between moved the forward's draw on, and the recompute replayed the noted
@@ -509,7 +498,7 @@ TEST_CASE("another thread's draw between a checkpoint's start and its own draw: 
   // training one checkpointed block hit it in a few backwards of 80). The draws the forward took
   // are recorded now.
   const std::int64_t n = 1000;
-  CallsBackBeforeDraw block;
+  CallsBackInRecompute block;
   const Tensor x = ones({n}).set_requires_grad();
   block.before_dropout = [&] { std::thread([&] { (void)block.forward(ones({n})); }).join(); };  // draws [0, n)
   const Tensor y = nn::checkpoint(block, x);                                                    // draws [n, 2n)
