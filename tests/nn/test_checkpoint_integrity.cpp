@@ -226,6 +226,8 @@ TEST_CASE("verify, load, list and consolidate refuse the same index damage") {
        false},
       {"the step as a string", [](json& j) { j["step"] = "1"; }, {"'step' must be an integer", "\"1\""}},
       {"a negative step", [](json& j) { j["step"] = -4; }, {"'step' is -4"}},
+      // A step near int64's end resumed into step + k arithmetic that overflowed (ruda-train).
+      {"a step past 2^53", [](json& j) { j["step"] = INT64_MAX; }, {"'step' is 9223372036854775807"}},
       {"the optimizer's steps missing", [](json& j) { j["optimizer"].erase("steps"); }, {"'optimizer'", "no 'steps'"}},
       {"the learning rate as a string", [](json& j) { j["optimizer"]["lr"] = "0.1"; }, {"'lr'"}},
       // Was the optimizer's ArgumentError at load, naming no file.
@@ -866,6 +868,7 @@ TEST_CASE("bad save and split arguments are refused before anything is written")
   const std::set<std::string> entries = names_in(dir.path);
   // A negative step (its directory, step--0000001, was written in full and never cleaned).
   test::check_throws<IOError>([&] { save(-1, {}, 2); }, {"step", "-1"});
+  test::check_throws<IOError>([&] { save(INT64_MAX, {}, 2); }, {"step", "2^53", "9223372036854775807"});
   // Extra state the index cannot hold (not UTF-8): found only when the index was written, after
   // every rank file, the step's old index already removed.
   test::check_throws<IOError>([&] { save(2, {{"note", "\xff\xfe"}}, 2); }, {"extra", "note"});

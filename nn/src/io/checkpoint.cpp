@@ -813,7 +813,9 @@ void check_save_arguments(const std::string& dir, std::int64_t step, int world,
     fail(dir, "contains a NUL character, where the system would cut the path short");
   }
   if (const std::string nested = checkpoint_dir_conflict(dir); !nested.empty()) fail(dir, nested);
-  if (step < 0) fail(dir, "the step must not be negative, got " + std::to_string(step));
+  if (step < 0 || step > kMaxStep) {
+    fail(dir, "the step must be between 0 and 2^53 (" + std::to_string(kMaxStep) + "), got " + std::to_string(step));
+  }
   if (world < 1 || world > kMaxWorldSize) {
     fail(dir,
          "the world size must be between 1 and " + std::to_string(kMaxWorldSize) + ", got " + std::to_string(world));

@@ -189,7 +189,7 @@ Index IndexParser::parse(const json& j, const std::string& dir) const {
     fail(std::string("lacks its checksum '") + kIndexChecksumKey + "' (format version " +
          std::to_string(index.version) + " records one): index.json was edited or damaged");
   }
-  index.step = integer(j, "step", "index.json", 0, INT64_MAX);
+  index.step = integer(j, "step", "index.json", 0, kMaxStep);
   index.world_size = static_cast<int>(integer(j, "world_size", "index.json", 1, kMaxWorldSize));
   index.files = strings(member(j, "files", "index.json"), "index.json's 'files'");
   if (static_cast<std::int64_t>(index.files.size()) != index.world_size) {

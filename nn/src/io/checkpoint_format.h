@@ -31,6 +31,9 @@ inline constexpr int kVersion = 5;
 inline constexpr const char* kIndexChecksumKey = "index_xxh3";
 inline constexpr std::size_t kMaxLatestBytes = 4096;
 inline constexpr int kMaxWorldSize = 1 << 24;  // the largest world size an index may have
+// The largest step a checkpoint may record: 2^53, exact in every JSON reader (a double) and far
+// from int64's end, which a training loop's step + k arithmetic on a resumed INT64_MAX overflowed.
+inline constexpr std::int64_t kMaxStep = std::int64_t{1} << 53;
 
 // A piece's bytes are checked in blocks (kChecksumBlockBytes), each with its own XXH3-64 hash: a
 // load that reshards reads parts of pieces and checks the whole blocks around what it reads (at
