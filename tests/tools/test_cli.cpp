@@ -449,6 +449,10 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
     std::ofstream(ck + "/m.jsonl") << "{\"step\": 3, \"loss\": 9}\n{\"step\": 4, \"loss\": 9}\n"
                                    << "{\"step\": 5, \"loss\": 9}\n{\"step\": 6, \"lo";
   }
+  // A link planted at the name the rewrite once used (m.jsonl.tmp, a fixed name) was followed:
+  // the file it named emptied and the link renamed over the metrics file.
+  std::ofstream(tmp / "victim.txt") << "someone else's file\n";
+  fs::create_symlink(tmp / "victim.txt", ck + "/m.jsonl.tmp");
   // (--log-every 0: the metrics hold every step whatever the progress lines do.)
   const Run resumed = run(train(lm + "--steps 6 --log-every 0 --resume " + ck + " --checkpoint-dir " + ck +
                                 " --metrics " + ck + "/m.jsonl"));
@@ -462,6 +466,9 @@ TEST_CASE("outputs are checked before the first step, and nothing a run or ruda-
   }
   CHECK(steps == std::vector<std::int64_t>{3, 4, 5, 6});
   CHECK(losses(ck + "/m.jsonl").at(5) != 9.0);  // the resumed run's step 5, not the abandoned one's
+  CHECK(fs::is_regular_file(fs::symlink_status(ck + "/m.jsonl")));
+  CHECK(ruda::test::file_text(tmp / "victim.txt") == "someone else's file\n");
+  fs::remove(ck + "/m.jsonl.tmp");
 }
 
 namespace {
@@ -500,6 +507,8 @@ TEST_CASE("mlp: data that would fail mid-run is refused before training; a resum
   const Run mismatch = run(train(mlp + tmp / "mismatch"));
   one_error_line(mismatch, {"test images are 10x10", "training images 28x28"});
   CHECK(mismatch.output.find("epoch 1/1") == std::string::npos);  // nothing trained first
+  write_idx_set(tmp.path / "empty-images", 64, 0, 28, 0, 28);
+  one_error_line(run(train(mlp + tmp / "empty-images")), {"empty-images: the training images are 0x28"});
   write_idx_set(tmp.path / "label", 64, 28, 28, 28, 28, 255);
   one_error_line(run(train(mlp + tmp / "label")), {"training labels hold 255 at sample 3", "0 to 9"});
   // Two data sets of the same shape: a checkpoint of one does not resume on the other.

@@ -2,12 +2,14 @@
 // file of JSON lines, and human-readable durations and sizes. Printing happens on rank 0 only.
 #pragma once
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -147,15 +149,27 @@ class Metrics {
       kept += line + '\n';
     }
     if (!rewrite) return;
-    const std::string temporary = path_ + ".tmp";
-    {
-      std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-      out << kept;
-      if (!out.flush()) throw std::runtime_error("cannot rewrite metrics file " + path_);
+    // A new file of its own name (mkstemp: created exclusively, never through a link): at a fixed
+    // name, a symbolic link planted there was followed, the file it named emptied, and the link
+    // renamed over the metrics file.
+    std::string temporary = path_ + ".tmp-XXXXXX";
+    const int fd = ::mkstemp(temporary.data());
+    if (fd < 0) throw std::runtime_error("cannot rewrite metrics file " + path_ + cause());
+    std::size_t done = 0;
+    int code = ::fchmod(fd, 0644) == 0 ? 0 : errno;
+    while (code == 0 && done < kept.size()) {
+      const ssize_t n = ::write(fd, kept.data() + done, kept.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0)
+        code = n < 0 ? errno : ENOSPC;
+      else
+        done += static_cast<std::size_t>(n);
     }
-    if (std::rename(temporary.c_str(), path_.c_str()) != 0) {
+    if (::close(fd) != 0 && code == 0) code = errno;
+    if (code == 0 && std::rename(temporary.c_str(), path_.c_str()) != 0) code = errno;
+    if (code != 0) {
       std::remove(temporary.c_str());
-      throw std::runtime_error("cannot rewrite metrics file " + path_);
+      throw std::runtime_error("cannot rewrite metrics file " + path_ + " (" + std::strerror(code) + ")");
     }
   }
 

@@ -39,6 +39,13 @@ class Fingerprint {
 // are read through copies opened for this, so that the run's own data_bytes_read counts what
 // training reads.
 std::string check_and_identify(const Config& cfg, const nn::IdxImages& train, const nn::IdxImages& test) {
+  // (Named here: images of no pixels failed in the first Linear, an empty test set at the first
+  // evaluation, neither naming the data.)
+  if (train.rows() == 0 || train.cols() == 0) {
+    throw IOError(cfg.data + ": the training images are " + std::to_string(train.rows()) + "x" +
+                  std::to_string(train.cols()) + ": images without pixels");
+  }
+  if (test.size() == 0) throw IOError(cfg.data + ": the test set holds no images");
   if (train.rows() != test.rows() || train.cols() != test.cols()) {
     throw IOError(cfg.data + ": the test images are " + std::to_string(test.rows()) + "x" +
                   std::to_string(test.cols()) + ", the training images " + std::to_string(train.rows()) + "x" +
