@@ -676,3 +676,55 @@ TEST_CASE("sibling groups sharded without their parent are told apart: ranks run
     CHECK_MESSAGE(e.find("group 'root' #1 (weight, bias)") != std::string::npos, e);
   }
 }
+
+TEST_CASE("a forward with grad mode on that no backward takes, then a step: the next backward trains as dense") {
+  // A metric computed with grad mode on between backward and step left its gathers' nodes for
+  // the next backward, which runs them with zeros (the ranks' collectives pair up): their
+  // recomputed weights were checked against the step's update and the training backward failed
+  // ("modified in place after the forward that used it"), grouped and per parameter. Nothing is
+  // computed from them where the loss did not reach them.
+  const nn::AdamWOptions adam{.lr = 1e-2};
+  auto loss = [](Heads& m, const Tensor& x) { return m.loss(x, true, false); };
+  auto train = [&](Heads& m, nn::Optimizer& opt, const Tensor& x, const Tensor& val) {
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      loss(m, x).backward();
+      (void)loss(m, val).item();  // the metric: grad mode on, no backward
+      opt.step();
+    }
+  };
+  const Tensor x = randn({8, 5}, 41), val = randn({8, 5}, 42);
+  std::map<std::string, std::vector<double>> dense;
+  {
+    nn::manual_seed(9);
+    Heads m;
+    nn::AdamW opt(m.parameters(), adam);
+    // The same loss as two ranks' halves summed: each rank's loss covers its half of x.
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      (loss(m, test::part(x, 0, 2)) + loss(m, test::part(x, 1, 2))).backward();
+      (void)loss(m, val).item();
+      opt.step();
+    }
+    dense = test::snapshot(m);
+  }
+  for (const bool grouped : {true, false}) {
+    CAPTURE(grouped);
+    std::map<std::string, std::vector<double>> got;
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(9);
+      Heads m;
+      nn::fully_shard(m, comm, nn::FullyShardOptions{.group = grouped});
+      nn::AdamW opt(m.parameters(), adam);
+      train(m, opt, test::part(x, comm.rank(), 2), val);
+      const auto values = test::snapshot(m);
+      if (comm.rank() == 0) got = values;
+    });
+    for (const auto& [name, want] : dense) {
+      CAPTURE(name);
+      const auto& mine = got.at(name);
+      REQUIRE(mine.size() == want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) CHECK(mine[i] == doctest::Approx(want[i]).epsilon(1e-5));
+    }
+  }
+}

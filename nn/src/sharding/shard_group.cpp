@@ -469,7 +469,11 @@ Tensor ShardGroup::use(std::size_t index) {
         [group = weak_from_this(), index, used = local, version = local.version()] {
           const auto g = group.lock();
           if (!g) fail<ShardingError>("backward", "the group of a recomputed weight was destroyed");
-          require_unchanged(g->param(index), used, version);
+          // Only where the loss reached the node that reads the weight: an unreached one (a
+          // forward with grad mode on that no backward took, run with zeros by the next backward
+          // so that the ranks' gathers pair up) computes nothing from it. Checked there, an
+          // optimizer step after such a forward made the next training backward fail.
+          if (autograd::reached()) require_unchanged(g->param(index), used, version);
           return g->value(index);
         },
         weak_from_this());

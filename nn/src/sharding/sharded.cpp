@@ -286,7 +286,8 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
         value,
         [shard = local.detach(), version = local.version(), name = info.describe(), c = CommRef(&comm), options, dtype,
          numel = info.numel, shape = info.logical_shape] {
-          if (shard.version() != version) {
+          // Only where the loss reached the reading node (as ShardGroup::use's recompute checks).
+          if (autograd::reached() && shard.version() != version) {
             fail<AutogradError>("backward", name, " was modified in place after the forward that used it (version ",
                                 version, ", now ", shard.version(), "); its recomputed value would not be the ",
                                 "forward's (backward first, or CheckpointStrategy::retain)");
