@@ -392,6 +392,28 @@ TEST_CASE("optimizer groups: saved and restored, resumes continue, and a resume 
   test::check_throws<IOError>([&] { run(3, 3, 4, dir.str(), "", false); }, {"optimizer group 'g'", "lr_scale"});
 }
 
+TEST_CASE("a resume whose optimizer lists the same parameters in another order loads; other members are named") {
+  // Compared in order, the same two parameters given as {weight, bias} against the saved
+  // {bias, weight} were refused, with two descriptions that read the same.
+  TempDir dir;
+  LocalCommunicator comm;
+  nn::manual_seed(2);
+  nn::Linear model(4, 3);
+  nn::AdamW saved_by({model.bias, model.weight}, {.lr = 1e-2});
+  sum(square(model.forward(randn({2, 4}, 1)))).backward();
+  saved_by.step();
+  (void)nn::save_checkpoint(dir.str(), 1, model, &saved_by, comm);
+  nn::AdamW reordered({model.weight, model.bias}, {.lr = 1e-2});
+  CHECK_NOTHROW(nn::load_checkpoint(dir.str(), model, &reordered, comm));
+  CHECK(reordered.state(model.weight)[0].second.to_vector<float>() ==
+        saved_by.state(model.weight)[0].second.to_vector<float>());
+  // A group with another parameter is refused, naming the members.
+  nn::AdamW weight_only({model.weight}, {.lr = 1e-2});
+  test::check_throws<IOError>([&] { (void)nn::load_checkpoint(dir.str(), model, &weight_only, comm); },
+                              {"was saved with the optimizer groups default (2 parameters: 'bias', 'weight';",
+                               "this optimizer's are default (1 parameter: 'weight';"});
+}
+
 TEST_CASE("a parameter the optimizer does not update has no state: none kept or saved, fresh when unfrozen") {
   // Fine-tuning a head on a frozen backbone: saving made zero moments for the backbone, kept them
   // for the optimizer's lifetime and wrote them into every checkpoint (3x the backbone's bytes).

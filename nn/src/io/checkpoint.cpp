@@ -20,6 +20,7 @@
 #include <set>
 #include <sstream>
 #include <string_view>
+#include <tuple>
 #include <typeinfo>
 
 #include <ruda/autograd.h>
@@ -580,7 +581,11 @@ std::string describe(const std::vector<ckpt::IndexGroup>& groups) {
   std::string out;
   for (const auto& g : groups) {
     std::ostringstream part;
-    part << g.name << " (" << g.params.size() << " parameters, lr x" << g.lr_scale << ", weight decay ";
+    part << g.name << " (" << g.params.size() << (g.params.size() == 1 ? " parameter" : " parameters");
+    // Their names, the first few: two groups of as many parameters otherwise read alike.
+    for (std::size_t i = 0; i < g.params.size() && i < 3; ++i) part << (i ? ", '" : ": '") << g.params[i] << "'";
+    if (g.params.size() > 3) part << " and " << g.params.size() - 3 << " more";
+    part << "; lr x" << g.lr_scale << ", weight decay ";
     if (g.weight_decay) {
       part << *g.weight_decay;
     } else {
@@ -1240,7 +1245,17 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       std::erase_if(groups, [](const ckpt::IndexGroup& g) { return g.params.empty(); });
       return groups;
     };
-    const auto mine = with_state(groups_of(*optimizer, params));
+    // Compared as sets: each group's parameters in name order, the groups by name. An optimizer
+    // given the same parameters in another order (or its groups in another order) updates them
+    // alike, and was refused (with two descriptions that read the same).
+    auto canonical = [](std::vector<ckpt::IndexGroup> groups) {
+      for (auto& g : groups) std::sort(g.params.begin(), g.params.end());
+      std::sort(groups.begin(), groups.end(), [](const ckpt::IndexGroup& a, const ckpt::IndexGroup& b) {
+        return std::tie(a.name, a.params) < std::tie(b.name, b.params);
+      });
+      return groups;
+    };
+    const auto mine = canonical(with_state(groups_of(*optimizer, params)));
     std::vector<ckpt::IndexGroup> saved;
     if (index.optimizer_groups) {
       saved = *index.optimizer_groups;
@@ -1248,7 +1263,7 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       saved.push_back({"default", 1.0, std::nullopt, {}});
       for (const auto& [name, p] : params) saved.back().params.push_back(name);
     }
-    saved = with_state(saved);
+    saved = canonical(with_state(saved));
     if (saved != mine) {
       fail(index.dir, "was saved with the optimizer groups " + describe(saved) + "; this optimizer's are " +
                           describe(mine) + " (their names, parameters, lr scales and weight decays must match)");
