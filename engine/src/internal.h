@@ -8,7 +8,6 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <utility>
 
 #include <ruda/autograd.h>
 #include <ruda/backend.h>
@@ -57,14 +56,10 @@ BlockCache& block_cache();
 /// the limit and the memory plan's measured step would otherwise not see.
 class Charge {
  public:
-  Charge() = default;
   Charge(std::size_t bytes, const char* op, const Shape& shape, DType dtype);
   ~Charge();
-  Charge(Charge&& other) noexcept
-      : bytes_(std::exchange(other.bytes_, 0)),
-        tracker_(std::move(other.tracker_)),
-        charged_(std::exchange(other.charged_, false)) {}
-  Charge& operator=(Charge&& other) noexcept;
+  Charge(const Charge&) = delete;  // (returned as a prvalue where made for a kernel: never moved)
+  Charge& operator=(const Charge&) = delete;
 
  private:
   friend struct Storage;
@@ -74,9 +69,8 @@ class Charge {
   Charge(Reserve, std::size_t bytes, const char* op, const Shape& shape, DType dtype);
   void commit() noexcept;
   void release() noexcept;
-  std::int64_t bytes_ = 0;
+  std::int64_t bytes_ = 0;                    // 0 once released
   std::shared_ptr<memory::Tracker> tracker_;  // null: the thread is in no scope (the process's alone)
-  bool charged_ = false;
 };
 
 /// 64-byte aligned host memory, charged to the allocating thread's tracker (Charge). OutOfMemoryError

@@ -9,6 +9,7 @@
 #include <new>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "internal.h"
@@ -382,7 +383,6 @@ Charge::Charge(Reserve, std::size_t bytes, const char* op, const Shape& shape, D
     }
   }
   if (tracker_) (void)memory::process_tracker().try_reserve(bytes_, 0);  // no limit: always taken
-  charged_ = true;
 }
 
 Charge::Charge(std::size_t bytes, const char* op, const Shape& shape, DType dtype)
@@ -396,20 +396,9 @@ void Charge::commit() noexcept {
 }
 
 void Charge::release() noexcept {
-  if (!charged_) return;
-  charged_ = false;
-  memory::process_tracker().remove(bytes_);
-  if (tracker_) uncharge(tracker_.get(), bytes_);
-}
-
-Charge& Charge::operator=(Charge&& other) noexcept {
-  if (this != &other) {
-    release();
-    bytes_ = std::exchange(other.bytes_, 0);
-    tracker_ = std::move(other.tracker_);
-    charged_ = std::exchange(other.charged_, false);
-  }
-  return *this;
+  const std::int64_t bytes = std::exchange(bytes_, 0);
+  memory::process_tracker().remove(bytes);
+  if (tracker_) uncharge(tracker_.get(), bytes);
 }
 
 Charge::~Charge() { release(); }

@@ -352,40 +352,50 @@ TEST_CASE("a mean loss over a batch whose every target is ignored is NaN with a 
   CHECK(loss.item() == doctest::Approx(std::log(1 + std::exp(-1) + std::exp(-2) + std::exp(-3))).epsilon(1e-12));
 }
 
+namespace {
+// check(dtype, bad) for each float dtype the losses take and each logit an ignored row may hold
+// (-inf from a mask, NaN).
+template <class Check>
+void for_each_dtype_and_bad_logit(Check&& check) {
+  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
+    CAPTURE(dtype_name(d));
+    for (const double bad : {-std::numeric_limits<double>::infinity(), std::numeric_limits<double>::quiet_NaN()}) {
+      CAPTURE(bad);
+      check(d, bad);
+    }
+  }
+}
+}  // namespace
+
 TEST_CASE("an ignored row whose logits hold -inf or NaN leaves the loss finite, as PyTorch's (it skips the row)") {
   // Logits masked with -inf in a padded batch: ignored rows were multiplied by 0, and -inf * 0
   // made every reduction NaN (label smoothing's class mean too).
-  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
   const Tensor targets = values({-100, 1}, {2}, DType::i64);
-  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
-    CAPTURE(dtype_name(d));
-    for (const double bad : {-inf, nan}) {
-      CAPTURE(bad);
-      for (const nn::CrossEntropyOptions& o :
-           {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
-            nn::CrossEntropyOptions{.weight = values({2, 1, 0.5}, {3}, d)},
-            nn::CrossEntropyOptions{.reduction = nn::LossReduction::sum},
-            nn::CrossEntropyOptions{.reduction = nn::LossReduction::none}}) {
-        const Tensor logits = values({bad, 0, 1, 0, 1, 0}, {2, 3}, d).set_requires_grad();
-        const Tensor loss = nn::cross_entropy(logits, targets, o);
-        const std::vector<double> l = loss.to_vector<double>();
-        for (double v : l) CHECK(std::isfinite(v));
-        if (l.size() == 2) CHECK(l[0] == 0);
-        // The same loss as the kept row alone.
-        nn::CrossEntropyOptions alone = o;
-        const Tensor reference = nn::cross_entropy(values({0, 1, 0}, {1, 3}, d), values({1}, {1}, DType::i64), alone);
-        CHECK(l.back() == doctest::Approx(reference.to_vector<double>().back()).epsilon(1e-6));
-        sum(loss).backward();
-        const std::vector<double> g = logits.grad().to_vector<double>();
-        if (bad == -inf) {
-          for (int c = 0; c < 3; ++c) CHECK(g[c] == 0);  // the ignored row: no gradient
-        }
-        for (int c = 3; c < 6; ++c) CHECK(std::isfinite(g[c]));
-        const Tensor lp = log_softmax(values({bad, 0, 1, 0, 1, 0}, {2, 3}, d), -1);
-        for (double v : nn::nll_loss(lp, targets, o).to_vector<double>()) CHECK(std::isfinite(v));
+  for_each_dtype_and_bad_logit([&](DType d, double bad) {
+    for (const nn::CrossEntropyOptions& o : {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
+                                             nn::CrossEntropyOptions{.weight = values({2, 1, 0.5}, {3}, d)},
+                                             nn::CrossEntropyOptions{.reduction = nn::LossReduction::sum},
+                                             nn::CrossEntropyOptions{.reduction = nn::LossReduction::none}}) {
+      const Tensor logits = values({bad, 0, 1, 0, 1, 0}, {2, 3}, d).set_requires_grad();
+      const Tensor loss = nn::cross_entropy(logits, targets, o);
+      const std::vector<double> l = loss.to_vector<double>();
+      for (double v : l) CHECK(std::isfinite(v));
+      if (l.size() == 2) CHECK(l[0] == 0);
+      // The same loss as the kept row alone.
+      nn::CrossEntropyOptions alone = o;
+      const Tensor reference = nn::cross_entropy(values({0, 1, 0}, {1, 3}, d), values({1}, {1}, DType::i64), alone);
+      CHECK(l.back() == doctest::Approx(reference.to_vector<double>().back()).epsilon(1e-6));
+      sum(loss).backward();
+      const std::vector<double> g = logits.grad().to_vector<double>();
+      if (bad == -inf) {
+        for (int c = 0; c < 3; ++c) CHECK(g[c] == 0);  // the ignored row: no gradient
       }
+      for (int c = 3; c < 6; ++c) CHECK(std::isfinite(g[c]));
+      const Tensor lp = log_softmax(values({bad, 0, 1, 0, 1, 0}, {2, 3}, d), -1);
+      for (double v : nn::nll_loss(lp, targets, o).to_vector<double>()) CHECK(std::isfinite(v));
     }
-  }
+  });
   // The plain mean: the kept row's loss, log(2 + e) - 1 (PyTorch 2.15: 0.5514447139320511).
   const Tensor loss = nn::cross_entropy(values({-inf, 0, 1, 0, 1, 0}, {2, 3}, DType::f64), targets);
   CHECK(loss.item() == doctest::Approx(std::log(2 + std::exp(1.0)) - 1).epsilon(1e-14));
@@ -393,34 +403,29 @@ TEST_CASE("an ignored row whose logits hold -inf or NaN leaves the loss finite, 
 
 TEST_CASE("an ignored row of logits that are all -inf or all NaN passes no gradient (README's promise)") {
   // log_softmax's backward of such a row is 0 - NaN * 0 however the loss selects it out.
-  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
-  for (DType d : {DType::f32, DType::f64, DType::bf16}) {
-    CAPTURE(dtype_name(d));
-    for (const double bad : {-inf, nan}) {
-      CAPTURE(bad);
-      for (const nn::CrossEntropyOptions& o :
-           {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
-            nn::CrossEntropyOptions{.ignore_index = 2}, nn::CrossEntropyOptions{.reduction = nn::LossReduction::sum}}) {
-        // (The third row is kept, a logit far below the others in it.)
-        const double third = o.ignore_index == 2 ? 0 : 2;
-        const Tensor targets = values({1, static_cast<double>(o.ignore_index), third}, {3}, DType::i64);
-        const Tensor logits = values({0.1, 0.2, 0.3, bad, bad, bad, 0.5, -30, 0.1}, {3, 3}, d).set_requires_grad();
-        const Tensor loss = nn::cross_entropy(logits, targets, o);
-        CHECK(std::isfinite(loss.item()));
-        loss.backward();
-        const std::vector<double> g = logits.grad().to_vector<double>();
-        for (int c = 3; c < 6; ++c) CHECK(g[c] == 0);
-        for (int c : {0, 1, 2, 6, 8}) CHECK(std::isfinite(g[c]));
-        // The kept rows' loss and gradient are those of the batch without the ignored row.
-        const Tensor kept = values({0.1, 0.2, 0.3, 0.5, -30, 0.1}, {2, 3}, d).set_requires_grad();
-        const Tensor reference = nn::cross_entropy(kept, values({1, third}, {2}, DType::i64), o);
-        CHECK(loss.item() == doctest::Approx(reference.item()).epsilon(1e-6));
-        reference.backward();
-        const std::vector<double> gk = kept.grad().to_vector<double>();
-        for (int c : {0, 1, 2}) CHECK(g[c] == doctest::Approx(gk[c]).epsilon(1e-6));
-      }
+  for_each_dtype_and_bad_logit([&](DType d, double bad) {
+    for (const nn::CrossEntropyOptions& o :
+         {nn::CrossEntropyOptions{}, nn::CrossEntropyOptions{.label_smoothing = 0.1},
+          nn::CrossEntropyOptions{.ignore_index = 2}, nn::CrossEntropyOptions{.reduction = nn::LossReduction::sum}}) {
+      // (The third row is kept, a logit far below the others in it.)
+      const double third = o.ignore_index == 2 ? 0 : 2;
+      const Tensor targets = values({1, static_cast<double>(o.ignore_index), third}, {3}, DType::i64);
+      const Tensor logits = values({0.1, 0.2, 0.3, bad, bad, bad, 0.5, -30, 0.1}, {3, 3}, d).set_requires_grad();
+      const Tensor loss = nn::cross_entropy(logits, targets, o);
+      CHECK(std::isfinite(loss.item()));
+      loss.backward();
+      const std::vector<double> g = logits.grad().to_vector<double>();
+      for (int c = 3; c < 6; ++c) CHECK(g[c] == 0);
+      for (int c : {0, 1, 2, 6, 8}) CHECK(std::isfinite(g[c]));
+      // The kept rows' loss and gradient are those of the batch without the ignored row.
+      const Tensor kept = values({0.1, 0.2, 0.3, 0.5, -30, 0.1}, {2, 3}, d).set_requires_grad();
+      const Tensor reference = nn::cross_entropy(kept, values({1, third}, {2}, DType::i64), o);
+      CHECK(loss.item() == doctest::Approx(reference.item()).epsilon(1e-6));
+      reference.backward();
+      const std::vector<double> gk = kept.grad().to_vector<double>();
+      for (int c : {0, 1, 2}) CHECK(g[c] == doctest::Approx(gk[c]).epsilon(1e-6));
     }
-  }
+  });
 }
 
 TEST_CASE(

@@ -324,7 +324,6 @@ MeasuredPlan measure_plan(const Config& cfg, Communicator& comm, Task& task, con
   const std::int64_t batch = cfg.batch / cfg.grad_accum;
   if (cfg.no_auto_fit) {
     nn::MemoryPlan plan = nn::plan_memory(task.module(), comm, batch, step, limit, options);
-    plan.schedule = configured.describe();
     const bool over = limit > 0 && plan.peak() > limit;
     // Whether any rank is over: then every rank probes the recomputing flags for the refusal's hints.
     if (agree_on_failure(comm, over ? "over the limit" : "", "memory plan").empty()) return {plan, configured, ""};

@@ -459,10 +459,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
       // Given (a parameter sharded without one): it must be the one the parameter is sharded over,
       // as gather's is. The world's, for a parameter sharded over one node, summed each shard once
       // per node: a norm sqrt(nodes) too large, silently.
-      if (over->rank() != p.shard()->rank || over->world_size() != p.shard()->world_size) {
-        fail<ShardingError>(op, "the communicator is rank ", over->rank(), " of ", over->world_size(), " but ",
-                            p.shard()->describe(), " is shard ", p.shard()->rank, " of ", p.shard()->world_size);
-      }
+      p.shard()->require_communicator(op, *over);
       auto found = std::find_if(sharded.begin(), sharded.end(), [&](const auto& s) { return s.first == over; });
       if (found == sharded.end()) found = sharded.insert(sharded.end(), {over, 0.0});
       into = &found->second;

@@ -39,10 +39,7 @@ void CheckpointReplay::record(const Dropout& d, std::uint64_t position, std::uin
   }
 }
 
-CheckpointReplay::CheckpointReplay(State state) : state_(std::move(state)), outer_(innermost) {
-  for (auto& [dropout, draws] : state_.draws) draws.used = 0;
-  innermost = this;
-}
+CheckpointReplay::CheckpointReplay(State state) : state_(std::move(state)), outer_(innermost) { innermost = this; }
 
 CheckpointReplay::~CheckpointReplay() { innermost = outer_; }
 

@@ -24,8 +24,10 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   // The node's inputs: x, and one parameter leaf that needs a gradient, so that the node is
   // recorded even when x needs none (the first block after an embedding whose table is frozen).
   // Parameter gradients are not returned through the node: the nested backward accumulates them.
+  // (One walk of the block's parameters serves the anchor, the versions below and `sharded`.)
+  const std::vector<std::pair<std::string, Param>> params = block.named_parameters();
   Tensor anchor;
-  for (const auto& [name, p] : block.named_parameters()) {
+  for (const auto& [name, p] : params) {
     if (p.data().requires_grad()) {
       anchor = p.data();
       break;
@@ -46,7 +48,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
     std::uint64_t version;
   };
   std::vector<Used> used;
-  for (const auto& [name, p] : block.named_parameters()) {
+  for (const auto& [name, p] : params) {
     if (!p.is_deferred()) used.push_back({name, p.data(), p.data().version()});
   }
   CheckpointReplay::State as_in_forward = CheckpointReplay::snapshot(block);
@@ -69,7 +71,7 @@ Tensor checkpoint(UnaryModule& block, const Tensor& x) {
   // as PyTorch's checkpoint graph is. Listed as always-run, such nodes ran in the next training
   // backward: recomputed for nothing, holding their inputs, on a module that might be gone.
   bool sharded = false;
-  for (const auto& [name, p] : block.named_parameters()) sharded = sharded || p.is_sharded();
+  for (const auto& [name, p] : params) sharded = sharded || p.is_sharded();
   UnaryModule* target = &block;
   autograd::record("checkpoint", output, {x, anchor}, {x},
                    [target, alive = block.lifetime(), as_in_forward = std::move(as_in_forward), used = std::move(used)](

@@ -40,6 +40,13 @@ std::string ShardInfo::describe() const {
   return (name.empty() ? std::string("an unnamed parameter ") : "parameter '" + name + "' ") + to_string(logical_shape);
 }
 
+void ShardInfo::require_communicator(const char* op, const Communicator& comm) const {
+  if (comm.rank() != rank || comm.world_size() != world_size) {
+    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but ", describe(),
+                        " is shard ", rank, " of ", world_size);
+  }
+}
+
 ShardInfo ShardInfo::layout(const Shape& logical_shape, int rank, int world_size) {
   // Public, and every sharding path's arithmetic: a world of 0 divided by zero here.
   if (world_size <= 0) fail<ShardingError>("ShardInfo::layout", "world size must be positive, got ", world_size);
@@ -255,10 +262,7 @@ Tensor gather_param(const Param& param, Communicator& comm, std::optional<DType>
   if (!param.defined()) fail<ArgumentError>(op, "the parameter is undefined (a default-constructed Param)");
   if (!param.is_sharded()) fail<ShardingError>(op, "parameter is not sharded");
   const ShardInfo& info = *param.shard();
-  if (comm.rank() != info.rank || comm.world_size() != info.world_size) {
-    fail<ShardingError>(op, "communicator is rank ", comm.rank(), " of ", comm.world_size(), " but ", info.describe(),
-                        " is shard ", info.rank, " of ", info.world_size);
-  }
+  info.require_communicator(op, comm);
   if (info.policy.gather_quantization != GatherQuantization::none) {
     // (A grouped one was told to group, which it was: say where its int8 gathers happen.)
     if (info.group) {

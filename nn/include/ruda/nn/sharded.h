@@ -149,6 +149,9 @@ struct ShardInfo {
   std::int64_t offset() const { return static_cast<std::int64_t>(rank) * shard_size; }
   /// "parameter 'layers.2.weight' [4, 3]", or "an unnamed parameter [4, 3]", for messages.
   std::string describe() const;
+  /// ShardingError naming `op` where `comm`'s rank or world size are not this shard's (a gather or
+  /// a norm over another communicator would pair other ranks' slices).
+  void require_communicator(const char* op, const Communicator& comm) const;
 };
 
 class ShardedParameter {
