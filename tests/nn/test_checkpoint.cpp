@@ -414,6 +414,85 @@ TEST_CASE("a resume whose optimizer lists the same parameters in another order l
                                "this optimizer's are default (1 parameter: 'weight';"});
 }
 
+namespace {
+// AdamW handing out its moments in the parameter's dtype: what Adam kept, and checkpoints hold,
+// from before a 16-bit parameter's moments were f32 (Adam::moment_dtype).
+class AdamWWithNarrowMoments : public nn::AdamW {
+ public:
+  using nn::AdamW::AdamW;
+  std::vector<std::pair<std::string, Tensor>> state(const nn::Param& p) override {
+    auto state = nn::AdamW::state(p);
+    for (auto& [name, t] : state) t = t.to(p.data().dtype());
+    return state;
+  }
+};
+
+nlohmann::json read_index(const fs::path& index) {
+  std::ifstream in(index);
+  return nlohmann::json::parse(in);
+}
+}  // namespace
+
+TEST_CASE("a bf16 parameter's moments are saved in f32, and older checkpoints' bf16 moments load widened") {
+  TempDir dir;
+  LocalCommunicator comm;
+  nn::manual_seed(3);
+  nn::Linear model(4, 3, {.dtype = DType::bf16});
+  const auto train = [&model](nn::AdamW& opt) {
+    for (std::uint64_t step = 0; step < 2; ++step) {
+      opt.zero_grad();
+      sum(square(model.forward(randn({3, 4}, 10 + step).to(DType::bf16)))).backward();
+      opt.step();
+    }
+  };
+  std::vector<Tensor> start;
+  for (const nn::Param& p : model.parameters()) start.push_back(p.data().detach().clone());
+  const auto restart = [&] {
+    autograd::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < start.size(); ++i) model.parameters()[i].data().copy_(start[i]);
+  };
+  nn::AdamW opt(model.parameters(), {.lr = 1e-2});
+  train(opt);
+  const std::string now = (dir.path / "now").string(), before = (dir.path / "before").string();
+  (void)nn::save_checkpoint(now, 2, model, &opt, comm);
+  CHECK(read_index(dir.path / "now" / "step-00000002" / "index.json")["params"]["weight"]["state_dtypes"] ==
+        nlohmann::json{{"exp_avg", "f32"}, {"exp_avg_sq", "f32"}});
+  // The same two steps again, saved as before: bf16 moments.
+  restart();
+  AdamWWithNarrowMoments narrow(model.parameters(), {.lr = 1e-2});
+  train(narrow);
+  (void)nn::save_checkpoint(before, 2, model, &narrow, comm);
+  const fs::path index = dir.path / "before" / "step-00000002" / "index.json";
+  CHECK(read_index(index)["params"]["weight"]["state_dtypes"]["exp_avg_sq"] == "bf16");
+  // Recorded as bf16 (version 5), or not recorded (version 4 and older, where every state had
+  // its parameter's dtype): each loads into the f32 moments as the bf16 values widened.
+  for (bool recorded : {true, false}) {
+    CAPTURE(recorded);
+    if (!recorded) {
+      nlohmann::json j = read_index(index);
+      for (auto& [name, p] : j["params"].items()) p.erase("state_dtypes");
+      j["version"] = 4;
+      std::ofstream(index) << test::restamped(j).dump(1);
+    }
+    restart();
+    nn::AdamW resumed(model.parameters(), {.lr = 1e-2});
+    (void)nn::load_checkpoint(before, model, &resumed, comm);
+    for (const nn::Param& p : model.parameters()) {
+      for (std::size_t s = 0; s < 2; ++s) {
+        const Tensor loaded = resumed.state(p)[s].second, kept = opt.state(p)[s].second;
+        CHECK(loaded.dtype() == DType::f32);
+        CHECK(loaded.to_vector<float>() == kept.to(DType::bf16).to_vector<float>());
+        CHECK(loaded.to_vector<float>() != kept.to_vector<float>());  // (rounded: not the f32 ones)
+      }
+    }
+    CHECK(resumed.steps_of(model.weight) == 2);
+  }
+  // Narrowing is refused: f32 moments into an optimizer whose state is bf16.
+  AdamWWithNarrowMoments narrow_again(model.parameters(), {.lr = 1e-2});
+  test::check_throws<IOError>([&] { (void)nn::load_checkpoint(now, model, &narrow_again, comm); },
+                              {"optimizer state 'exp_avg' of parameter", "f32 in the checkpoint but bf16"});
+}
+
 TEST_CASE("a parameter the optimizer does not update has no state: none kept or saved, fresh when unfrozen") {
   // Fine-tuning a head on a frozen backbone: saving made zero moments for the backbone, kept them
   // for the optimizer's lifetime and wrote them into every checkpoint (3x the backbone's bytes).

@@ -76,6 +76,39 @@ TEST_CASE("the state part comes from shapes alone: 16 bytes per parameter over N
   CHECK(nn::plan_state(*model, 4, kBatch).table(1'000'000).find("limit 1.00 MB") != std::string::npos);
 }
 
+TEST_CASE("a 16-bit parameter's optimizer state is planned in f32, as Adam makes it; SGD's in its own dtype") {
+  // Adam's moments of a bf16 or f16 parameter are f32 (Adam::moment_dtype): planned as 2 bytes an
+  // element, the optimizer row was half of what the step made.
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    CAPTURE(dtype_name(dtype));
+    memory::Scope scope;
+    nn::Linear model(64, 256, {.dtype = dtype});
+    const std::int64_t elements = 64 * 256 + 256;
+    for (int world : {1, 2}) {
+      const std::int64_t shards = (64 * 256 + world - 1) / world + (256 + world - 1) / world;
+      const nn::MemoryPlan adam = nn::plan_state(model, world, kBatch);
+      CHECK(adam.parameters == shards * 2);
+      CHECK(adam.optimizer == shards * 2 * 4);
+      const nn::MemoryPlan sgd =
+          nn::plan_state(model, world, kBatch, {.optimizer_states = 1, .f32_states_for_16bit = false});
+      CHECK(sgd.optimizer == shards * 2);
+    }
+    // What the optimizers make, measured.
+    const std::int64_t before = scope.stats().live_bytes;
+    nn::AdamW adam(model.parameters());
+    nn::SGD sgd(model.parameters(), {.lr = 0.1, .momentum = 0.9});
+    for (const nn::Param& p : model.parameters()) p.data().set_grad(zeros(p.shape(), dtype));
+    const std::int64_t grads = scope.stats().live_bytes - before;
+    adam.step();
+    const std::int64_t adam_state = scope.stats().live_bytes - before - grads;
+    CHECK(adam_state == nn::plan_state(model, 1, kBatch).optimizer);
+    sgd.step();
+    CHECK(scope.stats().live_bytes - before - grads - adam_state ==
+          nn::plan_state(model, 1, kBatch, {.optimizer_states = 1, .f32_states_for_16bit = false}).optimizer);
+    CHECK(elements * 2 * 4 == adam_state);
+  }
+}
+
 TEST_CASE("the plan predicts a sharded step's peak within 10%, world sizes 1-4") {
   for (int world = 1; world <= 4; ++world) {
     CAPTURE(world);

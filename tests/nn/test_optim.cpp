@@ -122,20 +122,117 @@ TEST_CASE("SGD refuses a step on a parameter whose dtype changed after its momen
 TEST_CASE("Adam refuses a step on a parameter whose dtype changed after its moments were made") {
   // set_data to another floating dtype (module.h names it) after a step: the fused kernel read the
   // f32 moments as f64, past their end (a heap corruption), or f32 ones as bf16 (silently wrong).
-  for (DType later : {DType::f64, DType::bf16}) {
-    CAPTURE(dtype_name(later));
-    nn::Param p(ones({4096}));
+  // The moments a parameter's dtype needs now are what counts: f32 ones carry on for a bf16 or f16
+  // parameter (Adam::moment_dtype), and f32 moments of a bf16 parameter do not fit it as f64.
+  struct Change {
+    DType first, later;
+  };
+  for (const Change change : {Change{DType::f32, DType::f64}, Change{DType::bf16, DType::f64}}) {
+    CAPTURE(dtype_name(change.first));
+    CAPTURE(dtype_name(change.later));
+    nn::Param p(ones({4096}, change.first));
     nn::Adam opt({p});
-    p.data().set_grad(ones({4096}));
+    p.data().set_grad(ones({4096}, change.first));
     opt.step();
-    p.set_data(p.data().to(later));
-    p.data().set_grad(ones({4096}, later));
+    p.set_data(p.data().to(change.later));
+    p.data().set_grad(ones({4096}, change.later));
     test::check_throws<DTypeError>([&] { opt.step(); }, {"Adam", "moments are f32", "set_data", "new optimizer"});
     test::check_throws<DTypeError>([&] { (void)opt.state(p); }, {"Adam", "moments are f32"});
     // A new optimizer steps it.
     nn::Adam fresh({p});
     fresh.step();
-    CHECK(p.data().dtype() == later);
+    CHECK(p.data().dtype() == change.later);
+  }
+  for (const Change change : {Change{DType::f32, DType::bf16}, Change{DType::bf16, DType::f16}}) {
+    CAPTURE(dtype_name(change.first));
+    CAPTURE(dtype_name(change.later));
+    nn::Param p(ones({4096}, change.first));
+    nn::Adam opt({p});
+    p.data().set_grad(ones({4096}, change.first));
+    opt.step();
+    const std::vector<float> moment = opt.state(p)[0].second.to_vector<float>();
+    p.set_data(p.data().to(change.later));
+    p.data().set_grad(ones({4096}, change.later));
+    opt.step();  // the same f32 moments, one step further
+    CHECK(opt.steps_of(p) == 2);
+    const Tensor exp_avg = opt.state(p)[0].second;
+    CHECK(exp_avg.dtype() == DType::f32);
+    CHECK(exp_avg.to_vector<float>()[0] == doctest::Approx(0.9 * moment[0] + 0.1));
+  }
+}
+
+TEST_CASE("a backend's adam_update refuses moments of another dtype than AdamDesc's contract gives") {
+  // An out-of-tree caller of the kernel, or a backend's engine, passing a 16-bit parameter's
+  // moments in its dtype (what they were before) gets a typed error, not f32 reads of bf16 data.
+  for (const std::string& name : available_backends()) {
+    CAPTURE(name);
+    Backend& backend = get_backend(name);
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+      CAPTURE(dtype_name(dtype));
+      const DType wrong = dtype == DType::f32 ? DType::f64 : dtype;
+      Tensor p = ones({16}, Options(dtype, &backend)), g = ones({16}, Options(dtype, &backend));
+      Tensor m = zeros({16}, Options(wrong, &backend)), v = zeros({16}, Options(wrong, &backend));
+      AdamDesc desc;
+      desc.param = p.view();
+      desc.grad = g.view();
+      desc.exp_avg = m.view();
+      desc.exp_avg_sq = v.view();
+      test::check_throws<DTypeError>([&] { backend.adam_update(desc); },
+                                     {"adam_update", std::string(dtype_name(dtype)) + " parameter's moments must be " +
+                                                         std::string(dtype_name(nn::Adam::moment_dtype(dtype)))});
+      CHECK(p.to_vector<float>() == std::vector<float>(16, 1.0f));
+    }
+  }
+}
+
+TEST_CASE("Adam keeps f32 moments for f16 and bf16 parameters: the same moments as an f32 run's") {
+  // In the parameter's dtype (PyTorch's choice) an f16 second moment underflowed to 0 for |g| under
+  // ~8e-3, so each step was lr * m / eps: this run's parameter went to -inf within two steps.
+  // bf16's stopped growing once 1e-3 g^2 was under half its ulp. With f32 moments, a 16-bit
+  // parameter's moments are the f32 run's to the bit (AdamW's moments do not read the parameter),
+  // and each step is the f32 step from the same value and moments, rounded once to the dtype.
+  constexpr std::int64_t n = 64;
+  constexpr int steps = 300;
+  for (DType dtype : {DType::f16, DType::bf16}) {
+    CAPTURE(dtype_name(dtype));
+    CHECK(nn::Adam::moment_dtype(dtype) == DType::f32);
+    nn::Param narrow(zeros({n}, dtype)), wide(zeros({n}));
+    nn::AdamW narrow_opt({narrow}, {.lr = 1e-3}), wide_opt({wide}, {.lr = 1e-3});
+    for (int step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      // Gradients of 1e-4 to 5e-3 (representable in the 16-bit dtype, so both runs see the same).
+      const Tensor g = (rand({n}, 100 + static_cast<std::uint64_t>(step)) * 4.9e-3 + 1e-4).to(dtype);
+      // This step in f32 from the 16-bit parameter's value and moments (its state(), copied).
+      nn::Param shadow(narrow.data().to(DType::f32));
+      nn::AdamW shadow_opt({shadow}, {.lr = 1e-3});
+      if (step > 0) {
+        const auto from = narrow_opt.state(narrow), to = shadow_opt.state(shadow);
+        for (std::size_t s = 0; s < 2; ++s) Tensor(to[s].second).copy_(from[s].second);
+        shadow_opt.set_steps(step);
+      }
+      shadow.data().set_grad(g.to(DType::f32));
+      shadow_opt.step();
+      narrow.data().set_grad(g);
+      wide.data().set_grad(g.to(DType::f32));
+      narrow_opt.step();
+      wide_opt.step();
+      REQUIRE(narrow.data().to_vector<float>() == shadow.data().to(dtype).to_vector<float>());
+    }
+    const auto narrow_state = narrow_opt.state(narrow), wide_state = wide_opt.state(wide);
+    for (std::size_t s = 0; s < 2; ++s) {
+      CAPTURE(narrow_state[s].first);
+      CHECK(narrow_state[s].second.dtype() == DType::f32);
+      CHECK(narrow_state[s].second.to_vector<float>() == wide_state[s].second.to_vector<float>());
+    }
+    // Each step moves the parameter by about lr (m / sqrt(v) ~ 1 for gradients of one sign):
+    // about -0.3 after 300 steps in f32 and in both 16-bit dtypes (bf16's rounding of steps near
+    // its ulp leaves it up to 15% apart from the f32 run).
+    const std::vector<float> got = narrow.data().to_vector<float>(), want = wide.data().to_vector<float>();
+    for (std::int64_t i = 0; i < n; ++i) {
+      CAPTURE(i);
+      CHECK((want[i] < -0.2f && want[i] > -0.4f));
+      CHECK((got[i] < -0.2f && got[i] > -0.4f));
+    }
   }
 }
 

@@ -360,34 +360,39 @@ void models_suite(Context& ctx) {
                   timed16.gemm_rate, "[1024, 768] x [768, 3072] bf16");
 }
 
-// One Adam step over a flat f32 parameter (16M elements; 1M with --quick) against three copies of
-// it in the same run: Adam reads parameter, gradient and both moments and writes three of them
-// (28 bytes a parameter), the copies read three and write three (24). Both as GB/s moved: a ratio
-// near 1 or above means the fused kernel runs at the memory's speed (its loop compiled scalar
-// once: 0.32 of the copies, 10 GB/s against 33 in one session; vectorized 1.6, 54 GB/s).
+// One Adam step over a flat parameter (16M elements; 1M with --quick) against three f32 copies of
+// its length in the same run: Adam reads parameter, gradient and both moments and writes three of
+// them (28 bytes an f32 parameter; 22 a bf16 one, whose moments are f32), the copies read three
+// and write three (24). Both as GB/s moved: a ratio near 1 or above means the fused kernel runs at
+// the memory's speed (its loop compiled scalar once: 0.32 of the copies, 10 GB/s against 33 in
+// one session; vectorized 1.6, 54 GB/s).
 void optimizer_suite(Context& ctx) {
   const std::int64_t n = ctx.quick ? 1 << 20 : 1 << 24;
-  nn::Param p(randn({n}, 1));
-  p.value().set_grad(randn({n}, 2));
-  nn::Adam opt(std::vector<nn::Param>{p}, {.lr = 1e-3});
   Tensor a = zeros({n}), b = zeros({n}), c = zeros({n});
   const Tensor src = randn({n}, 3);
-  const auto [adam, copies] = measure_pair(
-      ctx, [&] { opt.step(); },
-      [&] {
-        a.copy_(src);
-        b.copy_(src);
-        c.copy_(src);
-      });
-  Result r;
-  r.suite = "optimizer";
-  r.name = "adam step, " + std::to_string(n >> 20) + "M f32 parameters";
-  r.backend = ctx.backend;
-  r.unit = "GB/s";
-  r.value = rate(adam, 28e-9 * static_cast<double>(n));
-  r.peer = rate(copies, 24e-9 * static_cast<double>(n));
-  r.peer_name = "three copies of the same length (24 bytes a parameter)";
-  ctx.report(r);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    nn::Param p(randn({n}, 1).to(dtype));
+    p.value().set_grad(randn({n}, 2).to(dtype));
+    nn::Adam opt(std::vector<nn::Param>{p}, {.lr = 1e-3});
+    const auto [adam, copies] = measure_pair(
+        ctx, [&] { opt.step(); },
+        [&] {
+          a.copy_(src);
+          b.copy_(src);
+          c.copy_(src);
+        });
+    const auto item = static_cast<double>(dtype_size(dtype));
+    const auto moment = static_cast<double>(dtype_size(nn::Adam::moment_dtype(dtype)));
+    Result r;
+    r.suite = "optimizer";
+    r.name = "adam step, " + std::to_string(n >> 20) + "M " + std::string(dtype_name(dtype)) + " parameters";
+    r.backend = ctx.backend;
+    r.unit = "GB/s";
+    r.value = rate(adam, 1e-9 * (5 * item + 4 * moment) * static_cast<double>(n));
+    r.peer = rate(copies, 24e-9 * static_cast<double>(n));
+    r.peer_name = "three f32 copies of the same length (24 bytes a parameter)";
+    ctx.report(r);
+  }
 }
 
 const bool registered = register_suite("train-step", train_step_suite) && register_suite("memory", memory_suite) &&

@@ -151,8 +151,10 @@ struct GemmDesc {
   }
 };
 
-/// One fused Adam/AdamW step on whole buffers (param, grad, first and second moments, same
-/// length). decoupled = AdamW (weight decay on the parameter), else L2 added to the gradient.
+/// One fused Adam/AdamW step on whole contiguous buffers (param, grad, first and second moments,
+/// same length). param and grad share a float dtype; the moments are f32 for an f16 or bf16
+/// parameter (a 16-bit second moment underflows) and of the parameter's dtype otherwise.
+/// decoupled = AdamW (weight decay on the parameter), else L2 added to the gradient.
 struct AdamDesc {
   View param, grad, exp_avg, exp_avg_sq;
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;

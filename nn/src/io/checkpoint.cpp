@@ -51,6 +51,13 @@ std::optional<DType> recorded_dtype(const IndexParam& p, const std::string& name
   return std::nullopt;
 }
 
+// The dtype an optimizer state of `p` is stored in: the index's record, or, in a checkpoint from
+// before the records (version 4 and older), the parameter's dtype, which every state had then.
+DType stored_state_dtype(const IndexParam& p, const std::string& state) {
+  const auto recorded = p.state_dtypes.find(state);
+  return recorded != p.state_dtypes.end() ? recorded->second : p.dtype;
+}
+
 // Calls visit(file, tensor name, param, piece) for every piece of every tensor (parameter values
 // and optimizer state) of a checkpoint, after opening every file (so each one's identity is checked,
 // including files that hold no piece).
@@ -1319,10 +1326,10 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
     }
     if (!loads_state(name, p)) continue;
     for (const auto& [state, t] : optimizer->state(p)) {
-      const auto recorded = entry.state_dtypes.find(state);
-      if (recorded != entry.state_dtypes.end() && recorded->second != t.dtype()) {
+      const DType stored = stored_state_dtype(entry, state);
+      if (stored != t.dtype() && !(is_16bit_float(stored) && t.dtype() == DType::f32)) {
         fail(index.dir, "optimizer state '" + state + "' of parameter '" + name + "' is " +
-                            std::string(dtype_name(recorded->second)) + " in the checkpoint but " +
+                            std::string(dtype_name(stored)) + " in the checkpoint but " +
                             std::string(dtype_name(t.dtype())) + " in the optimizer");
       }
     }
@@ -1345,8 +1352,11 @@ CheckpointInfo load_from(const Index& index, Module& module, Optimizer* optimize
       }
     } else if (loads_state(name, p)) {
       for (auto& [state, t] : optimizer->state(p)) {  // (names and dtypes the index's: checked above)
-        Tensor staged_state = zeros({t.numel()}, Options(t.dtype(), &t.backend()));
-        gather_range(entry, optim_tensor(name, state), t.dtype(), dtype_size(t.dtype()), want, staged_state.data_ptr());
+        // A 16-bit state into an f32 one is widened (copy_ casts): Adam's moments of a 16-bit
+        // parameter, which checkpoints before 2026-12-07 hold in the parameter's dtype.
+        const DType stored = stored_state_dtype(entry, state);
+        Tensor staged_state = zeros({t.numel()}, Options(stored, &t.backend()));
+        gather_range(entry, optim_tensor(name, state), stored, dtype_size(stored), want, staged_state.data_ptr());
         t.reshape({-1}).copy_(staged_state);
       }
     }

@@ -32,9 +32,10 @@ void require_complete_gradient(const Param& p, const char* op) {
 // A parameter's optimizer state made before Param::set_data gave it another dtype or size: the
 // fused kernel read Adam's moments as the parameter's dtype and length (past their end: a heap
 // corruption), and SGD's buffer was added into with a silent cast and saved in a dtype no fresh
-// optimizer loads. PyTorch's optimizers refuse such a step too. `state` names it ("moments are").
-void require_state_fits(const char* op, const char* state, const Tensor& kept, const Tensor& data) {
-  if (kept.dtype() != data.dtype() || kept.numel() != data.numel()) {
+// optimizer loads. PyTorch's optimizers refuse such a step too. `state` names it ("moments are");
+// `dtype` is the one the state must have for the parameter's data now.
+void require_state_fits(const char* op, const char* state, const Tensor& kept, const Tensor& data, DType dtype) {
+  if (kept.dtype() != dtype || kept.numel() != data.numel()) {
     fail<DTypeError>(op, "a parameter is now ", dtype_name(data.dtype()), " ", data.shape(), " but its ", state, " ",
                      dtype_name(kept.dtype()), " ", kept.shape(),
                      ": its data changed dtype or size after the optimizer's first step (Param::set_data, or "
@@ -242,7 +243,7 @@ Tensor& SGD::momentum_of(const Param& param, const char* op) {
   if (!buffer.defined()) {
     buffer = zeros_like(data.detach());
   } else {
-    require_state_fits(op, "momentum buffer is", buffer, data);
+    require_state_fits(op, "momentum buffer is", buffer, data, data.dtype());
   }
   return buffer;
 }
@@ -274,14 +275,17 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options)
   require_at_least("Adam", "weight_decay", options.weight_decay, 0.0);
 }
 
+DType Adam::moment_dtype(DType parameter) noexcept { return is_16bit_float(parameter) ? DType::f32 : parameter; }
+
 Adam::Moments& Adam::moments(const Param& param) {
   Moments& m = moments_[param.id()];
   const Tensor& data = param.data();
+  const DType dtype = moment_dtype(data.dtype());
   if (!m.exp_avg.defined()) {
-    m.exp_avg = zeros_like(data.detach());
-    m.exp_avg_sq = zeros_like(data.detach());
+    m.exp_avg = zeros(data.shape(), Options(dtype, &data.backend()));
+    m.exp_avg_sq = zeros(data.shape(), Options(dtype, &data.backend()));
   } else {
-    require_state_fits("Adam", "moments are", m.exp_avg, data);  // the fused kernel reads all four alike
+    require_state_fits("Adam", "moments are", m.exp_avg, data, dtype);  // the fused kernel reads both alike
   }
   return m;
 }

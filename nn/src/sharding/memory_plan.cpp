@@ -84,7 +84,9 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
     const bool frozen = !p.is_deferred() && !p.data().requires_grad();
     if (!frozen) {
       plan.gradients = add_bytes(name, plan.gradients, shard);
-      plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, shard));
+      const bool widened = options.f32_states_for_16bit && is_16bit_float(p.dtype());
+      const std::int64_t state = widened ? bytes_of(name, 2, shard) : shard;  // f32: twice a 16-bit element
+      plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, state));
     }
     const DType compute_dtype = options.compute_dtype.value_or(p.dtype());
     // Unsharded (one rank holds each parameter whole) and computing in its own dtype, a layer

@@ -1,7 +1,7 @@
 // Planning a rank's memory before the first step (ZeRO-3's contract made concrete).
 //
 // Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state (AdamW: two
-// moments per element), 16 bytes per f32 element over N ranks, plus, while a step runs, the
+// moments per element, f32 for a 16-bit parameter), 16 bytes per f32 element over N ranks, plus, while a step runs, the
 // weights gathered for the layer computing, their full gradients, and the activations kept for
 // backward. The state part follows from shapes alone, so it is known for a model built under
 // DeferredInit before anything is allocated. The step part depends on the model's code: it is
@@ -22,9 +22,11 @@
 namespace ruda::nn {
 
 struct PlanOptions {
-  /// Optimizer tensors per parameter element, each of the parameter's dtype (AdamW: 2, SGD with
-  /// momentum: 1, SGD: 0).
+  /// Optimizer tensors per parameter element (AdamW: 2, SGD with momentum: 1, SGD: 0).
   int optimizer_states = 2;
+  /// Each optimizer tensor of an f16/bf16 parameter is f32, as Adam's moments are
+  /// (Adam::moment_dtype). false: each has its parameter's dtype, as SGD's momentum buffer.
+  bool f32_states_for_16bit = true;
   /// The dtype gathers move and layers compute in (default: each parameter's own).
   std::optional<DType> compute_dtype = std::nullopt;
   /// The ranks each parameter is sharded over: under hybrid sharding the ranks of a node

@@ -155,10 +155,17 @@ struct AdamOptions {
 /// Adam / AdamW in one fused kernel per parameter (PyTorch's formulation). As PyTorch's, each
 /// parameter counts its own steps for the bias corrections: the steps it had a gradient in (a
 /// parameter frozen for a while, or first used late, is not corrected as if it had taken all).
+/// The moments of an f16 or bf16 parameter are f32 (moment_dtype), unlike PyTorch's.
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Param> params, AdamOptions options = {});
   Adam(std::vector<ParamGroup> groups, AdamOptions options = {});
+  /// The dtype of a parameter's moments: f32 for a 16-bit float parameter, else its own. The
+  /// second moment is a running mean of squares, beta2 = 0.999 weighing each new one at 1e-3: in
+  /// f16 it underflows to 0 below |g| ~8e-3 (the step becomes lr * m / eps) and overflows past
+  /// ~8e3, and in bf16 it stops growing once 1e-3 g^2 is under half its ulp. 8 bytes a
+  /// parameter instead of 4; the parameter itself is still rounded once per step to its dtype.
+  static DType moment_dtype(DType parameter) noexcept;
   void step() override;
   std::vector<std::pair<std::string, Tensor>> state(const Param& param) override;
   bool has_state(const Param& param) const override;
