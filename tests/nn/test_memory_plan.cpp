@@ -230,14 +230,14 @@ namespace {
 struct FitFixture {
   std::shared_ptr<nn::GPT> model;
   static constexpr std::int64_t kGlobalBatch = 8, kTime = 16;
-  explicit FitFixture(Communicator& comm) {
+  explicit FitFixture(Communicator& comm, bool grouped = true) {
     nn::manual_seed(3);
     {
       nn::DeferredInit deferred;
       model = std::make_shared<nn::GPT>(
           nn::GPTConfig{.vocabulary = 32, .context = kTime, .d_model = 32, .layers = 3, .heads = 2});
     }
-    const nn::FullyShardOptions options{.policy = {.strategy = nn::CheckpointStrategy::retain}};
+    const nn::FullyShardOptions options{.policy = {.strategy = nn::CheckpointStrategy::retain}, .group = grouped};
     for (const auto& block : model->blocks) nn::fully_shard(*block, comm, options);
     nn::fully_shard(*model, comm, options);
   }
@@ -454,6 +454,38 @@ TEST_CASE("set_max_unsharded_groups and set_checkpoint_strategy refuse what is n
     CHECK_THROWS_AS(nn::set_max_unsharded_groups(*f.model, 0), ArgumentError);
     CHECK_THROWS_AS(nn::set_checkpoint_strategy(*f.model, static_cast<nn::CheckpointStrategy>(7)), ArgumentError);
   });
+}
+
+TEST_CASE("the sharding setters refuse a module they have nothing to set on; fit_schedule offers it what applies") {
+  // On a dense module (or, for the group settings, one sharded per parameter) they changed nothing
+  // and said nothing: a strategy meant for the model went nowhere.
+  nn::Linear dense(4, 3);
+  test::check_throws<nn::ShardingError>([&] { nn::set_checkpoint_strategy(dense, nn::CheckpointStrategy::retain); },
+                                        {"set_checkpoint_strategy", "no sharded parameter", "after fully_shard"});
+  test::check_throws<nn::ShardingError>([&] { nn::set_max_unsharded_groups(dense, 1); },
+                                        {"set_max_unsharded_groups", "no parameter sharded in a group"});
+  nn::set_requires_all_reduce(dense, false);  // documented: no effect without hybrid sharding
+  run_ranks(2, [&](Communicator& comm) {
+    FitFixture f(comm, false);
+    test::check_throws<nn::ShardingError>([&] { nn::set_max_unsharded_groups(*f.model, 1); },
+                                          {"set_max_unsharded_groups", "per-parameter sharding has no schedule"});
+    nn::set_checkpoint_strategy(*f.model, nn::CheckpointStrategy::recompute);
+    for (const nn::Param& p : f.model->parameters())
+      CHECK(p.shard()->policy.strategy == nn::CheckpointStrategy::recompute);
+    nn::set_checkpoint_strategy(*f.model, nn::CheckpointStrategy::retain);
+    // Nothing fits a 1-byte limit: every concession is tried, and none of them is fewer groups,
+    // which a module sharded per parameter does not have (they were measured, and did nothing).
+    auto step = [&](std::int64_t b) { return f.loss(comm, b); };
+    const nn::FittedSchedule fit =
+        nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, 1, kLadder[0], f.fit_options());
+    CHECK_FALSE(fit.fits);
+    CHECK(fit.tried.size() > 2);
+    for (const nn::MemorySchedule& s : fit.tried) CHECK(s.max_unsharded_groups == kLadder[0].max_unsharded_groups);
+  });
+  // fit_schedule on a dense module (planned at one rank) still runs: it sets what applies.
+  LocalCommunicator one;
+  auto step = [&](std::int64_t b) { return sum(dense.forward(ones({b, 4}))); };
+  CHECK(nn::fit_schedule(dense, one, 8, step, 0, {}, {}).fits);
 }
 
 TEST_CASE("a step that throws inside probe_step leaves the module as a probe that succeeds does; bad sizes are named") {

@@ -406,6 +406,42 @@ TEST_CASE("set_forward_order: the backward prefetches from the first step; a mod
   });
 }
 
+TEST_CASE("fully_shard again on a sharded module with another policy is refused: it would shard nothing") {
+  // The second call found every parameter sharded, sharded none and returned 0: the bf16 compute
+  // dtype it was given applied to nothing, and the model went on computing in f32.
+  run_ranks(2, [](Communicator& comm) {
+    for (const bool grouped : {true, false}) {
+      CAPTURE(grouped);
+      nn::manual_seed(3);
+      Stack model;
+      const Tensor x = randn({4, 7}, 1);
+      CHECK(nn::fully_shard(model, comm, {.group = grouped}) == 7);
+      const std::vector<float> before = model.forward(x).to_vector<float>();
+      test::check_throws<nn::ShardingError>(
+          [&] { (void)nn::fully_shard(model, comm, {.policy = {.compute_dtype = DType::bf16}, .group = grouped}); },
+          {"fully_shard", "shards no parameter", "sharded already", "compute dtype none, this call's bf16"});
+      test::check_throws<nn::ShardingError>(
+          [&] {
+            (void)nn::fully_shard(model, comm,
+                                  {.policy = {.strategy = nn::CheckpointStrategy::retain}, .group = grouped});
+          },
+          {"strategy recompute, this call's retain", "set_checkpoint_strategy"});
+      // Nothing changed; the same policy again is the no-op it always was.
+      for (const nn::Param& p : model.parameters()) CHECK_FALSE(p.shard()->policy.compute_dtype.has_value());
+      CHECK(nn::fully_shard(model, comm, {.group = grouped}) == 0);
+      CHECK(model.forward(x).to_vector<float>() == before);
+    }
+    // Bottom-up with the blocks in bf16 and a root holding no parameter of its own, called with
+    // the default policy: that call shards nothing and is still the root that joins the groups.
+    nn::manual_seed(3);
+    nn::Sequential blocks({std::make_shared<nn::Linear>(7, 5), std::make_shared<nn::Linear>(5, 3)});
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      nn::fully_shard(*blocks[i], comm, nn::ShardPolicy{.compute_dtype = DType::bf16});
+    CHECK(nn::fully_shard(blocks, comm) == 0);
+    CHECK(blocks.forward(randn({4, 7}, 1)).dtype() == DType::bf16);  // as the blocks' calls said
+  });
+}
+
 TEST_CASE("a sharded parameter's gradient is a slice of its bucket's sum, never storage another gradient shares") {
   // y = (a + b) * e: the add hands one gradient tensor to both a and b. a and b are 256 KiB each,
   // buckets of their own: at world size 1 the reduce-scatter hands back that one tensor, so each

@@ -232,8 +232,9 @@ std::string MemorySchedule::describe(bool grouped) const {
 namespace {
 
 void apply(const Module& module, const MemorySchedule& schedule, const FitOptions& options) {
-  set_max_unsharded_groups(module, schedule.max_unsharded_groups);
-  set_checkpoint_strategy(module, schedule.strategy);
+  // (A dense module, planned at world 1, or one sharded per parameter, has less to set.)
+  if (any_sharded(module, true)) set_max_unsharded_groups(module, schedule.max_unsharded_groups);
+  if (any_sharded(module, false)) set_checkpoint_strategy(module, schedule.strategy);
   if (options.set_activation_checkpointing) options.set_activation_checkpointing(schedule.activation_checkpointing);
   if (options.set_recompute_gelu) options.set_recompute_gelu(schedule.recompute_gelu);
 }
@@ -242,8 +243,9 @@ void apply(const Module& module, const MemorySchedule& schedule, const FitOption
 // those that give up less come first: fewer unsharded groups (more groups kept first), then
 // recompute, then the GELU recompute (a GEMM more per block), then activation checkpointing (a
 // whole forward more), then more micro-batches.
-std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool can_checkpoint, bool can_recompute_gelu,
-                                        const std::vector<std::int64_t>& micro_batches) {
+// `grouped`: the module is sharded in groups; per parameter, it has no schedule of groups to shrink.
+std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool grouped, bool can_checkpoint,
+                                        bool can_recompute_gelu, const std::vector<std::int64_t>& micro_batches) {
   struct Candidate {
     MemorySchedule schedule;
     int count, micro, checkpointing, gelu, recomputing, groups_given_up;
@@ -252,7 +254,8 @@ std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool c
   const bool may_recompute = configured.strategy == CheckpointStrategy::retain;
   const bool may_checkpoint = can_checkpoint && !configured.activation_checkpointing;
   const bool may_recompute_gelu = can_recompute_gelu && !configured.recompute_gelu;
-  for (int groups = configured.max_unsharded_groups; groups >= 1; --groups) {
+  const int fewest_groups = grouped ? 1 : configured.max_unsharded_groups;
+  for (int groups = configured.max_unsharded_groups; groups >= fewest_groups; --groups) {
     for (int recompute = 0; recompute <= (may_recompute ? 1 : 0); ++recompute) {
       for (int gelu = 0; gelu <= (may_recompute_gelu ? 1 : 0); ++gelu) {
         for (int checkpoint = 0; checkpoint <= (may_checkpoint ? 1 : 0); ++checkpoint) {
@@ -334,7 +337,7 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
   fit.configured = measure(configured);
   if (fit.fits) return fit;
   for (const MemorySchedule& candidate :
-       concessions(configured, static_cast<bool>(options.set_activation_checkpointing),
+       concessions(configured, any_sharded(module, true), static_cast<bool>(options.set_activation_checkpointing),
                    static_cast<bool>(options.set_recompute_gelu), micro_batches)) {
     measure(candidate);
     if (fit.fits) return fit;

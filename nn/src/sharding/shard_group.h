@@ -365,4 +365,8 @@ class ShardSchedule : public std::enable_shared_from_this<ShardSchedule> {
   std::deque<std::shared_ptr<GradientSink>> reducing_across_;  // hybrid: all-reduces in flight
 };
 
+/// Whether any parameter of `module` is sharded (`in_groups`: in a group, fully_shard's default,
+/// so that the schedule settings such as set_max_unsharded_groups apply to it).
+bool any_sharded(const Module& module, bool in_groups);
+
 }  // namespace ruda::nn

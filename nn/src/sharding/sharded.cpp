@@ -317,6 +317,31 @@ static void check_policy(const ShardPolicy& policy, const char* op) {
   if (policy.compute_dtype) check_compute_dtype(*policy.compute_dtype, op);
 }
 
+// The first setting in which `held` (an earlier call's) differs from `wanted`, as "what held, what
+// wanted"; empty when they are the same.
+static std::string policy_difference(const ShardPolicy& held, const ShardPolicy& wanted) {
+  const auto dtype = [](const std::optional<DType>& d) {
+    return d ? std::string(dtype_name(*d)) : std::string("none");
+  };
+  if (held.compute_dtype != wanted.compute_dtype) {
+    return "compute dtype " + dtype(held.compute_dtype) + ", this call's " + dtype(wanted.compute_dtype);
+  }
+  const auto strategy = [](CheckpointStrategy s) { return s == CheckpointStrategy::retain ? "retain" : "recompute"; };
+  if (held.strategy != wanted.strategy) {
+    return std::string("strategy ") + strategy(held.strategy) + ", this call's " + strategy(wanted.strategy);
+  }
+  const auto accumulate = [](Accumulate a) { return a == Accumulate::f32 ? "f32" : "native"; };
+  if (held.reduce != wanted.reduce) {
+    return std::string("reduce accumulation ") + accumulate(held.reduce) + ", this call's " + accumulate(wanted.reduce);
+  }
+  const auto quantization = [](GatherQuantization q) { return q == GatherQuantization::int8 ? "int8" : "none"; };
+  if (held.gather_quantization != wanted.gather_quantization) {
+    return std::string("gather quantization ") + quantization(held.gather_quantization) + ", this call's " +
+           quantization(wanted.gather_quantization);
+  }
+  return {};
+}
+
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy) {
   return fully_shard(module, comm, FullyShardOptions{.policy = std::move(policy)});
 }
@@ -377,9 +402,15 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
   std::vector<Planned> planned;
   std::vector<std::pair<Param, std::string>> renamed;  // sharded by an earlier call on a submodule
   std::vector<std::shared_ptr<ShardGroup>> inner;      // groups of earlier calls on submodules
+  // A parameter an earlier call on this same module sharded with another policy (first found).
+  std::string resharded, difference;
   for (auto& [name, param] : module.named_parameters()) {
     if (param.is_sharded()) {
       const auto& held = param.shard()->group;
+      if (difference.empty() && (!held || held->module() == &module)) {
+        difference = policy_difference(param.shard()->policy, options.policy);
+        if (!difference.empty()) resharded = name;
+      }
       if (!options.group) {
         // Per parameter, bottom-up as with groups: what an earlier call on a submodule sharded
         // stays as it is, renamed relative to this module.
@@ -419,6 +450,14 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
     // A frozen parameter stays frozen.
     const bool requires_grad = param.is_deferred() || param.data().requires_grad();
     planned.push_back({param, std::move(info), std::move(slice), requires_grad});
+  }
+  // Called again on a sharded module with another policy, a call shards nothing and changed
+  // nothing, silently (a bf16 compute dtype given to a model sharded in f32 kept computing in f32).
+  if (planned.empty() && !difference.empty()) {
+    fail<ShardingError>(op, "shards no parameter: '", resharded,
+                        "' and the module's others are sharded already, by an earlier call with another policy (",
+                        difference, "); a policy applies to the parameters its call shards. Shard a fresh model ",
+                        "with it (set_checkpoint_strategy changes the strategy of a sharded one)");
   }
   for (auto& [param, name] : renamed) param.shard()->name = name;  // named from the enclosing module from now on
   std::vector<Param> fresh;
@@ -480,8 +519,29 @@ OverlapReport overlap_report(const Module& module) {
   return {};
 }
 
+bool any_sharded(const Module& module, bool in_groups) {
+  for (const auto& [name, p] : module.named_parameters()) {
+    if (p.is_sharded() && (!in_groups || p.shard()->group)) return true;
+  }
+  return false;
+}
+
+namespace {
+// The setters below change what fully_shard set up. On a module it never sharded (or, for the
+// group settings, never sharded in groups) they had nothing to change and said nothing, so a
+// setting meant for the model went nowhere; PyTorch's are methods of FSDPModule alone.
+// (set_requires_all_reduce is documented as no effect without hybrid sharding, dense included.)
+void require_sharded(const Module& module, const char* op, bool in_groups) {
+  if (any_sharded(module, in_groups)) return;
+  fail<ShardingError>(op, "the module has no ", in_groups ? "parameter sharded in a group" : "sharded parameter",
+                      ", so there is nothing to set: call it after fully_shard",
+                      in_groups ? " (in groups, its default; per-parameter sharding has no schedule)" : "");
+}
+}  // namespace
+
 void set_max_unsharded_groups(const Module& module, int groups) {
   if (groups < 1) fail<ArgumentError>("set_max_unsharded_groups", "must be at least 1, got ", groups);
+  require_sharded(module, "set_max_unsharded_groups", true);
   for (const auto& [name, p] : module.named_parameters()) {
     if (p.is_sharded() && p.shard()->group) {
       const auto& schedule = p.shard()->group->schedule();
@@ -494,6 +554,7 @@ void set_max_unsharded_groups(const Module& module, int groups) {
 
 void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy) {
   check_enum(strategy, "set_checkpoint_strategy", "CheckpointStrategy");
+  require_sharded(module, "set_checkpoint_strategy", false);
   for (const auto& [name, p] : module.named_parameters()) {
     if (p.is_sharded()) p.shard()->policy.strategy = strategy;
   }

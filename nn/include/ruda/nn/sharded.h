@@ -262,7 +262,9 @@ struct FullyShardOptions {
 /// each block first, then the root, which takes what is left (embeddings, final norm, head) and
 /// the blocks' groups into its schedule; the group and schedule options of the last call apply.
 /// Any module can be sharded this way; the optimizer must be created afterwards. Returns the
-/// number of parameters sharded by this call.
+/// number of parameters sharded by this call. A policy applies to the parameters its call
+/// shards: a call on a module an earlier call sharded whole, with another policy (a compute dtype
+/// added later), would shard nothing and is a ShardingError.
 std::size_t fully_shard(Module& module, Communicator& comm, const FullyShardOptions& options);
 std::size_t fully_shard(Module& module, Communicator& comm, ShardPolicy policy = {});
 /// Hybrid sharding over `mesh`: sharded over mesh.shard() (inside a node), replicated over
@@ -284,10 +286,12 @@ void reshard(const Module& module);
 OverlapReport overlap_report(const Module& module);
 
 /// Changes, after fully_shard, how many groups of `module`'s schedule may hold full weights at
-/// once (FullyShardOptions::max_unsharded_groups, at least 1). Drops the weights held now.
+/// once (FullyShardOptions::max_unsharded_groups, at least 1). Drops the weights held now. A
+/// module with no parameter sharded in a group (dense, or sharded per parameter) is a ShardingError.
 void set_max_unsharded_groups(const Module& module, int groups);
 /// Changes what backward keeps of the gathered weights of `module`'s sharded parameters
-/// (ShardPolicy::strategy), for the forwards that follow.
+/// (ShardPolicy::strategy), for the forwards that follow. A module with no sharded parameter is a
+/// ShardingError.
 void set_checkpoint_strategy(const Module& module, CheckpointStrategy strategy);
 
 /// Gradient accumulation under hybrid sharding (FSDP2's set_requires_all_reduce): with `required`
