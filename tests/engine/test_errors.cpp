@@ -421,6 +421,15 @@ TEST_CASE("the public shape helpers: a null op name, negative extents, an imposs
   CHECK(broadcast_shapes({1, 3}, {2, 1}, "op") == Shape{2, 3});
 }
 
+TEST_CASE("a Generator's bad shape names Generator::rand or randn, and reserves no draws") {
+  // They said "shape: negative extent", the helper's name, where the free rand() names itself.
+  Generator g(1, 10);
+  test::check_throws<ShapeError>([&] { (void)g.rand({-2}); }, {"Generator::rand", "negative", "[-2]"});
+  const std::int64_t big = std::int64_t{1} << 40;
+  test::check_throws<ShapeError>([&] { (void)g.randn({big, big}); }, {"Generator::randn", "overflows"});
+  CHECK(g.offset() == 10);
+}
+
 TEST_CASE("errors name the op the caller called: zeros_like, ones_like, stack, unsqueeze; NULs in sizes shown") {
   test::check_throws<ArgumentError>([&] { zeros_like(Tensor()); }, {"zeros_like", "undefined"});
   test::check_throws<ArgumentError>([&] { ones_like(Tensor()); }, {"ones_like", "undefined"});

@@ -109,6 +109,45 @@ TEST_CASE("a 16-bit parameter's optimizer state is planned in f32, as Adam makes
   }
 }
 
+TEST_CASE("a measured plan counts what is not sharded whole on every rank; a probe below 0 is refused") {
+  // plan_memory(module, comm, ...) planned every parameter as 1/N: a dense model measured over 2
+  // ranks got half its state, and fit_schedule "fit" a limit the run then went over.
+  run_ranks(2, [&](Communicator& comm) {
+    memory::Scope rank_memory;
+    nn::manual_seed(1);
+    auto model = mlp();
+    nn::fully_shard(*(*model)[0], comm);  // the first layer sharded, the second replicated
+    auto step = [&](std::int64_t b) { return loss_of(*model, b, 3); };
+    const nn::MemoryPlan plan = nn::plan_memory(*model, comm, kBatch, step, 0);
+    const std::int64_t sharded = ((64 * 256 + 1) / 2 + 128) * 4, replicated = (256 * 10 + 10) * 4;
+    CHECK(plan.parameters == sharded + replicated);
+    CHECK(plan.gradients == sharded + replicated);
+    CHECK(plan.optimizer == 2 * (sharded + replicated));
+    CHECK(plan.gathered == 64 * 256 * 4);  // the sharded layer's weight; the replicated one is used as it is
+    // What the state is, measured: after a step, parameters + gradients + moments.
+    const std::int64_t before = rank_memory.stats().live_bytes;
+    nn::AdamW opt(model->parameters());
+    step(kBatch / 2).backward();
+    opt.step();
+    CHECK(rank_memory.stats().live_bytes - before == plan.gradients + plan.optimizer);
+    CHECK(before >= plan.parameters);
+    // plan_state plans before fully_shard: every parameter is one to be sharded.
+    CHECK(nn::plan_state(*model, 2, kBatch).parameters == ((64 * 256 + 1) / 2 + 128 + (256 * 10 + 10 + 1) / 2) * 4);
+  });
+  const auto layer = mlp();
+  for (const nn::StepProbe bad : {nn::StepProbe{-100, -5}, nn::StepProbe{-10, 5}, nn::StepProbe{100, -5}}) {
+    CAPTURE(bad.fixed);
+    CAPTURE(bad.per_sample);
+    test::check_throws<ArgumentError>([&] { (void)nn::plan_memory(*layer, 1, 8, bad); },
+                                      {"plan_memory", "StepProbe of fixed"});
+    test::check_throws<ArgumentError>([&] { (void)nn::largest_fitting_batch(*layer, 1, 8, bad, 1000); },
+                                      {"largest_fitting_batch", "StepProbe"});
+    test::check_throws<ArgumentError>([&] { (void)nn::smallest_fitting_world(*layer, 8, bad, 1000); },
+                                      {"smallest_fitting_world", "StepProbe"});
+  }
+  CHECK(nn::plan_memory(*layer, 1, 8, nn::StepProbe{-10, 15}).step == -10 + 15 * 8);  // a fitted line: fixed may be < 0
+}
+
 TEST_CASE("the plan predicts a sharded step's peak within 10%, world sizes 1-4") {
   for (int world = 1; world <= 4; ++world) {
     CAPTURE(world);

@@ -727,6 +727,19 @@ TEST_CASE("global_count refuses a negative or non-finite local count on every ra
     }
   }
   run_ranks(2, [&](Communicator& comm) { CHECK(nn::global_count(comm, 2.5 + comm.rank()) == 6.0); });
+  // Finite counts whose sum is not: every loss was divided by inf.
+  std::vector<std::string> errors(2);
+  run_ranks(2, [&](Communicator& comm) {
+    try {
+      (void)nn::global_count(comm, 1e308);
+    } catch (const ArgumentError& e) {
+      errors[static_cast<std::size_t>(comm.rank())] = e.what();
+    }
+  });
+  for (const std::string& e : errors) {
+    CHECK(e.find("global_count") != std::string::npos);
+    CHECK(e.find("sum to inf") != std::string::npos);
+  }
 }
 
 TEST_CASE("fully_shard names a parameter it cannot shard (no elements)") {

@@ -22,14 +22,17 @@ class Generator {
   /// Reserves `count` draws and returns the offset of the first.
   std::uint64_t take(std::uint64_t count) noexcept { return position().fetch_add(count, std::memory_order_relaxed); }
   Tensor rand(const Shape& shape, Options options = {}) {
-    return ruda::rand(shape, seed_, take(count(shape)), options);
+    return ruda::rand(shape, seed_, take(count(shape, "Generator::rand")), options);
   }
   Tensor randn(const Shape& shape, Options options = {}) {
-    return ruda::randn(shape, seed_, take(count(shape)), options);
+    return ruda::randn(shape, seed_, take(count(shape, "Generator::randn")), options);
   }
 
  private:
-  static std::uint64_t count(const Shape& shape) { return static_cast<std::uint64_t>(shape_numel(shape)); }
+  // A bad shape is refused here, before any draw is reserved, naming the call.
+  static std::uint64_t count(const Shape& shape, const char* op) {
+    return static_cast<std::uint64_t>(shape_numel(shape, op));
+  }
   std::atomic_ref<std::uint64_t> position() const noexcept { return std::atomic_ref<std::uint64_t>(offset_); }
   std::uint64_t seed_;
   alignas(std::atomic_ref<std::uint64_t>::required_alignment) mutable std::uint64_t offset_;

@@ -258,6 +258,12 @@ double global_count(Communicator& comm, double local) {
     fail<ArgumentError>("global_count", "rank ", comm.rank(), ": ", static_cast<std::int64_t>(both[1]),
                         " rank(s) passed a local count that is negative or not finite (this rank: ", local, ")");
   }
+  // Finite counts whose sum is not (1e308 on two ranks): the loss would be divided by inf. Every
+  // rank holds the same sum, so every rank raises alike.
+  if (!std::isfinite(both[0])) {
+    fail<ArgumentError>("global_count", "rank ", comm.rank(), ": the ranks' local counts (this rank: ", local,
+                        ") sum to ", both[0]);
+  }
   return both[0];
 }
 

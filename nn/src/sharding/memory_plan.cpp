@@ -44,7 +44,23 @@ std::int64_t add_bytes(const std::string& name, std::int64_t a, std::int64_t b) 
 
 }  // namespace
 
-MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
+namespace {
+// A probe the caller made: the line it gives must not fall below 0 at one sample nor as samples
+// grow (a negative one planned a step of -120 bytes, and the plan then read as unmeasured).
+void require_probe(const char* op, const StepProbe& probe) {
+  std::int64_t at_one = 0;
+  if (probe.per_sample < 0 || __builtin_add_overflow(probe.fixed, probe.per_sample, &at_one) || at_one < 0) {
+    fail<ArgumentError>(op, "a StepProbe of fixed ", probe.fixed, " and per_sample ", probe.per_sample,
+                        " bytes: a step's bytes must be at least 0 at one sample and not fall as samples grow");
+  }
+}
+
+// plan_state; `as_held`: the module runs as it is now (a measured plan), so a parameter neither
+// sharded nor deferred is whole on every rank: its bytes, its gradient's and its state's, nothing
+// gathered. (Otherwise, planning before fully_shard, every parameter is to be sharded.) A dense
+// model measured over 2 ranks was planned at half its state.
+MemoryPlan plan_state_of(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options,
+                         bool as_held) {
   require_world_and_batch("plan_state", world_size, global_batch);
   // (The local batch was global / world rounded down: a plan for a batch no rank runs.)
   if (global_batch % world_size != 0) {
@@ -77,7 +93,9 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
   for (const auto& [name, p] : module.named_parameters()) {
     const std::int64_t numel = shape_numel(p.shape());
     const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
-    const std::int64_t shard = bytes_of(name, ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size, item);
+    const bool whole = as_held && !p.is_deferred() && !p.is_sharded();
+    const std::int64_t shard =
+        bytes_of(name, whole ? numel : ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size, item);
     plan.parameters = add_bytes(name, plan.parameters, shard);
     // A frozen parameter (its data's requires_grad off) has no gradient and no optimizer state:
     // a frozen 1024 x 1024 layer's were planned, 2.4x the peak a fine-tuning run measured.
@@ -92,7 +110,7 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
     // Unsharded (one rank holds each parameter whole) and computing in its own dtype, a layer
     // uses the parameter itself: nothing is gathered (a 1-rank plan was refused for two copies of
     // the largest layer it never makes).
-    if (shard_ranks == 1 && compute_dtype == p.dtype()) continue;
+    if ((shard_ranks == 1 && compute_dtype == p.dtype()) || whole) continue;
     // One whole copy of the largest weight: a step gathers it to compute with it. Its full
     // gradient, which comes later, need not meet it (a first layer's backward reads no weight):
     // two copies were above what a 4-rank MLP step measured (15.8 against 15.4 MB), and a limit
@@ -101,6 +119,22 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
     plan.gathered = std::max(plan.gathered, bytes_of(name, numel, compute));
   }
   return plan;
+}
+
+MemoryPlan plan_memory_of(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
+                          const PlanOptions& options, bool as_held) {
+  require_probe("plan_memory", probe);
+  MemoryPlan plan = plan_state_of(module, world_size, global_batch, options, as_held);
+  // Saturating, as StepProbe::at: a batch whose step overflows fits no limit.
+  const std::int64_t unmeasured = options.accumulating && !probe.accumulating ? plan.gradients : 0;
+  if (__builtin_add_overflow(probe.at(plan.local_batch), unmeasured, &plan.step)) plan.step = INT64_MAX;
+  plan.probe = probe;
+  return plan;
+}
+}  // namespace
+
+MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_batch, const PlanOptions& options) {
+  return plan_state_of(module, world_size, global_batch, options, false);
 }
 
 namespace {
@@ -189,12 +223,7 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
 
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options) {
-  MemoryPlan plan = plan_state(module, world_size, global_batch, options);
-  // Saturating, as StepProbe::at: a batch whose step overflows fits no limit.
-  const std::int64_t unmeasured = options.accumulating && !probe.accumulating ? plan.gradients : 0;
-  if (__builtin_add_overflow(probe.at(plan.local_batch), unmeasured, &plan.step)) plan.step = INT64_MAX;
-  plan.probe = probe;
-  return plan;
+  return plan_memory_of(module, world_size, global_batch, probe, options, false);
 }
 
 MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
@@ -206,14 +235,15 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
   // Accumulating steps are measured as two micro-batches: the second sees the first's gradients,
   // as every later one does.
   const int micro_batches = options.accumulating ? 2 : 1;
-  MemoryPlan plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, 2, micro_batches), options);
+  MemoryPlan plan =
+      plan_memory_of(module, world, global_batch, probe_step(module, comm, step, 2, micro_batches), options, true);
   const bool over = limit > 0 && plan.peak() > limit;
   const bool any_over = autograd::no_grad([&] {
     return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
   });
   if (!any_over && plan.local_batch > 2) {
-    plan = plan_memory(module, world, global_batch, probe_step(module, comm, step, plan.local_batch, micro_batches),
-                       options);
+    plan = plan_memory_of(module, world, global_batch, probe_step(module, comm, step, plan.local_batch, micro_batches),
+                          options, true);
   }
   return plan;
 }
@@ -351,6 +381,7 @@ std::int64_t largest_fitting_batch(const Module& module, int world_size, std::in
                                    const StepProbe& probe, std::int64_t limit, const PlanOptions& options) {
   require_world_and_batch("largest_fitting_batch", world_size, global_batch);
   require_limit("largest_fitting_batch", limit);
+  require_probe("largest_fitting_batch", probe);
   // Candidates are k * world_size for k in [1, largest]: below global_batch, divisible by the world.
   const std::int64_t largest = (global_batch - 1) / world_size;
   auto fits = [&](std::int64_t k) {
@@ -375,6 +406,7 @@ int smallest_fitting_world(const Module& module, std::int64_t global_batch, cons
                         max_world);
   require_world_and_batch("smallest_fitting_world", max_world, global_batch);
   require_limit("smallest_fitting_world", limit);
+  if (probe) require_probe("smallest_fitting_world", *probe);
   PlanOptions full = options;  // the answer is a fully sharded world
   full.shard_ranks = 0;
   // No world larger than the batch divides it (and counting to INT_MAX overflowed `world`).

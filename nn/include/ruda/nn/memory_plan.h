@@ -106,14 +106,18 @@ MemoryPlan plan_state(const Module& module, int world_size, std::int64_t global_
 StepProbe probe_step(const Module& module, Communicator& comm, const std::function<Tensor(std::int64_t)>& step,
                      std::int64_t samples = 2, int micro_batches = 1);
 
-/// The plan at `world_size` with the measured step at that world size's local batch.
+/// The plan at `world_size` with the measured step at that world size's local batch. A probe
+/// below 0 at one sample, or falling as samples grow, is an ArgumentError (probe_step makes none).
 MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global_batch, const StepProbe& probe,
                        const PlanOptions& options = {});
 
 /// The plan at comm's world size, measured: a probe at 2 samples and, unless that already puts
 /// some rank over `limit`, a second at the local batch (so the plan used is exact there, and a
 /// configuration far over the limit is refused before a whole batch's activations are allocated).
-/// `step` as for probe_step. Collective.
+/// `step` as for probe_step. Collective. The module is planned as it runs: a parameter neither
+/// sharded nor deferred (a replicated one, or a model not given to fully_shard) is whole on every
+/// rank, with its gradient and optimizer state (plan_state, planning before fully_shard, takes
+/// every parameter as one to be sharded).
 MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
                        const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options = {});
