@@ -10,6 +10,7 @@
 #include <thread>
 
 #include <ruda/collectives.h>
+#include <ruda/memory.h>
 
 #include "sanitized.h"
 #include "suite.h"
@@ -694,6 +695,25 @@ TEST_CASE("emulated: run_agreed lets nothing escape, an exception of any type or
     REQUIRE(empty.size() == 2);
     CHECK(empty[0].message.find("phase function is empty") != std::string::npos);
   });
+}
+
+TEST_CASE("emulated: ranks at their memory limit still agree: the agreement's bytes are exempt from it") {
+  // Refused there, the agreement threw OutOfMemoryError instead of reporting: a checkpoint's
+  // publishing phase then reported a save as failed after its index and latest pointer were written.
+  const std::int64_t saved = memory::limit();
+  memory::set_limit(1);
+  std::vector<std::vector<RankFailure>> seen(2);
+  run_ranks(2, [&](Communicator& comm) {
+    seen[static_cast<std::size_t>(comm.rank())] = run_agreed(comm, "at the limit", [&] {
+      if (comm.rank() == 1) (void)zeros({16});  // this one is refused, as the limit says
+    });
+  });
+  memory::set_limit(saved);
+  for (const auto& failures : seen) {
+    REQUIRE(failures.size() == 1);
+    CHECK(failures[0].rank == 1);
+    CHECK(failures[0].message.find("out of memory") != std::string::npos);
+  }
 }
 
 TEST_CASE("emulated: a ShardMesh moved from raises ArgumentError from every accessor, instead of a null dereference") {

@@ -42,6 +42,33 @@ void require_state_fits(const char* op, const char* state, const Tensor& kept, c
                      "fully_shard, which leaves each rank its slice); make a new optimizer for it");
   }
 }
+
+// The state a step's first pass makes for parameters that had none, dropped again when that pass
+// throws (a gradient's dtype refused, or out of memory making a later parameter's state): a
+// refused step changes nothing, has_state() and the memory held included (the earlier
+// parameters' fresh state stayed, and a checkpoint then saved zeros for parameters that had not
+// stepped).
+template <class State>
+class FirstPassState {
+ public:
+  FirstPassState(std::unordered_map<ParamId, State>& states, std::size_t params) : states_(states) {
+    made_.reserve(params);  // so noting one never throws after its state exists
+  }
+  ~FirstPassState() {
+    if (!kept_)
+      for (const ParamId id : made_) states_.erase(id);
+  }
+  FirstPassState(const FirstPassState&) = delete;
+  FirstPassState& operator=(const FirstPassState&) = delete;
+  bool has(ParamId id) const { return states_.contains(id); }
+  void made(ParamId id) { made_.push_back(id); }
+  void keep() { kept_ = true; }
+
+ private:
+  std::unordered_map<ParamId, State>& states_;
+  std::vector<ParamId> made_;
+  bool kept_ = false;
+};
 }  // namespace
 
 std::vector<ParamGroup> decay_2d_only(const Module& module) {
@@ -184,6 +211,7 @@ void SGD::step() {
   for (const Param& p : params_) require_complete_gradient(p, "SGD::step");
   std::vector<std::size_t> without_gradient;
   std::vector<Tensor*> buffers(params_.size());  // momentum's (a map's elements stay where they are)
+  FirstPassState<Tensor> made(momentum_, params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
@@ -195,8 +223,13 @@ void SGD::step() {
       fail<DTypeError>("SGD::step", "a parameter is ", dtype_name(p.data().dtype()), " ", p.data().shape(),
                        " but its gradient is ", dtype_name(g.dtype()), " ", g.shape());
     }
-    if (options_.momentum != 0) buffers[i] = &momentum_of(p, "SGD::step");
+    if (options_.momentum != 0) {
+      const bool had = made.has(p.id());
+      buffers[i] = &momentum_of(p, "SGD::step");
+      if (!had) made.made(p.id());
+    }
   }
+  made.keep();
   std::size_t i = 0;
   try {
     for (; i < params_.size(); ++i) {
@@ -238,14 +271,13 @@ void SGD::step() {
 }
 
 Tensor& SGD::momentum_of(const Param& param, const char* op) {
-  Tensor& buffer = momentum_[param.id()];
   const Tensor& data = param.data();
-  if (!buffer.defined()) {
-    buffer = zeros_like(data.detach());
-  } else {
-    require_state_fits(op, "momentum buffer is", buffer, data, data.dtype());
+  // Made before it enters the map: a refused allocation leaves no entry behind.
+  if (const auto found = momentum_.find(param.id()); found != momentum_.end()) {
+    require_state_fits(op, "momentum buffer is", found->second, data, data.dtype());
+    return found->second;
   }
-  return buffer;
+  return momentum_.emplace(param.id(), zeros_like(data.detach())).first->second;
 }
 
 std::vector<std::pair<std::string, Tensor>> SGD::state(const Param& param) {
@@ -278,16 +310,17 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options)
 DType Adam::moment_dtype(DType parameter) noexcept { return is_16bit_float(parameter) ? DType::f32 : parameter; }
 
 Adam::Moments& Adam::moments(const Param& param) {
-  Moments& m = moments_[param.id()];
   const Tensor& data = param.data();
   const DType dtype = moment_dtype(data.dtype());
-  if (!m.exp_avg.defined()) {
-    m.exp_avg = zeros(data.shape(), Options(dtype, &data.backend()));
-    m.exp_avg_sq = zeros(data.shape(), Options(dtype, &data.backend()));
-  } else {
-    require_state_fits("Adam", "moments are", m.exp_avg, data, dtype);  // the fused kernel reads both alike
+  if (const auto found = moments_.find(param.id()); found != moments_.end()) {
+    require_state_fits("Adam", "moments are", found->second.exp_avg, data, dtype);  // the kernel reads both alike
+    return found->second;
   }
-  return m;
+  // Both made before either enters the map: out of memory between them left the first alone in
+  // it, taken as whole from then on, and every later step failed on the missing second.
+  Moments made{zeros(data.shape(), Options(dtype, &data.backend())),
+               zeros(data.shape(), Options(dtype, &data.backend()))};
+  return moments_.emplace(param.id(), std::move(made)).first->second;
 }
 
 void Adam::step() {
@@ -297,6 +330,7 @@ void Adam::step() {
   std::vector<std::size_t> without_gradient;
   std::vector<Tensor> grads(params_.size());
   std::vector<const Moments*> state(params_.size());  // (a map's elements stay where they are)
+  FirstPassState<Moments> made(moments_, params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Param& p = params_[i];
     const Tensor g = p.grad();
@@ -304,7 +338,9 @@ void Adam::step() {
       without_gradient.push_back(i);
       continue;
     }
+    const bool had = made.has(p.id());
     state[i] = &moments(p);
+    if (!had) made.made(p.id());
     const Tensor& data = p.data();
     if (g.dtype() != data.dtype() || g.numel() != data.numel()) {
       fail<DTypeError>("Adam::step", "a parameter is ", dtype_name(data.dtype()), " ", data.shape(),
@@ -312,6 +348,7 @@ void Adam::step() {
     }
     grads[i] = g.is_contiguous() ? g : g.contiguous();  // the kernel reads raw buffers
   }
+  made.keep();
   std::size_t i = 0;
   try {
     for (; i < params_.size(); ++i) {
