@@ -144,11 +144,13 @@ TEST_CASE("bad input: one line naming the file or option, and a non-zero exit") 
   one_error_line(run(train("--emulate 3 mlp --batch 128 --hidden 32 --limit 640")), {"--batch 128", "3 ranks"});
   one_error_line(run(train("mlp --resume " + tmp / "none")), {tmp / "none", "does not exist"});
   // A model far past memory is refused from the arithmetic, before its modules are built (2^31
-  // blocks grew without bound); an allocation past --memory-limit names that option, not the variable.
+  // blocks grew without bound). A limit below the model's state is refused by the memory plan (the
+  // ranks' agreement before it no longer counts against the limit, where its allocation had been
+  // the first refused).
   one_error_line(run(train("lm --d-model 16 --heads 2 --context 8 --steps 1 --layers 2147483648")),
                  {"--layers 2147483648", "GB per rank", "optimizer state"});
   one_error_line(run(train("lm --d-model 16 --heads 2 --context 8 --steps 1 --memory-limit 1")),
-                 {"over this rank's limit of 1 B", "--memory-limit)"});
+                 {"memory plan: needs at least", "optimizer state", "limit 1 B", "fits at no world size"});
   // --hidden is one list: an empty item is refused (it was dropped), a repeat replaces (it was joined).
   for (const char* hidden : {"8,,8", ",8", "8,"}) {
     CAPTURE(hidden);
