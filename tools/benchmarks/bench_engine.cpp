@@ -145,6 +145,9 @@ void kernels_suite(Context& ctx) {
         "max of all", [&] { (void)max(a); }, sum_all, "sum of all");
     row(
         "logsumexp over rows", [&] { (void)logsumexp(a, {1}); }, [&] { (void)sum(a, {1}); }, "sum over rows");
+    // Over the first axis: a strided line per column, one std::exp a value, before it folded rows.
+    row(
+        "logsumexp over columns", [&] { (void)logsumexp(a, {0}); }, [&] { (void)sum(a, {0}); }, "sum over columns");
     row(
         "transpose to contiguous", [&] { (void)transpose(a, 0, 1).contiguous(); }, copy, "a copy");
     row(
