@@ -421,24 +421,30 @@ TEST_CASE("fully_shard again on a sharded module with another policy is refused:
           [&] { (void)nn::fully_shard(model, comm, {.policy = {.compute_dtype = DType::bf16}, .group = grouped}); },
           {"fully_shard", "shards no parameter", "sharded already", "compute dtype none, this call's bf16"});
       test::check_throws<nn::ShardingError>(
-          [&] {
-            (void)nn::fully_shard(model, comm,
-                                  {.policy = {.strategy = nn::CheckpointStrategy::retain}, .group = grouped});
-          },
-          {"strategy recompute, this call's retain", "set_checkpoint_strategy"});
-      // Nothing changed; the same policy again is the no-op it always was.
+          [&] { (void)nn::fully_shard(model, comm, {.policy = {.reduce = Accumulate::native}, .group = grouped}); },
+          {"reduce accumulation f32, this call's native"});
+      // Nothing changed (names included); the same policy again is the no-op it always was, also
+      // after set_checkpoint_strategy changed the strategy (which fit_schedule does too).
       for (const nn::Param& p : model.parameters()) CHECK_FALSE(p.shard()->policy.compute_dtype.has_value());
+      CHECK(model.parameters().front().shard()->name == "fc1.weight");
+      CHECK(nn::fully_shard(model, comm, {.group = grouped}) == 0);
+      nn::set_checkpoint_strategy(model, nn::CheckpointStrategy::retain);
       CHECK(nn::fully_shard(model, comm, {.group = grouped}) == 0);
       CHECK(model.forward(x).to_vector<float>() == before);
     }
     // Bottom-up with the blocks in bf16 and a root holding no parameter of its own, called with
-    // the default policy: that call shards nothing and is still the root that joins the groups.
-    nn::manual_seed(3);
-    nn::Sequential blocks({std::make_shared<nn::Linear>(7, 5), std::make_shared<nn::Linear>(5, 3)});
-    for (std::size_t i = 0; i < blocks.size(); ++i)
-      nn::fully_shard(*blocks[i], comm, nn::ShardPolicy{.compute_dtype = DType::bf16});
-    CHECK(nn::fully_shard(blocks, comm) == 0);
-    CHECK(blocks.forward(randn({4, 7}, 1)).dtype() == DType::bf16);  // as the blocks' calls said
+    // the default policy: that call shards nothing and is still the root over the blocks (their
+    // names relative to it), in groups or per parameter.
+    for (const bool grouped : {true, false}) {
+      CAPTURE(grouped);
+      nn::manual_seed(3);
+      nn::Sequential blocks({std::make_shared<nn::Linear>(7, 5), std::make_shared<nn::Linear>(5, 3)});
+      for (std::size_t i = 0; i < blocks.size(); ++i)
+        nn::fully_shard(*blocks[i], comm, {.policy = {.compute_dtype = DType::bf16}, .group = grouped});
+      CHECK(nn::fully_shard(blocks, comm, {.group = grouped}) == 0);
+      CHECK(blocks.parameters().front().shard()->name == "0.weight");
+      CHECK(blocks.forward(randn({4, 7}, 1)).dtype() == DType::bf16);  // as the blocks' calls said
+    }
   });
 }
 

@@ -388,7 +388,8 @@ void optimizer_suite(Context& ctx) {
     r.name = "adam step, " + std::to_string(n >> 20) + "M " + std::string(dtype_name(dtype)) + " parameters";
     r.backend = ctx.backend;
     r.unit = "GB/s";
-    r.value = rate(adam, 1e-9 * (5 * item + 4 * moment) * static_cast<double>(n));
+    // The parameter read and written, its gradient read; each moment read and written.
+    r.value = rate(adam, 1e-9 * (3 * item + 4 * moment) * static_cast<double>(n));
     r.peer = rate(copies, 24e-9 * static_cast<double>(n));
     r.peer_name = "three f32 copies of the same length (24 bytes a parameter)";
     ctx.report(r);

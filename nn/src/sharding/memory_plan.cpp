@@ -93,9 +93,14 @@ MemoryPlan plan_state_of(const Module& module, int world_size, std::int64_t glob
   for (const auto& [name, p] : module.named_parameters()) {
     const std::int64_t numel = shape_numel(p.shape());
     const auto item = static_cast<std::int64_t>(dtype_size(p.dtype()));
+    // As held: a replicated parameter whole, a sharded one by its own layout (its ranks: a node's
+    // under hybrid sharding, whatever options.shard_ranks says).
     const bool whole = as_held && !p.is_deferred() && !p.is_sharded();
-    const std::int64_t shard =
-        bytes_of(name, whole ? numel : ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size, item);
+    const bool held_shard = as_held && p.is_sharded();
+    const std::int64_t elements = whole        ? numel
+                                  : held_shard ? p.shard()->shard_size
+                                               : ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size;
+    const std::int64_t shard = bytes_of(name, elements, item);
     plan.parameters = add_bytes(name, plan.parameters, shard);
     // A frozen parameter (its data's requires_grad off) has no gradient and no optimizer state:
     // a frozen 1024 x 1024 layer's were planned, 2.4x the peak a fine-tuning run measured.
@@ -106,11 +111,14 @@ MemoryPlan plan_state_of(const Module& module, int world_size, std::int64_t glob
       const std::int64_t state = widened ? bytes_of(name, 2, shard) : shard;  // f32: twice a 16-bit element
       plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, state));
     }
-    const DType compute_dtype = options.compute_dtype.value_or(p.dtype());
+    // (As held, a sharded parameter gathers in its own policy's compute dtype unless one is given.)
+    const DType compute_dtype =
+        options.compute_dtype.value_or(held_shard ? p.shard()->policy.compute_dtype.value_or(p.dtype()) : p.dtype());
     // Unsharded (one rank holds each parameter whole) and computing in its own dtype, a layer
     // uses the parameter itself: nothing is gathered (a 1-rank plan was refused for two copies of
     // the largest layer it never makes).
-    if ((shard_ranks == 1 && compute_dtype == p.dtype()) || whole) continue;
+    const int ranks = held_shard ? p.shard()->world_size : shard_ranks;
+    if ((ranks == 1 && compute_dtype == p.dtype()) || whole) continue;
     // One whole copy of the largest weight: a step gathers it to compute with it. Its full
     // gradient, which comes later, need not meet it (a first layer's backward reads no weight):
     // two copies were above what a 4-rank MLP step measured (15.8 against 15.4 MB), and a limit
@@ -226,6 +234,18 @@ MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global
   return plan_memory_of(module, world_size, global_batch, probe, options, false);
 }
 
+namespace {
+// Whether `plan` is over `limit` on some rank. The flag's bytes are exempt from the limit (as the
+// ranks' agreement's are): a rank at its limit refused there alone while the others waited.
+bool any_rank_over(Communicator& comm, const MemoryPlan& plan, std::int64_t limit) {
+  const bool over = limit > 0 && plan.peak() > limit;
+  const memory::LimitSuspended bookkeeping;
+  return autograd::no_grad([&] {
+    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
+  });
+}
+}  // namespace
+
 MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t global_batch,
                        const std::function<Tensor(std::int64_t)>& step, std::int64_t limit,
                        const PlanOptions& options) {
@@ -237,11 +257,7 @@ MemoryPlan plan_memory(const Module& module, Communicator& comm, std::int64_t gl
   const int micro_batches = options.accumulating ? 2 : 1;
   MemoryPlan plan =
       plan_memory_of(module, world, global_batch, probe_step(module, comm, step, 2, micro_batches), options, true);
-  const bool over = limit > 0 && plan.peak() > limit;
-  const bool any_over = autograd::no_grad([&] {
-    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
-  });
-  if (!any_over && plan.local_batch > 2) {
+  if (!any_rank_over(comm, plan, limit) && plan.local_batch > 2) {
     plan = plan_memory_of(module, world, global_batch, probe_step(module, comm, step, plan.local_batch, micro_batches),
                           options, true);
   }
@@ -273,15 +289,18 @@ void apply(const Module& module, const MemorySchedule& schedule, const FitOption
 // those that give up less come first: fewer unsharded groups (more groups kept first), then
 // recompute, then the GELU recompute (a GEMM more per block), then activation checkpointing (a
 // whole forward more), then more micro-batches.
-// `grouped`: the module is sharded in groups; per parameter, it has no schedule of groups to shrink.
-std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool grouped, bool can_checkpoint,
-                                        bool can_recompute_gelu, const std::vector<std::int64_t>& micro_batches) {
+// `sharded`: some parameter of the module is sharded, so the strategy applies; `grouped`: it is
+// sharded in groups (per parameter, it has no schedule of groups to shrink). A concession that
+// does not apply was measured, changed nothing, and could be reported as the schedule chosen.
+std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool sharded, bool grouped,
+                                        bool can_checkpoint, bool can_recompute_gelu,
+                                        const std::vector<std::int64_t>& micro_batches) {
   struct Candidate {
     MemorySchedule schedule;
     int count, micro, checkpointing, gelu, recomputing, groups_given_up;
   };
   std::vector<Candidate> all;
-  const bool may_recompute = configured.strategy == CheckpointStrategy::retain;
+  const bool may_recompute = sharded && configured.strategy == CheckpointStrategy::retain;
   const bool may_checkpoint = can_checkpoint && !configured.activation_checkpointing;
   const bool may_recompute_gelu = can_recompute_gelu && !configured.recompute_gelu;
   const int fewest_groups = grouped ? 1 : configured.max_unsharded_groups;
@@ -314,13 +333,6 @@ std::vector<MemorySchedule> concessions(const MemorySchedule& configured, bool g
   std::vector<MemorySchedule> out;
   for (const auto& c : all) out.push_back(c.schedule);
   return out;
-}
-
-bool any_rank_over(Communicator& comm, const MemoryPlan& plan, std::int64_t limit) {
-  const bool over = limit > 0 && plan.peak() > limit;
-  return autograd::no_grad([&] {
-    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
-  });
 }
 
 }  // namespace
@@ -366,9 +378,9 @@ FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64
   };
   fit.configured = measure(configured);
   if (fit.fits) return fit;
-  for (const MemorySchedule& candidate :
-       concessions(configured, any_sharded(module, true), static_cast<bool>(options.set_activation_checkpointing),
-                   static_cast<bool>(options.set_recompute_gelu), micro_batches)) {
+  for (const MemorySchedule& candidate : concessions(configured, any_sharded(module, false), any_sharded(module, true),
+                                                     static_cast<bool>(options.set_activation_checkpointing),
+                                                     static_cast<bool>(options.set_recompute_gelu), micro_batches)) {
     measure(candidate);
     if (fit.fits) return fit;
   }

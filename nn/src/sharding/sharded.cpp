@@ -318,17 +318,14 @@ static void check_policy(const ShardPolicy& policy, const char* op) {
 }
 
 // The first setting in which `held` (an earlier call's) differs from `wanted`, as "what held, what
-// wanted"; empty when they are the same.
+// wanted"; empty when they are the same. Not the strategy, which set_checkpoint_strategy (and
+// fit_schedule) change after fully_shard: the same call again would then be refused.
 static std::string policy_difference(const ShardPolicy& held, const ShardPolicy& wanted) {
   const auto dtype = [](const std::optional<DType>& d) {
     return d ? std::string(dtype_name(*d)) : std::string("none");
   };
   if (held.compute_dtype != wanted.compute_dtype) {
     return "compute dtype " + dtype(held.compute_dtype) + ", this call's " + dtype(wanted.compute_dtype);
-  }
-  const auto strategy = [](CheckpointStrategy s) { return s == CheckpointStrategy::retain ? "retain" : "recompute"; };
-  if (held.strategy != wanted.strategy) {
-    return std::string("strategy ") + strategy(held.strategy) + ", this call's " + strategy(wanted.strategy);
   }
   const auto accumulate = [](Accumulate a) { return a == Accumulate::f32 ? "f32" : "native"; };
   if (held.reduce != wanted.reduce) {
@@ -407,20 +404,20 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
   for (auto& [name, param] : module.named_parameters()) {
     if (param.is_sharded()) {
       const auto& held = param.shard()->group;
-      if (difference.empty() && (!held || held->module() == &module)) {
+      if (difference.empty() && param.shard()->sharded_by == &module) {
         difference = policy_difference(param.shard()->policy, options.policy);
         if (!difference.empty()) resharded = name;
       }
       if (!options.group) {
         // Per parameter, bottom-up as with groups: what an earlier call on a submodule sharded
-        // stays as it is, renamed relative to this module.
+        // stays as it is, renamed relative to this module (once every check has passed).
         if (held) {
           fail<ShardingError>(op, "parameter '", name, "' is sharded in a group already; shard a model's modules ",
                               "all in groups or all per parameter");
         }
         if (param.shard()->comm != &comm)
           fail<ShardingError>(op, "parameter '", name, "' is sharded over another communicator already");
-        param.shard()->name = name;
+        renamed.emplace_back(param, name);
         continue;
       }
       if (!held) {
@@ -446,6 +443,7 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
     info->comm_alive = comm.liveness();
     info->replicate = options.replicate;
     info->name = name;
+    info->sharded_by = &module;
     Tensor slice = local_slice(param, *info);
     // A frozen parameter stays frozen.
     const bool requires_grad = param.is_deferred() || param.data().requires_grad();
@@ -457,7 +455,7 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
     fail<ShardingError>(op, "shards no parameter: '", resharded,
                         "' and the module's others are sharded already, by an earlier call with another policy (",
                         difference, "); a policy applies to the parameters its call shards. Shard a fresh model ",
-                        "with it (set_checkpoint_strategy changes the strategy of a sharded one)");
+                        "with it");
   }
   for (auto& [param, name] : renamed) param.shard()->name = name;  // named from the enclosing module from now on
   std::vector<Param> fresh;

@@ -138,6 +138,10 @@ struct ShardInfo {
   /// there; null on the per-parameter path (ShardedParameter, the seed-style layers).
   std::shared_ptr<ShardGroup> group;
   std::size_t group_index = 0;
+  /// The module whose fully_shard call sharded it (null for the seed-style layers): a later call on
+  /// that same module with another policy would shard nothing, and is refused. Only compared,
+  /// never dereferenced.
+  const void* sharded_by = nullptr;
 
   /// The layout of a tensor of `logical_shape` at `rank` of `world_size`: slices of
   /// ceil(numel / world_size) elements in rank order, the last ones short or empty. Every sharded
