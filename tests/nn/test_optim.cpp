@@ -126,24 +126,10 @@ TEST_CASE("Adam refuses a step on a parameter whose dtype changed after its mome
   // parameter (Adam::moment_dtype), and f32 moments of a bf16 parameter do not fit it as f64.
   struct Change {
     DType first, later;
+    bool fits;  // the moments made for `first` are the ones `later` needs
   };
-  for (const Change change : {Change{DType::f32, DType::f64}, Change{DType::bf16, DType::f64}}) {
-    CAPTURE(dtype_name(change.first));
-    CAPTURE(dtype_name(change.later));
-    nn::Param p(ones({4096}, change.first));
-    nn::Adam opt({p});
-    p.data().set_grad(ones({4096}, change.first));
-    opt.step();
-    p.set_data(p.data().to(change.later));
-    p.data().set_grad(ones({4096}, change.later));
-    test::check_throws<DTypeError>([&] { opt.step(); }, {"Adam", "moments are f32", "set_data", "new optimizer"});
-    test::check_throws<DTypeError>([&] { (void)opt.state(p); }, {"Adam", "moments are f32"});
-    // A new optimizer steps it.
-    nn::Adam fresh({p});
-    fresh.step();
-    CHECK(p.data().dtype() == change.later);
-  }
-  for (const Change change : {Change{DType::f32, DType::bf16}, Change{DType::bf16, DType::f16}}) {
+  for (const Change change : {Change{DType::f32, DType::f64, false}, Change{DType::bf16, DType::f64, false},
+                              Change{DType::f32, DType::bf16, true}, Change{DType::bf16, DType::f16, true}}) {
     CAPTURE(dtype_name(change.first));
     CAPTURE(dtype_name(change.later));
     nn::Param p(ones({4096}, change.first));
@@ -153,11 +139,20 @@ TEST_CASE("Adam refuses a step on a parameter whose dtype changed after its mome
     const std::vector<float> moment = opt.state(p)[0].second.to_vector<float>();
     p.set_data(p.data().to(change.later));
     p.data().set_grad(ones({4096}, change.later));
-    opt.step();  // the same f32 moments, one step further
-    CHECK(opt.steps_of(p) == 2);
-    const Tensor exp_avg = opt.state(p)[0].second;
-    CHECK(exp_avg.dtype() == DType::f32);
-    CHECK(exp_avg.to_vector<float>()[0] == doctest::Approx(0.9 * moment[0] + 0.1));
+    if (change.fits) {
+      opt.step();  // the same f32 moments, one step further
+      CHECK(opt.steps_of(p) == 2);
+      const Tensor exp_avg = opt.state(p)[0].second;
+      CHECK(exp_avg.dtype() == DType::f32);
+      CHECK(exp_avg.to_vector<float>()[0] == doctest::Approx(0.9 * moment[0] + 0.1));
+      continue;
+    }
+    test::check_throws<DTypeError>([&] { opt.step(); }, {"Adam", "moments are f32", "set_data", "new optimizer"});
+    test::check_throws<DTypeError>([&] { (void)opt.state(p); }, {"Adam", "moments are f32"});
+    // A new optimizer steps it.
+    nn::Adam fresh({p});
+    fresh.step();
+    CHECK(p.data().dtype() == change.later);
   }
 }
 
