@@ -57,10 +57,9 @@ void attention_suite(Context& ctx) {
       Context c = ctx;
       if (t >= 2048) c.repeats = std::min(c.repeats, 5);
       const std::string name = std::string(dtype_name(dtype)) + " causal fwd+bwd B=1 H=12 D=64 T=" + std::to_string(t);
-      const Stats ours = measure(
-          c, [&] { step(fused); }, 1);
-      const Stats peer = measure(
-          c, [&] { step(composed); }, 1);
+      // Alternated, so that a change of load between them does not decide the ratio.
+      const auto [ours, peer] = measure_pair(
+          c, [&] { step(fused); }, [&] { step(composed); }, 1);
       report_time(ctx, "attention", name, ours, peer, "composed ops", "ms", 1e3);
 
       // Gradients are allocated inside the scope, q, k, v and dO outside it.

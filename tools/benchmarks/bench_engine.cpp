@@ -119,12 +119,13 @@ void layer_norm_suite(Context& ctx) {
 
 // Memory-bound kernels against a copy of the same bytes in the same run (a.clone(), or for a
 // reduction the sum, which reads them once): "ratio" near 1 means the kernel runs at the
-// memory's speed. Rows for kernels that once ran far below it: where (a data-dependent branch),
-// max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache miss a
-// value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass), a
-// softmax over the first axis (a line gathered at a time, against the last axis), an add of two
-// transposed operands (a value a cache line, against contiguous ones); and exp,
-// against Eigen's own exp of the same values.
+// memory's speed. Two move other bytes than their peer: where reads both operands and the mask
+// (13 bytes an f32 element, 7 a bf16 one, against the copy's 8 or 4: ~1.6-1.75 at memory speed),
+// and fill only writes (half its peer's bytes: ~0.5 at memory speed). Rows for kernels that once ran far below it:
+// where (a data-dependent branch), max (a scalar loop), logsumexp (one std::exp a value), a transposing copy (a cache
+// miss a value), a bf16 fill (std::fill over 16-bit structs), LayerNorm's backward (a second pass), a softmax over the
+// first axis (a line gathered at a time, against the last axis), an add of two transposed operands (a value a cache
+// line, against contiguous ones); and exp, against Eigen's own exp of the same values.
 void kernels_suite(Context& ctx) {
   const std::int64_t rows = ctx.quick ? 512 : 2048, cols = 1024;
   for (DType dtype : {DType::f32, DType::bf16}) {
@@ -242,11 +243,15 @@ void kernels_suite(Context& ctx) {
   }
   // LayerNorm's backward on the default GPT's shape, against a copy of what it reads (x and dy).
   const Tensor x0 = randn({rows, 256}, 4), gy = randn({rows, 256}, 5);
-  const Tensor w = (randn({256}, 6) + 1.0).set_requires_grad(), bias = randn({256}, 7).set_requires_grad();
-  const Tensor x = x0.detach().set_requires_grad();
+  Tensor w = (randn({256}, 6) + 1.0).set_requires_grad(), bias = randn({256}, 7).set_requires_grad();
+  Tensor x = x0.detach().set_requires_grad();
   const auto [backward, copies] = measure_pair(
       ctx,
       [&] {
+        // (Cleared, or every backward after the first added its gradients into the last ones'.)
+        x.zero_grad();
+        w.zero_grad();
+        bias.zero_grad();
         const Tensor y = layer_norm(x, w, bias);
         y.backward(gy);
       },

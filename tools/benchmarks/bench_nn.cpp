@@ -74,8 +74,10 @@ void train_step_suite(Context& ctx) {
 
 // The sharded step's own cost: the default GPT over 2 emulated ranks without a link model (each
 // rank one thread on its half of the batch) against the same step dense on the local batch with
-// the same threads, on one rank at a time. The ratio is what sharding adds (gathers, copies into
-// and out of flat buffers, reduce-scatters, bookkeeping) when the wire costs nothing.
+// the same threads, two dense replicas stepping at once as the ranks do (one dense step alone
+// had the machine's memory bandwidth and cache to itself, and the ratio counted two ranks
+// sharing them as sharding's cost). The ratio is what sharding adds (gathers, copies into and
+// out of flat buffers, reduce-scatters, bookkeeping) when the wire costs nothing.
 void sharded_gpt_row(Context& ctx) {
   constexpr int kWorld = 2;
   constexpr std::int64_t kGlobal = 16, kLocal = kGlobal / kWorld;
@@ -88,33 +90,30 @@ void sharded_gpt_row(Context& ctx) {
     opt.step();
   };
   const int threads = std::max(1, hardware_threads() / kWorld);
-  Stats dense;
-  std::thread([&] {
-    set_num_threads(threads);
-    nn::manual_seed(1);
-    nn::GPT gpt(config);
-    nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
-    const Tensor x = randint({kLocal, 128}, 0, 256, 3), y = randint({kLocal, 128}, 0, 256, 4);
-    dense = measure(
-        ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
-  }).join();
-  Stats rank0;
+  // Each rank holds both models and times their steps in alternation (sharded, dense, ...), so
+  // that load changes between them do not decide the ratio; the dense steps run no collective.
+  Stats rank0, dense;
   run_ranks(kWorld, [&](Communicator& comm) {
     set_num_threads(threads);
     nn::manual_seed(1);
+    nn::GPT replica(config);
+    nn::manual_seed(1);
     nn::GPT gpt(config);
     nn::fully_shard(gpt, comm);
-    nn::Adam opt(gpt.parameters(), {.lr = 3e-4});
+    nn::Adam replica_opt(replica.parameters(), {.lr = 3e-4}), opt(gpt.parameters(), {.lr = 3e-4});
     const Tensor x = randint({kLocal, 128}, 0, 256, 3 + comm.rank()),
                  y = randint({kLocal, 128}, 0, 256, 4 + comm.rank());
-    const Stats s = measure(
-        ctx, [&] { gpt_step(gpt, opt, x, y); }, 2);
-    if (comm.rank() == 0) rank0 = s;
+    const auto [sharded, alone] = measure_pair(
+        ctx, [&] { gpt_step(gpt, opt, x, y); }, [&] { gpt_step(replica, replica_opt, x, y); }, 2);
+    if (comm.rank() == 0) {
+      rank0 = sharded;
+      dense = alone;
+    }
   });
   report_time(ctx, "train-step",
               "GPT d256 L4 b16, sharded over 2 emulated ranks (no link), " + std::to_string(threads) +
                   " thread(s) each, vs dense on the local batch 8",
-              rank0, dense, "dense b8, same threads", "ms", 1e3);
+              rank0, dense, "dense b8, same threads, two replicas at once", "ms", 1e3);
 }
 
 void memory_suite(Context& ctx) {
@@ -238,9 +237,6 @@ void models_suite(Context& ctx) {
       opt.step();
     };
   };
-  auto time_step = [&](const Context& c, nn::Optimizer& opt, const Tensor& x, const Tensor& y,
-                       const UnaryModuleFn& forward,
-                       int warmup) { return measure(c, step_of(opt, x, y, forward), warmup); };
   auto report_step = [&](const std::string& name, const Stats& seconds) {
     Result r;
     r.suite = "models";
@@ -315,10 +311,21 @@ void models_suite(Context& ctx) {
                                                1024, 768, 3072, DType::f32, 1);
   const Stats& step = timed.step;
   report_step("gpt2-small step (d768 L12 H12 T1024 b1), f32", step);
-  // The same step recomputing the MLPs' pre-activations (ruda-train lm --recompute-gelu).
+  // The same step recomputing the MLPs' pre-activations (ruda-train lm --recompute-gelu),
+  // alternated with the default step (timed apart, the two ran under different loads).
+  const auto gpt_step = step_of(opt, x, y, [&](const Tensor& t) { return gpt.forward(t); });
+  const auto [recomputing, keeping] = measure_pair(
+      few,
+      [&] {
+        gpt.set_gelu_backward(GeluBackward::recompute);
+        gpt_step();
+      },
+      [&] {
+        gpt.set_gelu_backward(GeluBackward::keep_pre_activation);
+        gpt_step();
+      },
+      1);
   gpt.set_gelu_backward(GeluBackward::recompute);
-  const Stats recomputing = time_step(
-      few, opt, x, y, [&](const Tensor& t) { return gpt.forward(t); }, 1);
   const nn::MemoryPlan recompute_plan = nn::plan_memory(
       gpt, comm, 1,
       [&](std::int64_t b) {
@@ -326,7 +333,7 @@ void models_suite(Context& ctx) {
       },
       0);
   gpt.set_gelu_backward(GeluBackward::keep_pre_activation);
-  report_time(ctx, "models", "gpt2-small step recomputing the GELU pre-activations, f32", recomputing, step,
+  report_time(ctx, "models", "gpt2-small step recomputing the GELU pre-activations, f32", recomputing, keeping,
               "keeping them (the default)", "ms", 1e3);
   report_fraction("gpt2-small step (d768 L12 H12 T1024 b1), f32", step, gpt_flops(config, 1), timed.gemm_rate,
                   "[1024, 768] x [768, 3072] f32");
