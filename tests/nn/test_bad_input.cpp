@@ -338,6 +338,16 @@ TEST_CASE("initializers and SGD refuse values that give NaN weights or an update
   check_throws<ArgumentError>([&] { nn::init::normal(0, inf); }, {"init::normal", "standard deviation"});
   check_throws<ArgumentError>([&] { nn::init::uniform(-inf, inf); }, {"init::uniform", "finite"});
   check_throws<ArgumentError>([&] { nn::init::constant(nan); }, {"init::constant", "NaN"});
+  // An i64 tensor made by index takes values as from_values does: no NaN made 0, no saturation.
+  for (const double bad : {nan, inf, 1e19}) {
+    CAPTURE(bad);
+    const auto init = nn::init::by_index([bad](std::int64_t i) { return i == 1 ? bad : 2.0; });
+    check_throws<DTypeError>([&] { (void)init.make({3}, DType::i64); },
+                             {"init::by_index", "element 1", "not an i64 value", "[3]"});
+  }
+  CHECK(nn::init::by_index([](std::int64_t i) { return 2.5 * static_cast<double>(i); })
+            .make({3}, DType::i64)
+            .to_vector<std::int64_t>() == std::vector<std::int64_t>{0, 2, 5});  // fractions truncate
   nn::Linear layer(2, 2);
   check_throws<ArgumentError>([&] { nn::SGD(layer.parameters(), {.lr = 0.1, .momentum = 0.9, .dampening = 1.5}); },
                               {"SGD", "dampening must be <= 1"});

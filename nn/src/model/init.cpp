@@ -32,7 +32,15 @@ Tensor produce(const Initializer& init, const Shape& shape, std::int64_t begin, 
     case Initializer::Kind::by_index: {
       Tensor values = empty(out_shape, DType::f64);
       double* out = values.data<double>();
-      for (std::int64_t i = begin; i < end; ++i) out[i - begin] = init.by_index(i);
+      for (std::int64_t i = begin; i < end; ++i) {
+        out[i - begin] = init.by_index(i);
+        // An integer tensor takes the values as from_values does (fractions truncate); a value
+        // no i64 holds is refused, as full() refuses one (the cast made NaN 0 and saturated).
+        if (dtype == DType::i64 && !(out[i - begin] >= -0x1p63 && out[i - begin] < 0x1p63)) {
+          fail<DTypeError>("init::by_index", "element ", i, "'s value ", out[i - begin],
+                           " is not an i64 value, for an i64 tensor of shape ", shape);
+        }
+      }
       return values.to(dtype);
     }
     case Initializer::Kind::whole: {
