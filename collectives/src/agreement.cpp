@@ -9,10 +9,7 @@
 namespace ruda {
 
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text, const std::string& tag) {
-  // The agreement's few bytes are exempt from the memory limit (still counted): a rank at its
-  // limit must still tell the others what happened. Refused there, run_agreed reported a
-  // checkpoint save as failed after its index and latest pointer were published.
-  const memory::LimitSuspended bookkeeping;
+  const memory::LimitSuspended bookkeeping;  // (collectives.h: exempt from the limit)
   const int world = comm.world_size();
   Tensor length = empty({1}, DType::i64);
   *static_cast<std::int64_t*>(length.data_ptr()) = static_cast<std::int64_t>(text.size());
@@ -31,6 +28,12 @@ std::vector<std::string> all_gather_text(Communicator& comm, const std::string& 
     out[static_cast<std::size_t>(r)].assign(bytes + r * words * 8, static_cast<std::size_t>(sizes[r]));
   }
   return out;
+}
+
+std::vector<double> agree_on_max(Communicator& comm, const std::vector<double>& values, const std::string& tag) {
+  const memory::LimitSuspended bookkeeping;  // (collectives.h: exempt from the limit)
+  const Tensor mine = from_values(values, {static_cast<std::int64_t>(values.size())}, DType::f64);
+  return comm.all_reduce(mine, Reduction::max, {.tag = tag}).to_vector<double>();
 }
 
 std::vector<RankFailure> agree_on_failure(Communicator& comm, const std::string& error, const std::string& tag) {

@@ -703,10 +703,13 @@ TEST_CASE("emulated: ranks at their memory limit still agree: the agreement's by
   const std::int64_t saved = memory::limit();
   memory::set_limit(1);
   std::vector<std::vector<RankFailure>> seen(2);
+  std::vector<std::vector<double>> flags(2);
   run_ranks(2, [&](Communicator& comm) {
     seen[static_cast<std::size_t>(comm.rank())] = run_agreed(comm, "at the limit", [&] {
       if (comm.rank() == 1) (void)zeros({16});  // this one is refused, as the limit says
     });
+    flags[static_cast<std::size_t>(comm.rank())] =
+        agree_on_max(comm, {static_cast<double>(comm.rank()), 1.0 - comm.rank()}, "flags at the limit");
   });
   memory::set_limit(saved);
   for (const auto& failures : seen) {
@@ -714,6 +717,7 @@ TEST_CASE("emulated: ranks at their memory limit still agree: the agreement's by
     CHECK(failures[0].rank == 1);
     CHECK(failures[0].message.find("out of memory") != std::string::npos);
   }
+  for (const auto& f : flags) CHECK(f == std::vector<double>{1.0, 1.0});
 }
 
 TEST_CASE("emulated: a ShardMesh moved from raises ArgumentError from every accessor, instead of a null dereference") {

@@ -8,7 +8,8 @@
 #               rank, over the limit as configured at 4 MPI ranks, fitted and trained there
 #   bench-list  tools/bench --list
 #   bench-quick  tools/bench --quick over the single-process suites whose figures the README quotes
-#               (all but memory-scale, minutes even when quick): every suite runs and reports
+#               (all but memory-scale, minutes even when quick, and the emulated overlap and hybrid
+#               suites, half a minute): every suite runs and reports
 #   bench-mpi-quick  tools/bench --quick --suite collectives-mpi: the MPI suite the README quotes, at
 #               2, 3 and 4 ranks
 #   mpiexec-signal  the README's graceful stop through mpiexec itself: SIGUSR1 sent to mpiexec
@@ -129,7 +130,7 @@ case "$case_name" in
     ;;
   bench-quick)
     suites=(kernels attention models layer-norm checkpoint onednn-kernels gemm gemm-onednn op-overhead memory optimizer
-      data collectives mlp)
+      data collectives mlp train-step onednn-ranks)
     args=()
     for suite in "${suites[@]}"; do args+=(--suite "$suite"); done
     "$root/tools/bench" --quick "${args[@]}" >"$log" 2>&1 || fail "tools/bench --quick exited $?"
@@ -139,6 +140,10 @@ case "$case_name" in
     expect "causal fwd+bwd with dropout 0.1"
     expect "dropout 0.1 [512, 1024] f32"
     expect "f32 softmax exp pass, 4096 rows of 256"
+    expect "dense b8, same threads, two replicas at once"
+    expect "adam step, 1M bf16 parameters"
+    expect "f16 relu ["
+    expect "logsumexp over columns ["
     ;;
   bench-mpi-quick)
     "$root/tools/bench" --quick --suite collectives-mpi >"$log" 2>&1 || fail "tools/bench --suite collectives-mpi exited $?"

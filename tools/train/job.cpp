@@ -657,12 +657,7 @@ int run(const Config& cfg, Communicator& comm) {
         }
       }
     });
-    const bool any_non_finite = [&] {
-      const memory::LimitSuspended bookkeeping;  // the ranks' agreement: exempt from the limit, as run_agreed's
-      return comm.all_reduce(from_values({non_finite}, {1}, DType::f64), Reduction::max, {.tag = "finite weights"})
-                 .item() != 0;
-    }();
-    if (any_non_finite) {
+    if (agree_on_max(comm, {non_finite}, "finite weights")[0] != 0) {
       stop("the weights are not finite after step " + std::to_string(step) +
            "'s update: no checkpoint written (the earlier ones are kept)");
     }
@@ -829,14 +824,8 @@ int run(const Config& cfg, Communicator& comm) {
       // What the ranks agree on at the end of a step (outside its traffic: the metrics' comm_*
       // figures do not count it): whether rank 0 failed to write the metrics, and whether any rank
       // received a signal during the step. Every rank then stops after the same one.
-      const auto agreed = [&] {
-        const memory::LimitSuspended bookkeeping;  // the ranks' agreement: exempt from the limit, as run_agreed's
-        return comm
-            .all_reduce(from_values({metrics_error.empty() ? 0.0 : 1.0, static_cast<double>(StopSignals::received())},
-                                    {2}, DType::f64),
-                        Reduction::max, {.tag = "end of step"})
-            .to_vector<double>();
-      }();
+      const auto agreed = agree_on_max(
+          comm, {metrics_error.empty() ? 0.0 : 1.0, static_cast<double>(StopSignals::received())}, "end of step");
       if (agreed[0] != 0) {
         if (main_rank) print_error(metrics_error);
         throw Reported("metrics");

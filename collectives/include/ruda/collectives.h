@@ -478,9 +478,18 @@ class ShardMesh {
 
 namespace ruda {
 
+// The agreements below exchange a few bytes each, exempt from the memory limit (still counted):
+// a rank at its limit must still tell the others what happened. Refused there, an agreement
+// threw on that rank alone, and a checkpoint save was reported failed after it was published.
+
 /// Every rank's `text`, in rank order, on every rank. Collective: two all_gathers (the lengths,
 /// then the bytes padded to the longest), tagged with `tag` for the order check.
 std::vector<std::string> all_gather_text(Communicator& comm, const std::string& text, const std::string& tag);
+
+/// The largest of each of `values` over the ranks, on every rank (one all_reduce of f64 values):
+/// the flags ranks agree on (a plan over the limit, weights not finite, a signal received).
+/// Every rank passes as many values. Collective.
+std::vector<double> agree_on_max(Communicator& comm, const std::vector<double>& values, const std::string& tag);
 
 /// A rank's failure, as agree_on_failure reports it.
 struct RankFailure {

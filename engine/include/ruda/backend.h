@@ -156,6 +156,10 @@ struct GemmDesc {
 /// parameter (a 16-bit second moment underflows) and of the parameter's dtype otherwise.
 /// decoupled = AdamW (weight decay on the parameter), else L2 added to the gradient.
 struct AdamDesc {
+  /// The moments' dtype for a parameter of `parameter` (nn::Adam::moment_dtype is this rule).
+  static constexpr DType moment_dtype(DType parameter) noexcept {
+    return is_16bit_float(parameter) ? DType::f32 : parameter;
+  }
   View param, grad, exp_avg, exp_avg_sq;
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   std::int64_t step = 1;  // 1-based, for bias correction

@@ -24,7 +24,6 @@
 #include <typeinfo>
 
 #include <ruda/autograd.h>
-#include <ruda/memory.h>
 #include <ruda/nn/checkpoint.h>
 #include <ruda/nn/layers.h>
 #include <ruda/nn/safetensors.h>
@@ -1128,10 +1127,8 @@ CheckpointInfo save_shards(const std::string& dir, std::int64_t step, const Modu
     // keeping a checkpoint's worth of space on the disk that just ran out of it. Where the index
     // was written (the latest pointer failed after it), the files are the step's and stay. Rank
     // 0 says which (another rank's view of the directory may lag: a network file system).
-    const memory::LimitSuspended bookkeeping;  // (as the agreement's: a flag, not the failure itself)
-    const Tensor written = comm.broadcast(from_values({index_written ? 1.0 : 0.0}, {1}, DType::f64), 0,
-                                          {.tag = "checkpoint: whether the index was written"});
-    if (written.item() == 0) {
+    // (Only rank 0 publishes: the largest flag is its own.)
+    if (agree_on_max(comm, {index_written ? 1.0 : 0.0}, "checkpoint: whether the index was written")[0] == 0) {
       std::error_code ec;
       fs::remove(file, ec);
     }

@@ -307,7 +307,7 @@ Adam::Adam(std::vector<ParamGroup> groups, AdamOptions options)
   require_at_least("Adam", "weight_decay", options.weight_decay, 0.0);
 }
 
-DType Adam::moment_dtype(DType parameter) noexcept { return is_16bit_float(parameter) ? DType::f32 : parameter; }
+DType Adam::moment_dtype(DType parameter) noexcept { return AdamDesc::moment_dtype(parameter); }
 
 Adam::Moments& Adam::moments(const Param& param) {
   const Tensor& data = param.data();

@@ -2,9 +2,9 @@
 #include <cstdio>
 #include <tuple>
 
-#include <ruda/autograd.h>
 #include <ruda/memory.h>
 #include <ruda/nn/memory_plan.h>
+#include <ruda/nn/optim.h>
 
 #include "model/dropout_positions.h"
 #include "sharding/shard_group.h"
@@ -42,9 +42,6 @@ std::int64_t add_bytes(const std::string& name, std::int64_t a, std::int64_t b) 
   return out;
 }
 
-}  // namespace
-
-namespace {
 // A probe the caller made: the line it gives must not fall below 0 at one sample nor as samples
 // grow (a negative one planned a step of -120 bytes, and the plan then read as unmeasured).
 void require_probe(const char* op, const StepProbe& probe) {
@@ -107,8 +104,8 @@ MemoryPlan plan_state_of(const Module& module, int world_size, std::int64_t glob
     const bool frozen = !p.is_deferred() && !p.data().requires_grad();
     if (!frozen) {
       plan.gradients = add_bytes(name, plan.gradients, shard);
-      const bool widened = options.f32_states_for_16bit && is_16bit_float(p.dtype());
-      const std::int64_t state = widened ? bytes_of(name, 2, shard) : shard;  // f32: twice a 16-bit element
+      const DType state_dtype = options.f32_states_for_16bit ? Adam::moment_dtype(p.dtype()) : p.dtype();
+      const std::int64_t state = bytes_of(name, elements, static_cast<std::int64_t>(dtype_size(state_dtype)));
       plan.optimizer = add_bytes(name, plan.optimizer, bytes_of(name, options.optimizer_states, state));
     }
     // (As held, a sharded parameter gathers in its own policy's compute dtype unless one is given.)
@@ -218,11 +215,7 @@ StepProbe probe_step(const Module& module, Communicator& comm, const std::functi
   module.zero_grad();
   memory::reset_peak();
   // Every rank plans with the largest figures (ranks differ by padding and by their samples).
-  autograd::NoGradGuard guard;
-  const auto worst =
-      comm.all_reduce(from_values({static_cast<double>(one), static_cast<double>(more)}, {2}, DType::f64),
-                      Reduction::max, {.tag = "memory plan"})
-          .to_vector<double>();
+  const auto worst = agree_on_max(comm, {static_cast<double>(one), static_cast<double>(more)}, "memory plan");
   const auto at_one = static_cast<std::int64_t>(worst[0]), at_more = static_cast<std::int64_t>(worst[1]);
   // Rounded up, so that the line is never below the measurement at `samples`.
   const std::int64_t per_sample = std::max<std::int64_t>(0, (at_more - at_one + samples - 2) / (samples - 1));
@@ -235,14 +228,10 @@ MemoryPlan plan_memory(const Module& module, int world_size, std::int64_t global
 }
 
 namespace {
-// Whether `plan` is over `limit` on some rank. The flag's bytes are exempt from the limit (as the
-// ranks' agreement's are): a rank at its limit refused there alone while the others waited.
+// Whether `plan` is over `limit` on some rank.
 bool any_rank_over(Communicator& comm, const MemoryPlan& plan, std::int64_t limit) {
   const bool over = limit > 0 && plan.peak() > limit;
-  const memory::LimitSuspended bookkeeping;
-  return autograd::no_grad([&] {
-    return comm.all_reduce(scalar(over ? 1.0 : 0.0, DType::f64), Reduction::max, {.tag = "memory plan"}).item() > 0;
-  });
+  return agree_on_max(comm, {over ? 1.0 : 0.0}, "memory plan")[0] > 0;
 }
 }  // namespace
 

@@ -1,9 +1,9 @@
 // Planning a rank's memory before the first step (ZeRO-3's contract made concrete).
 //
 // Each rank holds 1/N of every parameter, of its gradient and of the optimizer's state (AdamW: two
-// moments per element, f32 for a 16-bit parameter), 16 bytes per f32 element over N ranks, plus, while a step runs, the
-// weights gathered for the layer computing, their full gradients, and the activations kept for
-// backward. The state part follows from shapes alone, so it is known for a model built under
+// moments per element, f32 for a 16-bit parameter), 16 bytes per f32 element over N ranks, plus,
+// while a step runs, the weights gathered for the layer computing, their full gradients, and the
+// activations kept for backward. The state part follows from shapes alone, so it is known for a model built under
 // DeferredInit before anything is allocated. The step part depends on the model's code: it is
 // measured by running the step's forward and backward on micro-batches (probe_step) and
 // interpolated linearly in the local batch, which activations are.
