@@ -1,5 +1,7 @@
-// Optimizers against hand-computed PyTorch-formula steps, schedules, and dense clipping.
+// Optimizers against hand-computed PyTorch-formula steps, schedules, dense clipping, and the loss scaler.
 #include <cmath>
+#include <limits>
+#include <map>
 
 #include "helpers.h"
 
@@ -644,4 +646,236 @@ TEST_CASE("a step that runs out of memory while updating counts for the paramete
   CHECK(opt.steps_of(small) == 2);
   CHECK(opt.steps_of(large) == 1);
   CHECK(large.data().to_vector<float>()[0] == doctest::Approx(1 - 0.1 * 1.1).epsilon(1e-6));  // one update
+}
+
+// ---- GradScaler ----------------------------------------------------------------------------
+
+namespace {
+// y = mlp(x) on [4, 8] inputs; the loss is `factor` times the squared error summed over the
+// rows [begin, end) of the batch, so that ranks holding halves of it sum to the whole gradient.
+Tensor scaler_loss(nn::MLP& mlp, std::int64_t begin, std::int64_t end, double factor) {
+  Generator data(11);
+  const Tensor x = data.randn({4, 8}).slice(0, begin, end);
+  const Tensor target = data.randn({4, 8}).slice(0, begin, end);
+  return sum(square(cast(mlp.forward(x), DType::f32) - target)) * factor;
+}
+// The part of a dense gradient that `p`'s local slice holds.
+Tensor own_part(const nn::Param& p, const Tensor& dense_grad) {
+  const nn::ShardInfo& s = *p.shard();
+  const std::int64_t begin = s.rank * s.shard_size;
+  return dense_grad.reshape({-1}).slice(0, begin, begin + s.real_elements());
+}
+// |a - b| / |b| over the concatenated slices.
+double relative_error(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const std::vector<double> x = a[i].to_vector<double>(), y = b[i].to_vector<double>();
+    for (std::size_t j = 0; j < x.size(); ++j) {
+      diff += (x[j] - y[j]) * (x[j] - y[j]);
+      norm += y[j] * y[j];
+    }
+  }
+  return std::sqrt(diff / norm);
+}
+}  // namespace
+
+TEST_CASE("GradScaler: under an f16 compute dtype it keeps the gradients f16 flushes to 0, within 1e-2 of f32's") {
+  // A loss 1e-8 of the usual size: its gradients (~1e-8) are below f16's normal range, so the f16
+  // backward of fully_shard's compute dtype flushes them to 0 or a bit or two.
+  constexpr double kSmall = 1e-8;
+  nn::manual_seed(5);
+  nn::MLP reference(8, 16);
+  sum(scaler_loss(reference, 0, 4, kSmall)).backward();
+  std::vector<Tensor> dense_grads;
+  for (const nn::Param& p : reference.parameters()) dense_grads.push_back(p.grad());
+
+  std::vector<double> unscaled_error(2), scaled_error(2);
+  run_ranks(2, [&](Communicator& comm) {
+    for (const bool use_scaler : {false, true}) {
+      nn::manual_seed(5);
+      nn::MLP mlp(8, 16);
+      nn::fully_shard(mlp, comm, {.policy = {.compute_dtype = DType::f16}});
+      nn::SGD opt(mlp.parameters(), {.lr = 0.0});
+      nn::GradScaler scaler({.enabled = use_scaler});
+      const Tensor loss = scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, kSmall);
+      scaler.scale(loss).backward();
+      scaler.unscale_(opt, &comm);
+      std::vector<Tensor> got, want;
+      const std::vector<nn::Param> params = mlp.parameters();
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        REQUIRE(params[i].grad().dtype() == DType::f32);
+        got.push_back(params[i].grad().slice(0, 0, params[i].shard()->real_elements()));
+        want.push_back(own_part(params[i], dense_grads[i]));
+      }
+      (use_scaler ? scaled_error : unscaled_error)[comm.rank()] = relative_error(got, want);
+      CHECK(scaler.step(opt, &comm));
+      scaler.update();
+    }
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    CAPTURE(rank);
+    CHECK(unscaled_error[rank] > 0.5);  // measured 0.89-1.06
+    CHECK(scaled_error[rank] < 1e-2);   // measured 5e-4
+  }
+}
+
+TEST_CASE("GradScaler: with a power-of-two scale, a step equals the unscaled step bit for bit") {
+  auto train = [](bool scaled) {
+    nn::manual_seed(3);
+    nn::MLP mlp(8, 16);
+    nn::AdamW opt(mlp.parameters(), {.lr = 1e-2});
+    nn::GradScaler scaler;
+    for (int step = 0; step < 3; ++step) {
+      opt.zero_grad();
+      const Tensor loss = scaler_loss(mlp, 0, 4, 0.25);
+      if (scaled) {
+        scaler.scale(loss).backward();
+        CHECK(scaler.step(opt));
+        scaler.update();
+      } else {
+        loss.backward();
+        opt.step();
+      }
+    }
+    std::vector<std::vector<double>> out;
+    for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
+    return out;
+  };
+  CHECK(train(true) == train(false));
+}
+
+TEST_CASE("GradScaler: an inf on one rank's slice skips the step on every rank; the scale backs off and grows") {
+  run_ranks(2, [](Communicator& comm) {
+    nn::manual_seed(2);
+    nn::MLP mlp(8, 16);
+    nn::fully_shard(mlp, comm);
+    nn::SGD opt(mlp.parameters(), {.lr = 0.1});
+    nn::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2});
+    auto snapshot = [&] {
+      std::vector<std::vector<double>> out;
+      for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
+      return out;
+    };
+    auto iteration = [&](bool poison) {
+      opt.zero_grad();
+      scaler.scale(scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, 0.25)).backward();
+      if (poison && comm.rank() == 1) {
+        Tensor g = mlp.fc2->bias.grad();  // rank 1's slice only
+        g.slice(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
+      }
+      const bool stepped = scaler.step(opt, &comm);
+      scaler.update();
+      return stepped;
+    };
+    const auto before = snapshot();
+    CHECK_FALSE(iteration(true));
+    CHECK(snapshot() == before);  // on rank 0 too, whose slices were finite
+    CHECK(opt.steps() == 0);
+    CHECK(scaler.scale_value() == 512.0);
+    CHECK(iteration(false));
+    CHECK(scaler.scale_value() == 512.0);
+    CHECK(scaler.growth_tracker() == 1);
+    CHECK(iteration(false));
+    CHECK(scaler.scale_value() == 1024.0);  // two clean steps
+    CHECK(scaler.growth_tracker() == 0);
+    CHECK(opt.steps() == 2);
+    CHECK(snapshot() != before);
+    // A NaN is found too.
+    opt.zero_grad();
+    scaler.scale(scaler_loss(mlp, 0, 2, std::nan(""))).backward();
+    CHECK_FALSE(scaler.step(opt, &comm));
+    scaler.update();
+    CHECK(scaler.scale_value() == 512.0);
+  });
+}
+
+TEST_CASE("GradScaler: calls out of order, f16 gradients and bad options are refused; disabled passes through") {
+  nn::manual_seed(1);
+  nn::MLP mlp(4, 8);
+  nn::SGD opt(mlp.parameters(), {.lr = 0.1});
+  nn::GradScaler scaler;
+  test::check_throws<ArgumentError>([&] { scaler.update(); }, {"GradScaler::update", "no unscale_() or step()"});
+  scaler.scale(sum(mlp.forward(ones({2, 4})))).backward();
+  const std::vector<double> scaled = mlp.fc2->bias.grad().to_vector<double>();
+  scaler.unscale_(opt);
+  test::check_throws<ArgumentError>([&] { scaler.unscale_(opt); }, {"GradScaler::unscale_", "unscale_() already ran"});
+  const std::vector<double> unscaled = mlp.fc2->bias.grad().to_vector<double>();
+  for (std::size_t i = 0; i < scaled.size(); ++i) CHECK(unscaled[i] == scaled[i] / 65536.0);  // divided once
+  test::check_throws<ArgumentError>([&] { scaler.load_state(scaler.state()); }, {"load between iterations"});
+  CHECK(scaler.step(opt));
+  test::check_throws<ArgumentError>([&] { scaler.step(opt); }, {"GradScaler::step", "step() already ran"});
+  scaler.update();
+
+  // f16 gradients: refused before any is divided.
+  nn::manual_seed(1);
+  nn::MLP half(4, 8);
+  for (const nn::Param& p : half.parameters()) p.set_data(cast(p.data(), DType::f16));
+  nn::SGD half_opt(half.parameters(), {.lr = 0.1});
+  nn::GradScaler small({.init_scale = 4.0});  // 65536 would overflow these f16 gradients
+  small.scale(sum(cast(half.forward(ones({2, 4}, DType::f16)), DType::f32))).backward();
+  const std::vector<double> kept = half.fc1->weight.grad().to_vector<double>();
+  test::check_throws<DTypeError>([&] { small.step(half_opt); }, {"GradScaler::step", "f16 gradient", "f32"});
+  CHECK(half.fc1->weight.grad().to_vector<double>() == kept);
+  test::check_throws<DTypeError>([&] { scaler.scale(ones({1}, DType::i64)); }, {"GradScaler::scale", "i64"});
+
+  for (const auto& [options, fragment] : std::vector<std::pair<nn::GradScalerOptions, std::string>>{
+           {{.init_scale = 0}, "init_scale"},
+           {{.init_scale = std::numeric_limits<double>::infinity()}, "init_scale"},
+           {{.growth_factor = 1.0}, "growth_factor"},
+           {{.backoff_factor = 1.0}, "backoff_factor"},
+           {{.backoff_factor = std::nan("")}, "backoff_factor"},
+           {{.growth_interval = 0}, "growth_interval"}}) {
+    test::check_throws<ArgumentError>([&] { nn::GradScaler bad(options); }, {"GradScaler", fragment});
+  }
+
+  // Disabled: the loss as it is, every step taken, update a no-op.
+  nn::GradScaler off({.enabled = false});
+  const Tensor loss = sum(mlp.forward(ones({2, 4})));
+  CHECK(off.scale(loss).item() == loss.item());
+  opt.zero_grad();
+  off.scale(loss).backward();
+  CHECK(off.step(opt));
+  off.update();
+  off.update();
+  CHECK(off.scale_value() == 65536.0);
+}
+
+TEST_CASE("GradScaler: its scale and growth tracker ride in a checkpoint's extra state and load back exactly") {
+  test::TempDir tmp;
+  run_ranks(1, [&](Communicator& comm) {
+    nn::manual_seed(1);
+    nn::MLP mlp(4, 8);
+    nn::SGD opt(mlp.parameters(), {.lr = 0.1});
+    nn::GradScaler scaler({.init_scale = 3.0e-5, .backoff_factor = 0.3, .growth_interval = 5});
+    for (int i = 0; i < 3; ++i) {
+      opt.zero_grad();
+      scaler.scale(sum(mlp.forward(ones({2, 4})))).backward();
+      scaler.step(opt);
+      scaler.update();
+    }
+    REQUIRE(scaler.growth_tracker() == 3);
+    std::map<std::string, std::string> extra = {{"model", "mlp"}};
+    extra.merge(scaler.state());
+    nn::save_checkpoint(tmp.path.string(), 3, mlp, &opt, comm, extra);
+
+    nn::GradScaler resumed({.growth_interval = 5});
+    const nn::CheckpointInfo info = nn::load_checkpoint(tmp.path.string(), mlp, &opt, comm);
+    resumed.load_state(info.extra);
+    CHECK(resumed.scale_value() == scaler.scale_value());  // 3e-5 read back bit for bit
+    CHECK(resumed.growth_tracker() == 3);
+    nn::GradScaler untouched;
+    untouched.load_state({{"model", "mlp"}});  // saved without a scaler: left as it is
+    CHECK(untouched.scale_value() == 65536.0);
+  });
+  nn::GradScaler scaler({.growth_interval = 5});
+  for (const auto& [extra, fragment] : std::vector<std::pair<std::map<std::string, std::string>, std::string>>{
+           {{{"grad_scaler.scale", "1024"}}, "without grad_scaler.growth_tracker"},
+           {{{"grad_scaler.scale", "-1"}, {"grad_scaler.growth_tracker", "0"}}, "'-1'"},
+           {{{"grad_scaler.scale", "inf"}, {"grad_scaler.growth_tracker", "0"}}, "'inf'"},
+           {{{"grad_scaler.scale", "12x"}, {"grad_scaler.growth_tracker", "0"}}, "'12x'"},
+           {{{"grad_scaler.scale", "8"}, {"grad_scaler.growth_tracker", "5"}}, "growth_interval 5"},
+           {{{"grad_scaler.scale", "8"}, {"grad_scaler.growth_tracker", "-1"}}, "'-1'"}}) {
+    test::check_throws<IOError>([&] { scaler.load_state(extra); }, {"GradScaler::load_state", fragment});
+  }
+  CHECK(scaler.scale_value() == 65536.0);
 }

@@ -9,6 +9,7 @@
 #include <ruda/nn/losses.h>
 #include <ruda/nn/memory_plan.h>
 #include <ruda/nn/module.h>
+#include <ruda/nn/grad_scaler.h>
 #include <ruda/nn/optim.h>
 #include <ruda/nn/recompute.h>
 #include <ruda/nn/safetensors.h>

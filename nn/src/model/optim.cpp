@@ -8,6 +8,8 @@
 #include <ruda/nn/optim.h>
 #include <ruda/nn/sharded.h>
 
+#include "model/gradients.h"
+
 namespace ruda::nn {
 
 namespace {
@@ -17,18 +19,6 @@ void require_at_least(const char* op, const char* what, double value, double low
     fail<ArgumentError>(op, what, " must be a finite number >= ", low, ", got ", value);
 }
 
-// A hybrid-sharded gradient that sums one node's ranks only (every backward since the last step ran
-// with set_requires_all_reduce(false)) must not be stepped on or measured: each node would update
-// its replica of the shard with its own partial sum, and the replicas would part silently (and
-// clip_grad_norm would give each node another norm). Every rank holds the same flags, so every
-// rank raises alike.
-void require_complete_gradient(const Param& p, const char* op) {
-  if (p.is_sharded() && p.shard()->gradient_partial && p.grad().defined()) {
-    fail<ShardingError>(op, p.shard()->describe(),
-                        " holds a partial gradient (this node's ranks only): every backward since the last step ran "
-                        "with set_requires_all_reduce(false); turn it back on for the last micro-batch's backward");
-  }
-}
 // A parameter's optimizer state made before Param::set_data gave it another dtype or size: the
 // fused kernel read Adam's moments as the parameter's dtype and length (past their end: a heap
 // corruption), and SGD's buffer was added into with a silent cast and saved in a dtype no fresh
@@ -70,6 +60,17 @@ class FirstPassState {
   bool kept_ = false;
 };
 }  // namespace
+
+// Each node would update its replica of the shard with its own partial sum, and the replicas would
+// part silently (and clip_grad_norm would give each node another norm). Every rank holds the same
+// flags, so every rank raises alike.
+void require_complete_gradient(const Param& p, const char* op) {
+  if (p.is_sharded() && p.shard()->gradient_partial && p.grad().defined()) {
+    fail<ShardingError>(op, p.shard()->describe(),
+                        " holds a partial gradient (this node's ranks only): every backward since the last step ran "
+                        "with set_requires_all_reduce(false); turn it back on for the last micro-batch's backward");
+  }
+}
 
 std::vector<ParamGroup> decay_2d_only(const Module& module) {
   ParamGroup decay{.name = "decay"}, no_decay{.name = "no_decay", .weight_decay = 0.0};

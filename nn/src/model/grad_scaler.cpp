@@ -1,0 +1,189 @@
+#include <ruda/nn/grad_scaler.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <vector>
+
+#include <ruda/autograd.h>
+#include <ruda/nn/sharded.h>
+
+#include "model/gradients.h"
+
+namespace ruda::nn {
+
+namespace {
+constexpr const char* kScaleKey = "grad_scaler.scale";
+constexpr const char* kTrackerKey = "grad_scaler.growth_tracker";
+
+// Whether every value is finite, a block at a time: x * 0 is 0 for a finite x and NaN for an inf
+// or NaN, and a sum of zeros cannot overflow in any dtype (a sum of the values themselves can:
+// f64 gradients near 1e308). Blocks bound the temporary to 256 KiB of f32, as the norms' do.
+constexpr std::int64_t kCheckBlock = std::int64_t{1} << 16;
+bool all_finite(const Tensor& values) {
+  const Tensor flat = values.reshape({-1});
+  const std::int64_t n = flat.numel();
+  for (std::int64_t at = 0; at < n; at += kCheckBlock) {
+    if (std::isnan(sum(flat.slice(0, at, std::min(n, at + kCheckBlock)) * 0.0).item())) return false;
+  }
+  return true;
+}
+
+std::string exact(double value) {
+  char buffer[64];
+  const auto [end, error] = std::to_chars(buffer, buffer + sizeof buffer, value);  // shortest round trip
+  return std::string(buffer, error == std::errc() ? end : buffer);
+}
+}  // namespace
+
+GradScaler::GradScaler(GradScalerOptions options) : options_(options), scale_(options.init_scale) {
+  const char* op = "GradScaler";
+  if (!(options.init_scale > 0) || !std::isfinite(options.init_scale))
+    fail<ArgumentError>(op, "init_scale must be a finite number > 0, got ", options.init_scale);
+  if (!(options.growth_factor > 1) || !std::isfinite(options.growth_factor))
+    fail<ArgumentError>(op, "growth_factor must be a finite number > 1, got ", options.growth_factor);
+  if (!(options.backoff_factor > 0 && options.backoff_factor < 1))
+    fail<ArgumentError>(op, "backoff_factor must be in (0, 1), got ", options.backoff_factor);
+  if (options.growth_interval < 1)
+    fail<ArgumentError>(op, "growth_interval must be 1 or more, got ", options.growth_interval);
+}
+
+Tensor GradScaler::scale(const Tensor& loss) const {
+  if (!loss.defined()) fail<ArgumentError>("GradScaler::scale", "the loss is undefined");
+  if (!is_floating(loss.dtype())) {
+    fail<DTypeError>("GradScaler::scale", "the loss must be a floating-point tensor, got ", dtype_name(loss.dtype()),
+                     " ", loss.shape());
+  }
+  return options_.enabled ? loss * scale_ : loss;
+}
+
+GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* comm, const char* op) {
+  const auto [it, fresh] = seen_.try_emplace(&optimizer, Seen{Stage::unscaled, false});
+  if (!fresh) {
+    fail<ArgumentError>(op, it->second.stage == Stage::stepped ? "step()" : "unscale_()",
+                        " already ran for this optimizer since the last update(): its gradients were unscaled "
+                        "once; call update() after each iteration's step()s");
+  }
+  if (!options_.enabled) return it->second;
+  Seen& seen = it->second;
+  autograd::NoGradGuard guard;
+  const std::vector<Param>& params = optimizer.params();
+  std::vector<Communicator*> comms;  // the ranks agree over each, in the order first named
+  bool found_inf = false;
+  try {
+    // Everything that can be refused, and the check, before anything is divided: a refusal (or
+    // running out of memory in the check's blocks) leaves every gradient as it was.
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const Param& p = params[i];
+      require_complete_gradient(p, op);
+      const Tensor g = p.grad();
+      if (g.defined() && g.dtype() == DType::f16) {
+        fail<DTypeError>(op, "parameter ", i, " ", p.shape(),
+                         " has an f16 gradient: divided by the scale in f16, the small values it kept would vanish "
+                         "again; keep the parameters in f32 and compute in f16 (ShardPolicy::compute_dtype, or "
+                         "casting inputs), so that gradients arrive in f32");
+      }
+      if (Communicator* over = p.is_sharded() ? p.shard()->comm : nullptr) {
+        if (p.shard()->comm_alive.expired())
+          fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
+        if (std::find(comms.begin(), comms.end(), over) == comms.end()) comms.push_back(over);
+      }
+      if (g.defined() && !found_inf) {
+        found_inf = !all_finite(p.is_sharded() ? g.slice(0, 0, p.shard()->real_elements()) : g);  // no padding
+      }
+    }
+  } catch (...) {
+    seen_.erase(it);  // as if it had not been called
+    throw;
+  }
+  if (comm && std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
+  const double inverse = 1.0 / scale_;
+  for (const Param& p : params) {
+    Tensor g = p.grad();
+    if (g.defined()) g.mul_(inverse);
+  }
+  // One rank's inf is every rank's skipped step: each holds other slices of the gradients. Should
+  // the agreement itself fail, the step is skipped on this rank (the gradients are divided).
+  seen.found_inf = true;
+  double flag = found_inf ? 1.0 : 0.0;
+  for (Communicator* over : comms) flag = agree_on_max(*over, {flag}, "GradScaler::unscale_")[0];
+  seen.found_inf = flag != 0;
+  return seen;
+}
+
+void GradScaler::unscale_(Optimizer& optimizer, Communicator* comm) {
+  unscale_once(optimizer, comm, "GradScaler::unscale_");
+}
+
+bool GradScaler::step(Optimizer& optimizer, Communicator* comm) {
+  const char* op = "GradScaler::step";
+  const auto found = seen_.find(&optimizer);
+  Seen* seen = found == seen_.end() ? &unscale_once(optimizer, comm, op) : &found->second;
+  if (seen->stage == Stage::stepped) {
+    fail<ArgumentError>(op,
+                        "step() already ran for this optimizer since the last update(); call update() after "
+                        "each iteration's step()s");
+  }
+  if (seen->found_inf) {
+    seen->stage = Stage::stepped;
+    return false;
+  }
+  optimizer.step();  // a refused step leaves the stage as it was: a retry steps, not skips
+  seen->stage = Stage::stepped;
+  return true;
+}
+
+void GradScaler::update() {
+  if (!options_.enabled) return;
+  if (seen_.empty()) {
+    fail<ArgumentError>("GradScaler::update",
+                        "no unscale_() or step() ran since the last update(): there is no "
+                        "finding to grow or back off the scale by");
+  }
+  const bool found_inf = std::any_of(seen_.begin(), seen_.end(), [](const auto& s) { return s.second.found_inf; });
+  seen_.clear();
+  if (found_inf) {
+    scale_ *= options_.backoff_factor;
+    growth_tracker_ = 0;
+  } else if (++growth_tracker_ == options_.growth_interval) {
+    const double grown = scale_ * options_.growth_factor;
+    if (std::isfinite(grown)) scale_ = grown;
+    growth_tracker_ = 0;
+  }
+}
+
+std::map<std::string, std::string> GradScaler::state() const {
+  return {{kScaleKey, exact(scale_)}, {kTrackerKey, std::to_string(growth_tracker_)}};
+}
+
+void GradScaler::load_state(const std::map<std::string, std::string>& extra) {
+  const char* op = "GradScaler::load_state";
+  if (!seen_.empty()) {
+    fail<ArgumentError>(op, "an unscale_() or step() ran since the last update(): load between iterations");
+  }
+  const auto scale_it = extra.find(kScaleKey), tracker_it = extra.find(kTrackerKey);
+  if (scale_it == extra.end() && tracker_it == extra.end()) return;  // saved without a scaler
+  if (scale_it == extra.end() || tracker_it == extra.end()) {
+    fail<IOError>(op, "the checkpoint holds ", scale_it == extra.end() ? kTrackerKey : kScaleKey, " without ",
+                  scale_it == extra.end() ? kScaleKey : kTrackerKey);
+  }
+  double scale = 0;
+  std::int64_t tracker = -1;
+  const std::string& s = scale_it->second;
+  const std::string& t = tracker_it->second;
+  const auto parsed_scale = std::from_chars(s.data(), s.data() + s.size(), scale);
+  const auto parsed_tracker = std::from_chars(t.data(), t.data() + t.size(), tracker);
+  if (parsed_scale.ec != std::errc() || parsed_scale.ptr != s.data() + s.size() || !(scale > 0) ||
+      !std::isfinite(scale)) {
+    fail<IOError>(op, kScaleKey, " must be a finite number > 0, got '", s, "'");
+  }
+  if (parsed_tracker.ec != std::errc() || parsed_tracker.ptr != t.data() + t.size() || tracker < 0 ||
+      tracker >= options_.growth_interval) {
+    fail<IOError>(op, kTrackerKey, " must be a whole number in [0, growth_interval ", options_.growth_interval,
+                  "), got '", t, "'");
+  }
+  scale_ = scale;
+  growth_tracker_ = tracker;
+}
+
+}  // namespace ruda::nn
