@@ -756,6 +756,7 @@ TEST_CASE("GradScaler: an inf on one rank's slice skips the step on every rank; 
       for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
       return out;
     };
+    // Poisoned: no communicator given, the ranks agree over the one fully_shard bound.
     auto iteration = [&](bool poison) {
       opt.zero_grad();
       scaler.scale(scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, 0.25)).backward();
@@ -763,7 +764,7 @@ TEST_CASE("GradScaler: an inf on one rank's slice skips the step on every rank; 
         Tensor g = mlp.fc2->bias.grad();  // rank 1's slice only
         g.slice(0, 0, 1).fill_(std::numeric_limits<double>::infinity());
       }
-      const bool stepped = scaler.step(opt, &comm);
+      const bool stepped = poison ? scaler.step(opt) : scaler.step(opt, &comm);
       scaler.update();
       return stepped;
     };
@@ -780,12 +781,70 @@ TEST_CASE("GradScaler: an inf on one rank's slice skips the step on every rank; 
     CHECK(scaler.growth_tracker() == 0);
     CHECK(opt.steps() == 2);
     CHECK(snapshot() != before);
-    // A NaN is found too.
+    // A NaN is found too, on rank 0's slices alone.
     opt.zero_grad();
-    scaler.scale(scaler_loss(mlp, 0, 2, std::nan(""))).backward();
+    scaler.scale(scaler_loss(mlp, 0, 2, comm.rank() == 0 ? std::nan("") : 0.25)).backward();
+    const auto nan_before = snapshot();
     CHECK_FALSE(scaler.step(opt, &comm));
+    CHECK(snapshot() == nan_before);
     scaler.update();
     CHECK(scaler.scale_value() == 512.0);
+  });
+  // Sharded without a communicator of its own (ShardedParameter): the caller's is required.
+  run_ranks(2, [](Communicator& comm) {
+    const nn::Param full(from_values({1, 2, 3}, {3}));
+    const nn::Param shard = nn::ShardedParameter::from_full(full, comm.rank(), 2, "w").param();
+    shard.data().set_grad(ones(shard.data().shape()));
+    nn::SGD opt({shard}, {.lr = 0.1});
+    nn::GradScaler scaler;
+    test::check_throws<nn::ShardingError>([&] { scaler.step(opt); },
+                                          {"GradScaler::step", "need a communicator to agree on infinities over"});
+    CHECK(shard.grad().to_vector<double>() == std::vector<double>(shard.data().numel(), 1.0));  // not divided
+    CHECK(scaler.step(opt, &comm));
+    CHECK(shard.grad().to_vector<double>() == std::vector<double>(shard.data().numel(), 1.0 / 65536));
+  });
+}
+
+TEST_CASE("GradScaler: a rank out of memory while unscaling: every rank raises, none steps, update backs off") {
+  run_ranks(2, [](Communicator& comm) {
+    nn::manual_seed(2);
+    nn::MLP mlp(8, 16);
+    nn::fully_shard(mlp, comm);
+    nn::SGD opt(mlp.parameters(), {.lr = 0.1});
+    nn::GradScaler scaler;
+    auto snapshot = [&] {
+      std::vector<std::vector<double>> out;
+      for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
+      return out;
+    };
+    scaler.scale(scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, 0.25)).backward();
+    const auto before = snapshot();
+    // Rank 1 holds 16 MB more than the limit leaves it; rank 0 has room. (The agreements that
+    // order the limit's changes are exempt from it.)
+    const double live = agree_on_max(comm, {static_cast<double>(memory::stats().live_bytes)}, "live")[0];
+    Tensor ballast;
+    if (comm.rank() == 1) ballast = zeros({std::int64_t{4} << 20});
+    agree_on_max(comm, {0}, "ballast made");
+    if (comm.rank() == 0) memory::set_limit(static_cast<std::int64_t>(live) + (std::int64_t{8} << 20));
+    agree_on_max(comm, {0}, "limit set");
+    if (comm.rank() == 1) {
+      CHECK_THROWS_AS(scaler.step(opt, &comm), OutOfMemoryError);
+    } else {
+      test::check_throws<RankFailedError>([&] { scaler.step(opt, &comm); },
+                                          {"GradScaler::step", "another rank failed while unscaling"});
+    }
+    agree_on_max(comm, {0}, "step refused");
+    if (comm.rank() == 0) memory::set_limit(0);
+    agree_on_max(comm, {0}, "limit lifted");
+    CHECK(snapshot() == before);
+    CHECK(opt.steps() == 0);
+    test::check_throws<ArgumentError>([&] { scaler.step(opt, &comm); }, {"unscale_() failed", "call update()"});
+    scaler.update();
+    CHECK(scaler.scale_value() == 32768.0);
+    opt.zero_grad();
+    scaler.scale(scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, 0.25)).backward();
+    CHECK(scaler.step(opt, &comm));
+    CHECK(snapshot() != before);
   });
 }
 
@@ -832,11 +891,16 @@ TEST_CASE("GradScaler: calls out of order, f16 gradients and bad options are ref
   nn::GradScaler off({.enabled = false});
   const Tensor loss = sum(mlp.forward(ones({2, 4})));
   CHECK(off.scale(loss).item() == loss.item());
-  opt.zero_grad();
-  off.scale(loss).backward();
-  CHECK(off.step(opt));
-  off.update();
-  off.update();
+  for (int i = 0; i < 2; ++i) {
+    opt.zero_grad();
+    off.scale(sum(mlp.forward(ones({2, 4})))).backward();
+    off.unscale_(opt);
+    const std::int64_t before = opt.steps();
+    CHECK(off.step(opt));
+    CHECK(opt.steps() == before + 1);
+    off.update();
+  }
+  off.update();  // without a step too
   CHECK(off.scale_value() == 65536.0);
 }
 
@@ -847,13 +911,14 @@ TEST_CASE("GradScaler: its scale and growth tracker ride in a checkpoint's extra
     nn::MLP mlp(4, 8);
     nn::SGD opt(mlp.parameters(), {.lr = 0.1});
     nn::GradScaler scaler({.init_scale = 3.0e-5, .backoff_factor = 0.3, .growth_interval = 5});
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       opt.zero_grad();
-      scaler.scale(sum(mlp.forward(ones({2, 4})))).backward();
+      scaler.scale(sum(mlp.forward(ones({2, 4}))) * (i == 0 ? std::nan("") : 1.0)).backward();
       scaler.step(opt);
       scaler.update();
     }
     REQUIRE(scaler.growth_tracker() == 3);
+    REQUIRE(scaler.scale_value() == 3.0e-5 * 0.3);  // 8.999999999999999e-06: not a short decimal
     std::map<std::string, std::string> extra = {{"model", "mlp"}};
     extra.merge(scaler.state());
     nn::save_checkpoint(tmp.path.string(), 3, mlp, &opt, comm, extra);
@@ -861,7 +926,7 @@ TEST_CASE("GradScaler: its scale and growth tracker ride in a checkpoint's extra
     nn::GradScaler resumed({.growth_interval = 5});
     const nn::CheckpointInfo info = nn::load_checkpoint(tmp.path.string(), mlp, &opt, comm);
     resumed.load_state(info.extra);
-    CHECK(resumed.scale_value() == scaler.scale_value());  // 3e-5 read back bit for bit
+    CHECK(resumed.scale_value() == scaler.scale_value());  // bit for bit
     CHECK(resumed.growth_tracker() == 3);
     nn::GradScaler untouched;
     untouched.load_state({{"model", "mlp"}});  // saved without a scaler: left as it is

@@ -14,6 +14,7 @@ struct Config {
   std::string model;
   std::string backend;
   std::string dtype = "f32";
+  double loss_scale = 65536;  // the f16 loss scaler's initial scale (PyTorch's init_scale)
   std::string strategy = "recompute";
   bool no_prefetch = false;
   std::string overlap = "auto";

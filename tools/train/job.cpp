@@ -530,6 +530,9 @@ int run(const Config& cfg, Communicator& comm) {
   const nn::MemorySchedule& chosen = measured.schedule;
   plan.schedule = chosen.describe(!cfg.per_parameter);  // (parameters one by one have no groups)
   task->set_micro_batches(chosen.micro_batches);
+  // f16 gradients below 6e-8 vanish and sums past 65504 overflow: the loss is scaled (PyTorch's
+  // GradScaler), and a step whose gradients overflowed is skipped on every rank. bf16 needs none.
+  nn::GradScaler scaler({.init_scale = cfg.loss_scale, .enabled = parse_dtype(cfg.dtype) == DType::f16});
   setup_phase(comm, [&] {
     if (!measured.refusal.empty()) throw OutOfMemoryError(measured.refusal);
     const nn::AdamWOptions adamw{.lr = cfg.lr, .weight_decay = cfg.weight_decay};
@@ -547,6 +550,7 @@ int run(const Config& cfg, Communicator& comm) {
                           trains ? task->data_stream() : std::map<std::string, std::string>{});
       resumed = nn::load_checkpoint(found.info.directory, task->module(), optimizer.get(), shard_comm,
                                     {.verify_checksums = !cfg.skip_checksums});
+      if (scaler.enabled()) scaler.load_state(resumed.extra);  // none saved (an f32 or bf16 run's): afresh
       start_step = resumed.step;
     }
   });
@@ -632,6 +636,7 @@ int run(const Config& cfg, Communicator& comm) {
     std::map<std::string, std::string> extra = task->data_stream();
     extra.insert(
         {{"model", task->description()}, {"dtype", cfg.dtype}, {"backend", std::string(default_backend().name())}});
+    if (scaler.enabled()) extra.merge(scaler.state());
     // A failed save is known to every rank alike (save_checkpoint raises its IOErrors on every
     // rank; hybrid, the first replica writes and the others learn its outcome): rank 0 prints it
     // once and every rank leaves with a non-zero exit, as after a failed setup, instead of each
@@ -701,7 +706,8 @@ int run(const Config& cfg, Communicator& comm) {
   std::optional<StopSignals> stop_signals;
   if (!cfg.checkpoint_dir.empty()) stop_signals.emplace();
   const RaiseForTest raise_at = raise_for_test();
-  std::string metrics_error;  // rank 0's failure to write the metrics, agreed on at the end of the step
+  std::string metrics_error;       // rank 0's failure to write the metrics, agreed on at the end of the step
+  std::int64_t skipped_steps = 0;  // by the loss scaler (f16), for gradients that overflowed
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
@@ -711,7 +717,7 @@ int run(const Config& cfg, Communicator& comm) {
     if (micro_batches == 1) {
       loss = task->loss(step);
       optimizer->zero_grad();
-      loss.backward();
+      scaler.scale(loss).backward();
     } else {
       // Micro-batches: their gradients add up in the shards; under hybrid sharding only the last
       // backward all-reduces them across nodes.
@@ -719,7 +725,7 @@ int run(const Config& cfg, Communicator& comm) {
       for (std::int64_t micro = 0; micro < micro_batches; ++micro) {
         if (mesh) nn::set_requires_all_reduce(task->module(), micro + 1 == micro_batches);
         const Tensor part = task->micro_loss(step, micro, micro_batches);
-        part.backward();
+        scaler.scale(part).backward();
         loss = loss.defined() ? loss + part.detach() : part.detach();
       }
     }
@@ -727,8 +733,13 @@ int run(const Config& cfg, Communicator& comm) {
       ::raise(raise_at.signal);
     }
     double norm = -1;
-    if (cfg.clip > 0) norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
-    optimizer->step();
+    if (cfg.clip > 0) {
+      scaler.unscale_(*optimizer, &comm);  // (disabled: does nothing)
+      norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
+    }
+    const bool stepped = scaler.step(*optimizer, &comm);
+    if (!stepped) ++skipped_steps;
+    scaler.update();
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
     if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -808,6 +819,10 @@ int run(const Config& cfg, Communicator& comm) {
         }
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
         if (norm >= 0) record["grad_norm"] = norm;
+        if (scaler.enabled()) {
+          record["loss_scale"] = scaler.scale_value();  // after this step's update
+          record["step_skipped"] = !stepped;
+        }
         for (auto& [k, v] : eval.items()) record[k] = v;
         try {
           metrics.write(record);
@@ -867,6 +882,13 @@ int run(const Config& cfg, Communicator& comm) {
       summary += memory::format_bytes(static_cast<std::int64_t>(p));
     }
     progress.line(summary);
+    if (scaler.enabled() && steps_to_train > 0) {
+      char buf[160];
+      std::snprintf(buf, sizeof buf, "loss scaling (f16): %lld of %lld steps skipped for inf/NaN gradients, scale %g",
+                    static_cast<long long>(skipped_steps), static_cast<long long>(steps_to_train),
+                    scaler.scale_value());
+      progress.line(buf);
+    }
     if (comm_total.bytes > 0) {
       // Rank 0's view: what its collectives took per step, and how much of it the step waited for.
       const double steps = static_cast<double>(std::max<std::int64_t>(1, steps_to_train));

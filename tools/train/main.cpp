@@ -153,8 +153,14 @@ int main(int argc, char** argv) {
                  "Compute backend: eigen or onednn (default: RUDA_BACKEND, else onednn where built)")
       ->check(non_empty())
       ->check(CLI::IsMember(available_backends()));  // (an unknown one was named by get_backend)
-  app.add_option("--dtype", cfg.dtype, "Compute dtype of the layers (parameters stay f32)")
-      ->check(CLI::IsMember({"f32", "bf16"}));
+  app.add_option("--dtype", cfg.dtype,
+                 "Compute dtype of the layers (parameters stay f32); f16 scales the loss dynamically "
+                 "(GradScaler), skipping steps whose gradients overflow")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}));
+  app.add_option("--loss-scale", cfg.loss_scale,
+                 "The f16 loss scaler's initial scale; it halves at each step skipped and doubles after 2000 "
+                 "clean ones")
+      ->check(positive());
   app.add_option("--strategy", cfg.strategy,
                  "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
       ->check(CLI::IsMember({"retain", "recompute"}));
@@ -360,6 +366,7 @@ int main(int argc, char** argv) {
     auto ignored = [](const std::string& what) { print_warning(what); };
     if (cfg.model == "mlp" && given(app, "--steps")) ignored("--steps has no effect on mlp, which trains --epochs");
     if (cfg.model == "lm" && given(app, "--epochs")) ignored("--epochs has no effect on lm, which trains --steps");
+    if (cfg.dtype != "f16" && given(app, "--loss-scale")) ignored("--loss-scale has no effect without --dtype f16");
     if (cfg.model == "lm" && cfg.sample == 0 && (given(*lm, "--prompt") || given(*lm, "--temperature")))
       ignored("--prompt and --temperature have no effect without --sample N");
     if (cfg.checkpoint_dir.empty() && given(app, "--checkpoint-every"))

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <exception>
 #include <vector>
 
 #include <ruda/autograd.h>
@@ -64,15 +65,11 @@ GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* c
                         " already ran for this optimizer since the last update(): its gradients were unscaled "
                         "once; call update() after each iteration's step()s");
   }
-  if (!options_.enabled) return it->second;
-  Seen& seen = it->second;
-  autograd::NoGradGuard guard;
   const std::vector<Param>& params = optimizer.params();
   std::vector<Communicator*> comms;  // the ranks agree over each, in the order first named
-  bool found_inf = false;
   try {
-    // Everything that can be refused, and the check, before anything is divided: a refusal (or
-    // running out of memory in the check's blocks) leaves every gradient as it was.
+    // The refusals, alike on every rank (the same parameters, dtypes and communicators), before
+    // any collective or division.
     for (std::size_t i = 0; i < params.size(); ++i) {
       const Param& p = params[i];
       require_complete_gradient(p, op);
@@ -83,46 +80,80 @@ GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* c
                          "again; keep the parameters in f32 and compute in f16 (ShardPolicy::compute_dtype, or "
                          "casting inputs), so that gradients arrive in f32");
       }
-      if (Communicator* over = p.is_sharded() ? p.shard()->comm : nullptr) {
-        if (p.shard()->comm_alive.expired())
-          fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
-        if (std::find(comms.begin(), comms.end(), over) == comms.end()) comms.push_back(over);
+      if (!p.is_sharded()) continue;
+      // As the gradient norms: a sharded parameter's own communicator, else the caller's (the
+      // one it is sharded over); without either each rank would decide from its slices alone.
+      Communicator* over = p.shard()->comm;
+      if (over && p.shard()->comm_alive.expired())
+        fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
+      if (!over) {
+        if (!comm) fail<ShardingError>(op, "sharded parameters need a communicator to agree on infinities over");
+        p.shard()->require_communicator(op, *comm);
+        over = comm;
       }
-      if (g.defined() && !found_inf) {
-        found_inf = !all_finite(p.is_sharded() ? g.slice(0, 0, p.shard()->real_elements()) : g);  // no padding
-      }
+      if (std::find(comms.begin(), comms.end(), over) == comms.end()) comms.push_back(over);
     }
   } catch (...) {
     seen_.erase(it);  // as if it had not been called
     throw;
   }
   if (comm && std::find(comms.begin(), comms.end(), comm) == comms.end()) comms.push_back(comm);
-  const double inverse = 1.0 / scale_;
-  for (const Param& p : params) {
-    Tensor g = p.grad();
-    if (g.defined()) g.mul_(inverse);
+
+  // Divided, then checked: the divided values are what the optimizer steps on (a scale below 1
+  // can overflow a finite gradient). A rank that fails here (out of memory in a check's block)
+  // still joins the agreement, so that no rank waits for it and every rank raises.
+  Seen& seen = it->second;
+  seen.stage = Stage::failed;  // until agreed: some gradients may be divided, others not
+  bool found_inf = false;
+  std::exception_ptr failure;
+  try {
+    autograd::NoGradGuard guard;
+    const double inverse = 1.0 / scale_;
+    for (const Param& p : params) {
+      Tensor g = p.grad();
+      if (!g.defined()) continue;
+      g.mul_(inverse);
+      if (!found_inf) found_inf = !all_finite(p.is_sharded() ? g.slice(0, 0, p.shard()->real_elements()) : g);
+    }
+  } catch (...) {
+    failure = std::current_exception();
   }
-  // One rank's inf is every rank's skipped step: each holds other slices of the gradients. Should
-  // the agreement itself fail, the step is skipped on this rank (the gradients are divided).
-  seen.found_inf = true;
-  double flag = found_inf ? 1.0 : 0.0;
-  for (Communicator* over : comms) flag = agree_on_max(*over, {flag}, "GradScaler::unscale_")[0];
-  seen.found_inf = flag != 0;
+  // One rank's inf is every rank's skipped step: each holds other slices of the gradients.
+  std::vector<double> agreed = {found_inf ? 1.0 : 0.0, failure ? 1.0 : 0.0};
+  for (Communicator* over : comms) agreed = agree_on_max(*over, agreed, "GradScaler::unscale_");
+  if (failure) std::rethrow_exception(failure);
+  if (agreed[1] != 0) {
+    fail<RankFailedError>(op,
+                          "another rank failed while unscaling its gradients (its own error names the cause): "
+                          "no rank steps; call update() (it backs the scale off), zero the gradients and run "
+                          "backward again");
+  }
+  seen.stage = Stage::unscaled;
+  seen.found_inf = agreed[0] != 0;
   return seen;
 }
 
 void GradScaler::unscale_(Optimizer& optimizer, Communicator* comm) {
-  unscale_once(optimizer, comm, "GradScaler::unscale_");
+  if (options_.enabled) unscale_once(optimizer, comm, "GradScaler::unscale_");
 }
 
 bool GradScaler::step(Optimizer& optimizer, Communicator* comm) {
   const char* op = "GradScaler::step";
+  if (!options_.enabled) {  // keeps no state: every iteration as the first
+    optimizer.step();
+    return true;
+  }
   const auto found = seen_.find(&optimizer);
   Seen* seen = found == seen_.end() ? &unscale_once(optimizer, comm, op) : &found->second;
   if (seen->stage == Stage::stepped) {
     fail<ArgumentError>(op,
                         "step() already ran for this optimizer since the last update(); call update() after "
                         "each iteration's step()s");
+  }
+  if (seen->stage == Stage::failed) {
+    fail<ArgumentError>(op,
+                        "unscale_() failed for this optimizer on some rank, its gradients perhaps divided in "
+                        "part: call update() (it backs the scale off), zero the gradients and run backward again");
   }
   if (seen->found_inf) {
     seen->stage = Stage::stepped;
@@ -140,7 +171,9 @@ void GradScaler::update() {
                         "no unscale_() or step() ran since the last update(): there is no "
                         "finding to grow or back off the scale by");
   }
-  const bool found_inf = std::any_of(seen_.begin(), seen_.end(), [](const auto& s) { return s.second.found_inf; });
+  // (A failed unscale_ counts as an overflow: what it met is unknown.)
+  const bool found_inf = std::any_of(
+      seen_.begin(), seen_.end(), [](const auto& s) { return s.second.found_inf || s.second.stage == Stage::failed; });
   seen_.clear();
   if (found_inf) {
     scale_ *= options_.backoff_factor;

@@ -37,9 +37,13 @@ struct GradScalerOptions {
 /// Sharded gradients: each rank checks its own slices, and the ranks agree (one small all-reduce
 /// over each communicator the parameters are sharded over, and over `comm` when given), so that
 /// every rank skips the same steps; dense gradients are the same on every rank once all-reduced.
-/// Gradients must not be f16 (a DTypeError, as PyTorch's): unscaled in f16, the small values the
-/// scale kept would vanish again. Keep f32 parameters and compute in f16 (ShardPolicy::compute_dtype):
-/// the gradients arrive in f32.
+/// Sharded parameters need a communicator (their own, set by fully_shard, or `comm`: a
+/// ShardingError otherwise, as for the gradient norms). A rank that fails while unscaling (out of
+/// memory) still joins the agreement: it raises its error and the others a RankFailedError, no
+/// rank steps, and update() backs off. Gradients must not be f16 (a DTypeError, as PyTorch's):
+/// unscaled in f16, the small values the scale kept would vanish again. Keep f32 parameters and
+/// compute in f16 (ShardPolicy::compute_dtype): the gradients arrive in f32. One scaler per rank
+/// (emulated ranks: per thread), used with the same optimizer objects from scale() to update().
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
@@ -47,7 +51,7 @@ class GradScaler {
   /// loss times the scale (a new tensor; the loss's dtype).
   Tensor scale(const Tensor& loss) const;
   /// Divides the gradients of `optimizer`'s parameters by the scale, in place, and records whether
-  /// any was inf or NaN, agreed over the ranks. Once per optimizer between update()s (an
+  /// any is then inf or NaN, agreed over the ranks. Once per optimizer between update()s (an
   /// ArgumentError the second time: the gradients would be divided twice).
   void unscale_(Optimizer& optimizer, Communicator* comm = nullptr);
   /// unscale_ unless it ran, then optimizer.step() unless a gradient was inf or NaN. Returns
@@ -74,7 +78,7 @@ class GradScaler {
   void load_state(const std::map<std::string, std::string>& extra);
 
  private:
-  enum class Stage { unscaled, stepped };
+  enum class Stage { unscaled, stepped, failed };
   struct Seen {
     Stage stage;
     bool found_inf;
