@@ -665,6 +665,12 @@ Tensor own_part(const nn::Param& p, const Tensor& dense_grad) {
   const std::int64_t begin = s.rank * s.shard_size;
   return dense_grad.reshape({-1}).slice(0, begin, begin + s.real_elements());
 }
+// Every parameter's local values.
+std::vector<std::vector<double>> values_of(const nn::Module& module) {
+  std::vector<std::vector<double>> out;
+  for (const nn::Param& p : module.parameters()) out.push_back(p.data().to_vector<double>());
+  return out;
+}
 // |a - b| / |b| over the concatenated slices.
 double relative_error(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
   double diff = 0, norm = 0;
@@ -737,9 +743,7 @@ TEST_CASE("GradScaler: with a power-of-two scale, a step equals the unscaled ste
         opt.step();
       }
     }
-    std::vector<std::vector<double>> out;
-    for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
-    return out;
+    return values_of(mlp);
   };
   CHECK(train(true) == train(false));
 }
@@ -751,11 +755,7 @@ TEST_CASE("GradScaler: an inf on one rank's slice skips the step on every rank; 
     nn::fully_shard(mlp, comm);
     nn::SGD opt(mlp.parameters(), {.lr = 0.1});
     nn::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 2});
-    auto snapshot = [&] {
-      std::vector<std::vector<double>> out;
-      for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
-      return out;
-    };
+    auto snapshot = [&] { return values_of(mlp); };
     // Poisoned: no communicator given, the ranks agree over the one fully_shard bound.
     auto iteration = [&](bool poison) {
       opt.zero_grad();
@@ -812,11 +812,7 @@ TEST_CASE("GradScaler: a rank out of memory while unscaling: every rank raises, 
     nn::fully_shard(mlp, comm);
     nn::SGD opt(mlp.parameters(), {.lr = 0.1});
     nn::GradScaler scaler;
-    auto snapshot = [&] {
-      std::vector<std::vector<double>> out;
-      for (const nn::Param& p : mlp.parameters()) out.push_back(p.data().to_vector<double>());
-      return out;
-    };
+    auto snapshot = [&] { return values_of(mlp); };
     scaler.scale(scaler_loss(mlp, 2 * comm.rank(), 2 * comm.rank() + 2, 0.25)).backward();
     const auto before = snapshot();
     // Rank 1 holds 16 MB more than the limit leaves it; rank 0 has room. (The agreements that

@@ -4,7 +4,7 @@
 target_sources(ruda-bench PRIVATE ${CMAKE_CURRENT_LIST_DIR}/bench_collectives.cpp)
 
 if(RUDA_HAVE_MPI)
-  add_executable(ruda-bench-mpi ${CMAKE_CURRENT_LIST_DIR}/bench_main.cpp ${CMAKE_CURRENT_LIST_DIR}/bench_collectives_mpi.cpp
+  add_executable(ruda-bench-mpi $<TARGET_OBJECTS:ruda_bench_main> ${CMAKE_CURRENT_LIST_DIR}/bench_collectives_mpi.cpp
                                 ${CMAKE_CURRENT_LIST_DIR}/bench_train_mpi.cpp ${CMAKE_CURRENT_LIST_DIR}/bench_cluster_mpi.cpp
                                 ${CMAKE_CURRENT_LIST_DIR}/bench_overlap_mpi.cpp ${CMAKE_CURRENT_LIST_DIR}/bench_hybrid_mpi.cpp)
   target_link_libraries(ruda-bench-mpi PRIVATE ruda ruda_mpi ruda_options MPI::MPI_CXX CLI11::CLI11
