@@ -155,17 +155,29 @@ case "$case_name" in
     ;;
   mpiexec-signal)
     # A run long enough to be signalled mid-training (it stops within a step of the signal).
-    mpiexec -n 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$RUDA_BIN_DIR/ruda-train" mlp --hidden 32 \
-      --limit 640 --test-limit 64 --batch 64 --epochs 100000 --log-every 1 --checkpoint-dir "$work/c" >"$log" 2>&1 &
-    job=$!
-    for _ in $(seq 600); do
-      grep -q '^step [0-9]*/' "$log" && break
-      kill -0 "$job" 2>/dev/null || break
-      sleep 0.1
-    done
-    grep -q '^step [0-9]*/' "$log" || { kill -KILL "$job" 2>/dev/null; fail "ruda-train did not start training"; }
-    kill -USR1 "$job"
-    rc=0; wait "$job" || rc=$?
+    signalled_run() {
+      rm -rf "$work/c"
+      mpiexec -n 2 --oversubscribe --bind-to none -x OMP_NUM_THREADS=1 "$RUDA_BIN_DIR/ruda-train" mlp --hidden 32 \
+        --limit 640 --test-limit 64 --batch 64 --epochs 100000 --log-every 1 --checkpoint-dir "$work/c" >"$log" 2>&1 &
+      job=$!
+      for _ in $(seq 600); do
+        grep -q '^step [0-9]*/' "$log" && break
+        kill -0 "$job" 2>/dev/null || break
+        sleep 0.1
+      done
+      grep -q '^step [0-9]*/' "$log" || { kill -KILL "$job" 2>/dev/null; fail "ruda-train did not start training"; }
+      kill -USR1 "$job"
+      rc=0; wait "$job" || rc=$?
+    }
+    signalled_run
+    # OpenMPI 4.1's launcher now and then segfaults in its own teardown (PMIx_server_finalize under
+    # orte_finalize) after the ranks have ended, as tests/collectives/check_mpi_exit.cmake says:
+    # that crash, and only that one, runs the job once more.
+    if [ "$rc" != 138 ] && grep -q orte_finalize "$log"; then
+      echo "mpiexec crashed in its own teardown (orte_finalize), after the job: running it again" >&2
+      cat "$log" >&2
+      signalled_run
+    fi
     [ "$rc" = 138 ] || fail "mpiexec signalled with SIGUSR1 exited $rc, not 138"
     expect "stopped by SIGUSR1 after step"
     step=$(sed -n 's/^stopped by SIGUSR1 after step \([0-9]*\),.*/\1/p' "$log")
