@@ -124,6 +124,17 @@ TEST_CASE("a measured plan counts what is not sharded whole on every rank; a pro
     CHECK(plan.gradients == sharded + replicated);
     CHECK(plan.optimizer == 2 * (sharded + replicated));
     CHECK(plan.gathered == 64 * 256 * 4);  // the sharded layer's weight; the replicated one is used as it is
+    CHECK(plan.replicated == replicated);
+    const std::string table = plan.table();
+    CHECK_MESSAGE(table.find("1/2 of each sharded one, 10.3 KB of parameters whole (not sharded)") != std::string::npos,
+                  table);
+    // All replicated: whole, not halves.
+    auto dense = mlp();
+    const nn::MemoryPlan dense_plan = nn::plan_memory(
+        *dense, comm, kBatch, [&](std::int64_t b) { return loss_of(*dense, b, 3); }, 0);
+    CHECK(dense_plan.replicated == dense_plan.parameters);
+    CHECK(dense_plan.table().find("1/2") == std::string::npos);
+    CHECK_MESSAGE(dense_plan.table().find("whole (not sharded)") != std::string::npos, dense_plan.table());
     // What the state is, measured: after a step, parameters + gradients + moments.
     const std::int64_t before = rank_memory.stats().live_bytes;
     nn::AdamW opt(model->parameters());

@@ -99,6 +99,7 @@ MemoryPlan plan_state_of(const Module& module, int world_size, std::int64_t glob
                                                : ShardInfo::layout(p.shape(), 0, shard_ranks).shard_size;
     const std::int64_t shard = bytes_of(name, elements, item);
     plan.parameters = add_bytes(name, plan.parameters, shard);
+    if (whole) plan.replicated = add_bytes(name, plan.replicated, shard);
     // A frozen parameter (its data's requires_grad off) has no gradient and no optimizer state:
     // a frozen 1024 x 1024 layer's were planned, 2.4x the peak a fine-tuning run measured.
     const bool frozen = !p.is_deferred() && !p.data().requires_grad();
@@ -430,7 +431,13 @@ std::string MemoryPlan::table(std::int64_t limit) const {
     std::snprintf(buf, sizeof buf, "  %-12s %10s  %s\n", what, memory::format_bytes(bytes).c_str(), note.c_str());
     out += buf;
   };
-  const std::string share = shard_ranks > 1 ? "1/" + std::to_string(shard_ranks) + " of each" : "whole";
+  // A measured plan holds the parameters not sharded whole (a dense model measured over 2 ranks
+  // read "1/2 of each").
+  const std::string sharded = shard_ranks > 1 ? "1/" + std::to_string(shard_ranks) + " of each" : "whole";
+  const std::string share = replicated == 0            ? sharded
+                            : replicated == parameters ? "whole (not sharded)"
+                                                       : sharded + " sharded one, " + memory::format_bytes(replicated) +
+                                                             " of parameters whole (not sharded)";
   const std::string hybrid = shard_ranks == world_size
                                  ? ""
                                  : ", hybrid: sharded over the " + std::to_string(shard_ranks) +

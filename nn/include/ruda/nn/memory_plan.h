@@ -63,10 +63,13 @@ struct MemoryPlan {
   std::int64_t parameters = 0;  // this rank's slices of every parameter
   std::int64_t gradients = 0;   // their gradients (alive from the first backward on)
   std::int64_t optimizer = 0;   // the optimizer's state
-  std::int64_t gathered = 0;    // the largest gathered weight, whole: the least a step adds
-  std::int64_t step = -1;       // measured transient of a step (gathered weights + activations + batch); -1: unknown
-  StepProbe probe;              // what `step` was read from, when measured
-  std::string schedule;         // the schedule `step` was measured with (MemorySchedule::describe), if given
+  /// Of `parameters`: those held whole on every rank (a measured plan of a model not sharded, or
+  /// sharded in part); the table says so instead of "1/N of each".
+  std::int64_t replicated = 0;
+  std::int64_t gathered = 0;  // the largest gathered weight, whole: the least a step adds
+  std::int64_t step = -1;     // measured transient of a step (gathered weights + activations + batch); -1: unknown
+  StepProbe probe;            // what `step` was read from, when measured
+  std::string schedule;       // the schedule `step` was measured with (MemorySchedule::describe), if given
   /// The predicted peak: the state plus the step (or, unmeasured, plus `gathered` only: a lower bound).
   /// Saturates at INT64_MAX, as StepProbe::at does.
   std::int64_t peak() const {
