@@ -873,7 +873,35 @@ TEST_CASE("GradScaler: calls out of order, f16 gradients and bad options are ref
   CHECK(half.fc1->weight.grad().to_vector<double>() == kept);
   test::check_throws<DTypeError>([&] { scaler.scale(ones({1}, DType::i64)); }, {"GradScaler::scale", "i64"});
 
+  // No gradient at all (no backward on the scaled loss): refused, as PyTorch's "No inf checks".
+  opt.zero_grad();
+  test::check_throws<ArgumentError>([&] { scaler.step(opt); }, {"GradScaler::step", "no parameter", "has a gradient"});
+  // The scale stays within f32's normal range: backoff stops at the smallest (below it 1/scale
+  // overflowed f32 and every later step was skipped; 0 was saved), growth at the largest.
+  nn::GradScaler low({.init_scale = 1e-37, .backoff_factor = 1e-10, .growth_interval = 1});
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    low.scale(sum(mlp.forward(ones({2, 4}))) * std::nan("")).backward();
+    CHECK_FALSE(low.step(opt));
+    low.update();
+    CHECK(low.scale_value() == nn::GradScaler::kMinScale);
+  }
+  opt.zero_grad();
+  low.scale(sum(mlp.forward(ones({2, 4})))).backward();
+  CHECK(low.step(opt));  // a clean step steps at the smallest scale
+  low.update();
+  CHECK(low.scale_value() == 2 * nn::GradScaler::kMinScale);
+  nn::GradScaler().load_state(low.state());  // what it saves loads
+  nn::GradScaler high({.init_scale = nn::GradScaler::kMaxScale, .growth_interval = 1});
+  opt.zero_grad();
+  high.scale(sum(mlp.forward(ones({2, 4}))) * 0.0).backward();
+  high.step(opt);
+  high.update();
+  CHECK(high.scale_value() == nn::GradScaler::kMaxScale);
+
   for (const auto& [options, fragment] : std::vector<std::pair<nn::GradScalerOptions, std::string>>{
+           {{.init_scale = 1e-39}, "init_scale must be in ["},
+           {{.init_scale = 1e39}, "init_scale must be in ["},
            {{.init_scale = 0}, "init_scale"},
            {{.init_scale = std::numeric_limits<double>::infinity()}, "init_scale"},
            {{.growth_factor = 1.0}, "growth_factor"},
@@ -933,6 +961,8 @@ TEST_CASE("GradScaler: its scale and growth tracker ride in a checkpoint's extra
            {{{"grad_scaler.scale", "1024"}}, "without grad_scaler.growth_tracker"},
            {{{"grad_scaler.scale", "-1"}, {"grad_scaler.growth_tracker", "0"}}, "'-1'"},
            {{{"grad_scaler.scale", "inf"}, {"grad_scaler.growth_tracker", "0"}}, "'inf'"},
+           {{{"grad_scaler.scale", "0"}, {"grad_scaler.growth_tracker", "0"}}, "'0'"},
+           {{{"grad_scaler.scale", "1e-320"}, {"grad_scaler.growth_tracker", "0"}}, "'1e-320'"},
            {{{"grad_scaler.scale", "12x"}, {"grad_scaler.growth_tracker", "0"}}, "'12x'"},
            {{{"grad_scaler.scale", "8"}, {"grad_scaler.growth_tracker", "5"}}, "growth_interval 5"},
            {{{"grad_scaler.scale", "8"}, {"grad_scaler.growth_tracker", "-1"}}, "'-1'"}}) {

@@ -653,6 +653,20 @@ TEST_CASE("lm --dtype f16: the loss scaler skips overflowing steps, and its scal
   CHECK(number_after(resumed.output, "final loss ") == number_after(straight.output, "final loss "));
   CHECK(number_after(resumed.output, "steps skipped for inf/NaN gradients, scale ") ==
         number_after(straight.output, "steps skipped for inf/NaN gradients, scale "));
+  // --loss-scale given to a resumed run: the checkpoint's scale goes on, and the run says so.
+  REQUIRE(run(train(f16 + " --steps 4 --checkpoint-dir " + tmp / "d")).exit_code == 0);
+  const Run again =
+      run(train(lm + " --dtype f16 --loss-scale 8 --steps 5 --checkpoint-dir " + tmp / "d" + " --resume-latest"));
+  CHECK_MESSAGE(again.exit_code == 0, again.output);
+  CHECK_MESSAGE(again.output.find("warning: --loss-scale has no effect on a resumed f16 run: it goes on with the "
+                                  "checkpoint's scale, 131072") != std::string::npos,
+                again.output);
+  // A scale outside f32's normal range is refused where it is given.
+  for (const std::string scale : {"1e-39", "4e38"}) {
+    CAPTURE(scale);
+    one_error_line(run(train(lm + " --dtype f16 --steps 1 --loss-scale " + scale)),
+                   {"--loss-scale: must be ", "got " + scale});
+  }
   // Not f16: nothing to scale, said once.
   const Run ignored = run(train(lm + " --steps 1 --loss-scale 8"));
   CHECK(ignored.exit_code == 0);

@@ -14,7 +14,8 @@ struct Config {
   std::string model;
   std::string backend;
   std::string dtype = "f32";
-  double loss_scale = 65536;  // the f16 loss scaler's initial scale (PyTorch's init_scale)
+  double loss_scale = 65536;      // the f16 loss scaler's initial scale (PyTorch's init_scale)
+  bool loss_scale_given = false;  // a resumed f16 run goes on with the checkpoint's scale: said so
   std::string strategy = "recompute";
   bool no_prefetch = false;
   std::string overlap = "auto";

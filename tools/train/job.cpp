@@ -561,6 +561,10 @@ int run(const Config& cfg, Communicator& comm) {
               << resumed.world_size << (resumed.world_size == 1 ? " rank" : " ranks") << ", now "
               << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
     for (const std::string& warning : resumed.warnings) print_warning(warning);
+    if (scaler.enabled() && cfg.loss_scale_given && resumed.extra.contains("grad_scaler.scale")) {
+      print_warning("--loss-scale has no effect on a resumed f16 run: it goes on with the checkpoint's scale, " +
+                    resumed.extra.at("grad_scaler.scale"));
+    }
   }
 
   const std::int64_t total = task->total_steps();
@@ -818,7 +822,7 @@ int run(const Config& cfg, Communicator& comm) {
           record["comm_exposed_seconds_inter"] = step_inter.exposed_seconds;
         }
         if (cfg.model == "mlp") record["epoch"] = (step + 1) / (total / cfg.epochs);
-        if (norm >= 0) record["grad_norm"] = norm;
+        if (std::isfinite(norm) && norm >= 0) record["grad_norm"] = norm;  // (JSON has no inf: a skipped step has none)
         if (scaler.enabled()) {
           record["loss_scale"] = scaler.scale_value();  // after this step's update
           record["step_skipped"] = !stepped;

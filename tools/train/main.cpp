@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
   app.add_option("--loss-scale", cfg.loss_scale,
                  "The f16 loss scaler's initial scale; it halves at each step skipped and doubles after 2000 "
                  "clean ones")
-      ->check(positive());
+      ->check(between(nn::GradScaler::kMinScale, nn::GradScaler::kMaxScale));
   app.add_option("--strategy", cfg.strategy,
                  "What backward keeps of gathered weights: the weights (retain) or only shards (recompute)")
       ->check(CLI::IsMember({"retain", "recompute"}));
@@ -360,6 +360,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  cfg.loss_scale_given = app.get_option("--loss-scale")->count() > 0;
   // Options that this run would ignore: said once, on rank 0 (a run is not refused for them).
   if (print) {
     auto given = [&](CLI::App& on, const char* name) { return on.get_option(name)->count() > 0; };

@@ -39,8 +39,11 @@ std::string exact(double value) {
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options), scale_(options.init_scale) {
   const char* op = "GradScaler";
-  if (!(options.init_scale > 0) || !std::isfinite(options.init_scale))
-    fail<ArgumentError>(op, "init_scale must be a finite number > 0, got ", options.init_scale);
+  if (!(options.init_scale >= kMinScale && options.init_scale <= kMaxScale)) {
+    fail<ArgumentError>(op, "init_scale must be in [", kMinScale, ", ", kMaxScale,
+                        "] (f32's normal range, where the scale and its reciprocal are finite), got ",
+                        options.init_scale);
+  }
   if (!(options.growth_factor > 1) || !std::isfinite(options.growth_factor))
     fail<ArgumentError>(op, "growth_factor must be a finite number > 1, got ", options.growth_factor);
   if (!(options.backoff_factor > 0 && options.backoff_factor < 1))
@@ -68,6 +71,9 @@ GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* c
   const std::vector<Param>& params = optimizer.params();
   std::vector<Communicator*> comms;  // the ranks agree over each, in the order first named
   try {
+    if (std::none_of(params.begin(), params.end(), [](const Param& p) { return p.grad().defined(); })) {
+      fail<ArgumentError>(op, "no parameter of this optimizer has a gradient: run backward on the scaled loss first");
+    }
     // The refusals, alike on every rank (the same parameters, dtypes and communicators), before
     // any collective or division.
     for (std::size_t i = 0; i < params.size(); ++i) {
@@ -176,11 +182,11 @@ void GradScaler::update() {
       seen_.begin(), seen_.end(), [](const auto& s) { return s.second.found_inf || s.second.stage == Stage::failed; });
   seen_.clear();
   if (found_inf) {
-    scale_ *= options_.backoff_factor;
+    scale_ = std::max(scale_ * options_.backoff_factor, kMinScale);
     growth_tracker_ = 0;
   } else if (++growth_tracker_ == options_.growth_interval) {
     const double grown = scale_ * options_.growth_factor;
-    if (std::isfinite(grown)) scale_ = grown;
+    if (grown <= kMaxScale) scale_ = grown;
     growth_tracker_ = 0;
   }
 }
@@ -206,9 +212,9 @@ void GradScaler::load_state(const std::map<std::string, std::string>& extra) {
   const std::string& t = tracker_it->second;
   const auto parsed_scale = std::from_chars(s.data(), s.data() + s.size(), scale);
   const auto parsed_tracker = std::from_chars(t.data(), t.data() + t.size(), tracker);
-  if (parsed_scale.ec != std::errc() || parsed_scale.ptr != s.data() + s.size() || !(scale > 0) ||
-      !std::isfinite(scale)) {
-    fail<IOError>(op, kScaleKey, " must be a finite number > 0, got '", s, "'");
+  if (parsed_scale.ec != std::errc() || parsed_scale.ptr != s.data() + s.size() ||
+      !(scale >= kMinScale && scale <= kMaxScale)) {
+    fail<IOError>(op, kScaleKey, " must be a number in [", kMinScale, ", ", kMaxScale, "], got '", s, "'");
   }
   if (parsed_tracker.ec != std::errc() || parsed_tracker.ptr != t.data() + t.size() || tracker < 0 ||
       tracker >= options_.growth_interval) {

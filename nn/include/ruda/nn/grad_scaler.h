@@ -17,6 +17,7 @@
 namespace ruda::nn {
 
 struct GradScalerOptions {
+  /// In [GradScaler::kMinScale, GradScaler::kMaxScale].
   double init_scale = 65536.0;
   double growth_factor = 2.0;   // > 1
   double backoff_factor = 0.5;  // in (0, 1)
@@ -46,6 +47,13 @@ struct GradScalerOptions {
 /// (emulated ranks: per thread), used with the same optimizer objects from scale() to update().
 class GradScaler {
  public:
+  /// The scale stays within f32's normal range, as PyTorch's (an f32 tensor) does: there both it
+  /// and its reciprocal are finite. Backoff stops at kMinScale (below it 1/scale overflowed f32,
+  /// every gradient became inf or NaN, every step was skipped for good, and a scale of 0 was saved);
+  /// growth stops at kMaxScale.
+  static constexpr double kMinScale = 1.1754943508222875e-38;  // FLT_MIN
+  static constexpr double kMaxScale = 3.4028234663852886e38;   // FLT_MAX
+
   explicit GradScaler(GradScalerOptions options = {});
 
   /// loss times the scale (a new tensor; the loss's dtype).
@@ -55,7 +63,8 @@ class GradScaler {
   /// ArgumentError the second time: the gradients would be divided twice).
   void unscale_(Optimizer& optimizer, Communicator* comm = nullptr);
   /// unscale_ unless it ran, then optimizer.step() unless a gradient was inf or NaN. Returns
-  /// whether it stepped. Once per optimizer between update()s.
+  /// whether it stepped. Once per optimizer between update()s. An ArgumentError, as PyTorch's, where
+  /// no parameter of the optimizer has a gradient (no backward ran on the scaled loss).
   bool step(Optimizer& optimizer, Communicator* comm = nullptr);
   /// After the iteration's step()s: halves the scale (backoff_factor) if any of them found an
   /// inf or NaN, else counts a clean step and grows it after growth_interval of them (kept if the
