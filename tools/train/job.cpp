@@ -561,7 +561,8 @@ int run(const Config& cfg, Communicator& comm) {
               << resumed.world_size << (resumed.world_size == 1 ? " rank" : " ranks") << ", now "
               << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
     for (const std::string& warning : resumed.warnings) print_warning(warning);
-    if (scaler.enabled() && cfg.loss_scale_given && resumed.extra.contains("grad_scaler.scale")) {
+    if (scaler.enabled() && cfg.loss_scale_given && task->total_steps() > start_step &&
+        resumed.extra.contains("grad_scaler.scale")) {
       print_warning("--loss-scale has no effect on a resumed f16 run: it goes on with the checkpoint's scale, " +
                     resumed.extra.at("grad_scaler.scale"));
     }
@@ -712,6 +713,7 @@ int run(const Config& cfg, Communicator& comm) {
   const RaiseForTest raise_at = raise_for_test();
   std::string metrics_error;       // rank 0's failure to write the metrics, agreed on at the end of the step
   std::int64_t skipped_steps = 0;  // by the loss scaler (f16), for gradients that overflowed
+  std::int64_t steps_taken = 0;    // by the optimizer, in this run
   for (std::int64_t step = start_step; step < total; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     const Traffic traffic_before = level(0), intra_before = level(1), inter_before = level(2);
@@ -741,8 +743,9 @@ int run(const Config& cfg, Communicator& comm) {
       scaler.unscale_(*optimizer, &comm);  // (disabled: does nothing)
       norm = nn::clip_grad_norm(params, cfg.clip, &shard_comm);
     }
+    const std::int64_t stepped_before = steps_taken;
     const bool stepped = scaler.step(*optimizer, &comm);
-    if (!stepped) ++skipped_steps;
+    ++(stepped ? steps_taken : skipped_steps);
     scaler.update();
     last_loss = comm.all_reduce(loss.detach(), Reduction::sum, {.tag = "loss"}).item();
     if (!std::isfinite(last_loss)) stop_on_non_finite(comm, loss, last_loss, step + 1);
@@ -764,7 +767,10 @@ int run(const Config& cfg, Communicator& comm) {
     auto trial_running = [&] {
       return cfg.overlap == "auto" && !cfg.per_parameter && !nn::overlap_report(task->module()).decided;
     };
-    if (!plan_checked && step + 1 >= plan_check_step && (step + 1 == total || !trial_running())) {
+    // (Steps the loss scaler skipped made no optimizer state: the check waits for a step that began
+    // with the state a real step made.)
+    const bool state_made = !scaler.enabled() || stepped_before > 0;
+    if (!plan_checked && step + 1 >= plan_check_step && (step + 1 == total || (!trial_running() && state_made))) {
       plan_checked = true;
       const auto peak = peaks();
       if (main_rank) {

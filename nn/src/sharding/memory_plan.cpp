@@ -434,8 +434,8 @@ std::string MemoryPlan::table(std::int64_t limit) const {
   // A measured plan holds the parameters not sharded whole (a dense model measured over 2 ranks
   // read "1/2 of each").
   const std::string sharded = shard_ranks > 1 ? "1/" + std::to_string(shard_ranks) + " of each" : "whole";
-  const std::string share = replicated == 0            ? sharded
-                            : replicated == parameters ? "whole (not sharded)"
+  const std::string share = replicated == 0 || shard_ranks <= 1 ? sharded
+                            : replicated == parameters          ? "whole (not sharded)"
                                                        : sharded + " sharded one, " + memory::format_bytes(replicated) +
                                                              " of parameters whole (not sharded)";
   const std::string hybrid = shard_ranks == world_size
