@@ -562,9 +562,9 @@ int run(const Config& cfg, Communicator& comm) {
               << (mesh ? mesh->describe() : std::to_string(comm.world_size())) << ")" << std::endl;
     for (const std::string& warning : resumed.warnings) print_warning(warning);
     if (scaler.enabled() && cfg.loss_scale_given && task->total_steps() > start_step &&
-        resumed.extra.contains("grad_scaler.scale")) {
+        resumed.extra.contains(nn::GradScaler::kScaleKey)) {
       print_warning("--loss-scale has no effect on a resumed f16 run: it goes on with the checkpoint's scale, " +
-                    resumed.extra.at("grad_scaler.scale"));
+                    resumed.extra.at(nn::GradScaler::kScaleKey));
     }
   }
 

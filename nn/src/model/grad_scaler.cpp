@@ -14,20 +14,12 @@
 namespace ruda::nn {
 
 namespace {
-constexpr const char* kScaleKey = "grad_scaler.scale";
-constexpr const char* kTrackerKey = "grad_scaler.growth_tracker";
 
-// Whether every value is finite, a block at a time: x * 0 is 0 for a finite x and NaN for an inf
-// or NaN, and a sum of zeros cannot overflow in any dtype (a sum of the values themselves can:
-// f64 gradients near 1e308). Blocks bound the temporary to 256 KiB of f32, as the norms' do.
-constexpr std::int64_t kCheckBlock = std::int64_t{1} << 16;
+// Whether every value is finite: x * 0 is 0 for a finite x and NaN for an inf or NaN, and a sum
+// of zeros cannot overflow in any dtype (a sum of the values themselves can: f64 gradients near
+// 1e308).
 bool all_finite(const Tensor& values) {
-  const Tensor flat = values.reshape({-1});
-  const std::int64_t n = flat.numel();
-  for (std::int64_t at = 0; at < n; at += kCheckBlock) {
-    if (std::isnan(sum(flat.slice(0, at, std::min(n, at + kCheckBlock)) * 0.0).item())) return false;
-  }
-  return true;
+  return for_each_block(values, [](const Tensor& block) { return !std::isnan(sum(block * 0.0).item()); });
 }
 
 std::string exact(double value) {
@@ -87,16 +79,8 @@ GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* c
                          "casting inputs), so that gradients arrive in f32");
       }
       if (!p.is_sharded()) continue;
-      // As the gradient norms: a sharded parameter's own communicator, else the caller's (the
-      // one it is sharded over); without either each rank would decide from its slices alone.
-      Communicator* over = p.shard()->comm;
-      if (over && p.shard()->comm_alive.expired())
-        fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
-      if (!over) {
-        if (!comm) fail<ShardingError>(op, "sharded parameters need a communicator to agree on infinities over");
-        p.shard()->require_communicator(op, *comm);
-        over = comm;
-      }
+      // As the gradient norms' (without one each rank would decide from its slices alone).
+      Communicator* over = &gradient_communicator(p, comm, op, "to agree on infinities over");
       if (std::find(comms.begin(), comms.end(), over) == comms.end()) comms.push_back(over);
     }
   } catch (...) {

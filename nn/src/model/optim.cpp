@@ -72,6 +72,30 @@ void require_complete_gradient(const Param& p, const char* op) {
   }
 }
 
+Communicator& gradient_communicator(const Param& p, Communicator* comm, const char* op, const char* what) {
+  Communicator* over = p.shard()->comm;
+  if (over && p.shard()->comm_alive.expired()) {
+    fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
+  }
+  if (!over) over = comm;
+  if (!over) fail<ShardingError>(op, "sharded parameters need a communicator ", what);
+  // Given (a parameter sharded without one): it must be the one the parameter is sharded over, as
+  // gather's is. The world's, for a parameter sharded over one node, summed each shard's squares
+  // once per node: a norm sqrt(nodes) too large, silently.
+  p.shard()->require_communicator(op, *over);
+  return *over;
+}
+
+bool for_each_block(const Tensor& values, const std::function<bool(const Tensor&)>& visit) {
+  constexpr std::int64_t kBlock = std::int64_t{1} << 16;
+  const Tensor flat = values.reshape({-1});
+  const std::int64_t n = flat.numel();
+  for (std::int64_t at = 0; at < n; at += kBlock) {
+    if (!visit(flat.slice(0, at, std::min(n, at + kBlock)))) return false;
+  }
+  return true;
+}
+
 std::vector<ParamGroup> decay_2d_only(const Module& module) {
   ParamGroup decay{.name = "decay"}, no_decay{.name = "no_decay", .weight_decay = 0.0};
   for (const auto& [name, p] : module.named_parameters())
@@ -452,19 +476,16 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps, 
 }  // namespace schedules
 
 namespace {
-// The sum of squares of `values` in f64, a block of kNormBlock values at a time: the f64 copy of
-// a whole gradient and its square were 16 bytes an element beside the step, which the memory
-// plan does not count (`ruda-train --clip` peaked at 1.41x its plan on the MLP, and a
-// --memory-limit the plan had accepted ran out in the cast). A block holds at most 1 MiB, within
-// what the step's measured transient (gathered weights, activations) leaves free once it is over.
-constexpr std::int64_t kNormBlock = std::int64_t{1} << 16;
+// The sum of squares of `values` in f64, a block at a time: the f64 copy of a whole gradient and
+// its square were 16 bytes an element beside the step, which the memory plan does not count
+// (`ruda-train --clip` peaked at 1.41x its plan on the MLP, and a --memory-limit the plan had
+// accepted ran out in the cast).
 double sum_of_squares(const Tensor& values) {
-  const Tensor flat = values.reshape({-1});
-  const std::int64_t n = flat.numel();
   double total = 0;
-  for (std::int64_t at = 0; at < n; at += kNormBlock) {
-    total += sum(square(cast(flat.slice(0, at, std::min(n, at + kNormBlock)), DType::f64))).item();
-  }
+  for_each_block(values, [&](const Tensor& block) {
+    total += sum(square(cast(block, DType::f64))).item();
+    return true;
+  });
   return total;
 }
 
@@ -492,16 +513,7 @@ double squared_norm(const std::vector<Param>& params, Communicator* comm, const 
     require_complete_gradient(p, op);
     double* into = &dense;
     if (p.is_sharded()) {
-      Communicator* over = p.shard()->comm;
-      if (over && p.shard()->comm_alive.expired()) {
-        fail<ShardingError>(op, p.shard()->describe(), " is bound to a communicator that was destroyed");
-      }
-      if (!over) over = comm;
-      if (!over) fail<ShardingError>(op, "sharded parameters need a communicator to sum their norms over");
-      // Given (a parameter sharded without one): it must be the one the parameter is sharded over,
-      // as gather's is. The world's, for a parameter sharded over one node, summed each shard once
-      // per node: a norm sqrt(nodes) too large, silently.
-      p.shard()->require_communicator(op, *over);
+      Communicator* over = &gradient_communicator(p, comm, op, "to sum their norms over");
       auto found = std::find_if(sharded.begin(), sharded.end(), [&](const auto& s) { return s.first == over; });
       if (found == sharded.end()) found = sharded.insert(sharded.end(), {over, 0.0});
       into = &found->second;

@@ -77,9 +77,11 @@ class GradScaler {
   bool enabled() const noexcept { return options_.enabled; }
   const GradScalerOptions& options() const noexcept { return options_; }
 
-  /// The scale and growth tracker as checkpoint extra state ("grad_scaler.scale",
-  /// "grad_scaler.growth_tracker"; the scale written so that it reads back exactly), to merge into
-  /// save_checkpoint's `extra`.
+  /// The keys of state() in a checkpoint's extra state.
+  static constexpr const char* kScaleKey = "grad_scaler.scale";
+  static constexpr const char* kTrackerKey = "grad_scaler.growth_tracker";
+  /// The scale and growth tracker as checkpoint extra state (kScaleKey, kTrackerKey; the scale
+  /// written so that it reads back exactly), to merge into save_checkpoint's `extra`.
   std::map<std::string, std::string> state() const;
   /// Restores them from a checkpoint's extra state. A checkpoint without them (saved without a
   /// scaler) leaves this scaler as it is; malformed or out-of-range values are an IOError naming
