@@ -8,8 +8,11 @@
 #               rank, over the limit as configured at 4 MPI ranks, fitted and trained there
 #   bench-list  tools/bench --list
 #   bench-quick  tools/bench --quick over the single-process suites whose figures the README quotes
-#               (all but memory-scale, minutes even when quick, and the emulated overlap and hybrid
-#               suites, half a minute): every suite runs and reports
+#               but memory-scale and the emulated overlap and hybrid suites: every suite runs and
+#               reports
+#   bench-scaling-quick  tools/bench --quick over the suites of sharding at scale: memory-scale,
+#               overlap and hybrid (each emulated, then over MPI: across tools/cluster-sim's nodes
+#               where namespaces can be made, on loopback otherwise) and train-step-mpi
 #   bench-mpi-quick  tools/bench --quick --suite collectives-mpi: the MPI suite the README quotes, at
 #               2, 3 and 4 ranks
 #   mpiexec-signal  the README's graceful stop through mpiexec itself: SIGUSR1 sent to mpiexec
@@ -144,6 +147,28 @@ case "$case_name" in
     expect "adam step, 1M bf16 parameters"
     expect "f16 relu ["
     expect "logsumexp over columns ["
+    ;;
+  bench-scaling-quick)
+    "$root/tools/bench" --quick --suite memory-scale --suite overlap --suite hybrid --suite train-step-mpi >"$log" 2>&1 ||
+      fail "tools/bench --quick over the scaling suites exited $?"
+    grep -q "^memory-scale  *GPT d256 x4, batch 16: measured peak per rank, world 2 (peer: plan)" "$log" ||
+      fail "no memory-scale plan row at world 2"
+    expect "widest GPT x4 within 64 MB/rank, world 4, activation checkpointing: d_model"
+    for model in "GPT d256 x4 b16 t64" "MLP 784-1024-1024-10 b128"; do
+      # The emulated rows, then the MPI ones (across cluster-sim's nodes, or on loopback).
+      grep -q "^overlap  *$model, 2 ranks, emulated .*: step (groups, prefetch, overlap on)" "$log" ||
+        fail "no emulated overlap row of the $model"
+      grep -qE "^overlap  *$model, 2 ranks, .*(cluster-sim nodes|loopback).*: communication only" "$log" ||
+        fail "no MPI overlap row of the $model"
+      grep -q "^hybrid  *$model, 2 nodes x 2 ranks, emulated .*: hybrid: step" "$log" ||
+        fail "no emulated hybrid row of the $model"
+      grep -qE "^hybrid  *$model, 2 nodes x 2 ranks, .*(cluster-sim|blocks of 2 ranks as nodes).*: hybrid: step" "$log" ||
+        fail "no MPI hybrid row of the $model"
+    done
+    for ranks in 2 4; do
+      grep -q "^train-step-mpi  *MLP b128, sharded in groups, overlap auto, $ranks MPI ranks" "$log" ||
+        fail "no train-step-mpi row at $ranks ranks"
+    done
     ;;
   bench-mpi-quick)
     "$root/tools/bench" --quick --suite collectives-mpi >"$log" 2>&1 || fail "tools/bench --suite collectives-mpi exited $?"

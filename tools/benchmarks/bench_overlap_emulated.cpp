@@ -2,10 +2,12 @@
 // MPI suite "overlap", on 2 emulated ranks (threads, one intra-op thread each) joined by the link
 // model, whose collectives sleep for the time the link would need. The link rates are set from
 // this machine's compute time, so that communication takes about 0.5, 1 and 2 times compute: on
-// any CPU the three rows are below, near and above it. tools/bench --suite overlap runs it too.
+// any CPU the three rows are below, near and above it (--quick: the middle one). tools/bench
+// --suite overlap runs it too.
 #include <ruda/collectives.h>
 
 #include <string>
+#include <vector>
 
 #include "overlap.h"
 
@@ -42,7 +44,9 @@ void run(Context& ctx) {
             bytes_per_step += (again[g] ? 3.0 : 2.0) * (kWorld - 1) * static_cast<double>(parts[g]) * 4;
         },
         options());
-    for (const double share : {0.5, 1.0, 2.0}) {
+    // --quick (a smoke run): the middle row only.
+    const std::vector<double> shares = ctx.quick ? std::vector<double>{1.0} : std::vector<double>{0.5, 1.0, 2.0};
+    for (const double share : shares) {
       LinkModel link;
       link.bytes_per_second = bytes_per_step / (share * compute_seconds);
       const std::string where =
