@@ -81,55 +81,86 @@ void EigenBackend::scatter_add_rows(const View& src, const View& index, const Vi
 void EigenBackend::take_along_rows(const View& x, const View& index, const View& out) {
   const std::int64_t rows = x.shape[0], cols = x.shape[1], picks = index.shape[1];
   const auto* idx = index.ptr<const std::int64_t>();
-  // Values moved as raw bits of their size, rows split across threads (a memcpy of the element
-  // size a value, on one thread, took 2x PyTorch's time to pick 64 of 1024 columns of 2048 rows).
+  // Values moved as raw bits of their size (a memcpy of the element size a value, on one thread,
+  // took 2x PyTorch's time to pick 64 of 1024 columns of 2048 rows), the picks of all rows split
+  // across threads: a few long rows (take_along_axis on a leading axis is one row of every pick)
+  // are split within a row.
   auto take = [&](auto bits) {
     using U = decltype(bits);
     const U* src = static_cast<const U*>(x.data);
     U* dst = static_cast<U*>(out.data);
-    parallel_for(rows, std::max<std::int64_t>(1, kElementGrain / std::max<std::int64_t>(1, picks)),
-                 [&](std::int64_t r0, std::int64_t r1) {
-                   for (std::int64_t r = r0; r < r1; ++r) {
-                     const std::int64_t* row_idx = idx + r * picks;
-                     const U* row = src + r * cols;
-                     U* o = dst + r * picks;
-                     for (std::int64_t j = 0; j < picks; ++j) o[j] = row[row_idx[j]];
-                   }
-                 });
+    parallel_for(rows * picks, kElementGrain, [&](std::int64_t e0, std::int64_t e1) {
+      for (std::int64_t r = e0 / picks, j = e0 % picks, e = e0; e < e1; ++r, j = 0) {
+        const std::int64_t* row_idx = idx + r * picks;
+        const U* row = src + r * cols;
+        U* o = dst + r * picks;
+        const std::int64_t stop = std::min(picks, j + (e1 - e));
+        e += stop - j;
+        for (; j < stop; ++j) o[j] = row[row_idx[j]];
+      }
+    });
   };
-  dispatch_bits(dtype_size(x.dtype), take);
+  if (rows * picks > 0) dispatch_bits(dtype_size(x.dtype), take);
 }
 
 void EigenBackend::put_add_along_rows(const View& src, const View& index, const View& x) {
   const std::int64_t rows = x.shape[0], cols = x.shape[1], picks = index.shape[1];
+  if (rows == 0 || cols == 0 || picks == 0) return;
   const auto* idx = index.ptr<const std::int64_t>();
+  // Work units of a row and a range of its destination columns: each unit adds, in pick order, the
+  // picks that land in its range, so the sums are the same bits for any thread count (this ran
+  // on one thread). 16-bit rows are split where they are fewer than the threads (take_along_axis
+  // on a leading axis is one row of every pick), each such unit reading all of its row's picks:
+  // the conversions are the work there. f32 and f64 rows are not: a random scatter's time is the
+  // memory's, and two threads each scanning every pick took longer than one (2M picks into 8 MB:
+  // 15-17 ms against 11-16 ms).
+  const std::int64_t threads = num_threads();
   dispatch_float(x.dtype, "take_along_axis backward", [&](auto tag) {
     using T = decltype(tag);
     const T* s = src.ptr<const T>();
     T* t = x.ptr<T>();
-    if constexpr (kSixteenBit<T>) {
-      // 16-bit: the picks of one destination are summed in f32 and rounded once (rounded after
-      // every add, 300 picks of one bf16 element gave 256), in pick order within a destination.
+    const std::int64_t chunks =
+        kSixteenBit<T> && rows < threads ? std::min(cols, (threads + rows - 1) / rows) : std::int64_t{1};
+    const std::int64_t grain = std::max<std::int64_t>(1, kElementGrain / (picks + cols / chunks));
+    parallel_for(rows * chunks, grain, [&](std::int64_t u0, std::int64_t u1) {
       Scratch<std::int64_t> order;
-      for (std::int64_t r = 0; r < rows; ++r) {
+      Scratch<float> wide;
+      for (std::int64_t u = u0; u < u1; ++u) {
+        const std::int64_t r = u / chunks, c0 = cols * (u % chunks) / chunks, c1 = cols * (u % chunks + 1) / chunks;
         const std::int64_t* row_idx = idx + r * picks;
-        order_by_index(row_idx, picks, order);
-        for (std::size_t g = 0; g < order.size();) {
-          const std::int64_t target = row_idx[order[g]];
-          T& dst = t[r * cols + target];
-          float acc = Num<T>::load(dst);
-          for (; g < order.size() && row_idx[order[g]] == target; ++g) acc += Num<T>::load(s[r * picks + order[g]]);
-          dst = Num<T>::store(acc);
+        const T* from = s + r * picks;
+        T* row = t + r * cols;
+        if constexpr (kSixteenBit<T>) {
+          // 16-bit: the picks of one destination are summed in f32, from its value on, and
+          // rounded once (rounded after every add, 300 picks of one bf16 element gave 256). A
+          // few picks in a long row are ordered by destination; more are summed in an f32 copy of
+          // the columns (ordering 2M picks by destination took 137 ms).
+          if (chunks == 1 && picks * 16 < cols) {
+            order_by_index(row_idx, picks, order);
+            for (std::size_t g = 0; g < order.size();) {
+              const std::int64_t target = row_idx[order[g]];
+              float acc = Num<T>::load(row[target]);
+              for (; g < order.size() && row_idx[order[g]] == target; ++g) acc += Num<T>::load(from[order[g]]);
+              row[target] = Num<T>::store(acc);
+            }
+            continue;
+          }
+          // One slot more, where the picks outside the range go: a select, not a branch (a branch
+          // taken at random for half of the picks cost more than the second thread gained).
+          const std::int64_t width = c1 - c0;
+          wide.resize(static_cast<std::size_t>(width + 1));
+          for (std::int64_t c = c0; c < c1; ++c) wide[static_cast<std::size_t>(c - c0)] = Num<T>::load(row[c]);
+          for (std::int64_t j = 0; j < picks; ++j) {
+            const auto offset = static_cast<std::uint64_t>(row_idx[j] - c0);  // past width when outside
+            wide[offset < static_cast<std::uint64_t>(width) ? offset : static_cast<std::size_t>(width)] +=
+                Num<T>::load(from[j]);
+          }
+          for (std::int64_t c = c0; c < c1; ++c) row[c] = Num<T>::store(wide[static_cast<std::size_t>(c - c0)]);
+        } else {
+          for (std::int64_t j = 0; j < picks; ++j) row[row_idx[j]] += from[j];
         }
       }
-    } else {
-      for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t j = 0; j < picks; ++j) {
-          T& dst = t[r * cols + idx[r * picks + j]];
-          dst = Num<T>::store(Num<T>::load(dst) + Num<T>::load(s[r * picks + j]));
-        }
-      }
-    }
+    });
   });
 }
 

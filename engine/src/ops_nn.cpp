@@ -56,26 +56,12 @@ Tensor embedding(const Tensor& table, const Tensor& indices) {
   return out;
 }
 
-Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) {
-  detail::require_defined("take_along_axis", x);
-  detail::require_defined("take_along_axis", index);
-  if (x.ndim() == 0) fail<ShapeError>("take_along_axis", "needs at least one dimension, got a scalar");
-  const int a = normalize_axis(axis, x.ndim(), "take_along_axis");
-  bool fits = index.ndim() == x.ndim();
-  for (std::int64_t i = 0; fits && i < x.ndim(); ++i) fits = i == a || index.shape()[i] == x.shape()[i];
-  if (!fits) {
-    fail<ShapeError>("take_along_axis", "index ", index.shape(), " must match ", x.shape(), " off axis ", axis);
-  }
-  const int last = static_cast<int>(x.ndim()) - 1;
-  if (a != last) {
-    // Checked here, so that an error names the caller's shape, not the transposed one.
-    check_indices("take_along_axis", index, x.shape()[static_cast<std::size_t>(a)], x.shape());
-    // Move the axis last, take, and move it back (the last axis is the fast path).
-    return transpose(take_along_axis(transpose(x, a, last), transpose(index, a, last), last), a, last).contiguous();
-  }
-  check_indices("take_along_axis", index, x.shape()[last], x.shape());
-  const std::int64_t cols = x.shape()[last], picks = index.shape()[last];
-  Tensor out = make_tensor(index.shape(), x.dtype(), x.backend(), "take_along_axis");
+namespace {
+// take_along_axis on the last axis of x viewed as [rows, cols], index [rows, picks] (its indices
+// checked by the caller).
+Tensor take_along_rows(const Tensor& x, const Tensor& index, const Shape& out_shape) {
+  const std::int64_t cols = x.shape().back(), picks = index.shape().back();
+  Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), "take_along_axis");
   if (out.numel()) {
     x.backend().take_along_rows(view_of(detail::dense(reshape(x.detach(), {-1, cols}))),
                                 view_of(detail::dense(reshape(index, {-1, picks}))),
@@ -94,6 +80,34 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
                      });
   }
   return out;
+}
+}  // namespace
+
+Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) {
+  detail::require_defined("take_along_axis", x);
+  detail::require_defined("take_along_axis", index);
+  if (x.ndim() == 0) fail<ShapeError>("take_along_axis", "needs at least one dimension, got a scalar");
+  const int a = normalize_axis(axis, x.ndim(), "take_along_axis");
+  bool fits = index.ndim() == x.ndim();
+  for (std::int64_t i = 0; fits && i < x.ndim(); ++i) fits = i == a || index.shape()[i] == x.shape()[i];
+  if (!fits) {
+    fail<ShapeError>("take_along_axis", "index ", index.shape(), " must match ", x.shape(), " off axis ", axis);
+  }
+  check_indices("take_along_axis", index, x.shape()[static_cast<std::size_t>(a)], x.shape());
+  const int last = static_cast<int>(x.ndim()) - 1;
+  if (a == last) return take_along_rows(x, index, index.shape());
+  // x as [outer, n * inner] rows and each index as the flat position it picks in its row,
+  // index * inner + i: the last axis's take on those, its result already in the caller's layout.
+  // (Moving the axis last and back copied x, the index and the result, transposing: 3-4.6x
+  // PyTorch's gather on a leading axis.) The row's take records the gradient, through the reshape.
+  const auto& dims = x.shape();
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < a; ++i) outer *= dims[static_cast<std::size_t>(i)];
+  for (int i = a + 1; i <= last; ++i) inner *= dims[static_cast<std::size_t>(i)];
+  const std::int64_t n = dims[static_cast<std::size_t>(a)], picks = index.shape()[static_cast<std::size_t>(a)];
+  Tensor flat = reshape(index, {outer, picks, inner});
+  if (inner > 1) flat = flat * inner + arange(0, static_cast<double>(inner), 1, DType::i64).reshape({1, 1, inner});
+  return take_along_rows(reshape(x, {outer, n * inner}), reshape(flat, {outer, picks * inner}), index.shape());
 }
 
 namespace {

@@ -1312,6 +1312,56 @@ TEST_CASE("16-bit sums over separate axes round once, as over one run of axes (a
   }
 }
 
+TEST_CASE("take_along_axis on any axis: values and gradients against a loop, bit for bit") {
+  // A leading axis reads x in place (its rows are the picks' flat positions), and the gradient's
+  // scatter splits rows fewer than the threads (16-bit) or sorts a long row's few picks: each
+  // destination still sums its picks in pick order, in f32 for 16-bit (rounded once), as the loop.
+  struct Case {
+    Shape x;
+    std::int64_t axis, picks;
+  };
+  const std::vector<Case> cases = {{{6, 5, 4}, 0, 7}, {{6, 5, 4}, 1, 9},  {{6, 5, 4}, 2, 3},   {{300, 3}, 0, 2},
+                                   {{1, 4000}, 1, 3}, {{64, 2000}, 1, 2}, {{3, 40, 2}, 1, 700}};
+  for (const DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+    for (const Case& c : cases) {
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(c.x);
+      CAPTURE(c.axis);
+      Shape index_shape = c.x;
+      index_shape[static_cast<std::size_t>(c.axis)] = c.picks;
+      const std::int64_t n = c.x[static_cast<std::size_t>(c.axis)];
+      const Tensor x = randn(c.x, 3).to(dtype).set_requires_grad();
+      const Tensor index = randint(index_shape, 0, n, 4);
+      const Tensor g = randn(index_shape, 5).to(dtype);
+      const Tensor out = take_along_axis(x, index, c.axis);
+      (out * g).sum().backward();
+      // The loop: x and the index as [outer, n or picks, inner].
+      std::int64_t outer = 1, inner = 1;
+      for (std::int64_t i = 0; i < c.axis; ++i) outer *= c.x[static_cast<std::size_t>(i)];
+      for (std::size_t i = static_cast<std::size_t>(c.axis) + 1; i < c.x.size(); ++i) inner *= c.x[i];
+      const auto xs = x.to_vector<double>(), gs = g.to_vector<double>();
+      const auto is = index.to_vector<std::int64_t>();
+      std::vector<double> want_out(is.size()), want_grad(xs.size(), 0.0);
+      for (std::int64_t o = 0; o < outer; ++o) {
+        for (std::int64_t p = 0; p < c.picks; ++p) {
+          for (std::int64_t i = 0; i < inner; ++i) {
+            const std::int64_t at = (o * c.picks + p) * inner + i;
+            const std::int64_t from = (o * n + is[static_cast<std::size_t>(at)]) * inner + i;
+            want_out[static_cast<std::size_t>(at)] = xs[static_cast<std::size_t>(from)];
+            double& acc = want_grad[static_cast<std::size_t>(from)];
+            // f64 adds in f64; the others in f32 (16-bit rounded once, below).
+            acc = dtype == DType::f64 ? acc + gs[static_cast<std::size_t>(at)]
+                                      : static_cast<double>(static_cast<float>(acc) +
+                                                            static_cast<float>(gs[static_cast<std::size_t>(at)]));
+          }
+        }
+      }
+      CHECK(out.to_vector<double>() == want_out);
+      CHECK(x.grad().to_vector<double>() == values(want_grad, c.x, DType::f64).to(dtype).to_vector<double>());
+    }
+  }
+}
+
 TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a repeated index in f32") {
   // Rounded to bf16 after every add, a destination stopped growing at 256 (256 + 1 is 256).
   for (const DType dtype : {DType::bf16, DType::f16}) {

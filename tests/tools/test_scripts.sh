@@ -147,6 +147,7 @@ case "$case_name" in
     expect "adam step, 1M bf16 parameters"
     expect "f16 relu ["
     expect "logsumexp over columns ["
+    expect "take_along_axis fwd+bwd axis 1, 64 of ["
     ;;
   bench-scaling-quick)
     "$root/tools/bench" --quick --suite memory-scale --suite overlap --suite hybrid --suite train-step-mpi >"$log" 2>&1 ||

@@ -262,6 +262,28 @@ void kernels_suite(Context& ctx) {
       });
   report_time(ctx, "kernels", "layer_norm fwd+bwd [" + std::to_string(rows) + ", 256] f32", backward, copies,
               "its forward and copies of x and dy", "us", 1e6);
+
+  // take_along_axis on a middle axis (64 of the 1024 positions of [8, 1024, 256], a token
+  // selection), forward and backward, against the axis moved last, taken there and moved back
+  // (three transposing copies: how ruda took a leading axis, 3-4.6x PyTorch's gather).
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    const std::int64_t positions = ctx.quick ? 256 : 1024;
+    Tensor from = randn({8, positions, 256}, 8).to(dtype).set_requires_grad();
+    const Tensor picked = randint({8, 64, 256}, 0, positions, 9);
+    auto step = [&](auto&& take) {
+      return [&, take] {
+        from.zero_grad();
+        take().sum().backward();
+      };
+    };
+    const auto [direct, moved] = measure_pair(
+        ctx, step([&] { return take_along_axis(from, picked, 1); }),
+        step([&] { return transpose(take_along_axis(transpose(from, 1, 2), transpose(picked, 1, 2), 2), 1, 2); }));
+    report_time(ctx, "kernels",
+                "take_along_axis fwd+bwd axis 1, 64 of [8, " + std::to_string(positions) + ", 256] " +
+                    std::string(dtype_name(dtype)),
+                direct, moved, "the axis moved last and back", "us", 1e6);
+  }
 }
 
 const bool registered = register_suite("gemm", gemm_suite) && register_suite("op-overhead", overhead_suite) &&
