@@ -119,8 +119,11 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
     using T = decltype(tag);
     const T* s = src.ptr<const T>();
     T* t = x.ptr<T>();
+    // (Only where the picks are many for the row: a few picks in a long row are sorted instead,
+    // whatever the thread count; split, each unit copied its whole column range to f32 and back.)
+    const bool many_picks = picks * 16 >= cols;
     const std::int64_t chunks =
-        kSixteenBit<T> && rows < threads ? std::min(cols, (threads + rows - 1) / rows) : std::int64_t{1};
+        kSixteenBit<T> && many_picks && rows < threads ? std::min(cols, (threads + rows - 1) / rows) : std::int64_t{1};
     const std::int64_t grain = std::max<std::int64_t>(1, kElementGrain / (picks + cols / chunks));
     parallel_for(rows * chunks, grain, [&](std::int64_t u0, std::int64_t u1) {
       Scratch<std::int64_t> order;
@@ -135,7 +138,7 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
           // rounded once (rounded after every add, 300 picks of one bf16 element gave 256). A
           // few picks in a long row are ordered by destination; more are summed in an f32 copy of
           // the columns (ordering 2M picks by destination took 137 ms).
-          if (chunks == 1 && picks * 16 < cols) {
+          if (!many_picks) {
             order_by_index(row_idx, picks, order);
             for (std::size_t g = 0; g < order.size();) {
               const std::int64_t target = row_idx[order[g]];

@@ -1313,15 +1313,18 @@ TEST_CASE("16-bit sums over separate axes round once, as over one run of axes (a
 }
 
 TEST_CASE("take_along_axis on any axis: values and gradients against a loop, bit for bit") {
-  // A leading axis reads x in place (its rows are the picks' flat positions), and the gradient's
-  // scatter splits rows fewer than the threads (16-bit) or sorts a long row's few picks: each
-  // destination still sums its picks in pick order, in f32 for 16-bit (rounded once), as the loop.
+  // A leading axis with few picks reads x in place (its rows are the picks' flat positions), and
+  // the gradient's scatter splits 16-bit rows fewer than the threads or sorts a long row's few
+  // picks: each destination still sums its picks in pick order, in f32 for 16-bit (rounded once),
+  // as the loop does.
   struct Case {
     Shape x;
     std::int64_t axis, picks;
   };
-  const std::vector<Case> cases = {{{6, 5, 4}, 0, 7}, {{6, 5, 4}, 1, 9},  {{6, 5, 4}, 2, 3},   {{300, 3}, 0, 2},
-                                   {{1, 4000}, 1, 3}, {{64, 2000}, 1, 2}, {{3, 40, 2}, 1, 700}};
+  // (Picking at least half as many as the axis holds moves the axis last instead: the first two
+  // and the last; a 16-bit leading-axis gradient of many picks in one row is split by columns.)
+  const std::vector<Case> cases = {{{6, 5, 4}, 0, 7},   {{6, 5, 4}, 1, 9}, {{6, 5, 4}, 2, 3},  {{300, 3}, 0, 2},
+                                   {{40, 1000}, 0, 19}, {{1, 4000}, 1, 3}, {{64, 2000}, 1, 2}, {{3, 40, 2}, 1, 700}};
   for (const DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
     for (const Case& c : cases) {
       CAPTURE(dtype_name(dtype));
