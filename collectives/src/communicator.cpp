@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <mutex>
 #include <sstream>
 
 #include "internal.h"
@@ -15,6 +16,12 @@ namespace ruda {
 using Clock = std::chrono::steady_clock;
 
 namespace cd = collectives_detail;
+
+struct collectives_detail::Ledger {
+  std::mutex mutex;
+  Traffic traffic;
+  Clock::time_point settled;  // when the collectives waited for so far were complete
+};
 
 // --- Work ---
 
@@ -80,21 +87,18 @@ std::string history_text(const std::string& who, const std::vector<std::string>&
 // Adds the call's context to the errors of a collective that completes later.
 class ContextState final : public Work::State {
  public:
-  // `traffic` null: nothing to count (a world of one rank).
+  // `ledger` null: nothing to count (a world of one rank).
   ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
-               std::shared_ptr<Traffic> traffic, std::shared_ptr<Clock::time_point> settled, Clock::time_point start,
-               std::uint64_t bytes)
-      : ContextState(std::move(inner), std::move(prefix), std::move(who), std::move(history), std::move(traffic),
-                     std::move(settled), start, bytes, std::chrono::duration<double>(Clock::now() - start).count()) {}
+               std::shared_ptr<cd::Ledger> ledger, Clock::time_point start, std::uint64_t bytes)
+      : ContextState(std::move(inner), std::move(prefix), std::move(who), std::move(history), std::move(ledger), start,
+                     bytes, std::chrono::duration<double>(Clock::now() - start).count()) {}
   ContextState(Work inner, std::string prefix, std::string who, std::vector<std::string> history,
-               std::shared_ptr<Traffic> traffic, std::shared_ptr<Clock::time_point> settled, Clock::time_point start,
-               std::uint64_t bytes, double starting)
+               std::shared_ptr<cd::Ledger> ledger, Clock::time_point start, std::uint64_t bytes, double starting)
       : inner_(std::move(inner)),
         prefix_(std::move(prefix)),
         who_(std::move(who)),
         history_(std::move(history)),
-        traffic_(std::move(traffic)),
-        settled_(std::move(settled)),
+        ledger_(std::move(ledger)),
         start_(start),
         bytes_(bytes),
         starting_(starting) {}
@@ -104,20 +108,25 @@ class ContextState final : public Work::State {
       Tensor result = inner_.wait();
       const auto now = Clock::now();
       const auto done = inner_.completed_at().value_or(now);
-      if (!traffic_) return result;
-      traffic_->collectives += 1;
-      traffic_->bytes += bytes_;
+      if (!ledger_) return result;
+      // (A Work may be waited for on another thread than the communicator's, which counts its
+      // own collectives meanwhile.)
+      const std::lock_guard lock(ledger_->mutex);
+      Traffic& traffic = ledger_->traffic;
+      Clock::time_point& settled = ledger_->settled;
+      traffic.collectives += 1;
+      traffic.bytes += bytes_;
       // The caller waited while starting it (the order check; a start that runs it at once) and in
       // here; the collective took at least that long (a modeled link may complete it sooner than
       // the other ranks arrived). Its own time starts when the collectives before it were done:
       // two started together on one link take turns, and the second's wait in the queue is the
       // first's time (counted there), not communication of its own hidden behind compute.
       const double exposed = starting_ + std::chrono::duration<double>(now - waiting).count();
-      const Clock::time_point from = std::max(start_, *settled_);
+      const Clock::time_point from = std::max(start_, settled);
       const double own = std::max(0.0, std::chrono::duration<double>(done - from).count());
-      *settled_ = std::max(*settled_, done);
-      traffic_->seconds += std::max(own, exposed);
-      traffic_->exposed_seconds += exposed;
+      settled = std::max(settled, done);
+      traffic.seconds += std::max(own, exposed);
+      traffic.exposed_seconds += exposed;
       return result;
     } catch (...) {
       rethrow_decorated(prefix_, who_, history_);
@@ -130,8 +139,7 @@ class ContextState final : public Work::State {
   std::string prefix_;
   std::string who_;  // "rank 3", or a split communicator's "rank 1 (rank 3 before the split)"
   std::vector<std::string> history_;
-  std::shared_ptr<Traffic> traffic_;
-  std::shared_ptr<Clock::time_point> settled_;  // the communicator's (Communicator::settled_)
+  std::shared_ptr<cd::Ledger> ledger_;  // the communicator's
   Clock::time_point start_;
   std::uint64_t bytes_;
   double starting_;  // seconds the caller spent starting it
@@ -366,20 +374,33 @@ void Communicator::release_use() noexcept {
 }
 
 void Communicator::finish(const Call& call) {
-  *settled_ = Clock::now();      // (what was queued before it is done too: it waited for it)
-  if (world_size_ == 1) return;  // a world of one rank moves nothing and counts nothing
   const double seconds = cd::Stopwatch::seconds(call.start, cd::Stopwatch::now());
-  traffic_->collectives += 1;
-  traffic_->bytes += call.bytes;
-  traffic_->seconds += seconds;
-  traffic_->exposed_seconds += seconds;
+  const std::lock_guard lock(ledger_->mutex);
+  ledger_->settled = Clock::now();  // (what was queued before it is done too: it waited for it)
+  if (world_size_ == 1) return;     // a world of one rank moves nothing and counts nothing
+  Traffic& traffic = ledger_->traffic;
+  traffic.collectives += 1;
+  traffic.bytes += call.bytes;
+  traffic.seconds += seconds;
+  traffic.exposed_seconds += seconds;
+}
+
+Traffic Communicator::traffic() const noexcept {
+  const std::lock_guard lock(ledger_->mutex);
+  return ledger_->traffic;
+}
+
+void Communicator::reset_traffic() noexcept {
+  const std::lock_guard lock(ledger_->mutex);
+  ledger_->traffic = {};
 }
 
 Communicator::Communicator(int rank, int world_size)
     : rank_(rank),
       world_size_(world_size),
       order_check_(order_check_from_env()),
-      rank_text_("rank " + std::to_string(rank)) {
+      rank_text_("rank " + std::to_string(rank)),
+      ledger_(std::make_shared<cd::Ledger>()) {
   if (world_size < 1) fail<ArgumentError>("Communicator", "world size must be positive, got ", world_size);
   if (rank < 0 || rank >= world_size) {
     fail<ArgumentError>("Communicator", "rank ", rank, " is outside a world of ", world_size);
@@ -697,7 +718,7 @@ Work Communicator::launch_all_gather(const Tensor& local, Tensor out, const Coll
   try {
     Work inner = start_all_gather(local, std::move(out), local.numel());
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
-                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
+                                               world_size_ > 1 ? ledger_ : nullptr,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -733,7 +754,7 @@ Work Communicator::launch_reduce_scatter(const Tensor& full, Tensor out, const C
   try {
     Work inner = start_reduce_scatter(full, std::move(out), count, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
-                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
+                                               world_size_ > 1 ? ledger_ : nullptr,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);
@@ -757,7 +778,7 @@ Work Communicator::all_reduce_async(const Tensor& x, Reduction op, const Collect
   try {
     Work inner = start_all_reduce(x, std::move(out), x.numel(), op, options.accumulate);
     return Work(std::make_unique<ContextState>(std::move(inner), error_prefix(call), rank_text_, history(),
-                                               world_size_ > 1 ? traffic_ : nullptr, settled_,
+                                               world_size_ > 1 ? ledger_ : nullptr,
                                                cd::Stopwatch::to_steady(call.start), call.bytes));
   } catch (...) {
     rethrow_with_context(call);

@@ -882,6 +882,37 @@ TEST_CASE("emulated: traffic() counts bus bytes, the time collectives took, and 
   }
 }
 
+TEST_CASE("emulated: a Work waited for on another thread counts its traffic beside the rank's own collectives") {
+  // The Work's accounting and the communicator's (traffic, and when the collectives before were
+  // done) share one ledger under a lock: a Work waited for on a thread of the caller's while the
+  // rank's thread ran collectives raced on both (found by ThreadSanitizer; counts could be lost).
+  EmulatedOptions options;
+  options.link = LinkModel::parse("100MB/s,200us");
+  std::vector<Traffic> traffic(2);
+  std::vector<double> reduced(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        const auto r = static_cast<std::size_t>(comm.rank());
+        comm.reset_traffic();
+        Work pending = comm.all_reduce_async(ones({1024}));
+        Tensor sum;
+        std::thread waiter([&] { sum = pending.wait(); });
+        for (int i = 0; i < 3; ++i) (void)comm.all_reduce(ones({16}));
+        waiter.join();
+        reduced[r] = sum.to_vector<double>().front();
+        traffic[r] = comm.traffic();
+      },
+      options);
+  for (std::size_t r = 0; r < 2; ++r) {
+    CAPTURE(r);
+    CHECK(reduced[r] == 2.0);
+    CHECK(traffic[r].collectives == 4);
+    CHECK(traffic[r].bytes == 4096 + 3 * 64);  // all_reduce over 2 ranks: 2 (world - 1) / world x the tensor
+    CHECK(traffic[r].seconds > 0);
+  }
+}
+
 TEST_CASE("emulated: collectives queued on one link count their own time, not the wait in the queue as hidden") {
   // Two non-blocking gathers started together take turns on the link (200 ms each here): the
   // second's 200 ms in the queue were counted as its own communication, hidden behind compute

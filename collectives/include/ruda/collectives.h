@@ -21,6 +21,10 @@
 
 namespace ruda {
 
+namespace collectives_detail {
+struct Ledger;  // a communicator's Traffic and its lock (communicator.cpp)
+}  // namespace collectives_detail
+
 /// A collective failed. The message names the rank, the operation, the dtype and the element
 /// count, and ends with the rank's last collectives.
 class CollectiveError : public Error {
@@ -88,6 +92,8 @@ struct CollectiveOptions {
 /// part in it), only its result is discarded. Under MPI dropping it waits for that completion, as
 /// wait() would, so a rank must not drop a Work whose collective needs a peer that is itself
 /// waiting for this rank elsewhere first (drop it after that exchange, or keep it until then).
+/// wait() may run on another thread than the communicator's (one thread per Work at a time), also
+/// while that one runs collectives: the two count traffic() under one lock.
 class Work {
  public:
   class State {
@@ -244,8 +250,8 @@ class Communicator {
   std::vector<std::string> history() const;
   /// What the collectives completed since construction or reset_traffic() cost this rank
   /// (world size 1 moves nothing and counts nothing).
-  Traffic traffic() const noexcept { return *traffic_; }
-  void reset_traffic() noexcept { *traffic_ = {}; }
+  Traffic traffic() const noexcept;
+  void reset_traffic() noexcept;
   /// Expires when this communicator is destroyed: what holds its address (a sharded parameter)
   /// checks it before use, and raises instead of calling into freed memory.
   std::weak_ptr<const void> liveness() const noexcept { return alive_; }
@@ -339,13 +345,12 @@ class Communicator {
   void name_split_from(const Communicator& parent, const char* how);
   std::uint64_t sequence_ = 0;
   std::uint64_t ordinals_ = 0;  // next_ordinal's
-  // Shared with the Works of non-blocking collectives, which account for themselves when waited
-  // for (even after the communicator is gone).
-  std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
-  // When the collectives waited for so far were complete: a collective queued behind earlier ones
-  // (a link serves them in turn) counts its seconds from then, not from its start.
-  std::shared_ptr<std::chrono::steady_clock::time_point> settled_ =
-      std::make_shared<std::chrono::steady_clock::time_point>();
+  // The Traffic, and when the collectives waited for so far were complete (a collective queued
+  // behind earlier ones, as a link serves them in turn, counts its seconds from then), under a
+  // lock: shared with the Works of non-blocking collectives, which account for themselves when
+  // waited for, even after the communicator is gone and on another thread than the one running
+  // its collectives.
+  std::shared_ptr<collectives_detail::Ledger> ledger_;
   std::vector<Record> history_;  // ring of the last kHistory calls; the current one is the newest
   static constexpr std::size_t kHistory = 32;
   // The thread running a collective on this communicator (none: a default id), and how deep its
