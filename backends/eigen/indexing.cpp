@@ -125,6 +125,11 @@ void EigenBackend::put_add_along_rows(const View& src, const View& index, const 
     const std::int64_t chunks =
         kSixteenBit<T> && many_picks && rows < threads ? std::min(cols, (threads + rows - 1) / rows) : std::int64_t{1};
     const std::int64_t grain = std::max<std::int64_t>(1, kElementGrain / (picks + cols / chunks));
+    // The f32 copies of the columns, one per thread at most, are charged as tensors of their size
+    // would be (up to twice a 16-bit gradient's bytes: the tracker and the limit count them).
+    const std::int64_t wide_values =
+        kSixteenBit<T> && many_picks ? std::min(threads, rows * chunks) * (cols / chunks + 2) : std::int64_t{0};
+    const detail::Charge charged = charge_working_memory(wide_values, DType::f32, "take_along_axis backward");
     parallel_for(rows * chunks, grain, [&](std::int64_t u0, std::int64_t u1) {
       Scratch<std::int64_t> order;
       Scratch<float> wide;

@@ -1322,47 +1322,55 @@ TEST_CASE("take_along_axis on any axis: values and gradients against a loop, bit
     std::int64_t axis, picks;
   };
   // (Picking at least half as many as the axis holds moves the axis last instead: the first two
-  // and the last; a 16-bit leading-axis gradient of many picks in one row is split by columns.)
-  const std::vector<Case> cases = {{{6, 5, 4}, 0, 7},   {{6, 5, 4}, 1, 9}, {{6, 5, 4}, 2, 3},  {{300, 3}, 0, 2},
-                                   {{40, 1000}, 0, 19}, {{1, 4000}, 1, 3}, {{64, 2000}, 1, 2}, {{3, 40, 2}, 1, 700}};
-  for (const DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
-    for (const Case& c : cases) {
-      CAPTURE(dtype_name(dtype));
-      CAPTURE(c.x);
-      CAPTURE(c.axis);
-      Shape index_shape = c.x;
-      index_shape[static_cast<std::size_t>(c.axis)] = c.picks;
-      const std::int64_t n = c.x[static_cast<std::size_t>(c.axis)];
-      const Tensor x = randn(c.x, 3).to(dtype).set_requires_grad();
-      const Tensor index = randint(index_shape, 0, n, 4);
-      const Tensor g = randn(index_shape, 5).to(dtype);
-      const Tensor out = take_along_axis(x, index, c.axis);
-      (out * g).sum().backward();
-      // The loop: x and the index as [outer, n or picks, inner].
-      std::int64_t outer = 1, inner = 1;
-      for (std::int64_t i = 0; i < c.axis; ++i) outer *= c.x[static_cast<std::size_t>(i)];
-      for (std::size_t i = static_cast<std::size_t>(c.axis) + 1; i < c.x.size(); ++i) inner *= c.x[i];
-      const auto xs = x.to_vector<double>(), gs = g.to_vector<double>();
-      const auto is = index.to_vector<std::int64_t>();
-      std::vector<double> want_out(is.size()), want_grad(xs.size(), 0.0);
-      for (std::int64_t o = 0; o < outer; ++o) {
-        for (std::int64_t p = 0; p < c.picks; ++p) {
-          for (std::int64_t i = 0; i < inner; ++i) {
-            const std::int64_t at = (o * c.picks + p) * inner + i;
-            const std::int64_t from = (o * n + is[static_cast<std::size_t>(at)]) * inner + i;
-            want_out[static_cast<std::size_t>(at)] = xs[static_cast<std::size_t>(from)];
-            double& acc = want_grad[static_cast<std::size_t>(from)];
-            // f64 adds in f64; the others in f32 (16-bit rounded once, below).
-            acc = dtype == DType::f64 ? acc + gs[static_cast<std::size_t>(at)]
-                                      : static_cast<double>(static_cast<float>(acc) +
-                                                            static_cast<float>(gs[static_cast<std::size_t>(at)]));
+  // and the last; a middle axis of few picks reads in place, [4, 40, 3] and [8, 64, 16]; a 16-bit
+  // leading-axis gradient of many picks in one row is split by columns, where there are threads.)
+  const std::vector<Case> cases = {{{6, 5, 4}, 0, 7},   {{6, 5, 4}, 1, 9},  {{6, 5, 4}, 2, 3},  {{300, 3}, 0, 2},
+                                   {{40, 1000}, 0, 19}, {{1, 4000}, 1, 3},  {{64, 2000}, 1, 2}, {{3, 40, 2}, 1, 700},
+                                   {{4, 40, 3}, 1, 5},  {{8, 64, 16}, 1, 4}};
+  const int threads = num_threads();
+  for (const int t : {1, max_num_threads()}) {
+    set_num_threads(t);
+    for (const DType dtype : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
+      for (const Case& c : cases) {
+        CAPTURE(t);
+        CAPTURE(dtype_name(dtype));
+        CAPTURE(c.x);
+        CAPTURE(c.axis);
+        Shape index_shape = c.x;
+        index_shape[static_cast<std::size_t>(c.axis)] = c.picks;
+        const std::int64_t n = c.x[static_cast<std::size_t>(c.axis)];
+        const Tensor x = randn(c.x, 3).to(dtype).set_requires_grad();
+        const Tensor index = randint(index_shape, 0, n, 4);
+        const Tensor g = randn(index_shape, 5).to(dtype);
+        const Tensor out = take_along_axis(x, index, c.axis);
+        (out * g).sum().backward();
+        // The loop: x and the index as [outer, n or picks, inner].
+        std::int64_t outer = 1, inner = 1;
+        for (std::int64_t i = 0; i < c.axis; ++i) outer *= c.x[static_cast<std::size_t>(i)];
+        for (std::size_t i = static_cast<std::size_t>(c.axis) + 1; i < c.x.size(); ++i) inner *= c.x[i];
+        const auto xs = x.to_vector<double>(), gs = g.to_vector<double>();
+        const auto is = index.to_vector<std::int64_t>();
+        std::vector<double> want_out(is.size()), want_grad(xs.size(), 0.0);
+        for (std::int64_t o = 0; o < outer; ++o) {
+          for (std::int64_t p = 0; p < c.picks; ++p) {
+            for (std::int64_t i = 0; i < inner; ++i) {
+              const std::int64_t at = (o * c.picks + p) * inner + i;
+              const std::int64_t from = (o * n + is[static_cast<std::size_t>(at)]) * inner + i;
+              want_out[static_cast<std::size_t>(at)] = xs[static_cast<std::size_t>(from)];
+              double& acc = want_grad[static_cast<std::size_t>(from)];
+              // f64 adds in f64; the others in f32 (16-bit rounded once, below).
+              acc = dtype == DType::f64 ? acc + gs[static_cast<std::size_t>(at)]
+                                        : static_cast<double>(static_cast<float>(acc) +
+                                                              static_cast<float>(gs[static_cast<std::size_t>(at)]));
+            }
           }
         }
+        CHECK(out.to_vector<double>() == want_out);
+        CHECK(x.grad().to_vector<double>() == values(want_grad, c.x, DType::f64).to(dtype).to_vector<double>());
       }
-      CHECK(out.to_vector<double>() == want_out);
-      CHECK(x.grad().to_vector<double>() == values(want_grad, c.x, DType::f64).to(dtype).to_vector<double>());
     }
   }
+  set_num_threads(threads);
 }
 
 TEST_CASE("16-bit scatter-adds (embedding and take_along_axis gradients) sum a repeated index in f32") {

@@ -250,6 +250,8 @@ class Communicator {
   std::vector<std::string> history() const;
   /// What the collectives completed since construction or reset_traffic() cost this rank
   /// (world size 1 moves nothing and counts nothing).
+  /// (Both take the lock the communicator's Works share: a std::mutex, whose lock throws only
+  /// where the system refuses it, and then terminates here.)
   Traffic traffic() const noexcept;
   void reset_traffic() noexcept;
   /// Expires when this communicator is destroyed: what holds its address (a sharded parameter)
