@@ -85,16 +85,17 @@ Figures plan_gpt(std::int64_t d_model, int world, bool checkpointing, int steps,
 
 // The widest d_model (a multiple of 32) whose plan fits the budget, by bisection.
 std::int64_t widest(int world, bool checkpointing, const Budget& budget) {
-  // In units of 32; lo fits, hi does not.
-  std::int64_t lo = 1, hi = budget.widest_tried / 32;
-  if (plan_gpt(hi * 32, world, checkpointing, 0, budget.bytes).predicted <= budget.bytes) {
-    throw std::runtime_error("memory-scale: d_model " + std::to_string(hi * 32) + " fits " +
-                             std::to_string(budget.bytes) + " bytes at world " + std::to_string(world) +
-                             ": the search's upper end must not (Budget::widest_tried)");
-  }
+  // In units of 32; lo fits, hi is taken not to (checked below, only where every width tried fit).
+  const std::int64_t top = budget.widest_tried / 32;
+  std::int64_t lo = 1, hi = top;
   while (hi - lo > 1) {
     const std::int64_t mid = (lo + hi) / 2;
     (plan_gpt(mid * 32, world, checkpointing, 0, budget.bytes).predicted <= budget.bytes ? lo : hi) = mid;
+  }
+  if (lo == top - 1 && plan_gpt(top * 32, world, checkpointing, 0, budget.bytes).predicted <= budget.bytes) {
+    throw std::runtime_error("memory-scale: d_model " + std::to_string(top * 32) + " fits " +
+                             std::to_string(budget.bytes) + " bytes at world " + std::to_string(world) +
+                             ": the search's upper end must not (Budget::widest_tried)");
   }
   return lo * 32;
 }
