@@ -1,5 +1,7 @@
 // The memory plan: the state from shapes (nothing allocated), a step measured on micro-batches,
 // the prediction against a real step, and a rank over the limit ending every rank.
+#include <algorithm>
+
 #include "helpers.h"
 
 using namespace ruda;
@@ -337,9 +339,11 @@ TEST_CASE("fit_schedule: the first schedule in the ladder that fits is chosen, a
         f.model->set_activation_checkpointing(schedule.activation_checkpointing);
         peaks.push_back(nn::plan_memory(*f.model, comm, FitFixture::kGlobalBatch, step, 0).peak());
       }
-      // Activation checkpointing is what saves most here; every concession saves something.
+      // Activation checkpointing is what saves most here; every concession saves something, and
+      // the leanest schedule (which fit_schedule measures second) plans the least.
       CHECK(peaks.back() < peaks.front());
       CHECK(peaks[3] < peaks[0]);
+      CHECK(peaks.back() == *std::min_element(peaks.begin(), peaks.end()));
       // Just under the configured plan: the first schedule below the limit, in ladder order.
       const std::int64_t limit = peaks[0] - 1;
       std::size_t expected = 1;
@@ -351,8 +355,11 @@ TEST_CASE("fit_schedule: the first schedule in the ladder that fits is chosen, a
       CHECK(fit.configured.peak() == peaks[0]);
       CHECK(fit.plan.peak() == peaks[expected]);
       CHECK(fit.schedule == kLadder[expected]);
-      REQUIRE(fit.tried.size() == expected + 1);
-      for (std::size_t i = 0; i <= expected; ++i) CHECK(fit.tried[i] == kLadder[i]);
+      CHECK(fit.ladder == std::vector<nn::MemorySchedule>(kLadder.begin() + 1, kLadder.end()));
+      // Measured: the configured schedule, the leanest, then the ladder up to the one chosen.
+      std::vector<nn::MemorySchedule> measured = {kLadder[0], kLadder.back()};
+      for (std::size_t i = 1; i <= expected && i + 1 < kLadder.size(); ++i) measured.push_back(kLadder[i]);
+      CHECK(fit.tried == measured);
       CHECK(fit.plan.schedule == kLadder[expected].describe());
       CHECK(fit.plan.table(limit).find(kLadder[expected].describe()) != std::string::npos);
       chosen[comm.rank()] = fit.schedule.describe();
@@ -374,7 +381,8 @@ TEST_CASE("fit_schedule: the first schedule in the ladder that fits is chosen, a
 }
 
 TEST_CASE(
-    "fit_schedule: when nothing fits, every schedule was tried, the configured one is back, and it says what would") {
+    "fit_schedule: when nothing fits, the leanest schedule says so, the configured one is back, and it says what "
+    "would") {
   run_ranks(2, [&](Communicator& comm) {
     memory::Scope rank_memory;
     FitFixture f(comm);
@@ -389,7 +397,9 @@ TEST_CASE(
     const nn::FittedSchedule fit =
         nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, state, kLadder[0], options);
     CHECK_FALSE(fit.fits);
-    CHECK(fit.tried == kLadder);
+    CHECK(fit.ladder == std::vector<nn::MemorySchedule>(kLadder.begin() + 1, kLadder.end()));
+    // The leanest is over: no other schedule is measured.
+    CHECK(fit.tried == std::vector<nn::MemorySchedule>{kLadder[0], kLadder.back()});
     CHECK(fit.schedule == kLadder.back());  // the leanest, for the refusal
     CHECK_FALSE(checkpointing);             // the configured schedule is in force again
     for (const auto& p : f.model->parameters()) CHECK(p.shard()->policy.strategy == nn::CheckpointStrategy::retain);
@@ -412,25 +422,28 @@ TEST_CASE("fit_schedule: the GELU recompute, when offered, comes after recompute
       recomputing_gelu = on;
       f.model->set_gelu_backward(on ? GeluBackward::recompute : GeluBackward::keep_pre_activation);
     };
-    // Nothing fits: every schedule is tried, the single concessions in the ladder's order.
+    // Nothing fits: the ladder offers the single concessions in this order, the leanest last.
     const std::int64_t state = nn::plan_state(*f.model, 2, FitFixture::kGlobalBatch).peak();
     const nn::FittedSchedule all =
         nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, state, kLadder[0], options);
     CHECK_FALSE(all.fits);
     CHECK_FALSE(recomputing_gelu);  // the configured schedule is in force again
-    REQUIRE(all.tried.size() == 2 * kLadder.size());
+    REQUIRE(all.ladder.size() == 2 * kLadder.size() - 1);
     using S = nn::MemorySchedule;
     const auto retain = nn::CheckpointStrategy::retain, recompute = nn::CheckpointStrategy::recompute;
-    CHECK(all.tried[1] == S{1, retain, false, 1, false});
-    CHECK(all.tried[2] == S{2, recompute, false, 1, false});
-    CHECK(all.tried[3] == S{2, retain, false, 1, true});
-    CHECK(all.tried[4] == S{2, retain, true, 1, false});
-    CHECK(all.tried.back() == S{1, recompute, true, 1, true});
+    CHECK(all.ladder[0] == S{1, retain, false, 1, false});
+    CHECK(all.ladder[1] == S{2, recompute, false, 1, false});
+    CHECK(all.ladder[2] == S{2, retain, false, 1, true});
+    CHECK(all.ladder[3] == S{2, retain, true, 1, false});
+    CHECK(all.ladder.back() == S{1, recompute, true, 1, true});
+    CHECK(all.tried == std::vector<S>{kLadder[0], all.ladder.back()});
     CHECK(all.schedule.describe() == "1 unsharded group, recompute, GELU recomputed, activation checkpointing");
+    std::vector<S> order = {kLadder[0]};  // the configured schedule, then the ladder
+    order.insert(order.end(), all.ladder.begin(), all.ladder.end());
     // The GELU recompute alone plans less than the configured schedule; with a limit between the
     // two, the first schedule of the ladder below it is chosen, and it is the one measured directly.
     std::vector<std::int64_t> peaks;
-    for (const S& s : all.tried) {
+    for (const S& s : order) {
       nn::set_max_unsharded_groups(*f.model, s.max_unsharded_groups);
       nn::set_checkpoint_strategy(*f.model, s.strategy);
       f.model->set_activation_checkpointing(s.activation_checkpointing);
@@ -446,7 +459,7 @@ TEST_CASE("fit_schedule: the GELU recompute, when offered, comes after recompute
     const nn::FittedSchedule fit =
         nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, limit, kLadder[0], options);
     CHECK(fit.fits);
-    CHECK(fit.schedule == all.tried[expected]);
+    CHECK(fit.schedule == order[expected]);
     CHECK(fit.plan.peak() == peaks[expected]);
     CHECK(recomputing_gelu == fit.schedule.recompute_gelu);  // applied
   });
@@ -483,13 +496,18 @@ TEST_CASE("fit_schedule: more micro-batches are the last concession, and fit whe
     CHECK(fit.plan.local_batch == kBatch / 2 / fit.schedule.micro_batches);
     CHECK(fit.plan.schedule.find(" micro-batches") != std::string::npos);
     // Fewest concessions first; among as many, one micro-batch before more.
-    for (std::size_t i = 1; i < fit.tried.size(); ++i) {
+    REQUIRE_FALSE(fit.ladder.empty());
+    for (std::size_t i = 1; i < fit.ladder.size(); ++i) {
       CAPTURE(i);
-      CHECK(concessions_of(fit.tried[i - 1]) <= concessions_of(fit.tried[i]));
-      if (concessions_of(fit.tried[i - 1]) == concessions_of(fit.tried[i])) {
-        CHECK(fit.tried[i - 1].micro_batches <= fit.tried[i].micro_batches);
+      CHECK(concessions_of(fit.ladder[i - 1]) <= concessions_of(fit.ladder[i]));
+      if (concessions_of(fit.ladder[i - 1]) == concessions_of(fit.ladder[i])) {
+        CHECK(fit.ladder[i - 1].micro_batches <= fit.ladder[i].micro_batches);
       }
     }
+    // Measured: the configured, the leanest, then the ladder in order up to the chosen one.
+    REQUIRE(fit.tried.size() >= 2);
+    CHECK(fit.tried[1] == fit.ladder.back());
+    for (std::size_t i = 2; i < fit.tried.size(); ++i) CHECK(fit.tried[i] == fit.ladder[i - 2]);
     // The configured micro-batches must divide the local batch.
     nn::MemorySchedule three = configured;
     three.micro_batches = 3;
@@ -523,14 +541,15 @@ TEST_CASE("the sharding setters refuse a module they have nothing to set on; fit
     for (const nn::Param& p : f.model->parameters())
       CHECK(p.shard()->policy.strategy == nn::CheckpointStrategy::recompute);
     nn::set_checkpoint_strategy(*f.model, nn::CheckpointStrategy::retain);
-    // Nothing fits a 1-byte limit: every concession is tried, and none of them is fewer groups,
-    // which a module sharded per parameter does not have (they were measured, and did nothing).
+    // Nothing fits a 1-byte limit: the ladder offers concessions, and none of them is fewer
+    // groups, which a module sharded per parameter does not have (they were measured, and did
+    // nothing).
     auto step = [&](std::int64_t b) { return f.loss(comm, b); };
     const nn::FittedSchedule fit =
         nn::fit_schedule(*f.model, comm, FitFixture::kGlobalBatch, step, 1, kLadder[0], f.fit_options());
     CHECK_FALSE(fit.fits);
-    CHECK(fit.tried.size() > 2);
-    for (const nn::MemorySchedule& s : fit.tried) CHECK(s.max_unsharded_groups == kLadder[0].max_unsharded_groups);
+    CHECK(fit.ladder.size() > 2);
+    for (const nn::MemorySchedule& s : fit.ladder) CHECK(s.max_unsharded_groups == kLadder[0].max_unsharded_groups);
   });
   // fit_schedule on a dense module (planned at one rank) still runs: it sets what applies.
   LocalCommunicator one;

@@ -162,10 +162,14 @@ struct FittedSchedule {
   bool fits = false;
   /// The configured schedule's plan (the first measured).
   MemoryPlan configured;
-  /// The chosen schedule and its plan; when nothing fits, the leanest one tried (every concession).
+  /// The chosen schedule and its plan; when nothing fits, the leanest one (every concession).
   MemorySchedule schedule;
   MemoryPlan plan;
-  /// Every schedule measured, in the order tried.
+  /// The schedules after the configured one, in the order they are offered (fewest concessions
+  /// first; the last is the leanest). Empty when the module offers no concession.
+  std::vector<MemorySchedule> ladder;
+  /// Every schedule measured, in the order measured: the configured one; where it is over the
+  /// limit, the leanest; where that fits, the ladder from its start up to the first that fits.
   std::vector<MemorySchedule> tried;
 };
 
@@ -176,7 +180,9 @@ struct FittedSchedule {
 /// tensor less), activation checkpointing (when offered), more micro-batches (up to FitOptions::max_micro_batches;
 /// `global_batch` is the whole step's, and a schedule's plan is one micro-batch's). The first schedule whose plan fits
 /// on every rank is applied to `module` (sharded by fully_shard) and returned; when none fits, the configured one is
-/// applied again and `fits` is false. Collective: every rank measures the same candidates.
+/// applied again and `fits` is false. Before the others, the leanest schedule (every concession) is measured: each
+/// concession only gives memory back, so where the leanest is over the limit nothing is, and the search ends there
+/// (a refusal costs two measures, not one per schedule). Collective: every rank measures the same candidates.
 /// In every planner here `limit` is bytes per rank, 0 for none; a negative one is an ArgumentError,
 /// as is FitOptions::max_micro_batches below 1.
 FittedSchedule fit_schedule(const Module& module, Communicator& comm, std::int64_t global_batch,
