@@ -104,6 +104,33 @@ TEST_CASE("Embedding, LayerNorm, RMSNorm values and gradients") {
   check_module_gradients(no_bias, randn({4, 3}, 7, 0, DType::f64).set_requires_grad());
 }
 
+TEST_CASE("RMSNorm: rows whose squares overflow the working dtype are normalized as rows in range are") {
+  // RMSNorm is scale-invariant (eps aside): row * s normalizes to what row does, and its gradient
+  // is the row's divided by s. Squares of 1e20 (f32, bf16) and 1e160 (f64) overflow: such rows
+  // came out 0 with a 0 gradient. A row in range shares the batch (one overflowing row moves the
+  // whole batch to the rescaled form) and keeps its values.
+  const std::vector<double> base = {1, -2, 3, 4, 0.5, 0.25, -1, 2};  // rows of 4
+  const Tensor upstream = values({1, -1, 2, 0.5, -3, 1, 0.5, 2}, {2, 4}, DType::f64);
+  for (const auto& [dtype, scale, tolerance] : std::vector<std::tuple<DType, double, double>>{
+           {DType::f32, 1e20, 1e-5}, {DType::bf16, 1e20, 2e-2}, {DType::f64, 1e160, 1e-12}}) {
+    CAPTURE(dtype_name(dtype));
+    nn::RMSNorm rms(4, 1e-30);  // eps negligible beside either row's mean square
+    auto run = [&](double s) {
+      std::vector<double> v = base;
+      for (std::size_t i = 0; i < 4; ++i) v[i] *= s;  // the first row scaled
+      Tensor x = values(v, {2, 4}, DType::f64).to(dtype).set_requires_grad();
+      const Tensor y = rms.forward(x);
+      sum(y.to(DType::f64) * upstream).backward();
+      return std::pair{y.to(DType::f64), x.grad().to(DType::f64)};
+    };
+    const auto [y, grad] = run(scale);
+    const auto [y_ref, grad_ref] = run(1);
+    CHECK_CLOSE(y, y_ref.to_vector<double>(), {2, 4}, tolerance, tolerance);
+    CHECK_CLOSE(grad.slice(0, 0, 1) * scale, grad_ref.slice(0, 0, 1).to_vector<double>(), {1, 4}, tolerance, tolerance);
+    CHECK_CLOSE(grad.slice(0, 1, 2), grad_ref.slice(0, 1, 2).to_vector<double>(), {1, 4}, tolerance, tolerance);
+  }
+}
+
 TEST_CASE("activations and Dropout modes") {
   const Tensor x = values({-1, 0, 2}, {3});
   CHECK_CLOSE(nn::ReLU().forward(x), {0, 0, 2}, {3});

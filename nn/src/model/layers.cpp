@@ -114,8 +114,22 @@ Tensor RMSNorm::forward(const Tensor& input) {
   const DType io = input.dtype();
   const DType work = io == DType::f64 ? DType::f64 : DType::f32;
   const Tensor x = as_dtype(input, work);
-  const Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps_) * as_dtype(weight.value(), work);
-  return as_dtype(y, io);
+  const Tensor w = as_dtype(weight.value(), work);
+  const Tensor mean_square = mean(square(x), {-1}, true);
+  // A row whose squares (or their sum) overflow the working dtype, |x| past ~1.8e19 in f32, had
+  // an infinite mean square and came out 0 ([1e20, 2e20, 3e20, 4e20] -> 0 0 0 0, gradient 0;
+  // LayerNorm's kernel gets such rows right). Then the rows are divided by their largest
+  // magnitude m first: x rsqrt(mean(x^2) + eps) = (x/m) rsqrt(mean((x/m)^2) + eps/m^2) for any
+  // m > 0, so m is a constant of the graph (detached) and the gradient is the formula's. m is at
+  // least 1 (eps/m^2 stays at most eps); only a batch with such a row pays for the second pass.
+  const double finite_max =
+      work == DType::f64 ? std::numeric_limits<double>::max() : static_cast<double>(std::numeric_limits<float>::max());
+  if (sum(gt(mean_square.detach(), finite_max)).item() > 0) {
+    const Tensor m = maximum(max(abs(x.detach()), {-1}, true), ones({}, Options(work)));
+    const Tensor scaled = x / m;
+    return as_dtype(scaled * rsqrt(mean(square(scaled), {-1}, true) + eps_ / square(m)) * w, io);
+  }
+  return as_dtype(x * rsqrt(mean_square + eps_) * w, io);
 }
 
 Dropout::Dropout(double p, std::uint64_t seed) : p_(p), generator_(seed) {
