@@ -360,6 +360,27 @@ TEST_CASE("clip_grad_norm on dense parameters") {
   CHECK(c.grad().to_vector<double>()[1] == 12 * (13 / (13 + 1e-6)));
 }
 
+TEST_CASE("clip_grad_norm of 32- and 16-bit gradients whose squares overflow f32 scales them to max_norm") {
+  // The squares sum in f64, so the norm (4.24e38) is finite; the factor max_norm / norm is below
+  // f32's smallest normal number (1.2e-38): as one f32 scalar it was subnormal or 0, and zeroed
+  // gradients that should read max_norm / sqrt(2) each.
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const double max_norm : {1e-3, 1e-8, 1e-30}) {
+      CAPTURE(dtype_name(dtype));
+      CAPTURE(max_norm);
+      const nn::Param p(zeros({2}, Options(dtype)));
+      p.data().set_grad(full({2}, 3e38, Options(dtype)));
+      const double grad = p.grad().to_vector<double>()[0];  // 3e38 as the dtype holds it
+      const double norm = nn::clip_grad_norm({p}, max_norm);
+      CHECK(norm == doctest::Approx(grad * std::sqrt(2.0)).epsilon(1e-12));
+      const double rounding = dtype == DType::f32 ? 1e-6 : 1e-2;
+      for (double g : p.grad().to_vector<double>()) {
+        CHECK(g == doctest::Approx(grad * max_norm / (norm + 1e-6)).epsilon(rounding).scale(0));  // relative
+      }
+    }
+  }
+}
+
 TEST_CASE("clip_grad_norm refuses a parameter listed twice, as the optimizers do (it counted and scaled twice)") {
   auto p = param({3, 4}), q = param({1});
   set_grad(p, {3, 4});

@@ -552,7 +552,15 @@ double clip_grad_norm(const std::vector<Param>& params, double max_norm, Communi
     autograd::NoGradGuard guard;
     for (const Param& p : params) {
       Tensor g = p.grad();
-      if (g.defined()) g.mul_(factor);
+      if (!g.defined()) continue;
+      // A factor the gradients' dtype holds only as a subnormal or 0 is applied as exact steps
+      // of 2^-64 first: one f32 scalar of it had zeroed f32 gradients of 3e38 that max_norm 1e-8
+      // scales to 7e-9 (the f64 sum keeps such a norm finite), and cost max_norm 1e-3 5 digits.
+      double rest = factor;
+      if (g.dtype() != DType::f64) {
+        for (; rest > 0 && rest < 0x1p-64; rest *= 0x1p64) g.mul_(0x1p-64);
+      }
+      g.mul_(rest);
     }
   }
   return norm;

@@ -215,7 +215,8 @@ Schedule cosine(double lr, std::int64_t total_steps, std::int64_t warmup_steps =
 /// them; a negative or NaN max_norm is an ArgumentError) and returns the norm before clipping. The
 /// squares are summed in f64 whatever the gradients' dtype: where their sum overflows f32 (an
 /// element of 2e19 or more) the norm is still finite and the gradients are scaled to it, where
-/// PyTorch (summing in the gradients' dtype) returns inf and zeroes them. Correct on shards:
+/// PyTorch (summing in the gradients' dtype) returns inf and zeroes them (f64 gradients whose
+/// squares overflow f64, 1.3e154 or more, give an infinite norm and are zeroed, as there). Correct on shards:
 /// squares of sharded gradients are summed over each local slice without its padding and all-reduced over the
 /// communicator fully_shard sharded them over (under hybrid sharding the node's, where one replica's shards make the
 /// whole), or over `comm` for parameters sharded without one (ShardedParameter; then required, and the one they
