@@ -948,6 +948,30 @@ TEST_CASE("tanh and GELU's tanh form keep f32's tail: tanh reaches 1 at |x| = 9.
   }
 }
 
+TEST_CASE("both GELUs' gradients at huge finite |x| are GELU's slope there, 1 or 0, not NaN") {
+  // The tanh form's derivative multiplies 1 - tanh^2 (0 there) by a polynomial in x^2, which
+  // overflows from |x| ~1.8e19 in f32 (0 * inf; oneDNN's backward from ~1e15). Large enough for
+  // the oneDNN backend's own kernels; every float dtype.
+  const std::vector<double> values = {1e15, 2e19, 1e30, -1e15, -2e19, -1e30, 3e38, -3e38};
+  for (DType d : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
+    for (GeluApproximation a : {GeluApproximation::tanh, GeluApproximation::erf}) {
+      CAPTURE(dtype_name(d));
+      CAPTURE(a == GeluApproximation::tanh);
+      const bool f16 = d == DType::f16;  // holds up to 65504: the same at 6e4
+      std::vector<double> v;
+      for (int i = 0; i < 8192; ++i) v.push_back(f16 ? (i % 2 ? -6e4 : 6e4) : values[i % values.size()]);
+      Tensor x = from_values(v, {8192}, DType::f64).to(d).set_requires_grad();
+      sum(gelu(x, a)).backward();
+      const std::vector<double> g = x.grad().to_vector<double>(), xs = x.to_vector<double>();
+      std::size_t wrong = 0, first = 0;
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        if (g[i] != (xs[i] > 0 ? 1.0 : 0.0) && wrong++ == 0) first = i;
+      }
+      CHECK_MESSAGE(wrong == 0, wrong << " wrong, the first at x " << xs[first] << ": " << g[first]);
+    }
+  }
+}
+
 TEST_CASE("reductions of a scalar over axis 0 or -1 give the scalar, as in PyTorch; other axes are refused") {
   const Tensor s = scalar(3.5);
   for (std::int64_t axis : {0, -1}) {
