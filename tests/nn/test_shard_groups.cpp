@@ -770,3 +770,87 @@ TEST_CASE("a forward with grad mode on that no backward takes, then a step: the 
     }
   }
 }
+
+TEST_CASE("a head replaced after fully_shard on its root (the root's group destroyed): the blocks train on") {
+  // The blocks' groups named the root's group as their parent by a raw pointer; the root's group
+  // is owned by the head's parameters and died with the old head, and every later forward (and a
+  // second fully_shard for the new head) read it after free (found by an ASan probe).
+  struct Model : nn::Module {
+    std::shared_ptr<nn::Linear> a = std::make_shared<nn::Linear>(8, 8), b = std::make_shared<nn::Linear>(8, 8);
+    std::shared_ptr<nn::Linear> head = std::make_shared<nn::Linear>(8, 2);
+    Model() {
+      register_module("a", &a);
+      register_module("b", &b);
+      register_module("head", &head);  // the member: a new head is what parameters() sees
+    }
+    Tensor loss(const Tensor& x) { return sum(square(head->forward(tanh(b->forward(tanh(a->forward(x))))))) / 16.0; }
+  };
+  const nn::AdamWOptions adam{.lr = 1e-2};
+  const Tensor x = randn({16, 8}, 51);
+  // Two steps; a new head (seeded) and the loss with it (forward and backward); with the new head
+  // sharded too, two more steps with a new optimizer. (A head left dense is replicated: each rank
+  // would step it on its own gradient, so only its first loss is compared.)
+  struct Trace {
+    double loss = 0;
+    std::map<std::string, std::vector<double>> params;
+  };
+  auto train = [&](Model& m, const std::function<Tensor(Model&)>& loss, const std::function<void(Model&)>& reshard,
+                   bool more_steps) {
+    auto step = [&](nn::Optimizer& opt) {
+      opt.zero_grad();
+      loss(m).backward();
+      opt.step();
+    };
+    Trace t;
+    {  // (its state holds the old head's parameters, and with them the root's group)
+      nn::AdamW first(m.parameters(), adam);
+      for (int i = 0; i < 2; ++i) step(first);
+    }
+    nn::manual_seed(6);
+    m.head = std::make_shared<nn::Linear>(8, 3);
+    reshard(m);
+    nn::AdamW second(m.parameters(), adam);
+    second.zero_grad();
+    const Tensor l = loss(m);
+    l.backward();
+    t.loss = l.item();
+    if (more_steps) {
+      for (int i = 0; i < 2; ++i) step(second);
+    }
+    t.params = test::snapshot(m);
+    return t;
+  };
+  for (const bool shard_new_head : {false, true}) {
+    CAPTURE(shard_new_head);
+    nn::manual_seed(5);
+    Model dense_model;
+    const Trace dense = train(
+        dense_model, [&](Model& model) { return model.loss(test::part(x, 0, 2)) + model.loss(test::part(x, 1, 2)); },
+        [](Model&) {}, shard_new_head);
+    std::vector<Trace> got(2);
+    run_ranks(2, [&](Communicator& comm) {
+      nn::manual_seed(5);
+      Model m;
+      nn::fully_shard(*m.a, comm);
+      nn::fully_shard(*m.b, comm);
+      nn::fully_shard(m, comm);
+      const Tensor mine = test::part(x, comm.rank(), 2);
+      got[static_cast<std::size_t>(comm.rank())] = train(
+          m, [&](Model& model) { return model.loss(mine); },
+          [&](Model& model) {
+            if (shard_new_head) nn::fully_shard(model, comm);
+          },
+          shard_new_head);
+    });
+    CHECK(got[0].loss + got[1].loss == doctest::Approx(dense.loss).epsilon(1e-5));
+    if (!shard_new_head) continue;
+    REQUIRE(got[0].params.size() == dense.params.size());
+    CHECK(got[0].params.at("head.weight").size() == 8 * 3);  // the new head's
+    for (const auto& [name, want] : dense.params) {
+      CAPTURE(name);
+      const auto& have = got[0].params.at(name);
+      REQUIRE(have.size() == want.size());
+      for (std::size_t i = 0; i < want.size(); ++i) CHECK(have[i] == doctest::Approx(want[i]).epsilon(1e-5));
+    }
+  }
+}

@@ -278,8 +278,8 @@ void ShardGroup::rename() {
 }
 
 bool ShardGroup::encloses(const ShardGroup& other) const noexcept {
-  for (const ShardGroup* g = other.parent_; g; g = g->parent_) {
-    if (g == this) return true;
+  for (std::shared_ptr<const ShardGroup> g = other.parent_.lock(); g; g = g->parent_.lock()) {
+    if (g.get() == this) return true;
   }
   return false;
 }

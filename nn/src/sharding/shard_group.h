@@ -194,9 +194,10 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   Communicator* replicate() const noexcept { return replicate_.address(); }
   const std::shared_ptr<ShardSchedule>& schedule() const noexcept { return schedule_; }
   void join(std::shared_ptr<ShardSchedule> schedule) noexcept { schedule_ = std::move(schedule); }
-  /// The group whose module encloses this one's (made by a later fully_shard on an ancestor).
-  ShardGroup* parent() const noexcept { return parent_; }
-  void set_parent(ShardGroup* parent) noexcept { parent_ = parent; }
+  /// The group whose module encloses this one's (made by a later fully_shard on an ancestor),
+  /// null when there is none or it was destroyed (its parameters were: a replaced head's).
+  std::shared_ptr<ShardGroup> parent() const noexcept { return parent_.lock(); }
+  void set_parent(const std::shared_ptr<ShardGroup>& parent) noexcept { parent_ = parent; }
   /// Whether this group's module encloses `other`'s.
   bool encloses(const ShardGroup& other) const noexcept;
   /// Names the group in collective tags and messages: "group 'blocks.0' (12 parameters: ...)".
@@ -243,7 +244,10 @@ class ShardGroup : public std::enable_shared_from_this<ShardGroup> {
   std::vector<std::weak_ptr<Param::State>> params_;  // weak: each parameter's shard info holds the group
   CommRef comm_;
   CommRef replicate_;
-  ShardGroup* parent_ = nullptr;
+  // Weak: the parent is owned by its own parameters' shard info, and dies with them while this
+  // group lives on (a root's head replaced after fully_shard); a raw pointer was read after free
+  // by every forward (encloses) and by the next fully_shard.
+  std::weak_ptr<ShardGroup> parent_;
   std::shared_ptr<ShardSchedule> schedule_;
   std::uint64_t ordinal_ = 0;  // its communicator's next_ordinal() when made
   std::shared_ptr<Values> values_;

@@ -494,9 +494,9 @@ static std::size_t shard_module(Module& module, Communicator& comm, const FullyS
     fresh[i].shard()->group_index = i;
   }
   for (const auto& g : inner) {
-    ShardGroup* top = g.get();
-    while (top->parent()) top = top->parent();
-    if (top != group.get()) top->set_parent(group.get());
+    std::shared_ptr<ShardGroup> top = g;
+    while (std::shared_ptr<ShardGroup> up = top->parent()) top = std::move(up);
+    if (top != group) top->set_parent(group);
   }
   return fresh.size();
 }

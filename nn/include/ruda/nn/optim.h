@@ -155,7 +155,10 @@ struct AdamOptions {
 /// Adam / AdamW in one fused kernel per parameter (PyTorch's formulation). As PyTorch's, each
 /// parameter counts its own steps for the bias corrections: the steps it had a gradient in (a
 /// parameter frozen for a while, or first used late, is not corrected as if it had taken all).
-/// The moments of an f16 or bf16 parameter are f32 (moment_dtype), unlike PyTorch's.
+/// The moments of an f16 or bf16 parameter are f32 (moment_dtype), unlike PyTorch's. As in
+/// PyTorch, the second moment is in the moments' dtype: a gradient element whose (1 - beta2) g^2
+/// overflows it (|g| past ~5.8e20 in f32 at the default beta2) makes that moment inf and its
+/// update 0 (m / inf), so such an element does not move (clip_grad_norm first sees its norm).
 class Adam : public Optimizer {
  public:
   Adam(std::vector<Param> params, AdamOptions options = {});
