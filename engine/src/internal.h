@@ -31,9 +31,18 @@ class Tracker {
   /// (to measure a section) neither hides its tensors from the rank nor lifts the rank's limit.
   Tracker* parent() const noexcept { return parent_.get(); }
   void set_parent(std::shared_ptr<Tracker> parent) noexcept { parent_ = std::move(parent); }
+  /// `tracker`, or the nearest of its parents whose scope has not ended (null: none).
+  static std::shared_ptr<Tracker> open(std::shared_ptr<Tracker> tracker) noexcept {
+    while (tracker && tracker->closed_.load(std::memory_order_acquire)) tracker = tracker->parent_;
+    return tracker;
+  }
+  /// Its scope ended (~Scope): no thread's allocations are charged to it from then on.
+  void close() noexcept { closed_.store(true, std::memory_order_release); }
+  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
 
  private:
   std::shared_ptr<Tracker> parent_;
+  std::atomic<bool> closed_{false};
   std::atomic<std::int64_t> live_{0};
   std::atomic<std::int64_t> peak_{0};
   std::atomic<std::int64_t> allocations_{0};

@@ -46,12 +46,20 @@ namespace {
 thread_local std::shared_ptr<Tracker> t_current;
 }
 
-const std::shared_ptr<Tracker>& current_tracker() { return t_current; }
+// The thread's tracker. A scope that ended out of order (before one opened inside it) or on
+// another thread than its own left it on its tracker; from then on the nearest open scope's.
+const std::shared_ptr<Tracker>& current_tracker() {
+  if (t_current && t_current->closed()) t_current = Tracker::open(t_current);
+  return t_current;
+}
 
-Stats stats() { return t_current ? t_current->stats() : process_tracker().stats(); }
+Stats stats() {
+  const std::shared_ptr<Tracker>& current = current_tracker();
+  return current ? current->stats() : process_tracker().stats();
+}
 Stats process_stats() { return process_tracker().stats(); }
 void reset_peak() {
-  if (t_current) t_current->reset_peak();
+  if (const std::shared_ptr<Tracker>& current = current_tracker()) current->reset_peak();
   process_tracker().reset_peak();
 }
 
@@ -200,11 +208,18 @@ std::string format_bytes(std::int64_t bytes) {
   return buf;
 }
 
-Scope::Scope() : tracker_(std::make_shared<Tracker>()), previous_(t_current) {
+Scope::Scope() : tracker_(std::make_shared<Tracker>()), previous_(current_tracker()) {
   tracker_->set_parent(previous_);
   t_current = tracker_;
 }
-Scope::~Scope() { t_current = previous_; }
+// Out of order (a scope opened inside this one is still open) or on another thread, the thread's
+// current scope stays; its allocations skip this closed one from then on. Restoring `previous_`
+// then had left the thread on a tracker nobody read, its limit no longer applied (a scope
+// opened inside a rank's, ended after the rank's).
+Scope::~Scope() {
+  tracker_->close();
+  if (t_current == tracker_) t_current = Tracker::open(previous_);
+}
 Stats Scope::stats() const { return tracker_->stats(); }
 
 }  // namespace ruda::memory

@@ -1,5 +1,6 @@
 // Memory accounting: live and peak bytes, per process and per thread scope.
 #include <limits>
+#include <memory>
 #include <thread>
 
 #include "helpers.h"
@@ -185,6 +186,26 @@ TEST_CASE("a scope opened inside a rank's counts toward the rank: its figures an
   CHECK(rank.stats().live_bytes == 900'000);
   outlives = Tensor();
   CHECK(rank.stats().live_bytes == 800'000);
+}
+
+TEST_CASE("a scope ended out of order or on another thread: the thread goes on in the nearest open scope") {
+  // Ending restored the scope's own predecessor: the thread was left on a tracker that had ended
+  // (an outer scope ended before an inner one), or on one another thread had ended, and its
+  // allocations were read from, and limited by, a tracker nobody else saw (found by a probe).
+  memory::Scope outer;
+  const Tensor before = zeros({500});  // the outer scope's own: 2000 bytes only it counts
+  auto first = std::make_unique<memory::Scope>();
+  auto inner = std::make_unique<memory::Scope>();
+  first.reset();  // out of order
+  inner.reset();
+  const Tensor t = zeros({1000});
+  CHECK(outer.stats().live_bytes == 6000);
+  CHECK(memory::stats().live_bytes == outer.stats().live_bytes);  // the thread's scope is outer
+  auto elsewhere = std::make_unique<memory::Scope>();
+  std::thread([&] { elsewhere.reset(); }).join();  // ended on another thread
+  const Tensor u = zeros({1000});
+  CHECK(outer.stats().live_bytes == 10000);
+  CHECK(memory::stats().live_bytes == outer.stats().live_bytes);
 }
 
 TEST_CASE("a 16-bit product's f32 working copies count toward the rank and its limit, on every path that makes them") {

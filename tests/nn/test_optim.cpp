@@ -865,6 +865,32 @@ TEST_CASE("GradScaler: a rank out of memory while unscaling: every rank raises, 
   });
 }
 
+TEST_CASE("GradScaler: an iteration abandoned after unscale_() is not stepped on by the next one's step()") {
+  // The scaler remembered the optimizer as unscaled: the next iteration's step() skipped its
+  // unscale, and stepped on gradients 65536x their size (found by a lifetime probe; 1024x there).
+  auto train = [](bool abandon) {
+    nn::manual_seed(3);
+    nn::MLP mlp(8, 16);
+    nn::SGD opt(mlp.parameters(), {.lr = 0.1});
+    nn::GradScaler scaler;
+    if (abandon) {
+      scaler.scale(scaler_loss(mlp, 0, 4, 0.25)).backward();
+      scaler.unscale_(opt);  // ... then the iteration throws (a check on the gradients, say)
+      opt.zero_grad();
+      scaler.scale(scaler_loss(mlp, 0, 4, 0.25)).backward();
+      test::check_throws<ArgumentError>([&] { (void)scaler.step(opt); },
+                                        {"GradScaler::step", "a backward ran after unscale_()", "update()"});
+      scaler.update();  // ends the abandoned iteration
+    }
+    opt.zero_grad();
+    scaler.scale(scaler_loss(mlp, 0, 4, 0.25)).backward();
+    CHECK(scaler.step(opt));
+    scaler.update();
+    return values_of(mlp);
+  };
+  CHECK(train(true) == train(false));  // one clean step from the same weights, bit for bit
+}
+
 TEST_CASE("GradScaler: calls out of order, f16 gradients and bad options are refused; disabled passes through") {
   nn::manual_seed(1);
   nn::MLP mlp(4, 8);

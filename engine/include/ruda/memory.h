@@ -62,6 +62,9 @@ void release_cached();
 /// While alive, allocations on this thread are charged to a fresh tracker, to the trackers of
 /// the scopes it is nested in, and to the process's. stats() reads this scope's own; a scope
 /// opened inside a rank's (to measure a section) still counts toward the rank's figures and limit.
+/// Scopes end in the reverse order of their making, on their thread, as locks do; one that ends
+/// out of order or on another thread is skipped from then on (the thread goes on in the nearest
+/// open scope around it).
 class Scope {
  public:
   Scope();

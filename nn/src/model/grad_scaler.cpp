@@ -54,13 +54,14 @@ Tensor GradScaler::scale(const Tensor& loss) const {
 }
 
 GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* comm, const char* op) {
-  const auto [it, fresh] = seen_.try_emplace(&optimizer, Seen{Stage::unscaled, false});
+  const auto [it, fresh] = seen_.try_emplace(&optimizer, Seen{Stage::unscaled, false, autograd::backward_serial(), {}});
   if (!fresh) {
     fail<ArgumentError>(op, it->second.stage == Stage::stepped ? "step()" : "unscale_()",
                         " already ran for this optimizer since the last update(): its gradients were unscaled "
                         "once; call update() after each iteration's step()s");
   }
   const std::vector<Param>& params = optimizer.params();
+  for (const Param& p : params) it->second.params.push_back(p.defined() ? p.id() : ParamId{});
   std::vector<Communicator*> comms;  // the ranks agree over each, in the order first named
   try {
     if (std::none_of(params.begin(), params.end(), [](const Param& p) { return p.grad().defined(); })) {
@@ -134,6 +135,21 @@ bool GradScaler::step(Optimizer& optimizer, Communicator* comm) {
     return true;
   }
   const auto found = seen_.find(&optimizer);
+  if (found != seen_.end() && found->second.stage == Stage::unscaled) {
+    const std::vector<Param>& params = optimizer.params();
+    const bool same_params =
+        params.size() == found->second.params.size() &&
+        std::equal(params.begin(), params.end(), found->second.params.begin(),
+                   [](const Param& p, ParamId id) { return (p.defined() ? p.id() : ParamId{}) == id; });
+    if (!same_params || found->second.backward != autograd::backward_serial()) {
+      fail<ArgumentError>(op,
+                          same_params ? "a backward ran after unscale_() for this optimizer"
+                                      : "this optimizer holds other parameters than at its unscale_()",
+                          ": its gradients may be partly scaled. unscale_() comes after the iteration's last "
+                          "backward; an iteration abandoned after unscale_() (an exception, say) ends with "
+                          "update(), then zero the gradients and run backward again");
+    }
+  }
   Seen* seen = found == seen_.end() ? &unscale_once(optimizer, comm, op) : &found->second;
   if (seen->stage == Stage::stepped) {
     fail<ArgumentError>(op,

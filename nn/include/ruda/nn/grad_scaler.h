@@ -64,7 +64,12 @@ class GradScaler {
   void unscale_(Optimizer& optimizer, Communicator* comm = nullptr);
   /// unscale_ unless it ran, then optimizer.step() unless a gradient was inf or NaN. Returns
   /// whether it stepped. Once per optimizer between update()s. An ArgumentError, as PyTorch's, where
-  /// no parameter of the optimizer has a gradient (no backward ran on the scaled loss).
+  /// no parameter of the optimizer has a gradient (no backward ran on the scaled loss), and where a
+  /// backward ran on this thread after this optimizer's unscale_() or it holds other parameters
+  /// than then (an iteration abandoned after unscale_, by an exception, say: its unscaled gradients
+  /// plus the next backward's scaled ones were stepped on as if unscaled, 1024x the update at the
+  /// default scale). unscale_() comes after the iteration's last backward, as PyTorch requires;
+  /// end an abandoned iteration with update().
   bool step(Optimizer& optimizer, Communicator* comm = nullptr);
   /// After the iteration's step()s: halves the scale (backoff_factor) if any of them found an
   /// inf or NaN, else counts a clean step and grows it after growth_interval of them (kept if the
@@ -93,6 +98,8 @@ class GradScaler {
   struct Seen {
     Stage stage;
     bool found_inf;
+    std::uint64_t backward = 0;   // autograd::backward_serial() at unscale_
+    std::vector<ParamId> params;  // the optimizer's then
   };
   Seen& unscale_once(Optimizer& optimizer, Communicator* comm, const char* op);
 
