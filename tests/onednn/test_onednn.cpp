@@ -486,10 +486,11 @@ TEST_CASE("eltwise forward and backward agree with Eigen") {
         const std::int64_t backward_runs =
             executions_of([&] { dnnl().unary_backward(op, x.view(), ye.view(), gy.view(), gd.view()); });
         // (abs: oneDNN's passes the gradient at NaN, where it is 0; softplus: oneDNN's has no
-        // threshold, where PyTorch's gradient is exactly 1 past 20.)
+        // threshold, where PyTorch's gradient is exactly 1 past 20; gelu_tanh: oneDNN's is NaN
+        // from |x| ~1e15.)
         const bool has_backward = op != UnaryOp::neg && op != UnaryOp::rsqrt && op != UnaryOp::reciprocal &&
                                   op != UnaryOp::relu && op != UnaryOp::erf && op != UnaryOp::abs &&
-                                  op != UnaryOp::softplus;
+                                  op != UnaryOp::softplus && op != UnaryOp::gelu_tanh;
         check_routed(backward_runs, std::string(op_name(op)) + " backward", dtype);
         if (native_dtype && onednn::all_kernels()) CHECK(backward_runs == (has_backward ? 1 : 0));
         // Derivatives through y = f(x) rounded to bf16 amplify its rounding (e.g. sqrt: 0.5 / y).
