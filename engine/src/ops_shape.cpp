@@ -128,6 +128,15 @@ Tensor make_view(const char* op, const Tensor& x, const Shape& shape, const std:
   return out;
 }
 
+// A view op that changes nothing (reshape or view to the same shape, the identity permutation, a
+// full slice, expand to the same shape, squeezing or transposing a scalar's own axis) still
+// makes a new view, as PyTorch's do: x itself came back, so set_requires_grad(false) or
+// zero_grad() on the "view" acted on x, and its grad() was x's.
+Tensor unchanged_view(const char* op, const Tensor& x) {
+  const Shape strides = x.strides();
+  return make_view(op, x, x.shape(), strides.data(), 0, [](const Tensor& g) { return g; });
+}
+
 // The view of x with a new shape (reshape, view); `strides` from view_strides.
 Tensor reshaped_view(const char* op, const Tensor& x, const Shape& shape, const std::int64_t* strides) {
   return make_view(op, x, shape, strides, 0, [from = x.shape()](const Tensor& g) { return reshape(g, from); });
@@ -138,7 +147,7 @@ Tensor reshaped_view(const char* op, const Tensor& x, const Shape& shape, const 
 Tensor reshape(const Tensor& x, Shape shape) {
   detail::require_defined("reshape", x);
   shape = checked_target("reshape", x, std::move(shape));
-  if (shape == x.shape()) return x;
+  if (shape == x.shape()) return unchanged_view("reshape", x);
   std::int64_t strides[kMaxDims];
   const auto& impl = *detail::impl_of(x);
   if (view_strides(impl.shape, impl.strides.data(), shape, strides)) return reshaped_view("reshape", x, shape, strides);
@@ -151,7 +160,7 @@ Tensor reshape(const Tensor& x, Shape shape) {
 Tensor view(const Tensor& x, Shape shape) {
   detail::require_defined("view", x);
   shape = checked_target("view", x, std::move(shape));
-  if (shape == x.shape()) return x;
+  if (shape == x.shape()) return unchanged_view("view", x);
   std::int64_t strides[kMaxDims];
   const auto& impl = *detail::impl_of(x);
   if (!view_strides(impl.shape, impl.strides.data(), shape, strides)) {
@@ -192,7 +201,7 @@ bool scalar_axis(const Tensor& x, std::int64_t axis) { return x.ndim() == 0 && (
 
 Tensor squeeze(const Tensor& x, std::int64_t axis) {
   detail::require_defined("squeeze", x);
-  if (scalar_axis(x, axis)) return x;
+  if (scalar_axis(x, axis)) return unchanged_view("squeeze", x);
   const int a = normalize_axis(axis, x.ndim(), "squeeze");
   if (x.shape()[a] != 1) fail<ShapeError>("squeeze", "axis ", axis, " of ", x.shape(), " is not of extent 1");
   Shape shape = x.shape();
@@ -246,7 +255,7 @@ Tensor permute(const Tensor& x, const Axes& order) {
   }
   bool identity = true;
   for (std::size_t i = 0; i < axes.size(); ++i) identity = identity && axes[i] == static_cast<int>(i);
-  if (identity) return x;
+  if (identity) return unchanged_view("permute", x);
 
   const auto& impl = *detail::impl_of(x);
   Shape shape(order.size());
@@ -262,7 +271,7 @@ Tensor permute(const Tensor& x, const Axes& order) {
 
 Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1) {
   detail::require_defined("transpose", x);
-  if (scalar_axis(x, axis0) && scalar_axis(x, axis1)) return x;
+  if (scalar_axis(x, axis0) && scalar_axis(x, axis1)) return unchanged_view("transpose", x);
   const int a = normalize_axis(axis0, x.ndim(), "transpose");
   const int b = normalize_axis(axis1, x.ndim(), "transpose");
   Axes order(static_cast<std::size_t>(x.ndim()));
@@ -274,7 +283,7 @@ Tensor transpose(const Tensor& x, std::int64_t axis0, std::int64_t axis1) {
 Tensor slice(const Tensor& x, std::int64_t axis, std::int64_t start, std::int64_t end) {
   detail::require_defined("slice", x);
   const Bounds b = slice_bounds("slice", x, axis, start, end);
-  if (b.start == 0 && b.end == x.shape()[b.axis]) return x;
+  if (b.start == 0 && b.end == x.shape()[b.axis]) return unchanged_view("slice", x);
   Shape shape = x.shape();
   shape[b.axis] = b.end - b.start;
   const auto& impl = *detail::impl_of(x);
@@ -385,7 +394,7 @@ Tensor stack(const std::vector<Tensor>& tensors, std::int64_t axis) {
 
 Tensor expand(const Tensor& x, const Shape& shape) {
   detail::require_defined("expand", x);
-  if (x.shape() == shape) return x;
+  if (x.shape() == shape) return unchanged_view("expand", x);
   if (shape.size() < x.shape().size() || broadcast_shapes(x.shape(), shape, "expand") != shape) {
     fail<ShapeError>("expand", "cannot expand ", x.shape(), " to ", shape);
   }

@@ -421,6 +421,51 @@ TEST_CASE("view ops share storage, and writes through a view reach the base") {
   CHECK(sum(x).item() == 0);
 }
 
+TEST_CASE("a view op that changes nothing still makes a new view, as PyTorch's: not a leaf, its own handle") {
+  // x itself came back: set_requires_grad(false) or zero_grad() on the "view" acted on x.
+  Tensor x = ones({2, 3}).set_requires_grad();
+  const std::vector<std::pair<const char*, std::function<Tensor(const Tensor&)>>> ops = {
+      {"reshape",
+       [](const Tensor& t) {
+         return t.reshape({2, 3});
+       }},
+      {"view",
+       [](const Tensor& t) {
+         return t.view({2, 3});
+       }},
+      {"permute",
+       [](const Tensor& t) {
+         return t.permute({0, 1});
+       }},
+      {"transpose", [](const Tensor& t) { return t.transpose(1, 1); }},
+      {"slice", [](const Tensor& t) { return t.slice(1, 0, 3); }},
+      {"expand",
+       [](const Tensor& t) {
+         return t.expand({2, 3});
+       }},
+  };
+  for (const auto& [name, op] : ops) {
+    CAPTURE(name);
+    x.zero_grad();
+    Tensor v = op(x);
+    CHECK_FALSE(v.is_same(x));
+    CHECK_FALSE(v.is_leaf());
+    CHECK(v.data_ptr() == x.data_ptr());  // a view of the same storage
+    sum(v * 2.0).backward();
+    CHECK(x.grad().to_vector<double>() == std::vector<double>(6, 2.0));
+    CHECK_FALSE(v.grad().defined());  // a non-leaf's, as PyTorch's None
+    // Without grad: still a view of its own.
+    Tensor plain = ones({2, 3});
+    Tensor w = op(plain);
+    CHECK_FALSE(w.is_same(plain));
+    w.set_requires_grad(true);
+    CHECK_FALSE(plain.requires_grad());
+  }
+  const Tensor s = scalar(2.0).set_requires_grad();
+  CHECK_FALSE(s.squeeze(0).is_same(s));
+  CHECK_FALSE(s.transpose(0, -1).is_same(s));
+}
+
 TEST_CASE("a saved tensor overwritten through a view is caught by backward") {
   Tensor x = arange(0, 6).reshape({2, 3});  // no grad: saved by mul for w's gradient
   Tensor w = ones({2, 3}).set_requires_grad(true);
