@@ -133,8 +133,7 @@ Tensor make_view(const char* op, const Tensor& x, const Shape& shape, const std:
 // makes a new view, as PyTorch's do: x itself came back, so set_requires_grad(false) or
 // zero_grad() on the "view" acted on x, and its grad() was x's.
 Tensor unchanged_view(const char* op, const Tensor& x) {
-  const Shape strides = x.strides();
-  return make_view(op, x, x.shape(), strides.data(), 0, [](const Tensor& g) { return g; });
+  return make_view(op, x, x.shape(), detail::impl_of(x)->strides.data(), 0, [](const Tensor& g) { return g; });
 }
 
 // The view of x with a new shape (reshape, view); `strides` from view_strides.

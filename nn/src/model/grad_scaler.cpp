@@ -53,15 +53,24 @@ Tensor GradScaler::scale(const Tensor& loss) const {
   return options_.enabled ? loss * scale_ : loss;
 }
 
+namespace {
+// The optimizer's parameters, by id (0 for an undefined one): what unscale_ saw, for step to check.
+std::vector<ParamId> ids_of(const Optimizer& optimizer) {
+  std::vector<ParamId> ids;
+  for (const Param& p : optimizer.params()) ids.push_back(p.defined() ? p.id() : ParamId{});
+  return ids;
+}
+}  // namespace
+
 GradScaler::Seen& GradScaler::unscale_once(Optimizer& optimizer, Communicator* comm, const char* op) {
-  const auto [it, fresh] = seen_.try_emplace(&optimizer, Seen{Stage::unscaled, false, autograd::backward_serial(), {}});
+  const auto [it, fresh] =
+      seen_.try_emplace(&optimizer, Seen{Stage::unscaled, false, autograd::backward_serial(), ids_of(optimizer)});
   if (!fresh) {
     fail<ArgumentError>(op, it->second.stage == Stage::stepped ? "step()" : "unscale_()",
                         " already ran for this optimizer since the last update(): its gradients were unscaled "
                         "once; call update() after each iteration's step()s");
   }
   const std::vector<Param>& params = optimizer.params();
-  for (const Param& p : params) it->second.params.push_back(p.defined() ? p.id() : ParamId{});
   std::vector<Communicator*> comms;  // the ranks agree over each, in the order first named
   try {
     if (std::none_of(params.begin(), params.end(), [](const Param& p) { return p.grad().defined(); })) {
@@ -136,11 +145,7 @@ bool GradScaler::step(Optimizer& optimizer, Communicator* comm) {
   }
   const auto found = seen_.find(&optimizer);
   if (found != seen_.end() && found->second.stage == Stage::unscaled) {
-    const std::vector<Param>& params = optimizer.params();
-    const bool same_params =
-        params.size() == found->second.params.size() &&
-        std::equal(params.begin(), params.end(), found->second.params.begin(),
-                   [](const Param& p, ParamId id) { return (p.defined() ? p.id() : ParamId{}) == id; });
+    const bool same_params = ids_of(optimizer) == found->second.params;
     if (!same_params || found->second.backward != autograd::backward_serial()) {
       fail<ArgumentError>(op,
                           same_params ? "a backward ran after unscale_() for this optimizer"
