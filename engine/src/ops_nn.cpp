@@ -58,8 +58,10 @@ Tensor embedding(const Tensor& table, const Tensor& indices) {
 
 namespace {
 // take_along_axis on the last axis of x viewed as [rows, cols], index [rows, picks] (its indices
-// checked by the caller).
-Tensor take_along_rows(const Tensor& x, const Tensor& index, const Shape& out_shape) {
+// checked by the caller). `caller_index` is the index as the caller passed it: saved too, so that
+// changing it in place before backward is caught under its own shape, not `index`'s (a transposed
+// view or a flat position made from it).
+Tensor take_along_rows(const Tensor& x, const Tensor& index, const Shape& out_shape, const Tensor& caller_index) {
   const std::int64_t cols = x.shape().back(), picks = index.shape().back();
   Tensor out = make_tensor(out_shape, x.dtype(), x.backend(), "take_along_axis");
   if (out.numel()) {
@@ -68,12 +70,13 @@ Tensor take_along_rows(const Tensor& x, const Tensor& index, const Shape& out_sh
                                 view_of(reshape(out, {-1, picks})));
   }
   if (is_floating(x.dtype()) && autograd::needs_grad(x)) {
-    autograd::record("take_along_axis", out, {x}, {detail::dense(index)},
+    autograd::record("take_along_axis", out, {x}, {caller_index, detail::dense(index)},
                      [shape = x.shape(), cols, picks](const Tensor& g, const Saved& s, GradMask) {
+                       (void)s[0].get();  // the version check, first
                        Tensor gx = zeros(shape, Options(g.dtype(), &g.backend()));
                        if (g.numel()) {
                          g.backend().put_add_along_rows(view_of(reshape(g, {-1, picks})),
-                                                        view_of(reshape(s[0].get(), {-1, picks})),
+                                                        view_of(reshape(s[1].get(), {-1, picks})),
                                                         view_of(reshape(gx, {-1, cols})));
                        }
                        return std::vector<Tensor>{gx};
@@ -95,7 +98,7 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
   }
   check_indices("take_along_axis", index, x.shape()[static_cast<std::size_t>(a)], x.shape());
   const int last = static_cast<int>(x.ndim()) - 1;
-  if (a == last) return take_along_rows(x, index, index.shape());
+  if (a == last) return take_along_rows(x, index, index.shape(), index);
   const auto& dims = x.shape();
   std::int64_t outer = 1, inner = 1;
   for (int i = 0; i < a; ++i) outer *= dims[static_cast<std::size_t>(i)];
@@ -109,7 +112,7 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
     // axis is one long row (4096 of [4096, 512] bf16: 30 ms against 20); the copies of x cost
     // about what the picks do.
     const Tensor moved = transpose(index, a, last);
-    return transpose(take_along_rows(transpose(x, a, last), moved, moved.shape()), a, last).contiguous();
+    return transpose(take_along_rows(transpose(x, a, last), moved, moved.shape(), index), a, last).contiguous();
   }
   // x as [outer, n * inner] rows and each index as the flat position it picks in its row,
   // index * inner + i: the last axis's take on those, its result already in the caller's layout.
@@ -118,7 +121,7 @@ Tensor take_along_axis(const Tensor& x, const Tensor& index, std::int64_t axis) 
   // reshape.
   Tensor flat = reshape(index, {outer, picks, inner});
   if (inner > 1) flat = flat * inner + arange(0, static_cast<double>(inner), 1, DType::i64).reshape({1, 1, inner});
-  return take_along_rows(reshape(x, {outer, n * inner}), reshape(flat, {outer, picks * inner}), index.shape());
+  return take_along_rows(reshape(x, {outer, n * inner}), reshape(flat, {outer, picks * inner}), index.shape(), index);
 }
 
 namespace {

@@ -30,6 +30,21 @@ Tensor binary_forward(BinaryOp op, const char* name, const Tensor& a, const Tens
   }
   const Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_shapes(a.shape(), b.shape(), name);
   detail::require_rank(name, shape);
+  if (a.dtype() == DType::i64 && (op == BinaryOp::div || op == BinaryOp::pow) && a.numel() && b.numel()) {
+    // An integer divided by 0, or to a negative power, has no i64 result (PyTorch refuses both).
+    // Checked here, where the caller's shapes are known, for the message; the Eigen kernel
+    // refuses them too, for callers of the backend interface, with only the broadcast views.
+    autograd::NoGradGuard guard;
+    if (op == BinaryOp::div) {
+      if (const double zeros = sum(eq(b, 0.0)).item(); zeros != 0) {
+        fail<ArgumentError>(name, "integer division by zero: i64 ", a.shape(), " / i64 ", b.shape(),
+                            ", the divisor holds ", zeros, zeros == 1 ? " zero" : " zeros");
+      }
+    } else if (const double lowest = min(b).item(); lowest < 0) {
+      fail<ArgumentError>(name, "an i64 tensor to a negative power (", lowest, ") is not an integer: i64 ", a.shape(),
+                          " ** i64 ", b.shape());
+    }
+  }
   Tensor out = make_tensor(shape, is_comparison(op) ? DType::boolean : a.dtype(), a.backend(), name);
   if (out.numel()) a.backend().binary(op, broadcast_view(a, shape), broadcast_view(b, shape), view_of(out));
   return out;

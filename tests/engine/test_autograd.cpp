@@ -674,6 +674,29 @@ TEST_CASE("a saved tensor modified in place stops backward with an error naming 
   CHECK_CLOSE(a.grad(), {4, 4}, {2});
 }
 
+// take_along_axis computes with a transposed view of its index or flat positions made from it,
+// depending on the axis and how many it picks: on every path, an index changed in place before
+// backward is caught under the shape the caller passed (the transposed view's shape was named,
+// and the flat positions' path did not check).
+TEST_CASE("take_along_axis catches its index changed in place, named by the caller's shape") {
+  struct Case {
+    Shape x, index;
+    std::int64_t axis;
+  };
+  for (const Case& c : {Case{{2, 3}, {1, 3}, 0},        // half the axis or more: moved last and back
+                        Case{{2, 5, 2}, {2, 1, 2}, 1},  // a few picks: flat positions
+                        Case{{4, 3}, {4, 2}, 1}}) {     // the last axis
+    const std::string index_shape = to_string(c.index);
+    CAPTURE(index_shape);
+    Tensor x = randn(c.x, 1).set_requires_grad();
+    Tensor index = zeros(c.index, DType::i64);
+    const Tensor y = take_along_axis(x, index, c.axis);
+    index.fill_(1);
+    test::check_throws<AutogradError>([&] { sum(y).backward(); },
+                                      {"i64 " + index_shape, "saved by take_along_axis", "modified in place"});
+  }
+}
+
 TEST_CASE("clone and a move to another backend pass gradients through") {
   Tensor x = values({1, 2}, {2}).set_requires_grad();
   Backend& eigen = get_backend("eigen");

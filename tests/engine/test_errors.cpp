@@ -222,7 +222,7 @@ TEST_CASE("i64 arithmetic: numbers that would change value are refused, comparis
   check_throws<DTypeError>([&] { (void)(x * 1e30); }, {"mul", "i64"});
   check_throws<DTypeError>([&] { (void)(x * std::nan("")); }, {"mul", "nan", "i64"});
   check_throws<DTypeError>([&] { (void)pow(x, 0.5); }, {"pow", "0.5", "i64"});
-  check_throws<ArgumentError>([&] { (void)pow(x, -1.0); }, {"pow", "negative power", "-1"});
+  check_throws<ArgumentError>([&] { (void)pow(x, -1.0); }, {"pow", "negative power (-1)", "i64 [3]"});
   Tensor y = x.clone();
   check_throws<DTypeError>([&] { y.mul_(0.5); }, {"mul_", "0.5", "i64"});
   check_throws<DTypeError>([&] { y.add_(ones({3}, DType::i64), 0.5); }, {"add_", "0.5", "i64"});
@@ -275,7 +275,20 @@ TEST_CASE("i64 arithmetic: numbers that would change value are refused, comparis
   CHECK((lowest * -1.0).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMin, kMin});
   CHECK((from_vector<std::int64_t>({kMax}, {1}) + 1.0).to_vector<std::int64_t>()[0] == kMin);
   CHECK(sum(from_vector<std::int64_t>({kMax, 1, 1}, {3})).to_vector<std::int64_t>()[0] == kMin + 1);
-  check_throws<ArgumentError>([&] { (void)div(lowest, zeros({2}, DType::i64)); }, {"div", "division by zero"});
+  check_throws<ArgumentError>([&] { (void)div(lowest, zeros({2}, DType::i64)); },
+                              {"div", "division by zero", "i64 [2] / i64 [2]", "2 zeros"});
+  // The message names the caller's shapes, before broadcasting, and numbers.
+  check_throws<ArgumentError>(
+      [&] {
+        (void)div(zeros({2, 3}, DType::i64), from_vector<std::int64_t>({4, 0, 5}, {3}));
+      },
+      {"div", "division by zero", "i64 [2, 3] / i64 [3]", "1 zero"});
+  check_throws<ArgumentError>([&] { (void)(lowest / 0.0); }, {"div", "division by zero", "i64 [2] / i64 []"});
+  check_throws<ArgumentError>(
+      [&] {
+        (void)pow(full({2, 1}, 3, DType::i64), from_vector<std::int64_t>({2, -3}, {2}));
+      },
+      {"pow", "negative power (-3)", "i64 [2, 1] ** i64 [2]"});
   // Floats too large for i64 saturate and NaN becomes 0, where static_cast was undefined.
   const Tensor wide = from_vector<double>({1e30, -1e30, std::nan(""), -7.9}, {4});
   CHECK(cast(wide, DType::i64).to_vector<std::int64_t>() == std::vector<std::int64_t>{kMax, kMin, 0, -7});
