@@ -232,7 +232,7 @@ int main(int argc, char** argv) {
                  "the time a ring over it would (default: RUDA_EMULATE_LINK, else none)")
       ->check(non_empty())
       ->needs(emulate);
-  add_whole(app, "--log-every", cfg.log_every, "A progress line every N steps when not on a terminal")
+  add_whole(app, "--log-every", cfg.log_every, "A progress line every N steps when not on a terminal (0: none)")
       ->check(at_least(0));
   app.add_flag("--check-collectives", cfg.check_collectives,
                "Check that every rank calls the same collectives (debug; also RUDA_CHECK_COLLECTIVES=1)");
