@@ -1271,6 +1271,11 @@ TEST_CASE("bad checkpoints raise IOError naming the problem") {
         {"lies inside the step directory"});
     test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / "step-00000008").string()); },
                                 {"named like a step"});
+    // The save lock too (ruda-train --metrics took it): an atomic write would replace the file
+    // two saves lock.
+    CHECK(nn::checkpoint_member((dir.path / ".ruda-save.lock").string()).find("save lock") != std::string::npos);
+    test::check_throws<IOError>([&] { nn::consolidate_checkpoint(dir.str(), (dir.path / ".ruda-save.lock").string()); },
+                                {"is the save lock of the checkpoint directory"});
     // Beside no steps, such a name is any file's.
     TempDir elsewhere;
     nn::consolidate_checkpoint(dir.str(), (elsewhere.path / "step-00000008").string());

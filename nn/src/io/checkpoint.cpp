@@ -130,6 +130,8 @@ void create_directories(const fs::path& dir) {
   fail(dir.string(), "cannot create the directory: " + ec.message());
 }
 
+constexpr const char* kSaveLockName = ".ruda-save.lock";
+
 // One save at a time into a checkpoint directory: an exclusive flock on its .ruda-save.lock,
 // held from preparing the step to publishing it. Two processes saving into one directory at once
 // removed each other's temporaries and rank files and overwrote each other's, and published
@@ -142,7 +144,7 @@ class SaveLock {
  public:
   explicit SaveLock(const fs::path& dir) {
     nn::create_directories(dir);
-    const fs::path file = dir / ".ruda-save.lock";
+    const fs::path file = dir / kSaveLockName;
     // Read-only: flock needs no write access, so another user's lock file in a shared directory
     // locks as well; created 0666 less the umask, as ruda's other files, only where it is missing
     // (opening without O_CREAT first: a sticky directory may refuse O_CREAT on another's file).
@@ -448,6 +450,9 @@ std::string checkpoint_member(const std::string& path) {
   // Deeper inside a step (step-4/export/model.safetensors): pruning step 4 removed it with the step.
   if (const fs::path step = enclosing_step(parent.parent_path()); !step.empty())
     return "lies inside the step directory " + step.string() + " of a checkpoint";
+  // The save lock (SaveLock): ruda-train's --metrics took it, and a resumed run rewrites its metrics
+  // beside the file and renames them over it, after which two saves would lock different files.
+  if (p.filename() == kSaveLockName) return "is the save lock of the checkpoint directory " + parent.string();
   // The latest pointer, or a file named like a step, of a directory that holds steps: the next
   // save of that step found a file where its directory goes and failed, after the training.
   const bool pointer = p.filename() == "latest", step_named = is_step_name(p.filename().string());
