@@ -736,7 +736,7 @@ int run(const Config& cfg, Communicator& comm) {
       }
     }
     if (raise_at.signal != 0 && raise_at.step == step + 1 && comm.rank() + 1 == comm.world_size()) {
-      ::raise(raise_at.signal);
+      send_for_test(raise_at.signal);
     }
     double norm = -1;
     if (cfg.clip > 0) {
@@ -867,7 +867,7 @@ int run(const Config& cfg, Communicator& comm) {
   }
   // Past the steps a signal acts as before: at once (one that came after the last step's check is
   // raised again here).
-  if (raise_at.signal != 0 && raise_at.step < 0 && comm.rank() + 1 == comm.world_size()) ::raise(raise_at.signal);
+  if (raise_at.signal != 0 && raise_at.step < 0 && comm.rank() + 1 == comm.world_size()) send_for_test(raise_at.signal);
   stop_signals.reset();
   if (!cfg.checkpoint_dir.empty() && total > start_step &&
       (cfg.checkpoint_every <= 0 || total % cfg.checkpoint_every != 0)) {

@@ -137,6 +137,8 @@ std::string launch_difference(const std::vector<std::string>& fingerprints) {
 #endif
 
 int main(int argc, char** argv) {
+  // Before any thread exists: SIGINT, SIGTERM and SIGUSR1 go to a thread of their own (stop.h).
+  ruda::train::watch_stop_signals();
   Config cfg;
   // A file-size limit (ulimit -f) then fails a write with EFBIG, reported and cleaned up like a full
   // disk (one error line, no temporary file left), instead of SIGXFSZ ending the process mid-write.
