@@ -105,8 +105,11 @@ void StopSignals::acknowledge() { g_received.store(0, std::memory_order_relaxed)
 
 void send_for_test(int signal) {
   // To the process, as one from outside comes (raise() would direct it at this thread, where it
-  // is blocked), and recorded before this returns, as a handler would have had it.
+  // is blocked), and recorded before this returns, as a handler would have had it; one the process
+  // ignores is discarded at once.
   ::kill(::getpid(), signal);
+  struct sigaction current {};
+  if (sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) return;
   for (int waited = 0; StopSignals::received() == 0 && waited < 10000; ++waited) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
