@@ -2,6 +2,8 @@
 // control, the fallback log and the introspection functions of onednn.h.
 #include "context.h"
 
+#include <pthread.h>
+#include <signal.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -185,6 +187,7 @@ std::shared_ptr<Primitive> make_primitive(const dnnl::primitive_desc& pd, const 
   require_jit_headroom();
   auto p = std::make_shared<Primitive>();
   p->primitive = dnnl::primitive(pd);
+  p->defers_signals = std::strncmp(impl, "gemm:jit", 8) == 0;
   for (int id : arg_ids) p->args.emplace_back(id, pd.query_md(dnnl::query::exec_arg_md, id));
   p->scratchpad = pd.scratchpad_desc();
   Cache& c = cache();
@@ -307,6 +310,58 @@ Binding& binding_for(const Primitive* p) {
   return slots[(h >> 6 ^ h >> 13) % kSlots];
 }
 
+// The asynchronous signals: all but those a fault raises on the thread that caused it (blocked,
+// they would end the process rather than wait) and the two no thread can block.
+const sigset_t& asynchronous_signals() {
+  static const sigset_t set = [] {
+    sigset_t s;
+    sigfillset(&s);
+    for (const int fault : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS, SIGABRT, SIGKILL, SIGSTOP}) {
+      sigdelset(&s, fault);
+    }
+    return s;
+  }();
+  return set;
+}
+
+// oneDNN 2.6's f32 gemm:jit kernels point the stack pointer at a heap workspace (on AVX-512 when
+// K > 84; oneDNN issue 4845, fixed in 3.11), so a signal handled on a thread running one wrote
+// the handler's frame over the heap: the next free() aborted ("munmap_chunk(): invalid pointer";
+// ruda-train stopped by SIGTERM did, 3 runs in ~45), or a saved tensor read garbage. While a
+// shield lives the calling thread defers asynchronous signals (a handler runs when it ends, after
+// the product), and the OpenMP workers that run parts of the product never take them: blocked for
+// good, once per team size of each calling thread (the process's other threads, or the caller
+// between products, take process-directed signals; a signal sent to a worker itself waits).
+class SignalShield {
+ public:
+  SignalShield(bool active, [[maybe_unused]] int threads) : active_(active && !t_blocked_for_good) {
+    if (!active_) return;
+    pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), &previous_);
+#ifdef RUDA_HAVE_OPENMP
+    thread_local int shielded_team = 1;
+    if (threads > shielded_team && !omp_in_parallel()) {
+#pragma omp parallel num_threads(threads)
+      if (omp_get_thread_num() != 0) {
+        pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), nullptr);
+        t_blocked_for_good = true;  // (its products then skip the two system calls, ~0.4 us)
+      }
+      shielded_team = threads;
+    }
+#endif
+  }
+  ~SignalShield() {
+    if (active_) pthread_sigmask(SIG_SETMASK, &previous_, nullptr);
+  }
+  SignalShield(const SignalShield&) = delete;
+  SignalShield& operator=(const SignalShield&) = delete;
+
+ private:
+  static thread_local bool t_blocked_for_good;
+  bool active_;
+  sigset_t previous_{};
+};
+thread_local bool SignalShield::t_blocked_for_good = false;
+
 }  // namespace
 
 void execute(const std::shared_ptr<const Primitive>& p, std::initializer_list<Arg> args) {
@@ -315,6 +370,7 @@ void execute(const std::shared_ptr<const Primitive>& p, std::initializer_list<Ar
   if (!binding.bound_to(p.get())) binding.bind(p, args);
   binding.point(args, stream.get(), p->scratchpad.get_size());
   {
+    const SignalShield shield(p->defers_signals, p->threads);
     ThreadScope scope(p->threads);
     check(dnnl_primitive_execute(p->primitive.get(), stream.get(), binding.count(), binding.args()),
           "primitive execution");

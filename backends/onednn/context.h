@@ -56,6 +56,7 @@ struct Primitive {
   std::vector<std::pair<int, dnnl::memory::desc>> args;  // execution argument index -> descriptor
   dnnl::memory::desc scratchpad;                         // empty when none is needed
   int threads = 1;                                       // the OpenMP team it was built and runs with
+  bool defers_signals = false;                           // a gemm:jit kernel (context.cpp, SignalShield)
   std::string refusal;                                   // non-empty: oneDNN cannot run it
   mutable std::atomic<bool> recently_used{true};         // for the cache's eviction sweep
 

@@ -1,8 +1,12 @@
 // The oneDNN backend against the Eigen backend: every kernel it runs on oneDNN gives Eigen's
 // results within dtype tolerance, runs as a oneDNN primitive where it should (counted), falls
 // back visibly where it cannot, builds no primitive again once warm, and is safe from threads.
+#include <pthread.h>
+#include <signal.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -250,6 +254,48 @@ TEST_CASE("f32 2-D products reading B as stored run on oneDNN's gemm path, fused
     listed += i.built;
   }
   CHECK(listed == onednn::stats().primitives_created);
+}
+
+namespace {
+std::atomic<long> g_handled{0};
+extern "C" void count_signal(int) { g_handled.fetch_add(1, std::memory_order_relaxed); }
+}  // namespace
+
+// oneDNN 2.6's f32 gemm:jit kernel points its stack pointer at a heap workspace when K > 84
+// (oneDNN issue 4845, fixed in 3.11): a signal handled on a thread inside it wrote the handler's
+// frame over the heap, and the next free() aborted ("munmap_chunk(): invalid pointer"; ruda-train
+// stopped by SIGTERM did, 3 runs in ~45). The backend blocks asynchronous signals on the threads
+// that run oneDNN's kernels while they do (context.cpp): a handler still runs, after the product.
+// Here a thread signals the computing thread every 20 us for 1.5 s of products with K = 256 (in
+// a scratch run, such a storm aborted the old code within a few hundred products).
+TEST_CASE("a signal handled while f32 products run leaves memory and results intact") {
+  struct sigaction action {
+  }, previous{};
+  action.sa_handler = count_signal;
+  sigemptyset(&action.sa_mask);
+  REQUIRE(sigaction(SIGUSR2, &action, &previous) == 0);
+  const Tensor a = gaussian({64, 256}, 41).to(dnnl()), b = gaussian({256, 96}, 42).to(dnnl());
+  const std::vector<float> want = matmul(a, b).to_vector<float>();
+  const pthread_t computing = pthread_self();
+  std::atomic<bool> done{false};
+  std::thread storm([&] {
+    while (!done.load()) {
+      pthread_kill(computing, SIGUSR2);
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  });
+  long products = 0, wrong = 0;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  while (std::chrono::steady_clock::now() < end) {
+    wrong += matmul(a, b).to_vector<float>() != want;
+    ++products;
+  }
+  done.store(true);
+  storm.join();
+  sigaction(SIGUSR2, &previous, nullptr);
+  CHECK(wrong == 0);
+  CHECK(products > 100);
+  CHECK(g_handled.load() > 0);  // the signals were handled, between the products
 }
 
 TEST_CASE("matrix-vector products run on oneDNN's gemm path, f32 and bf16, with B as stored or transposed") {
