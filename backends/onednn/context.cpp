@@ -343,7 +343,7 @@ class SignalShield {
 #pragma omp parallel num_threads(threads)
       if (omp_get_thread_num() != 0) {
         pthread_sigmask(SIG_BLOCK, &asynchronous_signals(), nullptr);
-        t_blocked_for_good = true;  // (its products then skip the two system calls, ~0.4 us)
+        t_blocked_for_good = true;  // (its products then skip the two system calls)
       }
       shielded_team = threads;
     }

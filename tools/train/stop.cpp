@@ -28,6 +28,11 @@ int g_holders = 0;       // StopSignals alive
 bool g_seen = false;     // a signal came while they were: the next one ends the process
 bool g_watched = false;  // watch_stop_signals ran
 
+bool ignored(int signal) {
+  struct sigaction current {};
+  return sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN;
+}
+
 // The signals to take: those the process does not ignore. (Linux keeps an ignored signal pending
 // while it is blocked, where sigwait would take it: a shell's background job, which ignores
 // SIGINT, would have stopped at a Ctrl-C meant for the foreground.)
@@ -35,9 +40,7 @@ sigset_t stop_set() {
   sigset_t set;
   sigemptyset(&set);
   for (const int s : kSignals) {
-    struct sigaction current {};
-    if (sigaction(s, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) continue;
-    sigaddset(&set, s);
+    if (!ignored(s)) sigaddset(&set, s);
   }
   return set;
 }
@@ -108,8 +111,7 @@ void send_for_test(int signal) {
   // is blocked), and recorded before this returns, as a handler would have had it; one the process
   // ignores is discarded at once.
   ::kill(::getpid(), signal);
-  struct sigaction current {};
-  if (sigaction(signal, nullptr, &current) == 0 && current.sa_handler == SIG_IGN) return;
+  if (ignored(signal)) return;
   for (int waited = 0; StopSignals::received() == 0 && waited < 10000; ++waited) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }

@@ -100,8 +100,9 @@ std::string resolve_checkpoint(const std::string& path);
 /// What part of a checkpoint `path` would replace, as a phrase ("lies inside the step directory
 /// D", "is the latest pointer of the checkpoint directory D"), or "" when it is none: a file in a
 /// step directory (step-N, or any directory holding an index.json, which loads as a step), a
-/// `latest` beside step directories, or a directory's save lock (.ruda-save.lock). Writers of other files (consolidate,
-/// ruda-train's metrics) refuse such a path: writing it would damage a checkpoint.
+/// `latest` beside step directories, or a directory's save lock (.ruda-save.lock). Writers of
+/// other files (consolidate, ruda-train's metrics) refuse such a path: writing it would damage a
+/// checkpoint.
 std::string checkpoint_member(const std::string& path);
 /// Why `dir` cannot be a checkpoint directory, as a phrase ("is a checkpoint step (it holds an
 /// index.json), ...", "lies inside D, a checkpoint step"), or "" when it can: a step directory
